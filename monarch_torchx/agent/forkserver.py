@@ -1,0 +1,321 @@
+"""The agent's process launcher: a fork server that may hold pre-imported modules (torch).
+
+Every process a host runs is forked from here. A program is either exec'd (any entrypoint)
+or, when the entrypoint is this very interpreter, run in the forked child itself so that a
+role starting ``python train.py`` does not pay for ``import torch`` again. The child looks as
+if exec'd: its own session and process group, fresh stdio on the given fds, the requested env,
+cwd, argv and sys.path, default signal handlers, Python's exit-code rules.
+
+Runs as ``python -m monarch_torchx.agent.forkserver CTL_FD EVT_FD [preload ...]``; it talks to
+its agent over two inherited socketpairs (nothing listens), framed by ``wire``:
+    ctl (agent -> here):  1 byte carrying stdout/stderr fds (SCM_RIGHTS), then a spawn request
+    evt (here -> agent):  {"ready"}, {"token", "pid"} | {"token", "error"}, {"exit": pid, "code"}
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import shutil
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+PR_SET_PDEATHSIG = 1
+
+# env vars read while an interpreter initializes: a child asking for different values than
+# the fork server started with cannot be served from it, so it is exec'd instead.
+INIT_ENV = (
+    "PYTHONHOME", "PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONDEVMODE", "PYTHONOPTIMIZE",
+    "PYTHONWARNINGS", "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONSAFEPATH", "PYTHONNOUSERSITE",
+    "PYTHONPLATLIBDIR", "LD_PRELOAD", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+)
+
+
+@dataclass
+class PyInvocation:
+    """What ``python [-u] [-B] (-c CODE | -m MOD | SCRIPT) ARGS`` asks for."""
+
+    kind: str  # "c" | "m" | "script"
+    target: str
+    args: List[str]
+    unbuffered: bool = False
+    no_bytecode: bool = False
+
+
+def parse_python_argv(args: Sequence[str]) -> Optional[PyInvocation]:
+    """Parses interpreter flags we can honour in a forked child; None means "exec it"."""
+    unbuffered = no_bytecode = False
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "-u":
+            unbuffered = True
+        elif a == "-B":
+            no_bytecode = True
+        elif a in ("-c", "-m"):
+            if i + 1 >= len(args):
+                return None
+            return PyInvocation(a[1], args[i + 1], list(args[i + 2:]), unbuffered, no_bytecode)
+        elif a.startswith("-"):
+            return None  # -i, -E, -X ..., combined flags, stdin: let the real interpreter do it
+        else:
+            return PyInvocation("script", a, list(args[i + 1:]), unbuffered, no_bytecode)
+        i += 1
+    return None
+
+
+def set_pdeathsig(sig: int) -> None:
+    """Ask the kernel to signal us when our parent dies (so nothing outlives a SIGKILLed agent)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+# ---------------------------------------------------------------- in the child
+
+
+def _std_streams(unbuffered: bool) -> None:
+    import io
+
+    def writer(fd: int, line: bool) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, "w", closefd=False)
+        buf = raw if unbuffered else io.BufferedWriter(raw)
+        return io.TextIOWrapper(buf, encoding="utf-8", errors="backslashreplace" if fd == 2 else "strict",
+                                line_buffering=line, write_through=unbuffered)
+
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8")
+    sys.stdout = sys.__stdout__ = writer(1, False)
+    sys.stderr = sys.__stderr__ = writer(2, True)
+
+
+def _sys_path(inv: PyInvocation, base: List[str], env: Dict[str, str]) -> List[str]:
+    if inv.kind == "script":
+        first = os.path.dirname(os.path.realpath(inv.target))
+    elif inv.kind == "m":
+        first = os.getcwd()
+    else:
+        first = ""
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return [first, *extra, *base]
+
+
+def run_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> int:
+    """Runs the invocation as ``__main__`` in this (forked) process; returns the exit code."""
+    import atexit
+    import runpy
+    import threading
+    import traceback
+    import types
+
+    os.environ.clear()
+    os.environ.update(env)
+    _std_streams(inv.unbuffered or bool(env.get("PYTHONUNBUFFERED")))
+    sys.dont_write_bytecode = inv.no_bytecode or bool(env.get("PYTHONDONTWRITEBYTECODE"))
+    sys.path[:] = _sys_path(inv, base_path, env)
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    code = 0
+    try:
+        if inv.kind == "c":
+            sys.argv = ["-c", *inv.args]
+            exec(compile(inv.target, "<string>", "exec"), main.__dict__)
+        elif inv.kind == "m":
+            sys.argv = ["-m", *inv.args]
+            runpy._run_module_as_main(inv.target, alter_argv=True)  # type: ignore[attr-defined]
+        else:
+            sys.argv = [inv.target, *inv.args]
+            runpy.run_path(inv.target, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # join non-daemon threads, as at exit
+    except Exception:
+        pass
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            code = code or 120
+    return code
+
+
+def _child(req: dict, fds: List[int], errw: int, keep_closed: List[int], base_path: List[str]) -> None:
+    try:
+        os.setsid()
+        set_pdeathsig(signal.SIGKILL)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for fd in {devnull, *fds, *keep_closed}:
+            if fd > 2:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
+        if req.get("cwd"):
+            os.chdir(req["cwd"])
+        if req["mode"] == "exec":
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.execve(req["exe"], req["argv"], req["env"])
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.close(errw)
+        errw = -1
+        inv = parse_python_argv(req["argv"][1:])
+        assert inv is not None
+        code = run_python(inv, req["env"], base_path)
+        if code < 0:
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code & 0xFF)
+    except BaseException as e:
+        if errw >= 0:
+            msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            target = getattr(e, "filename", None)
+            os.write(errw, (f"{msg}: {target!r}" if target else f"{type(e).__name__}: {msg}").encode())
+        os._exit(127)
+
+
+# ---------------------------------------------------------------- the server loop
+
+
+class ForkServer:
+    def __init__(self, ctl: socket.socket, evt: socket.socket, base_path: List[str]):
+        self.ctl = ctl
+        self.evt = evt
+        self.base_path = base_path
+        self.children: Dict[int, float] = {}
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+
+    def send(self, msg: dict) -> None:
+        from monarch_torchx.wire import send_msg
+
+        send_msg(self.evt, {"id": 0, **msg})
+
+    def spawn(self, req: dict, fds: List[int]) -> None:
+        token = req["token"]
+        if req["mode"] == "exec":
+            prog = req["argv"][0]
+            exe = prog if "/" in prog else shutil.which(prog, path=req["env"].get("PATH", os.defpath))
+            if exe is None:
+                for fd in fds:
+                    os.close(fd)
+                self.send({"token": token, "error": f"No such file or directory: {prog!r} (not found on PATH)"})
+                return
+            req["exe"] = exe
+        errr, errw = os.pipe2(os.O_CLOEXEC)
+        for s in (sys.stdout, sys.stderr):
+            s.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.close(errr)
+            _child(req, fds, errw, [self.ctl.fileno(), self.evt.fileno(), self.wake_r, self.wake_w], self.base_path)
+        os.close(errw)
+        for fd in fds:
+            os.close(fd)
+        err = b""
+        while True:
+            chunk = os.read(errr, 4096)
+            if not chunk:
+                break
+            err += chunk
+        os.close(errr)
+        if err:
+            os.waitpid(pid, 0)
+            self.send({"token": token, "error": err.decode(errors="replace")})
+        else:
+            self.children[pid] = time.time()
+            self.send({"token": token, "pid": pid})
+
+    def reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.children.pop(pid, None)
+            self.send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    def kill_all(self, *_: object) -> None:
+        for pid in list(self.children):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        os._exit(0)
+
+    def serve(self) -> None:
+        from monarch_torchx.wire import WireError, recv_msg
+
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        while True:
+            ready, _, _ = select.select([self.ctl, self.wake_r], [], [])
+            if self.wake_r in ready:
+                try:
+                    os.read(self.wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                self.reap()
+            if self.ctl in ready:
+                try:
+                    _, fds, _, _ = socket.recv_fds(self.ctl, 1, 4)
+                    if not fds:
+                        self.kill_all()  # agent closed the channel: take everything down with us
+                    req = recv_msg(self.ctl)
+                except (OSError, WireError, EOFError):
+                    self.kill_all()
+                self.spawn(req, list(fds))
+
+
+def main(argv: List[str]) -> None:
+    ctl = socket.socket(fileno=int(argv[0]))
+    evt = socket.socket(fileno=int(argv[1]))
+    preloads = [m for m in argv[2:] if m]
+    set_pdeathsig(signal.SIGTERM)
+    # our own sys.path entry (cwd for -m) and PYTHONPATH are recomputed per child
+    extra = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    base_path = [p for p in sys.path[1:] if p not in extra]
+    server = ForkServer(ctl, evt, base_path)
+    signal.signal(signal.SIGTERM, server.kill_all)
+    failed = {}
+    t0 = time.time()
+    for mod in preloads:
+        try:
+            __import__(mod)
+        except Exception as e:  # a missing preload costs warmth, not correctness
+            failed[mod] = f"{type(e).__name__}: {e}"
+    server.send({"ready": True, "preloaded": [m for m in preloads if m not in failed], "failed": failed,
+                 "seconds": round(time.time() - t0, 3)})
+    server.serve()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,152 @@
+"""Agent side of the fork servers: start them, ask them to spawn, hear about exits.
+
+Two fork servers run per agent: a *plain* one (no preloads, ready in milliseconds) and a *warm*
+one that imports the pool's preloads (default ``torch``). Python entrypoints go to the warm one
+once it is ready; everything else, and Python while it is still importing, goes to the plain one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from typing import Callable, Dict, List, Optional
+
+from .. import wire
+from .forkserver import INIT_ENV, parse_python_argv
+
+log = logging.getLogger(__name__)
+
+ExitCallback = Callable[[int, int], None]
+
+
+class SpawnError(OSError):
+    """The program could not be started (not found, not executable, bad cwd)."""
+
+
+class _Server:
+    def __init__(self, name: str, preloads: List[str], on_exit: ExitCallback, on_death: Callable[[str], None]):
+        self.name = name
+        self.preloads = preloads
+        self._on_exit = on_exit
+        self._on_death = on_death
+        self._pending: Dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count(1)
+        self.ready = asyncio.Event()
+        self.info: dict = {}
+        self.proc: Optional[subprocess.Popen] = None
+        self.pids: set = set()
+
+    async def start(self) -> None:
+        ctl_parent, ctl_child = socket.socketpair()
+        evt_parent, evt_child = socket.socketpair()
+        env = dict(os.environ)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "monarch_torchx.agent.forkserver", str(ctl_child.fileno()), str(evt_child.fileno()), *self.preloads],
+            pass_fds=(ctl_child.fileno(), evt_child.fileno()), env=env, stdin=subprocess.DEVNULL,
+        )
+        ctl_child.close()
+        evt_child.close()
+        self._ctl = ctl_parent
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=evt_parent, limit=1 << 20)
+        self._task = asyncio.create_task(self._events())
+
+    async def _events(self) -> None:
+        try:
+            while True:
+                msg = await wire.read_frame(self._reader)
+                if "exit" in msg:
+                    self.pids.discard(msg["exit"])
+                    self._on_exit(msg["exit"], msg["code"])
+                elif "token" in msg:
+                    fut = self._pending.pop(msg["token"], None)
+                    if fut and not fut.done():
+                        if "error" in msg:
+                            fut.set_exception(SpawnError(msg["error"]))
+                        else:
+                            self.pids.add(msg["pid"])
+                            fut.set_result(msg["pid"])
+                elif msg.get("ready"):
+                    self.info = msg
+                    if msg.get("failed"):
+                        log.warning("fork server %s could not preload: %s", self.name, msg["failed"])
+                    self.ready.set()
+        except (asyncio.IncompleteReadError, ConnectionError, wire.WireError):
+            pass
+        reason = f"fork server '{self.name}' exited unexpectedly"
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(SpawnError(reason))
+        self._on_death(reason)
+
+    async def spawn(self, req: dict, fds: List[int]) -> int:
+        token = next(self._tokens)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[token] = fut
+        socket.send_fds(self._ctl, [b"F"], fds)
+        wire.send_msg(self._ctl, {"id": token, "token": token, **req})
+        return await fut
+
+    def close(self) -> None:
+        try:
+            self._ctl.close()  # the fork server kills its children and exits when this closes
+        except OSError:
+            pass
+        if self.proc and self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class Launcher:
+    """Starts processes for the agent; one interface whatever the entrypoint."""
+
+    def __init__(self, preloads: List[str], on_exit: ExitCallback, on_death: Callable[[str], None]):
+        self._plain = _Server("plain", [], on_exit, on_death)
+        self._warm = _Server("warm", preloads, on_exit, on_death) if preloads else None
+        self._init_env = {k: os.environ.get(k) for k in INIT_ENV}
+        self._python_dir = os.path.dirname(os.path.abspath(sys.executable))
+        self._python_real = os.path.realpath(sys.executable)
+
+    async def start(self) -> None:
+        await self._plain.start()
+        if self._warm:
+            await self._warm.start()
+        await self._plain.ready.wait()
+
+    @property
+    def warm_info(self) -> dict:
+        if self._warm is None:
+            return {"preloaded": [], "ready": True}
+        return {**self._warm.info, "ready": self._warm.ready.is_set()}
+
+    def is_our_python(self, argv: List[str], env: Dict[str, str]) -> bool:
+        """True when the entrypoint is this interpreter and the fork can honour its flags and env."""
+        if not argv or parse_python_argv(argv[1:]) is None:
+            return False
+        prog = argv[0]
+        found = prog if "/" in prog else shutil.which(prog, path=env.get("PATH", os.defpath))
+        if not found or os.path.dirname(os.path.abspath(found)) != self._python_dir:
+            return False
+        if os.path.realpath(found) != self._python_real:
+            return False
+        return all(env.get(k) == v for k, v in self._init_env.items())
+
+    async def spawn(self, argv: List[str], env: Dict[str, str], cwd: Optional[str], stdout_fd: int, stderr_fd: int) -> int:
+        """Returns the pid (also the process group id). Raises SpawnError with the OS reason."""
+        mode = "python" if self.is_our_python(argv, env) else "exec"
+        server = self._plain
+        if mode == "python" and self._warm and self._warm.ready.is_set():
+            server = self._warm
+        return await server.spawn({"mode": mode, "argv": list(argv), "env": env, "cwd": cwd}, [stdout_fd, stderr_fd])
+
+    def close(self) -> None:
+        for s in (self._warm, self._plain):
+            if s:
+                s.close()

@@ -1,0 +1,272 @@
+"""The agent's table of replicas: their attempts, states, exit codes and captured output.
+
+Output is read from pipes by the agent (not written by the child straight to a file) so each
+line gets a timestamp on arrival: that is what lets ``torchx log --since/--until`` and live
+tailing work, and what the telemetry module will index. On disk each line is ``TS LINE``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
+
+from ..specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, TERMINAL, LaunchSpec
+from .launcher import Launcher, SpawnError
+
+STREAMS = ("stdout", "stderr")
+MAX_PARTIAL = 64 * 1024  # a line longer than this is split rather than buffered forever
+BATCH_LINES = 2000
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _Capture(asyncio.Protocol):
+    """Timestamps each line of one pipe and appends it to the stream's file."""
+
+    def __init__(self, path: Path, notify: Callable[[], None]):
+        self._file = open(path, "ab", buffering=0)
+        self._partial = b""
+        self._notify = notify
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        ts = b"%.6f " % time.time()
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        if len(self._partial) > MAX_PARTIAL:
+            lines.append(self._partial)
+            self._partial = b""
+        if lines:
+            self._file.write(b"".join(ts + line + b"\n" for line in lines))
+            self._notify()
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        if self._partial:
+            self._file.write(b"%.6f " % time.time() + self._partial + b"\n")
+            self._partial = b""
+        self._file.close()
+        if not self.closed.done():
+            self.closed.set_result(None)
+        self._notify()
+
+
+class Replica:
+    """One LaunchSpec and what became of it (across ``max_retries`` attempts)."""
+
+    def __init__(self, spec: LaunchSpec, log_dir: Path):
+        self.spec = spec
+        self.log_dir = log_dir
+        self.state = PENDING
+        self.pid: Optional[int] = None
+        self.exit_code: Optional[int] = None
+        self.msg = ""
+        self.attempts = 0
+        self.started = time.time()
+        self.ended: Optional[float] = None
+        self.cancelled = False
+        self.captures: List[_Capture] = []
+        self._changed = asyncio.Event()
+
+    def notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_change(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    @property
+    def output_done(self) -> bool:
+        return self.state in TERMINAL and all(c.closed.done() for c in self.captures)
+
+    def status(self) -> dict:
+        return {
+            "app_id": self.spec.app_id, "role": self.spec.role, "replica_id": self.spec.replica_id,
+            "state": self.state, "pid": self.pid, "exit_code": self.exit_code, "msg": self.msg,
+            "attempts": self.attempts, "started": self.started, "ended": self.ended,
+            "argv": self.spec.argv, "log_dir": str(self.log_dir),
+        }
+
+
+def _parse_line(raw: bytes) -> Tuple[float, str]:
+    ts, _, line = raw.partition(b" ")
+    try:
+        t = float(ts)
+    except ValueError:
+        t = 0.0
+    return t, line.decode("utf-8", errors="replace")
+
+
+class _Tail:
+    """Reads whole new lines of one stream file from where it left off."""
+
+    def __init__(self, path: Path, name: str):
+        self.path = path
+        self.name = name
+        self.offset = 0
+
+    def read(self) -> List[Tuple[float, str]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read(4 << 20)
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n")
+        if end < 0:
+            return []
+        self.offset += end + 1
+        return [_parse_line(raw) for raw in data[:end].split(b"\n")]
+
+
+class ProcTable:
+    """Replicas by (app_id, role, replica_id), started through the one Launcher."""
+
+    def __init__(self, launcher: Launcher, log_root: Path, base_env: Dict[str, str]):
+        self._launcher = launcher
+        self._log_root = log_root
+        self._base_env = base_env
+        self.replicas: Dict[Tuple[str, str, int], Replica] = {}
+        self._by_pid: Dict[int, Replica] = {}
+        self.last_change = time.time()
+
+    @property
+    def running(self) -> int:
+        return sum(1 for r in self.replicas.values() if r.state in (PENDING, RUNNING))
+
+    async def launch(self, spec: LaunchSpec) -> dict:
+        key = (spec.app_id, spec.role, spec.replica_id)
+        old = self.replicas.get(key)
+        if old and old.state not in TERMINAL:
+            raise ValueError(f"replica {spec.role}/{spec.replica_id} of {spec.app_id} is already running")
+        log_dir = self._log_root / spec.app_id / spec.role / str(spec.replica_id)
+        log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        rep = Replica(spec, log_dir)
+        self.replicas[key] = rep
+        await self._attempt(rep)
+        return rep.status()
+
+    async def _attempt(self, rep: Replica) -> None:
+        loop = asyncio.get_running_loop()
+        rep.attempts += 1
+        env = {**self._base_env, **rep.spec.env}
+        pipes = [os.pipe() for _ in STREAMS]
+        try:
+            pid = await self._launcher.spawn(rep.spec.argv, env, rep.spec.cwd, pipes[0][1], pipes[1][1])
+        except SpawnError as e:
+            for r, w in pipes:
+                os.close(r)
+                os.close(w)
+            self._finish(rep, FAILED, 127, str(e))
+            return
+        for _, w in pipes:
+            os.close(w)
+        rep.captures = []
+        for (r, _), name in zip(pipes, STREAMS):
+            _, proto = await loop.connect_read_pipe(lambda n=name: _Capture(rep.log_dir / f"{n}.log", rep.notify),
+                                                    os.fdopen(r, "rb", buffering=0))
+            rep.captures.append(proto)
+        rep.pid = pid
+        rep.state = RUNNING
+        self._by_pid[pid] = rep
+        self.last_change = time.time()
+        rep.notify()
+
+    def _finish(self, rep: Replica, state: str, code: Optional[int], msg: str) -> None:
+        rep.state, rep.exit_code, rep.msg, rep.ended = state, code, msg, time.time()
+        self.last_change = time.time()
+        rep.notify()
+
+    def on_exit(self, pid: int, code: int) -> None:
+        rep = self._by_pid.pop(pid, None)
+        if rep is None:
+            return
+        if rep.cancelled:
+            self._finish(rep, CANCELLED, code, "cancelled")
+        elif code == 0:
+            self._finish(rep, SUCCEEDED, 0, "")
+        elif rep.attempts <= rep.spec.max_retries:
+            rep.msg = f"attempt {rep.attempts} {describe_exit(code)}; retrying"
+            rep.exit_code = code
+            asyncio.get_running_loop().create_task(self._attempt(rep))
+        else:
+            retries = f" after {rep.attempts} attempts" if rep.attempts > 1 else ""
+            self._finish(rep, FAILED, code, f"{describe_exit(code)}{retries}")
+
+    def on_launcher_death(self, reason: str) -> None:
+        for rep in list(self._by_pid.values()):
+            self._by_pid.pop(rep.pid, None)  # type: ignore[arg-type]
+            self._finish(rep, FAILED, None, reason)
+
+    def select(self, app_id: Optional[str], role: Optional[str] = None, replica_id: Optional[int] = None) -> List[Replica]:
+        return [r for (a, ro, i), r in self.replicas.items()
+                if (app_id is None or a == app_id) and (role is None or ro == role)
+                and (replica_id is None or i == replica_id)]
+
+    async def kill(self, reps: List[Replica], grace: float = 5.0) -> int:
+        """SIGTERM the replicas' process groups, SIGKILL what is left after ``grace`` seconds."""
+        live = [r for r in reps if r.state in (PENDING, RUNNING)]
+        for r in live:
+            r.cancelled = True
+            if r.state == PENDING:
+                self._finish(r, CANCELLED, None, "cancelled")
+        live = [r for r in live if r.pid and r.state == RUNNING]
+        for r in live:
+            _signal_group(r.pid, signal.SIGTERM)  # type: ignore[arg-type]
+        deadline = time.time() + grace
+        while time.time() < deadline and any(r.state == RUNNING for r in live):
+            await asyncio.sleep(0.05)
+        for r in live:
+            if r.state == RUNNING:
+                _signal_group(r.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        return len(live)
+
+    async def logs(self, rep: Replica, streams: str, since: Optional[float], until: Optional[float],
+                   regex: Optional[str], follow: bool) -> AsyncIterator[List[str]]:
+        """Batches of lines (each ending in a newline), in time order; follows until the replica ends."""
+        names = STREAMS if streams == "combined" else (streams,)
+        if any(n not in STREAMS for n in names):
+            raise ValueError(f"unknown stream {streams!r}: use stdout, stderr or combined")
+        pattern = re.compile(regex) if regex else None
+        tails = [_Tail(rep.log_dir / f"{n}.log", n) for n in names]
+        while True:
+            done = rep.output_done  # read before draining, so no line written after it is missed
+            batches = [t.read() for t in tails]
+            lines = list(heapq.merge(*batches, key=lambda x: x[0])) if len(batches) > 1 else batches[0]
+            out = [line + "\n" for ts, line in lines
+                   if (since is None or ts >= since) and (until is None or ts <= until)
+                   and (pattern is None or pattern.search(line))]
+            for i in range(0, len(out), BATCH_LINES):
+                yield out[i:i + BATCH_LINES]
+            if lines:
+                continue
+            if not follow or done:
+                return
+            await rep.wait_change(1.0)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass

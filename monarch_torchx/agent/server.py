@@ -1,0 +1,224 @@
+"""The host agent: the one long-lived process per host of a pool.
+
+It owns the host's fork servers and replica table, answers authenticated requests (launch,
+describe, kill, logs, info, shutdown), heartbeats its address file, loads pluggable modules,
+and exits by itself after ``idle_timeout`` seconds with nothing running and nobody asking.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from dataclasses import asdict
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+from .. import wire
+from ..registry import HostAddr, Registry
+from ..specs import TERMINAL, LaunchSpec
+from .launcher import Launcher
+from .procs import ProcTable
+
+log = logging.getLogger("monarch_torchx.agent")
+
+MODULES_GROUP = "monarch_torchx.modules"
+HEARTBEAT_S = 5.0
+# asking about a pool must not keep it alive: only work (launches, module calls) resets idleness
+PASSIVE_OPS = frozenset({"info", "describe", "list", "logs", "kill", "shutdown"})
+MAX_FINISHED_APPS = 500
+
+
+class Agent:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.state_dir = Path(args.state_dir)
+        self.index = args.index
+        self.pool = args.pool
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.key = bytes.fromhex((self.state_dir / "token").read_text().strip())
+        self.started = time.time()
+        self.last_request = time.time()
+        self.modules: Dict[str, str] = {}
+        self.handlers: Dict[str, Callable[..., Any]] = {
+            "info": self.op_info, "launch": self.op_launch, "describe": self.op_describe,
+            "list": self.op_list, "kill": self.op_kill, "logs": self.op_logs, "shutdown": self.op_shutdown,
+        }
+        self.stopping = asyncio.Event()
+        self.stop_reason = ""
+        self.launcher = Launcher(args.preload, self._on_exit, self._on_launcher_death)
+        python_dir = os.path.dirname(os.path.abspath(sys.executable))
+        base_env = dict(os.environ)
+        base_env["PATH"] = python_dir + os.pathsep + base_env.get("PATH", os.defpath)
+        base_env.update({"MONARCH_TORCHX_POOL": self.pool, "MONARCH_TORCHX_HOST_INDEX": str(self.index)})
+        self.procs = ProcTable(self.launcher, self.state_dir / "logs" / f"host{self.index}", base_env)
+        self.server = wire.Server(self.key, self.handlers, on_activity=self._touch)
+        self.addr: Optional[HostAddr] = None
+
+    def add_handler(self, op: str, fn: Callable[..., Any]) -> None:
+        """For modules: serve ``op`` on this agent's authenticated port."""
+        if op in self.handlers:
+            raise ValueError(f"operation {op!r} is already served")
+        self.handlers[op] = fn
+
+    def _touch(self, op: str) -> None:
+        if op not in PASSIVE_OPS:
+            self.last_request = time.time()
+
+    def _on_exit(self, pid: int, code: int) -> None:
+        self.procs.on_exit(pid, code)
+
+    def _on_launcher_death(self, reason: str) -> None:
+        self.procs.on_launcher_death(reason)
+        if not self.stopping.is_set():
+            log.error("%s; stopping the agent", reason)
+            self.stop("launcher died")
+
+    def stop(self, reason: str) -> None:
+        self.stop_reason = self.stop_reason or reason
+        self.stopping.set()
+
+    # ------------------------------------------------------------ modules
+
+    def load_modules(self) -> None:
+        """Entry points of group ``monarch_torchx.modules`` plus ``--module pkg.mod:setup``."""
+        specs = [(ep.name, ep.value) for ep in entry_points(group=MODULES_GROUP)]
+        specs += [(m.rsplit(":", 1)[0], m) for m in self.args.module]
+        for name, target in specs:
+            modname, _, attr = target.partition(":")
+            try:
+                mod = __import__(modname, fromlist=["_"])
+                setup = getattr(mod, attr or "setup")
+                setup(self)
+                self.modules[name] = "loaded"
+            except Exception as e:
+                self.modules[name] = f"failed: {type(e).__name__}: {e}"
+                log.error("module %s failed to load: %s", name, e)
+
+    # ------------------------------------------------------------ operations
+
+    async def op_info(self, peer: wire.Peer) -> dict:
+        return {
+            "pool": self.pool, "index": self.index, "hostname": socket.gethostname(), "pid": os.getpid(),
+            "incarnation": self.incarnation, "started": self.started, "now": time.time(),
+            "running": self.procs.running, "idle_s": round(self.idle_seconds(), 1),
+            "idle_timeout": self.args.idle_timeout, "modules": self.modules, "warm": self.launcher.warm_info,
+            "connections": self.server.connections,
+        }
+
+    async def op_launch(self, peer: wire.Peer, spec: dict) -> dict:
+        if self.stopping.is_set():
+            raise ValueError(f"agent {self.index} is shutting down ({self.stop_reason})")
+        status = await self.procs.launch(LaunchSpec(**spec))
+        self._trim_history()
+        return status
+
+    async def op_describe(self, peer: wire.Peer, app_id: str) -> List[dict]:
+        return [r.status() for r in self.procs.select(app_id)]
+
+    async def op_list(self, peer: wire.Peer) -> List[dict]:
+        return [r.status() for r in self.procs.replicas.values()]
+
+    async def op_kill(self, peer: wire.Peer, app_id: str, role: Optional[str] = None,
+                      replica_id: Optional[int] = None, grace: float = 5.0) -> int:
+        return await self.procs.kill(self.procs.select(app_id, role, replica_id), grace)
+
+    async def op_logs(self, peer: wire.Peer, app_id: str, role: str, replica_id: int, streams: str = "combined",
+                      since: Optional[float] = None, until: Optional[float] = None, regex: Optional[str] = None,
+                      follow: bool = False) -> wire.Stream:
+        reps = self.procs.select(app_id, role, replica_id)
+        if not reps:
+            raise LookupError(f"no replica {role}/{replica_id} of app {app_id} on host {self.index}")
+        return wire.Stream(self.procs.logs(reps[0], streams, since, until, regex, follow))
+
+    async def op_shutdown(self, peer: wire.Peer, reason: str = "pool stopped") -> bool:
+        self.stop(reason)
+        return True
+
+    # ------------------------------------------------------------ lifecycle
+
+    def idle_seconds(self) -> float:
+        if self.procs.running:
+            return 0.0
+        return time.time() - max(self.last_request, self.procs.last_change)
+
+    def _trim_history(self) -> None:
+        apps: Dict[str, float] = {}
+        for (app_id, _, _), r in self.procs.replicas.items():
+            if r.state in TERMINAL:
+                apps[app_id] = max(apps.get(app_id, 0.0), r.ended or 0.0)
+        for app_id in sorted(apps, key=apps.get)[:-MAX_FINISHED_APPS] if len(apps) > MAX_FINISHED_APPS else []:
+            for key in [k for k in self.procs.replicas if k[0] == app_id]:
+                del self.procs.replicas[key]
+
+    def _publish(self, **extra: Any) -> None:
+        assert self.addr is not None
+        for k, v in extra.items():
+            setattr(self.addr, k, v)
+        Registry.publish_host(self.state_dir, self.addr)
+
+    async def _heartbeat(self) -> None:
+        while not self.stopping.is_set():
+            await asyncio.sleep(HEARTBEAT_S)
+            if self.addr:
+                self._publish(heartbeat=time.time())
+            if self.args.idle_timeout > 0 and self.idle_seconds() > self.args.idle_timeout:
+                log.info("idle for %.0f s: shutting down", self.idle_seconds())
+                self.stop(f"idle for more than {self.args.idle_timeout:.0f} s")
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop, f"signal {signal.Signals(sig).name}")
+        self.load_modules()
+        await self.launcher.start()
+        port = await self.server.start(self.args.bind, self.args.port)
+        advertise = self.args.advertise or (self.args.bind if self.args.bind not in ("0.0.0.0", "") else socket.gethostname())
+        self.addr = HostAddr(index=self.index, host=advertise, port=port, hostname=socket.gethostname(),
+                             pid=os.getpid(), incarnation=self.incarnation, started=self.started,
+                             heartbeat=time.time())
+        self._publish()
+        log.info("agent %d of pool %s listening on %s:%d", self.index, self.pool, advertise, port)
+        hb = asyncio.create_task(self._heartbeat())
+        await self.stopping.wait()
+        log.info("stopping: %s", self.stop_reason)
+        hb.cancel()
+        await self.server.close()
+        await self.procs.kill(list(self.procs.replicas.values()), grace=3.0)
+        self.launcher.close()
+        if (self.state_dir / "hosts" / f"{self.index}.json").exists():
+            self._publish(exited=time.time(), exit_reason=self.stop_reason)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m monarch_torchx.agent",
+                                description="Host agent of a monarch-torchx pool (started by a provisioner).")
+    p.add_argument("--state-dir", required=True, help="the pool's state dir (holds the token file)")
+    p.add_argument("--pool", required=True)
+    p.add_argument("--index", type=int, default=None, help="host index (default: SLURM_NODEID or 0)")
+    p.add_argument("--bind", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--advertise", default=None, help="address clients use (default: bind address or hostname)")
+    p.add_argument("--idle-timeout", type=float, default=1800.0, help="seconds; 0 disables")
+    p.add_argument("--preload", action="append", default=None, help="module to pre-import for warm Python starts")
+    p.add_argument("--module", action="append", default=[], help="extra module setup, as pkg.mod:setup")
+    args = p.parse_args(argv)
+    if args.index is None:
+        args.index = int(os.environ.get("SLURM_NODEID", os.environ.get("MONARCH_TORCHX_HOST_INDEX", "0")))
+    if args.preload is None:
+        args.preload = ["torch"]
+    args.preload = [m for p_ in args.preload for m in p_.split(",") if m]
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent{args.index} %(levelname)s %(message)s")
+    asyncio.run(Agent(args).run())

@@ -1,0 +1,155 @@
+"""``monarch-torchx`` (and ``torchx pool``): manage warm pools from a shell.
+
+    monarch-torchx pool create NAME -s monarch_local -cfg hosts=2
+    monarch-torchx pool list | status NAME | stop NAME
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+from .errors import MonarchError
+from .pool import Pool, attach, ensure_pool, stop_pool
+from .registry import Registry
+
+DEFAULT_SCHEDULER = "monarch_local"
+
+
+def _ago(ts: float) -> str:
+    s = max(0.0, time.time() - ts)
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
+
+
+def _table(rows: List[List[str]], header: List[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join(fmt.format(*map(str, r)).rstrip() for r in [header, *rows])
+
+
+def _scheduler(name: str) -> Any:
+    from .schedulers import PROVISIONERS
+
+    if name not in PROVISIONERS:
+        raise MonarchError(f"unknown scheduler {name!r}: use one of {', '.join(PROVISIONERS)}")
+    from torchx.schedulers import get_scheduler_factories
+
+    return get_scheduler_factories()[name]("default")
+
+
+def pool_summary(pool: Pool) -> Dict[str, Any]:
+    """Everything `pool status` shows, as data (also what `--json` prints)."""
+    rec = pool.record
+    health = pool.health()
+    hosts = []
+    for h in health:
+        a = h.addr
+        state = "ok" if h.ok else ("stopped" if a and a.exited else "lost")
+        hosts.append({
+            "index": h.index, "state": state, "address": a.address if a else None,
+            "hostname": a.hostname if a else None, "pid": a.pid if a else None,
+            "running": h.info.get("running"), "idle_s": h.info.get("idle_s"),
+            "warm": h.info.get("warm", {}).get("preloaded") if h.ok else None,
+            "last_seen": a.heartbeat if a else None,
+            "error": (a.exit_reason if a and a.exited else h.error) if not h.ok else "",
+        })
+    ok = sum(1 for h in hosts if h["state"] == "ok")
+    state = "healthy" if ok == len(hosts) else "stopped" if all(h["state"] == "stopped" for h in hosts) else "degraded"
+    return {
+        "name": rec.name, "scheduler": rec.scheduler, "state": state, "hosts": hosts, "spec": rec.spec,
+        "options": rec.options, "allocation": rec.allocation, "created": rec.created,
+        "apps": len(Registry.list_apps(rec)), "state_dir": rec.state_dir,
+    }
+
+
+def cmd_create(args: argparse.Namespace) -> None:
+    sched = _scheduler(args.scheduler)
+    cfg = sched.run_opts().resolve(sched.run_opts().cfg_from_str(args.cfg or ""))
+    cfg["pool"] = args.name
+    req = sched._pool_request(dict(cfg), 1)
+    pool = ensure_pool(req, defaults={"hosts": 1, "preload": "torch"},
+                       progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"pool {pool.name!r} ready: {pool.record.num_hosts} host(s) on {pool.record.scheduler}")
+
+
+def cmd_list(args: argparse.Namespace) -> None:
+    recs = Registry().list()
+    if args.json:
+        print(json.dumps([pool_summary(Pool(r, Registry())) for r in recs], indent=1))
+        return
+    if not recs:
+        print("no pools; create one with `torchx pool create NAME` or `torchx run -s monarch_local ...`")
+        return
+    rows = []
+    for r in recs:
+        s = pool_summary(Pool(r, Registry()))
+        ok = sum(1 for h in s["hosts"] if h["state"] == "ok")
+        rows.append([r.name, r.scheduler, f"{ok}/{len(s['hosts'])}", s["state"], _ago(r.created), s["apps"]])
+    print(_table(rows, ["POOL", "SCHEDULER", "HOSTS", "STATE", "AGE", "APPS"]))
+
+
+def cmd_status(args: argparse.Namespace) -> None:
+    s = pool_summary(attach(args.name))
+    if args.json:
+        print(json.dumps(s, indent=1))
+        return
+    print(f"pool {s['name']} on {s['scheduler']}: {s['state']}, {len(s['hosts'])} host(s), {s['apps']} app(s), "
+          f"up {_ago(s['created'])}, idle timeout {s['options'].get('idle_timeout', 0):.0f}s")
+    rows = []
+    for h in s["hosts"]:
+        detail = h["error"] if h["error"] else f"running={h['running']} idle={h['idle_s']}s warm={','.join(h['warm'] or []) or '-'}"
+        seen = _ago(h["last_seen"]) + " ago" if h["last_seen"] else "-"
+        rows.append([h["index"], h["state"], h["address"] or "-", h["hostname"] or "-", h["pid"] or "-", seen, detail])
+    print(_table(rows, ["HOST", "STATE", "ADDRESS", "HOSTNAME", "PID", "LAST SEEN", "DETAIL"]))
+    if s["state"] == "degraded":
+        print("the next run on this pool restarts lost hosts; `torchx pool stop` releases it", file=sys.stderr)
+
+
+def cmd_stop(args: argparse.Namespace) -> None:
+    stop_pool(args.name)
+    print(f"pool {args.name!r} stopped")
+
+
+def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="pool_cmd", metavar="{create,list,status,stop}")
+    sub.required = True
+    p = sub.add_parser("create", help="create a warm pool (torchx run also creates on first use)")
+    p.add_argument("name")
+    p.add_argument("-s", "--scheduler", default=DEFAULT_SCHEDULER, help=f"pool engine (default {DEFAULT_SCHEDULER})")
+    p.add_argument("-cfg", "--cfg", default="", help="run options as for `torchx run`, e.g. hosts=2,idle_timeout=1h")
+    p.set_defaults(pool_fn=cmd_create)
+    p = sub.add_parser("list", help="list pools")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(pool_fn=cmd_list)
+    p = sub.add_parser("status", help="hosts, health and activity of one pool")
+    p.add_argument("name")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(pool_fn=cmd_status)
+    p = sub.add_parser("stop", help="stop a pool: kills its apps, releases its hosts")
+    p.add_argument("name")
+    p.set_defaults(pool_fn=cmd_stop)
+
+
+def run_pool(args: argparse.Namespace) -> None:
+    try:
+        args.pool_fn(args)
+    except MonarchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="monarch-torchx", description="Warm pools for TorchX, submitit and actors.")
+    sub = parser.add_subparsers(dest="cmd", metavar="{pool}")
+    sub.required = True
+    add_pool_arguments(sub.add_parser("pool", help="create, list, inspect and stop warm pools"))
+    run_pool(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Pools: create once, reuse by name, check health, repair, stop.
+
+A ``Provisioner`` knows one engine (local processes, a SLURM allocation, Kubernetes pods);
+everything else about a pool (the registry, agents' addresses, fingerprints, health, fan-out
+calls) is the same for every engine and lives here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+
+from . import wire
+from .errors import MonarchError
+from .registry import HostAddr, PoolRecord, Registry, check_pool_name
+
+PING_TIMEOUT_S = 3.0
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+
+
+def parse_duration(value: Any, option: str = "idle_timeout") -> float:
+    """'90s', '30m', '2h', '1d' or plain seconds -> seconds. '0' means never."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        m = _DURATION.match(str(value))
+        if not m:
+            raise MonarchError(f"{option}={value!r} is not a duration: use e.g. 90s, 30m, 2h (0 = never)")
+        seconds = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    if seconds < 0:
+        raise MonarchError(f"{option} must not be negative")
+    return seconds
+
+
+class Provisioner(Protocol):
+    """What an engine must do; the rest of a pool's life is engine-independent."""
+
+    scheduler: str
+    fingerprint: Sequence[str]  # spec keys that must match for a pool to be reused
+
+    def create(self, rec: PoolRecord) -> None:
+        """Start one agent per host (or submit the allocation that will), filling rec.allocation."""
+
+    def repair(self, rec: PoolRecord, indices: List[int]) -> None:
+        """Start fresh agents for the given host indices of a live pool."""
+
+    def release(self, rec: PoolRecord) -> None:
+        """Free what the agents could not free themselves (leftover processes, the allocation)."""
+
+    def wait_ready(self, rec: PoolRecord, indices: List[int], old: Dict[int, str], timeout: float) -> None:
+        """Block until the given hosts published a new incarnation; raise MonarchError otherwise."""
+
+
+@dataclass
+class PoolRequest:
+    """What a run asks of a pool; ``spec`` keys set to None mean "whatever the pool has"."""
+
+    scheduler: str
+    name: str
+    spec: Dict[str, Any]
+    options: Dict[str, Any] = field(default_factory=dict)
+    replace: bool = False
+
+
+@dataclass
+class HostHealth:
+    index: int
+    addr: Optional[HostAddr]
+    ok: bool
+    info: Dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+class Pool:
+    """A handle on a live pool: its agents and a blocking client per call."""
+
+    def __init__(self, rec: PoolRecord, registry: Registry):
+        self.record = rec
+        self.registry = registry
+        self._hosts: Optional[List[Optional[HostAddr]]] = None
+
+    @property
+    def name(self) -> str:
+        return self.record.name
+
+    @property
+    def hosts(self) -> List[Optional[HostAddr]]:
+        if self._hosts is None:
+            self._hosts = self.registry.hosts(self.record)
+        return self._hosts
+
+    def refresh(self) -> None:
+        self._hosts = None
+
+    def connect(self, index: int, timeout: float = PING_TIMEOUT_S) -> wire.Client:
+        addr = self.hosts[index] if 0 <= index < len(self.hosts) else None
+        if addr is None:
+            raise MonarchError(f"host {index} of pool {self.name!r} has no agent address (not started yet?)")
+        if addr.exited:
+            raise MonarchError(f"host {index} of pool {self.name!r} is stopped ({addr.exit_reason})")
+        try:
+            return wire.Client(addr.host, addr.port, self.record.key, timeout=timeout)
+        except wire.WireError as e:
+            raise MonarchError(f"host {index} of pool {self.name!r} is lost: {e}") from None
+
+    def call(self, index: int, op: str, timeout: float = 30.0, **args: Any) -> Any:
+        with self.connect(index) as c:
+            c.settimeout(timeout)
+            try:
+                return c.call(op, **args)
+            except wire.WireError as e:
+                raise MonarchError(f"host {index} of pool {self.name!r} is lost: {e}") from None
+
+    def fan_out(self, fn: Callable[[int], Any], indices: Sequence[int]) -> List[Tuple[int, Any, Optional[Exception]]]:
+        """Runs fn(index) for each index concurrently; returns (index, result, error) in order."""
+        def one(i: int) -> Tuple[int, Any, Optional[Exception]]:
+            try:
+                return i, fn(i), None
+            except (MonarchError, wire.WireError, wire.RemoteError, OSError) as e:
+                return i, None, e
+        if len(indices) <= 1:
+            return [one(i) for i in indices]
+        with ThreadPoolExecutor(max_workers=min(32, len(indices))) as ex:
+            return list(ex.map(one, indices))
+
+    def health(self) -> List[HostHealth]:
+        hosts = self.hosts
+        res = self.fan_out(lambda i: self.call(i, "info", timeout=PING_TIMEOUT_S), range(len(hosts)))
+        return [HostHealth(i, hosts[i], err is None, info or {}, str(err) if err else "") for i, info, err in res]
+
+
+def _fingerprint_diff(rec: PoolRecord, req: PoolRequest, keys: Sequence[str]) -> List[str]:
+    diffs = []
+    for k in keys:
+        want = req.spec.get(k)
+        have = rec.spec.get(k)
+        if want is not None and want != have:
+            diffs.append(f"{k}={have!r} (you asked {k}={want!r})")
+    return diffs
+
+
+def get_provisioner(scheduler: str) -> Provisioner:
+    from .schedulers import provisioner_for
+
+    return provisioner_for(scheduler)
+
+
+def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults: Optional[Dict[str, Any]] = None,
+                progress: Callable[[str], None] = lambda _m: None) -> Pool:
+    """Returns a healthy pool serving ``req``: reused, repaired, replaced or created.
+
+    Serialized per pool name across processes, so two concurrent runs never create two pools.
+    """
+    registry = registry or Registry()
+    check_pool_name(req.name)
+    prov = get_provisioner(req.scheduler)
+    with registry.lock(req.name):
+        rec = registry.get(req.name)
+        if rec is not None and rec.scheduler != req.scheduler:
+            raise MonarchError(f"pool {req.name!r} runs on {rec.scheduler}, not {req.scheduler}: "
+                               f"use -s {rec.scheduler} or another pool name")
+        if rec is not None:
+            diffs = _fingerprint_diff(rec, req, prov.fingerprint)
+            if diffs and not req.replace:
+                raise MonarchError(f"pool {req.name!r} has {', '.join(diffs)}; "
+                                   f"use -cfg replace=True to replace it, or another pool name")
+            if diffs:
+                progress(f"replacing pool {req.name!r} ({', '.join(diffs)})")
+                _stop(Pool(rec, registry), prov, "replaced")
+                rec = None
+        if rec is None:
+            spec = {**(defaults or {}), **{k: v for k, v in req.spec.items() if v is not None}}
+            rec = registry.new_record(req.name, req.scheduler, spec, req.options)
+            registry.save(rec)
+            progress(f"creating pool {req.name!r} with {rec.num_hosts} host(s) on {req.scheduler}")
+            try:
+                prov.create(rec)
+                registry.save(rec)
+                prov.wait_ready(rec, list(range(rec.num_hosts)), {}, timeout=float(req.options.get("start_timeout", 120)))
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    _stop(Pool(rec, registry), prov, "failed to start")
+                raise
+            return Pool(rec, registry)
+        pool = Pool(rec, registry)
+        dead = [h for h in pool.health() if not h.ok]
+        if dead:
+            idx = [h.index for h in dead]
+            progress(f"repairing pool {req.name!r}: restarting host(s) {idx}")
+            old = {h.index: h.addr.incarnation for h in dead if h.addr}
+            prov.repair(rec, idx)
+            registry.save(rec)
+            prov.wait_ready(rec, idx, old, timeout=float(rec.options.get("start_timeout", 120)))
+            pool.refresh()
+        return pool
+
+
+def attach(name: str, registry: Optional[Registry] = None) -> Pool:
+    registry = registry or Registry()
+    return Pool(registry.require(name), registry)
+
+
+def _stop(pool: Pool, prov: Provisioner, reason: str) -> None:
+    live = [i for i, h in enumerate(pool.hosts) if h is not None and not h.exited]
+    pool.fan_out(lambda i: pool.call(i, "shutdown", timeout=5.0, reason=reason), live)
+    prov.release(pool.record)
+    pool.registry.delete(pool.record)
+
+
+def stop_pool(name: str, registry: Optional[Registry] = None) -> None:
+    """Stops every agent (their processes with them), releases the allocation, forgets the pool."""
+    registry = registry or Registry()
+    with registry.lock(name):
+        pool = Pool(registry.require(name), registry)
+        _stop(pool, get_provisioner(pool.record.scheduler), "pool stopped")
+
+
+def wait_for_hosts(rec: PoolRecord, indices: List[int], old: Dict[int, str], timeout: float,
+                   check: Callable[[int], Optional[str]] = lambda _i: None) -> None:
+    """Polls the pool's host files until each index has a new, live incarnation.
+
+    ``check(i)`` returns a reason when host i can no longer come up (its process died, the
+    allocation was cancelled), so a failure is reported at once rather than at the timeout.
+    """
+    deadline = time.time() + timeout
+    pending = set(indices)
+    delay = 0.005
+    while pending:
+        hosts = Registry.hosts(rec)
+        for i in list(pending):
+            h = hosts[i]
+            if h is not None and not h.exited and h.incarnation != old.get(i):
+                pending.discard(i)
+            else:
+                reason = check(i)
+                if reason:
+                    raise MonarchError(f"host {i} of pool {rec.name!r} failed to start: {reason}")
+        if not pending:
+            return
+        if time.time() > deadline:
+            raise MonarchError(f"host(s) {sorted(pending)} of pool {rec.name!r} did not start within {timeout:.0f} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)

@@ -1,0 +1,264 @@
+"""The pool registry: which pools exist, how to reach their agents, and what runs on them.
+
+Everything lives under ``$MONARCH_TORCHX_HOME`` (default ``~/.monarch_torchx``) so any later
+process (another shell, `torchx status`, a submitit job) can find a pool by name::
+
+    pools/NAME.json        PoolRecord (mode 0600: it holds the pool's secret)
+    pools/NAME.lock        flock: create/replace/repair of one pool name is serialized
+    pools/NAME/            the pool's state dir (0700)
+        hosts/I.json       written by agent I when it listens (address, pid, incarnation)
+        apps/APP.json      one AppRecord per app run on the pool
+        logs/...           agents' own logs and per-replica stdout/stderr
+
+For SLURM the state dir sits on the shared file system (the job dir), so agents on other
+nodes publish their addresses through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+from .errors import MonarchError, PoolNotFound
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+def home() -> Path:
+    return Path(os.environ.get("MONARCH_TORCHX_HOME") or Path.home() / ".monarch_torchx")
+
+
+def check_pool_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise MonarchError(
+            f"invalid pool name {name!r}: use letters, digits, '.', '_' or '-' (at most 63, no leading punctuation)"
+        )
+    return name
+
+
+def write_private(path: Path, data: str) -> None:
+    """Atomically writes a 0600 file (readers see the old or the new content, never half)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (ValueError, OSError) as e:
+        raise MonarchError(f"corrupt registry file {path}: {e}; remove it to start over") from None
+
+
+@dataclass
+class HostAddr:
+    """Where agent ``index`` of a pool listens; written by the agent itself."""
+
+    index: int
+    host: str
+    port: int
+    hostname: str
+    pid: int
+    incarnation: str
+    started: float = 0.0
+    heartbeat: float = 0.0
+    exited: float = 0.0
+    exit_reason: str = ""
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass
+class PoolRecord:
+    """A pool as the registry knows it. ``spec`` is the fingerprint that decides reuse."""
+
+    name: str
+    scheduler: str
+    spec: Dict[str, Any]
+    token: str
+    state_dir: str
+    created: float = field(default_factory=time.time)
+    allocation: Dict[str, Any] = field(default_factory=dict)
+    options: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> bytes:
+        return bytes.fromhex(self.token)
+
+    @property
+    def num_hosts(self) -> int:
+        return int(self.spec["hosts"])
+
+    @property
+    def path(self) -> Path:
+        return Path(self.state_dir)
+
+
+@dataclass
+class Placement:
+    role: str
+    replica_id: int
+    host_index: int
+    incarnation: str
+
+
+@dataclass
+class AppRecord:
+    """An app as submitted: enough to describe it even when an agent is gone."""
+
+    app_id: str
+    pool: str
+    name: str
+    roles: List[Dict[str, Any]]
+    placement: List[Placement]
+    created: float = field(default_factory=time.time)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "AppRecord":
+        data = dict(data)
+        data["placement"] = [Placement(**p) for p in data["placement"]]
+        return cls(**data)
+
+
+class Registry:
+    """Reads and writes pool and app records under one home directory."""
+
+    def __init__(self, root: Optional[Path] = None):
+        self.root = Path(root) if root else home()
+        self.pools_dir = self.root / "pools"
+
+    def _ensure_dirs(self) -> None:
+        for d in (self.root, self.pools_dir):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def record_path(self, name: str) -> Path:
+        return self.pools_dir / f"{check_pool_name(name)}.json"
+
+    def state_dir(self, name: str) -> Path:
+        return self.pools_dir / check_pool_name(name)
+
+    @contextlib.contextmanager
+    def lock(self, name: str) -> Iterator[None]:
+        """Exclusive lock on one pool name, across processes (two `torchx run` at once)."""
+        self._ensure_dirs()
+        fd = os.open(self.pools_dir / f"{check_pool_name(name)}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------ pools
+
+    def new_record(self, name: str, scheduler: str, spec: Dict[str, Any], options: Dict[str, Any]) -> PoolRecord:
+        """A fresh record with a new secret; the state dir is created (0700), not yet saved."""
+        self._ensure_dirs()
+        state = self.state_dir(name)
+        for sub in ("", "hosts", "apps", "logs"):
+            (state / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+        return PoolRecord(name=name, scheduler=scheduler, spec=spec, token=secrets.token_hex(32),
+                          state_dir=str(state), options=options)
+
+    def save(self, rec: PoolRecord) -> None:
+        self._ensure_dirs()
+        write_private(self.record_path(rec.name), json.dumps(asdict(rec), indent=1))
+        write_private(Path(rec.state_dir) / "token", rec.token)
+
+    def get(self, name: str) -> Optional[PoolRecord]:
+        data = _read_json(self.record_path(name))
+        return PoolRecord(**data) if data else None
+
+    def require(self, name: str, scheduler: Optional[str] = None) -> PoolRecord:
+        rec = self.get(name)
+        if rec is None or (scheduler and rec.scheduler != scheduler):
+            known = ", ".join(r.name for r in self.list(scheduler)) or "none"
+            where = f" on {scheduler}" if scheduler else ""
+            raise PoolNotFound(f"no pool named {name!r}{where} (known: {known}); create it with `torchx pool create {name}`")
+        return rec
+
+    def list(self, scheduler: Optional[str] = None) -> List[PoolRecord]:
+        if not self.pools_dir.is_dir():
+            return []
+        out = []
+        for p in sorted(self.pools_dir.glob("*.json")):
+            with contextlib.suppress(MonarchError, TypeError):
+                rec = self.get(p.stem)
+                if rec and (scheduler is None or rec.scheduler == scheduler):
+                    out.append(rec)
+        return out
+
+    def delete(self, rec: PoolRecord) -> None:
+        """Forgets a pool: record, addresses and app records. Logs are kept for post-mortems."""
+        with contextlib.suppress(FileNotFoundError):
+            self.record_path(rec.name).unlink()
+        for sub in ("hosts", "apps"):
+            d = Path(rec.state_dir) / sub
+            if d.is_dir():
+                for f in d.iterdir():
+                    with contextlib.suppress(OSError):
+                        f.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (Path(rec.state_dir) / "token").unlink()
+
+    # ------------------------------------------------------------ hosts
+
+    @staticmethod
+    def hosts(rec: PoolRecord) -> List[Optional[HostAddr]]:
+        """The agents' published addresses by index; None where one has not published (yet)."""
+        out: List[Optional[HostAddr]] = []
+        for i in range(rec.num_hosts):
+            data = _read_json(Path(rec.state_dir) / "hosts" / f"{i}.json")
+            out.append(HostAddr(**data) if data else None)
+        return out
+
+    @staticmethod
+    def publish_host(state_dir: Path, addr: HostAddr) -> None:
+        write_private(Path(state_dir) / "hosts" / f"{addr.index}.json", json.dumps(asdict(addr)))
+
+    @staticmethod
+    def clear_host(rec: PoolRecord, index: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (Path(rec.state_dir) / "hosts" / f"{index}.json").unlink()
+
+    # ------------------------------------------------------------ apps
+
+    @staticmethod
+    def save_app(rec: PoolRecord, app: AppRecord) -> None:
+        write_private(Path(rec.state_dir) / "apps" / f"{app.app_id}.json", json.dumps(asdict(app)))
+
+    @staticmethod
+    def get_app(rec: PoolRecord, app_id: str) -> Optional[AppRecord]:
+        if not _NAME.match(app_id):
+            return None
+        data = _read_json(Path(rec.state_dir) / "apps" / f"{app_id}.json")
+        return AppRecord.from_json(data) if data else None
+
+    @staticmethod
+    def list_apps(rec: PoolRecord) -> List[AppRecord]:
+        d = Path(rec.state_dir) / "apps"
+        out = []
+        for p in sorted(d.glob("*.json")) if d.is_dir() else []:
+            with contextlib.suppress(MonarchError, TypeError, KeyError):
+                data = _read_json(p)
+                if data:
+                    out.append(AppRecord.from_json(data))
+        return sorted(out, key=lambda a: a.created)

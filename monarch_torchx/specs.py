@@ -1,0 +1,29 @@
+"""Typed requests that cross the wire between a scheduler and an agent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+# Replica states, spelled as TorchX's AppState names so they map one to one.
+PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
+TERMINAL = (SUCCEEDED, FAILED, CANCELLED)
+
+
+@dataclass
+class LaunchSpec:
+    """One process to run on one host: a TorchX role replica, a submitit task, an actor proc."""
+
+    app_id: str
+    role: str
+    replica_id: int
+    argv: List[str]
+    env: Dict[str, str] = field(default_factory=dict)
+    cwd: Optional[str] = None
+    max_retries: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.argv or not all(isinstance(a, str) for a in self.argv):
+            raise ValueError("argv must be a non-empty list of strings")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
+            raise ValueError("env must map strings to strings")

@@ -1,0 +1,81 @@
+"""Plugins for the ``torchx`` CLI (entry-point group ``torchx.cli.cmds``).
+
+``torchx pool ...`` is ours. ``run``, ``log``, ``status``, ``describe``, ``cancel`` and ``list``
+are TorchX's own commands, subclassed only so that a refusal from one of our schedulers prints
+one line instead of a traceback, and so that ``torchx log`` on an app that does not exist fails
+at once instead of polling forever (TorchX 0.7.0 waits for such an app to start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from torchx.cli.cmd_base import SubCommand
+from torchx.cli.cmd_cancel import CmdCancel as _Cancel
+from torchx.cli.cmd_describe import CmdDescribe as _Describe
+from torchx.cli.cmd_list import CmdList as _List
+from torchx.cli.cmd_log import CmdLog as _Log
+from torchx.cli.cmd_run import CmdRun as _Run
+from torchx.cli.cmd_status import CmdStatus as _Status
+
+from .errors import MonarchError
+
+
+class _OneLineErrors:
+    def run(self, args: argparse.Namespace) -> None:
+        try:
+            super().run(args)  # type: ignore[misc]
+        except MonarchError as e:
+            print(f"torchx: error: {e}", file=sys.stderr)
+            sys.exit(1)
+
+
+class CmdRun(_OneLineErrors, _Run):
+    pass
+
+
+class CmdStatus(_OneLineErrors, _Status):
+    pass
+
+
+class CmdDescribe(_OneLineErrors, _Describe):
+    pass
+
+
+class CmdCancel(_OneLineErrors, _Cancel):
+    pass
+
+
+class CmdList(_OneLineErrors, _List):
+    pass
+
+
+class CmdLog(_OneLineErrors, _Log):
+    def run(self, args: argparse.Namespace) -> None:
+        scheduler, sep, path = args.identifier.partition("://")
+        if sep and scheduler.startswith("monarch_"):
+            parts = path.split("/")
+            if len(parts) >= 2 and parts[1]:
+                from torchx.schedulers import get_scheduler_factories
+
+                sched = get_scheduler_factories()[scheduler](parts[0] or "default")
+                if sched.describe(parts[1]) is None:
+                    print(f"torchx: error: no app {parts[1]!r} on {scheduler}; see `torchx list -s {scheduler}`",
+                          file=sys.stderr)
+                    sys.exit(1)
+        super().run(args)
+
+
+class CmdPool(SubCommand):
+    """``torchx pool create|list|status|stop``: same as ``monarch-torchx pool ...``."""
+
+    def add_arguments(self, subparser: argparse.ArgumentParser) -> None:
+        from .cli import add_pool_arguments
+
+        add_pool_arguments(subparser)
+
+    def run(self, args: argparse.Namespace) -> None:
+        from .cli import run_pool
+
+        run_pool(args)

@@ -1,0 +1,404 @@
+"""The one wire protocol: framing, mutual HMAC authentication, request/reply/stream messages.
+
+Every byte between a controller and an agent (and, later, between actor procs) goes through
+this module, so there is exactly one place where untrusted bytes are parsed.
+
+Connection setup (fixed-size raw bytes, nothing is unpickled before it succeeds)::
+
+    server -> client   MAGIC + nonce_s(32)
+    client -> server   MAGIC + nonce_c(32) + HMAC(key, b"c" + nonce_s + nonce_c)
+    server -> client   HMAC(key, b"s" + nonce_c + nonce_s)
+
+Both sides prove they hold the pool's secret, so a client never unpickles what a stranger
+listening on a reused port sends either. After that, each frame is::
+
+    u32 body_len | u16 nbufs | nbufs * u64 buf_len | body | buf_0 ... buf_n
+
+where ``body`` is a pickle (protocol 5) and the buffers are its out-of-band ``PickleBuffer``s,
+so large tensors are written from their own memory rather than copied into one bytes object.
+
+Messages are plain dicts:
+    request  {"id": n, "op": str, "args": dict}
+    reply    {"id": n, "ok": True, "value": ...}  or  {"id": n, "ok": False, "error": str}
+    stream   {"id": n, "item": ...} (zero or more, before the final reply)
+    cancel   {"id": n, "cancel": True}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import itertools
+import logging
+import os
+import pickle
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Tuple
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"MTX1"
+NONCE = 32
+MAC = 32
+HANDSHAKE_TIMEOUT_S = 5.0
+MAX_BODY = 1 << 30  # one pickled message body
+MAX_BUFS = 4096
+MAX_BUF = 1 << 40
+_HEAD = struct.Struct("!IH")
+_BUFLEN = struct.Struct("!Q")
+
+
+class WireError(ConnectionError):
+    """The peer broke the protocol, failed authentication, or went away."""
+
+
+class RemoteError(RuntimeError):
+    """The peer ran the request and it failed; the message is the peer's one-line reason."""
+
+
+# ---------------------------------------------------------------- authentication (pure)
+
+
+def _mac(key: bytes, tag: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(key, tag + a + b, hashlib.sha256).digest()
+
+
+def server_hello() -> Tuple[bytes, bytes]:
+    nonce = os.urandom(NONCE)
+    return nonce, MAGIC + nonce
+
+
+def client_answer(key: bytes, hello: bytes) -> Tuple[bytes, bytes, bytes]:
+    """Returns (answer to send, nonce_s, nonce_c)."""
+    if len(hello) != len(MAGIC) + NONCE or not hello.startswith(MAGIC):
+        raise WireError("peer is not a monarch-torchx agent (bad greeting)")
+    nonce_s = hello[len(MAGIC):]
+    nonce_c = os.urandom(NONCE)
+    return MAGIC + nonce_c + _mac(key, b"c", nonce_s, nonce_c), nonce_s, nonce_c
+
+
+def server_check(key: bytes, nonce_s: bytes, answer: bytes) -> bytes:
+    """Verifies the client's answer; returns the server's proof to send back."""
+    if len(answer) != len(MAGIC) + NONCE + MAC or not answer.startswith(MAGIC):
+        raise WireError("malformed handshake")
+    nonce_c = answer[len(MAGIC):len(MAGIC) + NONCE]
+    if not hmac.compare_digest(answer[-MAC:], _mac(key, b"c", nonce_s, nonce_c)):
+        raise WireError("authentication failed (wrong pool token)")
+    return _mac(key, b"s", nonce_c, nonce_s)
+
+
+def client_check(key: bytes, nonce_s: bytes, nonce_c: bytes, proof: bytes) -> None:
+    if not hmac.compare_digest(proof, _mac(key, b"s", nonce_c, nonce_s)):
+        raise WireError("agent failed authentication (wrong pool token?)")
+
+
+ANSWER_LEN = len(MAGIC) + NONCE + MAC
+HELLO_LEN = len(MAGIC) + NONCE
+
+
+# ---------------------------------------------------------------- framing (pure)
+
+
+def encode(msg: Any) -> List[Any]:
+    """Returns the frame as a list of byte-like parts (header, body, out-of-band buffers)."""
+    bufs: List[pickle.PickleBuffer] = []
+    body = pickle.dumps(msg, protocol=5, buffer_callback=bufs.append)
+    raws = [b.raw() for b in bufs]
+    head = _HEAD.pack(len(body), len(raws)) + b"".join(_BUFLEN.pack(r.nbytes) for r in raws)
+    return [head, body, *raws]
+
+
+def _check_head(body_len: int, nbufs: int) -> None:
+    if body_len > MAX_BODY or nbufs > MAX_BUFS:
+        raise WireError(f"malformed frame (body {body_len} bytes, {nbufs} buffers)")
+
+
+def decode(body: bytes, bufs: List[bytearray]) -> Any:
+    try:
+        return pickle.loads(body, buffers=bufs)
+    except Exception as e:  # a frame from an authenticated peer that does not unpickle
+        raise WireError(f"malformed message: {e}") from None
+
+
+def _check_msg(msg: Any) -> dict:
+    if not isinstance(msg, dict) or not isinstance(msg.get("id"), int):
+        raise WireError("malformed message: not a request/reply dict")
+    return msg
+
+
+# ---------------------------------------------------------------- asyncio transport
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Any:
+    head = await reader.readexactly(_HEAD.size)
+    body_len, nbufs = _HEAD.unpack(head)
+    _check_head(body_len, nbufs)
+    lens = [_BUFLEN.unpack(await reader.readexactly(8))[0] for _ in range(nbufs)]
+    if any(n > MAX_BUF for n in lens):
+        raise WireError("malformed frame (buffer too large)")
+    body = await reader.readexactly(body_len)
+    bufs = [bytearray(await reader.readexactly(n)) if n else bytearray() for n in lens]
+    return decode(body, bufs)
+
+
+def write_frame(writer: asyncio.StreamWriter, msg: Any) -> None:
+    """Queues one whole frame; callers await ``writer.drain()`` for back-pressure."""
+    writer.writelines(encode(msg))
+
+
+async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes) -> None:
+    nonce_s, hello = server_hello()
+    writer.write(hello)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.readexactly(ANSWER_LEN), HANDSHAKE_TIMEOUT_S)
+    writer.write(server_check(key, nonce_s, answer))
+    await writer.drain()
+
+
+async def open_connection(host: str, port: int, key: bytes, timeout: float = 10.0) -> Tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Asyncio client side: connect and authenticate (used agent-to-agent and by async clients)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 20), timeout)
+    hello = await asyncio.wait_for(reader.readexactly(HELLO_LEN), timeout)
+    answer, ns, nc = client_answer(key, hello)
+    writer.write(answer)
+    await writer.drain()
+    client_check(key, ns, nc, await asyncio.wait_for(reader.readexactly(MAC), timeout))
+    return reader, writer
+
+
+Handler = Callable[..., Any]
+
+
+class Stream:
+    """Marks a handler result as a stream: the async iterator's items are sent one by one."""
+
+    def __init__(self, items: AsyncIterator[Any]):
+        self.items = items
+
+
+@dataclass
+class Peer:
+    """What a handler may know about who is calling."""
+
+    addr: str
+
+
+class Server:
+    """Authenticated request server. Handlers are ``async def op(peer, **args)``.
+
+    A handler returns a value, raises (the peer gets a one-line error), or returns a
+    ``Stream``. Unknown ops, bad arguments and malformed frames are answered or dropped
+    with a logged reason; nothing is unpickled before the peer authenticates.
+    """
+
+    def __init__(self, key: bytes, handlers: Dict[str, Handler], on_activity: Optional[Callable[[str], None]] = None):
+        self._key = key
+        self._handlers = handlers
+        self._on_activity = on_activity or (lambda _op: None)
+        self._server: Optional[asyncio.base_events.Server] = None
+        self.connections = 0
+
+    async def start(self, host: str, port: int = 0) -> int:
+        self._server = await asyncio.start_server(self._serve, host, port, limit=1 << 20)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server:
+            self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        addr = f"{peer[0]}:{peer[1]}" if peer else "?"
+        try:
+            await server_handshake(reader, writer, self._key)
+        except (WireError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError) as e:
+            reason = "timed out" if isinstance(e, asyncio.TimeoutError) else (str(e) or type(e).__name__)
+            log.warning("dropped connection from %s: %s", addr, reason)
+            writer.close()
+            return
+        self.connections += 1
+        tasks: Dict[int, asyncio.Task] = {}
+        try:
+            while True:
+                try:
+                    msg = _check_msg(await read_frame(reader))
+                except asyncio.IncompleteReadError:
+                    break
+                except WireError as e:
+                    log.warning("dropped connection from %s: %s", addr, e)
+                    break
+                rid = msg["id"]
+                if msg.get("cancel"):
+                    task = tasks.pop(rid, None)
+                    if task:
+                        task.cancel()
+                    continue
+                self._on_activity(str(msg.get("op")))
+                task = asyncio.create_task(self._run(writer, Peer(addr), rid, msg.get("op"), msg.get("args") or {}))
+                tasks[rid] = task
+                task.add_done_callback(lambda _t, rid=rid: tasks.pop(rid, None))
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self.connections -= 1
+            for t in list(tasks.values()):
+                t.cancel()
+            writer.close()
+
+    async def _run(self, writer: asyncio.StreamWriter, peer: Peer, rid: int, op: Any, args: dict) -> None:
+        handler = self._handlers.get(op) if isinstance(op, str) else None
+        try:
+            if handler is None:
+                raise RemoteError(f"unknown operation {op!r}")
+            if not isinstance(args, dict):
+                raise RemoteError("arguments must be a dict")
+            result = handler(peer, **args)
+            if asyncio.iscoroutine(result):
+                result = await result
+            if isinstance(result, Stream):
+                async for item in result.items:
+                    write_frame(writer, {"id": rid, "item": item})
+                    await writer.drain()
+                result = None
+            reply = {"id": rid, "ok": True, "value": result}
+        except asyncio.CancelledError:
+            reply = {"id": rid, "ok": False, "error": "cancelled"}
+        except TypeError as e:
+            reply = {"id": rid, "ok": False, "error": f"bad arguments for {op!r}: {e}"}
+        except Exception as e:
+            if not isinstance(e, (RemoteError, ValueError, LookupError, OSError)):
+                log.exception("handler %s failed", op)
+            reply = {"id": rid, "ok": False, "error": str(e) or type(e).__name__}
+        try:
+            write_frame(writer, reply)
+            await writer.drain()
+        except (ConnectionError, OSError, RuntimeError):
+            pass
+
+
+# ---------------------------------------------------------------- blocking transport
+
+
+def _recv_into(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise WireError("connection closed by peer")
+        got += k
+    return buf
+
+
+def send_msg(sock: socket.socket, msg: Any) -> None:
+    """Blocking write of one frame (sendmsg gathers the parts: no join copy)."""
+    parts = encode(msg)
+    total = sum(memoryview(p).nbytes for p in parts)
+    sent = sock.sendmsg(parts)
+    if sent < total:  # rare partial write on a full socket buffer: finish it plainly
+        rest = b"".join(bytes(p) for p in parts)[sent:]
+        sock.sendall(rest)
+
+
+def recv_msg(sock: socket.socket) -> Any:
+    """Blocking read of one frame."""
+    body_len, nbufs = _HEAD.unpack(_recv_into(sock, _HEAD.size))
+    _check_head(body_len, nbufs)
+    lens = [_BUFLEN.unpack(_recv_into(sock, 8))[0] for _ in range(nbufs)]
+    if any(n > MAX_BUF for n in lens):
+        raise WireError("malformed frame (buffer too large)")
+    body = bytes(_recv_into(sock, body_len))
+    return decode(body, [_recv_into(sock, n) for n in lens])
+
+
+class Client:
+    """Blocking client for one agent; what the torchx CLI and user scripts use.
+
+    Not thread-safe: one request in flight at a time (streams included). Open one per thread.
+    """
+
+    def __init__(self, host: str, port: int, key: bytes, timeout: float = 10.0):
+        self.address = f"{host}:{port}"
+        try:
+            self._sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as e:
+            raise WireError(f"cannot reach agent at {self.address}: {e.strerror or e}") from None
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._ids = itertools.count(1)
+        try:
+            answer, ns, nc = client_answer(key, bytes(_recv_into(self._sock, HELLO_LEN)))
+            self._sock.sendall(answer)
+            client_check(key, ns, nc, bytes(_recv_into(self._sock, MAC)))
+        except (OSError, WireError) as e:
+            self._sock.close()
+            if isinstance(e, socket.timeout):
+                raise WireError(f"agent at {self.address} did not answer the handshake") from None
+            raise WireError(f"{self.address}: {e}") from None
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def settimeout(self, timeout: Optional[float]) -> None:
+        self._sock.settimeout(timeout)
+
+    def _send(self, msg: dict) -> None:
+        send_msg(self._sock, msg)
+
+    def _recv(self) -> dict:
+        return _check_msg(recv_msg(self._sock))
+
+    def _exchange(self, op: str, args: dict) -> Iterator[dict]:
+        rid = next(self._ids)
+        try:
+            self._send({"id": rid, "op": op, "args": args})
+            while True:
+                msg = self._recv()
+                if msg["id"] == rid:
+                    yield msg
+                    if "item" not in msg:
+                        return
+        except socket.timeout:
+            raise WireError(f"agent at {self.address} timed out on {op!r}") from None
+        except OSError as e:
+            raise WireError(f"lost agent at {self.address}: {e.strerror or e}") from None
+
+    def call(self, op: str, **args: Any) -> Any:
+        for msg in self._exchange(op, args):
+            if "item" in msg:
+                continue
+            if not msg["ok"]:
+                raise RemoteError(msg["error"])
+            return msg["value"]
+
+    def stream(self, op: str, **args: Any) -> Iterator[Any]:
+        """Yields each streamed item; closing the iterator early cancels the request."""
+        gen = self._exchange(op, args)
+        rid = None
+        finished = False
+        try:
+            for msg in gen:
+                rid = msg["id"]
+                if "item" in msg:
+                    yield msg["item"]
+                    continue
+                finished = True
+                if not msg["ok"]:
+                    raise RemoteError(msg["error"])
+                return
+        finally:
+            if not finished and rid is not None:
+                try:
+                    self._send({"id": rid, "cancel": True})
+                except OSError:
+                    pass
+                self.close()  # the reply to the cancelled request would desync the next call

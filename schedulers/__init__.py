@@ -1,0 +1,28 @@
+"""TorchX scheduler plugins and the pool provisioners behind them.
+
+``monarch_local`` is the embedded default; later engines (``monarch_slurm``,
+``monarch_kubernetes``) register their provisioner here and reuse everything else.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from ..errors import MonarchError
+
+if TYPE_CHECKING:
+    from ..pool import Provisioner
+
+# scheduler name -> "module:class" of its provisioner (imported only when used)
+PROVISIONERS = {
+    "monarch_local": "monarch_torchx.schedulers.local:LocalProvisioner",
+}
+
+
+def provisioner_for(scheduler: str) -> "Provisioner":
+    target = PROVISIONERS.get(scheduler)
+    if target is None:
+        raise MonarchError(f"unknown scheduler {scheduler!r}: use one of {', '.join(PROVISIONERS)}")
+    mod, _, cls = target.partition(":")
+    return getattr(importlib.import_module(mod), cls)()

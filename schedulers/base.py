@@ -1,0 +1,292 @@
+"""The TorchX ``Scheduler`` contract, implemented once for every pool engine.
+
+An app handle is ``monarch_local://SESSION/POOL:APP``; the pool part tells any later process
+(``torchx status``, ``torchx log``) where to look, through the registry.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from torchx.schedulers.api import DescribeAppResponse, ListAppResponse, Scheduler, Stream
+from torchx.schedulers.ids import make_unique
+from torchx.specs import AppDef, AppDryRunInfo, AppState, ReplicaStatus, Role, RoleStatus, macros, runopts
+
+from ..errors import MonarchError
+from ..pool import Pool, PoolRequest, ensure_pool, get_provisioner, parse_duration
+from ..registry import AppRecord, Placement, PoolRecord, Registry, check_pool_name
+from ..specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, LaunchSpec
+
+RANK0_ENV = "TORCHX_RANK0_HOST"
+
+
+@dataclass
+class ReplicaLaunch:
+    host_index: int
+    spec: LaunchSpec
+
+
+@dataclass
+class MonarchRequest:
+    """What `torchx run --dryrun` shows: the pool asked for and one launch per replica."""
+
+    pool: PoolRequest
+    app_id: str
+    app_name: str
+    roles: List[Dict[str, Any]]
+    replicas: List[ReplicaLaunch] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        spec = ", ".join(f"{k}={v}" for k, v in self.pool.spec.items() if v is not None) or "existing spec"
+        lines = [f"pool {self.pool.name!r} on {self.pool.scheduler} ({spec}; replace={self.pool.replace})",
+                 f"app {self.app_id}:"]
+        for r in self.replicas:
+            s = r.spec
+            lines.append(f"  {s.role}/{s.replica_id} on host {r.host_index}: {' '.join(s.argv)}")
+            if s.env:
+                lines.append(f"    env: {' '.join(f'{k}={v}' for k, v in sorted(s.env.items()))}")
+            lines.append(f"    cwd: {s.cwd}  max_retries: {s.max_retries}")
+        return "\n".join(lines)
+
+
+_STATE_ORDER = [FAILED, CANCELLED, RUNNING, PENDING]
+
+
+def app_state(states: List[str]) -> str:
+    """TorchX semantics: any failure fails the app; it succeeds only when every replica did."""
+    if states and all(s == SUCCEEDED for s in states):
+        return SUCCEEDED
+    for s in _STATE_ORDER:
+        if s in states:
+            return s
+    return PENDING
+
+
+def split_app_id(app_id: str) -> Tuple[str, str]:
+    pool, sep, app = app_id.partition(":")
+    if not sep or not pool or not app:
+        raise MonarchError(f"app id {app_id!r} is not of the form POOL:APP (as printed by `torchx run`)")
+    return pool, app
+
+
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+class MonarchScheduler(Scheduler):
+    """One TorchX scheduler per pool engine; the engine is the provisioner behind ``backend``."""
+
+    def __init__(self, session_name: str, backend: str, registry: Optional[Registry] = None):
+        super().__init__(backend, session_name)
+        self.registry = registry or Registry()
+
+    # ------------------------------------------------------------ options
+
+    def _run_opts(self) -> runopts:
+        opts = runopts()
+        opts.add("pool", type_=str, default="default", help="name of the warm pool to run on; created on first use")
+        opts.add("hosts", type_=int, default=None,
+                 help="hosts in the pool (default: the existing pool's size, else the largest role's replicas)")
+        opts.add("replace", type_=bool, default=False,
+                 help="replace the pool when it differs from what is asked (else such a run is refused)")
+        opts.add("idle_timeout", type_=str, default="30m",
+                 help="agents exit after this long with nothing running (e.g. 90s, 30m, 2h; 0 = never)")
+        opts.add("preload", type_=str, default="torch",
+                 help="comma-separated modules agents pre-import so Python entrypoints start warm ('' = none)")
+        extra = getattr(get_provisioner(self.backend), "add_run_opts", None)
+        if extra:
+            extra(opts)
+        return opts
+
+    def _validate(self, app: AppDef, scheduler: str, cfg: Any = None) -> None:
+        if not app.roles:
+            raise ValueError("the app has no roles")
+        for role in app.roles:
+            if role.num_replicas < 1:
+                raise ValueError(f"role {role.name!r} asks for {role.num_replicas} replicas")
+
+    # ------------------------------------------------------------ submit
+
+    def _pool_request(self, cfg: Dict[str, Any], want_hosts: int) -> PoolRequest:
+        name = check_pool_name(str(cfg.get("pool") or "default"))
+        hosts = cfg.get("hosts")
+        if hosts is not None:
+            if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
+                raise MonarchError(f"hosts={hosts!r} is invalid: a pool needs at least 1 host")
+            if want_hosts > hosts:
+                raise MonarchError(f"the app needs {want_hosts} hosts (one per replica) but hosts={hosts}")
+        preload = cfg.get("preload")
+        spec: Dict[str, Any] = {"hosts": hosts, "preload": None if preload is None else str(preload)}
+        options = {"idle_timeout": parse_duration(cfg.get("idle_timeout", "30m"))}
+        prov = get_provisioner(self.backend)
+        extra = getattr(prov, "pool_spec", None)
+        if extra:
+            extra(cfg, spec, options)
+        return PoolRequest(self.backend, name, spec, options, bool(cfg.get("replace")))
+
+    def _submit_dryrun(self, app: AppDef, cfg: Dict[str, Any]) -> AppDryRunInfo:
+        want_hosts = max(r.num_replicas for r in app.roles) if app.roles else 1
+        pool_req = self._pool_request(dict(cfg), want_hosts)
+        app_id = make_unique(_SAFE.sub("-", app.name).strip("-.")[:40] or "app")
+        cwd = os.getcwd()
+        req = MonarchRequest(pool_req, app_id, app.name, roles=[])
+        for role in app.roles:
+            req.roles.append({"name": role.name, "image": role.image, "entrypoint": role.entrypoint,
+                              "args": list(role.args), "num_replicas": role.num_replicas})
+            for i in range(role.num_replicas):
+                values = macros.Values(img_root=role.image if os.path.isdir(role.image) else cwd,
+                                       app_id=app_id, replica_id=str(i), rank0_env=RANK0_ENV)
+                r = values.apply(role)
+                env = {str(k): str(v) for k, v in r.env.items()}
+                spec = LaunchSpec(app_id=app_id, role=role.name, replica_id=i, argv=[r.entrypoint, *r.args],
+                                  env=env, cwd=cwd, max_retries=int(role.max_retries or 0))
+                req.replicas.append(ReplicaLaunch(host_index=i, spec=spec))
+        return AppDryRunInfo(req, repr)
+
+    def schedule(self, dryrun_info: AppDryRunInfo) -> str:
+        req: MonarchRequest = dryrun_info.request
+        want = max(r.host_index for r in req.replicas) + 1
+        defaults = {"hosts": want, "preload": "torch"}
+        pool = ensure_pool(req.pool, self.registry, defaults=defaults)
+        n = pool.record.num_hosts
+        if want > n:
+            raise MonarchError(f"the app needs {want} hosts (one per replica) but pool {pool.name!r} has {n}; "
+                               f"use -cfg hosts={want},replace=True or a bigger pool")
+        hosts = pool.hosts
+        rank0 = hosts[0].host if hosts[0] else "localhost"
+        placement = [Placement(r.spec.role, r.spec.replica_id, r.host_index, hosts[r.host_index].incarnation)  # type: ignore[union-attr]
+                     for r in req.replicas]
+        Registry.save_app(pool.record, AppRecord(req.app_id, pool.name, req.app_name, req.roles, placement))
+        by_host: Dict[int, List[LaunchSpec]] = {}
+        for r in req.replicas:
+            r.spec.env.setdefault(RANK0_ENV, rank0)
+            r.spec.env.setdefault("TORCHX_JOB_ID", f"{self.backend}://{self.session_name}/{pool.name}:{req.app_id}")
+            by_host.setdefault(r.host_index, []).append(r.spec)
+
+        def launch(i: int) -> None:
+            with pool.connect(i) as c:
+                c.settimeout(30.0)
+                for spec in by_host[i]:
+                    c.call("launch", spec=spec.__dict__)
+
+        errors = [(i, e) for i, _, e in pool.fan_out(launch, sorted(by_host)) if e]
+        if errors:
+            self._kill(pool, req.app_id, sorted(by_host))
+            raise MonarchError(f"could not start {req.app_id} on pool {pool.name!r}: "
+                               + "; ".join(f"host {i}: {e}" for i, e in errors))
+        return f"{pool.name}:{req.app_id}"
+
+    # ------------------------------------------------------------ queries
+
+    def _lookup(self, app_id: str) -> Optional[Tuple[Pool, AppRecord]]:
+        try:
+            pool_name, app = split_app_id(app_id)
+            rec = self.registry.get(pool_name)
+        except MonarchError:
+            return None
+        if rec is None or rec.scheduler != self.backend:
+            return None
+        arec = Registry.get_app(rec, app)
+        return (Pool(rec, self.registry), arec) if arec else None
+
+    def _replica_states(self, pool: Pool, arec: AppRecord) -> Dict[Tuple[str, int], Dict[str, Any]]:
+        indices = sorted({p.host_index for p in arec.placement})
+        answers = {i: (res, err) for i, res, err in pool.fan_out(
+            lambda i: pool.call(i, "describe", timeout=10.0, app_id=arec.app_id), indices)}
+        out: Dict[Tuple[str, int], Dict[str, Any]] = {}
+        for p in arec.placement:
+            res, err = answers[p.host_index]
+            host = pool.hosts[p.host_index] if p.host_index < len(pool.hosts) else None
+            hostname = host.hostname if host else ""
+            key = (p.role, p.replica_id)
+            if err is not None:
+                out[key] = {"state": FAILED, "msg": f"host {p.host_index} lost: {err}", "hostname": hostname}
+            elif host is None or host.incarnation != p.incarnation:
+                out[key] = {"state": FAILED, "hostname": hostname,
+                            "msg": f"host {p.host_index} was lost and restarted while the replica ran"}
+            else:
+                st = next((s for s in res if s["role"] == p.role and s["replica_id"] == p.replica_id), None)
+                out[key] = ({**st, "hostname": hostname} if st else
+                            {"state": FAILED, "msg": f"replica not known to host {p.host_index}", "hostname": hostname})
+        return out
+
+    def describe(self, app_id: str) -> Optional[DescribeAppResponse]:
+        found = self._lookup(app_id)
+        if found is None:
+            return None
+        pool, arec = found
+        states = self._replica_states(pool, arec)
+        resp = DescribeAppResponse()
+        resp.app_id = app_id
+        resp.state = AppState[app_state([s["state"] for s in states.values()])]
+        resp.num_restarts = sum(max(0, s.get("attempts", 1) - 1) for s in states.values())
+        msgs = [f"{role}/{i}: {s['msg']}" for (role, i), s in states.items() if s.get("msg") and s["state"] != SUCCEEDED]
+        resp.msg = "; ".join(msgs)
+        for r in arec.roles:
+            resp.roles.append(Role(name=r["name"], image=r["image"], entrypoint=r["entrypoint"], args=r["args"],
+                                   num_replicas=r["num_replicas"]))
+            replicas = [ReplicaStatus(id=i, state=AppState[states[(r["name"], i)]["state"]], role=r["name"],
+                                      hostname=states[(r["name"], i)]["hostname"])
+                        for i in range(r["num_replicas"]) if (r["name"], i) in states]
+            resp.roles_statuses.append(RoleStatus(role=r["name"], replicas=replicas))
+        return resp
+
+    def list(self, cfg: Any = None) -> List[ListAppResponse]:
+        out: List[ListAppResponse] = []
+        for rec in self.registry.list(self.backend):
+            pool = Pool(rec, self.registry)
+            apps = Registry.list_apps(rec)
+            if not apps:
+                continue
+            listed = pool.fan_out(lambda i: pool.call(i, "list", timeout=10.0), range(rec.num_hosts))
+            seen: Dict[Tuple[str, str, int], str] = {}
+            for _, res, err in listed:
+                for st in res or []:
+                    seen[(st["app_id"], st["role"], st["replica_id"])] = st["state"]
+            for a in apps:
+                states = [seen.get((a.app_id, p.role, p.replica_id), FAILED) for p in a.placement]
+                app_id = f"{rec.name}:{a.app_id}"
+                out.append(ListAppResponse(app_id=app_id, state=AppState[app_state(states)],
+                                           app_handle=f"{self.backend}://{self.session_name}/{app_id}"))
+        return out
+
+    # ------------------------------------------------------------ cancel and logs
+
+    def _kill(self, pool: Pool, app: str, indices: List[int]) -> None:
+        pool.fan_out(lambda i: pool.call(i, "kill", timeout=15.0, app_id=app), indices)
+
+    def _cancel_existing(self, app_id: str) -> None:
+        found = self._lookup(app_id)
+        if found:
+            pool, arec = found
+            self._kill(pool, arec.app_id, sorted({p.host_index for p in arec.placement}))
+
+    def log_iter(self, app_id: str, role_name: str, k: int = 0, regex: Optional[str] = None,
+                 since: Optional[datetime] = None, until: Optional[datetime] = None,
+                 should_tail: bool = False, streams: Optional[Stream] = None) -> Iterable[str]:
+        found = self._lookup(app_id)
+        if found is None:
+            raise MonarchError(f"no app {app_id!r} on {self.backend}; see `torchx list -s {self.backend}`")
+        pool, arec = found
+        place = next((p for p in arec.placement if p.role == role_name and p.replica_id == k), None)
+        if place is None:
+            have = ", ".join(f"{p.role}/{p.replica_id}" for p in arec.placement)
+            raise MonarchError(f"app {app_id!r} has no replica {role_name}/{k} (it has {have})")
+        stream = streams.value if isinstance(streams, Stream) else (streams or "combined")
+        client = pool.connect(place.host_index)
+        client.settimeout(None if should_tail else 60.0)
+        return _lines(client.stream("logs", app_id=arec.app_id, role=role_name, replica_id=k, streams=stream,
+                                    since=since.timestamp() if since else None,
+                                    until=until.timestamp() if until else None, regex=regex, follow=should_tail),
+                      client)
+
+
+def _lines(batches: Iterable[List[str]], client: Any) -> Iterable[str]:
+    try:
+        for batch in batches:
+            yield from batch
+    finally:
+        client.close()

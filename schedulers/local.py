@@ -1,0 +1,93 @@
+"""``monarch_local``: a pool of N local "hosts", each a detached agent process on loopback.
+
+The embedded default: nothing to install, the same agent, protocol and TorchX contract as on
+a cluster, so what works here works on ``monarch_slurm``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from ..pool import wait_for_hosts
+from ..registry import PoolRecord, Registry
+from .base import MonarchScheduler
+
+
+def agent_argv(rec: PoolRecord, index: int, bind: str) -> List[str]:
+    """The agent command line every provisioner uses (the token is read from the state dir)."""
+    argv = [sys.executable, "-m", "monarch_torchx.agent", "--state-dir", rec.state_dir, "--pool", rec.name,
+            "--index", str(index), "--bind", bind, "--idle-timeout", str(rec.options.get("idle_timeout", 1800))]
+    preload = rec.spec.get("preload", "torch")
+    argv += ["--preload", preload] if preload else ["--preload", ""]
+    return argv
+
+
+def _tail(path: Path, n: int = 5) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(lines[-n:])
+
+
+def _is_our_agent(pid: int, state_dir: str) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"monarch_torchx.agent" in cmdline and state_dir.encode() in cmdline
+
+
+class LocalProvisioner:
+    scheduler = "monarch_local"
+    fingerprint = ("hosts", "preload")
+
+    def create(self, rec: PoolRecord) -> None:
+        self._start(rec, list(range(rec.num_hosts)))
+
+    def repair(self, rec: PoolRecord, indices: List[int]) -> None:
+        for i in indices:
+            pid = rec.allocation.get("pids", {}).get(str(i))
+            if pid and _is_our_agent(pid, rec.state_dir):
+                os.kill(pid, signal.SIGKILL)  # hung, not just slow: it failed a health check
+        self._start(rec, indices)
+
+    def _start(self, rec: PoolRecord, indices: List[int]) -> None:
+        pids: Dict[str, Any] = rec.allocation.setdefault("pids", {})
+        for i in indices:
+            Registry.clear_host(rec, i)
+            log_path = Path(rec.state_dir) / "logs" / f"agent{i}.log"
+            with open(log_path, "ab") as logf:
+                proc = subprocess.Popen(agent_argv(rec, i, "127.0.0.1"), stdin=subprocess.DEVNULL, stdout=logf,
+                                        stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+            pids[str(i)] = proc.pid
+
+    def wait_ready(self, rec: PoolRecord, indices: List[int], old: Dict[int, str], timeout: float) -> None:
+        def check(i: int) -> Optional[str]:
+            pid = rec.allocation.get("pids", {}).get(str(i))
+            if pid and not _is_our_agent(pid, rec.state_dir):
+                log = Path(rec.state_dir) / "logs" / f"agent{i}.log"
+                return f"agent exited ({_tail(log) or 'no output'}); log: {log}"
+            return None
+        wait_for_hosts(rec, indices, old, timeout, check)
+
+    def release(self, rec: PoolRecord) -> None:
+        """Agents exit on `shutdown`; kill any that did not (hung, or unreachable)."""
+        for pid in rec.allocation.get("pids", {}).values():
+            if _is_our_agent(pid, rec.state_dir):
+                for _ in range(40):
+                    if not _is_our_agent(pid, rec.state_dir):
+                        break
+                    time.sleep(0.05)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+
+
+def create_scheduler(session_name: str, **kwargs: Any) -> MonarchScheduler:
+    return MonarchScheduler(session_name, "monarch_local")
