@@ -31,8 +31,47 @@ class _OneLineErrors:
             sys.exit(1)
 
 
+def check_run_options(scheduler: str, cfg_str: str) -> None:
+    """TorchX ignores unknown -cfg keys and raises a traceback on bad values; we refuse in one line."""
+    import difflib
+    import re
+
+    from torchx.schedulers import get_scheduler_factories
+
+    opts = get_scheduler_factories()[scheduler]("default").run_opts()
+    known = [name for name, _ in opts]
+    for key in re.findall(r"(?:^|[,;])\s*([A-Za-z_][\w.-]*)\s*=", cfg_str or ""):
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; valid options: {', '.join(known)}"
+            raise MonarchError(f"unknown run option {key!r} for {scheduler}{hint}")
+    try:
+        opts.cfg_from_str(cfg_str or "")
+    except ValueError as e:
+        raise MonarchError(f"invalid run option value in {cfg_str!r}: {e}") from None
+
+
 class CmdRun(_OneLineErrors, _Run):
-    pass
+    def add_arguments(self, subparser: argparse.ArgumentParser) -> None:
+        """As TorchX's, but ``monarch_local`` is the default scheduler unless .torchxconfig names one.
+
+        (TorchX takes the first registered entry point as default, and entry points are sorted.)
+        """
+        from torchx.schedulers import get_default_scheduler_name
+
+        super().add_arguments(subparser)
+        for action in subparser._actions:
+            if action.dest == "scheduler" and action.default == get_default_scheduler_name():
+                action.default = "monarch_local"
+
+    def run(self, args: argparse.Namespace) -> None:
+        if str(getattr(args, "scheduler", "")).startswith("monarch_"):
+            try:
+                check_run_options(args.scheduler, args.scheduler_args)
+            except MonarchError as e:
+                print(f"torchx: error: {e}", file=sys.stderr)
+                sys.exit(1)
+        super().run(args)
 
 
 class CmdStatus(_OneLineErrors, _Status):

@@ -259,9 +259,14 @@ class Server:
             if asyncio.iscoroutine(result):
                 result = await result
             if isinstance(result, Stream):
-                async for item in result.items:
-                    write_frame(writer, {"id": rid, "item": item})
-                    await writer.drain()
+                try:
+                    async for item in result.items:
+                        write_frame(writer, {"id": rid, "item": item})
+                        await writer.drain()
+                finally:
+                    aclose = getattr(result.items, "aclose", None)
+                    if aclose:
+                        await aclose()  # runs the producer's cleanup now, not at garbage collection
                 result = None
             reply = {"id": rid, "ok": True, "value": result}
         except asyncio.CancelledError:

@@ -94,8 +94,9 @@ class MonarchScheduler(Scheduler):
                  help="replace the pool when it differs from what is asked (else such a run is refused)")
         opts.add("idle_timeout", type_=str, default="30m",
                  help="agents exit after this long with nothing running (e.g. 90s, 30m, 2h; 0 = never)")
-        opts.add("preload", type_=str, default="torch",
-                 help="comma-separated modules agents pre-import so Python entrypoints start warm ('' = none)")
+        opts.add("preload", type_=str, default=None,
+                 help="comma-separated modules agents pre-import so Python entrypoints start warm "
+                      "(default: the existing pool's, else torch; '' = none)")
         extra = getattr(get_provisioner(self.backend), "add_run_opts", None)
         if extra:
             extra(opts)
@@ -138,7 +139,7 @@ class MonarchScheduler(Scheduler):
                               "args": list(role.args), "num_replicas": role.num_replicas})
             for i in range(role.num_replicas):
                 values = macros.Values(img_root=role.image if os.path.isdir(role.image) else cwd,
-                                       app_id=app_id, replica_id=str(i), rank0_env=RANK0_ENV)
+                                       app_id=f"{pool_req.name}:{app_id}", replica_id=str(i), rank0_env=RANK0_ENV)
                 r = values.apply(role)
                 env = {str(k): str(v) for k, v in r.env.items()}
                 spec = LaunchSpec(app_id=app_id, role=role.name, replica_id=i, argv=[r.entrypoint, *r.args],
@@ -163,7 +164,6 @@ class MonarchScheduler(Scheduler):
         by_host: Dict[int, List[LaunchSpec]] = {}
         for r in req.replicas:
             r.spec.env.setdefault(RANK0_ENV, rank0)
-            r.spec.env.setdefault("TORCHX_JOB_ID", f"{self.backend}://{self.session_name}/{pool.name}:{req.app_id}")
             by_host.setdefault(r.host_index, []).append(r.spec)
 
         def launch(i: int) -> None:
@@ -203,7 +203,7 @@ class MonarchScheduler(Scheduler):
             hostname = host.hostname if host else ""
             key = (p.role, p.replica_id)
             if err is not None:
-                out[key] = {"state": FAILED, "msg": f"host {p.host_index} lost: {err}", "hostname": hostname}
+                out[key] = {"state": FAILED, "msg": str(err), "hostname": hostname}
             elif host is None or host.incarnation != p.incarnation:
                 out[key] = {"state": FAILED, "hostname": hostname,
                             "msg": f"host {p.host_index} was lost and restarted while the replica ran"}

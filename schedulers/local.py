@@ -44,6 +44,21 @@ def _is_our_agent(pid: int, state_dir: str) -> bool:
     return b"monarch_torchx.agent" in cmdline and state_dir.encode() in cmdline
 
 
+def _alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie (reaping it if it is our own child)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    if stat.rsplit(")", 1)[-1].split()[0] != "Z":
+        return True
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    return False
+
+
 class LocalProvisioner:
     scheduler = "monarch_local"
     fingerprint = ("hosts", "preload")
@@ -71,7 +86,7 @@ class LocalProvisioner:
     def wait_ready(self, rec: PoolRecord, indices: List[int], old: Dict[int, str], timeout: float) -> None:
         def check(i: int) -> Optional[str]:
             pid = rec.allocation.get("pids", {}).get(str(i))
-            if pid and not _is_our_agent(pid, rec.state_dir):
+            if pid and not _alive(pid):
                 log = Path(rec.state_dir) / "logs" / f"agent{i}.log"
                 return f"agent exited ({_tail(log) or 'no output'}); log: {log}"
             return None

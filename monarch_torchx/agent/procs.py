@@ -143,6 +143,8 @@ class ProcTable:
         self._base_env = base_env
         self.replicas: Dict[Tuple[str, str, int], Replica] = {}
         self._by_pid: Dict[int, Replica] = {}
+        # an exit can be reported before the spawn's caller resumes and registers the pid
+        self._early_exits: Dict[int, int] = {}
         self.last_change = time.time()
 
     @property
@@ -186,6 +188,8 @@ class ProcTable:
         self._by_pid[pid] = rep
         self.last_change = time.time()
         rep.notify()
+        if pid in self._early_exits:
+            self.on_exit(pid, self._early_exits.pop(pid))
 
     def _finish(self, rep: Replica, state: str, code: Optional[int], msg: str) -> None:
         rep.state, rep.exit_code, rep.msg, rep.ended = state, code, msg, time.time()
@@ -195,6 +199,7 @@ class ProcTable:
     def on_exit(self, pid: int, code: int) -> None:
         rep = self._by_pid.pop(pid, None)
         if rep is None:
+            self._early_exits[pid] = code
             return
         if rep.cancelled:
             self._finish(rep, CANCELLED, code, "cancelled")

@@ -1,0 +1,90 @@
+"""Shared fixtures: a private registry home per test, unique pool names, the real torchx CLI.
+
+Every test gets its own ``MONARCH_TORCHX_HOME``; at teardown every pool in it is stopped and
+any agent still alive under it is a test failure (tests leave nothing behind).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from monarch_torchx.errors import MonarchError
+from monarch_torchx.pool import stop_pool
+from monarch_torchx.registry import Registry
+
+BIN = Path(sys.executable).parent
+TORCHX = str(BIN / "torchx")
+
+
+def agent_pids(home: Path) -> List[int]:
+    """Agents (and fork servers) whose command line names this home."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"monarch_torchx.agent" in cmd and str(home).encode() in cmd:
+            pids.append(int(p.name))
+    return pids
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    h = tmp_path / "mt_home"
+    monkeypatch.setenv("MONARCH_TORCHX_HOME", str(h))
+    yield h
+    reg = Registry(h)
+    for rec in reg.list():
+        try:
+            stop_pool(rec.name, reg)
+        except MonarchError:
+            pass
+    deadline = time.time() + 10
+    while agent_pids(h) and time.time() < deadline:
+        time.sleep(0.1)
+    left = agent_pids(h)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"agents left behind: {left}"
+
+
+@pytest.fixture
+def pool_name() -> str:
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+def cli_env(home: Path) -> Dict[str, str]:
+    env = dict(os.environ)
+    env["MONARCH_TORCHX_HOME"] = str(home)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def torchx(home: Path, *args: str, cwd: Path | None = None, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    """Runs the real torchx CLI in a subprocess."""
+    res = subprocess.run([TORCHX, *args], env=cli_env(home), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if check and res.returncode != 0:
+        raise AssertionError(f"torchx {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+    return res
+
+
+def wait_for(pred, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")

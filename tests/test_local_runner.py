@@ -1,0 +1,165 @@
+"""monarch_local through TorchX's own Runner (``torchx.runner.get_runner``): the full contract."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timedelta
+
+import pytest
+from torchx.runner import get_runner
+from torchx.schedulers import get_scheduler_factories
+from torchx.specs import AppDef, AppState, Role
+
+from monarch_torchx.registry import Registry
+
+from .conftest import wait_for
+
+
+def _app(name: str, entrypoint: str, *args: str, replicas: int = 1, env=None, max_retries: int = 0) -> AppDef:
+    return AppDef(name=name, roles=[Role(name=name, image=".", entrypoint=entrypoint, args=list(args),
+                                         num_replicas=replicas, env=env or {}, max_retries=max_retries)])
+
+
+def _wait_done(runner, handle: str, timeout: float = 60):
+    return wait_for(lambda: (s := runner.status(handle)) and s.is_terminal() and s, timeout, what=f"{handle} to finish")
+
+
+def _logs(runner, handle, role, k=0, **kw) -> str:
+    return "".join(runner.log_lines(handle, role, k, **kw))
+
+
+@pytest.fixture
+def runner(home):
+    with get_runner() as r:
+        yield r
+
+
+def test_builtin_schedulers_and_components_survive_the_plugin():
+    names = set(get_scheduler_factories())
+    assert {"monarch_local", "local_cwd", "local_docker", "slurm", "kubernetes", "aws_batch", "ray", "lsf"} <= names
+    from torchx.specs.finder import _load_components
+
+    comps = _load_components()
+    assert {"utils.echo", "utils.python", "dist.ddp", "monarch.hostinfo"} <= set(comps)
+
+
+def test_first_run_creates_the_pool_and_later_runs_reuse_it(runner, home, pool_name):
+    cfg = {"pool": pool_name, "hosts": 2, "preload": ""}
+    h1 = runner.run(_app("hello", "echo", "hi"), "monarch_local", cfg)
+    assert h1.startswith(f"monarch_local://torchx/{pool_name}:hello-")
+    st = _wait_done(runner, h1)
+    assert st.state == AppState.SUCCEEDED
+    assert _logs(runner, h1, "hello") == "hi\n"
+    rec = Registry(home).get(pool_name)
+    assert (home / "pools" / f"{pool_name}.json").stat().st_mode & 0o777 == 0o600
+    before = [(h.pid, h.incarnation) for h in Registry.hosts(rec)]
+
+    h2 = runner.run(_app("again", "python", "-c", "print('again')", replicas=2), "monarch_local", {"pool": pool_name})
+    st = _wait_done(runner, h2)
+    assert st.state == AppState.SUCCEEDED, st
+    assert [(h.pid, h.incarnation) for h in Registry.hosts(Registry(home).get(pool_name))] == before  # no new hosts
+    desc = runner.describe(h2)
+    assert [r.name for r in desc.roles] == ["again"] and desc.roles[0].num_replicas == 2
+    sched = get_scheduler_factories()["monarch_local"]("torchx")
+    resp = sched.describe(h2.split("/")[-1])
+    assert {r.hostname for r in resp.roles_statuses[0].replicas} == {h.hostname for h in Registry.hosts(rec)}
+    assert [r.state for r in resp.roles_statuses[0].replicas] == [AppState.SUCCEEDED] * 2
+    listed = {a.app_handle: a.state for a in runner.list("monarch_local")}
+    assert listed[h1] == AppState.SUCCEEDED and listed[h2] == AppState.SUCCEEDED
+
+
+def test_log_iter_options(runner, pool_name):
+    code = ("import sys, time\n"
+            "for i in range(3): print(f'out {i}', flush=True); time.sleep(0.05)\n"
+            "time.sleep(0.4)\n"
+            "print('late line', flush=True); print('an error', file=sys.stderr, flush=True)\n")
+    h = runner.run(_app("logs", "python", "-c", code), "monarch_local", {"pool": pool_name, "preload": ""})
+    # should_tail follows the live replica to its end
+    tailed = _logs(runner, h, "logs", should_tail=True)
+    assert tailed.splitlines() == ["out 0", "out 1", "out 2", "late line", "an error"]
+    from torchx.schedulers.api import Stream
+
+    assert _logs(runner, h, "logs", streams=Stream.STDERR) == "an error\n"
+    assert _logs(runner, h, "logs", streams=Stream.STDOUT).splitlines() == ["out 0", "out 1", "out 2", "late line"]
+    assert _logs(runner, h, "logs", regex=r"out [12]").splitlines() == ["out 1", "out 2"]
+    # since/until cut by the time each line arrived
+    sched = get_scheduler_factories()["monarch_local"]("torchx")
+    app_id = h.split("/")[-1]
+    log_dir = Registry().get(pool_name).path / "logs" / "host0" / app_id.split(":")[1] / "logs" / "0"
+    stamps = [float(line.split(" ", 1)[0]) for line in (log_dir / "stdout.log").read_text().splitlines()]
+    cut = datetime.fromtimestamp((stamps[2] + stamps[3]) / 2)
+    assert list(sched.log_iter(app_id, "logs", since=cut, streams=Stream.STDOUT)) == ["late line\n"]
+    assert list(sched.log_iter(app_id, "logs", until=cut, streams=Stream.STDOUT)) == ["out 0\n", "out 1\n", "out 2\n"]
+    assert list(sched.log_iter(app_id, "logs", since=cut + timedelta(hours=1))) == []
+
+
+def test_cancel_kills_the_app_and_the_pool_stays_warm(runner, home, pool_name):
+    h = runner.run(_app("sleeper", "sh", "-c", "echo started; sleep 600", replicas=2), "monarch_local",
+                   {"pool": pool_name, "preload": ""})
+    wait_for(lambda: runner.status(h).state == AppState.RUNNING, what="running")
+    wait_for(lambda: "started" in _logs(runner, h, "sleeper"), what="first output")
+    runner.cancel(h)
+    st = _wait_done(runner, h, timeout=20)
+    assert st.state == AppState.CANCELLED
+    rec = Registry(home).get(pool_name)
+    pids = [h.pid for h in Registry.hosts(rec)]
+    h2 = runner.run(_app("after", "echo", "still warm"), "monarch_local", {"pool": pool_name})
+    assert _wait_done(runner, h2).state == AppState.SUCCEEDED
+    assert [h.pid for h in Registry.hosts(rec)] == pids
+
+
+def test_max_retries_restarts_a_failed_replica(runner, tmp_path, pool_name):
+    counter = tmp_path / "attempts"
+    code = (f"import pathlib, sys; p = pathlib.Path({str(counter)!r}); n = int(p.read_text()) if p.exists() else 0; "
+            "p.write_text(str(n + 1)); print('attempt', n + 1); sys.exit(0 if n >= 2 else 3)")
+    h = runner.run(_app("flaky", "python", "-c", code, max_retries=2), "monarch_local", {"pool": pool_name, "preload": ""})
+    st = _wait_done(runner, h)
+    assert st.state == AppState.SUCCEEDED and st.num_restarts == 2
+    assert _logs(runner, h, "flaky").splitlines() == ["attempt 1", "attempt 2", "attempt 3"]
+    h = runner.run(_app("doomed", "sh", "-c", "exit 7", max_retries=1), "monarch_local", {"pool": pool_name})
+    st = _wait_done(runner, h)
+    assert st.state == AppState.FAILED and "exited with code 7 after 2 attempts" in st.msg
+
+
+def test_macros_and_env_reach_every_replica(runner, pool_name):
+    from torchx.specs import macros
+
+    role = Role(name="m", image=".", entrypoint="sh", num_replicas=2,
+                args=["-c", f"echo app={macros.app_id} rep={macros.replica_id} rank0=${{{macros.rank0_env}}} x=$X"],
+                env={"X": "from-role"})
+    h = runner.run(AppDef("macros", roles=[role]), "monarch_local", {"pool": pool_name, "preload": ""})
+    _wait_done(runner, h)
+    app = h.split("/")[-1]
+    for k in range(2):
+        assert _logs(runner, h, "m", k) == f"app={app} rep={k} rank0=127.0.0.1 x=from-role\n"
+
+
+def test_missing_entrypoint_fails_with_the_os_error_and_the_pool_stays_healthy(runner, pool_name):
+    h = runner.run(_app("missing", "/nonexistent/bin/prog"), "monarch_local", {"pool": pool_name, "preload": ""})
+    st = _wait_done(runner, h)
+    assert st.state == AppState.FAILED
+    assert "No such file or directory" in st.msg and "/nonexistent/bin/prog" in st.msg
+    h = runner.run(_app("notonpath", "no-such-program-xyz"), "monarch_local", {"pool": pool_name})
+    st = _wait_done(runner, h)
+    assert st.state == AppState.FAILED and "no-such-program-xyz" in st.msg
+    h = runner.run(_app("ok", "true"), "monarch_local", {"pool": pool_name})
+    assert _wait_done(runner, h).state == AppState.SUCCEEDED
+
+
+def test_pool_that_cannot_serve_the_request_is_refused_or_replaced(runner, home, pool_name):
+    from monarch_torchx.errors import MonarchError
+
+    h = runner.run(_app("one", "true"), "monarch_local", {"pool": pool_name, "hosts": 1, "preload": ""})
+    _wait_done(runner, h)
+    with pytest.raises(MonarchError, match=r"hosts=1 \(you asked hosts=2\).*replace=True"):
+        runner.run(_app("two", "true"), "monarch_local", {"pool": pool_name, "hosts": 2, "preload": ""})
+    with pytest.raises(MonarchError, match="needs 2 hosts .* has 1"):
+        runner.run(_app("two", "true", replicas=2), "monarch_local", {"pool": pool_name})
+    with pytest.raises(MonarchError, match="at least 1 host"):
+        runner.run(_app("zero", "true"), "monarch_local", {"pool": pool_name, "hosts": 0})
+    old = [a.pid for a in Registry.hosts(Registry(home).get(pool_name))]
+    h = runner.run(_app("two", "true", replicas=2), "monarch_local",
+                   {"pool": pool_name, "hosts": 2, "preload": "", "replace": True})
+    assert _wait_done(runner, h).state == AppState.SUCCEEDED
+    new = Registry.hosts(Registry(home).get(pool_name))
+    assert len(new) == 2 and not set(old) & {a.pid for a in new}
