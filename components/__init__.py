@@ -1,6 +1,8 @@
-"""TorchX components that target warm pools (``torchx run monarch.hostinfo``)."""
+"""TorchX components that target warm pools (``torchx run monarch.hostinfo``).
 
-from __future__ import annotations
+No ``from __future__ import annotations`` here: TorchX reads parameter types at run time.
+"""
+
 
 import torchx.specs as specs
 

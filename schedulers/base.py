@@ -96,7 +96,7 @@ class MonarchScheduler(Scheduler):
                  help="agents exit after this long with nothing running (e.g. 90s, 30m, 2h; 0 = never)")
         opts.add("preload", type_=str, default=None,
                  help="comma-separated modules agents pre-import so Python entrypoints start warm "
-                      "(default: the existing pool's, else torch; '' = none)")
+                      "(default: the existing pool's, else torch; none = no preloads)")
         extra = getattr(get_provisioner(self.backend), "add_run_opts", None)
         if extra:
             extra(opts)
@@ -120,7 +120,10 @@ class MonarchScheduler(Scheduler):
             if want_hosts > hosts:
                 raise MonarchError(f"the app needs {want_hosts} hosts (one per replica) but hosts={hosts}")
         preload = cfg.get("preload")
-        spec: Dict[str, Any] = {"hosts": hosts, "preload": None if preload is None else str(preload)}
+        if preload is not None:
+            preload = "" if str(preload).strip().lower() in ("", "none") else ",".join(
+                m.strip() for m in str(preload).split(",") if m.strip())
+        spec: Dict[str, Any] = {"hosts": hosts, "preload": preload}
         options = {"idle_timeout": parse_duration(cfg.get("idle_timeout", "30m"))}
         prov = get_provisioner(self.backend)
         extra = getattr(prov, "pool_spec", None)

@@ -1,0 +1,143 @@
+"""The real ``torchx`` and ``monarch-torchx`` CLIs in subprocesses, as a user types them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from monarch_torchx.registry import Registry
+
+from .conftest import BIN, agent_pids, cli_env, torchx, wait_for
+
+TRAIN = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print(f"rank={dist.get_rank()} world={dist.get_world_size()} sum={t.item()} host={os.environ['MONARCH_TORCHX_HOST_INDEX']}")
+dist.destroy_process_group()
+"""
+
+
+def _handle(res: subprocess.CompletedProcess) -> str:
+    return res.stdout.strip().splitlines()[-1]
+
+
+def _state(home: Path, handle: str) -> str:
+    out = torchx(home, "status", handle).stdout
+    return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.strip().startswith("State:"))
+
+
+def test_quick_start_through_the_torchx_cli(home, pool_name, tmp_path):
+    # 1st run creates the pool and returns as soon as the app is submitted
+    res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=2,preload=none",
+                 "utils.sh", "sh", "-c", "sleep 0.5; echo hi", cwd=tmp_path)
+    h1 = _handle(res)
+    assert h1.startswith(f"monarch_local://torchx/{pool_name}:")
+    assert _state(home, h1) in ("RUNNING", "SUCCEEDED")
+    wait_for(lambda: _state(home, h1) == "SUCCEEDED", what="echo to succeed")
+    assert torchx(home, "log", f"{h1}/sh/0").stdout.strip().endswith("hi")
+    agents = sorted(agent_pids(home))
+
+    # 2nd run reuses it: no new processes for hosts
+    h2 = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.python", "-c",
+                        "print('again')", cwd=tmp_path))
+    wait_for(lambda: _state(home, h2) == "SUCCEEDED", what="python to succeed")
+    assert "again" in torchx(home, "log", h2).stdout
+    assert sorted(agent_pids(home)) == agents
+
+    # status/describe/list from any shell
+    listed = torchx(home, "list", "-s", "monarch_local").stdout
+    assert h1 in listed and h2 in listed
+    assert "sh" in torchx(home, "describe", h1).stdout
+
+    # cancel kills the app, the pool stays warm
+    h3 = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "sleep", "600"))
+    wait_for(lambda: _state(home, h3) == "RUNNING", what="sleep to run")
+    torchx(home, "cancel", h3)
+    wait_for(lambda: _state(home, h3) == "CANCELLED", what="cancel")
+    assert sorted(agent_pids(home)) == agents
+
+    # pool sub-commands, through torchx and through monarch-torchx
+    out = torchx(home, "pool", "list").stdout
+    assert pool_name in out and "healthy" in out and "2/2" in out
+    st = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
+    assert st["state"] == "healthy" and [h["state"] for h in st["hosts"]] == ["ok", "ok"]
+    mt = subprocess.run([str(BIN / "monarch-torchx"), "pool", "status", pool_name], env=cli_env(home),
+                        capture_output=True, text=True, check=True).stdout
+    assert "healthy" in mt
+    assert "stopped" in torchx(home, "pool", "stop", pool_name).stdout
+    wait_for(lambda: not agent_pids(home), timeout=15, what="agents to exit")
+    assert pool_name not in torchx(home, "pool", "list").stdout
+
+
+def test_pool_create_explicitly_then_run(home, pool_name):
+    out = torchx(home, "pool", "create", pool_name, "-s", "monarch_local", "-cfg", "hosts=3,preload=none")
+    assert "ready: 3 host(s)" in out.stdout
+    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "monarch.hostinfo",
+                       "--replicas", "3"))
+    wait_for(lambda: _state(home, h) == "SUCCEEDED", what="hostinfo")
+    for k in range(3):
+        line = torchx(home, "log", f"{h}/hostinfo/{k}").stdout
+        assert f"pool={pool_name} host={k}" in line and "rank0=127.0.0.1" in line
+
+
+def test_dist_ddp_all_reduce_across_two_hosts(home, pool_name, tmp_path):
+    (tmp_path / "train.py").write_text(TRAIN)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2")
+    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "dist.ddp", "-j", "2x1",
+                       "--rdzv_port", str(port), "--script", "train.py", cwd=tmp_path))
+    wait_for(lambda: _state(home, h) in ("SUCCEEDED", "FAILED"), timeout=120, what="ddp to finish")
+    logs = torchx(home, "log", h).stdout
+    assert _state(home, h) == "SUCCEEDED", logs
+    assert "rank=0 world=2 sum=3.0 host=0" in logs and "rank=1 world=2 sum=3.0 host=1" in logs
+
+
+def test_concurrent_first_runs_create_one_pool(home, pool_name):
+    procs = [subprocess.Popen([str(BIN / "torchx"), "run", "-s", "monarch_local", "-cfg",
+                               f"pool={pool_name},hosts=2,preload=none", "utils.echo", "--msg", f"run{i}"],
+                              env=cli_env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert len(agent_pids(home)) == 2  # one agent per host, not one set per racing run
+    rec = Registry(home).get(pool_name)
+    assert len(Registry.list_apps(rec)) == 3
+
+
+def test_run_options_help_and_errors(home, pool_name):
+    out = torchx(home, "runopts", "monarch_local").stdout
+    for opt in ("pool", "hosts", "replace", "idle_timeout", "preload"):
+        assert opt in out
+    assert "create" in torchx(home, "pool", "--help").stdout
+    bad = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name},hostz=2", "utils.echo", check=False)
+    assert bad.returncode != 0 and "did you mean 'hosts'" in bad.stderr and "Traceback" not in bad.stderr
+    bad = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=abc", "utils.echo", check=False)
+    assert bad.returncode != 0 and "hosts=abc" in bad.stderr and "Traceback" not in bad.stderr
+    bad = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=0", "utils.echo", check=False)
+    assert bad.returncode != 0 and "at least 1 host" in bad.stderr and "Traceback" not in bad.stderr
+    bad = torchx(home, "pool", "status", "nope", check=False)
+    assert bad.returncode == 1 and "no pool named 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+    dry = torchx(home, "run", "--dryrun", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=2",
+                 "dist.ddp", "-j", "2x1", "--script", "train.py").stdout
+    assert f"pool '{pool_name}'" in dry and "train/1 on host 1: bash -c torchrun" in dry
+    assert not agent_pids(home)  # a dry run starts nothing
+
+
+def test_idle_timeout_releases_the_pool_and_the_next_run_brings_it_back(home, pool_name):
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none,idle_timeout=1s")
+    wait_for(lambda: not agent_pids(home), timeout=30, what="idle agents to exit")
+    st = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
+    assert st["state"] == "stopped" and "idle" in st["hosts"][0]["error"]
+    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "back"))
+    wait_for(lambda: _state(home, h) == "SUCCEEDED", what="echo after idle")

@@ -1,0 +1,102 @@
+"""Faults from the issue's list, each against a real pool: dead agents, bad peers, bad handles."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+from torchx.runner import get_runner
+from torchx.specs import AppDef, AppState, Role
+
+from monarch_torchx import wire
+from monarch_torchx.pool import attach
+from monarch_torchx.registry import Registry
+
+from .conftest import torchx, wait_for
+
+
+def _sleeper(replicas=2):
+    return AppDef("sleeper", roles=[Role(name="s", image=".", entrypoint="sleep", args=["600"], num_replicas=replicas)])
+
+
+def _proc_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigkilled_agent_fails_its_apps_degrades_the_pool_and_the_next_run_repairs(home, pool_name):
+    with get_runner() as runner:
+        h = runner.run(_sleeper(), "monarch_local", {"pool": pool_name, "hosts": 2, "preload": "none"})
+        wait_for(lambda: runner.status(h).state == AppState.RUNNING, what="sleepers")
+        pool = attach(pool_name)
+        victim = pool.hosts[1]
+        app_pid = next(r["pid"] for r in pool.call(1, "describe", app_id=h.split(":")[-1]))
+        os.kill(victim.pid, signal.SIGKILL)
+
+        st = wait_for(lambda: (s := runner.status(h)) and s.state == AppState.FAILED and s, timeout=10, what="FAILED")
+        assert "host 1" in st.msg and "lost" in st.msg
+        wait_for(lambda: not _proc_alive(app_pid), timeout=10, what="the dead agent's replica to die with it")
+        status = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
+        assert status["state"] == "degraded"
+        assert [h_["state"] for h_ in status["hosts"]] == ["ok", "lost"]
+        text = torchx(home, "pool", "status", pool_name)
+        assert "degraded" in text.stdout and "restarts lost hosts" in text.stderr
+
+        h2 = runner.run(AppDef("after", roles=[Role(name="a", image=".", entrypoint="echo", args=["ok"], num_replicas=2)]),
+                        "monarch_local", {"pool": pool_name})
+        st2 = wait_for(lambda: (s := runner.status(h2)) and s.is_terminal() and s, what="run after repair")
+        assert st2.state == AppState.SUCCEEDED
+        new = Registry.hosts(Registry().get(pool_name))[1]
+        assert new.pid != victim.pid and new.incarnation != victim.incarnation
+        assert json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)["state"] == "healthy"
+        # the app that was on the lost host stays FAILED, with the reason
+        st = runner.status(h)
+        assert st.state == AppState.FAILED and "lost" in st.msg
+        runner.cancel(h)  # its surviving replica on host 0
+
+
+def _agent_log(pool_name: str, index: int = 0) -> str:
+    return (Registry().get(pool_name).path / "logs" / f"agent{index}.log").read_text()
+
+
+def test_wrong_token_and_garbage_are_dropped_and_the_agent_keeps_serving(home, pool_name, tmp_path):
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    pool = attach(pool_name)
+    addr = pool.hosts[0]
+    with pytest.raises(wire.WireError, match="authentication|closed"):
+        wire.Client(addr.host, addr.port, os.urandom(32))
+    for junk in (os.urandom(4096), b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00" * 100):
+        s = socket.create_connection((addr.host, addr.port))
+        s.settimeout(10)
+        s.recv(64)
+        s.sendall(junk)
+        assert s.recv(100) == b""
+        s.close()
+    wait_for(lambda: _agent_log(pool_name).count("dropped connection") >= 4, timeout=10, what="logged reasons")
+    assert "authentication failed" in _agent_log(pool_name)
+    assert pool.call(0, "info")["pool"] == pool_name
+
+
+def test_unknown_pools_and_apps_fail_fast_with_one_line(home, pool_name):
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    for handle in (f"monarch_local://torchx/nosuchpool:app-1", f"monarch_local://torchx/{pool_name}:never-existed"):
+        t0 = time.time()
+        res = torchx(home, "log", handle, check=False, timeout=30)
+        assert res.returncode == 1 and "no app" in res.stderr and "Traceback" not in res.stderr
+        res = torchx(home, "log", f"{handle}/echo/0", check=False, timeout=30)
+        assert res.returncode == 1 and "no app" in res.stderr and "Traceback" not in res.stderr
+        res = torchx(home, "status", handle, check=False, timeout=30)
+        assert res.returncode != 0 and "does not exist" in res.stderr and "Traceback" not in res.stderr
+        assert time.time() - t0 < 30  # no polling forever (a bound, not a benchmark)
+    res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "dist.ddp", "-j", "2x1",
+                 "--script", "x.py", check=False)
+    assert res.returncode == 1 and "needs 2 hosts" in res.stderr and "Traceback" not in res.stderr
+    res = torchx(home, "run", "-s", "monarch_local", "-cfg", "pool=bad/name", "utils.echo", check=False)
+    assert res.returncode == 1 and "invalid pool name" in res.stderr and "Traceback" not in res.stderr

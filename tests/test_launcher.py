@@ -1,0 +1,107 @@
+"""Warm Python starts: a replica forked from the pre-imported fork server behaves as if exec'd."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from torchx.runner import get_runner
+from torchx.specs import AppDef, AppState, Role
+
+from monarch_torchx.pool import attach
+
+from .conftest import wait_for
+
+PROBE = """
+import atexit, json, os, sys, threading, time
+def late():
+    time.sleep(0.2); print("thread done", flush=True)
+threading.Thread(target=late).start()
+atexit.register(lambda: print("atexit ran"))
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "x": os.environ.get("X"),
+                  "pp": [p for p in sys.path if p.endswith("extra_pp")], "stdin": sys.stdin.read(),
+                  "pgid_is_pid": os.getpgid(0) == os.getpid(), "name": __name__}))
+sys.stdout.write("no newline at the end")
+sys.exit(int(os.environ.get("CODE", "0")))
+"""
+
+
+@pytest.fixture
+def warm_pool(home, pool_name):
+    """A one-host pool whose warm fork server has finished importing torch."""
+    with get_runner() as runner:
+        h = runner.run(_app("warmup", "true"), "monarch_local", {"pool": pool_name, "hosts": 1, "preload": "torch"})
+        wait_for(lambda: runner.status(h).is_terminal(), what="warmup")
+        pool = attach(pool_name)
+        wait_for(lambda: pool.call(0, "info")["warm"]["ready"], timeout=120, what="torch preload")
+        yield runner, pool_name
+
+
+def _app(name, entrypoint, *args, env=None, cwd_image="."):
+    return AppDef(name=name, roles=[Role(name="r", image=cwd_image, entrypoint=entrypoint, args=list(args), env=env or {})])
+
+
+def _run(runner, pool_name, app):
+    h = runner.run(app, "monarch_local", {"pool": pool_name})
+    st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal() and s, timeout=60, what="app")
+    out = "".join(runner.log_lines(h, "r", 0, streams=None))
+    return st, out, "".join(runner.log_lines(h, "r", 0, streams=_stream("stdout")))
+
+
+def _stream(name):
+    from torchx.schedulers.api import Stream
+
+    return Stream(name)
+
+
+def test_python_entrypoints_start_from_the_warm_fork_server(warm_pool):
+    runner, pool = warm_pool
+    st, out, _ = _run(runner, pool, _app("w", "python", "-c", "import sys; print('torch' in sys.modules)"))
+    assert st.state == AppState.SUCCEEDED and out == "True\n"
+    # a flag the fork server cannot honour falls back to a real exec (cold: torch not imported)
+    st, out, _ = _run(runner, pool, _app("e", "python", "-E", "-c", "import sys; print('torch' in sys.modules)"))
+    assert st.state == AppState.SUCCEEDED and out == "False\n"
+    # so does an env var read while an interpreter starts
+    st, out, _ = _run(runner, pool, _app("h", "python", "-c", "import sys; print('torch' in sys.modules)",
+                                         env={"PYTHONHASHSEED": "7"}))
+    assert out == "False\n"
+
+
+@pytest.mark.parametrize("mode", ["script", "module", "code"])
+def test_forked_python_looks_exactly_like_an_exec(warm_pool, tmp_path, mode, monkeypatch):
+    runner, pool = warm_pool
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "probe.py").write_text(PROBE)
+    (tmp_path / "extra_pp").mkdir()
+    args = {"script": ["pkg/probe.py", "a", "b c"], "module": ["-m", "pkg.probe", "a", "b c"],
+            "code": ["-c", PROBE, "a", "b c"]}[mode]
+    env = {"X": "role-env", "PYTHONPATH": str(tmp_path / "extra_pp"), "CODE": "3"}
+    monkeypatch.chdir(tmp_path)
+    st, _, out = _run(runner, pool, _app("p", "python", *args, env=env))
+    ref = subprocess.run([sys.executable, *args], cwd=tmp_path, env={**env, "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert st.state == AppState.FAILED and "exited with code 3" in st.msg
+    assert ref.returncode == 3
+    got, want = out.splitlines(), ref.stdout.splitlines()
+    assert json.loads(got[0]) == json.loads(want[0]) | {"pgid_is_pid": True}
+    assert got[1:] == want[1:] == ["no newline at the endthread done", "atexit ran"]
+
+
+def test_exit_status_rules(warm_pool):
+    runner, pool = warm_pool
+    st, out, _ = _run(runner, pool, _app("raise", "python", "-c", "raise RuntimeError('bad thing')"))
+    assert st.state == AppState.FAILED and "exited with code 1" in st.msg
+    assert "Traceback" in out and "RuntimeError: bad thing" in out
+    st, _, _ = _run(runner, pool, _app("kill", "python", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"))
+    assert "killed by signal SIGKILL" in st.msg
+    st, _, _ = _run(runner, pool, _app("term", "python", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"))
+    assert "killed by signal SIGTERM" in st.msg
+    st, out, _ = _run(runner, pool, _app("int", "python", "-c", "raise KeyboardInterrupt"))
+    assert "killed by signal SIGINT" in st.msg and "KeyboardInterrupt" in out
+    st, out, _ = _run(runner, pool, _app("msg", "python", "-c", "import sys; sys.exit('fatal: no data')"))
+    assert "exited with code 1" in st.msg and "fatal: no data" in out
+    st, _, _ = _run(runner, pool, _app("ok", "python", "-c", "import sys; sys.exit(None)"))
+    assert st.state == AppState.SUCCEEDED
