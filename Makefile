@@ -1,0 +1,28 @@
+# The two commands a newcomer needs:  `make demo`  and  `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench docs clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	PY=$(PY) VENV=$(VENV) bash scripts/setup.sh
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python benchmarks/warm_relaunch.py
+
+docs: setup
+	$(BIN)/python -m monarch_torchx.docs README.md
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Creates the project venv: the CPU build of torch first (so nothing pulls a CUDA build), then
+# this package with its test extras. Idempotent; used by `make setup|demo|test`.
+set -euo pipefail
+PY=${PY:-python3}
+VENV=${VENV:-.venv}
+TORCH=${TORCH_VERSION:-2.13.0}
+
+if ! "$PY" -m venv --help >/dev/null 2>&1 || ! "$PY" -c "import ensurepip" >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "installing python3-venv (Debian)" >&2
+        apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null
+    else
+        echo "error: '$PY -m venv' is unavailable; install your distribution's python3-venv" >&2
+        exit 1
+    fi
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+    echo "installing torch==$TORCH (CPU build where available)" >&2
+    $PIP install -q "torch==$TORCH" 2>&1 | grep -v "^WARNING: Location" || true
+fi
+echo "installing monarch-torchx (editable) with test extras" >&2
+$PIP install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+"$VENV/bin/python" -c "import torch, torchx, monarch_torchx" || { echo "error: install failed" >&2; exit 1; }
