@@ -10,11 +10,16 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
 
 from .errors import MonarchError
-from .pool import Pool, attach, ensure_pool, stop_pool
-from .registry import Registry
+
+if TYPE_CHECKING:
+    from .pool import Pool
+
+# `torchx` builds every sub-command's parser on each start, ours included: keep this module's
+# import-time cost to argparse; the pool machinery is imported when a command runs.
 
 DEFAULT_SCHEDULER = "monarch_local"
 
@@ -40,8 +45,10 @@ def _scheduler(name: str) -> Any:
     return get_scheduler_factories()[name]("default")
 
 
-def pool_summary(pool: Pool) -> Dict[str, Any]:
+def pool_summary(pool: "Pool") -> Dict[str, Any]:
     """Everything `pool status` shows, as data (also what `--json` prints)."""
+    from .registry import Registry
+
     rec = pool.record
     health = pool.health()
     hosts = []
@@ -66,6 +73,8 @@ def pool_summary(pool: Pool) -> Dict[str, Any]:
 
 
 def cmd_create(args: argparse.Namespace) -> None:
+    from .pool import ensure_pool
+
     sched = _scheduler(args.scheduler)
     cfg = sched.run_opts().resolve(sched.run_opts().cfg_from_str(args.cfg or ""))
     cfg["pool"] = args.name
@@ -76,6 +85,9 @@ def cmd_create(args: argparse.Namespace) -> None:
 
 
 def cmd_list(args: argparse.Namespace) -> None:
+    from .pool import Pool
+    from .registry import Registry
+
     recs = Registry().list()
     if args.json:
         print(json.dumps([pool_summary(Pool(r, Registry())) for r in recs], indent=1))
@@ -92,6 +104,8 @@ def cmd_list(args: argparse.Namespace) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> None:
+    from .pool import attach
+
     s = pool_summary(attach(args.name))
     if args.json:
         print(json.dumps(s, indent=1))
@@ -109,6 +123,8 @@ def cmd_status(args: argparse.Namespace) -> None:
 
 
 def cmd_stop(args: argparse.Namespace) -> None:
+    from .pool import stop_pool
+
     stop_pool(args.name)
     print(f"pool {args.name!r} stopped")
 

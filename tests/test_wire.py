@@ -53,8 +53,18 @@ def server():
     t = threading.Thread(target=loop.run_forever, daemon=True)
     t.start()
     yield key, port, cancelled
+
+    async def shutdown():
+        await srv.close()
+        tasks = [x for x in asyncio.all_tasks() if x is not asyncio.current_task()]
+        for x in tasks:
+            x.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run_coroutine_threadsafe(shutdown(), loop).result(5)
     loop.call_soon_threadsafe(loop.stop)
     t.join(5)
+    loop.close()
 
 
 def test_call_stream_and_remote_error(server):
