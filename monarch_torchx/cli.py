@@ -63,11 +63,16 @@ def pool_summary(pool: "Pool") -> Dict[str, Any]:
             "last_seen": a.heartbeat if a else None,
             "error": (a.exit_reason if a and a.exited else h.error) if not h.ok else "",
         })
+    from .pool import get_provisioner
+
+    engine = get_provisioner(rec.scheduler).describe(rec)
     ok = sum(1 for h in hosts if h["state"] == "ok")
     state = "healthy" if ok == len(hosts) else "stopped" if all(h["state"] == "stopped" for h in hosts) else "degraded"
+    if ok == 0 and engine.get("state") in ("PENDING", "CONFIGURING"):
+        state = "pending"
     return {
         "name": rec.name, "scheduler": rec.scheduler, "state": state, "hosts": hosts, "spec": rec.spec,
-        "options": rec.options, "allocation": rec.allocation, "created": rec.created,
+        "options": rec.options, "allocation": engine, "created": rec.created,
         "apps": len(Registry.list_apps(rec)), "state_dir": rec.state_dir,
     }
 
@@ -112,6 +117,9 @@ def cmd_status(args: argparse.Namespace) -> None:
         return
     print(f"pool {s['name']} on {s['scheduler']}: {s['state']}, {len(s['hosts'])} host(s), {s['apps']} app(s), "
           f"up {_ago(s['created'])}, idle timeout {s['options'].get('idle_timeout', 0):.0f}s")
+    alloc = {k: v for k, v in s["allocation"].items() if v not in (None, "", {})}
+    if alloc and "job_id" in alloc:
+        print("allocation: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in alloc.items()))
     rows = []
     for h in s["hosts"]:
         detail = h["error"] if h["error"] else f"running={h['running']} idle={h['idle_s']}s warm={','.join(h['warm'] or []) or '-'}"

@@ -40,19 +40,33 @@ class Provisioner(Protocol):
     """What an engine must do; the rest of a pool's life is engine-independent."""
 
     scheduler: str
+    hosts_option: str  # the run option that sizes a pool ("hosts", "nodes", "replicas")
     fingerprint: Sequence[str]  # spec keys that must match for a pool to be reused
+
+    def add_run_opts(self, opts: Any) -> None:
+        """Engine-specific TorchX run options."""
+
+    def pool_spec(self, cfg: Dict[str, Any], spec: Dict[str, Any], options: Dict[str, Any]) -> None:
+        """Copies engine options from a run's cfg: into ``spec`` (must match to reuse) or ``options``."""
 
     def create(self, rec: PoolRecord) -> None:
         """Start one agent per host (or submit the allocation that will), filling rec.allocation."""
 
-    def repair(self, rec: PoolRecord, indices: List[int]) -> None:
-        """Start fresh agents for the given host indices of a live pool."""
+    def repair(self, rec: PoolRecord, indices: List[int]) -> List[int]:
+        """Bring back lost hosts; returns the indices that will publish a new incarnation."""
 
     def release(self, rec: PoolRecord) -> None:
         """Free what the agents could not free themselves (leftover processes, the allocation)."""
 
-    def wait_ready(self, rec: PoolRecord, indices: List[int], old: Dict[int, str], timeout: float) -> None:
+    def wait_ready(self, rec: PoolRecord, indices: List[int], old: Dict[int, str], timeout: float,
+                   progress: Callable[[str], None]) -> None:
         """Block until the given hosts published a new incarnation; raise MonarchError otherwise."""
+
+    def loss_reason(self, rec: PoolRecord) -> Optional[str]:
+        """Why hosts may be gone (e.g. "allocation 12 was CANCELLED"), or None."""
+
+    def describe(self, rec: PoolRecord) -> Dict[str, Any]:
+        """Engine facts for `pool status` (allocation id, state, walltime left, ...)."""
 
 
 @dataclass
@@ -127,19 +141,21 @@ class Pool:
         with ThreadPoolExecutor(max_workers=min(32, len(indices))) as ex:
             return list(ex.map(one, indices))
 
-    def health(self) -> List[HostHealth]:
+    def health(self, touch: bool = False) -> List[HostHealth]:
+        """Pings every agent; ``touch`` counts as work on the pool (resets agents' idle clocks)."""
         hosts = self.hosts
-        res = self.fan_out(lambda i: self.call(i, "info", timeout=PING_TIMEOUT_S), range(len(hosts)))
+        res = self.fan_out(lambda i: self.call(i, "info", timeout=PING_TIMEOUT_S, touch=touch), range(len(hosts)))
         return [HostHealth(i, hosts[i], err is None, info or {}, str(err) if err else "") for i, info, err in res]
 
 
-def _fingerprint_diff(rec: PoolRecord, req: PoolRequest, keys: Sequence[str]) -> List[str]:
+def _fingerprint_diff(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> List[str]:
     diffs = []
-    for k in keys:
+    for k in prov.fingerprint:
         want = req.spec.get(k)
         have = rec.spec.get(k)
         if want is not None and want != have:
-            diffs.append(f"{k}={have!r} (you asked {k}={want!r})")
+            name = prov.hosts_option if k == "hosts" else k
+            diffs.append(f"{name}={have!r} (you asked {name}={want!r})")
     return diffs
 
 
@@ -164,7 +180,7 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
             raise MonarchError(f"pool {req.name!r} runs on {rec.scheduler}, not {req.scheduler}: "
                                f"use -s {rec.scheduler} or another pool name")
         if rec is not None:
-            diffs = _fingerprint_diff(rec, req, prov.fingerprint)
+            diffs = _fingerprint_diff(rec, req, prov)
             if diffs and not req.replace:
                 raise MonarchError(f"pool {req.name!r} has {', '.join(diffs)}; "
                                    f"use -cfg replace=True to replace it, or another pool name")
@@ -180,23 +196,34 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
             try:
                 prov.create(rec)
                 registry.save(rec)
-                prov.wait_ready(rec, list(range(rec.num_hosts)), {}, timeout=float(req.options.get("start_timeout", 120)))
+                prov.wait_ready(rec, list(range(rec.num_hosts)), {}, _start_timeout(rec), progress)
             except BaseException:
                 with contextlib.suppress(Exception):
                     _stop(Pool(rec, registry), prov, "failed to start")
                 raise
             return Pool(rec, registry)
         pool = Pool(rec, registry)
-        dead = [h for h in pool.health() if not h.ok]
+        health = pool.health(touch=True)
+        dead = [h.index for h in health if not h.ok]
         if dead:
-            idx = [h.index for h in dead]
-            progress(f"repairing pool {req.name!r}: restarting host(s) {idx}")
-            old = {h.index: h.addr.incarnation for h in dead if h.addr}
-            prov.repair(rec, idx)
-            registry.save(rec)
-            prov.wait_ready(rec, idx, old, timeout=float(rec.options.get("start_timeout", 120)))
+            progress(f"repairing pool {req.name!r}: host(s) {dead} lost")
+            old = {h.index: h.addr.incarnation for h in health if h.addr}
+            try:
+                restarting = prov.repair(rec, dead)
+                registry.save(rec)
+                prov.wait_ready(rec, restarting, old, _start_timeout(rec), progress)
+            except BaseException as e:
+                with contextlib.suppress(Exception):
+                    _stop(pool, prov, "failed to repair")
+                if isinstance(e, MonarchError):
+                    raise MonarchError(f"{e} (pool {req.name!r} was released; the next run creates it anew)") from None
+                raise
             pool.refresh()
         return pool
+
+
+def _start_timeout(rec: PoolRecord) -> float:
+    return float(rec.options.get("start_timeout", 120))
 
 
 def attach(name: str, registry: Optional[Registry] = None) -> Pool:
@@ -238,7 +265,7 @@ def wait_for_hosts(rec: PoolRecord, indices: List[int], old: Dict[int, str], tim
             else:
                 reason = check(i)
                 if reason:
-                    raise MonarchError(f"host {i} of pool {rec.name!r} failed to start: {reason}")
+                    raise MonarchError(f"pool {rec.name!r} did not start: {reason}")
         if not pending:
             return
         if time.time() > deadline:

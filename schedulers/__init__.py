@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 # scheduler name -> "module:class" of its provisioner (imported only when used)
 PROVISIONERS = {
     "monarch_local": "monarch_torchx.schedulers.local:LocalProvisioner",
+    "monarch_slurm": "monarch_torchx.schedulers.slurm:SlurmProvisioner",
 }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -86,9 +87,10 @@ class MonarchScheduler(Scheduler):
     # ------------------------------------------------------------ options
 
     def _run_opts(self) -> runopts:
+        prov = get_provisioner(self.backend)
         opts = runopts()
         opts.add("pool", type_=str, default="default", help="name of the warm pool to run on; created on first use")
-        opts.add("hosts", type_=int, default=None,
+        opts.add(prov.hosts_option, type_=int, default=None,
                  help="hosts in the pool (default: the existing pool's size, else the largest role's replicas)")
         opts.add("replace", type_=bool, default=False,
                  help="replace the pool when it differs from what is asked (else such a run is refused)")
@@ -97,9 +99,7 @@ class MonarchScheduler(Scheduler):
         opts.add("preload", type_=str, default=None,
                  help="comma-separated modules agents pre-import so Python entrypoints start warm "
                       "(default: the existing pool's, else torch; none = no preloads)")
-        extra = getattr(get_provisioner(self.backend), "add_run_opts", None)
-        if extra:
-            extra(opts)
+        prov.add_run_opts(opts)
         return opts
 
     def _validate(self, app: AppDef, scheduler: str, cfg: Any = None) -> None:
@@ -112,23 +112,22 @@ class MonarchScheduler(Scheduler):
     # ------------------------------------------------------------ submit
 
     def _pool_request(self, cfg: Dict[str, Any], want_hosts: int) -> PoolRequest:
+        prov = get_provisioner(self.backend)
         name = check_pool_name(str(cfg.get("pool") or "default"))
-        hosts = cfg.get("hosts")
+        opt = prov.hosts_option
+        hosts = cfg.get(opt)
         if hosts is not None:
             if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
-                raise MonarchError(f"hosts={hosts!r} is invalid: a pool needs at least 1 host")
+                raise MonarchError(f"{opt}={hosts!r} is invalid: a pool needs at least 1 host")
             if want_hosts > hosts:
-                raise MonarchError(f"the app needs {want_hosts} hosts (one per replica) but hosts={hosts}")
+                raise MonarchError(f"the app needs {want_hosts} hosts (one per replica) but {opt}={hosts}")
         preload = cfg.get("preload")
         if preload is not None:
             preload = "" if str(preload).strip().lower() in ("", "none") else ",".join(
                 m.strip() for m in str(preload).split(",") if m.strip())
         spec: Dict[str, Any] = {"hosts": hosts, "preload": preload}
         options = {"idle_timeout": parse_duration(cfg.get("idle_timeout", "30m"))}
-        prov = get_provisioner(self.backend)
-        extra = getattr(prov, "pool_spec", None)
-        if extra:
-            extra(cfg, spec, options)
+        prov.pool_spec(cfg, spec, options)
         return PoolRequest(self.backend, name, spec, options, bool(cfg.get("replace")))
 
     def _submit_dryrun(self, app: AppDef, cfg: Dict[str, Any]) -> AppDryRunInfo:
@@ -154,11 +153,12 @@ class MonarchScheduler(Scheduler):
         req: MonarchRequest = dryrun_info.request
         want = max(r.host_index for r in req.replicas) + 1
         defaults = {"hosts": want, "preload": "torch"}
-        pool = ensure_pool(req.pool, self.registry, defaults=defaults)
+        pool = ensure_pool(req.pool, self.registry, defaults=defaults, progress=_progress)
         n = pool.record.num_hosts
         if want > n:
+            opt = get_provisioner(self.backend).hosts_option
             raise MonarchError(f"the app needs {want} hosts (one per replica) but pool {pool.name!r} has {n}; "
-                               f"use -cfg hosts={want},replace=True or a bigger pool")
+                               f"use -cfg {opt}={want},replace=True or a bigger pool")
         hosts = pool.hosts
         rank0 = hosts[0].host if hosts[0] else "localhost"
         placement = [Placement(r.spec.role, r.spec.replica_id, r.host_index, hosts[r.host_index].incarnation)  # type: ignore[union-attr]
@@ -200,13 +200,16 @@ class MonarchScheduler(Scheduler):
         answers = {i: (res, err) for i, res, err in pool.fan_out(
             lambda i: pool.call(i, "describe", timeout=10.0, app_id=arec.app_id), indices)}
         out: Dict[Tuple[str, int], Dict[str, Any]] = {}
+        loss = None
+        if any(err for _, err in answers.values()):
+            loss = get_provisioner(self.backend).loss_reason(pool.record)
         for p in arec.placement:
             res, err = answers[p.host_index]
             host = pool.hosts[p.host_index] if p.host_index < len(pool.hosts) else None
             hostname = host.hostname if host else ""
             key = (p.role, p.replica_id)
             if err is not None:
-                out[key] = {"state": FAILED, "msg": str(err), "hostname": hostname}
+                out[key] = {"state": FAILED, "msg": f"{err}; {loss}" if loss else str(err), "hostname": hostname}
             elif host is None or host.incarnation != p.incarnation:
                 out[key] = {"state": FAILED, "hostname": hostname,
                             "msg": f"host {p.host_index} was lost and restarted while the replica ran"}
@@ -285,6 +288,10 @@ class MonarchScheduler(Scheduler):
                                     since=since.timestamp() if since else None,
                                     until=until.timestamp() if until else None, regex=regex, follow=should_tail),
                       client)
+
+
+def _progress(msg: str) -> None:
+    print(f"monarch-torchx: {msg}", file=sys.stderr, flush=True)
 
 
 def _lines(batches: Iterable[List[str]], client: Any) -> Iterable[str]:

@@ -12,20 +12,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
+from ..agent import agent_argv
 from ..pool import wait_for_hosts
 from ..registry import PoolRecord, Registry
 from .base import MonarchScheduler
-
-
-def agent_argv(rec: PoolRecord, index: int, bind: str) -> List[str]:
-    """The agent command line every provisioner uses (the token is read from the state dir)."""
-    argv = [sys.executable, "-m", "monarch_torchx.agent", "--state-dir", rec.state_dir, "--pool", rec.name,
-            "--index", str(index), "--bind", bind, "--idle-timeout", str(rec.options.get("idle_timeout", 1800))]
-    preload = rec.spec.get("preload", "torch")
-    argv += ["--preload", preload] if preload else ["--preload", ""]
-    return argv
 
 
 def _tail(path: Path, n: int = 5) -> str:
@@ -61,17 +53,31 @@ def _alive(pid: int) -> bool:
 
 class LocalProvisioner:
     scheduler = "monarch_local"
+    hosts_option = "hosts"
     fingerprint = ("hosts", "preload")
+
+    def add_run_opts(self, opts: Any) -> None:
+        pass
+
+    def pool_spec(self, cfg: Dict[str, Any], spec: Dict[str, Any], options: Dict[str, Any]) -> None:
+        pass
 
     def create(self, rec: PoolRecord) -> None:
         self._start(rec, list(range(rec.num_hosts)))
 
-    def repair(self, rec: PoolRecord, indices: List[int]) -> None:
+    def repair(self, rec: PoolRecord, indices: List[int]) -> List[int]:
         for i in indices:
             pid = rec.allocation.get("pids", {}).get(str(i))
             if pid and _is_our_agent(pid, rec.state_dir):
                 os.kill(pid, signal.SIGKILL)  # hung, not just slow: it failed a health check
         self._start(rec, indices)
+        return indices
+
+    def loss_reason(self, rec: PoolRecord) -> Optional[str]:
+        return None
+
+    def describe(self, rec: PoolRecord) -> Dict[str, Any]:
+        return {"agents": rec.allocation.get("pids", {})}
 
     def _start(self, rec: PoolRecord, indices: List[int]) -> None:
         pids: Dict[str, Any] = rec.allocation.setdefault("pids", {})
@@ -83,12 +89,13 @@ class LocalProvisioner:
                                         stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
             pids[str(i)] = proc.pid
 
-    def wait_ready(self, rec: PoolRecord, indices: List[int], old: Dict[int, str], timeout: float) -> None:
+    def wait_ready(self, rec: PoolRecord, indices: List[int], old: Dict[int, str], timeout: float,
+                   progress: Callable[[str], None]) -> None:
         def check(i: int) -> Optional[str]:
             pid = rec.allocation.get("pids", {}).get(str(i))
             if pid and not _alive(pid):
                 log = Path(rec.state_dir) / "logs" / f"agent{i}.log"
-                return f"agent exited ({_tail(log) or 'no output'}); log: {log}"
+                return f"agent {i} exited ({_tail(log) or 'no output'}); log: {log}"
             return None
         wait_for_hosts(rec, indices, old, timeout, check)
 

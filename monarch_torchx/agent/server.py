@@ -79,7 +79,9 @@ class Agent:
         self.procs.on_launcher_death(reason)
         if not self.stopping.is_set():
             log.error("%s; stopping the agent", reason)
-            self.stop("launcher died")
+            # a signal to the whole job (scancel, walltime) reaches the fork servers too: let the
+            # agent's own signal handler name the cause first
+            asyncio.get_running_loop().call_later(0.2, self.stop, "launcher died")
 
     def stop(self, reason: str) -> None:
         self.stop_reason = self.stop_reason or reason
@@ -104,11 +106,14 @@ class Agent:
 
     # ------------------------------------------------------------ operations
 
-    async def op_info(self, peer: wire.Peer) -> dict:
+    async def op_info(self, peer: wire.Peer, touch: bool = False) -> dict:
+        idle = self.idle_seconds()
+        if touch:  # a run is about to use the pool
+            self.last_request = time.time()
         return {
             "pool": self.pool, "index": self.index, "hostname": socket.gethostname(), "pid": os.getpid(),
             "incarnation": self.incarnation, "started": self.started, "now": time.time(),
-            "running": self.procs.running, "idle_s": round(self.idle_seconds(), 1),
+            "running": self.procs.running, "idle_s": round(idle, 1),
             "idle_timeout": self.args.idle_timeout, "modules": self.modules, "warm": self.launcher.warm_info,
             "connections": self.server.connections,
         }

@@ -1,0 +1,244 @@
+"""``monarch_slurm``: one ``sbatch`` allocation of N nodes, one agent per node, kept warm.
+
+The batch script ``srun``s one agent per node; each publishes its address in the pool's state
+dir, which must be on a file system the nodes share (the registry home, or ``job_dir``). Run
+options use TorchX's slurm names and meanings, and a ``[slurm]`` section of ``.torchxconfig``
+supplies their defaults, so existing configs carry over.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ..agent import agent_argv
+from ..errors import MonarchError
+from ..pool import parse_duration, wait_for_hosts
+from ..registry import PoolRecord, Registry
+from .base import MonarchScheduler
+
+# spec keys (must match for reuse) and plain options, by TorchX slurm run-option name
+SPEC_OPTS = ("partition", "account", "qos", "constraint", "gpus_per_node", "cpus_per_task", "mem", "exclusive")
+PLAIN_OPTS = ("time", "comment", "mail-user", "mail-type", "job_dir", "start_timeout")
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+# pending reasons that will not resolve by waiting: fail at once instead of an endless PENDING
+_HOPELESS = ("PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints", "InvalidAccount",
+             "InvalidQOS", "AccountNotAllowed", "QOSMaxNodePerJobLimit", "QOSMaxWallDurationPerJobLimit",
+             "QOSMaxGRESPerJob", "JobHeldAdmin", "PartitionDown", "PartitionInactive", "NodeDown")
+_ALIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+
+
+def parse_slurm_time(value: str) -> int:
+    """SLURM's walltime formats (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) -> seconds."""
+    m = _TIME.match(str(value).strip())
+    if not m:
+        raise MonarchError(f"time={value!r} is not a SLURM time limit: use e.g. 30, 01:30:00 or 1-00:00:00")
+    days, a, b, c = m.groups()
+    parts = [int(x) for x in (a, b, c) if x is not None]
+    if days is not None:  # D-HH[:MM[:SS]]
+        h, mi, s = (parts + [0, 0])[:3]
+        return int(days) * 86400 + h * 3600 + mi * 60 + s
+    if len(parts) == 1:
+        return parts[0] * 60
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]
+    return parts[0] * 3600 + parts[1] * 60 + parts[2]
+
+
+def _slurm_config_defaults() -> Dict[str, Any]:
+    """Values of a ``[slurm]`` section in .torchxconfig (cwd), cast as TorchX's slurm casts them."""
+    try:
+        from torchx.runner import config
+
+        cfg: Dict[str, Any] = {}
+        config.apply(scheduler="slurm", cfg=cfg)
+        return cfg
+    except Exception:  # no torchx slurm scheduler or no readable config: no defaults
+        return {}
+
+
+def _run(argv: List[str], timeout: float = 30) -> Tuple[int, str, str]:
+    if shutil.which(argv[0]) is None:
+        raise MonarchError(f"{argv[0]} not found on PATH: monarch_slurm needs the SLURM client commands "
+                           "(sbatch, squeue, scancel) on this machine")
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise MonarchError(f"`{' '.join(argv[:2])} ...` did not answer within {timeout:.0f} s: is slurmctld up?") from None
+    return res.returncode, res.stdout.strip(), res.stderr.strip()
+
+
+def job_state(job_id: str) -> Tuple[str, str, str]:
+    """(state, reason, time left) of a job; state from sacct once squeue forgot it ("" if unknown)."""
+    rc, out, _ = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r|%L"])
+    if rc == 0 and out:
+        state, reason, left = (out.splitlines()[0].split("|") + ["", ""])[:3]
+        return state, reason, left
+    if shutil.which("sacct"):
+        rc, out, _ = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"])
+        if rc == 0 and out:
+            return out.splitlines()[0].split()[0], "", ""
+    return "", "", ""
+
+
+def _partition_hint(rec: PoolRecord, reason: str) -> str:
+    if reason != "PartitionNodeLimit":
+        return ""
+    argv = ["sinfo", "-h", "-o", "%D"] + (["-p", rec.spec["partition"]] if rec.spec.get("partition") else [])
+    rc, out, _ = _run(argv)
+    total = sum(int(x) for x in out.split() if x.isdigit()) if rc == 0 else 0
+    return f": nodes={rec.num_hosts} but the partition has {total}" if total else ""
+
+
+class SlurmProvisioner:
+    scheduler = "monarch_slurm"
+    hosts_option = "nodes"
+    fingerprint = ("hosts", *SPEC_OPTS, "preload")
+
+    def add_run_opts(self, opts: Any) -> None:
+        d = _slurm_config_defaults()
+        opts.add("partition", type_=str, default=d.get("partition"), help="SLURM partition (default: the cluster's)")
+        opts.add("time", type_=str, default=d.get("time"),
+                 help="walltime of the pool's allocation, SLURM format (e.g. 30, 02:00:00, 1-00:00:00)")
+        opts.add("account", type_=str, default=d.get("account"), help="SLURM account to charge")
+        opts.add("qos", type_=str, default=d.get("qos"), help="SLURM quality of service")
+        opts.add("constraint", type_=str, default=d.get("constraint"), help="SLURM node feature constraint")
+        opts.add("comment", type_=str, default=d.get("comment"), help="comment set on the allocation")
+        opts.add("mail-user", type_=str, default=d.get("mail-user"), help="user to mail on allocation events")
+        opts.add("mail-type", type_=str, default=d.get("mail-type"), help="allocation events to mail about")
+        opts.add("job_dir", type_=str, default=d.get("job_dir"),
+                 help="shared directory for the pool's state and logs (default: the registry home)")
+        opts.add("gpus_per_node", type_=int, default=None, help="GPUs per node of the allocation")
+        opts.add("cpus_per_task", type_=int, default=None, help="CPUs for each node's agent and its processes")
+        opts.add("mem", type_=str, default=None, help="memory per node, SLURM format (e.g. 16G)")
+        opts.add("exclusive", type_=bool, default=False, help="whole nodes for the pool (sbatch --exclusive)")
+        opts.add("start_timeout", type_=str, default="10m",
+                 help="give up when the allocation is not running its agents after this long (e.g. 5m)")
+
+    def pool_spec(self, cfg: Dict[str, Any], spec: Dict[str, Any], options: Dict[str, Any]) -> None:
+        for k in SPEC_OPTS:
+            v = cfg.get(k)
+            spec[k] = v if v not in ("", False) else None
+        for k in PLAIN_OPTS:
+            if cfg.get(k) not in (None, ""):
+                options[k] = cfg[k]
+        if options.get("time"):
+            options["walltime_s"] = parse_slurm_time(options["time"])
+        options["start_timeout"] = parse_duration(options.get("start_timeout", "10m"), "start_timeout")
+
+    # ------------------------------------------------------------ allocation
+
+    def _sbatch_argv(self, rec: PoolRecord, script: Path) -> List[str]:
+        spec, opt = rec.spec, rec.options
+        argv = ["sbatch", "--parsable", "-J", f"monarch-{rec.name}", "-N", str(rec.num_hosts),
+                "--ntasks-per-node=1", "-o", str(Path(rec.state_dir) / "logs" / "slurm-%j.out"),
+                "-D", rec.state_dir]
+        flags = {"partition": "-p", "account": "-A", "qos": "--qos", "constraint": "-C",
+                 "gpus_per_node": "--gpus-per-node", "cpus_per_task": "--cpus-per-task", "mem": "--mem"}
+        for k, flag in flags.items():
+            if spec.get(k) not in (None, ""):
+                argv += [flag, str(spec[k])]
+        if spec.get("exclusive"):
+            argv.append("--exclusive")
+        for k, flag in (("time", "-t"), ("comment", "--comment"), ("mail-user", "--mail-user"),
+                        ("mail-type", "--mail-type")):
+            if opt.get(k):
+                argv += [flag, str(opt[k])]
+        return argv + [str(script)]
+
+    def _submit(self, rec: PoolRecord) -> None:
+        script = Path(rec.state_dir) / "pool.sbatch"
+        agent = " ".join(shlex.quote(a) for a in agent_argv(rec, index=None, bind="0.0.0.0"))
+        script.write_text(
+            "#!/bin/bash\n"
+            f"# monarch-torchx pool {rec.name}: one agent per node; agents exit when idle or told to stop\n"
+            f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {agent}\n")
+        script.chmod(0o700)
+        rc, out, err = _run(self._sbatch_argv(rec, script))
+        if rc != 0:
+            reason = err.splitlines()[-1] if err else f"exit code {rc}"
+            raise MonarchError(f"SLURM refused pool {rec.name!r}: {reason.removeprefix('sbatch: error: ')}")
+        rec.allocation = {"job_id": out.split(";")[0], "submitted": time.time()}
+
+    def create(self, rec: PoolRecord) -> None:
+        self._submit(rec)
+
+    def repair(self, rec: PoolRecord, indices: List[int]) -> List[int]:
+        """An agent cannot be re-added to a running allocation: replace the allocation."""
+        self._cancel(rec)
+        for i in range(rec.num_hosts):
+            Registry.clear_host(rec, i)
+        self._submit(rec)
+        return list(range(rec.num_hosts))
+
+    def _cancel(self, rec: PoolRecord) -> None:
+        job = rec.allocation.get("job_id")
+        if job and shutil.which("scancel"):
+            _run(["scancel", str(job)])
+
+    def release(self, rec: PoolRecord) -> None:
+        job = rec.allocation.get("job_id")
+        if not job:
+            return
+        deadline = time.time() + 5  # agents were told to shut down: give the job a moment to end
+        while time.time() < deadline and job_state(job)[0] in ("RUNNING", "COMPLETING"):
+            time.sleep(0.2)
+        if job_state(job)[0] in _ALIVE:
+            self._cancel(rec)
+
+    def wait_ready(self, rec: PoolRecord, indices: List[int], old: Dict[int, str], timeout: float,
+                   progress: Callable[[str], None]) -> None:
+        job = rec.allocation["job_id"]
+        last = {"t": 0.0, "said": ""}
+        log = Path(rec.state_dir) / "logs" / f"slurm-{job}.out"
+
+        def check(_i: int) -> Optional[str]:
+            if time.time() - last["t"] < 0.5:
+                return None
+            last["t"] = time.time()
+            state, reason, _ = job_state(job)
+            said = f"allocation {job}: {state or 'unknown'}" + (f" ({reason})" if reason and reason != "None" else "")
+            if said != last["said"]:
+                progress(said)
+                last["said"] = said
+            if state and state not in _ALIVE:
+                tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
+                return f"allocation {job} is {state}" + (f": {' | '.join(tail)}" if tail else "")
+            if state == "PENDING" and reason in _HOPELESS:
+                return f"allocation {job} can never start ({reason}{_partition_hint(rec, reason)})"
+            return None
+
+        try:
+            wait_for_hosts(rec, indices, old, timeout, check)
+        except MonarchError as e:
+            if "did not start within" in str(e):
+                state, reason, _ = job_state(job)
+                raise MonarchError(f"pool {rec.name!r}: allocation {job} still {state or 'unknown'}"
+                                   f"{f' ({reason})' if reason else ''} after {timeout:.0f} s; "
+                                   f"cancelled it (raise start_timeout to wait longer)") from None
+            raise
+
+    def loss_reason(self, rec: PoolRecord) -> Optional[str]:
+        job = rec.allocation.get("job_id")
+        if not job:
+            return None
+        state, reason, _ = job_state(job)
+        if state in ("RUNNING", "COMPLETING"):
+            return None
+        return f"allocation {job} is {state or 'gone'}" + (f" ({reason})" if reason and reason != "None" else "")
+
+    def describe(self, rec: PoolRecord) -> Dict[str, Any]:
+        job = rec.allocation.get("job_id")
+        state, reason, left = job_state(job) if job else ("", "", "")
+        return {"job_id": job, "state": state, "reason": reason if reason != "None" else "",
+                "time_left": left, "walltime": rec.options.get("time")}
+
+
+def create_scheduler(session_name: str, **kwargs: Any) -> MonarchScheduler:
+    return MonarchScheduler(session_name, "monarch_slurm")
+
