@@ -88,3 +88,40 @@ def wait_for(pred, timeout: float = 30.0, interval: float = 0.05, what: str = "c
             return v
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+LAB = Path(__file__).resolve().parents[1] / "scripts" / "slurmlab"
+
+
+def _lab_up() -> bool:
+    try:
+        res = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    states = res.stdout.split()
+    return res.returncode == 0 and bool(states) and all(s in ("idle", "mixed", "allocated", "completing") for s in states)
+
+
+@pytest.fixture(scope="session")
+def slurm_lab():
+    """The project's local SLURM cluster (3 nodes in network namespaces); started if needed.
+
+    Stopped at the end only if this session started it. Skipped, with the reason, where it cannot
+    run (not root); any other failure to start it fails the tests that need it.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("the local SLURM lab needs root (network namespaces, slurmd); run `make test` as root")
+    started = False
+    if not _lab_up():
+        res = subprocess.run(["bash", str(LAB / "start-cluster.sh")], capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            pytest.fail(f"could not start the SLURM lab:\n{res.stderr[-3000:]}")
+        started = True
+    yield
+    if started and not os.environ.get("MONARCH_TORCHX_KEEP_LAB"):
+        subprocess.run(["bash", str(LAB / "stop-cluster.sh")], capture_output=True, timeout=300)
+
+
+def squeue_ids(name_prefix: str) -> List[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.split()[1:] and line.split()[1].startswith(name_prefix)]

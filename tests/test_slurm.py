@@ -1,0 +1,164 @@
+"""monarch_slurm on the real local SLURM lab: 3 nodes, each in its own network namespace."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from monarch_torchx.pool import attach
+from monarch_torchx.registry import Registry
+
+from .conftest import BIN, cli_env, squeue_ids, torchx, wait_for
+from .test_cli import TRAIN
+
+pytestmark = pytest.mark.usefixtures("slurm_lab")
+
+
+def _handle(res) -> str:
+    return res.stdout.strip().splitlines()[-1]
+
+
+def _state(home, handle) -> str:
+    out = torchx(home, "status", handle).stdout
+    return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.strip().startswith("State:"))
+
+
+def _msg(home, handle) -> str:
+    out = torchx(home, "status", handle).stdout
+    return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.strip().startswith("Msg:"))
+
+
+def _job(home, pool) -> str:
+    return Registry(home).get(pool).allocation["job_id"]
+
+
+def test_provision_once_then_iterate_on_warm_nodes(home, pool_name, tmp_path):
+    res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=2,partition=debug,time=00:30:00",
+                 "monarch.hostinfo", "--replicas", "2", cwd=tmp_path)
+    h = _handle(res)
+    assert h.startswith(f"monarch_slurm://torchx/{pool_name}:")
+    assert "allocation" in res.stderr  # progress while the allocation starts
+    wait_for(lambda: _state(home, h) == "SUCCEEDED", what="hostinfo")
+    job = _job(home, pool_name)
+    lines = sorted(torchx(home, "log", h).stdout.splitlines())
+    assert re.search(rf"hostinfo/0 pool={pool_name} host=0 hostname=node\d pid=\d+ rank0=node\d", lines[0])
+    hosts = {re.search(r"hostname=(node\d)", line).group(1) for line in lines}
+    assert len(hosts) == 2  # two different nodes
+    from torchx.schedulers import get_scheduler_factories
+
+    resp = get_scheduler_factories()["monarch_slurm"]("torchx").describe(h.rsplit("/", 1)[1])
+    assert {r.hostname for r in resp.roles_statuses[0].replicas} == hosts  # ReplicaStatus.hostname
+
+    # again: no sbatch, same allocation, same agents
+    agents = [a.pid for a in Registry.hosts(Registry(home).get(pool_name))]
+    h2 = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.python", "-c",
+                        "import socket; print('on', socket.gethostname())", cwd=tmp_path))
+    wait_for(lambda: _state(home, h2) == "SUCCEEDED", what="python")
+    assert re.match(r"python/0 on node\d", torchx(home, "log", h2).stdout)
+    assert _job(home, pool_name) == job and squeue_ids(f"monarch-{pool_name}") == [job]
+    assert [a.pid for a in Registry.hosts(Registry(home).get(pool_name))] == agents
+
+    st = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
+    assert st["state"] == "healthy" and st["allocation"]["job_id"] == job
+    assert st["allocation"]["state"] == "RUNNING" and st["allocation"]["time_left"]
+    text = torchx(home, "pool", "status", pool_name).stdout
+    assert f"job id {job}" in text and "time left" in text
+    listed = torchx(home, "list", "-s", "monarch_slurm").stdout
+    assert h in listed and h2 in listed
+
+    # cancel an app: the allocation stays
+    h3 = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.sh", "sleep", "600"))
+    wait_for(lambda: _state(home, h3) == "RUNNING", what="sleep")
+    torchx(home, "cancel", h3)
+    wait_for(lambda: _state(home, h3) == "CANCELLED", what="cancel")
+    assert squeue_ids(f"monarch-{pool_name}") == [job]
+
+    torchx(home, "pool", "stop", pool_name)
+    wait_for(lambda: not squeue_ids(f"monarch-{pool_name}"), timeout=30, what="allocation released")
+
+
+def test_dist_ddp_gloo_all_reduce_across_two_nodes(home, pool_name, tmp_path):
+    (tmp_path / "train.py").write_text(TRAIN)
+    h = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=2", "dist.ddp", "-j", "2x1",
+                       "--script", "train.py", cwd=tmp_path))
+    wait_for(lambda: _state(home, h) in ("SUCCEEDED", "FAILED"), timeout=180, what="ddp")
+    logs = torchx(home, "log", h).stdout
+    assert _state(home, h) == "SUCCEEDED", logs
+    ranks = re.findall(r"rank=(\d) world=2 sum=3.0 host=(\d)", logs)
+    assert sorted(r for r, _ in ranks) == ["0", "1"] and sorted(hh for _, hh in ranks) == ["0", "1"]
+
+
+def test_bad_requests_are_refused_in_one_line_and_leave_no_allocation(home, pool_name, tmp_path):
+    cases = [
+        (f"pool={pool_name},partition=nope", "Invalid partition"),
+        (f"pool={pool_name},nodes=5", "can never start"),
+        (f"pool={pool_name},time=abc", "not a SLURM time limit"),
+    ]
+    for cfg, want in cases:
+        res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", cfg, "utils.echo", check=False, timeout=120)
+        assert res.returncode == 1, res
+        assert want in res.stderr and "Traceback" not in res.stderr, res.stderr
+        assert not squeue_ids(f"monarch-{pool_name}")
+        assert Registry(home).get(pool_name) is None
+    env = {**cli_env(home), "PATH": str(BIN)}  # no SLURM commands on PATH
+    res = subprocess.run([str(BIN / "torchx"), "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "sbatch not found on PATH" in res.stderr and "SLURM" in res.stderr
+
+
+def test_torchxconfig_slurm_section_is_honoured(home, pool_name, tmp_path):
+    (tmp_path / ".torchxconfig").write_text("[slurm]\npartition = from_torchxconfig\n")
+    res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo", cwd=tmp_path, check=False)
+    assert res.returncode == 1 and "Invalid partition" in res.stderr  # the [slurm] default was used
+    dry = torchx(home, "run", "--dryrun", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo", cwd=tmp_path)
+    assert "partition=from_torchxconfig" in dry.stdout
+    h = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},partition=debug", "utils.echo",
+                       cwd=tmp_path))
+    wait_for(lambda: _state(home, h) == "SUCCEEDED", what="echo with -cfg over [slurm]")
+
+
+def test_allocation_cancelled_outside_fails_apps_and_the_next_run_reprovisions(home, pool_name):
+    h = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=2", "utils.sh", "sleep", "600"))
+    wait_for(lambda: _state(home, h) == "RUNNING", what="sleep")
+    job = _job(home, pool_name)
+    subprocess.run(["scancel", job], check=True)
+    wait_for(lambda: _state(home, h) == "FAILED", timeout=15, what="app FAILED after scancel")
+    assert f"allocation {job} is CANCELLED" in _msg(home, h)
+    st = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
+    assert st["state"] == "stopped" and st["allocation"]["state"] == "CANCELLED"
+    res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo")
+    assert "repairing" in res.stderr
+    h2 = _handle(res)
+    wait_for(lambda: _state(home, h2) == "SUCCEEDED", what="echo on the new allocation")
+    assert _job(home, pool_name) != job
+
+
+def test_killed_node_agent_fails_its_apps_and_the_pool_is_replaced(home, pool_name):
+    h = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=2", "utils.sh", "sleep", "600"))
+    wait_for(lambda: _state(home, h) == "RUNNING", what="sleep")
+    job = _job(home, pool_name)
+    victim = Registry.hosts(Registry(home).get(pool_name))[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    wait_for(lambda: _state(home, h) == "FAILED", timeout=15, what="app FAILED after its agent died")
+    assert "host 0" in _msg(home, h)
+    st = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
+    assert st["state"] == "degraded" and [x["state"] for x in st["hosts"]] == ["lost", "ok"]
+    h2 = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo"))
+    wait_for(lambda: _state(home, h2) == "SUCCEEDED", what="echo after replacement")
+    assert _job(home, pool_name) != job
+    wait_for(lambda: job not in squeue_ids(f"monarch-{pool_name}"), timeout=30, what="old allocation gone")
+
+
+def test_idle_timeout_releases_the_allocation(home, pool_name):
+    torchx(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", "nodes=1,preload=none,idle_timeout=2s")
+    job = _job(home, pool_name)
+    assert squeue_ids(f"monarch-{pool_name}") == [job]
+    wait_for(lambda: not squeue_ids(f"monarch-{pool_name}"), timeout=60, what="idle allocation released")
+    st = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
+    assert st["state"] == "stopped" and "idle" in st["hosts"][0]["error"]
