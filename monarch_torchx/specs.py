@@ -21,6 +21,14 @@ class LaunchSpec:
     env: Dict[str, str] = field(default_factory=dict)
     cwd: Optional[str] = None
     max_retries: int = 0
+    # optional: also append the raw output to these files (submitit's %j_%t_log.out/err)
+    stdout_path: Optional[str] = None
+    stderr_path: Optional[str] = None
+    # optional: SIGUSR2 at timeout_s - signal_delay_s (checkpoint), then killed at timeout_s
+    timeout_s: Optional[float] = None
+    signal_delay_s: float = 30.0
+    # optional: an exit with this code means "run me again" (a requeue), not a failure
+    requeue_code: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not self.argv or not all(isinstance(a, str) for a in self.argv):

@@ -17,10 +17,11 @@ from torchx.schedulers.api import DescribeAppResponse, ListAppResponse, Schedule
 from torchx.schedulers.ids import make_unique
 from torchx.specs import AppDef, AppDryRunInfo, AppState, ReplicaStatus, Role, RoleStatus, macros, runopts
 
+from .. import apps
 from ..errors import MonarchError
 from ..pool import Pool, PoolRequest, ensure_pool, get_provisioner, parse_duration
-from ..registry import AppRecord, Placement, PoolRecord, Registry, check_pool_name
-from ..specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, LaunchSpec
+from ..registry import AppRecord, Registry, check_pool_name
+from ..specs import FAILED, SUCCEEDED, LaunchSpec
 
 RANK0_ENV = "TORCHX_RANK0_HOST"
 
@@ -52,19 +53,6 @@ class MonarchRequest:
                 lines.append(f"    env: {' '.join(f'{k}={v}' for k, v in sorted(s.env.items()))}")
             lines.append(f"    cwd: {s.cwd}  max_retries: {s.max_retries}")
         return "\n".join(lines)
-
-
-_STATE_ORDER = [FAILED, CANCELLED, RUNNING, PENDING]
-
-
-def app_state(states: List[str]) -> str:
-    """TorchX semantics: any failure fails the app; it succeeds only when every replica did."""
-    if states and all(s == SUCCEEDED for s in states):
-        return SUCCEEDED
-    for s in _STATE_ORDER:
-        if s in states:
-            return s
-    return PENDING
 
 
 def split_app_id(app_id: str) -> Tuple[str, str]:
@@ -161,25 +149,9 @@ class MonarchScheduler(Scheduler):
                                f"use -cfg {opt}={want},replace=True or a bigger pool")
         hosts = pool.hosts
         rank0 = hosts[0].host if hosts[0] else "localhost"
-        placement = [Placement(r.spec.role, r.spec.replica_id, r.host_index, hosts[r.host_index].incarnation)  # type: ignore[union-attr]
-                     for r in req.replicas]
-        Registry.save_app(pool.record, AppRecord(req.app_id, pool.name, req.app_name, req.roles, placement))
-        by_host: Dict[int, List[LaunchSpec]] = {}
         for r in req.replicas:
             r.spec.env.setdefault(RANK0_ENV, rank0)
-            by_host.setdefault(r.host_index, []).append(r.spec)
-
-        def launch(i: int) -> None:
-            with pool.connect(i) as c:
-                c.settimeout(30.0)
-                for spec in by_host[i]:
-                    c.call("launch", spec=spec.__dict__)
-
-        errors = [(i, e) for i, _, e in pool.fan_out(launch, sorted(by_host)) if e]
-        if errors:
-            self._kill(pool, req.app_id, sorted(by_host))
-            raise MonarchError(f"could not start {req.app_id} on pool {pool.name!r}: "
-                               + "; ".join(f"host {i}: {e}" for i, e in errors))
+        apps.launch(pool, req.app_id, req.app_name, req.roles, [(r.host_index, r.spec) for r in req.replicas])
         return f"{pool.name}:{req.app_id}"
 
     # ------------------------------------------------------------ queries
@@ -195,39 +167,15 @@ class MonarchScheduler(Scheduler):
         arec = Registry.get_app(rec, app)
         return (Pool(rec, self.registry), arec) if arec else None
 
-    def _replica_states(self, pool: Pool, arec: AppRecord) -> Dict[Tuple[str, int], Dict[str, Any]]:
-        indices = sorted({p.host_index for p in arec.placement})
-        answers = {i: (res, err) for i, res, err in pool.fan_out(
-            lambda i: pool.call(i, "describe", timeout=10.0, app_id=arec.app_id), indices)}
-        out: Dict[Tuple[str, int], Dict[str, Any]] = {}
-        loss = None
-        if any(err for _, err in answers.values()):
-            loss = get_provisioner(self.backend).loss_reason(pool.record)
-        for p in arec.placement:
-            res, err = answers[p.host_index]
-            host = pool.hosts[p.host_index] if p.host_index < len(pool.hosts) else None
-            hostname = host.hostname if host else ""
-            key = (p.role, p.replica_id)
-            if err is not None:
-                out[key] = {"state": FAILED, "msg": f"{err}; {loss}" if loss else str(err), "hostname": hostname}
-            elif host is None or host.incarnation != p.incarnation:
-                out[key] = {"state": FAILED, "hostname": hostname,
-                            "msg": f"host {p.host_index} was lost and restarted while the replica ran"}
-            else:
-                st = next((s for s in res if s["role"] == p.role and s["replica_id"] == p.replica_id), None)
-                out[key] = ({**st, "hostname": hostname} if st else
-                            {"state": FAILED, "msg": f"replica not known to host {p.host_index}", "hostname": hostname})
-        return out
-
     def describe(self, app_id: str) -> Optional[DescribeAppResponse]:
         found = self._lookup(app_id)
         if found is None:
             return None
         pool, arec = found
-        states = self._replica_states(pool, arec)
+        states = apps.replica_states(pool, arec)
         resp = DescribeAppResponse()
         resp.app_id = app_id
-        resp.state = AppState[app_state([s["state"] for s in states.values()])]
+        resp.state = AppState[apps.app_state([s["state"] for s in states.values()])]
         resp.num_restarts = sum(max(0, s.get("attempts", 1) - 1) for s in states.values())
         msgs = [f"{role}/{i}: {s['msg']}" for (role, i), s in states.items() if s.get("msg") and s["state"] != SUCCEEDED]
         resp.msg = "; ".join(msgs)
@@ -244,31 +192,21 @@ class MonarchScheduler(Scheduler):
         out: List[ListAppResponse] = []
         for rec in self.registry.list(self.backend):
             pool = Pool(rec, self.registry)
-            apps = Registry.list_apps(rec)
-            if not apps:
-                continue
-            listed = pool.fan_out(lambda i: pool.call(i, "list", timeout=10.0), range(rec.num_hosts))
-            seen: Dict[Tuple[str, str, int], str] = {}
-            for _, res, err in listed:
-                for st in res or []:
-                    seen[(st["app_id"], st["role"], st["replica_id"])] = st["state"]
-            for a in apps:
+            records = Registry.list_apps(rec)
+            seen = apps.list_states(pool) if records else {}
+            for a in records:
                 states = [seen.get((a.app_id, p.role, p.replica_id), FAILED) for p in a.placement]
                 app_id = f"{rec.name}:{a.app_id}"
-                out.append(ListAppResponse(app_id=app_id, state=AppState[app_state(states)],
+                out.append(ListAppResponse(app_id=app_id, state=AppState[apps.app_state(states)],
                                            app_handle=f"{self.backend}://{self.session_name}/{app_id}"))
         return out
 
     # ------------------------------------------------------------ cancel and logs
 
-    def _kill(self, pool: Pool, app: str, indices: List[int]) -> None:
-        pool.fan_out(lambda i: pool.call(i, "kill", timeout=15.0, app_id=app), indices)
-
     def _cancel_existing(self, app_id: str) -> None:
         found = self._lookup(app_id)
         if found:
-            pool, arec = found
-            self._kill(pool, arec.app_id, sorted({p.host_index for p in arec.placement}))
+            apps.kill(*found)
 
     def log_iter(self, app_id: str, role_name: str, k: int = 0, regex: Optional[str] = None,
                  since: Optional[datetime] = None, until: Optional[datetime] = None,

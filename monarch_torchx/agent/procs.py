@@ -22,6 +22,7 @@ from .launcher import Launcher, SpawnError
 STREAMS = ("stdout", "stderr")
 MAX_PARTIAL = 64 * 1024  # a line longer than this is split rather than buffered forever
 BATCH_LINES = 2000
+MAX_REQUEUES = 100  # a safety net: submitit counts a job's requeues itself
 
 
 def describe_exit(code: int) -> str:
@@ -36,13 +37,16 @@ def describe_exit(code: int) -> str:
 class _Capture(asyncio.Protocol):
     """Timestamps each line of one pipe and appends it to the stream's file."""
 
-    def __init__(self, path: Path, notify: Callable[[], None]):
+    def __init__(self, path: Path, notify: Callable[[], None], tee: Optional[str] = None):
         self._file = open(path, "ab", buffering=0)
+        self._tee = open(tee, "ab", buffering=0) if tee else None
         self._partial = b""
         self._notify = notify
         self.closed = asyncio.get_running_loop().create_future()
 
     def data_received(self, data: bytes) -> None:
+        if self._tee:
+            self._tee.write(data)
         ts = b"%.6f " % time.time()
         lines = (self._partial + data).split(b"\n")
         self._partial = lines.pop()
@@ -58,6 +62,8 @@ class _Capture(asyncio.Protocol):
             self._file.write(b"%.6f " % time.time() + self._partial + b"\n")
             self._partial = b""
         self._file.close()
+        if self._tee:
+            self._tee.close()
         if not self.closed.done():
             self.closed.set_result(None)
         self._notify()
@@ -77,6 +83,9 @@ class Replica:
         self.started = time.time()
         self.ended: Optional[float] = None
         self.cancelled = False
+        self.timed_out = False
+        self.requeues = 0
+        self.timers: List[asyncio.TimerHandle] = []
         self.captures: List[_Capture] = []
         self._changed = asyncio.Event()
 
@@ -179,10 +188,15 @@ class ProcTable:
         for _, w in pipes:
             os.close(w)
         rep.captures = []
-        for (r, _), name in zip(pipes, STREAMS):
-            _, proto = await loop.connect_read_pipe(lambda n=name: _Capture(rep.log_dir / f"{n}.log", rep.notify),
-                                                    os.fdopen(r, "rb", buffering=0))
+        tees = (rep.spec.stdout_path, rep.spec.stderr_path)
+        for (r, _), name, tee in zip(pipes, STREAMS, tees):
+            _, proto = await loop.connect_read_pipe(
+                lambda n=name, t=tee: _Capture(rep.log_dir / f"{n}.log", rep.notify, t), os.fdopen(r, "rb", buffering=0))
             rep.captures.append(proto)
+        if rep.spec.timeout_s:
+            t = rep.spec.timeout_s
+            rep.timers = [loop.call_later(max(0.0, t - rep.spec.signal_delay_s), _signal_proc, pid, signal.SIGUSR2),
+                          loop.call_later(t, self._time_out, rep, pid)]
         rep.pid = pid
         rep.state = RUNNING
         self._by_pid[pid] = rep
@@ -196,16 +210,30 @@ class ProcTable:
         self.last_change = time.time()
         rep.notify()
 
+    def _time_out(self, rep: Replica, pid: int) -> None:
+        if rep.pid == pid and rep.state == RUNNING:
+            rep.timed_out = True
+            _signal_group(pid, signal.SIGTERM)
+            asyncio.get_running_loop().call_later(3.0, _signal_group, pid, signal.SIGKILL)
+
     def on_exit(self, pid: int, code: int) -> None:
         rep = self._by_pid.pop(pid, None)
         if rep is None:
             self._early_exits[pid] = code
             return
+        for timer in rep.timers:
+            timer.cancel()
         if rep.cancelled:
             self._finish(rep, CANCELLED, code, "cancelled")
+        elif rep.timed_out:
+            self._finish(rep, FAILED, code, f"timed out after {rep.spec.timeout_s:.0f} s")
+        elif code == rep.spec.requeue_code and rep.requeues < MAX_REQUEUES:
+            rep.requeues += 1
+            rep.msg = f"requeued ({rep.requeues})"
+            asyncio.get_running_loop().create_task(self._attempt(rep))
         elif code == 0:
             self._finish(rep, SUCCEEDED, 0, "")
-        elif rep.attempts <= rep.spec.max_retries:
+        elif rep.attempts - rep.requeues <= rep.spec.max_retries:
             rep.msg = f"attempt {rep.attempts} {describe_exit(code)}; retrying"
             rep.exit_code = code
             asyncio.get_running_loop().create_task(self._attempt(rep))
@@ -263,6 +291,13 @@ class ProcTable:
             if not follow or done:
                 return
             await rep.wait_change(1.0)
+
+
+def _signal_proc(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -1,0 +1,235 @@
+"""submitit plugin: ``submitit.AutoExecutor(folder, cluster="monarch")`` runs jobs on a warm pool.
+
+    ex = submitit.AutoExecutor(folder="logs/%j", cluster="monarch")
+    ex.update_parameters(monarch_pool="dev", nodes=1, tasks_per_node=2, timeout_min=10)
+    job = ex.submit(fn, 1, 2); job.result()
+
+No sbatch: each task is ``python -u -m submitit.core._submit FOLDER`` started by the pool's agents
+(from the warm fork server), with submitit's usual files in ``folder``. A job is an app on the
+pool like any TorchX app (``torchx list`` shows it). ``timeout_min`` is enforced by the agent
+(SIGUSR2 ``signal_delay_s`` before, so ``helpers.Checkpointable`` checkpoints, then a kill); a
+requeue restarts the task in the pool, never ``scontrol requeue`` of the pool's allocation.
+Requeue of a multi-task job restarts the task that asked (rank 0), not its siblings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+import typing as tp
+import uuid
+from pathlib import Path
+
+from submitit.core import core, job_environment, utils
+
+from .errors import MonarchError
+from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, LaunchSpec
+
+REQUEUE_CODE = 144
+_SUBMITIT_STATE = {PENDING: "PENDING", RUNNING: "RUNNING", SUCCEEDED: "COMPLETED", FAILED: "FAILED",
+                   CANCELLED: "CANCELLED"}
+ENV_PREFIX = "MONARCH_SUBMITIT_"
+
+
+def _meta_path(folder: Path, job_id: str) -> Path:
+    """Where a job records its pool and app id, beside submitit's own files (``folder`` resolved)."""
+    return folder / f"{job_id}_monarch.json"
+
+
+class MonarchJob(core.Job[core.R]):
+    """A submitit job whose tasks run on a pool's agents. Picklable; state is asked of the agents."""
+
+    def _where(self) -> tp.Tuple[tp.Any, tp.Any]:
+        from .pool import attach
+        from .registry import Registry
+
+        meta = json.loads(_meta_path(self._paths.folder, self.job_id).read_text())
+        pool = attach(meta["pool"])
+        arec = Registry.get_app(pool.record, meta["app_id"])
+        if arec is None:
+            raise MonarchError(f"job {self.job_id} is not known to pool {meta['pool']!r}")
+        return pool, arec
+
+    @property
+    def state(self) -> str:
+        from . import apps
+
+        try:
+            pool, arec = self._where()
+            states = apps.replica_states(pool, arec)
+        except (MonarchError, OSError, ValueError) as e:  # pool stopped, files gone: the job is lost, not pending
+            self._lost = str(e)
+            return "FAILED"
+        if self.task_id is not None and len(states) > 1:
+            st = states.get(("task", self.task_id))
+            return _SUBMITIT_STATE[st["state"]] if st else "FAILED"
+        return _SUBMITIT_STATE[apps.app_state([s["state"] for s in states.values()])]
+
+    def get_info(self, mode: str = "force") -> tp.Dict[str, str]:  # pylint: disable=unused-argument
+        return {"State": self.state}
+
+    def done(self, force_check: bool = False) -> bool:  # pylint: disable=unused-argument
+        if self._sub_jobs:
+            return all(j.done() for j in self._sub_jobs)
+        if self.paths.result_pickle.exists():
+            return True
+        return self.state not in ("PENDING", "RUNNING", "REQUEUED", "UNKNOWN")
+
+    def wait(self) -> None:
+        """As submitit's, but polls from 5 ms up to 0.5 s rather than every second: warm jobs finish fast."""
+        delay = 0.005
+        while not self.done():
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def cancel(self, check: bool = True) -> None:  # pylint: disable=unused-argument
+        from . import apps
+
+        try:
+            apps.kill(*self._where())
+        except MonarchError:
+            if check:
+                raise
+
+
+class MonarchJobEnvironment(job_environment.JobEnvironment):
+    """What a task sees of its job (``submitit.JobEnvironment()`` inside the function)."""
+
+    _env = {
+        "job_id": f"{ENV_PREFIX}JOB_ID",
+        "num_tasks": f"{ENV_PREFIX}NTASKS",
+        "num_nodes": f"{ENV_PREFIX}NUM_NODES",
+        "node": f"{ENV_PREFIX}NODEID",
+        "global_rank": f"{ENV_PREFIX}GLOBALID",
+        "local_rank": f"{ENV_PREFIX}LOCALID",
+    }
+
+    @property
+    def hostnames(self) -> tp.List[str]:
+        return os.environ.get(f"{ENV_PREFIX}HOSTNAMES", self.hostname).split(",")
+
+    def _requeue(self, countdown: int) -> None:
+        """Exit with the code the agent reads as "run me again"; the pool's allocation is untouched."""
+        job_environment.logger.get_logger().info(f"Requeued job {self.job_id} ({countdown} remaining timeouts)")
+        sys.exit(REQUEUE_CODE)
+
+
+class MonarchExecutor(core.PicklingExecutor):
+    """Submits to the agents of an existing pool (create one with `torchx pool create`)."""
+
+    job_class = MonarchJob
+
+    def __init__(self, folder: tp.Union[str, Path], pool: str = "default", max_num_timeout: int = 3,
+                 max_pickle_size_gb: float = 1.0, python: str = "python"):
+        super().__init__(folder, max_num_timeout=max_num_timeout, max_pickle_size_gb=max_pickle_size_gb)
+        self.parameters["pool"] = pool
+        self.python = python  # resolved on the hosts: the pool's interpreter, so tasks start warm
+        self._throttling = 0.0  # no scheduler to protect: the agents take submissions at once
+
+    @classmethod
+    def affinity(cls) -> int:
+        return 0  # only when asked for by name: cluster="monarch"
+
+    @classmethod
+    def _valid_parameters(cls) -> tp.Set[str]:
+        return {"pool", "signal_delay_s", "env"}
+
+    _GENERIC = {"name", "timeout_min", "mem_gb", "nodes", "cpus_per_task", "gpus_per_node", "tasks_per_node",
+                "stderr_to_stdout"}
+
+    def _internal_update_parameters(self, **kwargs: tp.Any) -> None:
+        bad = sorted(set(kwargs) - self._valid_parameters() - self._GENERIC)
+        if bad:
+            raise ValueError(f"unknown parameter(s) {bad} for the monarch executor; valid: "
+                             f"{sorted(self._valid_parameters() | self._GENERIC)}")
+        for k in ("nodes", "tasks_per_node"):
+            if k in kwargs and (not isinstance(kwargs[k], int) or kwargs[k] < 1):
+                raise ValueError(f"{k}={kwargs[k]!r}: must be a positive integer")
+        super()._internal_update_parameters(**kwargs)
+
+    def _task_argv(self) -> tp.List[str]:
+        return [self.python, "-u", "-m", "submitit.core._submit", str(self.folder)]
+
+    @property
+    def _submitit_command_str(self) -> str:
+        return shlex.join(self._task_argv())
+
+    def _num_tasks(self) -> int:
+        return int(self.parameters.get("nodes", 1)) * int(self.parameters.get("tasks_per_node", 1))
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        return ""
+
+    @staticmethod
+    def _get_job_id_from_submission_command(string: tp.Union[bytes, str]) -> str:
+        return "0"
+
+    def _make_submission_command(self, submission_file_path: Path) -> tp.List[str]:
+        return []
+
+    def _internal_process_submissions(self, delayed_submissions: tp.List[utils.DelayedSubmission]) -> tp.List[core.Job[tp.Any]]:
+        """Like PicklingExecutor's, but the pickle is in place before the tasks start (no 1 s wait)."""
+        from .pool import PoolRequest, ensure_pool
+        from .registry import Registry
+
+        name = self.parameters["pool"]
+        rec = Registry().require(name)
+        pool = ensure_pool(PoolRequest(rec.scheduler, name, spec={}),
+                           progress=lambda m: print(f"monarch-torchx: {m}", file=sys.stderr, flush=True))
+        nodes = int(self.parameters.get("nodes", 1))
+        if nodes > pool.record.num_hosts:
+            raise MonarchError(f"nodes={nodes} but pool {name!r} has {pool.record.num_hosts} host(s)")
+        load = {h.index: int(h.info.get("running") or 0) for h in pool.health() if h.ok}
+        if len(load) < nodes:
+            raise MonarchError(f"pool {name!r} has only {len(load)} healthy host(s) for nodes={nodes}")
+        timeout_min = self.parameters.get("timeout_min", 5)
+        jobs: tp.List[core.Job[tp.Any]] = []
+        for i, delayed in enumerate(delayed_submissions):
+            job_id = uuid.uuid4().hex[:16]
+            paths = utils.JobPaths(self.folder, job_id=job_id)
+            paths.folder.mkdir(parents=True, exist_ok=True)
+            delayed.set_timeout(timeout_min, self.max_num_timeout)
+            delayed.dump(paths.submitted_pickle)
+            if i == 0 and len(delayed_submissions) * paths.submitted_pickle.stat().st_size / 1024**3 > self.max_pickle_size_gb:
+                paths.submitted_pickle.unlink()
+                raise RuntimeError(f"submitting {len(delayed_submissions)} pickles above max_pickle_size_gb="
+                                   f"{self.max_pickle_size_gb}; raise executor.max_pickle_size_gb if intended")
+            hosts = sorted(load, key=lambda h: (load[h], h))[:nodes]
+            for h in hosts:
+                load[h] += int(self.parameters.get("tasks_per_node", 1))
+            jobs.append(self._launch(pool, job_id, hosts, float(timeout_min)))
+        return jobs
+
+    def _launch(self, pool: tp.Any, job_id: str, hosts: tp.List[int], timeout_min: float) -> MonarchJob[tp.Any]:
+        from . import apps
+
+        tpn = int(self.parameters.get("tasks_per_node", 1))
+        ntasks = len(hosts) * tpn
+        app_id = f"submitit-{job_id}"
+        names = ",".join(pool.hosts[h].host for h in hosts)
+        base_env = {str(k): str(v) for k, v in (self.parameters.get("env") or {}).items()}
+        replicas = []
+        for node, h in enumerate(hosts):
+            for local in range(tpn):
+                rank = node * tpn + local
+                paths = utils.JobPaths(self.folder, job_id=job_id, task_id=rank)
+                env = {**base_env, "SUBMITIT_EXECUTOR": "monarch", f"{ENV_PREFIX}JOB_ID": job_id,
+                       f"{ENV_PREFIX}NTASKS": str(ntasks), f"{ENV_PREFIX}NUM_NODES": str(len(hosts)),
+                       f"{ENV_PREFIX}NODEID": str(node), f"{ENV_PREFIX}GLOBALID": str(rank),
+                       f"{ENV_PREFIX}LOCALID": str(local), f"{ENV_PREFIX}HOSTNAMES": names}
+                err = paths.stdout if self.parameters.get("stderr_to_stdout") else paths.stderr
+                replicas.append((h, LaunchSpec(
+                    app_id=app_id, role="task", replica_id=rank, argv=self._task_argv(),
+                    env=env, cwd=os.getcwd(), stdout_path=str(paths.stdout), stderr_path=str(err),
+                    timeout_s=timeout_min * 60, signal_delay_s=float(self.parameters.get("signal_delay_s", 30)),
+                    requeue_code=REQUEUE_CODE)))
+        folder = utils.JobPaths(self.folder, job_id=job_id).folder
+        _meta_path(folder, job_id).write_text(json.dumps({"pool": pool.name, "app_id": app_id}))
+        argv = self._task_argv()
+        apps.launch(pool, app_id, str(self.parameters.get("name", "submitit")),
+                    [{"name": "task", "image": str(folder), "entrypoint": argv[0], "args": argv[1:],
+                      "num_replicas": ntasks}], replicas)
+        return MonarchJob(folder=self.folder, job_id=job_id, tasks=list(range(ntasks)))
