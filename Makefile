@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench docs clean
+.PHONY: setup demo test bench bench-slurm docs clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,9 @@ test: setup
 
 bench: setup
 	$(BIN)/python benchmarks/warm_relaunch.py
+
+bench-slurm: setup
+	$(BIN)/python benchmarks/warm_relaunch.py --slurm
 
 docs: setup
 	$(BIN)/python -m monarch_torchx.docs README.md
