@@ -162,3 +162,27 @@ def test_idle_timeout_releases_the_allocation(home, pool_name):
     wait_for(lambda: not squeue_ids(f"monarch-{pool_name}"), timeout=60, what="idle allocation released")
     st = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
     assert st["state"] == "stopped" and "idle" in st["hosts"][0]["error"]
+
+
+def test_pending_allocation_shows_slurms_reason_until_it_starts(home, pool_name):
+    blocker = subprocess.run(["sbatch", "--parsable", "-N3", "--exclusive", "-J", f"blocker-{pool_name}", "-o", "/dev/null",
+                              "--wrap", "sleep 600"], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        wait_for(lambda: blocker in subprocess.run(["squeue", "-h", "-t", "R", "-o", "%i"], capture_output=True,
+                                                   text=True).stdout.split(), what="the blocker to run")
+        create = subprocess.Popen([str(BIN / "torchx"), "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg",
+                                   "nodes=1,preload=none"], env=cli_env(home), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+
+        def pending():
+            res = torchx(home, "pool", "status", pool_name, "--json", check=False)
+            return res.returncode == 0 and json.loads(res.stdout)
+        st = wait_for(lambda: (s := pending()) and s["state"] == "pending" and s, timeout=30, what="pending pool")
+        assert st["allocation"]["state"] == "PENDING" and st["allocation"]["reason"] in ("Resources", "Priority")
+        assert "PENDING" in torchx(home, "pool", "status", pool_name).stdout
+        subprocess.run(["scancel", blocker], check=True)
+        out, err = create.communicate(timeout=60)
+        assert create.returncode == 0, err
+        assert "PENDING (Resources)" in err and "ready: 1 host(s)" in out
+    finally:
+        subprocess.run(["scancel", blocker])

@@ -92,7 +92,7 @@ class Agent:
     def load_modules(self) -> None:
         """Entry points of group ``monarch_torchx.modules`` plus ``--module pkg.mod:setup``."""
         specs = [(ep.name, ep.value) for ep in entry_points(group=MODULES_GROUP)]
-        specs += [(m.rsplit(":", 1)[0], m) for m in self.args.module]
+        specs += [(m, m) for m in self.args.module]
         for name, target in specs:
             modname, _, attr = target.partition(":")
             try:
@@ -213,10 +213,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--advertise", default=None, help="address clients use (default: bind address or hostname)")
     p.add_argument("--idle-timeout", type=float, default=1800.0, help="seconds; 0 disables")
     p.add_argument("--preload", action="append", default=None, help="module to pre-import for warm Python starts")
-    p.add_argument("--module", action="append", default=[], help="extra module setup, as pkg.mod:setup")
+    p.add_argument("--module", action="append", default=None,
+                   help="extra module setup, as pkg.mod:setup (default: $MONARCH_TORCHX_MODULES, comma-separated)")
     args = p.parse_args(argv)
     if args.index is None:
         args.index = int(os.environ.get("SLURM_NODEID", os.environ.get("MONARCH_TORCHX_HOST_INDEX", "0")))
+    if args.module is None:
+        args.module = [m for m in os.environ.get("MONARCH_TORCHX_MODULES", "").split(",") if m]
     if args.preload is None:
         args.preload = ["torch"]
     args.preload = [m for p_ in args.preload for m in p_.split(",") if m]
