@@ -222,13 +222,14 @@ class Registry:
     # ------------------------------------------------------------ hosts
 
     @staticmethod
+    def read_host(state_dir: Path, index: int) -> Optional[HostAddr]:
+        data = _read_json(Path(state_dir) / "hosts" / f"{index}.json")
+        return HostAddr(**data) if data else None
+
+    @staticmethod
     def hosts(rec: PoolRecord) -> List[Optional[HostAddr]]:
         """The agents' published addresses by index; None where one has not published (yet)."""
-        out: List[Optional[HostAddr]] = []
-        for i in range(rec.num_hosts):
-            data = _read_json(Path(rec.state_dir) / "hosts" / f"{i}.json")
-            out.append(HostAddr(**data) if data else None)
-        return out
+        return [Registry.read_host(Path(rec.state_dir), i) for i in range(rec.num_hosts)]
 
     @staticmethod
     def publish_host(state_dir: Path, addr: HostAddr) -> None:

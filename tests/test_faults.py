@@ -100,3 +100,25 @@ def test_unknown_pools_and_apps_fail_fast_with_one_line(home, pool_name):
     assert res.returncode == 1 and "needs 2 hosts" in res.stderr and "Traceback" not in res.stderr
     res = torchx(home, "run", "-s", "monarch_local", "-cfg", "pool=bad/name", "utils.echo", check=False)
     assert res.returncode == 1 and "invalid pool name" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_what_a_replica_leaves_in_its_process_group_is_cleaned_up(home, pool_name, tmp_path):
+    pidfile = tmp_path / "bg.pid"
+    app = AppDef("bg", roles=[Role(name="b", image=".", entrypoint="sh",
+                                   args=["-c", f"sleep 600 & echo $! > {pidfile}; echo started"])])
+    with get_runner() as runner:
+        h = runner.run(app, "monarch_local", {"pool": pool_name, "preload": "none"})
+        # tailing ends when the replica ends, although its background child held the pipes
+        assert "".join(runner.log_lines(h, "b", 0, should_tail=True)) == "started\n"
+        assert runner.status(h).state == AppState.SUCCEEDED
+        bg = int(pidfile.read_text())
+        wait_for(lambda: not _proc_alive(bg), timeout=10, what="the background child to be killed")
+
+
+def test_missing_script_exits_like_python(home, pool_name, tmp_path):
+    with get_runner() as runner:
+        h = runner.run(AppDef("m", roles=[Role(name="m", image=".", entrypoint="python", args=["nope.py"])]),
+                       "monarch_local", {"pool": pool_name, "preload": "none"})
+        st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal() and s, what="exit")
+        assert "exited with code 2" in st.msg
+        assert "can't open file" in "".join(runner.log_lines(h, "m", 0))

@@ -80,6 +80,14 @@ def set_pdeathsig(sig: int) -> None:
 # ---------------------------------------------------------------- in the child
 
 
+def _flush_c_stdio() -> None:
+    """What exit() would do for C extensions' buffered stdio (os._exit skips it)."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
+
+
 def _std_streams(unbuffered: bool) -> None:
     import io
 
@@ -129,6 +137,10 @@ def run_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> 
             sys.argv = ["-m", *inv.args]
             runpy._run_module_as_main(inv.target, alter_argv=True)  # type: ignore[attr-defined]
         else:
+            if not os.path.exists(inv.target):  # as CPython says it, with its exit code
+                print(f"{sys.executable}: can't open file {os.path.abspath(inv.target)!r}: "
+                      "[Errno 2] No such file or directory", file=sys.stderr)
+                return 2
             sys.argv = [inv.target, *inv.args]
             runpy.run_path(inv.target, run_name="__main__")
     except SystemExit as e:
@@ -178,8 +190,8 @@ def _child(req: dict, fds: List[int], errw: int, keep_closed: List[int], base_pa
         if req.get("cwd"):
             os.chdir(req["cwd"])
         if req["mode"] == "exec":
-            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGXFSZ):  # Python's own dispositions
+                signal.signal(sig, signal.SIG_DFL)
             os.execve(req["exe"], req["argv"], req["env"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.close(errw)
@@ -187,6 +199,7 @@ def _child(req: dict, fds: List[int], errw: int, keep_closed: List[int], base_pa
         inv = parse_python_argv(req["argv"][1:])
         assert inv is not None
         code = run_python(inv, req["env"], base_path)
+        _flush_c_stdio()
         if code < 0:
             signal.signal(-code, signal.SIG_DFL)
             os.kill(os.getpid(), -code)
@@ -292,7 +305,15 @@ class ForkServer:
                     req = recv_msg(self.ctl)
                 except (OSError, WireError, EOFError):
                     self.kill_all()
-                self.spawn(req, list(fds))
+                try:
+                    self.spawn(req, list(fds))
+                except Exception as e:  # fork/pipe failing (ENOMEM, EAGAIN, EMFILE) fails this start only
+                    for fd in fds:
+                        try:
+                            os.close(fd)
+                        except OSError:
+                            pass
+                    self.send({"token": req.get("token"), "error": f"could not start: {type(e).__name__}: {e}"})
 
 
 def main(argv: List[str]) -> None:

@@ -23,6 +23,7 @@ from .forkserver import INIT_ENV, parse_python_argv
 log = logging.getLogger(__name__)
 
 ExitCallback = Callable[[int, int], None]
+DeathCallback = Callable[[str, List[int], bool], None]  # reason, pids it took down, fatal to the agent
 
 
 class SpawnError(OSError):
@@ -30,7 +31,7 @@ class SpawnError(OSError):
 
 
 class _Server:
-    def __init__(self, name: str, preloads: List[str], on_exit: ExitCallback, on_death: Callable[[str], None]):
+    def __init__(self, name: str, preloads: List[str], on_exit: ExitCallback, on_death: DeathCallback):
         self.name = name
         self.preloads = preloads
         self._on_exit = on_exit
@@ -38,6 +39,8 @@ class _Server:
         self._pending: Dict[int, asyncio.Future] = {}
         self._tokens = itertools.count(1)
         self.ready = asyncio.Event()
+        self.dead = asyncio.Event()
+        self.closing = False
         self.info: dict = {}
         self.proc: Optional[subprocess.Popen] = None
         self.pids: set = set()
@@ -79,12 +82,22 @@ class _Server:
         except (asyncio.IncompleteReadError, ConnectionError, wire.WireError):
             pass
         reason = f"fork server '{self.name}' exited unexpectedly"
+        if self.proc is not None:
+            try:
+                code = self.proc.wait(timeout=1)
+                reason += f" ({'signal ' + str(-code) if code < 0 else 'exit code ' + str(code)})"
+            except subprocess.TimeoutExpired:
+                pass
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(SpawnError(reason))
-        self._on_death(reason)
+        self.dead.set()
+        if not self.closing:
+            self._on_death(reason, sorted(self.pids), self.name == "plain")
 
     async def spawn(self, req: dict, fds: List[int]) -> int:
+        if self.dead.is_set():
+            raise SpawnError(f"fork server '{self.name}' is not running")
         token = next(self._tokens)
         fut = asyncio.get_running_loop().create_future()
         self._pending[token] = fut
@@ -93,6 +106,7 @@ class _Server:
         return await fut
 
     def close(self) -> None:
+        self.closing = True
         try:
             self._ctl.close()  # the fork server kills its children and exits when this closes
         except OSError:
@@ -107,7 +121,7 @@ class _Server:
 class Launcher:
     """Starts processes for the agent; one interface whatever the entrypoint."""
 
-    def __init__(self, preloads: List[str], on_exit: ExitCallback, on_death: Callable[[str], None]):
+    def __init__(self, preloads: List[str], on_exit: ExitCallback, on_death: DeathCallback):
         self._plain = _Server("plain", [], on_exit, on_death)
         self._warm = _Server("warm", preloads, on_exit, on_death) if preloads else None
         self._init_env = {k: os.environ.get(k) for k in INIT_ENV}
@@ -115,16 +129,23 @@ class Launcher:
         self._python_real = os.path.realpath(sys.executable)
 
     async def start(self) -> None:
+        """Returns once the plain fork server serves; the warm one keeps importing meanwhile."""
         await self._plain.start()
         if self._warm:
             await self._warm.start()
-        await self._plain.ready.wait()
+        ready = asyncio.ensure_future(self._plain.ready.wait())
+        dead = asyncio.ensure_future(self._plain.dead.wait())
+        await asyncio.wait([ready, dead], return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        dead.cancel()
+        if not self._plain.ready.is_set():
+            raise SpawnError("the fork server failed to start (see the agent log)")
 
     @property
     def warm_info(self) -> dict:
         if self._warm is None:
             return {"preloaded": [], "ready": True}
-        return {**self._warm.info, "ready": self._warm.ready.is_set()}
+        return {**self._warm.info, "ready": self._warm.ready.is_set() and not self._warm.dead.is_set()}
 
     def is_our_python(self, argv: List[str], env: Dict[str, str]) -> bool:
         """True when the entrypoint is this interpreter and the fork can honour its flags and env."""
@@ -142,7 +163,7 @@ class Launcher:
         """Returns the pid (also the process group id). Raises SpawnError with the OS reason."""
         mode = "python" if self.is_our_python(argv, env) else "exec"
         server = self._plain
-        if mode == "python" and self._warm and self._warm.ready.is_set():
+        if mode == "python" and self._warm and self._warm.ready.is_set() and not self._warm.dead.is_set():
             server = self._warm
         return await server.spawn({"mode": mode, "argv": list(argv), "env": env, "cwd": cwd}, [stdout_fd, stderr_fd])
 

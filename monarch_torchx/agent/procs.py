@@ -8,13 +8,14 @@ tailing work, and what the telemetry module will index. On disk each line is ``T
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import os
 import re
 import signal
 import time
 from pathlib import Path
-from typing import AsyncIterator, Callable, Dict, List, Optional, Tuple
+from typing import AsyncIterator, Callable, Dict, Iterable, List, Optional, Tuple
 
 from ..specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, TERMINAL, LaunchSpec
 from .launcher import Launcher, SpawnError
@@ -38,7 +39,7 @@ class _Capture(asyncio.Protocol):
     """Timestamps each line of one pipe and appends it to the stream's file."""
 
     def __init__(self, path: Path, notify: Callable[[], None], tee: Optional[str] = None):
-        self._file = open(path, "ab", buffering=0)
+        self._file = os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab", buffering=0)
         self._tee = open(tee, "ab", buffering=0) if tee else None
         self._partial = b""
         self._notify = notify
@@ -154,6 +155,8 @@ class ProcTable:
         self._by_pid: Dict[int, Replica] = {}
         # an exit can be reported before the spawn's caller resumes and registers the pid
         self._early_exits: Dict[int, int] = {}
+        self._ignored: set = set()  # spawned, then killed because the rest of the start failed
+        self._tasks: set = set()
         self.last_change = time.time()
 
     @property
@@ -166,33 +169,61 @@ class ProcTable:
         if old and old.state not in TERMINAL:
             raise ValueError(f"replica {spec.role}/{spec.replica_id} of {spec.app_id} is already running")
         log_dir = self._log_root / spec.app_id / spec.role / str(spec.replica_id)
-        log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _mkdirs_private(log_dir)
         rep = Replica(spec, log_dir)
         self.replicas[key] = rep
-        await self._attempt(rep)
+        # shielded: a client that goes away mid-launch must not leave a half-started process behind
+        await asyncio.shield(self._start(rep))
         return rep.status()
 
+    def _start(self, rep: Replica) -> "asyncio.Task[None]":
+        task = asyncio.ensure_future(self._attempt(rep))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
     async def _attempt(self, rep: Replica) -> None:
+        """One attempt; never raises: whatever goes wrong ends as the replica's FAILED reason."""
+        if rep.cancelled:
+            self._finish(rep, CANCELLED, None, "cancelled")
+            return
         loop = asyncio.get_running_loop()
         rep.attempts += 1
         env = {**self._base_env, **rep.spec.env}
-        pipes = [os.pipe() for _ in STREAMS]
+        fds: List[int] = []
+        pid: Optional[int] = None
+        captures: List[_Capture] = []
         try:
-            pid = await self._launcher.spawn(rep.spec.argv, env, rep.spec.cwd, pipes[0][1], pipes[1][1])
-        except SpawnError as e:
-            for r, w in pipes:
-                os.close(r)
+            for _ in STREAMS:
+                fds += os.pipe()
+            pid = await self._launcher.spawn(rep.spec.argv, env, rep.spec.cwd, fds[1], fds[3])
+            for w in (fds[1], fds[3]):
                 os.close(w)
-            self._finish(rep, FAILED, 127, str(e))
+            reads, fds = [fds[0], fds[2]], [fds[0], fds[2]]
+            tees = (rep.spec.stdout_path, rep.spec.stderr_path)
+            for r, name, tee in zip(reads, STREAMS, tees):
+                proto = _Capture(rep.log_dir / f"{name}.log", rep.notify, tee)
+                pipe = os.fdopen(r, "rb", buffering=0)
+                fds.remove(r)
+                try:
+                    await loop.connect_read_pipe(lambda p=proto: p, pipe)
+                except BaseException:
+                    pipe.close()
+                    raise
+                captures.append(proto)
+        except Exception as e:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            for c in captures:
+                c.connection_lost(None)
+            if pid is not None:
+                self._ignored.add(pid)
+                _signal_group(pid, signal.SIGKILL)
+            reason = str(e) if isinstance(e, SpawnError) else f"could not start: {type(e).__name__}: {e}"
+            self._finish(rep, FAILED, 127 if isinstance(e, SpawnError) else None, reason)
             return
-        for _, w in pipes:
-            os.close(w)
-        rep.captures = []
-        tees = (rep.spec.stdout_path, rep.spec.stderr_path)
-        for (r, _), name, tee in zip(pipes, STREAMS, tees):
-            _, proto = await loop.connect_read_pipe(
-                lambda n=name, t=tee: _Capture(rep.log_dir / f"{n}.log", rep.notify, t), os.fdopen(r, "rb", buffering=0))
-            rep.captures.append(proto)
+        rep.captures = captures
         if rep.spec.timeout_s:
             t = rep.spec.timeout_s
             rep.timers = [loop.call_later(max(0.0, t - rep.spec.signal_delay_s), _signal_proc, pid, signal.SIGUSR2),
@@ -204,6 +235,8 @@ class ProcTable:
         rep.notify()
         if pid in self._early_exits:
             self.on_exit(pid, self._early_exits.pop(pid))
+        elif rep.cancelled:  # cancelled while it was starting
+            _signal_group(pid, signal.SIGTERM)
 
     def _finish(self, rep: Replica, state: str, code: Optional[int], msg: str) -> None:
         rep.state, rep.exit_code, rep.msg, rep.ended = state, code, msg, time.time()
@@ -211,18 +244,29 @@ class ProcTable:
         rep.notify()
 
     def _time_out(self, rep: Replica, pid: int) -> None:
-        if rep.pid == pid and rep.state == RUNNING:
+        if self._by_pid.get(pid) is rep:
             rep.timed_out = True
             _signal_group(pid, signal.SIGTERM)
-            asyncio.get_running_loop().call_later(3.0, _signal_group, pid, signal.SIGKILL)
+            rep.timers.append(asyncio.get_running_loop().call_later(3.0, self._kill_if_live, pid, rep))
+
+    def _kill_if_live(self, pid: int, rep: Replica) -> None:
+        if self._by_pid.get(pid) is rep:
+            _signal_group(pid, signal.SIGKILL)
 
     def on_exit(self, pid: int, code: int) -> None:
+        if pid in self._ignored:
+            self._ignored.discard(pid)
+            return
         rep = self._by_pid.pop(pid, None)
         if rep is None:
             self._early_exits[pid] = code
             return
         for timer in rep.timers:
             timer.cancel()
+        # the leader is gone: what it left in its process group goes too (as SLURM does for a step),
+        # so nothing holds the output pipes open or outlives the replica
+        if _signal_group(pid, signal.SIGTERM):
+            asyncio.get_running_loop().call_later(3.0, _signal_group, pid, signal.SIGKILL)
         if rep.cancelled:
             self._finish(rep, CANCELLED, code, "cancelled")
         elif rep.timed_out:
@@ -230,21 +274,25 @@ class ProcTable:
         elif code == rep.spec.requeue_code and rep.requeues < MAX_REQUEUES:
             rep.requeues += 1
             rep.msg = f"requeued ({rep.requeues})"
-            asyncio.get_running_loop().create_task(self._attempt(rep))
+            self._start(rep)
         elif code == 0:
             self._finish(rep, SUCCEEDED, 0, "")
         elif rep.attempts - rep.requeues <= rep.spec.max_retries:
             rep.msg = f"attempt {rep.attempts} {describe_exit(code)}; retrying"
             rep.exit_code = code
-            asyncio.get_running_loop().create_task(self._attempt(rep))
+            self._start(rep)
         else:
             retries = f" after {rep.attempts} attempts" if rep.attempts > 1 else ""
             self._finish(rep, FAILED, code, f"{describe_exit(code)}{retries}")
 
-    def on_launcher_death(self, reason: str) -> None:
-        for rep in list(self._by_pid.values()):
-            self._by_pid.pop(rep.pid, None)  # type: ignore[arg-type]
-            self._finish(rep, FAILED, None, reason)
+    def on_launcher_death(self, reason: str, pids: Iterable[int]) -> None:
+        """The fork server that started these pids is gone (and took its children with it)."""
+        for pid in pids:
+            rep = self._by_pid.pop(pid, None)
+            if rep is not None:
+                for timer in rep.timers:
+                    timer.cancel()
+                self._finish(rep, FAILED, None, reason)
 
     def select(self, app_id: Optional[str], role: Optional[str] = None, replica_id: Optional[int] = None) -> List[Replica]:
         return [r for (a, ro, i), r in self.replicas.items()
@@ -255,10 +303,8 @@ class ProcTable:
         """SIGTERM the replicas' process groups, SIGKILL what is left after ``grace`` seconds."""
         live = [r for r in reps if r.state in (PENDING, RUNNING)]
         for r in live:
-            r.cancelled = True
-            if r.state == PENDING:
-                self._finish(r, CANCELLED, None, "cancelled")
-        live = [r for r in live if r.pid and r.state == RUNNING]
+            r.cancelled = True  # a start in progress sees this and stops its process
+        live = [r for r in live if r.pid is not None and self._by_pid.get(r.pid) is r]
         for r in live:
             _signal_group(r.pid, signal.SIGTERM)  # type: ignore[arg-type]
         deadline = time.time() + grace
@@ -300,13 +346,28 @@ def _signal_proc(pid: int, sig: int) -> None:
         pass
 
 
-def _signal_group(pid: int, sig: int) -> None:
+def _signal_group(pid: int, sig: int) -> bool:
+    """Signals the process group led by pid; False when the group no longer exists."""
     try:
         os.killpg(pid, sig)
+        return True
     except ProcessLookupError:
-        pass
+        return False
     except PermissionError:
         try:
             os.kill(pid, sig)
+            return True
         except OSError:
-            pass
+            return False
+
+
+def _mkdirs_private(path: Path) -> None:
+    """mkdir -p where every level created gets mode 0700 (logs may hold secrets from env or args)."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            d.mkdir(mode=0o700)

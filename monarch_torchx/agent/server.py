@@ -75,8 +75,11 @@ class Agent:
     def _on_exit(self, pid: int, code: int) -> None:
         self.procs.on_exit(pid, code)
 
-    def _on_launcher_death(self, reason: str) -> None:
-        self.procs.on_launcher_death(reason)
+    def _on_launcher_death(self, reason: str, pids: List[int], fatal: bool) -> None:
+        self.procs.on_launcher_death(reason, pids)
+        if not fatal:  # the warm server: Python entrypoints now start cold from the plain one
+            log.error("%s; continuing without warm starts", reason)
+            return
         if not self.stopping.is_set():
             log.error("%s; stopping the agent", reason)
             # a signal to the whole job (scancel, walltime) reaches the fork servers too: let the
@@ -107,6 +110,8 @@ class Agent:
     # ------------------------------------------------------------ operations
 
     async def op_info(self, peer: wire.Peer, touch: bool = False) -> dict:
+        if self.stopping.is_set():  # so a health check counts this host as gone, not as usable
+            raise ValueError(f"agent {self.index} is shutting down ({self.stop_reason})")
         idle = self.idle_seconds()
         if touch:  # a run is about to use the pool
             self.last_request = time.time()
@@ -172,8 +177,10 @@ class Agent:
     async def _heartbeat(self) -> None:
         while not self.stopping.is_set():
             await asyncio.sleep(HEARTBEAT_S)
-            if self.addr:
+            try:
                 self._publish(heartbeat=time.time())
+            except OSError as e:  # a full or flaky shared file system must not stop the idle check
+                log.warning("could not publish heartbeat: %s", e)
             if self.args.idle_timeout > 0 and self.idle_seconds() > self.args.idle_timeout:
                 log.info("idle for %.0f s: shutting down", self.idle_seconds())
                 self.stop(f"idle for more than {self.args.idle_timeout:.0f} s")
@@ -198,7 +205,8 @@ class Agent:
         await self.server.close()
         await self.procs.kill(list(self.procs.replicas.values()), grace=3.0)
         self.launcher.close()
-        if (self.state_dir / "hosts" / f"{self.index}.json").exists():
+        current = Registry.read_host(self.state_dir, self.index)
+        if current is not None and current.incarnation == self.incarnation:  # not a successor's file
             self._publish(exited=time.time(), exit_reason=self.stop_reason)
 
 
