@@ -117,7 +117,8 @@ class Pool:
         if addr.exited:
             raise MonarchError(f"host {index} of pool {self.name!r} is stopped ({addr.exit_reason})")
         try:
-            return wire.Client(addr.host, addr.port, self.record.key, timeout=timeout)
+            return wire.Client(addr.host, addr.port, self.record.key, timeout=timeout,
+                               identity=addr.identity(self.name))
         except wire.WireError as e:
             raise MonarchError(f"host {index} of pool {self.name!r} is lost: {e}") from None
 

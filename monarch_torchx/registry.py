@@ -86,6 +86,10 @@ class HostAddr:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def identity(self, pool: str) -> bytes:
+        """What both handshake MACs cover: this agent and no other."""
+        return f"{pool}/{self.index}/{self.incarnation}".encode()
+
 
 @dataclass
 class PoolRecord:
@@ -149,6 +153,10 @@ class Registry:
     def _ensure_dirs(self) -> None:
         for d in (self.root, self.pools_dir):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = d.stat()
+            if st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise MonarchError(f"refusing to keep pool secrets in {d}: it must be yours and private "
+                                   f"(chown it, then chmod 700 {d})")
 
     def record_path(self, name: str) -> Path:
         return self.pools_dir / f"{check_pool_name(name)}.json"

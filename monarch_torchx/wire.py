@@ -9,8 +9,10 @@ Connection setup (fixed-size raw bytes, nothing is unpickled before it succeeds)
     client -> server   MAGIC + nonce_c(32) + HMAC(key, b"c" + nonce_s + nonce_c)
     server -> client   HMAC(key, b"s" + nonce_c + nonce_s)
 
-Both sides prove they hold the pool's secret, so a client never unpickles what a stranger
-listening on a reused port sends either. After that, each frame is::
+Both sides prove they hold the pool's secret, and both MACs cover the identity of the agent the
+client means to reach (pool/index/incarnation), so a client never unpickles what a stranger on a
+reused port sends, and a handshake relayed to another agent of the pool fails. Frames after the
+handshake are not MAC'd or encrypted: on an untrusted network, TLS is still to come. After that, each frame is::
 
     u32 body_len | u16 nbufs | nbufs * u64 buf_len | body | buf_0 ... buf_n
 
@@ -62,8 +64,8 @@ class RemoteError(RuntimeError):
 # ---------------------------------------------------------------- authentication (pure)
 
 
-def _mac(key: bytes, tag: bytes, a: bytes, b: bytes) -> bytes:
-    return hmac.new(key, tag + a + b, hashlib.sha256).digest()
+def _mac(key: bytes, tag: bytes, identity: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(key, tag + struct.pack("!H", len(identity)) + identity + a + b, hashlib.sha256).digest()
 
 
 def server_hello() -> Tuple[bytes, bytes]:
@@ -71,27 +73,31 @@ def server_hello() -> Tuple[bytes, bytes]:
     return nonce, MAGIC + nonce
 
 
-def client_answer(key: bytes, hello: bytes) -> Tuple[bytes, bytes, bytes]:
-    """Returns (answer to send, nonce_s, nonce_c)."""
+def client_answer(key: bytes, hello: bytes, identity: bytes = b"") -> Tuple[bytes, bytes, bytes]:
+    """Returns (answer to send, nonce_s, nonce_c).
+
+    ``identity`` names the server the client means to reach (pool/host/incarnation): both MACs
+    cover it, so a handshake relayed to another agent of the same pool fails.
+    """
     if len(hello) != len(MAGIC) + NONCE or not hello.startswith(MAGIC):
         raise WireError("peer is not a monarch-torchx agent (bad greeting)")
     nonce_s = hello[len(MAGIC):]
     nonce_c = os.urandom(NONCE)
-    return MAGIC + nonce_c + _mac(key, b"c", nonce_s, nonce_c), nonce_s, nonce_c
+    return MAGIC + nonce_c + _mac(key, b"c", identity, nonce_s, nonce_c), nonce_s, nonce_c
 
 
-def server_check(key: bytes, nonce_s: bytes, answer: bytes) -> bytes:
+def server_check(key: bytes, nonce_s: bytes, answer: bytes, identity: bytes = b"") -> bytes:
     """Verifies the client's answer; returns the server's proof to send back."""
     if len(answer) != len(MAGIC) + NONCE + MAC or not answer.startswith(MAGIC):
         raise WireError("malformed handshake")
     nonce_c = answer[len(MAGIC):len(MAGIC) + NONCE]
-    if not hmac.compare_digest(answer[-MAC:], _mac(key, b"c", nonce_s, nonce_c)):
-        raise WireError("authentication failed (wrong pool token)")
-    return _mac(key, b"s", nonce_c, nonce_s)
+    if not hmac.compare_digest(answer[-MAC:], _mac(key, b"c", identity, nonce_s, nonce_c)):
+        raise WireError("authentication failed (wrong pool token, or meant for another agent)")
+    return _mac(key, b"s", identity, nonce_c, nonce_s)
 
 
-def client_check(key: bytes, nonce_s: bytes, nonce_c: bytes, proof: bytes) -> None:
-    if not hmac.compare_digest(proof, _mac(key, b"s", nonce_c, nonce_s)):
+def client_check(key: bytes, nonce_s: bytes, nonce_c: bytes, proof: bytes, identity: bytes = b"") -> None:
+    if not hmac.compare_digest(proof, _mac(key, b"s", identity, nonce_c, nonce_s)):
         raise WireError("agent failed authentication (wrong pool token?)")
 
 
@@ -149,23 +155,28 @@ def write_frame(writer: asyncio.StreamWriter, msg: Any) -> None:
     writer.writelines(encode(msg))
 
 
-async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes) -> None:
-    nonce_s, hello = server_hello()
-    writer.write(hello)
-    await writer.drain()
-    answer = await asyncio.wait_for(reader.readexactly(ANSWER_LEN), HANDSHAKE_TIMEOUT_S)
-    writer.write(server_check(key, nonce_s, answer))
-    await writer.drain()
+async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes,
+                           identity: bytes = b"") -> None:
+    async def exchange() -> None:
+        nonce_s, hello = server_hello()
+        writer.write(hello)
+        await writer.drain()
+        answer = await reader.readexactly(ANSWER_LEN)
+        writer.write(server_check(key, nonce_s, answer, identity))
+        await writer.drain()
+
+    await asyncio.wait_for(exchange(), HANDSHAKE_TIMEOUT_S)
 
 
-async def open_connection(host: str, port: int, key: bytes, timeout: float = 10.0) -> Tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def open_connection(host: str, port: int, key: bytes, timeout: float = 10.0,
+                          identity: bytes = b"") -> Tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Asyncio client side: connect and authenticate (used agent-to-agent and by async clients)."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 20), timeout)
     hello = await asyncio.wait_for(reader.readexactly(HELLO_LEN), timeout)
-    answer, ns, nc = client_answer(key, hello)
+    answer, ns, nc = client_answer(key, hello, identity)
     writer.write(answer)
     await writer.drain()
-    client_check(key, ns, nc, await asyncio.wait_for(reader.readexactly(MAC), timeout))
+    client_check(key, ns, nc, await asyncio.wait_for(reader.readexactly(MAC), timeout), identity)
     return reader, writer
 
 
@@ -194,8 +205,10 @@ class Server:
     with a logged reason; nothing is unpickled before the peer authenticates.
     """
 
-    def __init__(self, key: bytes, handlers: Dict[str, Handler], on_activity: Optional[Callable[[str], None]] = None):
+    def __init__(self, key: bytes, handlers: Dict[str, Handler], on_activity: Optional[Callable[[str], None]] = None,
+                 identity: bytes = b""):
         self._key = key
+        self._identity = identity
         self._handlers = handlers
         self._on_activity = on_activity or (lambda _op: None)
         self._server: Optional[asyncio.base_events.Server] = None
@@ -213,7 +226,7 @@ class Server:
         peer = writer.get_extra_info("peername")
         addr = f"{peer[0]}:{peer[1]}" if peer else "?"
         try:
-            await server_handshake(reader, writer, self._key)
+            await server_handshake(reader, writer, self._key, self._identity)
         except (WireError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError) as e:
             reason = "timed out" if isinstance(e, asyncio.TimeoutError) else (str(e) or type(e).__name__)
             log.warning("dropped connection from %s: %s", addr, reason)
@@ -326,7 +339,7 @@ class Client:
     Not thread-safe: one request in flight at a time (streams included). Open one per thread.
     """
 
-    def __init__(self, host: str, port: int, key: bytes, timeout: float = 10.0):
+    def __init__(self, host: str, port: int, key: bytes, timeout: float = 10.0, identity: bytes = b""):
         self.address = f"{host}:{port}"
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout)
@@ -335,9 +348,9 @@ class Client:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._ids = itertools.count(1)
         try:
-            answer, ns, nc = client_answer(key, bytes(_recv_into(self._sock, HELLO_LEN)))
+            answer, ns, nc = client_answer(key, bytes(_recv_into(self._sock, HELLO_LEN)), identity)
             self._sock.sendall(answer)
-            client_check(key, ns, nc, bytes(_recv_into(self._sock, MAC)))
+            client_check(key, ns, nc, bytes(_recv_into(self._sock, MAC)), identity)
         except (OSError, WireError) as e:
             self._sock.close()
             if isinstance(e, socket.timeout):
@@ -373,8 +386,12 @@ class Client:
                     if "item" not in msg:
                         return
         except socket.timeout:
+            self.close()  # mid-frame: the stream can no longer be trusted to be in step
             raise WireError(f"agent at {self.address} timed out on {op!r}") from None
-        except OSError as e:
+        except (OSError, WireError) as e:
+            self.close()
+            if isinstance(e, WireError):
+                raise
             raise WireError(f"lost agent at {self.address}: {e.strerror or e}") from None
 
     def call(self, op: str, **args: Any) -> Any:

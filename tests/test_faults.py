@@ -122,3 +122,24 @@ def test_missing_script_exits_like_python(home, pool_name, tmp_path):
         st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal() and s, what="exit")
         assert "exited with code 2" in st.msg
         assert "can't open file" in "".join(runner.log_lines(h, "m", 0))
+
+
+def test_a_handshake_meant_for_one_agent_fails_on_another(home, pool_name):
+    """A stranger on a dead agent's port who relays to a live agent of the pool gets nowhere."""
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2,preload=none")
+    pool = attach(pool_name)
+    a0, a1 = pool.hosts
+    with pytest.raises(wire.WireError):  # right secret, identity of agent 0, but reaching agent 1
+        wire.Client(a1.host, a1.port, pool.record.key, identity=a0.identity(pool_name))
+    with wire.Client(a1.host, a1.port, pool.record.key, identity=a1.identity(pool_name)) as c:
+        assert c.call("info")["index"] == 1
+
+
+def test_registry_refuses_a_home_others_can_read(tmp_path, monkeypatch):
+    from monarch_torchx.errors import MonarchError
+
+    shared = tmp_path / "shared_home"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    with pytest.raises(MonarchError, match="must be yours and private"):
+        Registry(shared).new_record("p", "monarch_local", {"hosts": 1}, {})

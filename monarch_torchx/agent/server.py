@@ -59,7 +59,8 @@ class Agent:
         base_env["PATH"] = python_dir + os.pathsep + base_env.get("PATH", os.defpath)
         base_env.update({"MONARCH_TORCHX_POOL": self.pool, "MONARCH_TORCHX_HOST_INDEX": str(self.index)})
         self.procs = ProcTable(self.launcher, self.state_dir / "logs" / f"host{self.index}", base_env)
-        self.server = wire.Server(self.key, self.handlers, on_activity=self._touch)
+        self.server = wire.Server(self.key, self.handlers, on_activity=self._touch,
+                                  identity=f"{self.pool}/{self.index}/{self.incarnation}".encode())
         self.addr: Optional[HostAddr] = None
 
     def add_handler(self, op: str, fn: Callable[..., Any]) -> None:
