@@ -79,8 +79,10 @@ def pool_summary(pool: "Pool") -> Dict[str, Any]:
 
 def cmd_create(args: argparse.Namespace) -> None:
     from .pool import ensure_pool
+    from .torchx_cli import check_run_options
 
     sched = _scheduler(args.scheduler)
+    check_run_options(args.scheduler, args.cfg)
     cfg = sched.run_opts().resolve(sched.run_opts().cfg_from_str(args.cfg or ""))
     cfg["pool"] = args.name
     req = sched._pool_request(dict(cfg), 1)

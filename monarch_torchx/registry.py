@@ -81,6 +81,7 @@ class HostAddr:
     heartbeat: float = 0.0
     exited: float = 0.0
     exit_reason: str = ""
+    last_work: float = 0.0  # when this host last ran or was asked to run something (now, if busy)
 
     @property
     def address(self) -> str:
@@ -178,9 +179,12 @@ class Registry:
     # ------------------------------------------------------------ pools
 
     def new_record(self, name: str, scheduler: str, spec: Dict[str, Any], options: Dict[str, Any]) -> PoolRecord:
-        """A fresh record with a new secret; the state dir is created (0700), not yet saved."""
+        """A fresh record with a new secret; the state dir is created (0700), not yet saved.
+
+        The state dir is ``pools/NAME`` unless ``options["job_dir"]`` names a (shared) directory.
+        """
         self._ensure_dirs()
-        state = self.state_dir(name)
+        state = Path(options["job_dir"]).expanduser().absolute() / name if options.get("job_dir") else self.state_dir(name)
         for sub in ("", "hosts", "apps", "logs"):
             (state / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
         return PoolRecord(name=name, scheduler=scheduler, spec=spec, token=secrets.token_hex(32),

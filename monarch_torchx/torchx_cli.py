@@ -92,6 +92,15 @@ class CmdList(_OneLineErrors, _List):
 
 class CmdLog(_OneLineErrors, _Log):
     def run(self, args: argparse.Namespace) -> None:
+        import threading
+
+        default_hook = threading.excepthook
+
+        def quiet(hook_args: "threading.ExceptHookArgs") -> None:  # TorchX re-raises it in the main thread
+            if not isinstance(hook_args.exc_value, MonarchError):
+                default_hook(hook_args)
+
+        threading.excepthook = quiet
         scheduler, sep, path = args.identifier.partition("://")
         if sep and scheduler.startswith("monarch_"):
             parts = path.split("/")

@@ -233,8 +233,12 @@ def _progress(msg: str) -> None:
 
 
 def _lines(batches: Iterable[List[str]], client: Any) -> Iterable[str]:
+    from ..wire import RemoteError, WireError
+
     try:
         for batch in batches:
             yield from batch
+    except (RemoteError, WireError) as e:
+        raise MonarchError(f"logs unavailable: {e}") from None
     finally:
         client.close()

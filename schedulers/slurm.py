@@ -152,6 +152,8 @@ class SlurmProvisioner:
         return argv + [str(script)]
 
     def _submit(self, rec: PoolRecord) -> None:
+        for i in range(rec.num_hosts):  # an address left from an earlier allocation is not this one's
+            Registry.clear_host(rec, i)
         script = Path(rec.state_dir) / "pool.sbatch"
         agent = " ".join(shlex.quote(a) for a in agent_argv(rec, index=None, bind="0.0.0.0"))
         script.write_text(
@@ -171,8 +173,6 @@ class SlurmProvisioner:
     def repair(self, rec: PoolRecord, indices: List[int]) -> List[int]:
         """An agent cannot be re-added to a running allocation: replace the allocation."""
         self._cancel(rec)
-        for i in range(rec.num_hosts):
-            Registry.clear_host(rec, i)
         self._submit(rec)
         return list(range(rec.num_hosts))
 

@@ -145,3 +145,13 @@ def test_idle_timeout_releases_the_pool_and_the_next_run_brings_it_back(home, po
     assert st["state"] == "stopped" and "idle" in st["hosts"][0]["error"]
     h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "back"))
     wait_for(lambda: _state(home, h) == "SUCCEEDED", what="echo after idle")
+
+
+def test_idle_timeout_is_pool_wide_a_busy_host_keeps_its_idle_peers(home, pool_name, monkeypatch):
+    monkeypatch.setenv("MONARCH_TORCHX_HEARTBEAT_S", "0.3")
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2,preload=none,idle_timeout=1s")
+    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "sleep", "4"))
+    time.sleep(3)  # host 1 has had nothing to do for 3 s > idle_timeout, but host 0 is busy
+    assert len(agent_pids(home)) == 2
+    wait_for(lambda: _state(home, h) == "SUCCEEDED", what="sleep to end")
+    wait_for(lambda: not agent_pids(home), timeout=20, what="both agents to leave together")

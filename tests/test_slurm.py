@@ -186,3 +186,12 @@ def test_pending_allocation_shows_slurms_reason_until_it_starts(home, pool_name)
         assert "PENDING (Resources)" in err and "ready: 1 host(s)" in out
     finally:
         subprocess.run(["scancel", blocker])
+
+
+def test_job_dir_holds_the_pool_state(home, pool_name, tmp_path):
+    job_dir = tmp_path / "jobs"
+    torchx(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", f"nodes=1,preload=none,job_dir={job_dir}")
+    rec = Registry(home).get(pool_name)
+    assert Path(rec.state_dir) == job_dir / pool_name
+    assert (job_dir / pool_name / "hosts" / "0.json").exists()
+    assert list((job_dir / pool_name / "logs").glob("slurm-*.out"))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from .. import wire
+from ..errors import MonarchError
 from ..registry import HostAddr, Registry
 from ..specs import TERMINAL, LaunchSpec
 from .launcher import Launcher
@@ -30,7 +31,7 @@ from .procs import ProcTable
 log = logging.getLogger("monarch_torchx.agent")
 
 MODULES_GROUP = "monarch_torchx.modules"
-HEARTBEAT_S = 5.0
+HEARTBEAT_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_S", "5"))
 # asking about a pool must not keep it alive: only work (launches, module calls) resets idleness
 PASSIVE_OPS = frozenset({"info", "describe", "list", "logs", "kill", "shutdown"})
 MAX_FINISHED_APPS = 500
@@ -160,6 +161,23 @@ class Agent:
             return 0.0
         return time.time() - max(self.last_request, self.procs.last_change)
 
+    def pool_idle_seconds(self) -> float:
+        """Idle time of the whole pool, from every live agent's published ``last_work``.
+
+        Agents leave together: one idle host of a busy pool stays (on SLURM it could not give its
+        node back anyway, and the next run would otherwise have to replace the allocation).
+        """
+        now = time.time()
+        latest = now - self.idle_seconds()
+        for p in (self.state_dir / "hosts").glob("*.json"):
+            try:
+                h = Registry.read_host(self.state_dir, int(p.stem))
+            except (ValueError, OSError, MonarchError):
+                continue
+            if h is not None and not h.exited and h.incarnation != self.incarnation:
+                latest = max(latest, h.last_work)
+        return now - latest
+
     def _trim_history(self) -> None:
         apps: Dict[str, float] = {}
         for (app_id, _, _), r in self.procs.replicas.items():
@@ -178,13 +196,15 @@ class Agent:
     async def _heartbeat(self) -> None:
         while not self.stopping.is_set():
             await asyncio.sleep(HEARTBEAT_S)
+            now = time.time()
             try:
-                self._publish(heartbeat=time.time())
+                self._publish(heartbeat=now, last_work=now - self.idle_seconds())
             except OSError as e:  # a full or flaky shared file system must not stop the idle check
                 log.warning("could not publish heartbeat: %s", e)
-            if self.args.idle_timeout > 0 and self.idle_seconds() > self.args.idle_timeout:
-                log.info("idle for %.0f s: shutting down", self.idle_seconds())
-                self.stop(f"idle for more than {self.args.idle_timeout:.0f} s")
+            limit = self.args.idle_timeout
+            if limit > 0 and self.idle_seconds() > limit and self.pool_idle_seconds() > limit:
+                log.info("pool idle for %.0f s: shutting down", self.pool_idle_seconds())
+                self.stop(f"idle for more than {limit:.0f} s")
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
