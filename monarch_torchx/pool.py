@@ -19,6 +19,7 @@ from .errors import MonarchError
 from .registry import HostAddr, PoolRecord, Registry, check_pool_name
 
 PING_TIMEOUT_S = 3.0
+SLOW_PING_TIMEOUT_S = 15.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 
 
@@ -145,7 +146,17 @@ class Pool:
     def health(self, touch: bool = False) -> List[HostHealth]:
         """Pings every agent; ``touch`` counts as work on the pool (resets agents' idle clocks)."""
         hosts = self.hosts
-        res = self.fan_out(lambda i: self.call(i, "info", timeout=PING_TIMEOUT_S, touch=touch), range(len(hosts)))
+
+        def ping(i: int) -> Any:
+            try:
+                return self.call(i, "info", timeout=PING_TIMEOUT_S, touch=touch)
+            except MonarchError as e:
+                if "timed out" not in str(e):
+                    raise
+                # busy is not dead: ask once more, patiently, before anyone repairs (kills) this host
+                return self.call(i, "info", timeout=SLOW_PING_TIMEOUT_S, touch=touch)
+
+        res = self.fan_out(ping, range(len(hosts)))
         return [HostHealth(i, hosts[i], err is None, info or {}, str(err) if err else "") for i, info, err in res]
 
 
@@ -175,7 +186,7 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
     registry = registry or Registry()
     check_pool_name(req.name)
     prov = get_provisioner(req.scheduler)
-    with registry.lock(req.name):
+    with registry.lock(req.name, on_wait=progress):
         rec = registry.get(req.name)
         if rec is not None and rec.scheduler != req.scheduler:
             raise MonarchError(f"pool {req.name!r} runs on {rec.scheduler}, not {req.scheduler}: "

@@ -25,7 +25,7 @@ import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from .errors import MonarchError, PoolNotFound
 
@@ -166,12 +166,16 @@ class Registry:
         return self.pools_dir / check_pool_name(name)
 
     @contextlib.contextmanager
-    def lock(self, name: str) -> Iterator[None]:
+    def lock(self, name: str, on_wait: Callable[[str], None] = lambda _m: None) -> Iterator[None]:
         """Exclusive lock on one pool name, across processes (two `torchx run` at once)."""
         self._ensure_dirs()
         fd = os.open(self.pools_dir / f"{check_pool_name(name)}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                on_wait(f"waiting for another process that is creating or repairing pool {name!r}")
+                fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)

@@ -46,6 +46,7 @@ MAGIC = b"MTX1"
 NONCE = 32
 MAC = 32
 HANDSHAKE_TIMEOUT_S = 5.0
+MAX_HANDSHAKES = 64  # unauthenticated connections an agent entertains at once
 MAX_BODY = 1 << 30  # one pickled message body
 MAX_BUFS = 4096
 MAX_BUF = 1 << 40
@@ -213,6 +214,7 @@ class Server:
         self._on_activity = on_activity or (lambda _op: None)
         self._server: Optional[asyncio.base_events.Server] = None
         self.connections = 0
+        self._handshakes = asyncio.Semaphore(MAX_HANDSHAKES)
 
     async def start(self, host: str, port: int = 0) -> int:
         self._server = await asyncio.start_server(self._serve, host, port, limit=1 << 20)
@@ -225,8 +227,13 @@ class Server:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         addr = f"{peer[0]}:{peer[1]}" if peer else "?"
+        if self._handshakes.locked():  # a flood of unauthenticated peers gets no memory or time
+            log.warning("dropped connection from %s: too many handshakes in progress", addr)
+            writer.close()
+            return
         try:
-            await server_handshake(reader, writer, self._key, self._identity)
+            async with self._handshakes:
+                await server_handshake(reader, writer, self._key, self._identity)
         except (WireError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError) as e:
             reason = "timed out" if isinstance(e, asyncio.TimeoutError) else (str(e) or type(e).__name__)
             log.warning("dropped connection from %s: %s", addr, reason)
@@ -312,14 +319,24 @@ def _recv_into(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
+IOV_MAX = 512  # parts per sendmsg call, well under the kernel's 1024
+
+
 def send_msg(sock: socket.socket, msg: Any) -> None:
-    """Blocking write of one frame (sendmsg gathers the parts: no join copy)."""
-    parts = encode(msg)
-    total = sum(memoryview(p).nbytes for p in parts)
-    sent = sock.sendmsg(parts)
-    if sent < total:  # rare partial write on a full socket buffer: finish it plainly
-        rest = b"".join(bytes(p) for p in parts)[sent:]
-        sock.sendall(rest)
+    """Blocking write of one frame: sendmsg gathers the parts, so buffers are not joined or copied."""
+    parts = [memoryview(p).cast("B") for p in encode(msg)]
+    while parts:
+        sent = sock.sendmsg(parts[:IOV_MAX])
+        while sent:  # drop what went out; a partly sent part continues from where it stopped
+            n = parts[0].nbytes
+            if sent >= n:
+                sent -= n
+                parts.pop(0)
+            else:
+                parts[0] = parts[0][sent:]
+                sent = 0
+        while parts and parts[0].nbytes == 0:
+            parts.pop(0)
 
 
 def recv_msg(sock: socket.socket) -> Any:

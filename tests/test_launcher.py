@@ -105,3 +105,22 @@ def test_exit_status_rules(warm_pool):
     assert "exited with code 1" in st.msg and "fatal: no data" in out
     st, _, _ = _run(runner, pool, _app("ok", "python", "-c", "import sys; sys.exit(None)"))
     assert st.state == AppState.SUCCEEDED
+
+
+def test_a_role_with_its_own_copy_of_a_preloaded_module_gets_its_own(warm_pool, tmp_path):
+    runner, pool = warm_pool
+    fake = tmp_path / "devbuild"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text("DEV = True\n")
+    st, out, _ = _run(runner, pool, _app("dev", "python", "-c", "import torch; print(getattr(torch, 'DEV', False))",
+                                         env={"PYTHONPATH": str(fake)}))
+    assert st.state == AppState.SUCCEEDED and out == "True\n"
+
+
+def test_script_main_outlives_the_script_for_atexit(warm_pool, tmp_path):
+    runner, pool = warm_pool
+    script = tmp_path / "s.py"
+    script.write_text("import atexit, pickle, sys\nclass C: pass\n"
+                      "atexit.register(lambda: print(len(pickle.dumps(C())) > 0, __file__ == sys.argv[0] or __file__))\n")
+    st, out, _ = _run(runner, pool, _app("s", "python", str(script)))
+    assert st.state == AppState.SUCCEEDED and out.startswith("True"), out

@@ -91,6 +91,36 @@ def test_out_of_band_buffers_roundtrip(server):
     assert len(parts) == 3 and memoryview(parts[2]).nbytes == len(data)  # sent from its own memory
 
 
+def test_frames_with_more_buffers_than_one_sendmsg_takes(server):
+    key, port, _ = server
+    bufs = [pickle.PickleBuffer(bytearray(os.urandom(100))) for _ in range(1500)]
+    with wire.Client("127.0.0.1", port, key) as c:
+        back = c.call("echo", value=bufs)
+    assert [bytes(b) for b in back] == [bytes(b) for b in bufs]
+
+
+def test_a_flood_of_silent_peers_is_capped(server, monkeypatch):
+    key, port, _ = server
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(wire.MAX_HANDSHAKES + 5)]
+    try:
+        with wire.Client("127.0.0.1", port, key, timeout=10):
+            pass
+    except wire.WireError:
+        pass  # may be refused while the flood holds every slot: what matters is the agent survives
+    for s in socks:
+        s.close()
+
+    def serves():
+        try:
+            with wire.Client("127.0.0.1", port, key) as c:
+                return c.call("echo", value=1) == 1
+        except wire.WireError:
+            return False  # the flood's slots are still being released
+    from .conftest import wait_for
+
+    wait_for(serves, timeout=10, what="the server to serve again after the flood")
+
+
 def test_cancelling_a_stream_stops_the_server_side(server):
     key, port, cancelled = server
     c = wire.Client("127.0.0.1", port, key)

@@ -120,6 +120,7 @@ def run_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> 
     import threading
     import traceback
     import types
+    import zipfile
 
     os.environ.clear()
     os.environ.update(env)
@@ -127,6 +128,7 @@ def run_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> 
     sys.dont_write_bytecode = inv.no_bytecode or bool(env.get("PYTHONDONTWRITEBYTECODE"))
     sys.path[:] = _sys_path(inv, base_path, env)
     main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = main
     code = 0
     try:
@@ -142,7 +144,16 @@ def run_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> 
                       "[Errno 2] No such file or directory", file=sys.stderr)
                 return 2
             sys.argv = [inv.target, *inv.args]
-            runpy.run_path(inv.target, run_name="__main__")
+            if os.path.isfile(inv.target) and not zipfile.is_zipfile(inv.target):
+                # as CPython runs a script: in the real __main__ (which atexit handlers and threads
+                # still see afterwards), with an absolute __file__
+                path = os.path.abspath(inv.target)
+                main.__file__, main.__cached__, main.__spec__ = path, None, None
+                with open(path, "rb") as f:
+                    source = f.read()
+                exec(compile(source, path, "exec"), main.__dict__)
+            else:  # a directory or zip with __main__.py
+                runpy.run_path(inv.target, run_name="__main__")
     except SystemExit as e:
         if e.code is None:
             code = 0

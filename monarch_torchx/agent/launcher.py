@@ -125,6 +125,7 @@ class Launcher:
         self._plain = _Server("plain", [], on_exit, on_death)
         self._warm = _Server("warm", preloads, on_exit, on_death) if preloads else None
         self._init_env = {k: os.environ.get(k) for k in INIT_ENV}
+        self._preloads = [m.split(".")[0] for m in preloads]
         self._python_dir = os.path.dirname(os.path.abspath(sys.executable))
         self._python_real = os.path.realpath(sys.executable)
 
@@ -159,11 +160,21 @@ class Launcher:
             return False
         return all(env.get(k) == v for k, v in self._init_env.items())
 
+    def _shadows_preload(self, env: Dict[str, str]) -> bool:
+        """True when the role's PYTHONPATH has its own copy of a preloaded module (a dev build of torch):
+        the warm server's already-imported one would win, so the role starts from the plain server."""
+        for d in (p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p):
+            for name in self._preloads:
+                if os.path.exists(os.path.join(d, name)) or os.path.exists(os.path.join(d, name + ".py")):
+                    return True
+        return False
+
     async def spawn(self, argv: List[str], env: Dict[str, str], cwd: Optional[str], stdout_fd: int, stderr_fd: int) -> int:
         """Returns the pid (also the process group id). Raises SpawnError with the OS reason."""
         mode = "python" if self.is_our_python(argv, env) else "exec"
         server = self._plain
-        if mode == "python" and self._warm and self._warm.ready.is_set() and not self._warm.dead.is_set():
+        if (mode == "python" and self._warm and self._warm.ready.is_set() and not self._warm.dead.is_set()
+                and not self._shadows_preload(env)):
             server = self._warm
         return await server.spawn({"mode": mode, "argv": list(argv), "env": env, "cwd": cwd}, [stdout_fd, stderr_fd])
 
