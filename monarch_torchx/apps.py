@@ -12,9 +12,9 @@ from typing import Any, Dict, List, Tuple
 from .errors import MonarchError
 from .pool import Pool, get_provisioner
 from .registry import AppRecord, Placement, Registry
-from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, LaunchSpec
+from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec
 
-_STATE_ORDER = [FAILED, CANCELLED, RUNNING, PENDING]
+_STATE_ORDER = [FAILED, CANCELLED, UNKNOWN, RUNNING, PENDING]
 
 
 def app_state(states: List[str]) -> str:
@@ -75,7 +75,9 @@ def replica_states(pool: Pool, arec: AppRecord) -> Dict[Tuple[str, int], Dict[st
         host = pool.hosts[p.host_index] if p.host_index < len(pool.hosts) else None
         hostname = host.hostname if host else ""
         key = (p.role, p.replica_id)
-        if err is not None:
+        if err is not None and "timed out" in str(err) and not loss:
+            out[key] = {"state": UNKNOWN, "msg": str(err), "hostname": hostname}  # busy is not dead
+        elif err is not None:
             out[key] = {"state": FAILED, "msg": f"{err}; {loss}" if loss else str(err), "hostname": hostname}
         elif host is None or host.incarnation != p.incarnation:
             out[key] = {"state": FAILED, "hostname": hostname,

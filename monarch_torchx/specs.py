@@ -7,6 +7,7 @@ from typing import Dict, List, Optional
 
 # Replica states, spelled as TorchX's AppState names so they map one to one.
 PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
+UNKNOWN = "UNKNOWN"  # its host did not answer in time: maybe busy, maybe gone; asked again later
 TERMINAL = (SUCCEEDED, FAILED, CANCELLED)
 
 

@@ -26,11 +26,11 @@ from pathlib import Path
 from submitit.core import core, job_environment, utils
 
 from .errors import MonarchError
-from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, LaunchSpec
+from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec
 
 REQUEUE_CODE = 144
 _SUBMITIT_STATE = {PENDING: "PENDING", RUNNING: "RUNNING", SUCCEEDED: "COMPLETED", FAILED: "FAILED",
-                   CANCELLED: "CANCELLED"}
+                   CANCELLED: "CANCELLED", UNKNOWN: "UNKNOWN"}
 ENV_PREFIX = "MONARCH_SUBMITIT_"
 
 
