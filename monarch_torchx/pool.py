@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -140,6 +139,8 @@ class Pool:
                 return i, None, e
         if len(indices) <= 1:
             return [one(i) for i in indices]
+        from concurrent.futures import ThreadPoolExecutor
+
         with ThreadPoolExecutor(max_workers=min(32, len(indices))) as ex:
             return list(ex.map(one, indices))
 

@@ -195,3 +195,13 @@ def test_job_dir_holds_the_pool_state(home, pool_name, tmp_path):
     assert Path(rec.state_dir) == job_dir / pool_name
     assert (job_dir / pool_name / "hosts" / "0.json").exists()
     assert list((job_dir / pool_name / "logs").glob("slurm-*.out"))
+
+
+def test_walltime_ends_the_allocation_and_its_apps_say_why(home, pool_name):
+    """time=1 (one minute, SLURM's smallest): the allocation ends under a running app."""
+    h = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=1,time=1,preload=none",
+                       "utils.sh", "sleep", "600"))
+    job = _job(home, pool_name)
+    wait_for(lambda: _state(home, h) == "FAILED", timeout=180, interval=1, what="the walltime to end the app")
+    assert f"allocation {job} is TIMEOUT" in _msg(home, h)
+    assert not squeue_ids(f"monarch-{pool_name}")
