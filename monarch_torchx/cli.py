@@ -143,7 +143,7 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="pool_cmd", metavar="{create,list,status,stop}")
     sub.required = True
     p = sub.add_parser("create", help="create a warm pool (torchx run also creates on first use)")
-    p.add_argument("name")
+    p.add_argument("name", help="pool name")
     p.add_argument("-s", "--scheduler", default=DEFAULT_SCHEDULER, help=f"pool engine (default {DEFAULT_SCHEDULER})")
     p.add_argument("-cfg", "--cfg", default="", help="run options as for `torchx run`, e.g. hosts=2,idle_timeout=1h")
     p.set_defaults(pool_fn=cmd_create)
@@ -151,11 +151,11 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(pool_fn=cmd_list)
     p = sub.add_parser("status", help="hosts, health and activity of one pool")
-    p.add_argument("name")
+    p.add_argument("name", help="pool name")
     p.add_argument("--json", action="store_true")
     p.set_defaults(pool_fn=cmd_status)
     p = sub.add_parser("stop", help="stop a pool: kills its apps, releases its hosts")
-    p.add_argument("name")
+    p.add_argument("name", help="pool name")
     p.set_defaults(pool_fn=cmd_stop)
 
 

@@ -39,3 +39,21 @@ def test_requeue_code_restarts_without_spending_retries(home, pool_name, tmp_pat
     arec = apps.launch(pool, "rq-1", "t", [], [(0, spec)])
     st = wait_for(lambda: (s := _state(pool, arec))["state"] == "SUCCEEDED" and s, timeout=20, what="requeues")
     assert st["attempts"] == 3 and counter.read_text() == "3"
+
+
+def test_many_concurrent_launches_on_one_host(home, pool_name):
+    """Requests from several clients at once share the agent's channel to its fork server."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    pool = attach(pool_name)
+    big_env = {f"VAR{i}": "x" * 200 for i in range(300)}  # ~70 KB of env per request
+
+    def one(i):
+        spec = LaunchSpec(app_id=f"many-{i}", role="r", replica_id=0, argv=["echo", str(i)], env=big_env)
+        return apps.launch(pool, f"many-{i}", "m", [], [(0, spec)])
+
+    with ThreadPoolExecutor(8) as ex:
+        recs = list(ex.map(one, range(40)))
+    for arec in recs:
+        wait_for(lambda a=arec: _state(pool, a)["state"] == "SUCCEEDED", what=f"{arec.app_id}")

@@ -7,6 +7,7 @@ once it is ready; everything else, and Python while it is still importing, goes 
 
 from __future__ import annotations
 
+import array
 import asyncio
 import itertools
 import logging
@@ -55,7 +56,9 @@ class _Server:
         )
         ctl_child.close()
         evt_child.close()
+        ctl_parent.setblocking(False)
         self._ctl = ctl_parent
+        self._send_lock = asyncio.Lock()
         self._reader, self._writer = await asyncio.open_unix_connection(sock=evt_parent, limit=1 << 20)
         self._task = asyncio.create_task(self._events())
 
@@ -101,9 +104,28 @@ class _Server:
         token = next(self._tokens)
         fut = asyncio.get_running_loop().create_future()
         self._pending[token] = fut
-        socket.send_fds(self._ctl, [b"F"], fds)
-        wire.send_msg(self._ctl, {"id": token, "token": token, **req})
+        frame = b"".join(bytes(p) for p in wire.encode({"id": token, "token": token, **req}))
+        await self._send(b"F" + frame, fds)  # the fds ride on the marker byte the fork server reads first
         return await fut
+
+    async def _send(self, payload: bytes, fds: List[int]) -> None:
+        """Never blocks the agent's loop on a busy fork server; one request at a time on the socket."""
+        loop = asyncio.get_running_loop()
+        async with self._send_lock:
+            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+            while True:
+                try:
+                    sent = self._ctl.sendmsg([payload], ancillary)
+                    break
+                except BlockingIOError:
+                    writable = loop.create_future()
+                    loop.add_writer(self._ctl.fileno(), lambda: writable.done() or writable.set_result(None))
+                    try:
+                        await writable
+                    finally:
+                        loop.remove_writer(self._ctl.fileno())
+            if sent < len(payload):
+                await loop.sock_sendall(self._ctl, payload[sent:])
 
     def close(self) -> None:
         self.closing = True
