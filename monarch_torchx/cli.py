@@ -139,6 +139,43 @@ def cmd_stop(args: argparse.Namespace) -> None:
     print(f"pool {args.name!r} stopped")
 
 
+def cmd_sql(args: argparse.Namespace) -> None:
+    import csv
+    import datetime
+
+    from .pool import attach
+    from .telemetry.query import run
+
+    res = run(attach(args.pool), args.query, timeout=args.timeout)
+    for i, why in sorted(res.missing.items()):
+        print(f"partial result: host {i} is missing ({why})", file=sys.stderr)
+    rows = res.table.to_pylist()
+    cols = res.table.column_names
+
+    def plain(v: Any) -> Any:
+        return v.isoformat() if isinstance(v, (datetime.datetime, datetime.date)) else v
+
+    if args.json:
+        print(json.dumps([{k: plain(v) for k, v in r.items()} for r in rows], default=str))
+    elif args.csv:
+        w = csv.writer(sys.stdout)
+        w.writerow(cols)
+        for r in rows:
+            w.writerow([plain(r[c]) for c in cols])
+    else:
+        shown = rows if args.max_rows <= 0 else rows[:args.max_rows]
+        print(_table([["" if r[c] is None else str(plain(r[c])) for c in cols] for r in shown], cols))
+        if len(shown) < len(rows):
+            print(f"({len(rows)} rows, first {len(shown)} shown: --max-rows 0 shows all, --json/--csv print all)",
+                  file=sys.stderr)
+
+
+def cmd_tables(args: argparse.Namespace) -> None:
+    from .telemetry.schema import describe_tables
+
+    print(describe_tables())
+
+
 def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="pool_cmd", metavar="{create,list,status,stop}")
     sub.required = True
@@ -171,9 +208,20 @@ def run_pool(args: argparse.Namespace) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="monarch-torchx", description="Warm pools for TorchX, submitit and actors.")
-    sub = parser.add_subparsers(dest="cmd", metavar="{pool}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{pool,sql,tables}")
     sub.required = True
     add_pool_arguments(sub.add_parser("pool", help="create, list, inspect and stop warm pools"))
+    p = sub.add_parser("sql", help="ask every host of a pool one SQL question (logs, procs, events)")
+    p.add_argument("query", help="a SELECT over the tables of `monarch-torchx tables`")
+    p.add_argument("--pool", required=True)
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="JSON records, all rows")
+    fmt.add_argument("--csv", action="store_true", help="CSV, all rows")
+    p.add_argument("--max-rows", type=int, default=100, help="rows shown as a table (0 = all; default 100)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each host (default 30)")
+    p.set_defaults(pool_fn=cmd_sql)
+    p = sub.add_parser("tables", help="the telemetry tables and their columns")
+    p.set_defaults(pool_fn=cmd_tables)
     run_pool(parser.parse_args(argv))
 
 

@@ -144,6 +144,15 @@ class Pool:
         with ThreadPoolExecutor(max_workers=min(32, len(indices))) as ex:
             return list(ex.map(one, indices))
 
+    def sql(self, query: str, timeout: float = 30.0) -> Any:
+        """One SQL question over every host's telemetry tables -> pyarrow.Table (see `monarch-torchx tables`).
+
+        Hosts that do not answer are left out; ``telemetry.query.run`` says which.
+        """
+        from .telemetry.query import run
+
+        return run(self, query, timeout=timeout).table
+
     def health(self, touch: bool = False) -> List[HostHealth]:
         """Pings every agent; ``touch`` counts as work on the pool (resets agents' idle clocks)."""
         hosts = self.hosts

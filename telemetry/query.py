@@ -1,0 +1,123 @@
+"""Client side of telemetry: one SQL question over every host of a pool, answered in place.
+
+DataFusion plans the query here against empty tables of the documented schemas. Each table
+scan, with the filters and limit DataFusion put right above it, is turned back into SQL and
+sent to every host, where DataFusion runs it over that host's tables; the hosts' Arrow results
+are registered here under the same table names and the original query (joins, aggregates,
+order) finishes at the client. A host that does not answer within the timeout is left out and
+named in the result, never waited for forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Tuple
+
+from ..errors import MonarchError
+from .schema import TABLES, arrow_schema
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@dataclass
+class QueryResult:
+    table: Any  # pyarrow.Table
+    hosts: List[int]
+    missing: Dict[int, str] = field(default_factory=dict)  # host -> why it is not in the result
+    bytes_moved: int = 0
+    pushed: Dict[str, str] = field(default_factory=dict)  # table -> the SQL each host ran
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.missing)
+
+
+def _options() -> Any:
+    from datafusion import SQLOptions
+
+    return SQLOptions().with_allow_ddl(False).with_allow_dml(False).with_allow_statements(False)
+
+
+def _one_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text.removeprefix("Error during planning: ")
+
+
+def _empty_ctx() -> Any:
+    import pyarrow as pa
+    from datafusion import SessionContext
+
+    ctx = SessionContext()
+    for name in TABLES:
+        schema = arrow_schema(name)
+        ctx.register_record_batches(name, [[pa.record_batch([pa.array([], f.type) for f in schema], schema=schema)]])
+    return ctx
+
+
+def plan_pushdown(sql: str) -> Dict[str, str]:
+    """table -> the SQL every host runs for it. Raises MonarchError for bad or non-read-only SQL."""
+    from datafusion.unparser import Dialect, Unparser
+
+    try:
+        plan = _empty_ctx().sql_with_options(sql, _options()).optimized_logical_plan()
+    except Exception as e:  # DataFusion's own message, one line
+        raise MonarchError(f"bad query: {_one_line(e)}") from None
+    scans: List[Tuple[str, Any]] = []
+
+    def walk(node: Any) -> None:
+        kind = type(node.to_variant()).__name__
+        if kind in ("Filter", "TableScan"):
+            sub = node
+            while type(sub.to_variant()).__name__ != "TableScan":
+                sub = sub.inputs()[0]
+            scans.append((sub.to_variant().table_name(), node))
+            return
+        for child in node.inputs():
+            walk(child)
+
+    walk(plan)
+    unparser = Unparser(Dialect.default())
+    counts: Dict[str, int] = {}
+    for name, _ in scans:
+        counts[name] = counts.get(name, 0) + 1
+    pushed = {}
+    for name, node in scans:
+        # a table read twice (a self-join) with different filters: fetch it whole, once
+        pushed[name] = str(unparser.plan_to_sql(node)) if counts[name] == 1 else f'SELECT * FROM "{name}"'
+    return pushed
+
+
+def run(pool: Any, sql: str, timeout: float = DEFAULT_TIMEOUT_S) -> QueryResult:
+    """Runs ``sql`` over the pool's hosts; returns the answer and which hosts are missing from it."""
+    import pyarrow as pa
+
+    pushed = plan_pushdown(sql)
+    n = pool.record.num_hosts
+    per_host: Dict[int, Dict[str, Any]] = {i: {} for i in range(n)}
+    missing: Dict[int, str] = {}
+    moved = 0
+    for name, host_sql in pushed.items():
+        results = pool.fan_out(lambda i, q=host_sql, t=name: pool.call(i, "telemetry.query", timeout=timeout,
+                                                                         sql=q, tables=[t]), range(n))
+        for i, data, err in results:
+            if err is not None:
+                missing.setdefault(i, str(err))
+                continue
+            moved += len(data)
+            per_host[i][name] = pa.ipc.open_stream(data).read_all()
+    ok = [i for i in range(n) if i not in missing]
+    if not ok:
+        raise MonarchError("no host answered: " + "; ".join(f"host {i}: {why}" for i, why in missing.items()))
+    from datafusion import SessionContext
+
+    ctx = SessionContext()
+    for name in pushed:
+        parts = [per_host[i][name] for i in ok]
+        table = pa.concat_tables(parts) if parts else pa.table({})
+        ctx.register_record_batches(name, [table.to_batches() or [pa.record_batch(
+            [pa.array([], f.type) for f in table.schema], schema=table.schema)]])
+    try:
+        answer = ctx.sql_with_options(sql, _options()).to_arrow_table()
+    except Exception as e:
+        raise MonarchError(f"bad query: {_one_line(e)}") from None
+    return QueryResult(answer, ok, missing, moved, pushed)

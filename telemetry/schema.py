@@ -1,0 +1,65 @@
+"""The telemetry tables: names, columns and meanings (stable: people and AI agents query them).
+
+Kept free of pyarrow at import time so the CLI can list tables cheaply; ``arrow_schema`` builds
+the pyarrow schema when a query needs it.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+# table -> [(column, arrow type name, meaning)]
+TABLES: Dict[str, List[Tuple[str, str, str]]] = {
+    "logs": [
+        ("ts", "timestamp", "when the agent received the line (UTC)"),
+        ("host", "int32", "host index in the pool"),
+        ("hostname", "string", "the host's name"),
+        ("app_id", "string", "the app (TorchX app or submitit-<job id>)"),
+        ("role", "string", "role name ('task' for submitit)"),
+        ("replica", "int32", "replica id (submitit: global rank)"),
+        ("pid", "int64", "pid of the replica's latest attempt"),
+        ("stream", "string", "stdout or stderr"),
+        ("line", "string", "the line, without its newline"),
+    ],
+    "procs": [
+        ("host", "int32", "host index in the pool"),
+        ("hostname", "string", "the host's name"),
+        ("pid", "int64", "pid of the latest attempt (null before it started)"),
+        ("app_id", "string", "the app"),
+        ("role", "string", "role name"),
+        ("replica", "int32", "replica id"),
+        ("state", "string", "PENDING, RUNNING, SUCCEEDED, FAILED or CANCELLED"),
+        ("cpu_s", "float64", "CPU seconds used by the live process (null once it ended)"),
+        ("rss_bytes", "int64", "resident memory of the live process (null once it ended)"),
+        ("started", "timestamp", "when the replica was launched"),
+        ("ended", "timestamp", "when it reached a final state (null while running)"),
+        ("exit_code", "int32", "exit code, negative for a signal (null while running)"),
+        ("attempts", "int32", "attempts so far (retries and requeues included)"),
+        ("msg", "string", "why it failed, was retried or requeued"),
+    ],
+    "events": [
+        ("ts", "timestamp", "when it happened"),
+        ("host", "int32", "host index in the pool"),
+        ("kind", "string", "what happened to: 'agent' or 'replica'"),
+        ("name", "string", "start, exit, ..."),
+        ("app_id", "string", "the app, for replica events"),
+        ("duration_s", "float64", "for exits: how long the replica ran"),
+        ("fields", "string", "the rest, as JSON"),
+    ],
+}
+
+
+def arrow_schema(table: str):  # -> pyarrow.Schema
+    import pyarrow as pa
+
+    types = {"timestamp": pa.timestamp("us", tz="UTC"), "int32": pa.int32(), "int64": pa.int64(),
+             "string": pa.string(), "float64": pa.float64()}
+    return pa.schema([(name, types[t]) for name, t, _ in TABLES[table]])
+
+
+def describe_tables() -> str:
+    """Markdown for `monarch-torchx tables` and the docs."""
+    out = []
+    for table, cols in TABLES.items():
+        out += [f"{table}", *[f"  {c:<10} {t:<10} {m}" for c, t, m in cols], ""]
+    return "\n".join(out).rstrip()

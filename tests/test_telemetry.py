@@ -1,0 +1,92 @@
+"""Telemetry SQL over a real pool: DataFusion on every agent and at the client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+from torchx.runner import get_runner
+from torchx.specs import AppDef, Role
+
+from monarch_torchx.errors import MonarchError
+from monarch_torchx.pool import attach
+from monarch_torchx.telemetry.query import plan_pushdown, run
+
+from .conftest import BIN, cli_env, torchx, wait_for
+
+CHATTY = ("import sys\n"
+          "for i in range(200): print(f'step {i} loss {\"NaN\" if i % 50 == 7 else i}')\n"
+          "print('oops', file=sys.stderr)\n")
+
+
+@pytest.fixture
+def busy_pool(home, pool_name):
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2,preload=none")
+    with get_runner() as runner:
+        app = AppDef("chatty", roles=[Role(name="c", image=".", entrypoint="python", args=["-c", CHATTY], num_replicas=2)])
+        h = runner.run(app, "monarch_local", {"pool": pool_name})
+        wait_for(lambda: runner.status(h).is_terminal(), what="chatty app")
+    return pool_name
+
+
+def _sql(home, pool, *args):
+    return subprocess.run([str(BIN / "monarch-torchx"), "sql", "--pool", pool, *args], env=cli_env(home),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_filtered_aggregate_over_every_host_with_pushdown(busy_pool):
+    pool = attach(busy_pool)
+    res = run(pool, "SELECT host, count(*) AS n FROM logs WHERE line LIKE '%NaN%' GROUP BY host ORDER BY host")
+    assert res.table.to_pylist() == [{"host": 0, "n": 4}, {"host": 1, "n": 4}] and not res.partial
+    assert "WHERE" in res.pushed["logs"] and "LIKE '%NaN%'" in res.pushed["logs"]
+    everything = run(pool, "SELECT * FROM logs")
+    assert everything.table.num_rows == 2 * 201
+    assert res.bytes_moved < everything.bytes_moved / 10  # the filter ran on the hosts
+    assert pool.sql("SELECT count(*) AS n FROM logs WHERE stream = 'stderr'").to_pylist() == [{"n": 2}]
+    procs = pool.sql("SELECT host, state, exit_code, role FROM procs WHERE app_id LIKE 'chatty%' ORDER BY host")
+    assert procs.to_pylist() == [{"host": 0, "state": "SUCCEEDED", "exit_code": 0, "role": "c"},
+                                 {"host": 1, "state": "SUCCEEDED", "exit_code": 0, "role": "c"}]
+    ev = pool.sql("SELECT name, count(*) AS n FROM events WHERE kind = 'replica' GROUP BY name ORDER BY name")
+    assert ev.to_pylist() == [{"name": "exit", "n": 2}, {"name": "start", "n": 2}]
+    joined = pool.sql("SELECT p.state, count(*) AS n FROM logs l JOIN procs p ON l.app_id = p.app_id AND "
+                      "l.host = p.host AND l.replica = p.replica GROUP BY p.state")
+    assert joined.to_pylist() == [{"state": "SUCCEEDED", "n": 402}]
+
+
+def test_cli_formats_and_default_row_limit(home, busy_pool):
+    out = _sql(home, busy_pool, "SELECT host, line FROM logs WHERE line LIKE 'step 1%'")
+    assert out.returncode == 0 and "rows, first 100 shown" in out.stderr and len(out.stdout.splitlines()) == 101
+    js = _sql(home, busy_pool, "--json", "SELECT host, line FROM logs WHERE line = 'oops'")
+    assert sorted(r["host"] for r in json.loads(js.stdout)) == [0, 1]
+    csv_out = _sql(home, busy_pool, "--csv", "SELECT count(*) AS n FROM logs")
+    assert csv_out.stdout.splitlines() == ["n", "402"]
+    tables = subprocess.run([str(BIN / "monarch-torchx"), "tables"], capture_output=True, text=True).stdout
+    assert "logs" in tables and "procs" in tables and "events" in tables
+
+
+@pytest.mark.parametrize("query,want", [
+    ("SELEC 1", "ParserError"),
+    ("SELECT nope FROM logs", "No field named nope"),
+    ("SELECT * FROM passwd", "table 'datafusion.public.passwd' not found"),
+    ("CREATE EXTERNAL TABLE x STORED AS CSV LOCATION '/etc/passwd'", "DDL not supported"),
+    ("COPY (SELECT 1) TO '/tmp/x.csv'", "DML not supported"),
+    ("SELECT * FROM read_csv('/etc/passwd')", "read_csv"),
+])
+def test_bad_or_unsafe_sql_is_one_line_and_touches_nothing(home, busy_pool, query, want):
+    with pytest.raises(MonarchError, match="bad query"):
+        plan_pushdown(query)
+    out = _sql(home, busy_pool, query)
+    assert out.returncode == 1 and want in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_host_down_gives_a_partial_result_that_says_so(home, busy_pool):
+    pool = attach(busy_pool)
+    os.kill(pool.hosts[1].pid, signal.SIGKILL)
+    res = run(pool, "SELECT host, count(*) AS n FROM logs GROUP BY host", timeout=5)
+    assert res.partial and list(res.missing) == [1] and res.table.to_pylist() == [{"host": 0, "n": 201}]
+    out = _sql(home, busy_pool, "SELECT count(*) AS n FROM logs")
+    assert out.returncode == 0 and "partial result: host 1 is missing" in out.stderr
