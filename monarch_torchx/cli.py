@@ -170,6 +170,39 @@ def cmd_sql(args: argparse.Namespace) -> None:
                   file=sys.stderr)
 
 
+def cmd_stacks(args: argparse.Namespace) -> None:
+    from .pool import attach
+    from .telemetry.query import run
+
+    pool = attach(args.pool)
+    app = args.app.rstrip("/").rsplit("/", 1)[-1] if args.app else None  # a handle or POOL:APP or APP
+    app = app.split(":", 1)[1] if app and ":" in app else app
+    results = pool.fan_out(lambda i: pool.call(i, "telemetry.stacks", timeout=60.0, app_id=app),
+                           range(pool.record.num_hosts))
+    for i, res, err in results:
+        if err:
+            print(f"host {i}: {err}", file=sys.stderr)
+            continue
+        for e in res["errors"]:
+            print(f"host {i}: {e}", file=sys.stderr)
+    where = f"WHERE app_id = '{app}' AND " if app else "WHERE "
+    q = (f"SELECT host, pid, thread, depth, function, file, line FROM stacks {where}"
+         "ts = (SELECT max(ts) FROM stacks) ORDER BY host, pid, thread, depth")
+    rows = run(pool, q).table.to_pylist()
+    last = None
+    for r in rows:
+        key = (r["host"], r["pid"], r["thread"])
+        if key != last:
+            print(f"\nhost {r['host']} pid {r['pid']} thread {r['thread']}")
+            last = key
+        print(f"    {r['function']} ({r['file']}:{r['line']})")
+    if not rows:
+        print("no Python stacks (nothing running, or not Python)", file=sys.stderr)
+    else:
+        print("\nall dumps stay queryable: monarch-torchx sql --pool "
+              f"{args.pool} \"SELECT function, count(*) c FROM stacks GROUP BY 1 ORDER BY c DESC\"", file=sys.stderr)
+
+
 def cmd_tables(args: argparse.Namespace) -> None:
     from .telemetry.schema import describe_tables
 
@@ -208,7 +241,7 @@ def run_pool(args: argparse.Namespace) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="monarch-torchx", description="Warm pools for TorchX, submitit and actors.")
-    sub = parser.add_subparsers(dest="cmd", metavar="{pool,sql,tables}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{pool,sql,stacks,tables}")
     sub.required = True
     add_pool_arguments(sub.add_parser("pool", help="create, list, inspect and stop warm pools"))
     p = sub.add_parser("sql", help="ask every host of a pool one SQL question (logs, procs, events)")
@@ -220,6 +253,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--max-rows", type=int, default=100, help="rows shown as a table (0 = all; default 100)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each host (default 30)")
     p.set_defaults(pool_fn=cmd_sql)
+    p = sub.add_parser("stacks", help="py-spy dump of every running Python process of a pool (rows in `stacks`)")
+    p.add_argument("--pool", required=True)
+    p.add_argument("--app", default=None, help="only this app (its id or handle)")
+    p.set_defaults(pool_fn=cmd_stacks)
     p = sub.add_parser("tables", help="the telemetry tables and their columns")
     p.set_defaults(pool_fn=cmd_tables)
     run_pool(parser.parse_args(argv))

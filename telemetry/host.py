@@ -146,6 +146,8 @@ def run_query(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> bytes:
             batches = [procs_batch(agent)]
         elif name == "events":
             batches = [events_batch(agent)]
+        elif name == "stacks":
+            batches = [agent.telemetry_stacks.batch()]
         else:
             raise ValueError(f"unknown table {name!r}: tables are {', '.join(TABLES)}")
         ctx.register_record_batches(name, [batches or [pa.record_batch([pa.array([], f.type) for f in arrow_schema(name)],
@@ -158,9 +160,81 @@ def run_query(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+MAX_STACK_ROWS = 200_000
+_FORKSERVER = os.path.join("monarch_torchx", "agent", "forkserver.py")
+
+
+class Stacks:
+    """py-spy dumps of replicas (and their children), kept as rows for the ``stacks`` table."""
+
+    def __init__(self, agent: Any):
+        self.agent = agent
+        self.rows: List[dict] = []
+
+    def _py_spy(self) -> str:
+        import shutil
+        import sys
+
+        beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+        found = beside if os.path.exists(beside) else shutil.which("py-spy")
+        if not found:
+            raise ValueError("py-spy is not installed on this host (pip install py-spy)")
+        return found
+
+    async def dump(self, app_id: Optional[str]) -> dict:
+        import asyncio
+
+        exe = self._py_spy()
+        now = _us(time.time())
+        reps = [(k, r) for k, r in list(self.agent.procs.replicas.items())
+                if r.state == "RUNNING" and r.pid and (app_id is None or k[0] == app_id)]
+        added, errors = 0, []
+        for (a, role, replica), rep in reps:
+            proc = await asyncio.create_subprocess_exec(exe, "dump", "--pid", str(rep.pid), "--json", "--subprocesses",
+                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(), 20)
+            except asyncio.TimeoutError:
+                proc.kill()
+                errors.append(f"{a} {role}/{replica} pid {rep.pid}: py-spy timed out")
+                continue
+            if proc.returncode != 0:  # exited meanwhile, or not a Python process
+                why = [x for x in (err or out).decode(errors="replace").splitlines() if x.startswith("Error")]
+                errors.append(f"{a} {role}/{replica} pid {rep.pid}: "
+                              f"{why[0].removeprefix('Error: ') if why else 'py-spy failed'}")
+                continue
+            for thread in json.loads(out or b"[]"):
+                frames = thread.get("frames") or []
+                # a warm-started replica sits on the fork server's frames: they are ours, not the user's
+                cut = next((k for k, fr in enumerate(frames) if str(fr.get("filename", "")).endswith(_FORKSERVER)), None)
+                for depth, fr in enumerate(frames[:cut]):
+                    self.rows.append({"ts": now, "host": self.agent.index, "app_id": a, "role": role,
+                                      "replica": replica, "pid": thread.get("pid", rep.pid),
+                                      "thread": thread.get("os_thread_id") or thread.get("thread_id"),
+                                      "thread_name": thread.get("thread_name"), "depth": depth,
+                                      "function": fr.get("name"), "file": fr.get("filename"), "line": fr.get("line")})
+                    added += 1
+        del self.rows[:-MAX_STACK_ROWS]
+        return {"rows": added, "processes": len(reps), "errors": errors}
+
+    def batch(self) -> Any:
+        import pyarrow as pa
+
+        schema = arrow_schema("stacks")
+        return pa.record_batch([pa.array([r[f.name] for r in self.rows], _storage(f.type)).cast(f.type)
+                                for f in schema], schema=schema)
+
+
 def setup(agent: Any) -> None:
-    """Entry point (group ``monarch_torchx.modules``): serve ``telemetry.query`` on this agent."""
+    """Entry point (group ``monarch_torchx.modules``): serve ``telemetry.*`` on this agent."""
     logs = LogIndex(agent)
+    stacks = Stacks(agent)
+    agent.telemetry_stacks = stacks
+
+    async def dump_stacks(peer: Any, app_id: Optional[str] = None) -> dict:
+        return await stacks.dump(app_id)
+
+    agent.add_handler("telemetry.stacks", dump_stacks)
 
     async def query(peer: Any, sql: str, tables: List[str]) -> bytes:
         import asyncio

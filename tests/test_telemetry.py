@@ -90,3 +90,27 @@ def test_a_host_down_gives_a_partial_result_that_says_so(home, busy_pool):
     assert res.partial and list(res.missing) == [1] and res.table.to_pylist() == [{"host": 0, "n": 201}]
     out = _sql(home, busy_pool, "SELECT count(*) AS n FROM logs")
     assert out.returncode == 0 and "partial result: host 1 is missing" in out.stderr
+
+
+SPIN = "import time\ndef inner():\n    while True:\n        time.sleep(0.05)\ndef outer():\n    inner()\nouter()\n"
+
+
+def test_stacks_of_running_replicas_become_rows(home, pool_name, tmp_path):
+    (tmp_path / "spin.py").write_text(SPIN)
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    h = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.python", "--script",
+               str(tmp_path / "spin.py")).stdout.strip().splitlines()[-1]
+    torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "sleep", "60")
+    pool = attach(pool_name)
+    wait_for(lambda: pool.sql("SELECT count(*) AS n FROM procs WHERE state = 'RUNNING'").to_pylist()[0]["n"] == 2,
+             what="both running")
+    out = subprocess.run([str(BIN / "monarch-torchx"), "stacks", "--pool", pool_name], env=cli_env(home),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "inner (" in out.stdout and "outer (" in out.stdout and "forkserver" not in out.stdout
+    assert "Failed to find python version" in out.stderr  # the shell replica: said, not fatal
+    rows = pool.sql("SELECT depth, function FROM stacks ORDER BY depth").to_pylist()
+    assert [r["function"] for r in rows][:3] == ["inner", "outer", "<module>"]
+    only = subprocess.run([str(BIN / "monarch-torchx"), "stacks", "--pool", pool_name, "--app", h], env=cli_env(home),
+                          capture_output=True, text=True, timeout=120)
+    assert "inner (" in only.stdout and "Failed to find" not in only.stderr

@@ -33,7 +33,8 @@ log = logging.getLogger("monarch_torchx.agent")
 MODULES_GROUP = "monarch_torchx.modules"
 HEARTBEAT_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_S", "5"))
 # asking about a pool must not keep it alive: only work (launches, module calls) resets idleness
-PASSIVE_OPS = frozenset({"info", "describe", "list", "logs", "kill", "shutdown", "telemetry.query"})
+PASSIVE_OPS = frozenset({"info", "describe", "list", "logs", "kill", "shutdown", "telemetry.query",
+                         "telemetry.stacks"})
 MAX_FINISHED_APPS = 500
 
 
