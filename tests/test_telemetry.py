@@ -114,3 +114,36 @@ def test_stacks_of_running_replicas_become_rows(home, pool_name, tmp_path):
     only = subprocess.run([str(BIN / "monarch-torchx"), "stacks", "--pool", pool_name, "--app", h], env=cli_env(home),
                           capture_output=True, text=True, timeout=120)
     assert "inner (" in only.stdout and "Failed to find" not in only.stderr
+
+
+def _print_lines(home, pool_name, n):
+    with get_runner() as runner:
+        app = AppDef("lines", roles=[Role(name="l", image=".", entrypoint="python",
+                                          args=["-c", f"for i in range({n}): print('line', i)"])])
+        h = runner.run(app, "monarch_local", {"pool": pool_name})
+        wait_for(lambda: runner.status(h).is_terminal(), what="printer")
+
+
+def test_retention_spills_to_parquet_stays_queryable_and_is_bounded(home, pool_name, monkeypatch, tmp_path):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("MONARCH_TORCHX_TELEMETRY_MAX_ROWS", "1000")
+    monkeypatch.setenv("MONARCH_TORCHX_TELEMETRY_INDEX_S", "0.2")
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    for _ in range(3):
+        _print_lines(home, pool_name, 2000)
+    pool = attach(pool_name)
+    wait_for(lambda: list(tmp_path.glob("monarch_torchx/*/logs-*.parquet")), what="a spill to parquet")
+    assert pool.sql("SELECT count(*) AS n FROM logs").to_pylist() == [{"n": 6000}]  # memory + parquet
+    assert pool.sql("SELECT count(*) AS n FROM logs WHERE line = 'line 5'").to_pylist() == [{"n": 3}]
+    torchx(home, "pool", "stop", pool_name)
+    wait_for(lambda: not list(tmp_path.glob("monarch_torchx/*")), what="spill removed with the pool")
+
+    # a spill budget of one byte: what spills is dropped, memory keeps the newest rows
+    other = pool_name + "b"
+    monkeypatch.setenv("MONARCH_TORCHX_TELEMETRY_MAX_SPILL_BYTES", "1")
+    torchx(home, "pool", "create", other, "-cfg", "hosts=1,preload=none")
+    _print_lines(home, other, 5000)
+    pool = attach(other)
+    wait_for(lambda: pool.sql("SELECT count(*) AS n FROM logs").to_pylist()[0]["n"] <= 1000, what="bounded rows")
+    newest = pool.sql("SELECT max(line) AS l FROM logs WHERE line = 'line 4999'").to_pylist()
+    assert newest == [{"l": "line 4999"}]

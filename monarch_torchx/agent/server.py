@@ -49,6 +49,8 @@ class Agent:
         self.started = time.time()
         self.last_request = time.time()
         self.modules: Dict[str, str] = {}
+        self._cleanups: List[Callable[[], None]] = []
+        self._background: List[Any] = []
         self.handlers: Dict[str, Callable[..., Any]] = {
             "info": self.op_info, "launch": self.op_launch, "describe": self.op_describe,
             "list": self.op_list, "kill": self.op_kill, "logs": self.op_logs, "shutdown": self.op_shutdown,
@@ -64,6 +66,14 @@ class Agent:
         self.server = wire.Server(self.key, self.handlers, on_activity=self._touch,
                                   identity=f"{self.pool}/{self.index}/{self.incarnation}".encode())
         self.addr: Optional[HostAddr] = None
+
+    def on_stop(self, fn: Callable[[], None]) -> None:
+        """For modules: run ``fn`` when the agent stops (after its processes were stopped)."""
+        self._cleanups.append(fn)
+
+    def background(self, coro: Any) -> None:
+        """For modules: run a coroutine for the agent's life (cancelled when it stops)."""
+        self._background.append(asyncio.get_running_loop().create_task(coro))
 
     def add_handler(self, op: str, fn: Callable[..., Any]) -> None:
         """For modules: serve ``op`` on this agent's authenticated port."""
@@ -224,9 +234,16 @@ class Agent:
         await self.stopping.wait()
         log.info("stopping: %s", self.stop_reason)
         hb.cancel()
+        for task in self._background:
+            task.cancel()
         await self.server.close()
         await self.procs.kill(list(self.procs.replicas.values()), grace=3.0)
         self.launcher.close()
+        for fn in self._cleanups:
+            try:
+                fn()
+            except Exception as e:
+                log.warning("module cleanup failed: %s", e)
         current = Registry.read_host(self.state_dir, self.index)
         if current is not None and current.incarnation == self.incarnation:  # not a successor's file
             self._publish(exited=time.time(), exit_reason=self.stop_reason)
