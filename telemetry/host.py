@@ -145,6 +145,60 @@ def _proc_usage(pid: Optional[int]) -> Tuple[Optional[float], Optional[int]]:
         return None, None
 
 
+MAX_METRIC_ROWS = 500_000
+METRICS_INTERVAL_S = float(os.environ.get("MONARCH_TORCHX_METRICS_S", "5"))
+
+
+class Metrics:
+    """Host, replica and GPU gauges sampled every few seconds into a bounded buffer."""
+
+    def __init__(self, agent: Any):
+        self.agent = agent
+        self.rows: List[tuple] = []
+        self._nvidia_smi = shutil.which("nvidia-smi")
+
+    def sample(self) -> None:
+        now = _us(time.time())
+        add = self.rows.append
+        h = self.agent.index
+        add((now, h, "host.load1", os.getloadavg()[0], "{}"))
+        try:
+            mem = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+            total, avail = (int(mem[k].split()[0]) * 1024 for k in ("MemTotal", "MemAvailable"))
+            add((now, h, "host.mem_used_bytes", float(total - avail), "{}"))
+        except (OSError, KeyError, ValueError):
+            pass
+        for (app_id, role, replica), rep in list(self.agent.procs.replicas.items()):
+            if rep.state != "RUNNING":
+                continue
+            cpu, rss = _proc_usage(rep.pid)
+            labels = json.dumps({"app_id": app_id, "role": role, "replica": replica, "pid": rep.pid})
+            if cpu is not None:
+                add((now, h, "proc.cpu_s", cpu, labels))
+                add((now, h, "proc.rss_bytes", float(rss or 0), labels))
+        if self._nvidia_smi:
+            import subprocess
+
+            try:
+                out = subprocess.run([self._nvidia_smi, "--query-gpu=index,utilization.gpu,memory.used",
+                                      "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5).stdout
+                for line in out.strip().splitlines():
+                    idx, util, used = (x.strip() for x in line.split(","))
+                    add((now, h, "gpu.util_pct", float(util), json.dumps({"gpu": int(idx)})))
+                    add((now, h, "gpu.mem_used_bytes", float(used) * 2**20, json.dumps({"gpu": int(idx)})))
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                pass
+        del self.rows[:-MAX_METRIC_ROWS]
+
+    def batch(self) -> Any:
+        import pyarrow as pa
+
+        schema = arrow_schema("metrics")
+        cols = list(zip(*self.rows)) if self.rows else [[] for _ in schema]
+        return pa.record_batch([pa.array(list(c), _storage(f.type)).cast(f.type) for c, f in zip(cols, schema)],
+                               schema=schema)
+
+
 def procs_batch(agent: Any) -> Any:
     import pyarrow as pa
 
@@ -216,6 +270,8 @@ def run_query(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> bytes:
             batches = [events_batch(agent)]
         elif name == "stacks":
             batches = [agent.telemetry_stacks.batch()]
+        elif name == "metrics":
+            batches = [agent.telemetry_metrics.batch()]
         else:
             raise ValueError(f"unknown table {name!r}: tables are {', '.join(TABLES)}")
         ctx.register_record_batches(name, [batches or [pa.record_batch([pa.array([], f.type) for f in arrow_schema(name)],
@@ -318,6 +374,17 @@ def setup(agent: Any) -> None:
 
     agent.background(index_in_background())
     agent.telemetry_stacks = stacks
+    metrics = Metrics(agent)
+    agent.telemetry_metrics = metrics
+
+    async def sample_metrics() -> None:
+        import asyncio
+
+        while True:
+            metrics.sample()
+            await asyncio.sleep(METRICS_INTERVAL_S)
+
+    agent.background(sample_metrics())
 
     async def dump_stacks(peer: Any, app_id: Optional[str] = None) -> dict:
         return await stacks.dump(app_id)

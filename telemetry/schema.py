@@ -51,6 +51,13 @@ TABLES: Dict[str, List[Tuple[str, str, str]]] = {
         ("file", "string", "source file"),
         ("line", "int32", "line number"),
     ],
+    "metrics": [
+        ("ts", "timestamp", "when it was sampled (every few seconds)"),
+        ("host", "int32", "host index in the pool"),
+        ("name", "string", "host.load1, host.mem_used_bytes, proc.cpu_s, proc.rss_bytes, gpu.util_pct, gpu.mem_used_bytes"),
+        ("value", "float64", "the value"),
+        ("labels", "string", "JSON: app_id/role/replica/pid for proc.*, gpu index for gpu.*"),
+    ],
     "events": [
         ("ts", "timestamp", "when it happened"),
         ("host", "int32", "host index in the pool"),

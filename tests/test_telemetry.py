@@ -147,3 +147,18 @@ def test_retention_spills_to_parquet_stays_queryable_and_is_bounded(home, pool_n
     wait_for(lambda: pool.sql("SELECT count(*) AS n FROM logs").to_pylist()[0]["n"] <= 1000, what="bounded rows")
     newest = pool.sql("SELECT max(line) AS l FROM logs WHERE line = 'line 4999'").to_pylist()
     assert newest == [{"l": "line 4999"}]
+
+
+def test_metrics_are_sampled_for_hosts_and_running_replicas(home, pool_name, monkeypatch):
+    monkeypatch.setenv("MONARCH_TORCHX_METRICS_S", "0.2")
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2,preload=none")
+    torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "sleep", "30")
+    pool = attach(pool_name)
+
+    def names():
+        return {r["name"] for r in pool.sql("SELECT DISTINCT name FROM metrics").to_pylist()}
+    wait_for(lambda: {"host.load1", "host.mem_used_bytes", "proc.cpu_s", "proc.rss_bytes"} <= names(), what="metrics")
+    rss = pool.sql("SELECT host, value, labels FROM metrics WHERE name = 'proc.rss_bytes' LIMIT 1").to_pylist()[0]
+    assert rss["host"] == 0 and rss["value"] > 0 and json.loads(rss["labels"])["role"] == "sh"
+    hosts = pool.sql("SELECT DISTINCT host FROM metrics WHERE name = 'host.load1' ORDER BY host").to_pylist()
+    assert hosts == [{"host": 0}, {"host": 1}]
