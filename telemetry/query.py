@@ -101,7 +101,10 @@ def run(pool: Any, sql: str, timeout: float = DEFAULT_TIMEOUT_S) -> QueryResult:
                                                                          sql=q, tables=[t]), range(n))
         for i, data, err in results:
             if err is not None:
-                missing.setdefault(i, str(err))
+                why = str(err)
+                if "unknown operation 'telemetry.query'" in why:
+                    why = "the telemetry module is not loaded on this host (see its agent log)"
+                missing.setdefault(i, why)
                 continue
             moved += len(data)
             per_host[i][name] = pa.ipc.open_stream(data).read_all()

@@ -107,7 +107,8 @@ class Agent:
 
     def load_modules(self) -> None:
         """Entry points of group ``monarch_torchx.modules`` plus ``--module pkg.mod:setup``."""
-        specs = [(ep.name, ep.value) for ep in entry_points(group=MODULES_GROUP)]
+        disabled = {m for m in os.environ.get("MONARCH_TORCHX_DISABLE_MODULES", "").split(",") if m}
+        specs = [(ep.name, ep.value) for ep in entry_points(group=MODULES_GROUP) if ep.name not in disabled]
         specs += [(m, m) for m in self.args.module]
         for name, target in specs:
             modname, _, attr = target.partition(":")
