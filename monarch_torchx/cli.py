@@ -155,7 +155,13 @@ def cmd_sql(args: argparse.Namespace) -> None:
     def plain(v: Any) -> Any:
         return v.isoformat() if isinstance(v, (datetime.datetime, datetime.date)) else v
 
-    if args.json:
+    if args.arrow:
+        import pyarrow as pa
+
+        with pa.ipc.new_file(args.arrow, res.table.schema) as writer:
+            writer.write_table(res.table)
+        print(f"{res.table.num_rows} rows written to {args.arrow} (Arrow IPC file)", file=sys.stderr)
+    elif args.json:
         print(json.dumps([{k: plain(v) for k, v in r.items()} for r in rows], default=str))
     elif args.csv:
         w = csv.writer(sys.stdout)
@@ -250,6 +256,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="JSON records, all rows")
     fmt.add_argument("--csv", action="store_true", help="CSV, all rows")
+    fmt.add_argument("--arrow", metavar="PATH", help="write all rows to an Arrow IPC file")
     p.add_argument("--max-rows", type=int, default=100, help="rows shown as a table (0 = all; default 100)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each host (default 30)")
     p.set_defaults(pool_fn=cmd_sql)

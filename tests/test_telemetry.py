@@ -63,6 +63,11 @@ def test_cli_formats_and_default_row_limit(home, busy_pool):
     assert sorted(r["host"] for r in json.loads(js.stdout)) == [0, 1]
     csv_out = _sql(home, busy_pool, "--csv", "SELECT count(*) AS n FROM logs")
     assert csv_out.stdout.splitlines() == ["n", "402"]
+    arrow_path = home / "out.arrow"
+    assert _sql(home, busy_pool, "--arrow", str(arrow_path), "SELECT host, line FROM logs").returncode == 0
+    import pyarrow as pa
+
+    assert pa.ipc.open_file(str(arrow_path)).read_all().num_rows == 402
     tables = subprocess.run([str(BIN / "monarch-torchx"), "tables"], capture_output=True, text=True).stdout
     assert "logs" in tables and "procs" in tables and "events" in tables
 
