@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--n", type=int, default=5, help="runs per query (median)")
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--ingestion-only", action="store_true", help="skip the 10M-row queries")
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="bench-tel-"))
     work = Path(tempfile.mkdtemp(prefix="bench-tel-work-"))
@@ -60,7 +61,10 @@ def main() -> None:
 
     py = sys.executable
     try:
-        sh(torchx, "pool", "create", "tel", "-cfg", f"hosts={args.hosts},preload=none")
+        rows = []
+        if args.ingestion_only:
+            args.hosts = 0
+        sh(torchx, "pool", "create", "tel", "-cfg", f"hosts={max(1, args.hosts)},preload=none")
         pool = attach("tel")
         from monarch_torchx import apps
         from monarch_torchx.specs import LaunchSpec
@@ -83,7 +87,7 @@ def main() -> None:
                 "|---|---:|---:|---:|---:|---:|"]
         naive_bytes = None
         naive_time = None
-        for name, q in queries.items():
+        for name, q in (queries.items() if args.hosts else []):
             times, res = [], None
             for _ in range(args.n):
                 t0 = time.perf_counter()
@@ -130,13 +134,20 @@ def main() -> None:
             got[label].append(float(out.read_text()))
 
         plain = [py, str(work / "printer.py"), str(n_lines), "OUT"]
-        for k in range(args.n):
+        def with_telemetry(k: int) -> None:
             printed(on, "telemetry on", k, plain)
             want = (k + 1) * n_lines  # let this run's deferred indexing finish before anything else runs
             while run(on, "SELECT count(*) AS n FROM logs WHERE app_id LIKE 'ing-on-%'").table.to_pylist()[0]["n"] < want:
                 time.sleep(0.2)
+            time.sleep(1.0)
+
+        def without(k: int) -> None:
             printed(off, "telemetry off", k, plain)
             time.sleep(1.0)
+
+        for k in range(args.n):  # alternate which goes first, so drift does not favour either
+            for step in ((with_telemetry, without) if k % 2 == 0 else (without, with_telemetry)):
+                step(k)
             printed(off, "stdout to /dev/null (no capture)", k, ["sh", "-c", f"{py} {work / 'printer.py'} {n_lines} OUT > /dev/null"])
             time.sleep(1.0)
         rates = {k: statistics.median(v) for k, v in got.items()}
@@ -154,7 +165,8 @@ def main() -> None:
         *[f"| {k} | {v:,.0f} |" for k, v in rates.items()], "",
         f"Telemetry overhead on a chatty process: {overhead:.1f}% (target < 5%). Indexing waits while a "
         "process's output is flowing (up to 256 MiB of backlog) and catches up when it pauses or at the next query; "
-        "runs are interleaved (on, off, /dev/null) and separated so each starts with nothing left to index. On this 2-core machine the printer and "
+        "runs are interleaved (on/off alternating which goes first, then /dev/null) and separated so each starts "
+        "with nothing left to index; the spread between runs on this VM is about +-20%. On this 2-core machine the printer and "
         "the agent's pipe reader already use both cores, so any concurrent work shows up here.",
         "Targets: 10M-row filtered aggregate < 1 s; pushdown moves < 1% of the naive bytes (the filtered queries). "
         "An unfiltered GROUP BY still moves the grouping column of every row: aggregates are not yet split into "
