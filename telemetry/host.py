@@ -254,7 +254,18 @@ def events_batch(agent: Any) -> Any:
         for k, v in zip(rows, (_us(ts), agent.index, kind, name, app_id, duration, json.dumps(fields))):
             rows[k].append(v)
 
-    add(agent.started, "agent", "start", None, None, {"pid": os.getpid(), "incarnation": agent.incarnation})
+    add(agent.started, "pool", "host_start", None, None, {"pid": os.getpid(), "incarnation": agent.incarnation,
+                                                            "pool": agent.pool})
+    by_app: Dict[str, List[Any]] = {}
+    for (app_id, _, _), rep in list(agent.procs.replicas.items()):
+        by_app.setdefault(app_id, []).append(rep)
+    for app_id, reps in by_app.items():  # an app's life on this host: from its first launch to its last exit
+        first = min(r.started for r in reps)
+        add(first, "app", "launch", app_id, None, {"replicas": len(reps)})
+        if all(r.ended for r in reps):
+            last = max(r.ended for r in reps)
+            states = sorted({r.state for r in reps})
+            add(last, "app", "end", app_id, last - first, {"replicas": len(reps), "states": states})
     for (app_id, role, replica), rep in list(agent.procs.replicas.items()):
         add(rep.started, "replica", "start", app_id, None, {"role": role, "replica": replica, "argv": rep.spec.argv})
         if rep.ended:
@@ -275,8 +286,9 @@ def _storage(t: Any) -> Any:
     return pa.int64() if pa.types.is_timestamp(t) else t
 
 
-def run_query(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> bytes:
-    """Runs a pushed-down query over this host's tables; returns an Arrow IPC stream."""
+def run_query(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> List[bytes]:
+    """Runs a pushed-down query over this host's tables; returns Arrow IPC streams of at most
+    ``BATCH_ROWS`` rows each, which the agent sends back one frame at a time."""
     import pyarrow as pa
     from datafusion import SessionContext, SQLOptions
 
@@ -306,13 +318,18 @@ def run_query(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> bytes:
                                                                         schema=arrow_schema(name))]])
     options = SQLOptions().with_allow_ddl(False).with_allow_dml(False).with_allow_statements(False)
     table = ctx.sql_with_options(sql, options).to_arrow_table()
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
+    chunks = []
+    for batch in table.to_batches(max_chunksize=BATCH_ROWS) or [pa.record_batch(
+            [pa.array([], f.type) for f in table.schema], schema=table.schema)]:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_batch(batch)
+        chunks.append(sink.getvalue().to_pybytes())
+    return chunks
 
 
 MAX_STACK_ROWS = 200_000
+BATCH_ROWS = 262_144  # rows per frame of a query's answer
 INDEX_INTERVAL_S = float(os.environ.get("MONARCH_TORCHX_TELEMETRY_INDEX_S", "1"))
 BUSY_BYTES_PER_INTERVAL = 1 << 20  # more new output than this per interval: wait for a pause
 MAX_BACKLOG_BYTES = 256 << 20  # ... unless this much is waiting
@@ -429,12 +446,17 @@ def setup(agent: Any) -> None:
 
     agent.add_handler("telemetry.stacks", dump_stacks)
 
-    async def query(peer: Any, sql: str, tables: List[str]) -> bytes:
+    async def query(peer: Any, sql: str, tables: List[str]) -> Any:
         import asyncio
 
-        t0 = time.time()
-        data = await asyncio.get_running_loop().run_in_executor(None, run_query, agent, logs, sql, tables)
-        agent.telemetry_last_query_s = time.time() - t0
-        return data
+        from ..wire import Stream
+
+        chunks = await asyncio.get_running_loop().run_in_executor(None, run_query, agent, logs, sql, tables)
+
+        async def batches() -> Any:
+            for chunk in chunks:
+                yield chunk
+
+        return Stream(batches())
 
     agent.add_handler("telemetry.query", query)

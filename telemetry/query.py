@@ -96,18 +96,25 @@ def run(pool: Any, sql: str, timeout: float = DEFAULT_TIMEOUT_S) -> QueryResult:
     per_host: Dict[int, Dict[str, Any]] = {i: {} for i in range(n)}
     missing: Dict[int, str] = {}
     moved = 0
+    def fetch(i: int, q: str, t: str) -> Tuple[Any, int]:
+        """One host's answer, streamed back as Arrow IPC chunks."""
+        with pool.connect(i) as client:
+            client.settimeout(timeout)
+            chunks = list(client.stream("telemetry.query", sql=q, tables=[t]))
+        tables = [pa.ipc.open_stream(c).read_all() for c in chunks]
+        return pa.concat_tables(tables), sum(len(c) for c in chunks)
+
     for name, host_sql in pushed.items():
-        results = pool.fan_out(lambda i, q=host_sql, t=name: pool.call(i, "telemetry.query", timeout=timeout,
-                                                                         sql=q, tables=[t]), range(n))
-        for i, data, err in results:
+        results = pool.fan_out(lambda i, q=host_sql, t=name: fetch(i, q, t), range(n))
+        for i, got, err in results:
             if err is not None:
                 why = str(err)
                 if "unknown operation 'telemetry.query'" in why:
                     why = "the telemetry module is not loaded on this host (see its agent log)"
                 missing.setdefault(i, why)
                 continue
-            moved += len(data)
-            per_host[i][name] = pa.ipc.open_stream(data).read_all()
+            per_host[i][name], size = got
+            moved += size
     ok = [i for i in range(n) if i not in missing]
     if not ok:
         raise MonarchError("no host answered: " + "; ".join(f"host {i}: {why}" for i, why in missing.items()))

@@ -61,10 +61,10 @@ TABLES: Dict[str, List[Tuple[str, str, str]]] = {
     "events": [
         ("ts", "timestamp", "when it happened"),
         ("host", "int32", "host index in the pool"),
-        ("kind", "string", "what happened to: 'agent' or 'replica'"),
-        ("name", "string", "start, exit, ..."),
-        ("app_id", "string", "the app, for replica events"),
-        ("duration_s", "float64", "for exits: how long the replica ran"),
+        ("kind", "string", "what happened to: 'pool' (this host), 'app' (its part on this host) or 'replica'"),
+        ("name", "string", "pool: host_start; app: launch, end; replica: start, exit"),
+        ("app_id", "string", "the app, for app and replica events"),
+        ("duration_s", "float64", "for app end and replica exit: how long it ran (a span)"),
         ("fields", "string", "the rest, as JSON"),
     ],
 }

@@ -51,6 +51,11 @@ def test_filtered_aggregate_over_every_host_with_pushdown(busy_pool):
                                  {"host": 1, "state": "SUCCEEDED", "exit_code": 0, "role": "c"}]
     ev = pool.sql("SELECT name, count(*) AS n FROM events WHERE kind = 'replica' GROUP BY name ORDER BY name")
     assert ev.to_pylist() == [{"name": "exit", "n": 2}, {"name": "start", "n": 2}]
+    spans = pool.sql("SELECT host, name, duration_s FROM events WHERE kind = 'app' AND app_id LIKE 'chatty%' "
+                     "ORDER BY host, name").to_pylist()
+    assert [(s["host"], s["name"]) for s in spans] == [(0, "end"), (0, "launch"), (1, "end"), (1, "launch")]
+    assert all(s["duration_s"] > 0 for s in spans if s["name"] == "end")
+    assert pool.sql("SELECT count(*) AS n FROM events WHERE kind = 'pool'").to_pylist() == [{"n": 2}]
     joined = pool.sql("SELECT p.state, count(*) AS n FROM logs l JOIN procs p ON l.app_id = p.app_id AND "
                       "l.host = p.host AND l.replica = p.replica GROUP BY p.state")
     assert joined.to_pylist() == [{"state": "SUCCEEDED", "n": 402}]
