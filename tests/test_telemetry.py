@@ -172,3 +172,25 @@ def test_metrics_are_sampled_for_hosts_and_running_replicas(home, pool_name, mon
     assert rss["host"] == 0 and rss["value"] > 0 and json.loads(rss["labels"])["role"] == "sh"
     hosts = pool.sql("SELECT DISTINCT host FROM metrics WHERE name = 'host.load1' ORDER BY host").to_pylist()
     assert hosts == [{"host": 0}, {"host": 1}]
+
+
+def test_stacks_of_a_process_that_exits_meanwhile_is_named_not_fatal(home, pool_name):
+    """Its fork server is paused so the exit is not reported yet: py-spy meets a dead process."""
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.python", "-c",
+           "import time; time.sleep(600)")
+    pool = attach(pool_name)
+    pid = wait_for(lambda: next(iter(r["pid"] for r in pool.sql(
+        "SELECT pid FROM procs WHERE state = 'RUNNING'").to_pylist()), None), what="running replica")
+    with open(f"/proc/{pid}/stat") as f:
+        server = int(f.read().rsplit(")", 1)[1].split()[1])
+    os.kill(server, signal.SIGSTOP)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", what="zombie")
+        out = subprocess.run([str(BIN / "monarch-torchx"), "stacks", "--pool", pool_name], env=cli_env(home),
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        os.kill(server, signal.SIGCONT)
+    assert out.returncode == 0 and "Traceback" not in out.stderr
+    assert f"pid {pid}:" in out.stderr and "no Python stacks" in out.stderr
