@@ -176,20 +176,6 @@ async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     await asyncio.wait_for(exchange(), HANDSHAKE_TIMEOUT_S)
 
 
-async def open_connection(host: str, port: int, key: bytes, timeout: float = 10.0,
-                          identity: bytes = b"") -> Tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Asyncio client side: connect and authenticate (used agent-to-agent and by async clients)."""
-    import asyncio
-
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 20), timeout)
-    hello = await asyncio.wait_for(reader.readexactly(HELLO_LEN), timeout)
-    answer, ns, nc = client_answer(key, hello, identity)
-    writer.write(answer)
-    await writer.drain()
-    client_check(key, ns, nc, await asyncio.wait_for(reader.readexactly(MAC), timeout), identity)
-    return reader, writer
-
-
 Handler = Callable[..., Any]
 
 

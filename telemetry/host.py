@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from .query import read_only_options
 from .schema import TABLES, arrow_schema
 
-READ_ONLY = {"ddl": False, "dml": False, "statements": False}
 _CHUNK = 8 << 20
 
 
@@ -290,7 +290,7 @@ def run_query(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> List[b
     """Runs a pushed-down query over this host's tables; returns Arrow IPC streams of at most
     ``BATCH_ROWS`` rows each, which the agent sends back one frame at a time."""
     import pyarrow as pa
-    from datafusion import SessionContext, SQLOptions
+    from datafusion import SessionContext
 
     ctx = SessionContext()
     for name in tables:
@@ -316,8 +316,7 @@ def run_query(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> List[b
             raise ValueError(f"unknown table {name!r}: tables are {', '.join(TABLES)}")
         ctx.register_record_batches(name, [batches or [pa.record_batch([pa.array([], f.type) for f in arrow_schema(name)],
                                                                         schema=arrow_schema(name))]])
-    options = SQLOptions().with_allow_ddl(False).with_allow_dml(False).with_allow_statements(False)
-    table = ctx.sql_with_options(sql, options).to_arrow_table()
+    table = ctx.sql_with_options(sql, read_only_options()).to_arrow_table()
     chunks = []
     for batch in table.to_batches(max_chunksize=BATCH_ROWS) or [pa.record_batch(
             [pa.array([], f.type) for f in table.schema], schema=table.schema)]:

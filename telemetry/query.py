@@ -32,7 +32,8 @@ class QueryResult:
         return bool(self.missing)
 
 
-def _options() -> Any:
+def read_only_options() -> Any:
+    """Our tables, SELECT only: no DDL, DML, COPY or statements, at the client and on every host."""
     from datafusion import SQLOptions
 
     return SQLOptions().with_allow_ddl(False).with_allow_dml(False).with_allow_statements(False)
@@ -59,7 +60,7 @@ def plan_pushdown(sql: str) -> Dict[str, str]:
     from datafusion.unparser import Dialect, Unparser
 
     try:
-        plan = _empty_ctx().sql_with_options(sql, _options()).optimized_logical_plan()
+        plan = _empty_ctx().sql_with_options(sql, read_only_options()).optimized_logical_plan()
     except Exception as e:  # DataFusion's own message, one line
         raise MonarchError(f"bad query: {_one_line(e)}") from None
     scans: List[Tuple[str, Any]] = []
@@ -127,7 +128,7 @@ def run(pool: Any, sql: str, timeout: float = DEFAULT_TIMEOUT_S) -> QueryResult:
         ctx.register_record_batches(name, [table.to_batches() or [pa.record_batch(
             [pa.array([], f.type) for f in table.schema], schema=table.schema)]])
     try:
-        answer = ctx.sql_with_options(sql, _options()).to_arrow_table()
+        answer = ctx.sql_with_options(sql, read_only_options()).to_arrow_table()
     except Exception as e:
         raise MonarchError(f"bad query: {_one_line(e)}") from None
     return QueryResult(answer, ok, missing, moved, pushed)
