@@ -118,9 +118,110 @@ def encode(msg: Any) -> List[Any]:
     """Returns the frame as a list of byte-like parts (header, body, out-of-band buffers)."""
     bufs: List[pickle.PickleBuffer] = []
     body = pickle.dumps(msg, protocol=5, buffer_callback=bufs.append)
-    raws = [b.raw() for b in bufs]
+    return frame_parts(body, bufs)
+
+
+def frame_parts(body: bytes, bufs: List[Any]) -> List[Any]:
+    """The frame for an already pickled body and its out-of-band buffers (PickleBuffers or bytes-like), not joined."""
+    raws = [b.raw() if isinstance(b, pickle.PickleBuffer) else memoryview(b) for b in bufs]
     head = _HEAD.pack(len(body), len(raws)) + b"".join(_BUFLEN.pack(r.nbytes) for r in raws)
     return [head, body, *raws]
+
+
+class FrameParser:
+    """Incremental frame reader for non-blocking sockets and asyncio ``BufferedProtocol``s.
+
+    Small frames are parsed out of one reusable chunk; a large body or buffer gets its own
+    bytearray and the socket is read straight into it (``get_buffer`` hands out a view of it),
+    so a 64 MiB tensor crosses from the kernel into its final memory in one copy.
+    """
+
+    BIG = 64 * 1024  # segments at least this large are received in place
+
+    def __init__(self, chunk: int = 256 * 1024):
+        self._buf = bytearray(chunk)
+        self._start = 0
+        self._end = 0
+        self._big: Optional[bytearray] = None
+        self._bigpos = 0
+        self._stage = 0  # 0: head, 1: buffer lengths, 2: body, 3: buffers
+        self._body_len = 0
+        self._lens: List[int] = []
+        self._body: Any = b""
+        self._bufs: List[bytearray] = []
+
+    def get_buffer(self) -> memoryview:
+        if self._big is not None:
+            return memoryview(self._big)[self._bigpos:]
+        if self._end == len(self._buf):
+            self._compact()
+        return memoryview(self._buf)[self._end:]
+
+    def feed(self, n: int) -> List[Tuple[Any, List[bytearray]]]:
+        """Accounts for ``n`` bytes written into the last ``get_buffer``; returns complete frames."""
+        if self._big is not None:
+            self._bigpos += n
+            if self._bigpos < len(self._big):
+                return []
+            seg, self._big = self._big, None
+            frames = self._segment(seg)
+        else:
+            self._end += n
+            frames = []
+        while True:
+            need = self._need()
+            avail = self._end - self._start
+            if avail >= need:
+                seg = self._buf[self._start:self._start + need]
+                self._start += need
+                frames += self._segment(seg)
+                continue
+            if need >= self.BIG:
+                self._big = bytearray(need)
+                self._big[:avail] = self._buf[self._start:self._end]
+                self._bigpos = avail
+                self._start = self._end = 0
+            elif need > len(self._buf) - self._start:
+                self._compact()
+            return frames
+
+    def _compact(self) -> None:
+        rest = self._end - self._start
+        self._buf[:rest] = self._buf[self._start:self._end]
+        self._start, self._end = 0, rest
+
+    def _need(self) -> int:
+        if self._stage == 0:
+            return _HEAD.size
+        if self._stage == 1:
+            return 8 * len(self._lens)
+        if self._stage == 2:
+            return self._body_len
+        return self._lens[len(self._bufs)]
+
+    def _segment(self, seg: bytearray) -> List[Tuple[Any, List[bytearray]]]:
+        if self._stage == 0:
+            self._body_len, nbufs = _HEAD.unpack(seg)
+            _check_head(self._body_len, nbufs)
+            self._lens = [0] * nbufs
+            self._stage = 1 if nbufs else 2
+            return []
+        if self._stage == 1:
+            self._lens = [_BUFLEN.unpack_from(seg, 8 * i)[0] for i in range(len(self._lens))]
+            if any(n > MAX_BUF for n in self._lens):
+                raise WireError("malformed frame (buffer too large)")
+            self._stage = 2
+            return []
+        if self._stage == 2:
+            self._body = seg
+        else:
+            self._bufs.append(seg)
+        if len(self._bufs) < len(self._lens):
+            self._stage = 3
+            return []
+        frame = (self._body, self._bufs)
+        self._stage, self._body, self._bufs, self._lens = 0, b"", [], []
+        return [frame]
 
 
 def _check_head(body_len: int, nbufs: int) -> None:
@@ -322,6 +423,26 @@ def _recv_into(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
+def client_handshake(sock: socket.socket, key: bytes, identity: bytes, address: str) -> None:
+    """The client side of the handshake on a connected blocking socket; closes it on failure."""
+    try:
+        answer, ns, nc = client_answer(key, bytes(_recv_into(sock, HELLO_LEN)), identity)
+        sock.sendall(answer)
+        client_check(key, ns, nc, bytes(_recv_into(sock, MAC)), identity)
+    except (OSError, WireError) as e:
+        sock.close()
+        if isinstance(e, socket.timeout):
+            raise WireError(f"peer at {address} did not answer the handshake") from None
+        raise WireError(f"{address}: {e}") from None
+
+
+def server_handshake_blocking(sock: socket.socket, key: bytes, identity: bytes) -> None:
+    """The server side of the handshake on an accepted blocking socket (with a timeout set)."""
+    nonce_s, hello = server_hello()
+    sock.sendall(hello)
+    sock.sendall(server_check(key, nonce_s, bytes(_recv_into(sock, ANSWER_LEN)), identity))
+
+
 IOV_MAX = 512  # parts per sendmsg call, well under the kernel's 1024
 
 
@@ -367,15 +488,7 @@ class Client:
             raise WireError(f"cannot reach agent at {self.address}: {e.strerror or e}") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._ids = itertools.count(1)
-        try:
-            answer, ns, nc = client_answer(key, bytes(_recv_into(self._sock, HELLO_LEN)), identity)
-            self._sock.sendall(answer)
-            client_check(key, ns, nc, bytes(_recv_into(self._sock, MAC)), identity)
-        except (OSError, WireError) as e:
-            self._sock.close()
-            if isinstance(e, socket.timeout):
-                raise WireError(f"agent at {self.address} did not answer the handshake") from None
-            raise WireError(f"{self.address}: {e}") from None
+        client_handshake(self._sock, key, identity, self.address)
 
     def close(self) -> None:
         self._sock.close()

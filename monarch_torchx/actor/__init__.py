@@ -1,0 +1,19 @@
+"""Monarch's single-controller actor API on warm pools.
+
+    from monarch_torchx import Actor, endpoint, attach, this_host
+
+Same names and meanings as ``monarch.actor``: a Monarch user changes one import.
+"""
+
+from .actor import Actor, ActorInstance, Context, context, current_rank, current_size, endpoint
+from .channel import Channel, Port, PortReceiver
+from .errors import ActorError, MeshFailure, SupervisionError
+from .future import Future
+from .mesh import Accumulator, ActorMesh, EndpointMesh, HostMesh, ProcMesh, attach, this_host
+from .shape import Extent, Point, Shape, ValueMesh
+
+__all__ = [
+    "Accumulator", "Actor", "ActorError", "ActorInstance", "ActorMesh", "Channel", "Context", "EndpointMesh",
+    "Extent", "Future", "HostMesh", "MeshFailure", "Point", "Port", "PortReceiver", "ProcMesh", "Shape",
+    "SupervisionError", "ValueMesh", "attach", "context", "current_rank", "current_size", "endpoint", "this_host",
+]

@@ -1,0 +1,3 @@
+from monarch_torchx.actor.proc import main
+
+main()

@@ -1,0 +1,102 @@
+"""``Actor`` and ``@endpoint``, and what an actor may ask about itself (``context()``)."""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, TypeVar, overload
+
+from .shape import Extent, Point
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Endpoint:
+    """Marks a method as callable through a mesh. On an instance it is the plain method."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+        self.name = fn.__name__
+        self.is_async = inspect.iscoroutinefunction(fn)
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: Optional[type] = None) -> Any:
+        if obj is None:
+            return self
+        return self.fn.__get__(obj, objtype)
+
+
+@overload
+def endpoint(fn: F) -> F: ...
+@overload
+def endpoint(fn: None = None, **options: Any) -> Callable[[F], F]: ...
+
+
+def endpoint(fn: Any = None, **options: Any) -> Any:
+    """``@endpoint`` or ``@endpoint()``: sync and ``async def`` bodies both work."""
+    if fn is None:
+        return lambda f: Endpoint(f)
+    return Endpoint(fn)
+
+
+def endpoints_of(cls: type) -> Dict[str, Endpoint]:
+    found: Dict[str, Endpoint] = {}
+    for klass in reversed(cls.__mro__):
+        for name, value in vars(klass).items():
+            if isinstance(value, Endpoint):
+                found[name] = value
+            elif name in found:
+                del found[name]  # overridden by a plain method
+    return found
+
+
+class Actor:
+    """Base class of actors. Optional hooks:
+
+    ``__supervise__(self, failure: MeshFailure) -> bool``: a proc of a mesh this actor spawned
+    died; return True if handled, else this actor fails too (its callers get SupervisionError).
+    ``__cleanup__(self)``: the actor's proc is stopping (mesh stopped or owner gone).
+    """
+
+
+@dataclass
+class ActorInstance:
+    """Who is running: the actor's name and id, and its rank in the mesh it was spawned in."""
+
+    name: str
+    actor_id: str
+    rank: Point
+    proc_rank: int
+    mesh_id: str
+    host_index: int
+
+    @property
+    def extent(self) -> Extent:
+        return self.rank.extent
+
+
+@dataclass
+class Context:
+    actor_instance: ActorInstance
+
+
+_CLIENT = Context(ActorInstance("client", "client", Point((), Extent((), ())), 0, "", -1))
+current_context: contextvars.ContextVar[Context] = contextvars.ContextVar("monarch_torchx_context", default=_CLIENT)
+
+
+def context() -> Context:
+    """The running actor's context (in the controller: the client's, rank 0 of an empty mesh)."""
+    return current_context.get()
+
+
+def current_rank() -> Point:
+    return current_context.get().actor_instance.rank
+
+
+def current_size() -> Dict[str, int]:
+    return dict(current_context.get().actor_instance.rank.extent)

@@ -1,0 +1,97 @@
+"""Ports: addresses any actor (or the controller) can send values to, in order.
+
+``Channel.open()`` gives a picklable ``Port`` and the ``PortReceiver`` that stays here. Inside
+an actor the proc's own server receives port messages; in a controller the hub starts an
+authenticated listener the first time a channel is opened.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Deque, Generic, Optional, Tuple, TypeVar
+
+from ..errors import MonarchError
+from . import session
+from .future import Future
+from .hub import Hub, ProcAddr, encode
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Port(Generic[T]):
+    pool: str
+    addr: ProcAddr
+    port_id: str
+
+    def send(self, value: T) -> None:
+        hub = session.hub_for(self.pool)
+        if hub.listen_addr == self.addr:
+            deliver = hub.ports.get(self.port_id)
+            if deliver is not None:
+                deliver(value)
+            return
+        hub.conn(self.addr).send(encode(("port", self.port_id), value))
+
+
+class PortReceiver(Generic[T]):
+    def __init__(self, hub: Optional[Hub], loop_thread: Optional[int]):
+        self._hub = hub
+        self._loop_thread = loop_thread
+        self._values: Deque[Any] = collections.deque()
+        self._waiting: Deque[Future[Any]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def _deliver(self, value: Any) -> None:
+        with self._lock:
+            fut = self._waiting.popleft() if self._waiting else None
+            if fut is None:
+                self._values.append(value)
+        if fut is not None:
+            fut.set_result(value)
+
+    def recv(self) -> Future[T]:
+        fut: Future[T] = Future(self._hub)
+        fut.loop_thread = self._loop_thread
+        with self._lock:
+            if self._values:
+                fut.set_result(self._values.popleft())
+            else:
+                self._waiting.append(fut)
+        return fut
+
+
+class Channel(Generic[T]):
+    @staticmethod
+    def open(pool: Optional[str] = None) -> Tuple[Port[T], PortReceiver[T]]:
+        """A new port of this process. ``pool`` defaults to the pool last attached here."""
+        me = session.this_proc()
+        pool = pool or (me.pool if me is not None else session.current_pool())
+        if pool is None:
+            raise MonarchError("Channel.open() needs a pool: attach() to one first, or pass pool=")
+        hub = session.hub_for(pool)
+        if me is not None and me.pool == pool:
+            addr = me.addr
+            hub_driven, loop_thread = None, me.loop_thread
+        else:
+            addr = hub.listen(_reachable_address(hub))
+            hub_driven, loop_thread = hub, None
+        assert addr is not None
+        port_id = uuid.uuid4().hex
+        receiver: PortReceiver[T] = PortReceiver(hub_driven, loop_thread)
+        hub.ports[port_id] = receiver._deliver
+        return Port(pool, addr, port_id), receiver
+
+
+def _reachable_address(hub: Hub) -> str:
+    """The local address procs can reach us on: the one our connections to them leave from."""
+    for conn in list(hub._conns.values()):
+        try:
+            return conn.sock.getsockname()[0]
+        except OSError:
+            continue
+    return "127.0.0.1"

@@ -1,0 +1,60 @@
+"""What an actor call can fail with, as Monarch names it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+
+class ActorError(Exception):
+    """An endpoint (or constructor) raised; the actor lives on. ``traceback`` is the remote one."""
+
+    def __init__(self, message: str, traceback: str = "", exception_type: str = ""):
+        super().__init__(message)
+        self.traceback = traceback
+        self.exception_type = exception_type
+
+    def __str__(self) -> str:
+        msg = super().__str__()
+        return f"{msg}\n\nRemote traceback:\n{self.traceback}" if self.traceback else msg
+
+
+class SupervisionError(Exception):
+    """A proc (or the actor that owned a failed mesh) is gone: the call cannot be answered."""
+
+
+@dataclass
+class MeshFailure:
+    """Handed to an owner's ``__supervise__``: which proc of which mesh died, and how."""
+
+    mesh: str
+    rank: int
+    host: int
+    hostname: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"proc {self.rank} of mesh {self.mesh} on host {self.host} ({self.hostname}) {self.reason}"
+
+
+def error_payload(kind: str, message: str, tb: str = "", etype: str = "") -> Tuple[str, str, str, str]:
+    return (kind, message, tb, etype)
+
+
+def remote_error(payload: Any) -> BaseException:
+    """Rebuilds the error an actor proc sent back (never unpickles exception objects)."""
+    try:
+        kind, message, tb, etype = payload
+    except (TypeError, ValueError):
+        return ActorError(f"malformed error from actor: {payload!r}")
+    if kind == "supervision":
+        return SupervisionError(message)
+    if kind == "usage":
+        return ValueError(message)
+    return ActorError(message, tb, etype)
+
+
+def supervision_reason(status: Optional[dict]) -> str:
+    if status is None:
+        return "is gone (its host no longer knows it)"
+    return status.get("msg") or f"ended ({status.get('state')})"

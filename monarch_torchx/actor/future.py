@@ -1,0 +1,146 @@
+"""Futures with Monarch's blocking and async faces: ``get(timeout)``, ``result()``, ``await``.
+
+A future is completed by whoever reads the answer off the socket. There is no background
+reader thread: the thread that waits becomes the reader (see ``hub.Hub.wait``), which saves a
+thread hand-off on every round trip. A future completed from an asyncio loop instead (a port
+inside an actor) has no hub and is waited on with an event.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Generator, Generic, List, Optional, Sequence, TypeVar
+
+if TYPE_CHECKING:
+    from .hub import Hub
+
+T = TypeVar("T")
+_UNSET = object()
+
+
+class Future(Generic[T]):
+    def __init__(self, hub: Optional["Hub"] = None):
+        self._hub = hub
+        self._value: Any = _UNSET
+        self._exc: Optional[BaseException] = None
+        self._lock = threading.Lock()
+        self._callbacks: List[Callable[["Future[T]"], None]] = []
+        self._event: Optional[threading.Event] = None
+        self.loop_thread: Optional[int] = None  # set when only that thread's asyncio loop can complete it
+
+    # ------------------------------------------------------------ completing
+
+    def set_result(self, value: Any) -> None:
+        self._complete(value, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._complete(None, exc)
+
+    def _complete(self, value: Any, exc: Optional[BaseException]) -> None:
+        with self._lock:
+            if self._value is not _UNSET or self._exc is not None:
+                return
+            self._exc = exc
+            self._value = value if exc is None else None
+            callbacks, self._callbacks = self._callbacks, []
+            event = self._event
+        if event is not None:
+            event.set()
+        for cb in callbacks:
+            cb(self)
+
+    def add_done_callback(self, fn: Callable[["Future[T]"], None]) -> None:
+        with self._lock:
+            if not self.done():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    # ------------------------------------------------------------ waiting
+
+    def done(self) -> bool:
+        return self._value is not _UNSET or self._exc is not None
+
+    def _wait(self, timeout: Optional[float]) -> bool:
+        if self.done():
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._hub is not None:
+            return self._hub.wait(self.done, deadline)
+        if self.loop_thread == threading.get_ident():
+            raise RuntimeError("this future is completed by this actor's own event loop: "
+                               "use `await` in an async endpoint instead of .get()")
+        with self._lock:
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if self.done():
+            return True
+        return event.wait(timeout)
+
+    def get(self, timeout: Optional[float] = None) -> T:
+        """Blocks for the value; a timeout raises TimeoutError and leaves the future pending."""
+        if not self._wait(timeout):
+            raise TimeoutError(f"no answer within {timeout} s (still pending: get() again to keep waiting)")
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+    def result(self, timeout: Optional[float] = None) -> T:
+        return self.get(timeout)
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        if not self._wait(timeout):
+            raise TimeoutError(f"no answer within {timeout} s")
+        return self._exc
+
+    def __await__(self) -> Generator[Any, None, T]:
+        import asyncio
+
+        if not self.done():
+            loop = asyncio.get_running_loop()
+            if self._hub is not None:  # someone must read the socket: a worker thread does it
+                yield from loop.run_in_executor(None, self._wait, None).__await__()
+            else:
+                waiter = loop.create_future()
+
+                def wake(_f: "Future[T]") -> None:
+                    loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+
+                self.add_done_callback(wake)
+                yield from waiter.__await__()
+        return self.get()
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self._exc else "done")
+        return f"<Future {state}>"
+
+    # ------------------------------------------------------------ combining
+
+    @staticmethod
+    def gather(hub: Optional["Hub"], parts: Sequence["Future[Any]"], combine: Callable[[List[Any]], Any]) -> "Future[Any]":
+        """A future for all ``parts``: their values combined, or the first failure in order."""
+        out: Future[Any] = Future(hub)
+        remaining = [len(parts)]
+        lock = threading.Lock()
+
+        def one(_f: Future[Any]) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                for p in parts:
+                    if p._exc is not None:
+                        out.set_exception(p._exc)
+                        return
+                try:
+                    out.set_result(combine([p._value for p in parts]))
+                except Exception as e:
+                    out.set_exception(e)
+
+        if not parts:
+            out.set_result(combine([]))
+        for p in parts:
+            p.add_done_callback(one)
+        return out

@@ -1,0 +1,100 @@
+"""The agent side of actor meshes: start proc processes from the warm fork server.
+
+Loaded into every agent as module ``mesh``. The agent brokers spawning only: it starts the
+procs (as replicas of app ``mesh-ID``, so their output, exit status and telemetry work like
+any other process's) and reports where each one listens. Calls never pass through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+from ..specs import TERMINAL, LaunchSpec
+
+SPAWN_TIMEOUT_S = float(os.environ.get("MONARCH_TORCHX_PROC_START_TIMEOUT_S", "120"))
+
+
+def app_id(mesh_id: str) -> str:
+    return f"mesh-{mesh_id}"
+
+
+def setup(agent: Any) -> None:
+    rendezvous = tempfile.mkdtemp(prefix="mtx-procs-")
+    agent.on_stop(lambda: shutil.rmtree(rendezvous, ignore_errors=True))
+
+    async def spawn(peer: Any, mesh_id: str, ranks: List[int], env: Optional[Dict[str, str]] = None,
+                    python: Optional[str] = None) -> List[Dict[str, Any]]:
+        """Starts one proc per rank; returns their addresses once every one listens."""
+        if agent.stopping.is_set():
+            raise ValueError(f"agent {agent.index} is shutting down ({agent.stop_reason})")
+        if not mesh_id.replace("-", "").isalnum():
+            raise ValueError(f"bad mesh id {mesh_id!r}")
+        advertise = agent.addr.host if agent.addr else "127.0.0.1"
+        files = {}
+        for rank in ranks:
+            path = os.path.join(rendezvous, f"{mesh_id}.{rank}.json")
+            files[rank] = path
+            proc_env = dict(env or {})
+            proc_env.update({
+                "MONARCH_TORCHX_STATE_DIR": str(agent.state_dir), "MONARCH_TORCHX_MESH_ID": mesh_id,
+                "MONARCH_TORCHX_PROC_RANK": str(rank), "MONARCH_TORCHX_PROC_BIND": agent.args.bind,
+                "MONARCH_TORCHX_PROC_ADVERTISE": advertise, "MONARCH_TORCHX_PROC_ADDR_FILE": path,
+            })
+            await agent.procs.launch(LaunchSpec(app_id=app_id(mesh_id), role="proc", replica_id=rank,
+                                                argv=[python or sys.executable, "-m", "monarch_torchx.actor"],
+                                                env=proc_env))
+        agent.last_request = time.time()
+        out = []
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        delay = 0.001
+        pending = dict(files)
+        found: Dict[int, Dict[str, Any]] = {}
+        while pending:
+            for rank, path in list(pending.items()):
+                try:
+                    with open(path) as f:
+                        found[rank] = json.load(f)
+                    os.unlink(path)
+                    del pending[rank]
+                    continue
+                except (FileNotFoundError, ValueError):
+                    pass
+                rep = agent.procs.replicas.get((app_id(mesh_id), "proc", rank))
+                if rep is not None and rep.state in TERMINAL:
+                    await agent.procs.kill(agent.procs.select(app_id(mesh_id)), grace=1.0)
+                    tail = _stderr_tail(rep.log_dir)
+                    raise RuntimeError(f"proc {rank} on host {agent.index} {rep.msg or 'exited'} before it listened"
+                                       + (f": {tail}" if tail else ""))
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                await agent.procs.kill(agent.procs.select(app_id(mesh_id)), grace=1.0)
+                raise RuntimeError(f"procs {sorted(pending)} on host {agent.index} did not start within "
+                                   f"{SPAWN_TIMEOUT_S:.0f} s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.02)
+        for rank in ranks:
+            info = found[rank]
+            out.append({"rank": rank, "host": info["host"], "port": info["port"], "pid": info["pid"],
+                        "host_index": agent.index, "hostname": os.uname().nodename})
+        return out
+
+    agent.add_handler("mesh.spawn", spawn)
+
+
+def _stderr_tail(log_dir: Any, lines: int = 3) -> str:
+    try:
+        with open(os.path.join(str(log_dir), "stderr.log"), "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 4096))
+            data = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    return " | ".join(line.partition(" ")[2] for line in data[-lines:] if line.strip())

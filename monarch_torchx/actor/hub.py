@@ -1,0 +1,449 @@
+"""One process's connections to actor procs, read by whichever thread is waiting.
+
+Controllers and actors talk to procs directly over the wire protocol (same handshake, same
+frames as the agent). There is no reader thread: a thread that waits on a future takes the
+reader role, pumps every connection until its future is done, then hands the role to the
+next waiter. A round trip therefore costs two syscalls and no thread switch. A second,
+idle thread watches the *owner* connections only: it wakes when a proc dies, not per call.
+
+Each message is a small plain-pickled header plus a payload pickled once (cloudpickle,
+out-of-band buffers) and carried as the frame's buffers: a call to N procs pickles its
+arguments once, and a proc forwarding a multicast passes the payload on without unpickling it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import select
+import selectors
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+from .. import wire
+from . import pickling
+from .errors import SupervisionError
+from .future import Future
+
+log = logging.getLogger("monarch_torchx.actor")
+
+CONNECT_TIMEOUT_S = 10.0
+SEND_TIMEOUT_S = 120.0
+
+
+class ProcAddr(NamedTuple):
+    host: str
+    port: int
+    identity: str
+
+
+def encode(header: tuple, payload: Any = None, packed: Optional[List[Any]] = None) -> List[Any]:
+    """Frame parts for ``header`` + ``payload`` (or an already packed payload: [body, *bufs])."""
+    if packed is None:
+        body, bufs = pickling.dumps(payload)
+        packed = [pickle.PickleBuffer(body), *bufs]
+    return wire.frame_parts(pickle.dumps(header, protocol=5), packed)
+
+
+def pack(payload: Any) -> List[Any]:
+    body, bufs = pickling.dumps(payload)
+    return [pickle.PickleBuffer(body), *bufs]
+
+
+def unpack(bufs: List[bytearray]) -> Any:
+    return pickling.loads(bufs[0], bufs[1:])
+
+
+def send_parts(sock: socket.socket, parts: List[Any], timeout: float = SEND_TIMEOUT_S) -> None:
+    """Writes a whole frame on a non-blocking socket (gathered, nothing joined)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    views = [v for v in views if v.nbytes]
+    deadline = None
+    while views:
+        try:
+            sent = sock.sendmsg(views[:wire.IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            deadline = deadline or time.monotonic() + timeout
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [sock], [], left)[1]:
+                raise TimeoutError(f"peer did not take data for {timeout:.0f} s") from None
+            continue
+        while sent:
+            n = views[0].nbytes
+            if sent >= n:
+                sent -= n
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+class Conn:
+    """One authenticated connection; requests go out, replies (or port messages) come in."""
+
+    def __init__(self, hub: "Hub", addr: ProcAddr, sock: socket.socket):
+        self.hub = hub
+        self.addr = addr
+        self.sock = sock
+        self.parser = wire.FrameParser()
+        self.send_lock = threading.Lock()
+        self.pending: Dict[int, Future[Any]] = {}
+        self.error: Optional[BaseException] = None
+
+    @staticmethod
+    def open(hub: "Hub", addr: ProcAddr) -> socket.socket:
+        where = f"{addr.host}:{addr.port}"
+        try:
+            sock = socket.create_connection((addr.host, addr.port), timeout=CONNECT_TIMEOUT_S)
+        except OSError as e:
+            raise wire.WireError(f"cannot reach {where}: {e.strerror or e}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        wire.client_handshake(sock, hub.key, addr.identity.encode(), where)
+        sock.setblocking(False)
+        return sock
+
+    def send(self, parts: List[Any], rid: int = 0, fut: Optional[Future[Any]] = None) -> None:
+        with self.send_lock:
+            if self.error is not None:
+                if fut is None:
+                    raise self.error
+                fut.set_exception(self.error)
+                return
+            if fut is not None:
+                self.pending[rid] = fut  # before the send: the reply may be read at once
+            try:
+                send_parts(self.sock, parts)
+            except (OSError, TimeoutError) as e:
+                failure: Optional[BaseException] = e
+            else:
+                failure = None
+        if failure is not None:
+            self.hub.lost(self, failure)
+            if fut is None:
+                raise self.error or failure
+
+    def on_readable(self) -> None:
+        """Reads what is there (never blocks) and dispatches each whole frame."""
+        while True:
+            view = self.parser.get_buffer()
+            try:
+                n = self.sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self.hub.lost(self, e)
+                return
+            if n == 0:
+                self.hub.lost(self, None)
+                return
+            try:
+                frames = self.parser.feed(n)
+            except wire.WireError as e:
+                self.hub.lost(self, e)
+                return
+            for body, bufs in frames:
+                self.hub.dispatch(self, body, bufs)
+            if n < len(view):
+                return
+
+
+class Hub:
+    """All of one process's proc connections for one pool (keyed by the pool's secret)."""
+
+    def __init__(self, key: bytes, pool: str):
+        self.key = key
+        self.pool = pool
+        self.sender = uuid.uuid4().hex[:16]
+        self.sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._conns: Dict[ProcAddr, Conn] = {}
+        self._lock = threading.Lock()
+        self._connecting: Dict[ProcAddr, threading.Lock] = {}
+        self.dead: Dict[ProcAddr, BaseException] = {}
+        self.explain: Dict[ProcAddr, Callable[[], str]] = {}  # why a proc is gone (asks its agent)
+        self._reader = threading.Lock()
+        self._cond = threading.Condition()
+        self._waiters = 0
+        self._ids = itertools.count(1)
+        self._seqs: Dict[ProcAddr, "itertools.count[int]"] = {}
+        self.ports: Dict[str, Callable[[Any], None]] = {}  # port id -> deliver(value)
+        self.listen_addr: Optional[ProcAddr] = None
+        self._watcher: Optional["Watcher"] = None
+
+    # ------------------------------------------------------------ connections
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def next_seq(self, addr: ProcAddr) -> int:
+        with self._lock:
+            c = self._seqs.get(addr)
+            if c is None:
+                c = self._seqs[addr] = itertools.count()
+            return next(c)
+
+    def conn(self, addr: ProcAddr) -> Conn:
+        c = self._conns.get(addr)
+        if c is not None:
+            return c
+        with self._lock:
+            gate = self._connecting.setdefault(addr, threading.Lock())
+        with gate:
+            c = self._conns.get(addr)
+            if c is not None:
+                return c
+            if addr in self.dead:
+                raise self.dead[addr]
+            try:
+                sock = Conn.open(self, addr)
+            except wire.WireError as e:
+                err = self._lost_error(addr, e)
+                self.dead[addr] = err
+                raise err from None
+            c = Conn(self, addr, sock)
+            self._conns[addr] = c
+            self.sel.register(sock, selectors.EVENT_READ, c)
+            return c
+
+    def pending_count(self, addr: ProcAddr) -> int:
+        c = self._conns.get(addr)
+        return len(c.pending) if c else 0
+
+    def _lost_error(self, addr: ProcAddr, cause: Optional[BaseException]) -> BaseException:
+        explain = self.explain.get(addr)
+        if explain is not None:
+            try:
+                return SupervisionError(explain())
+            except Exception as e:  # the agent is gone too
+                return SupervisionError(f"proc {addr.identity} at {addr.host}:{addr.port} is lost "
+                                        f"and its host did not answer ({e})")
+        why = f": {cause}" if cause else " (connection closed)"
+        return SupervisionError(f"proc {addr.identity} at {addr.host}:{addr.port} is lost{why}")
+
+    def lost(self, conn: Conn, cause: Optional[BaseException]) -> None:
+        """A connection broke: fail what waits on it, and remember why for later calls."""
+        with conn.send_lock:
+            if conn.error is not None:
+                return
+            conn.error = err = self.dead.get(conn.addr) or self._lost_error(conn.addr, cause)
+            pending, conn.pending = conn.pending, {}
+        self.dead[conn.addr] = err
+        with self._lock:
+            if self._conns.get(conn.addr) is conn:
+                del self._conns[conn.addr]
+        try:
+            self.sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+        for fut in pending.values():
+            fut.set_exception(err)
+        self.notify()
+
+    def mark_dead(self, addr: ProcAddr, err: BaseException) -> None:
+        self.dead.setdefault(addr, err)
+        c = self._conns.get(addr)
+        if c is not None:
+            self.lost(c, err)
+
+    # ------------------------------------------------------------ reading
+
+    def dispatch(self, conn: Conn, body: Any, bufs: List[bytearray]) -> None:
+        try:
+            header = pickle.loads(body)
+            kind = header[0]
+        except Exception as e:
+            self.lost(conn, wire.WireError(f"malformed message: {e}"))
+            return
+        if kind == "r":
+            fut = conn.pending.pop(header[1], None)
+            if fut is None:
+                return
+            try:
+                value = unpack(bufs)
+            except Exception as e:
+                fut.set_exception(RuntimeError(f"could not unpickle the answer from {conn.addr.identity}: {e}"))
+            else:
+                if header[2]:
+                    fut.set_result(value)
+                else:
+                    from .errors import remote_error
+
+                    fut.set_exception(remote_error(value))
+        elif kind == "port":
+            deliver = self.ports.get(header[1])
+            if deliver is not None:
+                try:
+                    deliver(unpack(bufs))
+                except Exception as e:
+                    log.warning("dropped a message for port %s: %s", header[1], e)
+        if self._waiters:
+            self.notify()
+
+    def notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Wakes the thread that holds the reader role (a future was completed elsewhere)."""
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
+        self.notify()
+
+    def wait(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
+        """Blocks until ``done()``; the first waiter reads the sockets for everyone."""
+        while not done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            if self._reader.acquire(blocking=False):
+                try:
+                    self._pump(done, deadline)
+                finally:
+                    self._reader.release()
+                    self.notify()
+            else:
+                with self._cond:
+                    self._waiters += 1
+                    try:
+                        if not done():
+                            self._cond.wait(1.0 if left is None else min(left, 1.0))
+                    finally:
+                        self._waiters -= 1
+        return True
+
+    def _pump(self, done: Callable[[], bool], deadline: Optional[float]) -> None:
+        while not done():
+            left = 1.0 if deadline is None else min(deadline - time.monotonic(), 1.0)
+            if left <= 0:
+                return
+            for key, _ in self.sel.select(left):
+                if key.data is None:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                elif key.data == "listener":
+                    self._accept()
+                else:
+                    key.data.on_readable()
+
+    # ------------------------------------------------------------ ports (a controller's inbox)
+
+    def listen(self, host: str) -> ProcAddr:
+        """Lets procs send to ports of this process (authenticated like everything else)."""
+        with self._lock:
+            if self.listen_addr is None:
+                lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                lsock.bind((host, 0))
+                lsock.listen(64)
+                lsock.setblocking(False)
+                self.listen_addr = ProcAddr(host, lsock.getsockname()[1], f"{self.pool}/client/{self.sender}")
+                self._lsock = lsock
+                self.sel.register(lsock, selectors.EVENT_READ, "listener")
+                self.wake()
+            return self.listen_addr
+
+    def _accept(self) -> None:
+        try:
+            sock, peer = self._lsock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        threading.Thread(target=self._handshake_in, args=(sock, peer), daemon=True).start()
+
+    def _handshake_in(self, sock: socket.socket, peer: Any) -> None:
+        assert self.listen_addr is not None
+        try:
+            sock.settimeout(wire.HANDSHAKE_TIMEOUT_S)
+            wire.server_handshake_blocking(sock, self.key, self.listen_addr.identity.encode())
+        except (OSError, wire.WireError) as e:
+            log.warning("dropped connection from %s: %s", peer, e)
+            sock.close()
+            return
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        conn = Conn(self, ProcAddr(str(peer[0]), int(peer[1]), "inbound"), sock)
+        self.sel.register(sock, selectors.EVENT_READ, conn)
+        self.wake()
+
+    # ------------------------------------------------------------ ownership
+
+    def watch(self, addr: ProcAddr, on_lost: Callable[[ProcAddr], None]) -> None:
+        """Becomes ``addr``'s owner: it stops when this process goes; ``on_lost`` if it dies."""
+        sock = Conn.open(self, addr)
+        send_parts(sock, encode(("own",)))
+        with self._lock:
+            if self._watcher is None:
+                self._watcher = Watcher()
+        self._watcher.add(sock, addr, on_lost)
+
+    def unwatch_all(self, addrs: List[ProcAddr]) -> None:
+        if self._watcher is not None:
+            self._watcher.remove(addrs)
+
+
+class Watcher:
+    """A thread that sleeps on owner connections and wakes only when one of them drops."""
+
+    def __init__(self) -> None:
+        self._sel = selectors.DefaultSelector()
+        self._r, self._w = os.pipe()
+        self._sel.register(self._r, selectors.EVENT_READ, None)
+        self._by_addr: Dict[ProcAddr, socket.socket] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="monarch-torchx-watcher", daemon=True).start()
+
+    def add(self, sock: socket.socket, addr: ProcAddr, on_lost: Callable[[ProcAddr], None]) -> None:
+        with self._lock:
+            self._by_addr[addr] = sock
+            self._sel.register(sock, selectors.EVENT_READ, (addr, on_lost))
+
+    def remove(self, addrs: List[ProcAddr]) -> None:
+        """Forget procs that are being stopped on purpose (their exit is not a failure)."""
+        with self._lock:
+            for a in addrs:
+                sock = self._by_addr.pop(a, None)
+                if sock is not None:
+                    try:
+                        self._sel.unregister(sock)
+                    except (KeyError, ValueError):
+                        pass
+                    sock.close()
+
+    def _run(self) -> None:
+        while True:
+            for key, _ in self._sel.select():
+                if key.data is None:
+                    continue
+                addr, on_lost = key.data
+                try:
+                    data = key.fileobj.recv(4096)  # type: ignore[union-attr]
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    data = b""
+                if data:
+                    continue
+                with self._lock:
+                    if self._by_addr.pop(addr, None) is None:
+                        continue
+                    try:
+                        self._sel.unregister(key.fileobj)
+                    except (KeyError, ValueError):
+                        pass
+                key.fileobj.close()  # type: ignore[union-attr]
+                try:
+                    on_lost(addr)
+                except Exception:
+                    log.exception("supervision handler failed")

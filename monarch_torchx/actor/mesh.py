@@ -1,0 +1,515 @@
+"""Host, proc and actor meshes, and the adverbs that call endpoints on them.
+
+``attach(pool)`` gives a HostMesh of a warm pool (any scheduler); ``spawn_procs`` asks each
+host's agent to start procs from its warm fork server; ``spawn`` creates an actor in every
+proc; ``mesh.endpoint.call(...)`` sends straight to the procs. A mesh is a view (a Shape) over
+a list of procs, so slicing never talks to anything, and a mesh pickles as a reference that
+works in any process of the same pool (actors can hold and call other meshes).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import random
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Sequence, Tuple, TypeVar
+
+from .. import wire
+from ..errors import MonarchError
+from ..registry import HostAddr, Registry
+from ..specs import TERMINAL
+from . import session
+from .actor import Actor, context, endpoints_of
+from .errors import MeshFailure, SupervisionError
+from .future import Future
+from .host import app_id
+from .hub import Hub, ProcAddr, encode, pack
+from .shape import Extent, Shape, ValueMesh
+
+log = logging.getLogger("monarch_torchx.actor")
+
+T = TypeVar("T")
+TREE_MIN = int(os.environ.get("MONARCH_TORCHX_CAST_TREE_MIN", "32"))  # meshes this large multicast via a tree
+FANOUT = max(2, int(os.environ.get("MONARCH_TORCHX_CAST_FANOUT", "8")))
+LOCAL_POOL = "local"
+
+
+@dataclass(frozen=True)
+class ProcRef:
+    """Where one proc listens, and how to ask its host why it is gone."""
+
+    addr: ProcAddr
+    mesh_id: str
+    rank: int
+    host_index: int
+    hostname: str
+    agent: ProcAddr
+
+
+class _MeshTrait:
+    """Named-dim views shared by every mesh: slicing never contacts anything."""
+
+    _shape: Shape
+
+    def _with_shape(self: Any, shape: Shape) -> Any:
+        raise NotImplementedError
+
+    def slice(self: Any, **dims: Any) -> Any:
+        return self._with_shape(self._shape.slice(**dims))
+
+    def flatten(self: Any, name: str) -> Any:
+        return self._with_shape(self._shape.flatten(name))
+
+    def rename(self: Any, **names: str) -> Any:
+        return self._with_shape(self._shape.rename(**names))
+
+    @property
+    def extent(self) -> Extent:
+        return self._shape.extent
+
+    @property
+    def sizes(self) -> Dict[str, int]:
+        return dict(self._shape.extent)
+
+    def size(self, dim: Optional[str] = None) -> int:
+        if dim is None:
+            return len(self._shape)
+        return self._shape.extent[self._shape.labels[self._shape._dim(dim)]]
+
+    def __len__(self) -> int:
+        return len(self._shape)
+
+
+# ---------------------------------------------------------------- hosts
+
+
+class HostMesh(_MeshTrait):
+    """The hosts of a warm pool. Spawning procs on it is cheap: the hosts stay up."""
+
+    def __init__(self, pool: str, hosts: Sequence[HostAddr], shape: Optional[Shape] = None):
+        self.pool = pool
+        self._hosts = list(hosts)
+        self._shape = shape or Shape.dense(("hosts",), (len(self._hosts),))
+
+    def _with_shape(self, shape: Shape) -> "HostMesh":
+        return HostMesh(self.pool, self._hosts, shape)
+
+    def __repr__(self) -> str:
+        return f"HostMesh(pool={self.pool!r}, {self.extent!r})"
+
+    def spawn_procs(self, per_host: Optional[Dict[str, int]] = None, *, env: Optional[Dict[str, str]] = None,
+                    name: str = "procs") -> "ProcMesh":
+        """Starts ``per_host`` procs on every host of this mesh (from the agents' warm fork servers)."""
+        per_host = dict(per_host if per_host is not None else {"procs": 1})
+        for dim, n in per_host.items():
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"per_host[{dim!r}] must be a positive int, not {n!r}")
+            if dim in self._shape.labels:
+                raise ValueError(f"per_host dim {dim!r} clashes with the host mesh's dims {self._shape.labels}")
+        local = 1
+        for n in per_host.values():
+            local *= n
+        hub = session.hub_for(self.pool)
+        mesh_id = uuid.uuid4().hex[:12]
+        hosts = [self._hosts[r] for r in self._shape.ranks]
+        proc_env = {"MONARCH_TORCHX_PROC_PATH": os.pathsep.join(_controller_paths()), **(env or {})}
+
+        def start(h: int) -> List[Dict[str, Any]]:
+            host = hosts[h]
+            return _agent_call(hub, host, "mesh.spawn", timeout=180.0, mesh_id=mesh_id,
+                               ranks=list(range(h * local, (h + 1) * local)), env=proc_env)
+
+        results: List[Optional[List[Dict[str, Any]]]] = [None] * len(hosts)
+        errors: List[str] = []
+        with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as ex:
+            for h, fut in enumerate([ex.submit(start, h) for h in range(len(hosts))]):
+                try:
+                    results[h] = fut.result()
+                except Exception as e:
+                    errors.append(str(e))
+        if errors:
+            for h, host in enumerate(hosts):
+                if results[h] is not None:
+                    try:
+                        _agent_call(hub, host, "kill", timeout=10.0, app_id=app_id(mesh_id), grace=1.0)
+                    except Exception:
+                        pass
+            raise MonarchError(f"spawn_procs on pool {self.pool!r} failed: {errors[0]}")
+        procs = []
+        for h, host in enumerate(hosts):
+            agent = ProcAddr(host.host, host.port, host.identity(self.pool).decode())
+            for info in results[h] or []:
+                procs.append(ProcRef(ProcAddr(info["host"], info["port"], f"{self.pool}/proc/{mesh_id}/{info['rank']}"),
+                                     mesh_id, info["rank"], host.index, info["hostname"], agent))
+        mesh = ProcMesh(self.pool, procs, Shape.dense(self._shape.labels + tuple(per_host),
+                                                      self._shape.sizes + tuple(per_host.values())), mesh_id)
+        mesh._own(hub)
+        return mesh
+
+
+def _controller_paths() -> List[str]:
+    paths = []
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None)
+    if main_file:
+        paths.append(os.path.dirname(os.path.abspath(main_file)))
+    paths.append(os.getcwd())
+    return paths
+
+
+def _agent_call(hub: Hub, host: HostAddr, op: str, timeout: float, **args: Any) -> Any:
+    where = f"host {host.index} of pool {hub.pool!r}"
+    try:
+        with wire.Client(host.host, host.port, hub.key, timeout=10.0, identity=host.identity(hub.pool)) as c:
+            c.settimeout(timeout)
+            return c.call(op, **args)
+    except wire.RemoteError as e:
+        raise MonarchError(f"{where}: {e}") from None
+    except wire.WireError as e:
+        raise MonarchError(f"{where} is not reachable ({e}); is the pool still running? "
+                           f"(`monarch-torchx pool status {hub.pool}`)") from None
+
+
+def attach(pool: str) -> HostMesh:
+    """The HostMesh of warm pool ``pool`` (created earlier by torchx run / pool create)."""
+    registry = Registry()
+    rec = registry.require(pool)
+    hosts = Registry.hosts(rec)
+    for i, h in enumerate(hosts):
+        if h is None:
+            raise MonarchError(f"host {i} of pool {pool!r} has not started (see `monarch-torchx pool status {pool}`)")
+        if h.exited:
+            raise MonarchError(f"host {i} of pool {pool!r} is stopped ({h.exit_reason}); "
+                               f"a torchx run or `monarch-torchx pool create` brings it back")
+    session.set_current_pool(pool)
+    return HostMesh(pool, [h for h in hosts if h is not None])
+
+
+def this_host() -> HostMesh:
+    """This machine: in an actor, its own host; elsewhere, the warm ``monarch_local`` pool ``local``."""
+    me = session.this_proc()
+    if me is not None:
+        state_dir = os.environ.get("MONARCH_TORCHX_STATE_DIR", "")
+        h = Registry.read_host(state_dir, me.host_index) if state_dir else None
+        if h is None:
+            raise MonarchError("this proc's host agent address is unknown")
+        return HostMesh(me.pool, [h])
+    from ..pool import PoolRequest, ensure_pool
+
+    name = os.environ.get("MONARCH_TORCHX_LOCAL_POOL", LOCAL_POOL)
+    pool = ensure_pool(PoolRequest("monarch_local", name, {"hosts": 1, "preload": None}),
+                       defaults={"hosts": 1, "preload": "torch"})
+    session.set_current_pool(name)
+    return HostMesh(name, [h for h in pool.hosts if h is not None])
+
+
+# ---------------------------------------------------------------- procs
+
+
+class ProcMesh(_MeshTrait):
+    """Processes on the pool's hosts, each able to host many actors."""
+
+    def __init__(self, pool: str, procs: Sequence[ProcRef], shape: Shape, mesh_id: str):
+        self.pool = pool
+        self._procs = list(procs)
+        self._shape = shape
+        self.mesh_id = mesh_id
+
+    def _with_shape(self, shape: Shape) -> "ProcMesh":
+        return ProcMesh(self.pool, self._procs, shape, self.mesh_id)
+
+    def __repr__(self) -> str:
+        return f"ProcMesh(pool={self.pool!r}, {self.extent!r})"
+
+    def __reduce__(self) -> Any:
+        return ProcMesh, (self.pool, self._procs, self._shape, self.mesh_id)
+
+    def __enter__(self) -> "ProcMesh":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _own(self, hub: Hub) -> None:
+        """Connects to each proc and becomes its owner (it stops when this process goes)."""
+        me = session.this_proc()
+        owner_actor = context().actor_instance.actor_id if me is not None else None
+        for ref in self._procs:
+            hub.explain[ref.addr] = functools.partial(_explain, hub, ref)
+            hub.watch(ref.addr, functools.partial(_on_proc_lost, hub, ref, owner_actor))
+            hub.conn(ref.addr)
+
+    def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> "ActorMesh[Any]":
+        """Creates one ``actor_class(*args, **kwargs)`` per proc; raises ActorError if a constructor does."""
+        if not isinstance(actor_class, type) or not issubclass(actor_class, Actor):
+            raise TypeError(f"spawn() needs an Actor subclass, not {actor_class!r}")
+        hub = session.hub_for(self.pool)
+        try:
+            packed = pack((actor_class, args, kwargs))
+        except Exception as e:
+            raise TypeError(f"cannot send {actor_class.__name__} or its arguments to the procs: {e}") from None
+        actor_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        rid = hub.next_id()
+        futs = []
+        for point, base in zip(self._shape.points(), self._shape.ranks):
+            ref = self._procs[base]
+            fut: Future[Any] = Future(hub)
+            header = ("spawn", rid, hub.sender, hub.next_seq(ref.addr), actor_id, name, point.coords,
+                      self._shape.labels, self._shape.sizes)
+            _send(hub, ref.addr, encode(header, packed=packed), rid, fut)
+            futs.append(fut)
+        Future.gather(hub, futs, lambda _v: None).get()
+        return ActorMesh(self.pool, self._procs, self._shape, actor_id, name, actor_class.__name__,
+                         tuple(endpoints_of(actor_class)))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stops every proc of this mesh (``__cleanup__`` runs in each actor first)."""
+        hub = session.hub_for(self.pool)
+        refs = [self._procs[b] for b in self._shape.ranks]
+        hub.unwatch_all([r.addr for r in refs])
+        rid = hub.next_id()
+        futs = []
+        for ref in refs:
+            fut: Future[Any] = Future(hub)
+            _send(hub, ref.addr, encode(("stop", rid)), rid, fut)
+            futs.append(fut)
+        for fut in futs:
+            try:
+                fut.get(timeout)
+            except (SupervisionError, TimeoutError):
+                pass
+        for ref in refs:
+            hub.mark_dead(ref.addr, SupervisionError(f"proc {ref.rank} of mesh {ref.mesh_id} was stopped"))
+
+
+def _send(hub: Hub, addr: ProcAddr, parts: List[Any], rid: int, fut: Optional[Future[Any]]) -> None:
+    try:
+        conn = hub.conn(addr)
+    except SupervisionError as e:
+        if fut is None:
+            raise
+        fut.set_exception(e)
+        return
+    conn.send(parts, rid, fut)
+
+
+def _explain(hub: Hub, ref: ProcRef) -> str:
+    """Asks the proc's agent how it ended (waits briefly for the agent to reap it)."""
+    who = f"proc {ref.rank} of mesh {ref.mesh_id} on host {ref.host_index} ({ref.hostname})"
+    deadline = time.monotonic() + 3.0
+    while True:
+        with wire.Client(ref.agent.host, ref.agent.port, hub.key, timeout=3.0, identity=ref.agent.identity.encode()) as c:
+            reps = c.call("describe", app_id=app_id(ref.mesh_id))
+        st = next((r for r in reps if r["replica_id"] == ref.rank), None)
+        if st is None:
+            return f"{who} is gone (its host no longer knows it)"
+        if st["state"] in TERMINAL:
+            return f"{who} {st['msg'] or st['state'].lower()}"
+        if time.monotonic() > deadline:
+            return f"{who} stopped answering (its host says it is still running: hung, or the network is cut)"
+        time.sleep(0.05)
+
+
+def _on_proc_lost(hub: Hub, ref: ProcRef, owner_actor: Optional[str], addr: ProcAddr) -> None:
+    try:
+        reason = _explain(hub, ref)
+    except Exception as e:
+        reason = f"proc {ref.rank} of mesh {ref.mesh_id} on host {ref.host_index} is lost (host unreachable: {e})"
+    hub.mark_dead(addr, SupervisionError(reason))
+    failure = MeshFailure(ref.mesh_id, ref.rank, ref.host_index, ref.hostname,
+                          reason.split(f"({ref.hostname}) ", 1)[-1])
+    me = session.this_proc()
+    if me is not None and me.on_child_lost is not None and owner_actor is not None:
+        me.on_child_lost(owner_actor, failure)
+    else:
+        log.warning("supervision: %s", reason)
+
+
+# ---------------------------------------------------------------- actors
+
+
+class ActorMesh(_MeshTrait, Generic[T]):
+    """One actor per proc of a ProcMesh. ``mesh.endpoint`` gives the adverbs."""
+
+    def __init__(self, pool: str, procs: Sequence[ProcRef], shape: Shape, actor_id: str, name: str,
+                 cls_name: str, endpoints: Tuple[str, ...]):
+        self.pool = pool
+        self._procs = list(procs)
+        self._shape = shape
+        self._actor_id = actor_id
+        self._name = name
+        self._cls_name = cls_name
+        self._endpoints = endpoints
+
+    def _with_shape(self, shape: Shape) -> "ActorMesh[T]":
+        return ActorMesh(self.pool, self._procs, shape, self._actor_id, self._name, self._cls_name, self._endpoints)
+
+    def __reduce__(self) -> Any:
+        return ActorMesh, (self.pool, self._procs, self._shape, self._actor_id, self._name, self._cls_name,
+                           self._endpoints)
+
+    def __repr__(self) -> str:
+        return f"ActorMesh({self._name!r}: {self._cls_name}, {self.extent!r})"
+
+    def __getattr__(self, name: str) -> "EndpointMesh":
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in self._endpoints:
+            raise AttributeError(f"{self._cls_name} has no endpoint {name!r} "
+                                 f"(endpoints: {', '.join(self._endpoints) or 'none'}; mark methods with @endpoint)")
+        return EndpointMesh(self, name)
+
+
+class EndpointMesh:
+    """``call`` / ``call_one`` / ``choose`` / ``stream`` / ``broadcast`` of one endpoint of a mesh."""
+
+    def __init__(self, mesh: ActorMesh[Any], name: str):
+        self._mesh = mesh
+        self._name = name
+
+    def _what(self) -> str:
+        return f"{self._mesh._cls_name}.{self._name}"
+
+    def _pack(self, args: tuple, kwargs: dict) -> List[Any]:
+        try:
+            return pack((args, kwargs))
+        except Exception as e:
+            raise TypeError(f"cannot send the arguments of {self._what()}: {e}") from None
+
+    def _send(self, positions: Sequence[int], args: tuple, kwargs: dict, reply: bool) -> List[Future[Any]]:
+        """Sends to the members at ``positions`` (directly, or via a tree for large meshes)."""
+        m = self._mesh
+        hub = session.hub_for(m.pool)
+        packed = self._pack(args, kwargs)
+        refs = [m._procs[m._shape.ranks[p]] for p in positions]
+        if len(refs) >= TREE_MIN:
+            return self._cast(hub, refs, packed, reply)
+        rid = hub.next_id() if reply else 0
+        futs: List[Future[Any]] = []
+        for ref in refs:
+            fut: Optional[Future[Any]] = Future(hub) if reply else None
+            header = ("call", rid, hub.sender, hub.next_seq(ref.addr), m._actor_id, self._name)
+            _send(hub, ref.addr, encode(header, packed=packed), rid, fut)
+            if fut is not None:
+                futs.append(fut)
+        return futs
+
+    def _cast(self, hub: Hub, refs: List[ProcRef], packed: List[Any], reply: bool) -> List[Future[Any]]:
+        seqs = {ref.rank: hub.next_seq(ref.addr) for ref in refs}
+        per_rank: Dict[int, Future[Any]] = {ref.rank: Future(hub) for ref in refs}
+        rid = hub.next_id() if reply else 0
+        for root, sub in _tree(refs):
+            ranks = [root.rank] + [r.rank for r in _flatten(sub)]
+            fut: Future[Any] = Future(hub)
+            header = ("cast", rid, hub.sender, {r: seqs[r] for r in ranks}, self._mesh._actor_id, self._name,
+                      _wire_tree(sub))
+            _send(hub, root.addr, encode(header, packed=packed), rid, fut if reply else None)
+            if reply:
+                fut.add_done_callback(functools.partial(_fan_in, per_rank, ranks))
+        return [per_rank[ref.rank] for ref in refs] if reply else []
+
+    def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh]:
+        """Every actor of the mesh; the future holds a ValueMesh (or the first failure)."""
+        shape = self._mesh._shape
+        futs = self._send(range(len(shape)), args, kwargs, True)
+        return Future.gather(session.hub_for(self._mesh.pool), futs, lambda vals: ValueMesh(shape, vals))
+
+    def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        n = len(self._mesh._shape)
+        if n != 1:
+            raise ValueError(f"call_one() needs a mesh of exactly one actor, and {self._what()} is on {n} "
+                             f"({self._mesh.extent!r}): use call(), choose(), or slice() first")
+        return self._send([0], args, kwargs, True)[0]
+
+    def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """One actor of the mesh: the one with the fewest calls of ours in flight."""
+        m = self._mesh
+        hub = session.hub_for(m.pool)
+        loads = [(hub.pending_count(m._procs[b].addr), random.random(), p) for p, b in enumerate(m._shape.ranks)]
+        return self._send([min(loads)[2]], args, kwargs, True)[0]
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
+        """Yields one done future per actor, in the order the answers arrive."""
+        hub = session.hub_for(self._mesh.pool)
+        remaining = self._send(range(len(self._mesh._shape)), args, kwargs, True)
+
+        def gen() -> Iterator[Future[Any]]:
+            while remaining:
+                hub.wait(lambda: any(f.done() for f in remaining), None)
+                for f in [f for f in remaining if f.done()]:
+                    remaining.remove(f)
+                    yield f
+        return gen()
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> None:
+        """Fire and forget to every actor of the mesh (failures go to the actors' stderr)."""
+        self._send(range(len(self._mesh._shape)), args, kwargs, False)
+
+
+def _fan_in(per_rank: Dict[int, Future[Any]], ranks: List[int], fut: Future[Any]) -> None:
+    from .errors import remote_error
+
+    exc = fut._exc
+    if exc is not None:
+        for r in ranks:
+            per_rank[r].set_exception(exc)
+        return
+    for rank, ok, value in fut._value:
+        if ok:
+            per_rank[rank].set_result(value)
+        else:
+            per_rank[rank].set_exception(remote_error(value))
+
+
+def _tree(refs: List[ProcRef]) -> List[Tuple[ProcRef, list]]:
+    """Splits members into FANOUT groups; each group's head forwards to the rest, recursively."""
+    if not refs:
+        return []
+    groups = []
+    step = -(-len(refs) // FANOUT)
+    for i in range(0, len(refs), step):
+        groups.append(refs[i:i + step])
+    return [(g[0], _tree(g[1:])) for g in groups]
+
+
+def _flatten(sub: list) -> List[ProcRef]:
+    out = []
+    for ref, s in sub:
+        out.append(ref)
+        out += _flatten(s)
+    return out
+
+
+def _wire_tree(sub: list) -> list:
+    return [(ref.rank, tuple(ref.addr), _wire_tree(s)) for ref, s in sub]
+
+
+class Accumulator(Generic[T]):
+    """Calls an endpoint on the whole mesh and folds the answers: ``combine(acc, value)``."""
+
+    def __init__(self, endpoint: EndpointMesh, identity: T, combine: Callable[[T, Any], T]):
+        self._endpoint = endpoint
+        self._identity = identity
+        self._combine = combine
+
+    def accumulate(self, *args: Any, **kwargs: Any) -> Future[T]:
+        fut = self._endpoint.call(*args, **kwargs)
+        out: Future[T] = Future(session.hub_for(self._endpoint._mesh.pool))
+
+        def done(f: Future[ValueMesh]) -> None:
+            if f._exc is not None:
+                out.set_exception(f._exc)
+                return
+            try:
+                out.set_result(functools.reduce(self._combine, f._value.values(), self._identity))
+            except Exception as e:
+                out.set_exception(e)
+        fut.add_done_callback(done)
+        return out

@@ -1,0 +1,465 @@
+"""An actor proc: ``python -m monarch_torchx.actor``, started by a host agent's fork server.
+
+It listens on its own authenticated port (callers reach it directly; the agent only brokers
+the spawn), hosts any number of actors, runs each actor's messages one at a time in arrival
+order, forwards multicasts down its subtree, and stops when its owner goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from .. import wire
+from . import session
+from .actor import ActorInstance, Context, Endpoint, current_context, endpoints_of
+from .errors import MeshFailure, error_payload
+from .future import Future
+from .hub import ProcAddr, encode, unpack
+from .shape import Extent, Point
+
+log = logging.getLogger("monarch_torchx.actor")
+
+OWNER_WAIT_S = float(os.environ.get("MONARCH_TORCHX_OWNER_WAIT_S", "60"))
+GAP_S = 5.0  # an out-of-order message waits this long for the ones before it (a dead forwarder)
+MAX_HANDSHAKES = wire.MAX_HANDSHAKES
+Reply = Callable[[bool, Any], None]
+
+
+@dataclass
+class ActorSlot:
+    actor_id: str
+    name: str
+    cls_name: str
+    instance: Any
+    ctx: Context
+    endpoints: Dict[str, Endpoint]
+    queue: Deque[Tuple[Endpoint, tuple, dict, Reply]] = field(default_factory=collections.deque)
+    busy: bool = False
+    failed: Optional[str] = None
+
+
+class ProcConnection(asyncio.BufferedProtocol):
+    """One authenticated peer of this proc (a controller, another actor, a forwarding proc)."""
+
+    def __init__(self, server: "ProcServer"):
+        self.server = server
+        self.transport: Optional[asyncio.Transport] = None
+        self.authed = False
+        self._hs = bytearray(wire.ANSWER_LEN)
+        self._hs_len = 0
+        self.parser = wire.FrameParser()
+        self.peer = "?"
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        if self.server.handshakes >= MAX_HANDSHAKES:
+            log.warning("dropped connection from %s: too many handshakes in progress", self.peer)
+            transport.close()
+            return
+        self.server.handshakes += 1
+        self._nonce, hello = wire.server_hello()
+        transport.write(hello)  # type: ignore[attr-defined]
+        self._timer = asyncio.get_running_loop().call_later(wire.HANDSHAKE_TIMEOUT_S, self._handshake_timeout)
+
+    def _handshake_timeout(self) -> None:
+        if not self.authed and self.transport is not None:
+            log.warning("dropped connection from %s: handshake timed out", self.peer)
+            self.transport.close()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if not self.authed:
+            return memoryview(self._hs)[self._hs_len:]
+        return self.parser.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        assert self.transport is not None
+        if not self.authed:
+            self._hs_len += nbytes
+            if self._hs_len < wire.ANSWER_LEN:
+                return
+            self._timer.cancel()
+            self.server.handshakes -= 1
+            try:
+                proof = wire.server_check(self.server.key, self._nonce, bytes(self._hs), self.server.identity.encode())
+            except wire.WireError as e:
+                log.warning("dropped connection from %s: %s", self.peer, e)
+                self.transport.close()
+                return
+            self.transport.write(proof)
+            self.authed = True
+            return
+        try:
+            frames = self.parser.feed(nbytes)
+            for body, bufs in frames:
+                self.server.on_frame(self, body, bufs)
+        except wire.WireError as e:
+            log.warning("dropped connection from %s: %s", self.peer, e)
+            self.transport.close()
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        if not self.authed and self.transport is not None and self._hs_len < wire.ANSWER_LEN:
+            self.server.handshakes -= 1
+            self._timer.cancel()
+        self.transport = None
+        if self.server.owner is self:
+            self.server.begin_stop("its owner disconnected")
+
+    def write(self, parts: List[Any]) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        total = sum(memoryview(p).nbytes for p in parts)
+        if total < (256 << 10):
+            self.transport.write(b"".join(parts))
+        else:
+            for p in parts:
+                self.transport.write(memoryview(p).cast("B"))
+
+    def reply(self, rid: int, ok: bool, value: Any) -> None:
+        try:
+            parts = encode(("r", rid, ok), value)
+        except Exception as e:
+            parts = encode(("r", rid, False), error_payload(
+                "actor", f"could not send the answer back: {type(e).__name__}: {e}", "", type(e).__name__))
+        self.write(parts)
+
+
+class ProcServer:
+    def __init__(self, env: Dict[str, str]):
+        self.pool = env["MONARCH_TORCHX_POOL"]
+        self.key = bytes.fromhex((Path(env["MONARCH_TORCHX_STATE_DIR"]) / "token").read_text().strip())
+        self.host_index = int(env.get("MONARCH_TORCHX_HOST_INDEX", "0"))
+        self.mesh_id = env["MONARCH_TORCHX_MESH_ID"]
+        self.rank = int(env["MONARCH_TORCHX_PROC_RANK"])
+        self.bind = env.get("MONARCH_TORCHX_PROC_BIND", "127.0.0.1")
+        self.advertise = env.get("MONARCH_TORCHX_PROC_ADVERTISE", self.bind)
+        self.addr_file = env["MONARCH_TORCHX_PROC_ADDR_FILE"]
+        self.identity = f"{self.pool}/proc/{self.mesh_id}/{self.rank}"
+        self.actors: Dict[str, ActorSlot] = {}
+        self.expected: Dict[str, int] = {}
+        self.held: Dict[str, Dict[int, Callable[[], None]]] = {}
+        self.owner: Optional[ProcConnection] = None
+        self.handshakes = 0
+        self.stop_reason = ""
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.stopped: Optional[asyncio.Event] = None
+        for p in reversed([p for p in env.get("MONARCH_TORCHX_PROC_PATH", "").split(os.pathsep) if p]):
+            if os.path.isdir(p) and p not in sys.path:
+                sys.path.insert(0, p)  # the controller's script dir and cwd, where they exist here
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.stopped = asyncio.Event()
+        server = await self.loop.create_server(lambda: ProcConnection(self), self.bind, 0, backlog=256)
+        port = server.sockets[0].getsockname()[1]
+        addr = ProcAddr(self.advertise, port, self.identity)
+        session.set_proc(session.ProcIdentity(self.pool, self.key, self.host_index, self.mesh_id, self.rank, addr,
+                                              on_child_lost=self.child_lost, loop_thread=threading.get_ident()))
+        tmp = self.addr_file + ".tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump({"host": self.advertise, "port": port, "pid": os.getpid()}, f)
+        os.replace(tmp, self.addr_file)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self.begin_stop, f"got {signal.Signals(sig).name}")
+        self.loop.call_later(OWNER_WAIT_S, self._check_owner)
+        await self.stopped.wait()
+        server.close()
+
+    def _check_owner(self) -> None:
+        if self.owner is None and not self.stop_reason:
+            self.begin_stop(f"no owner connected within {OWNER_WAIT_S:.0f} s")
+
+    def begin_stop(self, reason: str, then: Optional[Callable[[], None]] = None) -> None:
+        if self.stop_reason:
+            return
+        self.stop_reason = reason
+        assert self.loop is not None
+        self.loop.create_task(self._shutdown(then))
+
+    async def _shutdown(self, then: Optional[Callable[[], None]]) -> None:
+        for slot in list(self.actors.values()):
+            cleanup = getattr(slot.instance, "__cleanup__", None)
+            if cleanup is None:
+                continue
+            token = current_context.set(slot.ctx)
+            try:
+                res = cleanup()
+                if asyncio.iscoroutine(res):
+                    await asyncio.wait_for(res, 30)
+            except Exception:
+                print(f"{slot.name}.__cleanup__ failed:\n{traceback.format_exc()}", file=sys.stderr)
+            finally:
+                current_context.reset(token)
+        if then is not None:
+            then()
+        assert self.stopped is not None
+        self.stopped.set()
+
+    # ------------------------------------------------------------ messages
+
+    def on_frame(self, conn: ProcConnection, body: Any, bufs: List[bytearray]) -> None:
+        try:
+            header = pickle.loads(body)
+            kind = header[0]
+        except Exception as e:
+            raise wire.WireError(f"malformed message: {e}") from None
+        if kind == "call":
+            _, rid, sender, seq, actor_id, ep = header
+            self.ordered(sender, seq, lambda: self.call(self._replier(conn, rid, actor_id, ep), actor_id, ep, bufs))
+        elif kind == "cast":
+            self.cast(conn, *header[1:], bufs)
+        elif kind == "spawn":
+            _, rid, sender, seq, actor_id, name, coords, labels, sizes = header
+            self.ordered(sender, seq, lambda: self.spawn(conn, rid, actor_id, name, Point(coords, Extent(labels, sizes)), bufs))
+        elif kind == "own":
+            self.owner = conn
+        elif kind == "stop":
+            self.begin_stop("stopped by its owner", lambda: conn.reply(header[1], True, None))
+        elif kind == "port":
+            deliver = session.hub_for(self.pool).ports.get(header[1])
+            if deliver is not None:
+                try:
+                    deliver(unpack(bufs))
+                except Exception as e:
+                    log.warning("dropped a message for port %s: %s", header[1], e)
+        else:
+            raise wire.WireError(f"unknown message kind {kind!r}")
+
+    def ordered(self, sender: Optional[str], seq: Optional[int], fn: Callable[[], None]) -> None:
+        """Runs each sender's messages in the order it sent them (multicasts take other paths)."""
+        if sender is None or seq is None:
+            fn()
+            return
+        exp = self.expected.get(sender, 0)
+        if seq < exp:
+            fn()
+            return
+        if seq > exp:
+            self.held.setdefault(sender, {})[seq] = fn
+            assert self.loop is not None
+            self.loop.call_later(GAP_S, self._skip_gap, sender, exp)
+            return
+        fn()
+        self._advance(sender, exp + 1)
+
+    def _advance(self, sender: str, exp: int) -> None:
+        held = self.held.get(sender)
+        while held and exp in held:
+            held.pop(exp)()
+            exp += 1
+        self.expected[sender] = exp
+        if held is not None and not held:
+            del self.held[sender]
+
+    def _skip_gap(self, sender: str, exp: int) -> None:
+        held = self.held.get(sender)
+        if self.expected.get(sender, 0) == exp and held:
+            log.warning("messages %d..%d from %s never arrived (a forwarding proc died?); going on",
+                        exp, min(held) - 1, sender)
+            self._advance(sender, min(held))
+
+    def _replier(self, conn: Optional[ProcConnection], rid: int, actor_id: str, ep: str) -> Reply:
+        if rid and conn is not None:
+            return lambda ok, value: conn.reply(rid, ok, value)
+
+        def report(ok: bool, value: Any) -> None:  # a broadcast has nobody to tell
+            if not ok:
+                print(f"broadcast to {actor_id}.{ep} failed: {value[1]}\n{value[2]}", file=sys.stderr)
+        return report
+
+    def call(self, reply: Reply, actor_id: str, ep_name: str, bufs: List[bytearray]) -> None:
+        slot = self.actors.get(actor_id)
+        if slot is None:
+            reply(False, error_payload("supervision", f"actor {actor_id} is not on proc {self.rank} "
+                                       f"of mesh {self.mesh_id} (stopped?)"))
+            return
+        if slot.failed:
+            reply(False, error_payload("supervision", slot.failed))
+            return
+        ep = slot.endpoints.get(ep_name)
+        if ep is None:
+            reply(False, error_payload("usage", f"{slot.cls_name} has no endpoint {ep_name!r}"))
+            return
+        try:
+            args, kwargs = unpack(bufs)
+        except Exception as e:
+            reply(False, error_payload("actor", f"could not unpickle the arguments of {slot.cls_name}.{ep_name} "
+                                       f"on proc {self.rank}: {type(e).__name__}: {e}", traceback.format_exc(),
+                                       type(e).__name__))
+            return
+        self.submit(slot, ep, args, kwargs, reply)
+
+    def submit(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply) -> None:
+        if not slot.busy and not ep.is_async:
+            reply(*self._run_sync(slot, ep, args, kwargs))
+            return
+        slot.queue.append((ep, args, kwargs, reply))
+        if not slot.busy:
+            slot.busy = True
+            assert self.loop is not None
+            self.loop.create_task(self._drain(slot))
+
+    async def _drain(self, slot: ActorSlot) -> None:
+        try:
+            while slot.queue:
+                ep, args, kwargs, reply = slot.queue.popleft()
+                if ep.is_async:
+                    token = current_context.set(slot.ctx)
+                    try:
+                        value = await ep.fn(slot.instance, *args, **kwargs)
+                        res: Tuple[bool, Any] = (True, value)
+                    except Exception as e:
+                        res = (False, self._error(slot, ep.name, e))
+                    finally:
+                        current_context.reset(token)
+                else:
+                    res = self._run_sync(slot, ep, args, kwargs)
+                reply(*res)
+        finally:
+            slot.busy = False
+
+    def _run_sync(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict) -> Tuple[bool, Any]:
+        token = current_context.set(slot.ctx)
+        try:
+            return True, ep.fn(slot.instance, *args, **kwargs)
+        except Exception as e:
+            return False, self._error(slot, ep.name, e)
+        finally:
+            current_context.reset(token)
+
+    def _error(self, slot: ActorSlot, what: str, e: BaseException) -> Tuple[str, str, str, str]:
+        where = f"{slot.cls_name}.{what} on proc {self.rank} of mesh {self.mesh_id} (host {self.host_index})"
+        return error_payload("actor", f"{where} raised {type(e).__name__}: {e}", traceback.format_exc(),
+                             type(e).__name__)
+
+    def spawn(self, conn: ProcConnection, rid: int, actor_id: str, name: str, point: Point,
+              bufs: List[bytearray]) -> None:
+        inst_ctx = Context(ActorInstance(name, actor_id, point, self.rank, self.mesh_id, self.host_index))
+        slot = ActorSlot(actor_id, name, "?", None, inst_ctx, {})
+        try:
+            cls, args, kwargs = unpack(bufs)
+            slot.cls_name = cls.__name__
+            slot.endpoints = endpoints_of(cls)
+            instance = cls.__new__(cls)
+        except Exception as e:
+            conn.reply(rid, False, error_payload("actor", f"could not create actor {name!r} on proc {self.rank}: "
+                                                 f"{type(e).__name__}: {e}", traceback.format_exc(), type(e).__name__))
+            return
+        token = current_context.set(inst_ctx)
+        try:
+            instance.__init__(*args, **kwargs)
+        except Exception as e:
+            conn.reply(rid, False, self._error(slot, "__init__", e))
+            return
+        finally:
+            current_context.reset(token)
+        slot.instance = instance
+        self.actors[actor_id] = slot
+        conn.reply(rid, True, None)
+
+    # ------------------------------------------------------------ multicast through a tree
+
+    def cast(self, conn: ProcConnection, rid: int, sender: str, seqs: Dict[int, int], actor_id: str, ep: str,
+             tree: List[Tuple[int, tuple, list]], bufs: List[bytearray]) -> None:
+        """Forwards to each child subtree at once, runs locally in order, answers for the subtree."""
+        hub = session.hub_for(self.pool)
+        child_futs: List[Tuple[List[int], Future[Any]]] = []
+        for rank, addr, sub in tree:
+            ranks = _subtree_ranks(rank, sub)
+            fut: Future[Any] = Future(hub)
+            header = ("cast", hub.next_id() if rid else 0, sender, {r: seqs[r] for r in ranks if r in seqs},
+                      actor_id, ep, sub)
+            try:
+                hub.conn(ProcAddr(*addr)).send(encode(header, packed=bufs), header[1], fut if rid else None)
+            except Exception as e:
+                if not rid:
+                    log.warning("broadcast could not reach proc %d: %s", rank, e)
+                fut.set_exception(e)
+            child_futs.append((ranks, fut))
+        if not rid:
+            self.ordered(sender, seqs.get(self.rank), lambda: self.call(self._replier(None, 0, actor_id, ep),
+                                                                        actor_id, ep, bufs))
+            return
+        assert self.loop is not None
+        loop = self.loop
+        local: asyncio.Future[Tuple[bool, Any]] = loop.create_future()
+        self.ordered(sender, seqs.get(self.rank),
+                     lambda: self.call(lambda ok, v: local.done() or local.set_result((ok, v)), actor_id, ep, bufs))
+
+        def gather_children() -> List[Tuple[int, bool, Any]]:
+            out: List[Tuple[int, bool, Any]] = []
+            for ranks, fut in child_futs:
+                try:
+                    out += fut.get()
+                except Exception as e:
+                    out += [(r, False, error_payload("supervision", str(e))) for r in ranks]
+            return out
+
+        async def finish() -> None:
+            children = await loop.run_in_executor(None, gather_children) if child_futs else []
+            ok, value = await local
+            conn.reply(rid, True, [(self.rank, ok, value)] + children)
+
+        loop.create_task(finish())
+
+    # ------------------------------------------------------------ supervision of meshes we own
+
+    def child_lost(self, owner_actor_id: str, failure: MeshFailure) -> None:
+        """Called from the watcher thread when a proc of a mesh an actor here spawned dies."""
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._supervise(owner_actor_id, failure)))  # type: ignore[union-attr]
+
+    async def _supervise(self, owner_actor_id: str, failure: MeshFailure) -> None:
+        slot = self.actors.get(owner_actor_id)
+        if slot is None or slot.failed:
+            return
+        handler = getattr(slot.instance, "__supervise__", None)
+        handled = False
+        if handler is not None:
+            token = current_context.set(slot.ctx)
+            try:
+                res = handler(failure)
+                if asyncio.iscoroutine(res):
+                    res = await res
+                handled = bool(res)
+            except Exception:
+                print(f"{slot.name}.__supervise__ raised:\n{traceback.format_exc()}", file=sys.stderr)
+            finally:
+                current_context.reset(token)
+        if not handled:
+            slot.failed = f"actor {slot.name} failed: a mesh it owns lost a proc it did not handle: {failure}"
+            print(slot.failed, file=sys.stderr, flush=True)
+
+
+def _subtree_ranks(rank: int, sub: list) -> List[int]:
+    out = [rank]
+    for r, _addr, s in sub:
+        out += _subtree_ranks(r, s)
+    return out
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s proc %(levelname)s %(message)s")
+    try:
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    except (AttributeError, ValueError):
+        pass
+    server = ProcServer(dict(os.environ))
+    asyncio.run(server.run())
+    if server.stop_reason and server.stop_reason != "stopped by its owner":
+        print(f"proc {server.rank} of mesh {server.mesh_id} stopping: {server.stop_reason}", file=sys.stderr)

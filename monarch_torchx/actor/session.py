@@ -1,0 +1,80 @@
+"""What this process is in the actor world: its hub per pool, and (in a proc) who it is.
+
+Process-wide by nature (sockets, the reader role), so it lives here once, behind functions.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
+
+from .hub import Hub, ProcAddr
+
+
+@dataclass
+class ProcIdentity:
+    """Set in an actor proc: its pool, host, mesh and rank, and its own listening address."""
+
+    pool: str
+    key: bytes
+    host_index: int
+    mesh_id: str
+    rank: int
+    addr: Optional[ProcAddr] = None
+    on_child_lost: Optional[Callable[..., Any]] = None  # (owner actor id, MeshFailure)
+    loop_thread: Optional[int] = None  # the thread of the proc's event loop
+
+
+_lock = threading.Lock()
+_hubs: Dict[str, Hub] = {}
+_proc: Dict[str, ProcIdentity] = {}
+_current: Dict[str, str] = {}
+
+
+def set_proc(ident: ProcIdentity) -> None:
+    _proc["self"] = ident
+
+
+def this_proc() -> Optional[ProcIdentity]:
+    return _proc.get("self")
+
+
+def set_current_pool(pool: str) -> None:
+    _current["pool"] = pool
+
+
+def current_pool() -> Optional[str]:
+    return _current.get("pool")
+
+
+def hub_for(pool: str) -> Hub:
+    hub = _hubs.get(pool)
+    if hub is not None:
+        return hub
+    with _lock:
+        hub = _hubs.get(pool)
+        if hub is None:
+            me = this_proc()
+            if me is not None and me.pool == pool:
+                key = me.key
+            else:
+                from ..registry import Registry
+
+                key = Registry().require(pool).key
+            hub = _hubs[pool] = Hub(key, pool)
+            if me is not None and me.pool == pool and me.addr is not None:
+                hub.listen_addr = me.addr  # ports of this proc are served by its own server
+        return hub
+
+
+def forget_hubs_after_fork() -> None:
+    """A forked child must not share its parent's sockets or reader state."""
+    _hubs.clear()
+    _proc.clear()
+    _current.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=forget_hubs_after_fork)
