@@ -188,6 +188,7 @@ def attach(pool: str) -> HostMesh:
         if h.exited:
             raise MonarchError(f"host {i} of pool {pool!r} is stopped ({h.exit_reason}); "
                                f"a torchx run or `monarch-torchx pool create` brings it back")
+    session.hub_for(pool, rec.key)
     session.set_current_pool(pool)
     return HostMesh(pool, [h for h in hosts if h is not None])
 
@@ -206,6 +207,7 @@ def this_host() -> HostMesh:
     name = os.environ.get("MONARCH_TORCHX_LOCAL_POOL", LOCAL_POOL)
     pool = ensure_pool(PoolRequest("monarch_local", name, {"hosts": 1, "preload": None}),
                        defaults={"hosts": 1, "preload": "torch"})
+    session.hub_for(name, pool.record.key)
     session.set_current_pool(name)
     return HostMesh(name, [h for h in pool.hosts if h is not None])
 
@@ -274,6 +276,8 @@ class ProcMesh(_MeshTrait):
         hub = session.hub_for(self.pool)
         refs = [self._procs[b] for b in self._shape.ranks]
         hub.unwatch_all([r.addr for r in refs])
+        for ref in refs:  # what later calls (and the connections' ends) will report
+            hub.dead.setdefault(ref.addr, SupervisionError(f"proc {ref.rank} of mesh {ref.mesh_id} was stopped"))
         rid = hub.next_id()
         futs = []
         for ref in refs:
@@ -286,7 +290,7 @@ class ProcMesh(_MeshTrait):
             except (SupervisionError, TimeoutError):
                 pass
         for ref in refs:
-            hub.mark_dead(ref.addr, SupervisionError(f"proc {ref.rank} of mesh {ref.mesh_id} was stopped"))
+            hub.mark_dead(ref.addr, hub.dead[ref.addr])
 
 
 def _send(hub: Hub, addr: ProcAddr, parts: List[Any], rid: int, fut: Optional[Future[Any]]) -> None:

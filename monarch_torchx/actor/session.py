@@ -49,15 +49,21 @@ def current_pool() -> Optional[str]:
     return _current.get("pool")
 
 
-def hub_for(pool: str) -> Hub:
+def hub_for(pool: str, key: Optional[bytes] = None) -> Hub:
+    """This process's hub for ``pool``; ``key`` (from a fresh registry read) replaces a stale one."""
     hub = _hubs.get(pool)
-    if hub is not None:
+    if hub is not None and (key is None or hub.key == key):
         return hub
+    if hub is not None:
+        with _lock:  # the pool was replaced under the same name: its procs and agents have a new secret
+            _hubs.pop(pool, None)
     with _lock:
         hub = _hubs.get(pool)
         if hub is None:
             me = this_proc()
-            if me is not None and me.pool == pool:
+            if key is not None:
+                pass
+            elif me is not None and me.pool == pool:
                 key = me.key
             else:
                 from ..registry import Registry

@@ -1,0 +1,308 @@
+"""The actor mesh on a real warm monarch_local pool: adverbs, shapes, ports, supervision, faults."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import monarch_torchx.actor.mesh as mesh_mod
+from monarch_torchx import (Accumulator, ActorError, Channel, SupervisionError, ValueMesh, attach, current_rank,
+                            this_host)
+from monarch_torchx.errors import MonarchError
+from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
+from monarch_torchx.registry import Registry
+from tests.conftest import agent_pids, wait_for
+from tests.fixtures.actors import Bad, Caller, Cleaner, Counter, Owner
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    """One warm 2-host pool for the module (each test spawns its own procs on it)."""
+    home = tmp_path_factory.mktemp("actors") / "home"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MONARCH_TORCHX_HOME", str(home))
+        mp.chdir(REPO)
+        ensure_pool(PoolRequest("monarch_local", "actors", {"hosts": 2, "preload": "torch"}))
+        yield "actors", home
+        stop_pool("actors", Registry(home))
+        deadline = time.time() + 10
+        while agent_pids(home) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not agent_pids(home), "agents or procs left behind"
+
+
+@pytest.fixture
+def procs(pool):
+    pm = attach(pool[0]).spawn_procs(per_host={"procs": 2})
+    yield pm
+    pm.stop()
+
+
+def test_adverbs_values_and_ranks(procs):
+    counters = procs.spawn("counter", Counter, 10)
+    vm = counters.incr.call(5).get()
+    assert isinstance(vm, ValueMesh) and list(vm.values()) == [15] * 4
+    assert vm.item(hosts=1, procs=0) == 15
+    points = [dict(p) for p, _ in vm.items()]
+    assert points == [{"hosts": 0, "procs": 0}, {"hosts": 0, "procs": 1}, {"hosts": 1, "procs": 0}, {"hosts": 1, "procs": 1}]
+    ranks = [v[1] for v in counters.aget.call().get().values()]  # async endpoint, current_rank()
+    assert ranks == points
+    assert counters.aget.call().get().item(hosts=0, procs=0)[2] == {"hosts": 2, "procs": 2}
+    one = counters.slice(hosts=1, procs=0)
+    assert len(one) == 1 and one.incr.call_one(10).get() == 25
+    assert counters.slice(hosts=1).sizes == {"procs": 2}
+    chosen = [counters.incr.choose(0).get() for _ in range(8)]
+    assert set(chosen) <= {15, 25}
+    streamed = [f.get()[0] for f in counters.aget.stream()]
+    assert sorted(streamed) == [15, 15, 15, 25]
+    counters.incr.broadcast(100)  # fire and forget; FIFO: the next call sees it
+    assert sorted(counters.incr.call(0).get().values()) == [115, 115, 115, 125]
+    total = Accumulator(counters.incr, 0, lambda a, b: a + b).accumulate(0).get()
+    assert total == 115 * 3 + 125
+
+
+def test_shapes(procs):
+    c = procs.spawn("c", Counter)
+    assert c.size() == 4 and len(c) == 4 and c.size("procs") == 2 and c.extent == {"hosts": 2, "procs": 2}
+    flat = c.flatten("gpu")
+    assert flat.sizes == {"gpu": 4}
+    assert flat.slice(gpu=slice(1, 3)).size() == 2
+    renamed = c.rename(procs="gpus")
+    assert renamed.sizes == {"hosts": 2, "gpus": 2}
+    ranks = [v[1] for v in renamed.slice(gpus=1).aget.call().get().values()]
+    assert ranks == [{"hosts": 0, "procs": 1}, {"hosts": 1, "procs": 1}]  # ranks are where the actors were spawned
+    with pytest.raises(ValueError, match="no dimension 'nodes'"):
+        c.slice(nodes=0)
+    with pytest.raises(IndexError):
+        c.slice(procs=5)
+    sub = procs.slice(hosts=0)
+    assert sub.spawn("sub", Counter).incr.call().get().extent == {"procs": 2}
+
+
+def test_fifo_and_async_endpoints(procs):
+    c = procs.spawn("c", Counter).slice(hosts=0, procs=1)
+    for i in range(200):
+        (c.arecord if i % 3 == 0 else c.record).broadcast(i)
+    assert c.get_log.call_one().get() == list(range(200))
+
+
+def test_future_timeout_does_not_consume(procs):
+    c = procs.spawn("c", Counter).slice(hosts=0, procs=0)
+    fut = c.sleep.call_one(1.0)
+    with pytest.raises(TimeoutError):
+        fut.get(timeout=0.05)
+    assert fut.get(timeout=30) == "slept" and fut.result() == "slept" and fut.exception() is None
+
+
+def test_await_in_controller(procs):
+    import asyncio
+
+    c = procs.spawn("c", Counter, 1)
+
+    async def main():
+        vm = await c.incr.call(1)
+        one = await c.slice(hosts=0, procs=0).incr.call_one(1)
+        return list(vm.values()), one
+
+    assert asyncio.run(main()) == ([2, 2, 2, 2], 3)
+
+
+def test_actor_error_keeps_actor(procs):
+    c = procs.spawn("c", Counter, 0).slice(hosts=0, procs=0)
+    fut = c.boom.call_one()
+    with pytest.raises(ActorError, match="Counter.boom on proc 0 .* raised ValueError: boom from the actor") as ei:
+        fut.get()
+    assert "raise ValueError" in ei.value.traceback
+    assert isinstance(fut.exception(), ActorError)
+    assert c.incr.call_one().get() == 1  # the actor survives
+    with pytest.raises(ActorError, match="constructor failed"):
+        procs.spawn("bad", Bad)
+
+
+def test_tensors_out_of_band(procs):
+    c = procs.spawn("c", Counter).slice(hosts=1, procs=1)
+    t = torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024)
+    back = c.echo.call_one(t).get()
+    assert torch.equal(back, t)
+    for x in (t.t(), torch.ones(3, dtype=torch.bfloat16), torch.empty(0), torch.tensor(7), torch.ones(2, requires_grad=True)):
+        y = c.echo.call_one(x).get()
+        assert torch.equal(y.detach(), x.detach()) and y.dtype == x.dtype and y.requires_grad == x.requires_grad
+
+
+def test_bad_input_errors_at_call_site(procs):
+    c = procs.spawn("c", Counter)
+    with pytest.raises(TypeError, match="cannot send the arguments of Counter.echo"):
+        c.echo.call(threading.Lock())
+    with pytest.raises(AttributeError, match="Counter has no endpoint 'nope'"):
+        c.nope.call()
+    with pytest.raises(AttributeError, match="no endpoint 'not_an_endpoint'"):
+        c.not_an_endpoint.call()
+    with pytest.raises(ValueError, match="call_one\\(\\) needs a mesh of exactly one actor"):
+        c.incr.call_one()
+    with pytest.raises(TypeError, match="needs an Actor subclass"):
+        procs.spawn("x", dict)
+    assert list(c.incr.call().get().values()) == [1, 1, 1, 1]  # nothing was sent by the refused calls
+
+
+@pytest.mark.parametrize("how,reason", [("kill", "killed by signal SIGKILL"), ("segv", "killed by signal SIGSEGV"),
+                                        ("exit", "exited with code 3")])
+def test_proc_death_fails_calls_with_reason(procs, how, reason):
+    c = procs.spawn("c", Counter)
+    victim = c.slice(hosts=1, procs=0)
+    slow = victim.asleep.call_one(30)  # pending when the proc dies
+    procs.spawn("killer", Counter).slice(hosts=1, procs=0).die.broadcast(how)
+    t0 = time.time()
+    with pytest.raises(SupervisionError, match=f"proc 2 of mesh .* on host 1 .*{reason}"):
+        slow.get(timeout=20)
+    assert time.time() - t0 < 10
+    with pytest.raises(SupervisionError, match=reason):
+        c.incr.call().get(timeout=20)  # the whole mesh call fails, naming the dead proc
+    with pytest.raises(SupervisionError):
+        victim.incr.call_one().get(timeout=20)  # later calls fail at once
+    assert list(c.slice(hosts=0).incr.call().get(timeout=20).values()) == [2, 2]  # the rest still answer
+
+
+def test_actor_holds_and_calls_other_meshes(procs):
+    counters = procs.slice(hosts=1).spawn("counters", Counter, 0)
+    callers = procs.slice(hosts=0, procs=0).spawn("caller", Caller)
+    assert callers.call_sync.call_one(counters).get() == [1, 1]
+    assert callers.call_async.call_one(counters).get() == [2, 2]
+
+
+def test_channels(procs, pool):
+    c = procs.spawn("c", Counter)
+    port, rx = Channel.open()
+    c.send_rank.broadcast(port)
+    assert sorted(rx.recv().get(timeout=20) for _ in range(4)) == [0, 1, 2, 3]
+    # a port opened inside an actor, fed by other actors
+    caller = procs.slice(hosts=0, procs=0).spawn("caller", Caller)
+    back, back_rx = Channel.open()
+    result = caller.inbox.call_one(4, back)
+    inner_port = back_rx.recv().get(timeout=20)
+    c.send_rank.broadcast(inner_port)
+    assert result.get(timeout=20) == [0, 1, 2, 3]
+
+
+def test_supervise_hook(procs):
+    handled = procs.slice(hosts=0, procs=0).spawn("owner", Owner, True)
+    os.kill(handled.child_pid.call_one().get(), signal.SIGKILL)
+    seen = wait_for(lambda: handled.failures_seen.call_one().get(), timeout=20, what="__supervise__")
+    assert "killed by signal SIGKILL" in seen[0]
+    assert handled.ping.call_one().get() == "pong"  # handled: the owner lives on
+    unhandled = procs.slice(hosts=1, procs=0).spawn("owner", Owner, False)
+    os.kill(unhandled.child_pid.call_one().get(), signal.SIGKILL)
+
+    def failed():
+        try:
+            unhandled.ping.call_one().get()
+            return False
+        except SupervisionError as e:
+            return str(e)
+    msg = wait_for(failed, timeout=20, what="owner to fail")
+    assert "a mesh it owns lost a proc" in msg and "SIGKILL" in msg
+
+
+def test_cleanup_on_stop(pool, tmp_path):
+    pm = attach(pool[0]).spawn_procs(per_host={"procs": 1})
+    cl = pm.spawn("cleaner", Cleaner, str(tmp_path / "clean"))
+    assert list(cl.ping.call().get().values()) == ["pong", "pong"]
+    pm.stop()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clean.0", "clean.1"]
+    with pytest.raises(SupervisionError, match="was stopped"):
+        cl.ping.call().get()
+
+
+def test_tree_multicast_keeps_order(procs, monkeypatch):
+    monkeypatch.setattr(mesh_mod, "TREE_MIN", 2)
+    monkeypatch.setattr(mesh_mod, "FANOUT", 2)
+    big = attach(procs.pool).spawn_procs(per_host={"procs": 3})
+    try:
+        c = big.spawn("c", Counter)
+        assert list(c.incr.call(1).get().values()) == [1] * 6
+        one = c.slice(hosts=1, procs=2)
+        for i in range(30):  # tree-routed broadcasts interleaved with direct calls stay in order
+            c.record.broadcast(("tree", i))
+            one.record.call_one(("direct", i)).get() if i % 2 else one.record.broadcast(("direct", i))
+        log = one.get_log.call_one().get()
+        assert log == [x for i in range(30) for x in (("tree", i), ("direct", i))]
+        assert [f.get() for f in c.incr.stream(1)] and sorted(c.incr.call(0).get().values()) == [2] * 6
+    finally:
+        big.stop()
+
+
+def test_spawn_on_stopped_pool(tmp_path, monkeypatch, home, pool_name):
+    ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}))
+    hosts = attach(pool_name)
+    stop_pool(pool_name)
+    with pytest.raises(MonarchError, match=f"no pool named '{pool_name}'"):
+        attach(pool_name)
+    with pytest.raises(MonarchError, match="not reachable .* is the pool still running"):
+        hosts.spawn_procs()
+    ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}))  # same name, new secret
+    with pytest.raises(MonarchError, match="not reachable .* is the pool still running"):
+        hosts.spawn_procs()  # the old handle's agent is gone
+    assert list(attach(pool_name).spawn_procs().spawn("c", Counter).incr.call().get().values()) == [1]
+
+
+CONTROLLER = textwrap.dedent("""
+    import os, sys
+    from monarch_torchx import Actor, endpoint, attach
+
+    class Local(Actor):          # defined in __main__: travels by value (cloudpickle)
+        @endpoint
+        def pid(self):
+            return os.getpid()
+
+    procs = attach(sys.argv[1]).spawn_procs(per_host={"procs": 2})
+    print(*procs.spawn("local", Local).pid.call().get().values(), flush=True)
+    sys.stdin.readline()
+    os._exit(0) if sys.argv[2] == "exit" else os.kill(os.getpid(), 9)
+""")
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_controller_exit_cleans_up_procs(pool, tmp_path, how):
+    script = tmp_path / "controller.py"
+    script.write_text(CONTROLLER)
+    env = {**os.environ, "MONARCH_TORCHX_HOME": str(pool[1])}
+    p = subprocess.Popen([sys.executable, str(script), pool[0], how], env=env, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    pids = [int(x) for x in line.split()]
+    assert len(pids) == 4, p.stderr.read()
+    assert all(Path(f"/proc/{pid}").exists() for pid in pids)
+    p.stdin.write("\n")
+    p.stdin.flush()
+    p.wait(timeout=30)
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) for pid in pids),
+             timeout=20, what="procs to exit after their controller")
+    # the pool stays warm
+    assert list(attach(pool[0]).spawn_procs().spawn("c", Counter).incr.call().get().values()) == [1, 1]
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
+    except OSError:
+        return "Z"
+
+
+def test_this_host_is_a_warm_local_pool(home):
+    h = this_host()
+    assert h.sizes == {"hosts": 1}
+    pm = h.spawn_procs(per_host={"gpus": 2})
+    assert pm.sizes == {"hosts": 1, "gpus": 2}
+    assert list(pm.spawn("c", Counter).incr.call().get().values()) == [1, 1]
+    pm.stop()
+    assert this_host().pool == h.pool and Registry().get("local") is not None
