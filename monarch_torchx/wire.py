@@ -128,6 +128,25 @@ def frame_parts(body: bytes, bufs: List[Any]) -> List[Any]:
     return [head, body, *raws]
 
 
+HUGE = 2 << 20
+
+
+def big_buffer(n: int) -> Any:
+    """A writable buffer for ``n`` received bytes. Large ones are anonymous maps backed by huge
+    pages where the kernel allows: filling 64 MiB of fresh bytearray costs ~50 ms of page faults
+    here, a huge-page map ~13 ms (a plain copy into warm memory: ~7 ms)."""
+    if n < HUGE:
+        return bytearray(n)
+    import mmap
+
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):
+        pass
+    return m
+
+
 class FrameParser:
     """Incremental frame reader for non-blocking sockets and asyncio ``BufferedProtocol``s.
 
@@ -142,7 +161,7 @@ class FrameParser:
         self._buf = bytearray(chunk)
         self._start = 0
         self._end = 0
-        self._big: Optional[bytearray] = None
+        self._big: Optional[Any] = None
         self._bigpos = 0
         self._stage = 0  # 0: head, 1: buffer lengths, 2: body, 3: buffers
         self._body_len = 0
@@ -168,6 +187,8 @@ class FrameParser:
         else:
             self._end += n
             frames = []
+            if self._stage == 0:
+                self._whole_frames(frames)
         while True:
             need = self._need()
             avail = self._end - self._start
@@ -177,13 +198,38 @@ class FrameParser:
                 frames += self._segment(seg)
                 continue
             if need >= self.BIG:
-                self._big = bytearray(need)
+                self._big = big_buffer(need)
                 self._big[:avail] = self._buf[self._start:self._end]
                 self._bigpos = avail
                 self._start = self._end = 0
             elif need > len(self._buf) - self._start:
                 self._compact()
             return frames
+
+    def _whole_frames(self, frames: List[Tuple[Any, List[bytearray]]]) -> None:
+        """Fast path: small frames that arrived whole are cut out in one step each."""
+        buf, start, end = self._buf, self._start, self._end
+        while end - start >= _HEAD.size:
+            body_len, nbufs = _HEAD.unpack_from(buf, start)
+            _check_head(body_len, nbufs)
+            pos = start + _HEAD.size
+            if end - pos < 8 * nbufs:
+                break
+            lens = [_BUFLEN.unpack_from(buf, pos + 8 * i)[0] for i in range(nbufs)]
+            pos += 8 * nbufs
+            if pos + body_len + sum(lens) > end:
+                break
+            if any(n > MAX_BUF for n in lens):
+                raise WireError("malformed frame (buffer too large)")
+            body = buf[pos:pos + body_len]
+            pos += body_len
+            bufs = []
+            for n in lens:
+                bufs.append(buf[pos:pos + n])
+                pos += n
+            frames.append((body, bufs))
+            start = pos
+        self._start = start
 
     def _compact(self) -> None:
         rest = self._end - self._start

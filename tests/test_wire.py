@@ -177,3 +177,36 @@ def test_silent_peer_is_dropped_after_the_handshake_timeout(server, monkeypatch)
     assert len(s.recv(64)) == wire.HELLO_LEN
     assert s.recv(100) == b""  # the server gave up on us rather than holding the slot forever
     s.close()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
+def test_frame_parser_reassembles_frames_from_any_split(chunk):
+    """The incremental parser (actor procs, hub) yields the same frames however bytes arrive."""
+    import numpy as np
+
+    msgs = [{"i": i, "small": b"x" * i} for i in range(5)]
+    msgs.append({"big": pickle.PickleBuffer(np.arange(3 << 20, dtype=np.uint8)), "tail": "t"})  # huge-page buffer
+    msgs.append({"mid": pickle.PickleBuffer(bytearray(b"m" * 100_000)), "empty": pickle.PickleBuffer(bytearray())})
+    stream = b"".join(bytes(memoryview(p).cast("B")) for m in msgs for p in wire.encode(m))
+    parser = wire.FrameParser(chunk=64 * 1024)
+    frames = []
+    pos = 0
+    while pos < len(stream):
+        view = parser.get_buffer()
+        n = min(len(view), chunk, len(stream) - pos)
+        view[:n] = stream[pos:pos + n]
+        pos += n
+        frames += parser.feed(n)
+    decoded = [wire.decode(body, bufs) for body, bufs in frames]
+    assert [d["i"] for d in decoded[:5]] == list(range(5)) and decoded[4]["small"] == b"xxxx"
+    assert bytes(decoded[5]["big"]) == bytes(np.arange(3 << 20, dtype=np.uint8)) and decoded[5]["tail"] == "t"
+    assert bytes(decoded[6]["mid"]) == b"m" * 100_000 and bytes(decoded[6]["empty"]) == b""
+
+
+def test_frame_parser_refuses_oversized_headers():
+    parser = wire.FrameParser()
+    view = parser.get_buffer()
+    head = struct.pack("!IH", wire.MAX_BODY + 1, 0)
+    view[:len(head)] = head
+    with pytest.raises(wire.WireError, match="malformed frame"):
+        parser.feed(len(head))
