@@ -306,3 +306,16 @@ def test_this_host_is_a_warm_local_pool(home):
     assert list(pm.spawn("c", Counter).incr.call().get().values()) == [1, 1]
     pm.stop()
     assert this_host().pool == h.pool and Registry().get("local") is not None
+
+
+@pytest.mark.parametrize("example,args,expect", [
+    ("actors_pingpong.py", ["--volleys", "50"], "50 volleys between two procs"),
+    ("actors_ddp.py", ["--procs", "2", "--steps", "3"], "replicas in sync: True"),
+    ("actors_rl.py", ["--generators", "2", "--rounds", "2"], "policy v2"),
+])
+def test_examples_run(pool, example, args, expect):
+    """The examples' actor classes live in their __main__: they reach the procs by value."""
+    env = {**os.environ, "MONARCH_TORCHX_HOME": str(pool[1])}
+    res = subprocess.run([sys.executable, str(REPO / "examples" / example), "--pool", pool[0], *args], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and expect in res.stdout, res.stdout + res.stderr
