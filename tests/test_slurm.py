@@ -205,3 +205,33 @@ def test_walltime_ends_the_allocation_and_its_apps_say_why(home, pool_name):
     wait_for(lambda: _state(home, h) == "FAILED", timeout=180, interval=1, what="the walltime to end the app")
     assert f"allocation {job} is TIMEOUT" in _msg(home, h)
     assert not squeue_ids(f"monarch-{pool_name}")
+
+
+def test_actor_mesh_on_a_slurm_pool_across_network_namespaces(home, pool_name):
+    """attach() works on any scheduler's pool: procs on two SLURM nodes, called directly."""
+    from monarch_torchx import Channel, SupervisionError
+    from monarch_torchx import attach as attach_hosts
+
+    from .fixtures.actors import Counter
+
+    torchx(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", "nodes=2,partition=debug,time=00:30:00")
+    hosts = attach_hosts(pool_name)
+    assert hosts.sizes == {"hosts": 2}
+    procs = hosts.spawn_procs(per_host={"procs": 2})
+    counters = procs.spawn("counters", Counter)
+    names = counters.hostname.call().get()
+    assert names.item(hosts=0, procs=0) == names.item(hosts=0, procs=1) != names.item(hosts=1, procs=0)
+    assert {v for v in names.values()} <= {"node1", "node2", "node3"}
+    assert list(counters.incr.call(2).get().values()) == [2, 2, 2, 2]
+    port, rx = Channel.open()  # procs in the nodes' namespaces reach the controller's inbox
+    counters.send_rank.broadcast(port)
+    assert sorted(rx.recv().get(timeout=30) for _ in range(4)) == [0, 1, 2, 3]
+    victim = counters.slice(hosts=1, procs=1)
+    pid = victim.pid.call_one().get()
+    node = victim.hostname.call_one().get()
+    os.kill(pid, signal.SIGKILL)  # the lab's nodes share the PID namespace
+    with pytest.raises(SupervisionError, match=f"proc 3 of mesh .* on host 1 \\({node}\\) killed by signal SIGKILL"):
+        victim.incr.call_one().get(timeout=30)
+    assert list(counters.slice(hosts=0).incr.call().get(timeout=30).values()) == [3, 3]
+    procs.stop()
+    torchx(home, "pool", "stop", pool_name)

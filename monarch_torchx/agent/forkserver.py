@@ -344,6 +344,11 @@ def main(argv: List[str]) -> None:
             __import__(mod)
         except Exception as e:  # a missing preload costs warmth, not correctness
             failed[mod] = f"{type(e).__name__}: {e}"
+    if preloads:  # the warm server also starts actor procs: their runtime is imported once, here
+        try:
+            __import__("monarch_torchx.actor.proc")
+        except Exception:
+            pass
     server.send({"ready": True, "preloaded": [m for m in preloads if m not in failed], "failed": failed,
                  "seconds": round(time.time() - t0, 3)})
     server.serve()
