@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench bench-slurm docs clean
+.PHONY: setup demo test bench bench-slurm bench-actors docs clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,10 @@ test: setup
 
 bench: setup
 	$(BIN)/python benchmarks/warm_relaunch.py
+
+bench-actors: setup
+	$(BIN)/pip install -q -e '.[bench-peers]'
+	$(BIN)/python benchmarks/actors.py
 
 bench-slurm: setup
 	$(BIN)/python benchmarks/warm_relaunch.py --slurm

@@ -319,3 +319,17 @@ def test_examples_run(pool, example, args, expect):
     res = subprocess.run([sys.executable, str(REPO / "examples" / example), "--pool", pool[0], *args], env=env,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and expect in res.stdout, res.stdout + res.stderr
+
+
+def test_actor_output_is_in_telemetry(procs, pool):
+    from monarch_torchx.pool import attach as attach_pool
+
+    c = procs.spawn("c", Counter)
+    c.say.call("hello from an actor").get()
+    query = f"SELECT host, replica, line FROM logs WHERE app_id = 'mesh-{procs.mesh_id}' AND line LIKE 'hello%'"
+
+    def rows():
+        res = attach_pool(pool[0]).sql(query)
+        return res.to_pylist() if res.num_rows == 4 else None
+    got = wait_for(rows, timeout=30, interval=0.5, what="actor output in the logs table")
+    assert sorted((r["host"], r["replica"]) for r in got) == [(0, 0), (0, 1), (1, 2), (1, 3)]
