@@ -397,12 +397,15 @@ class EndpointMesh:
             return self._cast(hub, refs, packed, reply)
         rid = hub.next_id() if reply else 0
         futs: List[Future[Any]] = []
-        for ref in refs:
+        frames = []
+        for ref in refs:  # build every frame first, so the sends go out back to back
             fut: Optional[Future[Any]] = Future(hub) if reply else None
             header = ("call", rid, hub.sender, hub.next_seq(ref.addr), m._actor_id, self._name)
-            _send(hub, ref.addr, encode(header, packed=packed), rid, fut)
+            frames.append((ref.addr, encode(header, packed=packed), fut))
             if fut is not None:
                 futs.append(fut)
+        for addr, parts, fut in frames:
+            _send(hub, addr, parts, rid, fut)
         return futs
 
     def _cast(self, hub: Hub, refs: List[ProcRef], packed: List[Any], reply: bool) -> List[Future[Any]]:
