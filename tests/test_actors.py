@@ -171,6 +171,8 @@ def test_proc_death_fails_calls_with_reason(procs, how, reason):
     with pytest.raises(SupervisionError):
         victim.incr.call_one().get(timeout=20)  # later calls fail at once
     assert list(c.slice(hosts=0).incr.call().get(timeout=20).values()) == [2, 2]  # the rest still answer
+    c.incr.broadcast(10)  # fire and forget over a mesh with a dead proc: no error, the others get it
+    assert list(c.slice(hosts=0).incr.call(0).get(timeout=20).values()) == [12, 12]
 
 
 def test_actor_holds_and_calls_other_meshes(procs):
@@ -178,6 +180,12 @@ def test_actor_holds_and_calls_other_meshes(procs):
     callers = procs.slice(hosts=0, procs=0).spawn("caller", Caller)
     assert callers.call_sync.call_one(counters).get() == [1, 1]
     assert callers.call_async.call_one(counters).get() == [2, 2]
+    # a mesh that includes the caller's own proc: reached through its event loop, not a socket
+    everywhere = procs.spawn("everywhere", Counter, 0)
+    assert callers.call_sync.call_one(everywhere).get() == [1, 1, 1, 1]
+    assert callers.call_async.call_one(everywhere).get() == [2, 2, 2, 2]
+    with pytest.raises(ActorError, match="use `await` in an async endpoint"):
+        callers.call_sync.call_one(procs.spawn("async_only", Caller)).get()  # waits on its own loop
 
 
 def test_channels(procs, pool):

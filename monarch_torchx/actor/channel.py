@@ -77,9 +77,9 @@ class Channel(Generic[T]):
         if me is not None and me.pool == pool:
             addr = me.addr
             hub_driven, loop_thread = None, me.loop_thread
-        else:
+        else:  # the inbox thread completes these futures
             addr = hub.listen(_reachable_address(hub))
-            hub_driven, loop_thread = hub, None
+            hub_driven, loop_thread = None, None
         assert addr is not None
         port_id = uuid.uuid4().hex
         receiver: PortReceiver[T] = PortReceiver(hub_driven, loop_thread)

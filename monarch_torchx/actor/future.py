@@ -8,6 +8,7 @@ inside an actor) has no hub and is waited on with an event.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Generator, Generic, List, Optional, Sequence, TypeVar
@@ -17,6 +18,19 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 _UNSET = object()
+log = logging.getLogger("monarch_torchx.actor")
+_executor: List[Any] = []
+_executor_lock = threading.Lock()
+
+
+def _waiters() -> Any:
+    """Threads that wait on behalf of ``await`` (more than asyncio's default 6 on 2 cores)."""
+    with _executor_lock:
+        if not _executor:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _executor.append(ThreadPoolExecutor(max_workers=64, thread_name_prefix="monarch-torchx-await"))
+        return _executor[0]
 
 
 class Future(Generic[T]):
@@ -28,6 +42,7 @@ class Future(Generic[T]):
         self._callbacks: List[Callable[["Future[T]"], None]] = []
         self._event: Optional[threading.Event] = None
         self.loop_thread: Optional[int] = None  # set when only that thread's asyncio loop can complete it
+        self._loop_parts: Optional[List["Future[Any]"]] = None  # for a gather: the parts only that loop completes
 
     # ------------------------------------------------------------ completing
 
@@ -48,7 +63,10 @@ class Future(Generic[T]):
         if event is not None:
             event.set()
         for cb in callbacks:
-            cb(self)
+            try:
+                cb(self)
+            except Exception:  # on the reader thread: one bad callback must not drop other answers
+                log.exception("a future's done-callback raised")
 
     def add_done_callback(self, fn: Callable[["Future[T]"], None]) -> None:
         with self._lock:
@@ -66,11 +84,12 @@ class Future(Generic[T]):
         if self.done():
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self.loop_thread == threading.get_ident() and (
+                self._loop_parts is None or any(not p.done() for p in self._loop_parts)):
+            raise RuntimeError("this future is answered by this proc's own event loop (a port here, or an actor "
+                               "of this same proc): use `await` in an async endpoint instead of .get()")
         if self._hub is not None:
             return self._hub.wait(self.done, deadline)
-        if self.loop_thread == threading.get_ident():
-            raise RuntimeError("this future is completed by this actor's own event loop: "
-                               "use `await` in an async endpoint instead of .get()")
         with self._lock:
             if self._event is None:
                 self._event = threading.Event()
@@ -100,8 +119,16 @@ class Future(Generic[T]):
 
         if not self.done():
             loop = asyncio.get_running_loop()
-            if self._hub is not None:  # someone must read the socket: a worker thread does it
-                yield from loop.run_in_executor(None, self._wait, None).__await__()
+            if self._hub is not None:  # someone must read the sockets: a worker thread does it
+                stop = threading.Event()
+
+                def wait() -> None:
+                    while not stop.is_set() and not self._wait(0.5):
+                        pass
+                try:
+                    yield from loop.run_in_executor(_waiters(), wait).__await__()
+                finally:
+                    stop.set()  # a cancelled await frees its thread within half a second
             else:
                 waiter = loop.create_future()
 
@@ -122,6 +149,8 @@ class Future(Generic[T]):
     def gather(hub: Optional["Hub"], parts: Sequence["Future[Any]"], combine: Callable[[List[Any]], Any]) -> "Future[Any]":
         """A future for all ``parts``: their values combined, or the first failure in order."""
         out: Future[Any] = Future(hub)
+        out.loop_thread = next((p.loop_thread for p in parts if p.loop_thread is not None), None)
+        out._loop_parts = [p for p in parts if p.loop_thread is not None]
         remaining = [len(parts)]
         lock = threading.Lock()
 

@@ -94,6 +94,7 @@ class Conn:
         self.send_lock = threading.Lock()
         self.pending: Dict[int, Future[Any]] = {}
         self.error: Optional[BaseException] = None
+        self.inbound = False  # a peer's connection to our inbox: it only brings port messages
 
     @staticmethod
     def open(hub: "Hub", addr: ProcAddr) -> socket.socket:
@@ -169,8 +170,10 @@ class Hub:
         self._connecting: Dict[ProcAddr, threading.Lock] = {}
         self.dead: Dict[ProcAddr, BaseException] = {}
         self.explain: Dict[ProcAddr, Callable[[], str]] = {}  # why a proc is gone (asks its agent)
-        self._reader = threading.Lock()
+        self._reading = False
         self._cond = threading.Condition()
+        self.closing: Dict[ProcAddr, BaseException] = {}  # procs being stopped on purpose
+        self.local: Optional["LocalConn"] = None  # a proc's way to reach its own actors
         self._waiters = 0
         self._ids = itertools.count(1)
         self._seqs: Dict[ProcAddr, "itertools.count[int]"] = {}
@@ -202,12 +205,12 @@ class Hub:
                 return c
             if addr in self.dead:
                 raise self.dead[addr]
+            if self.local is not None and addr == self.listen_addr:
+                return self.local  # type: ignore[return-value]
             try:
                 sock = Conn.open(self, addr)
-            except wire.WireError as e:
-                err = self._lost_error(addr, e)
-                self.dead[addr] = err
-                raise err from None
+            except wire.WireError as e:  # not remembered: a busy proc may answer the next time
+                raise self._lost_error(addr, e) from None
             c = Conn(self, addr, sock)
             self._conns[addr] = c
             self.sel.register(sock, selectors.EVENT_READ, c)
@@ -230,10 +233,16 @@ class Hub:
 
     def lost(self, conn: Conn, cause: Optional[BaseException]) -> None:
         """A connection broke: fail what waits on it, and remember why for later calls."""
+        if conn.error is not None:
+            return
+        if conn.inbound:  # the inbox thread unregisters and closes it
+            conn.error = wire.WireError("peer closed")
+            return
+        err = self.dead.get(conn.addr) or self.closing.get(conn.addr) or self._lost_error(conn.addr, cause)
         with conn.send_lock:
             if conn.error is not None:
                 return
-            conn.error = err = self.dead.get(conn.addr) or self._lost_error(conn.addr, cause)
+            conn.error = err
             pending, conn.pending = conn.pending, {}
         self.dead[conn.addr] = err
         with self._lock:
@@ -246,7 +255,7 @@ class Hub:
         conn.sock.close()
         for fut in pending.values():
             fut.set_exception(err)
-        self.notify()
+        self.wake()
 
     def mark_dead(self, addr: ProcAddr, err: BaseException) -> None:
         self.dead.setdefault(addr, err)
@@ -301,25 +310,34 @@ class Hub:
         self.notify()
 
     def wait(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
-        """Blocks until ``done()``; the first waiter reads the sockets for everyone."""
+        """Blocks until ``done()``; the first waiter reads the sockets for everyone.
+
+        Taking the reader role and going to sleep are decided under one lock, so a waiter can
+        never miss the moment the role is handed back.
+        """
         while not done():
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return False
-            if self._reader.acquire(blocking=False):
+            with self._cond:
+                if done():
+                    return True
+                lead = not self._reading
+                if lead:
+                    self._reading = True
+                else:
+                    self._waiters += 1
+                    try:
+                        self._cond.wait(1.0 if left is None else min(left, 1.0))
+                    finally:
+                        self._waiters -= 1
+            if lead:
                 try:
                     self._pump(done, deadline)
                 finally:
-                    self._reader.release()
-                    self.notify()
-            else:
-                with self._cond:
-                    self._waiters += 1
-                    try:
-                        if not done():
-                            self._cond.wait(1.0 if left is None else min(left, 1.0))
-                    finally:
-                        self._waiters -= 1
+                    with self._cond:
+                        self._reading = False
+                        self._cond.notify_all()
         return True
 
     def _pump(self, done: Callable[[], bool], deadline: Optional[float]) -> None:
@@ -334,48 +352,23 @@ class Hub:
                             pass
                     except BlockingIOError:
                         pass
-                elif key.data == "listener":
-                    self._accept()
                 else:
                     key.data.on_readable()
 
     # ------------------------------------------------------------ ports (a controller's inbox)
 
     def listen(self, host: str) -> ProcAddr:
-        """Lets procs send to ports of this process (authenticated like everything else)."""
+        """Lets procs send to ports of this process (authenticated like everything else).
+
+        Served by a thread of its own, so a controller that is busy computing still takes
+        port messages (and nobody who sends to it blocks on it).
+        """
         with self._lock:
             if self.listen_addr is None:
-                lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                lsock.bind((host, 0))
-                lsock.listen(64)
-                lsock.setblocking(False)
-                self.listen_addr = ProcAddr(host, lsock.getsockname()[1], f"{self.pool}/client/{self.sender}")
-                self._lsock = lsock
-                self.sel.register(lsock, selectors.EVENT_READ, "listener")
-                self.wake()
+                identity = f"{self.pool}/client/{self.sender}"
+                inbox = Inbox(self, host, identity)
+                self.listen_addr = ProcAddr(host, inbox.port, identity)
             return self.listen_addr
-
-    def _accept(self) -> None:
-        try:
-            sock, peer = self._lsock.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        threading.Thread(target=self._handshake_in, args=(sock, peer), daemon=True).start()
-
-    def _handshake_in(self, sock: socket.socket, peer: Any) -> None:
-        assert self.listen_addr is not None
-        try:
-            sock.settimeout(wire.HANDSHAKE_TIMEOUT_S)
-            wire.server_handshake_blocking(sock, self.key, self.listen_addr.identity.encode())
-        except (OSError, wire.WireError) as e:
-            log.warning("dropped connection from %s: %s", peer, e)
-            sock.close()
-            return
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setblocking(False)
-        conn = Conn(self, ProcAddr(str(peer[0]), int(peer[1]), "inbound"), sock)
-        self.sel.register(sock, selectors.EVENT_READ, conn)
-        self.wake()
 
     # ------------------------------------------------------------ ownership
 
@@ -391,6 +384,122 @@ class Hub:
     def unwatch_all(self, addrs: List[ProcAddr]) -> None:
         if self._watcher is not None:
             self._watcher.remove(addrs)
+
+
+class LocalConn:
+    """How a proc reaches actors of its own process: through its event loop, never a socket.
+
+    The messages are still pickled and unpickled (actors share nothing), and the answer comes
+    back the same way. From the loop's own thread only ``await`` can wait for it.
+    """
+
+    def __init__(self, hub: Hub, addr: ProcAddr, deliver: Callable[[Any, Any, List[bytearray]], None],
+                 loop: Any, loop_thread: int):
+        self.hub = hub
+        self.addr = addr
+        self._deliver = deliver
+        self._loop = loop
+        self._loop_thread = loop_thread
+        self.pending: Dict[int, Future[Any]] = {}
+        self.error: Optional[BaseException] = None
+
+    def on_loop_thread(self) -> bool:
+        return threading.get_ident() == self._loop_thread
+
+    def send(self, parts: List[Any], rid: int = 0, fut: Optional[Future[Any]] = None) -> None:
+        body = bytes(memoryview(parts[1]).cast("B"))
+        bufs = [bytearray(memoryview(p).cast("B")) for p in parts[2:]]
+        if fut is not None:
+            fut.loop_thread = self._loop_thread  # only this proc's loop can answer it
+            self.pending[rid] = fut
+        if self.on_loop_thread():
+            self._deliver(self, body, bufs)
+        else:
+            self._loop.call_soon_threadsafe(self._deliver, self, body, bufs)
+
+    def reply(self, rid: int, ok: bool, value: Any) -> None:
+        fut = self.pending.pop(rid, None)
+        if fut is None:
+            return
+        try:
+            body, bufs = pickling.dumps(value)
+            value = pickling.loads(body, [bytearray(b.raw()) for b in bufs])
+        except Exception as e:
+            ok, value = False, ("actor", f"could not send the answer back: {type(e).__name__}: {e}", "", "")
+        if ok:
+            fut.set_result(value)
+        else:
+            from .errors import remote_error
+
+            fut.set_exception(remote_error(value))
+        self.hub.wake()
+
+
+class Inbox:
+    """A controller's authenticated listener for port messages, served by its own thread."""
+
+    def __init__(self, hub: Hub, host: str, identity: str):
+        self.hub = hub
+        self.identity = identity
+        self.sel = selectors.DefaultSelector()
+        self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.lsock.bind((host, 0))
+        self.lsock.listen(64)
+        self.lsock.setblocking(False)
+        self.port = self.lsock.getsockname()[1]
+        self.sel.register(self.lsock, selectors.EVENT_READ, None)
+        self.handshakes = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="monarch-torchx-inbox", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            for key, _ in self.sel.select():
+                if key.data is None:
+                    self._accept()
+                    continue
+                conn: Conn = key.data
+                if conn.error is None:
+                    conn.on_readable()
+                if conn.error is not None:
+                    try:
+                        self.sel.unregister(conn.sock)
+                    except (KeyError, ValueError):
+                        pass
+                    conn.sock.close()
+
+    def _accept(self) -> None:
+        try:
+            sock, peer = self.lsock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        with self._lock:
+            if self.handshakes >= wire.MAX_HANDSHAKES:
+                log.warning("dropped connection from %s: too many handshakes in progress", peer)
+                sock.close()
+                return
+            self.handshakes += 1
+        threading.Thread(target=self._handshake, args=(sock, peer), daemon=True).start()
+
+    def _handshake(self, sock: socket.socket, peer: Any) -> None:
+        timer = threading.Timer(wire.HANDSHAKE_TIMEOUT_S, lambda: sock.shutdown(socket.SHUT_RDWR))
+        timer.start()  # a deadline for the whole handshake, not per read
+        try:
+            sock.settimeout(wire.HANDSHAKE_TIMEOUT_S)
+            wire.server_handshake_blocking(sock, self.hub.key, self.identity.encode())
+        except (OSError, wire.WireError) as e:
+            log.warning("dropped connection from %s: %s", peer, e or "handshake timed out")
+            sock.close()
+            return
+        finally:
+            timer.cancel()
+            with self._lock:
+                self.handshakes -= 1
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        conn = Conn(self.hub, ProcAddr(str(peer[0]), int(peer[1]), "inbound"), sock)
+        conn.inbound = True
+        self.sel.register(sock, selectors.EVENT_READ, conn)
 
 
 class Watcher:

@@ -150,7 +150,15 @@ class HostMesh(_MeshTrait):
                                      mesh_id, info["rank"], host.index, info["hostname"], agent))
         mesh = ProcMesh(self.pool, procs, Shape.dense(self._shape.labels + tuple(per_host),
                                                       self._shape.sizes + tuple(per_host.values())), mesh_id)
-        mesh._own(hub)
+        try:
+            mesh._own(hub)
+        except Exception as e:
+            for host in hosts:  # nothing half-owned stays behind
+                try:
+                    _agent_call(hub, host, "kill", timeout=10.0, app_id=app_id(mesh_id), grace=1.0)
+                except Exception:
+                    pass
+            raise MonarchError(f"spawn_procs on pool {self.pool!r} failed: could not connect to the procs: {e}") from None
         return mesh
 
 
@@ -275,9 +283,8 @@ class ProcMesh(_MeshTrait):
         """Stops every proc of this mesh (``__cleanup__`` runs in each actor first)."""
         hub = session.hub_for(self.pool)
         refs = [self._procs[b] for b in self._shape.ranks]
-        hub.unwatch_all([r.addr for r in refs])
-        for ref in refs:  # what later calls (and the connections' ends) will report
-            hub.dead.setdefault(ref.addr, SupervisionError(f"proc {ref.rank} of mesh {ref.mesh_id} was stopped"))
+        for ref in refs:  # what the connections' ends (and the owner watch) will report
+            hub.closing[ref.addr] = SupervisionError(f"proc {ref.rank} of mesh {ref.mesh_id} was stopped")
         rid = hub.next_id()
         futs = []
         for ref in refs:
@@ -289,19 +296,20 @@ class ProcMesh(_MeshTrait):
                 fut.get(timeout)
             except (SupervisionError, TimeoutError):
                 pass
+        hub.unwatch_all([r.addr for r in refs])
         for ref in refs:
-            hub.mark_dead(ref.addr, hub.dead[ref.addr])
+            hub.mark_dead(ref.addr, hub.closing.pop(ref.addr))
 
 
 def _send(hub: Hub, addr: ProcAddr, parts: List[Any], rid: int, fut: Optional[Future[Any]]) -> None:
+    """Sends one frame; a failure goes to ``fut``, or (fire and forget) is logged, never raised."""
     try:
-        conn = hub.conn(addr)
-    except SupervisionError as e:
+        hub.conn(addr).send(parts, rid, fut)
+    except (SupervisionError, OSError, TimeoutError) as e:
         if fut is None:
-            raise
-        fut.set_exception(e)
-        return
-    conn.send(parts, rid, fut)
+            log.warning("broadcast did not reach %s: %s", addr.identity, e)
+        else:
+            fut.set_exception(e)
 
 
 def _explain(hub: Hub, ref: ProcRef) -> str:
@@ -322,6 +330,8 @@ def _explain(hub: Hub, ref: ProcRef) -> str:
 
 
 def _on_proc_lost(hub: Hub, ref: ProcRef, owner_actor: Optional[str], addr: ProcAddr) -> None:
+    if addr in hub.closing:  # being stopped on purpose
+        return
     try:
         reason = _explain(hub, ref)
     except Exception as e:

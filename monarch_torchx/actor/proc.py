@@ -25,8 +25,8 @@ from .. import wire
 from . import session
 from .actor import ActorInstance, Context, Endpoint, current_context, endpoints_of
 from .errors import MeshFailure, error_payload
-from .future import Future
-from .hub import ProcAddr, encode, unpack
+from .future import Future, _waiters
+from .hub import LocalConn, ProcAddr, encode, unpack
 from .shape import Extent, Point
 
 log = logging.getLogger("monarch_torchx.actor")
@@ -61,6 +61,8 @@ class ProcConnection(asyncio.BufferedProtocol):
         self._hs_len = 0
         self.parser = wire.FrameParser()
         self.peer = "?"
+        self._counted = False  # holds one of the proc's handshake slots
+        self._timer: Optional[asyncio.TimerHandle] = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -71,6 +73,7 @@ class ProcConnection(asyncio.BufferedProtocol):
             transport.close()
             return
         self.server.handshakes += 1
+        self._counted = True
         self._nonce, hello = wire.server_hello()
         transport.write(hello)  # type: ignore[attr-defined]
         self._timer = asyncio.get_running_loop().call_later(wire.HANDSHAKE_TIMEOUT_S, self._handshake_timeout)
@@ -91,8 +94,7 @@ class ProcConnection(asyncio.BufferedProtocol):
             self._hs_len += nbytes
             if self._hs_len < wire.ANSWER_LEN:
                 return
-            self._timer.cancel()
-            self.server.handshakes -= 1
+            self._release_slot()
             try:
                 proof = wire.server_check(self.server.key, self._nonce, bytes(self._hs), self.server.identity.encode())
             except wire.WireError as e:
@@ -110,10 +112,15 @@ class ProcConnection(asyncio.BufferedProtocol):
             log.warning("dropped connection from %s: %s", self.peer, e)
             self.transport.close()
 
-    def connection_lost(self, exc: Optional[Exception]) -> None:
-        if not self.authed and self.transport is not None and self._hs_len < wire.ANSWER_LEN:
-            self.server.handshakes -= 1
+    def _release_slot(self) -> None:
+        if self._timer is not None:
             self._timer.cancel()
+        if self._counted:
+            self._counted = False
+            self.server.handshakes -= 1
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._release_slot()
         self.transport = None
         if self.server.owner is self:
             self.server.begin_stop("its owner disconnected")
@@ -170,6 +177,8 @@ class ProcServer:
         addr = ProcAddr(self.advertise, port, self.identity)
         session.set_proc(session.ProcIdentity(self.pool, self.key, self.host_index, self.mesh_id, self.rank, addr,
                                               on_child_lost=self.child_lost, loop_thread=threading.get_ident()))
+        hub = session.hub_for(self.pool)
+        hub.local = LocalConn(hub, addr, self.on_frame, self.loop, threading.get_ident())
         tmp = self.addr_file + ".tmp"
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump({"host": self.advertise, "port": port, "pid": os.getpid()}, f)
@@ -272,6 +281,9 @@ class ProcServer:
             log.warning("messages %d..%d from %s never arrived (a forwarding proc died?); going on",
                         exp, min(held) - 1, sender)
             self._advance(sender, min(held))
+            if self.held.get(sender):  # a later gap gets its own grace period
+                assert self.loop is not None
+                self.loop.call_later(GAP_S, self._skip_gap, sender, self.expected[sender])
 
     def _replier(self, conn: Optional[ProcConnection], rid: int, actor_id: str, ep: str) -> Reply:
         if rid and conn is not None:
@@ -323,7 +335,7 @@ class ProcServer:
                     try:
                         value = await ep.fn(slot.instance, *args, **kwargs)
                         res: Tuple[bool, Any] = (True, value)
-                    except Exception as e:
+                    except (Exception, asyncio.CancelledError) as e:
                         res = (False, self._error(slot, ep.name, e))
                     finally:
                         current_context.reset(token)
@@ -411,7 +423,7 @@ class ProcServer:
             return out
 
         async def finish() -> None:
-            children = await loop.run_in_executor(None, gather_children) if child_futs else []
+            children = await loop.run_in_executor(_waiters(), gather_children) if child_futs else []
             ok, value = await local
             conn.reply(rid, True, [(self.rank, ok, value)] + children)
 
