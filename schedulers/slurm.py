@@ -79,11 +79,15 @@ def job_state(job_id: str) -> Tuple[str, str, str]:
     if rc == 0 and out:
         state, reason, left = (out.splitlines()[0].split("|") + ["", ""])[:3]
         return state, reason, left
+    return _sacct_state(job_id), "", ""
+
+
+def _sacct_state(job_id: str) -> str:
     if shutil.which("sacct"):
         rc, out, _ = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"])
         if rc == 0 and out:
-            return out.splitlines()[0].split()[0], "", ""
-    return "", "", ""
+            return out.splitlines()[0].split()[0]
+    return ""
 
 
 def _partition_hint(rec: PoolRecord, reason: str) -> str:
@@ -228,7 +232,11 @@ class SlurmProvisioner:
         if not job:
             return None
         state, reason, _ = job_state(job)
-        if state in ("RUNNING", "COMPLETING"):
+        if state == "COMPLETING":  # ending: the accounting record says why (CANCELLED, TIMEOUT, ...)
+            final = _sacct_state(job)
+            state = final if final and final not in ("RUNNING", "PENDING", "COMPLETING") else "ending (COMPLETING)"
+            reason = ""
+        if state == "RUNNING":
             return None
         return f"allocation {job} is {state or 'gone'}" + (f" ({reason})" if reason and reason != "None" else "")
 
