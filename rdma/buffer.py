@@ -1,0 +1,313 @@
+"""``RDMABuffer``: a picklable handle on another process's memory, read and written one-sided.
+
+Monarch's API: the owner wraps memory (``RDMABuffer(tensor)``) and hands the buffer out in an
+actor message; any holder calls ``read_into(dst)`` / ``write_from(src)`` and gets a Future. The
+backend is picked per transfer: **cma** when the owner is on this host (one kernel copy, the
+owner's Python not involved), else **ibverbs** when both sides have an RDMA device, else **tcp**
+(the owner's data-plane threads serve it). ``MONARCH_TORCHX_RDMA=ibverbs|tcp|cma`` forces one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..actor.future import Future
+from . import cma, ibverbs
+from .memory import LocalMemory, RDMAError, local_memory
+from .owner import DROP, IBV_CONNECT, READ, WRITE, owner_for
+
+BACKENDS = ("ibverbs", "tcp", "cma")
+_state: Dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def _forced() -> Optional[str]:
+    v = os.environ.get("MONARCH_TORCHX_RDMA", "").strip().lower()
+    if v in ("", "auto"):
+        return None
+    if v not in BACKENDS:
+        raise RDMAError(f"MONARCH_TORCHX_RDMA={v!r} is not a backend: use ibverbs, tcp or cma (or unset it)")
+    return v
+
+
+def get_rdma_backend() -> str:
+    """The backend this process uses for buffers on other hosts: ``ibverbs`` or ``tcp``
+    (``cma`` when forced; same-host transfers use cma automatically)."""
+    forced = _forced()
+    if forced == "ibverbs" and not ibverbs.available():
+        raise RDMAError(f"MONARCH_TORCHX_RDMA=ibverbs, but {ibverbs.devices()[1]}; unset it to use tcp/cma")
+    if forced:
+        return forced
+    return "ibverbs" if ibverbs.available() else "tcp"
+
+
+def _executor() -> ThreadPoolExecutor:
+    with _lock:
+        ex = _state.get("executor")
+        if ex is None:
+            ex = _state["executor"] = ThreadPoolExecutor(max_workers=32, thread_name_prefix="monarch-torchx-rdma")
+        return ex
+
+
+def _tcp(pool: str) -> Any:
+    from ..actor import session
+    from .tcp import TcpClient
+
+    key = session.hub_for(pool).key
+    with _lock:
+        client = _state.get(("tcp", pool))
+        if client is None or client.key != key:
+            client = _state[("tcp", pool)] = TcpClient(key)
+        return client
+
+
+def _current_pool(pool: Optional[str]) -> str:
+    from ..actor import session
+
+    me = session.this_proc()
+    pool = pool or (me.pool if me is not None else session.current_pool())
+    if pool is None:
+        raise RDMAError("RDMABuffer needs a pool: attach() to one first (or pass pool=)")
+    return pool
+
+
+@dataclass(frozen=True)
+class _Handle:
+    """Everything a holder needs to reach the memory (no secret: the pool's token stays home)."""
+
+    pool: str
+    host: str
+    port: int
+    identity: str
+    slot: int
+    generation: int
+    size: int
+    pid: int
+    start_time: Optional[int]
+    host_key: str
+    table_address: int
+    address: int
+    rkey: Optional[int]
+    owner: str
+    readonly: bool
+
+    @property
+    def owner_addr(self) -> Tuple[str, int, str]:
+        return (self.host, self.port, self.identity)
+
+
+class RDMABuffer:
+    """A region of this process's memory that other processes of the pool may read and write."""
+
+    def __init__(self, data: Any, *, pool: Optional[str] = None):
+        from ..actor import context
+
+        backend = get_rdma_backend()  # a forced backend that cannot work fails here, in one line
+        mem = local_memory(data, "RDMABuffer")
+        if mem.nbytes == 0:
+            raise ValueError("Cannot create RDMABuffer with size 0.")
+        pool = _current_pool(pool)
+        own = owner_for(pool)
+        slot, gen = own.register(mem)
+        rkey = None
+        if backend == "ibverbs":
+            v = ibverbs.verbs()
+            own.ibv = v
+            rkey, _ = v.register(slot, mem)
+        who = context().actor_instance
+        self._h = _Handle(pool, own.host, own.port, own.identity, slot, gen, mem.nbytes, os.getpid(),
+                          cma.start_time(os.getpid()), cma.host_key(), own.table_address, mem.address, rkey,
+                          f"{who.name}[{who.rank.rank}] pid {os.getpid()} on {socket.gethostname()}", mem.readonly)
+        self._dropped = False
+
+    @classmethod
+    def _from_handle(cls, h: _Handle) -> "RDMABuffer":
+        buf = cls.__new__(cls)
+        buf._h = h
+        buf._dropped = False
+        return buf
+
+    def __reduce__(self) -> Any:
+        return RDMABuffer._from_handle, (self._h,)
+
+    def __repr__(self) -> str:
+        return f"RDMABuffer({self._h.size} bytes, owner {self._h.owner})"
+
+    def size(self) -> int:
+        return self._h.size
+
+    @property
+    def owner(self) -> str:
+        return self._h.owner
+
+    @property
+    def backend(self) -> str:
+        """The backend a transfer from this process to this buffer uses now."""
+        return _choose(self._h)
+
+    def read_into(self, dst: Any, *, offset: int = 0, timeout: float = 60) -> Future[None]:
+        """Copies the buffer's bytes [offset, size) into ``dst`` (at least that large)."""
+        return RDMAAction().read_remote(dst, self, offset=offset).submit(timeout=timeout)
+
+    def write_from(self, src: Any, *, offset: int = 0, timeout: float = 60) -> Future[None]:
+        """Copies all of ``src`` into the buffer at ``offset`` (it must fit)."""
+        return RDMAAction().write_remote(self, src, offset=offset).submit(timeout=timeout)
+
+    def drop(self) -> Future[None]:
+        """Releases the memory: later reads and writes, from anywhere, fail with a clear error."""
+        fut: Future[None] = Future()
+        h = self._h
+        self._dropped = True
+        if h.pid == os.getpid():
+            owner_for(h.pool).drop(h.slot, h.generation)
+            fut.set_result(None)
+            return fut
+
+        def remote() -> None:
+            _tcp(h.pool).request(h.owner_addr, DROP, h.slot, h.generation, 30.0)
+        _run(fut, [remote])
+        return fut
+
+
+@dataclass
+class _Op:
+    buf: RDMABuffer
+    local: LocalMemory
+    offset: int
+    write: bool
+
+
+class RDMAAction:
+    """A batch of reads and writes, submitted as one unit (they run concurrently)."""
+
+    def __init__(self) -> None:
+        self._ops: List[_Op] = []
+
+    def read_remote(self, dst: Any, src: RDMABuffer, *, offset: int = 0) -> "RDMAAction":
+        self._ops.append(_check(src, local_memory(dst, "read_into dst"), offset, write=False))
+        return self
+
+    def write_remote(self, dst: RDMABuffer, src: Any, *, offset: int = 0) -> "RDMAAction":
+        self._ops.append(_check(dst, local_memory(src, "write_from src"), offset, write=True))
+        return self
+
+    def submit(self, *, timeout: float = 60) -> Future[None]:
+        fut: Future[None] = Future()
+        _run(fut, [lambda op=op: _transfer(op, timeout) for op in self._ops])
+        return fut
+
+
+def _check(buf: RDMABuffer, mem: LocalMemory, offset: int, write: bool) -> _Op:
+    if buf._dropped:
+        raise RDMAError("this RDMABuffer was dropped (drop() was called on it)")
+    size = buf.size()
+    if not 0 <= offset < size:
+        raise ValueError(f"offset {offset} is outside the buffer ({size} bytes)")
+    if write:
+        if buf._h.readonly:
+            raise RDMAError("the buffer's memory is read-only (it was made from bytes or a read-only view)")
+        if mem.nbytes > size - offset:
+            raise ValueError(f"src has {mem.nbytes} bytes but the buffer has {size - offset} from offset {offset}")
+        return _Op(buf, mem, offset, True)
+    n = size - offset
+    if mem.nbytes < n:
+        raise ValueError(f"dst has {mem.nbytes} bytes but the buffer has {n} to read (from offset {offset})")
+    if mem.readonly:
+        raise RDMAError("dst is read-only memory: read into a tensor, bytearray or writable view")
+    return _Op(buf, LocalMemory(mem.view[:n], mem.address, False, mem.keepalive), offset, False)
+
+
+def _run(fut: Future[None], jobs: List[Any]) -> None:
+    ex = _executor()
+    remaining = [len(jobs)]
+    errors: List[BaseException] = []
+    lock = threading.Lock()
+
+    def one(job: Any) -> None:
+        try:
+            job()
+        except BaseException as e:
+            with lock:
+                errors.append(e)
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            if errors:
+                err = errors[0]
+                fut.set_exception(err if isinstance(err, (RDMAError, ValueError)) else RDMAError(str(err)))
+            else:
+                fut.set_result(None)
+
+    if not jobs:
+        fut.set_result(None)
+    for job in jobs:
+        ex.submit(one, job)
+
+
+# ---------------------------------------------------------------- choosing and running a backend
+
+
+def _same_host(h: _Handle) -> bool:
+    return h.host_key == cma.host_key() and h.host_key != ""
+
+
+def _choose(h: _Handle) -> str:
+    forced = _forced()
+    if forced == "cma" and not _same_host(h):
+        raise RDMAError(f"MONARCH_TORCHX_RDMA=cma, but the buffer's owner ({h.owner}) is on another host")
+    if forced == "ibverbs" and h.rkey is None:
+        raise RDMAError("MONARCH_TORCHX_RDMA=ibverbs, but the owner registered this buffer without ibverbs")
+    if forced:
+        return forced
+    if _same_host(h) and h.pid not in _state.setdefault("cma_refused", set()):
+        return "cma"
+    if h.rkey is not None and ibverbs.available():
+        return "ibverbs"
+    return "tcp"
+
+
+def _transfer(op: _Op, timeout: float) -> None:
+    h = op.buf._h
+    backend = _choose(h)
+    if backend == "cma":
+        try:
+            _transfer_cma(h, op)
+            return
+        except cma.CMAPermissionError:
+            if _forced() == "cma":
+                raise
+            _state.setdefault("cma_refused", set()).add(h.pid)  # e.g. Yama ptrace_scope: tcp from now on
+    if backend == "ibverbs":
+        v = ibverbs.verbs()
+        qp = v.qp_to(h.owner_addr, lambda info: _ibv_exchange(h, info))
+        v.transfer(qp, h.rkey, h.address, op.local, op.offset, op.write, timeout)
+        return
+    _tcp(h.pool).transfer(h.owner_addr, WRITE if op.write else READ, h.slot, h.generation, op.offset,
+                          op.local.view, timeout)
+
+
+def _ibv_exchange(h: _Handle, info: Dict[str, Any]) -> Dict[str, Any]:
+    return _tcp(h.pool).exchange(h.owner_addr, IBV_CONNECT, h.slot, h.generation, info, 30.0)
+
+
+def _transfer_cma(h: _Handle, op: _Op) -> None:
+    n = op.local.nbytes
+    if h.pid == os.getpid():  # our own buffer: a memmove, checked against our own table
+        owner_for(h.pool).lookup(h.slot, h.generation)
+        src, dst = (op.local.address, h.address + op.offset) if op.write else (h.address + op.offset, op.local.address)
+        ctypes.memmove(dst, src, n)
+        return
+    if cma.start_time(h.pid) != h.start_time:
+        raise RDMAError(f"the buffer's owner ({h.owner}) has exited")
+    if cma.generation(h.pid, h.table_address, h.slot) != h.generation:
+        raise RDMAError("the buffer was dropped by its owner (drop() was called)")
+    cma.transfer(h.pid, op.local.address, h.address + op.offset, n, op.write)
+    if cma.generation(h.pid, h.table_address, h.slot) != h.generation:
+        raise RDMAError("the buffer was dropped by its owner during the transfer; the destination may hold partial data")

@@ -1,0 +1,250 @@
+"""The owner side: registered buffers, and the data-plane server other processes pull from.
+
+Each process that creates an RDMABuffer runs one data-plane server (threads, blocking
+sockets: copies run in the kernel with the GIL released, in parallel). It speaks a tiny binary
+protocol after the pool's usual handshake (no pickle on the data plane at all)::
+
+    request   op u8 | slot u32 | generation u32 | offset u64 | length u64     (25 bytes)
+    READ  -> status u8 (0) + length bytes straight from the buffer's memory
+    WRITE -> the client sends length bytes right after the request; received in place
+    INFO / DROP / IBV_CONNECT (payload: u32 len + JSON)
+    errors: status 1 + u32 len + a one-line message (a WRITE's bytes are drained first)
+
+Buffers live in a table of generations: a slot is valid while its word equals the handle's
+generation. The table's address is in every handle, so a same-host reader (cma) checks
+validity with one 4-byte process_vm_readv and never involves this process's Python.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import uuid
+from typing import Any, Dict, List, Optional, Tuple
+
+from .. import wire
+from .memory import LocalMemory, RDMAError
+
+log = logging.getLogger("monarch_torchx.rdma")
+
+REQ = struct.Struct("!BIIQQ")
+READ, WRITE, INFO, DROP, IBV_CONNECT = 1, 2, 3, 4, 5
+SLOTS = 1 << 16
+MAX_CONNS = 512
+
+
+def send_error(sock: socket.socket, msg: str) -> None:
+    data = msg.encode()[:4096]
+    sock.sendall(b"\x01" + struct.pack("!I", len(data)) + data)
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < view.nbytes:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("connection closed by peer")
+        got += k
+
+
+def recv_status(sock: socket.socket) -> None:
+    """Raises RDMAError with the owner's message when it answered with an error."""
+    head = bytearray(1)
+    recv_exact(sock, memoryview(head))
+    if head[0] == 0:
+        return
+    n = bytearray(4)
+    recv_exact(sock, memoryview(n))
+    msg = bytearray(struct.unpack("!I", n)[0])
+    recv_exact(sock, memoryview(msg))
+    raise RDMAError(msg.decode("utf-8", "replace"))
+
+
+def recv_json(sock: socket.socket) -> Any:
+    n = bytearray(4)
+    recv_exact(sock, memoryview(n))
+    data = bytearray(struct.unpack("!I", n)[0])
+    recv_exact(sock, memoryview(data))
+    return json.loads(bytes(data))
+
+
+def send_json(sock: socket.socket, obj: Any) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(struct.pack("!I", len(data)) + data)
+
+
+class Owner:
+    """This process's registered buffers and its data-plane server for one pool."""
+
+    def __init__(self, pool: str, key: bytes, bind: str, advertise: str):
+        self.pool = pool
+        self.key = key
+        self.generations = array.array("I", [0]) * SLOTS  # fixed size: its address never moves
+        self.table_address = self.generations.buffer_info()[0]
+        self._buffers: Dict[int, Tuple[int, LocalMemory]] = {}
+        self._free = list(range(SLOTS - 1, 0, -1))
+        self._next_gen = 1
+        self._lock = threading.Lock()
+        self.identity = f"{pool}/rdma/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        self._lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._lsock.bind((bind, 0))
+        self._lsock.listen(128)
+        self.host = advertise
+        self.port = self._lsock.getsockname()[1]
+        self._conns = 0
+        self.ibv: Any = None  # the ibverbs side, when that backend is in use
+        threading.Thread(target=self._accept_loop, name="monarch-torchx-rdma", daemon=True).start()
+
+    # ------------------------------------------------------------ the table
+
+    def register(self, mem: LocalMemory) -> Tuple[int, int]:
+        with self._lock:
+            if not self._free:
+                raise RDMAError(f"this process already owns {SLOTS - 1} RDMA buffers: drop() some")
+            slot = self._free.pop()
+            gen = self._next_gen
+            self._next_gen = self._next_gen % 0xFFFFFFFF + 1
+            self._buffers[slot] = (gen, mem)
+            self.generations[slot] = gen
+        return slot, gen
+
+    def lookup(self, slot: int, gen: int) -> LocalMemory:
+        entry = self._buffers.get(slot)
+        if entry is None or entry[0] != gen:
+            raise RDMAError("the buffer was dropped by its owner (drop() was called)")
+        return entry[1]
+
+    def drop(self, slot: int, gen: int) -> None:
+        with self._lock:
+            entry = self._buffers.get(slot)
+            if entry is None or entry[0] != gen:
+                return
+            self.generations[slot] = 0
+            del self._buffers[slot]
+            self._free.append(slot)
+        if self.ibv is not None:
+            self.ibv.deregister(slot)
+
+    # ------------------------------------------------------------ the server
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, peer = self._lsock.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._conns >= MAX_CONNS:
+                    sock.close()
+                    continue
+                self._conns += 1
+            threading.Thread(target=self._serve, args=(sock, peer), daemon=True).start()
+
+    def _serve(self, sock: socket.socket, peer: Any) -> None:
+        try:
+            timer = threading.Timer(wire.HANDSHAKE_TIMEOUT_S, lambda: sock.shutdown(socket.SHUT_RDWR))
+            timer.start()
+            try:
+                sock.settimeout(wire.HANDSHAKE_TIMEOUT_S)
+                wire.server_handshake_blocking(sock, self.key, self.identity.encode())
+            finally:
+                timer.cancel()
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            req = bytearray(REQ.size)
+            while True:
+                try:
+                    recv_exact(sock, memoryview(req))
+                except ConnectionError:
+                    return
+                self._request(sock, *REQ.unpack(req))
+        except (OSError, wire.WireError, ConnectionError) as e:
+            log.debug("rdma connection from %s ended: %s", peer, e)
+        finally:
+            sock.close()
+            with self._lock:
+                self._conns -= 1
+
+    def _request(self, sock: socket.socket, op: int, slot: int, gen: int, offset: int, length: int) -> None:
+        try:
+            mem = self.lookup(slot, gen)
+            if op in (READ, WRITE) and offset + length > mem.nbytes:
+                raise RDMAError(f"bytes {offset}..{offset + length} are outside the buffer ({mem.nbytes} bytes)")
+            if op == WRITE and mem.readonly:
+                raise RDMAError("the buffer's memory is read-only (it was made from bytes or a read-only view)")
+        except RDMAError as e:
+            if op == WRITE:
+                _drain(sock, length)
+            elif op == IBV_CONNECT:
+                recv_json(sock)
+            send_error(sock, str(e))
+            return
+        if op == READ:
+            sock.sendall(b"\x00")
+            sock.sendall(mem.view[offset:offset + length])
+        elif op == WRITE:
+            recv_exact(sock, mem.view[offset:offset + length])
+            sock.sendall(b"\x00")
+        elif op == INFO:
+            sock.sendall(b"\x00" + struct.pack("!Q", mem.nbytes))
+        elif op == DROP:
+            self.drop(slot, gen)
+            sock.sendall(b"\x00")
+        elif op == IBV_CONNECT:
+            peer_info = recv_json(sock)
+            try:
+                if self.ibv is None:
+                    raise RDMAError("the owner does not use ibverbs")
+                mine = self.ibv.accept_peer(peer_info)
+            except Exception as e:
+                send_error(sock, f"ibverbs connect failed at the owner: {e}")
+                return
+            sock.sendall(b"\x00")
+            send_json(sock, mine)
+        else:
+            send_error(sock, f"unknown rdma operation {op}")
+
+
+def _drain(sock: socket.socket, n: int) -> None:
+    scratch = bytearray(min(n, 1 << 20) or 1)
+    while n:
+        k = sock.recv_into(scratch, min(n, len(scratch)))
+        if k == 0:
+            raise ConnectionError("connection closed by peer")
+        n -= k
+
+
+_owners: Dict[str, Owner] = {}
+_owners_lock = threading.Lock()
+
+
+def owner_for(pool: str) -> Owner:
+    """This process's owner for ``pool`` (started on first use)."""
+    with _owners_lock:
+        own = _owners.get(pool)
+        if own is None:
+            from ..actor import session
+            from ..actor.channel import _reachable_address
+
+            hub = session.hub_for(pool)
+            me = session.this_proc()
+            if me is not None and me.pool == pool:
+                bind = os.environ.get("MONARCH_TORCHX_PROC_BIND", "127.0.0.1")
+                advertise = os.environ.get("MONARCH_TORCHX_PROC_ADVERTISE", bind)
+            else:
+                bind = advertise = _reachable_address(hub)
+            own = _owners[pool] = Owner(pool, hub.key, bind, advertise)
+        return own
+
+
+def forget_after_fork() -> None:
+    _owners.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=forget_after_fork)
