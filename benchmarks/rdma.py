@@ -9,7 +9,7 @@ For each size (MiB), in one run, GB/s (decimal) of read_into from an actor's buf
   tcp         RDMABuffer forced to tcp (MONARCH_TORCHX_RDMA=tcp)
 --slurm adds the same tcp pair across the SLURM lab's veth links (owner on a lab node,
 reader in the controller, outside the node's network namespace).
-Median of 5 (3 at 1 GiB) after one warm-up. Targets (issue 5): tcp >= 80% of raw multi-stream
+Median of 5 (3 at 1 GiB) after one warm-up round; the methods take turns, so they share the noise. Targets (issue 5): tcp >= 80% of raw multi-stream
 socket throughput (loopback and veth); cma >= 70% of memcpy. ibverbs: no device here, not run.
 """
 
@@ -34,14 +34,26 @@ from _results import record  # noqa: E402
 MiB = 1 << 20
 
 
-def gbps(nbytes: int, fn: Callable[[], None], reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return nbytes / 1e9 / statistics.median(ts)
+def interleaved(nbytes: int, fns: Dict[str, Callable[[], None]], reps: int) -> Dict[str, float]:
+    """GB/s of each fn, median of ``reps``; the fns take turns so they share the same noise."""
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for rep in range(reps + 1):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            if rep:  # the first round warms up
+                times[name].append(time.perf_counter() - t)
+    return {name: nbytes / 1e9 / statistics.median(ts) for name, ts in times.items()}
+
+
+def _with_backend(backend: str, fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        os.environ["MONARCH_TORCHX_RDMA"] = backend
+        try:
+            fn()
+        finally:
+            os.environ.pop("MONARCH_TORCHX_RDMA", None)
+    return run
 
 
 def raw_read(host: str, port: int, dst: memoryview, streams: int) -> None:
@@ -86,15 +98,14 @@ def measure(pool: str, sizes: List[int], remote: bool) -> List[Dict[str, float]]
             dst = torch.empty(n, dtype=torch.uint8)
             view = memoryview(dst.numpy())
             row: Dict[str, float] = {"MiB": mib, "streams": streams}
+            fns: Dict[str, Callable[[], None]] = {}
             if not remote:
                 a, b = np.ones(n, dtype=np.uint8), np.empty(n, dtype=np.uint8)
-                row["memcpy"] = gbps(n, lambda: np.copyto(b, a), reps)
-                os.environ["MONARCH_TORCHX_RDMA"] = "cma"
-                row["cma"] = gbps(n, lambda: buf.read_into(dst).get(), reps)
-            os.environ["MONARCH_TORCHX_RDMA"] = "tcp"
-            row["raw tcp"] = gbps(n, lambda: raw_read(buf._h.host, port, view, streams), reps)
-            row["tcp"] = gbps(n, lambda: buf.read_into(dst).get(), reps)
-            os.environ.pop("MONARCH_TORCHX_RDMA", None)
+                fns["memcpy"] = lambda: np.copyto(b, a)
+                fns["cma"] = _with_backend("cma", lambda: buf.read_into(dst).get())
+            fns["raw tcp"] = lambda: raw_read(buf._h.host, port, view, streams)
+            fns["tcp"] = _with_backend("tcp", lambda: buf.read_into(dst).get())
+            row.update(interleaved(n, fns, reps))
             rows.append(row)
             print(row, file=sys.stderr)
         finally:
