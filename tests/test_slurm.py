@@ -235,3 +235,31 @@ def test_actor_mesh_on_a_slurm_pool_across_network_namespaces(home, pool_name):
     assert list(counters.slice(hosts=0).incr.call().get(timeout=30).values()) == [3, 3]
     procs.stop()
     torchx(home, "pool", "stop", pool_name)
+
+
+def test_rdma_buffers_across_slurm_nodes_use_tcp(home, pool_name):
+    """Owner on one lab node, readers on another node and in the controller: tcp over veth."""
+    import torch
+
+    from monarch_torchx import attach as attach_hosts
+    from monarch_torchx.rdma import RDMAError
+
+    from .fixtures.rdma_actors import Weights
+
+    torchx(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", "nodes=2,partition=debug,time=00:30:00")
+    procs = attach_hosts(pool_name).spawn_procs(per_host={"procs": 1})
+    n = 4 << 20  # 16 MiB: several streams
+    w = procs.spawn("w", Weights, n)
+    buf = w.slice(hosts=0).handle.call_one().get()
+    assert buf.backend == "tcp"  # another host (its own namespace and host name): no cma
+    assert w.slice(hosts=1).read_from.call_one(buf, n).get() == float(torch.arange(n, dtype=torch.float64).sum())
+    dst = torch.empty(n)
+    buf.read_into(dst.view(torch.uint8)).get(timeout=60)
+    assert torch.equal(dst, torch.arange(n, dtype=torch.float32))
+    buf.write_from(torch.zeros(2).view(torch.uint8)).get()
+    assert w.slice(hosts=0).head.call_one(3).get() == [0.0, 0.0, 2.0]
+    os.kill(w.slice(hosts=0).pid.call_one().get(), signal.SIGKILL)
+    with pytest.raises(RDMAError, match="owner"):
+        buf.read_into(dst.view(torch.uint8), timeout=20).get(timeout=30)
+    procs.stop()
+    torchx(home, "pool", "stop", pool_name)
