@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _results import record  # noqa: E402
@@ -102,8 +102,6 @@ def main() -> None:
     ap.add_argument("--only", choices=["ours"], help="skip the peers")
     ap.add_argument("--no-record", action="store_true", help="do not write benchmarks/RESULTS.md")
     args = ap.parse_args()
-    if args.only == "ours" and os.environ.get("_BENCH_OURS_CHILD") is None:
-        pass
     results: Dict[str, Dict[str, Any]] = {}
     print("running monarch_torchx ...", file=sys.stderr)
     child = subprocess.run([sys.executable, "-c", f"import sys, json; sys.path.insert(0, {str(HERE)!r}); "

@@ -10,8 +10,6 @@ async endpoints, and versioned weight broadcast. The "environment" is a toy band
 from __future__ import annotations
 
 import argparse
-import asyncio
-
 import torch
 
 from monarch_torchx import Actor, Channel, attach, current_rank, endpoint, this_host

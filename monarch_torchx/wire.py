@@ -492,21 +492,25 @@ def server_handshake_blocking(sock: socket.socket, key: bytes, identity: bytes) 
 IOV_MAX = 512  # parts per sendmsg call, well under the kernel's 1024
 
 
+def consume(views: List[memoryview], sent: int) -> None:
+    """Drops what a sendmsg wrote from ``views``; a partly sent part continues where it stopped."""
+    while sent:
+        n = views[0].nbytes
+        if sent >= n:
+            sent -= n
+            views.pop(0)
+        else:
+            views[0] = views[0][sent:]
+            sent = 0
+    while views and views[0].nbytes == 0:
+        views.pop(0)
+
+
 def send_msg(sock: socket.socket, msg: Any) -> None:
     """Blocking write of one frame: sendmsg gathers the parts, so buffers are not joined or copied."""
     parts = [memoryview(p).cast("B") for p in encode(msg)]
     while parts:
-        sent = sock.sendmsg(parts[:IOV_MAX])
-        while sent:  # drop what went out; a partly sent part continues from where it stopped
-            n = parts[0].nbytes
-            if sent >= n:
-                sent -= n
-                parts.pop(0)
-            else:
-                parts[0] = parts[0][sent:]
-                sent = 0
-        while parts and parts[0].nbytes == 0:
-            parts.pop(0)
+        consume(parts, sock.sendmsg(parts[:IOV_MAX]))
 
 
 def recv_msg(sock: socket.socket) -> Any:

@@ -25,7 +25,7 @@ import socket
 import struct
 import threading
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 from .. import wire
 from .memory import LocalMemory, RDMAError

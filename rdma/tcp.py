@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Tuple
 
 from .. import wire
 from .memory import RDMAError
-from .owner import READ, REQ, WRITE, recv_exact, recv_json, recv_status, send_json
+from .owner import REQ, WRITE, recv_exact, recv_json, recv_status, send_json
 
 STREAM_MIN = 8 << 20  # a transfer this large is split over several connections
 MAX_STREAMS = 4

@@ -6,6 +6,7 @@ any agent still alive under it is a test failure (tests leave nothing behind).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from typing import Dict, List
 import pytest
 
 from monarch_torchx.errors import MonarchError
-from monarch_torchx.pool import stop_pool
+from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.registry import Registry
 
 BIN = Path(sys.executable).parent
@@ -78,6 +79,23 @@ def torchx(home: Path, *args: str, cwd: Path | None = None, timeout: float = 120
     if check and res.returncode != 0:
         raise AssertionError(f"torchx {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
     return res
+
+
+@contextlib.contextmanager
+def module_pool(tmp_path_factory, name: str, hosts: int):
+    """A warm monarch_local pool in a private home for a whole test module (tests spawn procs on it);
+    yields (name, home); at the end, the pool is stopped and nothing may be left running."""
+    home = tmp_path_factory.mktemp(name) / "home"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MONARCH_TORCHX_HOME", str(home))
+        mp.chdir(Path(__file__).resolve().parents[1])
+        ensure_pool(PoolRequest("monarch_local", name, {"hosts": hosts, "preload": "torch"}))
+        yield name, home
+        stop_pool(name, Registry(home))
+        deadline = time.time() + 10
+        while agent_pids(home) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not agent_pids(home), "agents or procs left behind"
 
 
 def wait_for(pred, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):

@@ -15,12 +15,11 @@ import pytest
 import torch
 
 import monarch_torchx.actor.mesh as mesh_mod
-from monarch_torchx import (Accumulator, ActorError, Channel, SupervisionError, ValueMesh, attach, current_rank,
-                            this_host)
+from monarch_torchx import Accumulator, ActorError, Channel, SupervisionError, ValueMesh, attach, this_host
 from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.registry import Registry
-from tests.conftest import agent_pids, wait_for
+from tests.conftest import module_pool, wait_for
 from tests.fixtures.actors import Bad, Caller, Cleaner, Counter, Owner
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,17 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     """One warm 2-host pool for the module (each test spawns its own procs on it)."""
-    home = tmp_path_factory.mktemp("actors") / "home"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MONARCH_TORCHX_HOME", str(home))
-        mp.chdir(REPO)
-        ensure_pool(PoolRequest("monarch_local", "actors", {"hosts": 2, "preload": "torch"}))
-        yield "actors", home
-        stop_pool("actors", Registry(home))
-        deadline = time.time() + 10
-        while agent_pids(home) and time.time() < deadline:
-            time.sleep(0.1)
-        assert not agent_pids(home), "agents or procs left behind"
+    with module_pool(tmp_path_factory, "actors", 2) as p:
+        yield p
 
 
 @pytest.fixture

@@ -15,11 +15,9 @@ import pytest
 import torch
 
 from monarch_torchx import attach
-from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.rdma import RDMAAction, RDMABuffer, RDMAError, get_rdma_backend
 from monarch_torchx.rdma import ibverbs
-from monarch_torchx.registry import Registry
-from tests.conftest import agent_pids
+from tests.conftest import module_pool
 from tests.fixtures.rdma_actors import Weights
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,17 +26,8 @@ N = 1 << 20  # floats per buffer
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    home = tmp_path_factory.mktemp("rdma") / "home"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MONARCH_TORCHX_HOME", str(home))
-        mp.chdir(REPO)
-        ensure_pool(PoolRequest("monarch_local", "rdma", {"hosts": 2, "preload": "torch"}))
-        yield "rdma"
-        stop_pool("rdma", Registry(home))
-        deadline = time.time() + 10
-        while agent_pids(home) and time.time() < deadline:
-            time.sleep(0.1)
-        assert not agent_pids(home)
+    with module_pool(tmp_path_factory, "rdma", 2) as (name, _home):
+        yield name
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ authenticated listener the first time a channel is opened.
 from __future__ import annotations
 
 import collections
-import socket
 import threading
 import uuid
 from dataclasses import dataclass

@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 from .. import wire
 from . import pickling
@@ -73,14 +73,7 @@ def send_parts(sock: socket.socket, parts: List[Any], timeout: float = SEND_TIME
             if left <= 0 or not select.select([], [sock], [], left)[1]:
                 raise TimeoutError(f"peer did not take data for {timeout:.0f} s") from None
             continue
-        while sent:
-            n = views[0].nbytes
-            if sent >= n:
-                sent -= n
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
+        wire.consume(views, sent)
 
 
 class Conn:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple, Union
+from typing import Any, Iterator, List, Mapping, Sequence, Tuple, Union
 
 
 class Extent(Mapping[str, int]):
