@@ -20,7 +20,7 @@ from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
-from tests.fixtures.actors import Bad, Caller, Cleaner, Counter, Owner
+from tests.fixtures.actors import Bad, Blaster, Caller, Cleaner, Counter, Owner
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -176,6 +176,15 @@ def test_actor_holds_and_calls_other_meshes(procs):
     assert callers.call_async.call_one(everywhere).get() == [2, 2, 2, 2]
     with pytest.raises(ActorError, match="use `await` in an async endpoint"):
         callers.call_sync.call_one(procs.spawn("async_only", Caller)).get()  # waits on its own loop
+
+
+def test_procs_sending_each_other_big_payloads_do_not_deadlock(procs):
+    b = procs.slice(procs=0).spawn("blaster", Blaster)  # one per host
+    t0 = time.time()
+    b.blast.call(b, 4, 32).get(timeout=60)  # each sends 4 x 32 MiB to both, at the same time
+    expect = 2 * 4 * (32 << 18)
+    wait_for(lambda: list(b.received.call().get().values()) == [expect, expect], timeout=60, what="all bytes")
+    assert time.time() - t0 < 60
 
 
 def test_channels(procs, pool):

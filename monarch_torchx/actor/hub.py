@@ -13,6 +13,7 @@ arguments once, and a proc forwarding a multicast passes the payload on without 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -23,7 +24,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional
 
 from .. import wire
 from . import pickling
@@ -76,10 +77,27 @@ def send_parts(sock: socket.socket, parts: List[Any], timeout: float = SEND_TIME
         wire.consume(views, sent)
 
 
+def _send_now(sock: socket.socket, parts: List[Any]) -> List[memoryview]:
+    """Sends what the socket takes without waiting; returns what is left."""
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+    while views:
+        try:
+            sent = sock.sendmsg(views[:wire.IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            break
+        wire.consume(views, sent)
+    return views
+
+
+def _copy(parts: List[Any]) -> bytes:
+    """The unsent rest of a frame, copied: the sender may change its tensors once send() returns."""
+    return b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+
+
 class Conn:
     """One authenticated connection; requests go out, replies (or port messages) come in."""
 
-    def __init__(self, hub: "Hub", addr: ProcAddr, sock: socket.socket):
+    def __init__(self, hub: "Hub", addr: ProcAddr, sock: Optional[socket.socket]):
         self.hub = hub
         self.addr = addr
         self.sock = sock
@@ -88,6 +106,7 @@ class Conn:
         self.pending: Dict[int, Future[Any]] = {}
         self.error: Optional[BaseException] = None
         self.inbound = False  # a peer's connection to our inbox: it only brings port messages
+        self.backlog: Optional[Deque[bytes]] = None  # frames a proc's loop handed to a writer thread
 
     @staticmethod
     def open(hub: "Hub", addr: ProcAddr) -> socket.socket:
@@ -110,16 +129,42 @@ class Conn:
                 return
             if fut is not None:
                 self.pending[rid] = fut  # before the send: the reply may be read at once
+            failure: Optional[BaseException] = None
             try:
-                send_parts(self.sock, parts)
+                if self.backlog is not None:  # a writer thread is still sending earlier frames: queue behind
+                    self.backlog.append(_copy(parts))
+                elif self.hub.local is not None and self.hub.local.on_loop_thread():
+                    rest = _send_now(self.sock, parts)  # a proc's event loop must never block on a peer
+                    if rest:
+                        self.backlog = collections.deque([_copy(rest)])
+                        threading.Thread(target=self._write_backlog, daemon=True).start()
+                else:
+                    send_parts(self.sock, parts)
             except (OSError, TimeoutError) as e:
-                failure: Optional[BaseException] = e
-            else:
-                failure = None
+                failure = e
         if failure is not None:
             self.hub.lost(self, failure)
             if fut is None:
                 raise self.error or failure
+
+    def _write_backlog(self) -> None:
+        """Sends what the event loop could not, in order, then lets direct sends resume."""
+        while True:
+            with self.send_lock:
+                if not self.backlog or self.error is not None:
+                    self.backlog = None
+                    return
+                data = self.backlog[0]
+            try:
+                send_parts(self.sock, [data])
+            except (OSError, TimeoutError) as e:
+                with self.send_lock:
+                    self.backlog = None
+                self.hub.lost(self, e)
+                return
+            with self.send_lock:
+                if self.backlog:
+                    self.backlog.popleft()
 
     def on_readable(self) -> None:
         """Reads what is there (never blocks) and dispatches each whole frame."""
@@ -200,6 +245,14 @@ class Hub:
                 raise self.dead[addr]
             if self.local is not None and addr == self.listen_addr:
                 return self.local  # type: ignore[return-value]
+            if self.local is not None and self.local.on_loop_thread():
+                # a proc's event loop must not wait for a peer's handshake: that peer may be
+                # waiting for ours. Frames queue until a thread has connected.
+                c = Conn(self, addr, None)
+                c.backlog = collections.deque()
+                self._conns[addr] = c
+                threading.Thread(target=self._connect_later, args=(c,), daemon=True).start()
+                return c
             try:
                 sock = Conn.open(self, addr)
             except wire.WireError as e:  # not remembered: a busy proc may answer the next time
@@ -208,6 +261,17 @@ class Hub:
             self._conns[addr] = c
             self.sel.register(sock, selectors.EVENT_READ, c)
             return c
+
+    def _connect_later(self, c: Conn) -> None:
+        try:
+            sock = Conn.open(self, c.addr)
+        except wire.WireError as e:
+            self.lost(c, e, remember=False)
+            return
+        c.sock = sock
+        self.sel.register(sock, selectors.EVENT_READ, c)
+        self.wake()
+        c._write_backlog()
 
     def pending_count(self, addr: ProcAddr) -> int:
         c = self._conns.get(addr)
@@ -224,8 +288,8 @@ class Hub:
         why = f": {cause}" if cause else " (connection closed)"
         return SupervisionError(f"proc {addr.identity} at {addr.host}:{addr.port} is lost{why}")
 
-    def lost(self, conn: Conn, cause: Optional[BaseException]) -> None:
-        """A connection broke: fail what waits on it, and remember why for later calls."""
+    def lost(self, conn: Conn, cause: Optional[BaseException], remember: bool = True) -> None:
+        """A connection broke: fail what waits on it, and (unless told not to) remember why."""
         if conn.error is not None:
             return
         if conn.inbound:  # the inbox thread unregisters and closes it
@@ -237,15 +301,17 @@ class Hub:
                 return
             conn.error = err
             pending, conn.pending = conn.pending, {}
-        self.dead[conn.addr] = err
+        if remember:
+            self.dead[conn.addr] = err
         with self._lock:
             if self._conns.get(conn.addr) is conn:
                 del self._conns[conn.addr]
-        try:
-            self.sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
-        conn.sock.close()
+        if conn.sock is not None:
+            try:
+                self.sel.unregister(conn.sock)
+            except (KeyError, ValueError):
+                pass
+            conn.sock.close()
         for fut in pending.values():
             fut.set_exception(err)
         self.wake()
