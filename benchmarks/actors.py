@@ -132,6 +132,11 @@ def main() -> None:
                      f"({best:.3f} ms); target <= 1/3: {'met' if ours['rtt_ms'] * 3 <= best else 'NOT met'}")
     lines.append(f"- call to 8 procs: {ours['call8_ms'] / ours['rtt_ms']:.2f}x our rtt; target <= 2x: "
                  f"{'met' if ours['call8_ms'] <= 2 * ours['rtt_ms'] else 'NOT met'}")
+    floor = results.get("asyncio", {})
+    if floor.get("rtt_ms") and floor.get("call8_ms"):
+        lines.append(f"  (the floor: raw asyncio TCP needs {floor['call8_ms'] / floor['rtt_ms']:.2f}x its own rtt to "
+                     f"answer from 8 server processes on this machine; ours is {ours['call8_ms'] / floor['call8_ms']:.1f}x "
+                     f"its time)")
     lines.append(f"- 64 MiB tensor: {ours['tensor_gbps']:.2f} GB/s; target >= 1.5: "
                  f"{'met' if ours['tensor_gbps'] >= 1.5 else 'NOT met'}")
     lines.append(f"- spawn 8 torch procs on a warm pool: {ours['spawn8_s']:.2f} s; target < 0.5 s: "
