@@ -50,12 +50,27 @@ def get_rdma_backend() -> str:
     return "ibverbs" if ibverbs.available() else "tcp"
 
 
-def _executor() -> ThreadPoolExecutor:
+def _executor(name: str = "executor") -> ThreadPoolExecutor:
+    """Transfers run on "executor"; the parts of a split copy on "parts" (never nested in one pool)."""
     with _lock:
-        ex = _state.get("executor")
+        ex = _state.get(name)
         if ex is None:
-            ex = _state["executor"] = ThreadPoolExecutor(max_workers=32, thread_name_prefix="monarch-torchx-rdma")
+            ex = _state[name] = ThreadPoolExecutor(max_workers=32, thread_name_prefix=f"monarch-torchx-rdma-{name}")
         return ex
+
+
+def _reset_after_fork() -> None:
+    """A forked child starts clean: no parent threads to wait for, no shared sockets."""
+    for key, value in list(_state.items()):
+        if isinstance(key, tuple) and key[0] == "tcp":
+            for socks in value._idle.values():
+                for sock in socks:
+                    sock.close()
+    _state.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _tcp(pool: str) -> Any:
@@ -66,6 +81,8 @@ def _tcp(pool: str) -> Any:
     with _lock:
         client = _state.get(("tcp", pool))
         if client is None or client.key != key:
+            if client is not None:
+                client.close()  # the pool was replaced: its owners are gone
             client = _state[("tcp", pool)] = TcpClient(key)
         return client
 
@@ -119,10 +136,14 @@ class RDMABuffer:
         own = owner_for(pool)
         slot, gen = own.register(mem)
         rkey = None
-        if backend == "ibverbs":
-            v = ibverbs.verbs()
-            own.ibv = v
-            rkey, _ = v.register(slot, mem)
+        try:
+            if backend == "ibverbs":
+                v = ibverbs.verbs()
+                own.ibv = v
+                rkey, _ = v.register(slot, mem)
+        except BaseException:
+            own.drop(slot, gen)  # nothing registered half-way stays pinned
+            raise
         who = context().actor_instance
         self._h = _Handle(pool, own.host, own.port, own.identity, slot, gen, mem.nbytes, os.getpid(),
                           cma.start_time(os.getpid()), cma.host_key(), own.table_address, mem.address, rkey,
@@ -201,17 +222,34 @@ class RDMAAction:
         return self
 
     def submit(self, *, timeout: float = 60) -> Future[None]:
+        """Runs the batch; the timeout counts from now (waiting for a thread included)."""
+        _check_overlaps(self._ops)
         fut: Future[None] = Future()
+        deadline = time.monotonic() + timeout
         if len(self._ops) == 1 and self._ops[0].local.nbytes <= INLINE_MAX and _choose(self._ops[0].buf._h) == "cma":
             try:  # a small same-host copy: cheaper done now than handed to a thread
-                _transfer(self._ops[0], timeout)
+                _transfer(self._ops[0], deadline)
             except (RDMAError, ValueError) as e:
                 fut.set_exception(e)
             else:
                 fut.set_result(None)
             return fut
-        _run(fut, [lambda op=op: _transfer(op, timeout) for op in self._ops])
+        _run(fut, [lambda op=op: _transfer(op, deadline) for op in self._ops])
         return fut
+
+
+def _check_overlaps(ops: List["_Op"]) -> None:
+    """Like Monarch: a batch runs concurrently, so it may not both write and use the same bytes."""
+    remote = [((op.buf._h.identity, op.buf._h.slot), op.offset, op.offset + op.local.nbytes, op.write) for op in ops]
+    local = [(op.local.address, op.local.address + op.local.nbytes, not op.write) for op in ops]  # a read writes dst
+    for i in range(len(ops)):
+        for j in range(i + 1, len(ops)):
+            a, b = remote[i], remote[j]
+            if a[0] == b[0] and a[1] < b[2] and b[1] < a[2] and (a[3] or b[3]):
+                raise ValueError(f"operations {i} and {j} of the batch write and use the same bytes of one buffer")
+            la, lb = local[i], local[j]
+            if la[0] < lb[1] and lb[0] < la[1] and (la[2] or lb[2]):
+                raise ValueError(f"operations {i} and {j} of the batch write and use the same local memory")
 
 
 def _check(buf: RDMABuffer, mem: LocalMemory, offset: int, write: bool) -> _Op:
@@ -277,15 +315,17 @@ def _choose(h: _Handle) -> str:
         raise RDMAError("MONARCH_TORCHX_RDMA=ibverbs, but the owner registered this buffer without ibverbs")
     if forced:
         return forced
-    if _same_host(h) and h.pid not in _state.setdefault("cma_refused", set()):
+    if _same_host(h) and h.start_time is not None and h.pid not in _state.setdefault("cma_refused", set()):
         return "cma"
     if h.rkey is not None and ibverbs.available():
         return "ibverbs"
     return "tcp"
 
 
-def _transfer(op: _Op, timeout: float) -> None:
+def _transfer(op: _Op, deadline: float) -> None:
     h = op.buf._h
+    if time.monotonic() > deadline:
+        raise RDMAError("the transfer timed out before it could start (too many transfers at once?)")
     backend = _choose(h)
     if backend == "cma":
         try:
@@ -298,10 +338,10 @@ def _transfer(op: _Op, timeout: float) -> None:
     if backend == "ibverbs":
         v = ibverbs.verbs()
         qp = v.qp_to(h.owner_addr, lambda info: _ibv_exchange(h, info))
-        v.transfer(qp, h.rkey, h.address, op.local, op.offset, op.write, timeout)
+        v.transfer(h.owner_addr, qp, h.rkey, h.address, op.local, op.offset, op.write, deadline)
         return
     _tcp(h.pool).transfer(h.owner_addr, WRITE if op.write else READ, h.slot, h.generation, op.offset,
-                          op.local.view, timeout)
+                          op.local.view, deadline)
 
 
 def _ibv_exchange(h: _Handle, info: Dict[str, Any]) -> Dict[str, Any]:
@@ -323,9 +363,12 @@ def _owner_alive(h: _Handle) -> bool:
 
 def _transfer_cma(h: _Handle, op: _Op) -> None:
     n = op.local.nbytes
-    if h.pid == os.getpid():  # our own buffer: a memmove, checked against our own table
-        owner_for(h.pool).lookup(h.slot, h.generation)
-        src, dst = (op.local.address, h.address + op.offset) if op.write else (h.address + op.offset, op.local.address)
+    if h.pid == os.getpid():  # our own buffer: a memmove, against the memory our table holds
+        own = owner_for(h.pool)
+        if not own.owns(h.identity):
+            raise RDMAError(f"the buffer's owner ({h.owner}) has exited")
+        mem = own.lookup(h.slot, h.generation)  # held: it cannot be freed during the copy
+        src, dst = (op.local.address, mem.address + op.offset) if op.write else (mem.address + op.offset, op.local.address)
         ctypes.memmove(dst, src, n)
         return
     if not _owner_alive(h):
@@ -337,9 +380,15 @@ def _transfer_cma(h: _Handle, op: _Op) -> None:
     else:  # the copies run in the kernel with the GIL released: use the cores
         parts = min(4, os.cpu_count() or 1, n // CMA_SPLIT)
         step = -(-n // parts)
-        futs = [_executor().submit(cma.transfer, h.pid, op.local.address + i, h.address + op.offset + i,
-                                   min(step, n - i), op.write) for i in range(0, n, step)]
-        for f in futs:
-            f.result()
+        futs = [_executor("parts").submit(cma.transfer, h.pid, op.local.address + i, h.address + op.offset + i,
+                                          min(step, n - i), op.write) for i in range(0, n, step)]
+        errors = []
+        for f in futs:  # every part ends before the caller may touch the memory again
+            try:
+                f.result()
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
     if cma.generation(h.pid, h.table_address, h.slot) != h.generation:
         raise RDMAError("the buffer was dropped by its owner during the transfer; the destination may hold partial data")

@@ -14,11 +14,12 @@ so only device discovery and the "no device" errors run there (see docs/rdma.md)
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 from .memory import LocalMemory, RDMAError
 
@@ -77,7 +78,7 @@ def available() -> bool:
 
 
 class Verbs:
-    """One device context of this process: PD, CQ, registered buffers and connected QPs."""
+    """One device context of this process: PD, registered buffers and connected QPs."""
 
     def __init__(self) -> None:
         found, why = devices()
@@ -91,20 +92,27 @@ class Verbs:
         self.gid_index = int(os.environ.get("MONARCH_TORCHX_RDMA_GID_INDEX", "0"))
         self.ctx = pv.device.Context(name=name)
         self.pd = pv.pd.PD(self.ctx)
-        self.lid = self.ctx.query_port(self.port).lid
+        port = self.ctx.query_port(self.port)
+        self.lid = port.lid
+        self.max_msg = int(getattr(port, "max_msg_sz", 1 << 30)) or (1 << 30)
+        self.rd_atom = max(1, min(16, int(getattr(self.ctx.query_device(), "max_qp_rd_atom", 16))))
         self.gid = str(self.ctx.query_gid(self.port, self.gid_index))
         e = pv.enums
-        self.access = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE)
+        self.remote_access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
         self.mrs: Dict[int, Any] = {}  # owner side: slot -> MR
-        self.local_mrs: Dict[Tuple[int, int], Any] = {}  # reader side: (addr, len) -> MR
-        self.qps: Dict[Tuple[str, int], Tuple[Any, Any]] = {}  # owner (host, port) -> (qp, cq)
-        self.peer_qps: list = []
-        self._lock = threading.Lock()
+        self.qps: Dict[Tuple[str, int], Tuple[Any, Any]] = {}  # reader side: owner (host, port) -> (qp, cq)
+        self.peer_qps: list = []  # owner side
+        self._qps_lock = threading.Lock()  # never held across the network
+        self._peer_lock = threading.Lock()
+        self._connecting: Dict[Tuple[str, int], threading.Lock] = {}
+        self._poll_lock = threading.Lock()
+        self._completions: Dict[int, int] = {}  # wr_id -> status, for whoever posted it
+        self._wr_ids = itertools.count(1)
 
     # ------------------------------------------------------------ memory
 
     def register(self, slot: int, mem: LocalMemory) -> Tuple[int, int]:
-        mr = self.pv.mr.MR(self.pd, mem.nbytes, self.access, address=mem.address)
+        mr = self.pv.mr.MR(self.pd, mem.nbytes, self.remote_access, address=mem.address)
         self.mrs[slot] = mr
         return mr.rkey, mem.address
 
@@ -112,13 +120,6 @@ class Verbs:
         mr = self.mrs.pop(slot, None)
         if mr is not None:
             mr.close()
-
-    def _local_mr(self, address: int, n: int) -> Any:
-        key = (address, n)
-        mr = self.local_mrs.get(key)
-        if mr is None:
-            mr = self.local_mrs[key] = self.pv.mr.MR(self.pd, n, self.access, address=address)
-        return mr
 
     # ------------------------------------------------------------ queue pairs
 
@@ -128,7 +129,7 @@ class Verbs:
         cap = pv.qp.QPCap(max_send_wr=128, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
         init = pv.qp.QPInitAttr(qp_type=pv.enums.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap)
         attr = pv.qp.QPAttr(port_num=self.port)
-        attr.qp_access_flags = self.access
+        attr.qp_access_flags = self.remote_access
         return pv.qp.QP(self.pd, init, attr), cq
 
     def _info(self, qp: Any) -> Dict[str, Any]:
@@ -137,13 +138,13 @@ class Verbs:
     def _connect(self, qp: Any, peer: Dict[str, Any]) -> None:
         pv = self.pv
         attr = pv.qp.QPAttr(port_num=self.port)
-        attr.qp_access_flags = self.access
+        attr.qp_access_flags = self.remote_access
         attr.dest_qp_num = peer["qpn"]
         attr.rq_psn = peer["psn"]
         attr.sq_psn = 0
         attr.path_mtu = pv.enums.IBV_MTU_1024
-        attr.max_dest_rd_atomic = 16
-        attr.max_rd_atomic = 16
+        attr.max_dest_rd_atomic = self.rd_atom
+        attr.max_rd_atomic = self.rd_atom
         attr.min_rnr_timer = 12
         attr.timeout = 14
         attr.retry_cnt = 7
@@ -155,55 +156,102 @@ class Verbs:
     def accept_peer(self, peer: Dict[str, Any]) -> Dict[str, Any]:
         """Owner side: a QP for a new reader, connected to its QP."""
         qp, cq = self._new_qp()
-        self._connect(qp, peer)
-        with self._lock:
+        try:
+            self._connect(qp, peer)
+        except BaseException:
+            qp.close()
+            cq.close()
+            raise
+        with self._peer_lock:
             self.peer_qps.append((qp, cq))
         return self._info(qp)
 
     def qp_to(self, owner: Tuple[str, int, str], handshake: Any) -> Tuple[Any, Any]:
-        """Reader side: our QP to ``owner``, created and connected on first use."""
+        """Reader side: our QP to ``owner``, created and connected on first use (no lock held
+        across the exchange: the owner may be this very process)."""
         key = (owner[0], owner[1])
-        with self._lock:
+        with self._qps_lock:
             if key in self.qps:
                 return self.qps[key]
+            gate = self._connecting.setdefault(key, threading.Lock())
+        with gate:
+            with self._qps_lock:
+                if key in self.qps:
+                    return self.qps[key]
             qp, cq = self._new_qp()
-            self._connect(qp, handshake(self._info(qp)))
-            self.qps[key] = (qp, cq)
+            try:
+                self._connect(qp, handshake(self._info(qp)))
+            except BaseException:
+                qp.close()
+                cq.close()
+                raise
+            with self._qps_lock:
+                self.qps[key] = (qp, cq)
             return qp, cq
+
+    def _forget_qp(self, owner: Tuple[str, int, str]) -> None:
+        """An RC QP that saw an error (or a lost completion) is unusable: the next transfer makes a new one."""
+        with self._qps_lock:
+            pair = self.qps.pop((owner[0], owner[1]), None)
+        if pair is not None:
+            for obj in pair:
+                try:
+                    obj.close()
+                except Exception:
+                    pass
 
     # ------------------------------------------------------------ one-sided operations
 
-    def transfer(self, qp_cq: Tuple[Any, Any], rkey: int, remote_addr: int, local: LocalMemory, offset: int,
-                 write: bool, timeout: float) -> None:
+    def transfer(self, owner: Tuple[str, int, str], qp_cq: Tuple[Any, Any], rkey: int, remote_addr: int,
+                 local: LocalMemory, offset: int, write: bool, deadline: float) -> None:
         pv = self.pv
         qp, cq = qp_cq
-        mr = self._local_mr(local.address, local.nbytes)
-        sge = pv.wr.SGE(local.address, local.nbytes, mr.lkey)
-        op = pv.enums.IBV_WR_RDMA_WRITE if write else pv.enums.IBV_WR_RDMA_READ
-        wr = pv.wr.SendWR(wr_id=1, opcode=op, num_sge=1, sg=[sge], send_flags=pv.enums.IBV_SEND_SIGNALED)
-        wr.set_wr_rdma(rkey, remote_addr + offset)
-        qp.post_send(wr)
-        deadline = time.monotonic() + timeout
+        # registered for this transfer only: a cached registration could outlive the memory
+        mr = pv.mr.MR(self.pd, local.nbytes, 0 if write else pv.enums.IBV_ACCESS_LOCAL_WRITE, address=local.address)
+        try:
+            ids = []
+            for start in range(0, local.nbytes, self.max_msg):  # a message may not exceed max_msg_sz
+                n = min(self.max_msg, local.nbytes - start)
+                wr_id = next(self._wr_ids)
+                sge = pv.wr.SGE(local.address + start, n, mr.lkey)
+                op = pv.enums.IBV_WR_RDMA_WRITE if write else pv.enums.IBV_WR_RDMA_READ
+                wr = pv.wr.SendWR(wr_id=wr_id, opcode=op, num_sge=1, sg=[sge], send_flags=pv.enums.IBV_SEND_SIGNALED)
+                wr.set_wr_rdma(rkey, remote_addr + offset + start)
+                qp.post_send(wr)
+                ids.append(wr_id)
+            for wr_id in ids:
+                status = self._wait(cq, wr_id, deadline)
+                if status != pv.enums.IBV_WC_SUCCESS:
+                    raise RDMAError(f"RDMA {'WRITE' if write else 'READ'} failed: work completion status {status} "
+                                    f"(the owner is gone, or the buffer was dropped)")
+        except RDMAError:
+            self._forget_qp(owner)  # after a timeout or an error completion the QP cannot be trusted
+            raise
+        except Exception as e:
+            self._forget_qp(owner)
+            raise RDMAError(f"RDMA transfer failed: {e}") from None
+        finally:
+            mr.close()
+
+    def _wait(self, cq: Any, wr_id: int, deadline: float) -> int:
+        """Polls the shared CQ; completions are handed to whoever posted them (by wr_id)."""
         while True:
-            n, wcs = cq.poll()
-            if n:
-                wc = wcs[0]
-                if wc.status != pv.enums.IBV_WC_SUCCESS:
-                    raise RDMAError(f"RDMA {'WRITE' if write else 'READ'} failed: work completion status "
-                                    f"{wc.status} (owner gone, or the buffer deregistered)")
-                return
+            with self._poll_lock:
+                if wr_id in self._completions:
+                    return self._completions.pop(wr_id)
+                n, wcs = cq.poll(num_entries=16)
+                for wc in (wcs or [])[:n]:
+                    self._completions[wc.wr_id] = wc.status
+                if wr_id in self._completions:
+                    return self._completions.pop(wr_id)
             if time.monotonic() > deadline:
-                raise RDMAError("the RDMA transfer timed out")
-
-
-_verbs: Dict[str, Optional[Verbs]] = {}
+                raise RDMAError("the RDMA transfer timed out")  # the caller forgets the QP: a late completion dies with it
+            time.sleep(0.00005)
 
 
 def verbs() -> Verbs:
     with _lock:
-        v = _verbs.get("v")
-    if v is None:
-        v = Verbs()
-        with _lock:
-            _verbs["v"] = v
-    return v
+        v = _cache.get("verbs")
+        if v is None:
+            v = _cache["verbs"] = Verbs()  # once per process, under the lock
+        return v

@@ -18,14 +18,16 @@ validity with one 4-byte process_vm_readv and never involves this process's Pyth
 from __future__ import annotations
 
 import array
+import collections
 import json
 import logging
 import os
 import socket
 import struct
 import threading
+import time
 import uuid
-from typing import Any, Dict, Tuple
+from typing import Any, Deque, Dict, Set, Tuple
 
 from .. import wire
 from .memory import LocalMemory, RDMAError
@@ -36,6 +38,7 @@ REQ = struct.Struct("!BIIQQ")
 READ, WRITE, INFO, DROP, IBV_CONNECT = 1, 2, 3, 4, 5
 SLOTS = 1 << 16
 MAX_CONNS = 512
+QUARANTINE_S = 10.0  # a dropped buffer's memory outlives its registration this long
 
 
 def send_error(sock: socket.socket, msg: str) -> None:
@@ -97,6 +100,9 @@ class Owner:
         self.host = advertise
         self.port = self._lsock.getsockname()[1]
         self._conns = 0
+        self._handshaking = 0
+        self._quarantine: Deque[Tuple[float, LocalMemory]] = collections.deque()
+        self.server_socks: Set[socket.socket] = set()  # closed in a forked child
         self.ibv: Any = None  # the ibverbs side, when that backend is in use
         threading.Thread(target=self._accept_loop, name="monarch-torchx-rdma", daemon=True).start()
 
@@ -113,6 +119,9 @@ class Owner:
             self.generations[slot] = gen
         return slot, gen
 
+    def owns(self, identity: str) -> bool:
+        return identity == self.identity
+
     def lookup(self, slot: int, gen: int) -> LocalMemory:
         entry = self._buffers.get(slot)
         if entry is None or entry[0] != gen:
@@ -120,15 +129,21 @@ class Owner:
         return entry[1]
 
     def drop(self, slot: int, gen: int) -> None:
+        """Refuses new transfers at once; keeps the memory alive a little longer, so a same-host
+        copy that passed its check just before cannot land in memory the allocator reused."""
         with self._lock:
             entry = self._buffers.get(slot)
             if entry is None or entry[0] != gen:
                 return
             self.generations[slot] = 0
             del self._buffers[slot]
-            self._free.append(slot)
-        if self.ibv is not None:
-            self.ibv.deregister(slot)
+            if self.ibv is not None:
+                self.ibv.deregister(slot)  # before the slot can be handed out again
+            self._free.insert(0, slot)  # reused last
+            now = time.monotonic()
+            self._quarantine.append((now + QUARANTINE_S, entry[1]))
+            while self._quarantine and self._quarantine[0][0] < now:
+                self._quarantine.popleft()
 
     # ------------------------------------------------------------ the server
 
@@ -139,10 +154,14 @@ class Owner:
             except OSError:
                 return
             with self._lock:
-                if self._conns >= MAX_CONNS:
+                if self._conns >= MAX_CONNS or self._handshaking >= wire.MAX_HANDSHAKES:
+                    log.warning("rdma: refused a connection from %s (%d connections, %d handshaking)",
+                                peer, self._conns, self._handshaking)
                     sock.close()
                     continue
                 self._conns += 1
+                self._handshaking += 1
+                self.server_socks.add(sock)
             threading.Thread(target=self._serve, args=(sock, peer), daemon=True).start()
 
     def _serve(self, sock: socket.socket, peer: Any) -> None:
@@ -154,6 +173,8 @@ class Owner:
                 wire.server_handshake_blocking(sock, self.key, self.identity.encode())
             finally:
                 timer.cancel()
+                with self._lock:
+                    self._handshaking -= 1
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             req = bytearray(REQ.size)
@@ -169,6 +190,7 @@ class Owner:
             sock.close()
             with self._lock:
                 self._conns -= 1
+                self.server_socks.discard(sock)
 
     def _request(self, sock: socket.socket, op: int, slot: int, gen: int, offset: int, length: int) -> None:
         try:
@@ -243,6 +265,13 @@ def owner_for(pool: str) -> Owner:
 
 
 def forget_after_fork() -> None:
+    """A forked child serves nothing of its parent's: close its copies of the parent's sockets."""
+    for own in _owners.values():
+        for sock in [own._lsock, *own.server_socks]:
+            try:
+                sock.close()
+            except OSError:
+                pass
     _owners.clear()
 
 

@@ -11,10 +11,30 @@ from typing import Any, Dict, List, Tuple
 
 from .. import wire
 from .memory import RDMAError
-from .owner import REQ, WRITE, recv_exact, recv_json, recv_status, send_json
+from .owner import REQ, WRITE, recv_json, recv_status, send_json
 
 STREAM_MIN = 8 << 20  # a transfer this large is split over several connections
 MAX_STREAMS = 4
+MAX_IDLE = 8  # connections kept per owner between transfers
+Owner = Tuple[str, int, str]
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("deadline passed")
+    return left
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fills ``view``; the deadline bounds the whole read, not each recv."""
+    got = 0
+    while got < view.nbytes:
+        sock.settimeout(_left(deadline))
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("connection closed by peer")
+        got += k
 
 
 class TcpClient:
@@ -22,18 +42,28 @@ class TcpClient:
 
     def __init__(self, key: bytes):
         self.key = key
-        self._idle: Dict[Tuple[str, int, str], List[socket.socket]] = {}
+        self._idle: Dict[Owner, List[socket.socket]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="monarch-torchx-rdma-tcp")
 
-    def _connect(self, owner: Tuple[str, int, str], timeout: float) -> socket.socket:
+    def close(self) -> None:
+        with self._lock:
+            socks = [s for idle in self._idle.values() for s in idle]
+            self._idle.clear()
+        for s in socks:
+            s.close()
+        self._pool.shutdown(wait=False)
+
+    def _connect(self, owner: Owner, deadline: float) -> socket.socket:
         with self._lock:
             idle = self._idle.get(owner)
             if idle:
                 return idle.pop()
         host, port, identity = owner
         try:
-            sock = socket.create_connection((host, port), timeout=min(timeout, 10.0))
+            sock = socket.create_connection((host, port), timeout=min(_left(deadline), 10.0))
+        except socket.timeout:
+            raise RDMAError(f"the buffer's owner at {host}:{port} did not accept a connection in time") from None
         except OSError as e:
             raise RDMAError(f"cannot reach the buffer's owner at {host}:{port} ({e.strerror or e}): "
                             f"is it still running?") from None
@@ -41,39 +71,53 @@ class TcpClient:
         try:
             wire.client_handshake(sock, self.key, identity.encode(), f"{host}:{port}")
         except wire.WireError as e:
-            raise RDMAError(f"the buffer's owner refused us: {e}") from None
+            raise RDMAError(f"the buffer's owner at {host}:{port} closed or refused the connection "
+                            f"(too busy, gone, or another pool's): {e}") from None
         return sock
 
-    def _release(self, owner: Tuple[str, int, str], sock: socket.socket) -> None:
+    def _release(self, owner: Owner, sock: socket.socket) -> None:
         with self._lock:
-            self._idle.setdefault(owner, []).append(sock)
+            idle = self._idle.setdefault(owner, [])
+            if len(idle) < MAX_IDLE:
+                idle.append(sock)
+                return
+        sock.close()
 
-    def _one(self, owner: Tuple[str, int, str], op: int, slot: int, gen: int, offset: int,
-             view: memoryview, deadline: float) -> None:
-        sock = self._connect(owner, deadline - time.monotonic())
+    def _call(self, owner: Owner, deadline: float, body: Any) -> Any:
+        """Runs ``body(sock)`` on a connection; keeps the connection only when it is in step."""
+        sock = self._connect(owner, deadline)
         try:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            sock.sendall(REQ.pack(op, slot, gen, offset, view.nbytes))
-            if op == WRITE:
-                sock.sendall(view)
-                recv_status(sock)
-            else:
-                recv_status(sock)
-                recv_exact(sock, view)
-        except socket.timeout:
+            result = body(sock)
+        except (socket.timeout, TimeoutError):
             sock.close()
             raise RDMAError("the transfer timed out (the owner is busy, hung or unreachable)") from None
         except (ConnectionError, OSError) as e:
             sock.close()
             raise RDMAError(f"lost the buffer's owner mid-transfer ({e}): it has probably exited") from None
         except RDMAError:
-            self._release(owner, sock)  # an answered error leaves the connection in step
+            self._release(owner, sock)  # the owner answered with an error: still in step
             raise
         self._release(owner, sock)
+        return result
 
-    def transfer(self, owner: Tuple[str, int, str], op: int, slot: int, gen: int, offset: int,
-                 view: memoryview, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+    def _one(self, owner: Owner, op: int, slot: int, gen: int, offset: int, view: memoryview,
+             deadline: float) -> None:
+        def body(sock: socket.socket) -> None:
+            sock.settimeout(_left(deadline))
+            sock.sendall(REQ.pack(op, slot, gen, offset, view.nbytes))
+            if op == WRITE:
+                sock.settimeout(_left(deadline))
+                sock.sendall(view)  # the timeout bounds the whole sendall
+                sock.settimeout(_left(deadline))
+                recv_status(sock)
+            else:
+                sock.settimeout(_left(deadline))
+                recv_status(sock)
+                _recv_exact(sock, view, deadline)
+        self._call(owner, deadline, body)
+
+    def transfer(self, owner: Owner, op: int, slot: int, gen: int, offset: int, view: memoryview,
+                 deadline: float) -> None:
         n = view.nbytes
         streams = 1 if n < STREAM_MIN else min(MAX_STREAMS, n // (STREAM_MIN // 2))
         if streams == 1:
@@ -83,7 +127,7 @@ class TcpClient:
         futs = [self._pool.submit(self._one, owner, op, slot, gen, offset + i, view[i:i + step], deadline)
                 for i in range(0, n, step)]
         errors = []
-        for f in futs:
+        for f in futs:  # every stream ends (or fails) before the caller may touch the memory again
             try:
                 f.result()
             except Exception as e:
@@ -91,33 +135,27 @@ class TcpClient:
         if errors:
             raise errors[0]
 
-    def exchange(self, owner: Tuple[str, int, str], op: int, slot: int, gen: int, payload: Any,
-                 timeout: float) -> Any:
+    def exchange(self, owner: Owner, op: int, slot: int, gen: int, payload: Any, timeout: float) -> Any:
         """A request with a JSON payload and a JSON answer (the ibverbs queue-pair exchange)."""
-        sock = self._connect(owner, timeout)
-        try:
-            sock.settimeout(timeout)
+        deadline = time.monotonic() + timeout
+
+        def body(sock: socket.socket) -> Any:
+            sock.settimeout(_left(deadline))
             sock.sendall(REQ.pack(op, slot, gen, 0, 0))
             send_json(sock, payload)
             recv_status(sock)
-            answer = recv_json(sock)
-        except (ConnectionError, OSError) as e:
-            sock.close()
-            raise RDMAError(f"lost the buffer's owner ({e}): it has probably exited") from None
-        self._release(owner, sock)
-        return answer
+            return recv_json(sock)
+        return self._call(owner, deadline, body)
 
-    def request(self, owner: Tuple[str, int, str], op: int, slot: int, gen: int, timeout: float) -> bytes:
+    def request(self, owner: Owner, op: int, slot: int, gen: int, timeout: float) -> bytes:
         """A small control request (INFO, DROP); returns the bytes after the status."""
-        sock = self._connect(owner, timeout)
-        try:
-            sock.settimeout(timeout)
+        deadline = time.monotonic() + timeout
+
+        def body(sock: socket.socket) -> bytes:
+            sock.settimeout(_left(deadline))
             sock.sendall(REQ.pack(op, slot, gen, 0, 0))
             recv_status(sock)
-            extra = bytearray(8) if op == 3 else bytearray(0)
-            recv_exact(sock, memoryview(extra))
-        except (ConnectionError, OSError) as e:
-            sock.close()
-            raise RDMAError(f"lost the buffer's owner ({e}): it has probably exited") from None
-        self._release(owner, sock)
-        return bytes(extra)
+            extra = bytearray(8 if op == 3 else 0)
+            _recv_exact(sock, memoryview(extra), deadline)
+            return bytes(extra)
+        return self._call(owner, deadline, body)

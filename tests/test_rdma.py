@@ -6,6 +6,7 @@ else the "no device" behaviour is what is tested.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import time
@@ -186,3 +187,39 @@ def test_ibverbs_read_and_write(weights, monkeypatch):
         assert w.head.call_one(2).get() == [0.0, 1.0]
     finally:
         procs.stop()
+
+
+def test_batch_refuses_overlapping_writes(weights):
+    buf = weights.slice(hosts=0).handle.call_one().get()
+    a, b = torch.empty(N), torch.zeros(4)
+    with pytest.raises(ValueError, match="write and use the same bytes of one buffer"):
+        RDMAAction().read_remote(as_bytes(a), buf).write_remote(buf, as_bytes(b)).submit()
+    with pytest.raises(ValueError, match="same local memory"):
+        RDMAAction().read_remote(as_bytes(a), buf).read_remote(as_bytes(a), buf).submit()
+    RDMAAction().read_remote(as_bytes(a), buf).read_remote(as_bytes(torch.empty(N)), buf).submit().get()  # reads may share
+
+
+def test_forked_child_gets_its_own_connections(weights, monkeypatch):
+    """A child forked after transfers must not share the parent's data-plane sockets or threads."""
+    import multiprocessing as mp
+
+    monkeypatch.setenv("MONARCH_TORCHX_RDMA", "tcp")
+    buf = weights.slice(hosts=1).handle.call_one().get()
+    dst = torch.empty(N)
+    buf.read_into(as_bytes(dst)).get()  # the parent now holds idle connections and worker threads
+
+    def child(conn):  # no torch ops here: torch's own thread pool does not survive a fork
+        d = bytearray(4 * N)
+        try:
+            buf.read_into(d).get(timeout=30)
+            conn.send(hashlib.sha256(d).hexdigest())
+        except Exception as e:
+            conn.send(repr(e))
+
+    parent_end, child_end = mp.get_context("fork").Pipe()
+    p = mp.get_context("fork").Process(target=child, args=(child_end,))
+    p.start()
+    assert parent_end.poll(60) and parent_end.recv() == hashlib.sha256(dst.numpy().tobytes()).hexdigest()
+    p.join(10)
+    buf.read_into(as_bytes(dst)).get(timeout=30)  # the parent's own connections are still in step
+    assert torch.equal(dst, torch.arange(N, dtype=torch.float32))
