@@ -4,7 +4,7 @@
 
 Creates pool "demo" with 2 hosts, runs utils.echo (cold: creates the pool), a torch script
 (warm: no new hosts, torch already imported), a 2-host dist.ddp all-reduce, shows status, logs
-and the pool, then stops the pool. Every command is printed so you can type it yourself.
+and the pool, trains a small model with actors on the same pool, then stops the pool. Every command is printed so you can type it yourself.
 """
 
 from __future__ import annotations
@@ -86,8 +86,11 @@ def main() -> None:
         sh("torchx", "status", h)
         sh("torchx", "list", "-s", "monarch_local")
         sh("torchx", "pool", "status", POOL)
+
+        print("\n# 5. the same warm pool from a Python controller: actors (Monarch's API), data-parallel training")
+        sh("python", str(Path(__file__).with_name("actors_ddp.py")), "--pool", POOL, "--procs", "2", "--steps", "5")
     finally:
-        print("\n# 5. release the pool")
+        print("\n# 6. release the pool")
         sh("torchx", "pool", "stop", POOL)
     print("\ndemo done")
 
