@@ -29,12 +29,14 @@ def _left(deadline: float) -> float:
 def _recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
     """Fills ``view``; the deadline bounds the whole read, not each recv."""
     got = 0
+    sock.settimeout(_left(deadline))  # one recv waits at most the time left...
     while got < view.nbytes:
-        sock.settimeout(_left(deadline))
         k = sock.recv_into(view[got:])
         if k == 0:
             raise ConnectionError("connection closed by peer")
         got += k
+        if got < view.nbytes:
+            _left(deadline)  # ...and a trickle stops at the deadline
 
 
 class TcpClient:
