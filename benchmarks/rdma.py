@@ -91,7 +91,7 @@ def measure(pool: str, sizes: List[int], remote: bool) -> List[Dict[str, float]]
         procs = hosts.slice(hosts=0).spawn_procs(per_host={"procs": 1})
         try:
             w = procs.spawn("w", Weights, n // 4).slice(procs=0)
-            buf = w.handle.call_one().get()
+            buf = w.handle_settled.call_one().get()  # steady state: its memory already on huge pages
             raw = procs.spawn("raw", RawSender, n).slice(procs=0)
             streams = 1 if n < STREAM_MIN else min(MAX_STREAMS, n // (STREAM_MIN // 2))
             port = raw.serve.call_one(streams).get()

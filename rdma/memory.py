@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
+
+HUGE = 2 << 20
+MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
 
 
 class RDMAError(RuntimeError):
@@ -47,3 +52,25 @@ def local_memory(obj: Any, what: str = "buffer") -> LocalMemory:
                            mv.readonly, obj)
     raise RDMAError(f"{what}: expected a torch tensor, memoryview, bytearray or numpy array, "
                     f"not {type(obj).__name__}")
+
+
+def collapse_to_huge_pages(address: int, nbytes: int) -> bool:
+    """Best effort: back [address, address+nbytes) with 2 MiB pages (Linux MADV_COLLAPSE, 6.1+).
+
+    A same-host reader's kernel copy pins every source page: with huge pages that is 512x fewer
+    pins, and process_vm_readv of 256 MiB went from 4.1 to 8.5 GB/s here. The content is unchanged;
+    only its backing moves. Costs ~0.3 s per 256 MiB, once. MONARCH_TORCHX_RDMA_HUGEPAGES=0 turns it off.
+    """
+    if os.environ.get("MONARCH_TORCHX_RDMA_HUGEPAGES", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    start = (address + HUGE - 1) & ~(HUGE - 1)
+    end = (address + nbytes) & ~(HUGE - 1)
+    if end - start < HUGE:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(start, end - start, MADV_HUGEPAGE)
+        return libc.madvise(start, end - start, MADV_COLLAPSE) == 0
+    except (OSError, AttributeError):
+        return False

@@ -30,7 +30,7 @@ import uuid
 from typing import Any, Deque, Dict, Set, Tuple
 
 from .. import wire
-from .memory import LocalMemory, RDMAError
+from .memory import LocalMemory, RDMAError, collapse_to_huge_pages
 
 log = logging.getLogger("monarch_torchx.rdma")
 
@@ -38,6 +38,7 @@ REQ = struct.Struct("!BIIQQ")
 READ, WRITE, INFO, DROP, IBV_CONNECT = 1, 2, 3, 4, 5
 SLOTS = 1 << 16
 MAX_CONNS = 512
+HUGE_MIN = 8 << 20  # buffers this large are moved to huge pages in the background
 QUARANTINE_S = 10.0  # a dropped buffer's memory outlives its registration this long
 
 
@@ -101,6 +102,7 @@ class Owner:
         self.port = self._lsock.getsockname()[1]
         self._conns = 0
         self._handshaking = 0
+        self._huge: Dict[int, threading.Event] = {}
         self._quarantine: Deque[Tuple[float, LocalMemory]] = collections.deque()
         self.server_socks: Set[socket.socket] = set()  # closed in a forked child
         self.ibv: Any = None  # the ibverbs side, when that backend is in use
@@ -117,7 +119,20 @@ class Owner:
             self._next_gen = self._next_gen % 0xFFFFFFFF + 1
             self._buffers[slot] = (gen, mem)
             self.generations[slot] = gen
+            done = self._huge[slot] = threading.Event()
+        if mem.nbytes >= HUGE_MIN and not mem.readonly:
+            def collapse() -> None:  # in the background: transfers meanwhile just run at 4 KiB-page speed
+                collapse_to_huge_pages(mem.address, mem.nbytes)
+                done.set()
+            threading.Thread(target=collapse, name="monarch-torchx-rdma-hugepages", daemon=True).start()
+        else:
+            done.set()
         return slot, gen
+
+    def wait_huge_pages(self, slot: int, timeout: float) -> bool:
+        """For benchmarks: wait until a buffer's memory was moved to huge pages (or that was skipped)."""
+        ev = self._huge.get(slot)
+        return ev.wait(timeout) if ev is not None else True
 
     def owns(self, identity: str) -> bool:
         return identity == self.identity
@@ -137,6 +152,7 @@ class Owner:
                 return
             self.generations[slot] = 0
             del self._buffers[slot]
+            self._huge.pop(slot, None)
             if self.ibv is not None:
                 self.ibv.deregister(slot)  # before the slot can be handed out again
             self._free.insert(0, slot)  # reused last
