@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..actor.future import Future
 from . import cma, ibverbs
-from .memory import LocalMemory, RDMAError, local_memory
+from .memory import LocalMemory, RDMAError, local_memory, wait_all
 from .owner import DROP, IBV_CONNECT, READ, WRITE, owner_for
 
 BACKENDS = ("ibverbs", "tcp", "cma")
@@ -380,15 +380,7 @@ def _transfer_cma(h: _Handle, op: _Op) -> None:
     else:  # the copies run in the kernel with the GIL released: use the cores
         parts = min(4, os.cpu_count() or 1, n // CMA_SPLIT)
         step = -(-n // parts)
-        futs = [_executor("parts").submit(cma.transfer, h.pid, op.local.address + i, h.address + op.offset + i,
-                                          min(step, n - i), op.write) for i in range(0, n, step)]
-        errors = []
-        for f in futs:  # every part ends before the caller may touch the memory again
-            try:
-                f.result()
-            except Exception as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        wait_all([_executor("parts").submit(cma.transfer, h.pid, op.local.address + i, h.address + op.offset + i,
+                                            min(step, n - i), op.write) for i in range(0, n, step)])
     if cma.generation(h.pid, h.table_address, h.slot) != h.generation:
         raise RDMAError("the buffer was dropped by its owner during the transfer; the destination may hold partial data")

@@ -54,6 +54,18 @@ def local_memory(obj: Any, what: str = "buffer") -> LocalMemory:
                     f"not {type(obj).__name__}")
 
 
+def wait_all(futures: Any) -> None:
+    """Waits for every future (none may still touch the memory), then raises the first failure."""
+    errors = []
+    for f in futures:
+        try:
+            f.result()
+        except Exception as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
 def collapse_to_huge_pages(address: int, nbytes: int) -> bool:
     """Best effort: back [address, address+nbytes) with 2 MiB pages (Linux MADV_COLLAPSE, 6.1+).
 

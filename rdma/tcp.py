@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Tuple
 
 from .. import wire
-from .memory import RDMAError
+from .memory import RDMAError, wait_all
 from .owner import REQ, WRITE, recv_json, recv_status, send_json
 
 STREAM_MIN = 8 << 20  # a transfer this large is split over several connections
@@ -126,16 +126,8 @@ class TcpClient:
             self._one(owner, op, slot, gen, offset, view, deadline)
             return
         step = -(-n // streams)
-        futs = [self._pool.submit(self._one, owner, op, slot, gen, offset + i, view[i:i + step], deadline)
-                for i in range(0, n, step)]
-        errors = []
-        for f in futs:  # every stream ends (or fails) before the caller may touch the memory again
-            try:
-                f.result()
-            except Exception as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        wait_all([self._pool.submit(self._one, owner, op, slot, gen, offset + i, view[i:i + step], deadline)
+                  for i in range(0, n, step)])
 
     def exchange(self, owner: Owner, op: int, slot: int, gen: int, payload: Any, timeout: float) -> Any:
         """A request with a JSON payload and a JSON answer (the ibverbs queue-pair exchange)."""
