@@ -76,7 +76,7 @@ def transfer(pid: int, local_addr: int, remote_addr: int, n: int, write: bool) -
             if err == errno.EPERM:
                 raise CMAPermissionError(f"cross-memory attach to pid {pid} refused (ptrace rules)")
             if err == errno.ESRCH:
-                raise RDMAError(f"the buffer's owner (pid {pid}) is gone")
+                raise RDMAError(f"the buffer's owner (pid {pid}) has exited")
             raise RDMAError(f"process_vm_{'writev' if write else 'readv'} failed: {os.strerror(err)}")
         if got == 0:
             raise RDMAError("cross-memory copy made no progress (the owner's memory is gone?)")
