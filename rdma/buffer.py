@@ -371,6 +371,17 @@ def _transfer_cma(h: _Handle, op: _Op) -> None:
         src, dst = (op.local.address, mem.address + op.offset) if op.write else (mem.address + op.offset, op.local.address)
         ctypes.memmove(dst, src, n)
         return
+    try:
+        _copy_cma(h, op, n)
+    except cma.CMAPermissionError:
+        raise
+    except RDMAError:
+        if cma.start_time(h.pid) != h.start_time:  # whatever the kernel said, the real cause
+            raise RDMAError(f"the buffer's owner ({h.owner}) has exited") from None
+        raise
+
+
+def _copy_cma(h: _Handle, op: _Op, n: int) -> None:
     if not _owner_alive(h):
         raise RDMAError(f"the buffer's owner ({h.owner}) has exited")
     if cma.generation(h.pid, h.table_address, h.slot) != h.generation:

@@ -54,10 +54,11 @@ def _read_host_key() -> str:
 
 
 def start_time(pid: int) -> Optional[int]:
-    """The process's start time in clock ticks: tells a live owner from a reused pid."""
+    """The process's start time in clock ticks: tells a live owner from a reused pid (None: gone or a zombie)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(") ", 1)[1].split()[19])
+            fields = f.read().rsplit(") ", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
 
