@@ -120,7 +120,11 @@ def test_timeout_signals_then_a_checkpointable_job_is_requeued_into_the_pool(loc
     from monarch_torchx.pool import attach
 
     pool = attach(local_pool)
-    st = apps.replica_states(pool, Registry.get_app(pool.record, f"submitit-{job.job_id}"))[("task", 0)]
+
+    def final():  # the result file is written just before the task process exits
+        st = apps.replica_states(pool, Registry.get_app(pool.record, f"submitit-{job.job_id}"))[("task", 0)]
+        return st if st["state"] != "RUNNING" else None
+    st = wait_for(final, timeout=30, what="the task to exit")
     assert st["attempts"] == 2 and st["state"] == "SUCCEEDED"
 
 
