@@ -27,7 +27,7 @@ import struct
 import threading
 import time
 import uuid
-from typing import Any, Deque, Dict, Set, Tuple
+from typing import Any, Deque, Dict, Optional, Set, Tuple
 
 from .. import wire
 from .memory import LocalMemory, RDMAError, collapse_to_huge_pages
@@ -47,13 +47,25 @@ def send_error(sock: socket.socket, msg: str) -> None:
     sock.sendall(b"\x01" + struct.pack("!I", len(data)) + data)
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
+def time_left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("deadline passed")
+    return left
+
+
+def recv_exact(sock: socket.socket, view: memoryview, deadline: Optional[float] = None) -> None:
+    """Fills ``view``. With a deadline, it bounds the whole read (a trickle stops there), not each recv."""
     got = 0
+    if deadline is not None:
+        sock.settimeout(time_left(deadline))
     while got < view.nbytes:
         k = sock.recv_into(view[got:])
         if k == 0:
             raise ConnectionError("connection closed by peer")
         got += k
+        if deadline is not None and got < view.nbytes:
+            time_left(deadline)
 
 
 def recv_status(sock: socket.socket) -> None:
@@ -267,15 +279,13 @@ def owner_for(pool: str) -> Owner:
         own = _owners.get(pool)
         if own is None:
             from ..actor import session
-            from ..actor.channel import _reachable_address
-
             hub = session.hub_for(pool)
             me = session.this_proc()
             if me is not None and me.pool == pool:
                 bind = os.environ.get("MONARCH_TORCHX_PROC_BIND", "127.0.0.1")
                 advertise = os.environ.get("MONARCH_TORCHX_PROC_ADVERTISE", bind)
             else:
-                bind = advertise = _reachable_address(hub)
+                bind = advertise = hub.local_address()
             own = _owners[pool] = Owner(pool, hub.key, bind, advertise)
         return own
 

@@ -11,32 +11,12 @@ from typing import Any, Dict, List, Tuple
 
 from .. import wire
 from .memory import RDMAError, wait_all
-from .owner import REQ, WRITE, recv_json, recv_status, send_json
+from .owner import REQ, WRITE, recv_exact, recv_json, recv_status, send_json, time_left
 
 STREAM_MIN = 8 << 20  # a transfer this large is split over several connections
 MAX_STREAMS = 4
 MAX_IDLE = 8  # connections kept per owner between transfers
 Owner = Tuple[str, int, str]
-
-
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise socket.timeout("deadline passed")
-    return left
-
-
-def _recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
-    """Fills ``view``; the deadline bounds the whole read, not each recv."""
-    got = 0
-    sock.settimeout(_left(deadline))  # one recv waits at most the time left...
-    while got < view.nbytes:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("connection closed by peer")
-        got += k
-        if got < view.nbytes:
-            _left(deadline)  # ...and a trickle stops at the deadline
 
 
 class TcpClient:
@@ -63,7 +43,7 @@ class TcpClient:
                 return idle.pop()
         host, port, identity = owner
         try:
-            sock = socket.create_connection((host, port), timeout=min(_left(deadline), 10.0))
+            sock = socket.create_connection((host, port), timeout=min(time_left(deadline), 10.0))
         except socket.timeout:
             raise RDMAError(f"the buffer's owner at {host}:{port} did not accept a connection in time") from None
         except OSError as e:
@@ -105,17 +85,17 @@ class TcpClient:
     def _one(self, owner: Owner, op: int, slot: int, gen: int, offset: int, view: memoryview,
              deadline: float) -> None:
         def body(sock: socket.socket) -> None:
-            sock.settimeout(_left(deadline))
+            sock.settimeout(time_left(deadline))
             sock.sendall(REQ.pack(op, slot, gen, offset, view.nbytes))
             if op == WRITE:
-                sock.settimeout(_left(deadline))
+                sock.settimeout(time_left(deadline))
                 sock.sendall(view)  # the timeout bounds the whole sendall
-                sock.settimeout(_left(deadline))
+                sock.settimeout(time_left(deadline))
                 recv_status(sock)
             else:
-                sock.settimeout(_left(deadline))
+                sock.settimeout(time_left(deadline))
                 recv_status(sock)
-                _recv_exact(sock, view, deadline)
+                recv_exact(sock, view, deadline)
         self._call(owner, deadline, body)
 
     def transfer(self, owner: Owner, op: int, slot: int, gen: int, offset: int, view: memoryview,
@@ -134,7 +114,7 @@ class TcpClient:
         deadline = time.monotonic() + timeout
 
         def body(sock: socket.socket) -> Any:
-            sock.settimeout(_left(deadline))
+            sock.settimeout(time_left(deadline))
             sock.sendall(REQ.pack(op, slot, gen, 0, 0))
             send_json(sock, payload)
             recv_status(sock)
@@ -146,10 +126,10 @@ class TcpClient:
         deadline = time.monotonic() + timeout
 
         def body(sock: socket.socket) -> bytes:
-            sock.settimeout(_left(deadline))
+            sock.settimeout(time_left(deadline))
             sock.sendall(REQ.pack(op, slot, gen, 0, 0))
             recv_status(sock)
             extra = bytearray(8 if op == 3 else 0)
-            _recv_exact(sock, memoryview(extra), deadline)
+            recv_exact(sock, memoryview(extra), deadline)
             return bytes(extra)
         return self._call(owner, deadline, body)

@@ -77,20 +77,10 @@ class Channel(Generic[T]):
             addr = me.addr
             hub_driven, loop_thread = None, me.loop_thread
         else:  # the inbox thread completes these futures
-            addr = hub.listen(_reachable_address(hub))
+            addr = hub.listen(hub.local_address())
             hub_driven, loop_thread = None, None
         assert addr is not None
         port_id = uuid.uuid4().hex
         receiver: PortReceiver[T] = PortReceiver(hub_driven, loop_thread)
         hub.ports[port_id] = receiver._deliver
         return Port(pool, addr, port_id), receiver
-
-
-def _reachable_address(hub: Hub) -> str:
-    """The local address procs can reach us on: the one our connections to them leave from."""
-    for conn in list(hub._conns.values()):
-        try:
-            return conn.sock.getsockname()[0]
-        except OSError:
-            continue
-    return "127.0.0.1"

@@ -416,6 +416,16 @@ class Hub:
 
     # ------------------------------------------------------------ ports (a controller's inbox)
 
+    def local_address(self) -> str:
+        """The local address procs can reach us on: the one our connections to them leave from."""
+        for conn in list(self._conns.values()):
+            if conn.sock is not None:
+                try:
+                    return conn.sock.getsockname()[0]
+                except OSError:
+                    continue
+        return "127.0.0.1"
+
     def listen(self, host: str) -> ProcAddr:
         """Lets procs send to ports of this process (authenticated like everything else).
 
