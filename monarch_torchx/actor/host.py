@@ -29,8 +29,7 @@ def setup(agent: Any) -> None:
     rendezvous = tempfile.mkdtemp(prefix="mtx-procs-")
     agent.on_stop(lambda: shutil.rmtree(rendezvous, ignore_errors=True))
 
-    async def spawn(peer: Any, mesh_id: str, ranks: List[int], env: Optional[Dict[str, str]] = None,
-                    python: Optional[str] = None) -> List[Dict[str, Any]]:
+    async def spawn(peer: Any, mesh_id: str, ranks: List[int], env: Optional[Dict[str, str]] = None) -> List[Dict[str, Any]]:
         """Starts one proc per rank; returns their addresses once every one listens."""
         if agent.stopping.is_set():
             raise ValueError(f"agent {agent.index} is shutting down ({agent.stop_reason})")
@@ -48,9 +47,8 @@ def setup(agent: Any) -> None:
                 "MONARCH_TORCHX_PROC_ADVERTISE": advertise, "MONARCH_TORCHX_PROC_ADDR_FILE": path,
             })
             await agent.procs.launch(LaunchSpec(app_id=app_id(mesh_id), role="proc", replica_id=rank,
-                                                argv=[python or sys.executable, "-m", "monarch_torchx.actor"],
+                                                argv=[sys.executable, "-m", "monarch_torchx.actor"],
                                                 env=proc_env))
-        agent.last_request = time.time()
         out = []
         deadline = time.monotonic() + SPAWN_TIMEOUT_S
         delay = 0.001
