@@ -120,7 +120,7 @@ def cmd_status(args: argparse.Namespace) -> None:
     print(f"pool {s['name']} on {s['scheduler']}: {s['state']}, {len(s['hosts'])} host(s), {s['apps']} app(s), "
           f"up {_ago(s['created'])}, idle timeout {s['options'].get('idle_timeout', 0):.0f}s")
     alloc = {k: v for k, v in s["allocation"].items() if v not in (None, "", {})}
-    if alloc and "job_id" in alloc:
+    if alloc and ("job_id" in alloc or "kind" in alloc):
         print("allocation: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in alloc.items()))
     rows = []
     for h in s["hosts"]:
@@ -130,6 +130,13 @@ def cmd_status(args: argparse.Namespace) -> None:
     print(_table(rows, ["HOST", "STATE", "ADDRESS", "HOSTNAME", "PID", "LAST SEEN", "DETAIL"]))
     if s["state"] == "degraded":
         print("the next run on this pool restarts lost hosts; `torchx pool stop` releases it", file=sys.stderr)
+
+
+def cmd_resize(args: argparse.Namespace) -> None:
+    from .pool import resize_pool
+
+    pool = resize_pool(args.name, args.replicas, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"pool {pool.name!r} has {pool.record.num_hosts} host(s)")
 
 
 def cmd_stop(args: argparse.Namespace) -> None:
@@ -216,7 +223,7 @@ def cmd_tables(args: argparse.Namespace) -> None:
 
 
 def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="pool_cmd", metavar="{create,list,status,stop}")
+    sub = parser.add_subparsers(dest="pool_cmd", metavar="{create,list,status,resize,stop}")
     sub.required = True
     p = sub.add_parser("create", help="create a warm pool (torchx run also creates on first use)")
     p.add_argument("name", help="pool name")
@@ -230,6 +237,10 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="pool name")
     p.add_argument("--json", action="store_true")
     p.set_defaults(pool_fn=cmd_status)
+    p = sub.add_parser("resize", help="grow or shrink a pool in place (monarch_kubernetes); running hosts are kept")
+    p.add_argument("name", help="pool name")
+    p.add_argument("--replicas", "--hosts", dest="replicas", type=int, required=True, help="the new number of hosts")
+    p.set_defaults(pool_fn=cmd_resize)
     p = sub.add_parser("stop", help="stop a pool: kills its apps, releases its hosts")
     p.add_argument("name", help="pool name")
     p.set_defaults(pool_fn=cmd_stop)

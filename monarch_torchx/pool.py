@@ -41,6 +41,7 @@ class Provisioner(Protocol):
 
     scheduler: str
     hosts_option: str  # the run option that sizes a pool ("hosts", "nodes", "replicas")
+    client_cwd_on_hosts: bool  # whether hosts see the client's file system (its cwd is valid there)
     fingerprint: Sequence[str]  # spec keys that must match for a pool to be reused
 
     def add_run_opts(self, opts: Any) -> None:
@@ -266,6 +267,25 @@ def stop_pool(name: str, registry: Optional[Registry] = None) -> None:
     with registry.lock(name):
         pool = Pool(registry.require(name), registry)
         _stop(pool, get_provisioner(pool.record.scheduler), "pool stopped")
+
+
+def resize_pool(name: str, hosts: int, registry: Optional[Registry] = None,
+                progress: Callable[[str], None] = lambda _m: None) -> Pool:
+    """Grows or shrinks a pool in place, where its engine can (``resize`` on the provisioner)."""
+    registry = registry or Registry()
+    with registry.lock(name, on_wait=progress):
+        rec = registry.require(name)
+        prov = get_provisioner(rec.scheduler)
+        resize = getattr(prov, "resize", None)
+        if resize is None:
+            raise MonarchError(f"pool {name!r} runs on {rec.scheduler}, which cannot resize in place: "
+                               f"use -cfg {prov.hosts_option}={hosts},replace=True on the next run")
+        if hosts < 1:
+            raise MonarchError(f"a pool needs at least 1 host (asked {hosts}); `pool stop {name}` ends it")
+        grow, old = resize(rec, hosts)
+        registry.save(rec)
+        prov.wait_ready(rec, grow, old, _start_timeout(rec), progress)
+        return Pool(rec, registry)
 
 
 def wait_for_hosts(rec: PoolRecord, indices: List[int], old: Dict[int, str], timeout: float,

@@ -252,6 +252,14 @@ class Registry:
         write_private(Path(state_dir) / "hosts" / f"{addr.index}.json", json.dumps(asdict(addr)))
 
     @staticmethod
+    def install_token(state_dir: Path, token: str) -> None:
+        """Writes the pool secret where agents and procs read it (0600), for hosts without the client's files."""
+        bytes.fromhex(token)  # a malformed secret fails here, with the file untouched
+        for sub in ("", "hosts", "apps", "logs"):
+            (Path(state_dir) / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_private(Path(state_dir) / "token", token)
+
+    @staticmethod
     def clear_host(rec: PoolRecord, index: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             (Path(rec.state_dir) / "hosts" / f"{index}.json").unlink()

@@ -384,7 +384,11 @@ class Server:
                 await server_handshake(reader, writer, self._key, self._identity)
         except (WireError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError) as e:
             reason = "timed out" if isinstance(e, asyncio.TimeoutError) else (str(e) or type(e).__name__)
-            log.warning("dropped connection from %s: %s", addr, reason)
+            if isinstance(e, asyncio.IncompleteReadError) and not e.partial:
+                # connected and closed without a byte: a TCP readiness probe (Kubernetes) or a port check
+                log.debug("connection from %s closed before the handshake", addr)
+            else:
+                log.warning("dropped connection from %s: %s", addr, reason)
             writer.close()
             return
         self.connections += 1

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 PROVISIONERS = {
     "monarch_local": "monarch_torchx.schedulers.local:LocalProvisioner",
     "monarch_slurm": "monarch_torchx.schedulers.slurm:SlurmProvisioner",
+    "monarch_kubernetes": "monarch_torchx.schedulers.kubernetes:KubernetesProvisioner",
 }
 
 

@@ -122,13 +122,15 @@ class MonarchScheduler(Scheduler):
         want_hosts = max(r.num_replicas for r in app.roles) if app.roles else 1
         pool_req = self._pool_request(dict(cfg), want_hosts)
         app_id = make_unique(_SAFE.sub("-", app.name).strip("-.")[:40] or "app")
-        cwd = os.getcwd()
+        # on engines whose hosts do not share the client's file system (Kubernetes), replicas run in
+        # the agent's working directory (the image's WORKDIR), as TorchX's kubernetes scheduler does
+        cwd = os.getcwd() if get_provisioner(self.backend).client_cwd_on_hosts else None
         req = MonarchRequest(pool_req, app_id, app.name, roles=[])
         for role in app.roles:
             req.roles.append({"name": role.name, "image": role.image, "entrypoint": role.entrypoint,
                               "args": list(role.args), "num_replicas": role.num_replicas})
             for i in range(role.num_replicas):
-                values = macros.Values(img_root=role.image if os.path.isdir(role.image) else cwd,
+                values = macros.Values(img_root=role.image if os.path.isdir(role.image) else (cwd or ""),
                                        app_id=f"{pool_req.name}:{app_id}", replica_id=str(i), rank0_env=RANK0_ENV)
                 r = values.apply(role)
                 env = {str(k): str(v) for k, v in r.env.items()}

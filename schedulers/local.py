@@ -54,6 +54,7 @@ def _alive(pid: int) -> bool:
 class LocalProvisioner:
     scheduler = "monarch_local"
     hosts_option = "hosts"
+    client_cwd_on_hosts = True  # replicas start in the client's cwd (else the agent's)
     fingerprint = ("hosts", "preload")
 
     def add_run_opts(self, opts: Any) -> None:

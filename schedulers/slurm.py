@@ -102,6 +102,7 @@ def _partition_hint(rec: PoolRecord, reason: str) -> str:
 class SlurmProvisioner:
     scheduler = "monarch_slurm"
     hosts_option = "nodes"
+    client_cwd_on_hosts = True  # replicas start in the client's cwd (else the agent's)
     fingerprint = ("hosts", *SPEC_OPTS, "preload")
 
     def add_run_opts(self, opts: Any) -> None:

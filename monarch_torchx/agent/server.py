@@ -44,7 +44,9 @@ class Agent:
         self.state_dir = Path(args.state_dir)
         self.index = args.index
         self.pool = args.pool
-        self.incarnation = uuid.uuid4().hex[:12]
+        self.incarnation = args.incarnation or uuid.uuid4().hex[:12]
+        if args.token_file:  # a mounted secret (Kubernetes): procs of this host read it from the state dir
+            Registry.install_token(self.state_dir, Path(args.token_file).read_text().strip())
         self.key = bytes.fromhex((self.state_dir / "token").read_text().strip())
         self.started = time.time()
         self.last_request = time.time()
@@ -255,7 +257,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                                 description="Host agent of a monarch-torchx pool (started by a provisioner).")
     p.add_argument("--state-dir", required=True, help="the pool's state dir (holds the token file)")
     p.add_argument("--pool", required=True)
-    p.add_argument("--index", type=int, default=None, help="host index (default: SLURM_NODEID or 0)")
+    p.add_argument("--index", type=int, default=None,
+                   help="host index (default: SLURM_NODEID, $MONARCH_TORCHX_HOST_INDEX, the hostname's -N suffix, or 0)")
+    p.add_argument("--incarnation", default=None,
+                   help="this agent's identity in handshakes (default: random; Kubernetes: the pod UID)")
+    p.add_argument("--token-file", default=None, help="read the pool secret from here (default: STATE_DIR/token)")
     p.add_argument("--bind", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--advertise", default=None, help="address clients use (default: bind address or hostname)")
@@ -265,13 +271,23 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="extra module setup, as pkg.mod:setup (default: $MONARCH_TORCHX_MODULES, comma-separated)")
     args = p.parse_args(argv)
     if args.index is None:
-        args.index = int(os.environ.get("SLURM_NODEID", os.environ.get("MONARCH_TORCHX_HOST_INDEX", "0")))
+        args.index = _index_from_environment()
     if args.module is None:
         args.module = [m for m in os.environ.get("MONARCH_TORCHX_MODULES", "").split(",") if m]
     if args.preload is None:
         args.preload = ["torch"]
     args.preload = [m for p_ in args.preload for m in p_.split(",") if m]
     return args
+
+
+def _index_from_environment() -> int:
+    """SLURM's node id, else the provisioner's variable, else a StatefulSet pod's ``name-N`` hostname."""
+    for var in ("SLURM_NODEID", "MONARCH_TORCHX_HOST_INDEX"):
+        value = os.environ.get(var, "").strip()
+        if value:
+            return int(value)
+    suffix = socket.gethostname().rsplit("-", 1)
+    return int(suffix[1]) if len(suffix) == 2 and suffix[1].isdigit() else 0
 
 
 def main(argv: Optional[List[str]] = None) -> None:

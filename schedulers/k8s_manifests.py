@@ -1,0 +1,301 @@
+"""The Kubernetes objects of one pool, built as plain JSON-able dicts.
+
+Kept apart from the API calls so that `--dryrun`, the tests and the provisioner all see the same
+objects, and so that every object is checked against the Kubernetes schema (the official
+client's generated models) before anything is sent: a bad ``pod_template`` overlay fails here,
+with the field named, instead of half-creating a pool.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from ..errors import MonarchError
+
+MESH_GROUP = "monarch.pytorch.org"
+MESH_VERSION = "v1alpha1"
+MESH_PLURAL = "monarchmeshes"
+MESH_KIND = "MonarchMesh"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+POOL_LABEL = "monarch-torchx.pytorch.org/pool"
+MANAGED_BY = {"app.kubernetes.io/name": "monarch-torchx", "app.kubernetes.io/managed-by": "monarch-torchx"}
+STATE_DIR = "/var/lib/monarch-torchx"
+TOKEN_DIR = "/etc/monarch-torchx"
+IDLE_MODULE = "monarch_torchx.schedulers.k8s_idle:setup"
+DEFAULT_PORT = 29600
+_DNS_LABEL = re.compile(r"[^a-z0-9-]+")
+
+
+def object_name(pool: str) -> str:
+    """A DNS-1123 name for the pool's objects; pool names that need changes get a short hash."""
+    base = _DNS_LABEL.sub("-", pool.lower()).strip("-") or "pool"
+    name = f"monarch-{base}"
+    if base != pool or len(name) > 40:  # keep it unique and short enough for pod names + hostnames
+        name = f"{name[:33].rstrip('-')}-{hashlib.sha256(pool.encode()).hexdigest()[:6]}"
+    return name
+
+
+def label_value(pool: str) -> str:
+    """Pool names may hold characters a label value may not: same rule as object_name."""
+    return object_name(pool)[len("monarch-"):]
+
+
+@dataclass
+class KubePoolSpec:
+    """Everything that shapes a pool's objects, from run options (see ``KubernetesProvisioner``)."""
+
+    pool: str
+    replicas: int
+    namespace: str = "default"
+    image: str = "ghcr.io/meta-pytorch/monarch-torchx:latest"
+    port: int = DEFAULT_PORT
+    cpu: Optional[float] = None
+    mem_mb: Optional[int] = None
+    gpu: Optional[int] = None
+    queue: Optional[str] = None
+    priority_class: Optional[str] = None
+    service_account: Optional[str] = None
+    node_selector: Dict[str, str] = field(default_factory=dict)
+    tolerations: List[Dict[str, Any]] = field(default_factory=list)
+    pod_template: Dict[str, Any] = field(default_factory=dict)
+    preload: str = "torch"
+    idle_timeout: float = 1800.0
+    idle_action: str = "delete"
+    python: str = "python"
+
+    @property
+    def name(self) -> str:
+        return object_name(self.pool)
+
+    @property
+    def labels(self) -> Dict[str, str]:
+        return {**MANAGED_BY, POOL_LABEL: label_value(self.pool)}
+
+    @property
+    def selector(self) -> str:
+        return f"{POOL_LABEL}={label_value(self.pool)}"
+
+    @property
+    def account(self) -> str:
+        return self.service_account or self.name
+
+
+def owner_reference(owner: Dict[str, Any]) -> Dict[str, Any]:
+    """Makes an object die with the pool's owner object (Kubernetes' garbage collector)."""
+    meta = owner["metadata"]
+    return {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": meta["name"], "uid": meta["uid"],
+            "controller": False, "blockOwnerDeletion": True}
+
+
+def _meta(spec: KubePoolSpec, name: str, kueue: bool = False) -> Dict[str, Any]:
+    labels = dict(spec.labels)
+    if kueue and spec.queue:
+        labels[KUEUE_QUEUE_LABEL] = spec.queue
+    return {"name": name, "namespace": spec.namespace, "labels": labels}
+
+
+def agent_args(spec: KubePoolSpec) -> List[str]:
+    """The agent's command line in each pod; $(VAR) is expanded by the kubelet from the pod's env."""
+    return ["-m", "monarch_torchx.agent", "--state-dir", STATE_DIR, "--pool", spec.pool, "--bind", "0.0.0.0",
+            "--port", str(spec.port), "--advertise", "$(MONARCH_TORCHX_POD_IP)",
+            "--incarnation", "$(MONARCH_TORCHX_POD_UID)", "--token-file", f"{TOKEN_DIR}/token",
+            "--idle-timeout", "0", "--preload", spec.preload, "--module", IDLE_MODULE]
+
+
+def _field_env(name: str, path: str) -> Dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def pod_template(spec: KubePoolSpec) -> Dict[str, Any]:
+    """The pod every host of the pool runs: one agent, the pool secret, a node-local state dir."""
+    resources: Dict[str, Dict[str, Any]] = {}
+    if spec.cpu:
+        resources.setdefault("requests", {})["cpu"] = f"{int(spec.cpu * 1000)}m"
+        resources.setdefault("limits", {})["cpu"] = f"{int(spec.cpu * 1000)}m"
+    if spec.mem_mb:
+        resources.setdefault("requests", {})["memory"] = f"{spec.mem_mb}Mi"
+        resources.setdefault("limits", {})["memory"] = f"{spec.mem_mb}Mi"
+    if spec.gpu:
+        resources.setdefault("requests", {})["nvidia.com/gpu"] = str(spec.gpu)
+        resources.setdefault("limits", {})["nvidia.com/gpu"] = str(spec.gpu)
+    env = [
+        _field_env("MONARCH_TORCHX_POD_IP", "status.podIP"),
+        _field_env("MONARCH_TORCHX_POD_UID", "metadata.uid"),
+        _field_env("MONARCH_TORCHX_POD_NAMESPACE", "metadata.namespace"),
+        _field_env("MONARCH_TORCHX_HOST_INDEX", f"metadata.labels['{POD_INDEX_LABEL}']"),
+        {"name": "MONARCH_TORCHX_K8S_OWNER", "value": "{owner}"},  # filled in by the provisioner
+        {"name": "MONARCH_TORCHX_K8S_SELECTOR", "value": spec.selector},
+        {"name": "MONARCH_TORCHX_K8S_IDLE_TIMEOUT", "value": str(spec.idle_timeout)},
+        {"name": "MONARCH_TORCHX_K8S_IDLE_ACTION", "value": spec.idle_action},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    container: Dict[str, Any] = {
+        "name": "agent", "image": spec.image, "command": [spec.python], "args": agent_args(spec),
+        "ports": [{"name": "agent", "containerPort": spec.port, "protocol": "TCP"}],
+        "env": env,
+        "readinessProbe": {"tcpSocket": {"port": spec.port}, "periodSeconds": 2, "failureThreshold": 3},
+        "volumeMounts": [{"name": "pool-token", "mountPath": TOKEN_DIR, "readOnly": True},
+                         {"name": "state", "mountPath": STATE_DIR}],
+    }
+    if resources:
+        container["resources"] = resources
+    pod_spec: Dict[str, Any] = {
+        "containers": [container],
+        "restartPolicy": "Always",
+        "serviceAccountName": spec.account,
+        "volumes": [{"name": "pool-token", "secret": {"secretName": f"{spec.name}-token", "defaultMode": 0o400}},
+                    {"name": "state", "emptyDir": {}}],
+    }
+    if spec.priority_class:
+        pod_spec["priorityClassName"] = spec.priority_class
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = copy.deepcopy(spec.tolerations)
+    labels = dict(spec.labels)
+    if spec.queue:
+        labels[KUEUE_QUEUE_LABEL] = spec.queue
+    template = {"metadata": {"labels": labels}, "spec": pod_spec}
+    if spec.pod_template:
+        template = overlay(template, spec.pod_template)
+        template["metadata"].setdefault("labels", {}).update(labels)  # the selector must keep matching
+    return template
+
+
+def overlay(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
+    """A ``pod_template`` overlay: dicts merge, lists of named items (containers, volumes, env)
+    merge by name, other lists and values replace."""
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        have = out.get(key)
+        if isinstance(have, dict) and isinstance(value, dict):
+            out[key] = overlay(have, value)
+        elif isinstance(have, list) and isinstance(value, list) and all(
+                isinstance(v, dict) and "name" in v for v in have + value):
+            merged = {v["name"]: v for v in have}
+            for v in value:
+                merged[v["name"]] = overlay(merged[v["name"]], v) if v["name"] in merged else copy.deepcopy(v)
+            out[key] = list(merged.values())
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def with_owner_env(template: Dict[str, Any], owner: str) -> Dict[str, Any]:
+    out = copy.deepcopy(template)
+    for c in out["spec"]["containers"]:
+        for e in c.get("env", []):
+            if e.get("value") == "{owner}":
+                e["value"] = owner
+    return out
+
+
+def statefulset(spec: KubePoolSpec) -> Dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(spec, spec.name, kueue=True),
+        "spec": {
+            "replicas": spec.replicas, "serviceName": spec.name, "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": spec.labels},
+            "template": with_owner_env(pod_template(spec), f"apps/v1/statefulsets/{spec.name}"),
+        },
+    }
+
+
+def monarch_mesh(spec: KubePoolSpec) -> Dict[str, Any]:
+    return {
+        "apiVersion": f"{MESH_GROUP}/{MESH_VERSION}", "kind": MESH_KIND, "metadata": _meta(spec, spec.name, kueue=True),
+        "spec": {"replicas": spec.replicas, "port": spec.port,
+                 "podTemplate": with_owner_env(pod_template(spec), f"{MESH_GROUP}/{MESH_VERSION}/{MESH_PLURAL}/{spec.name}")},
+    }
+
+
+def headless_service(spec: KubePoolSpec, owner: Dict[str, Any]) -> Dict[str, Any]:
+    meta = _meta(spec, spec.name)
+    meta["ownerReferences"] = [owner_reference(owner)]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": meta,
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": spec.labels,
+                     "ports": [{"name": "agent", "port": spec.port, "targetPort": spec.port, "protocol": "TCP"}]}}
+
+
+def token_secret(spec: KubePoolSpec, owner: Dict[str, Any], token: str) -> Dict[str, Any]:
+    meta = _meta(spec, f"{spec.name}-token")
+    meta["ownerReferences"] = [owner_reference(owner)]
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque",
+            "data": {"token": base64.b64encode(token.encode()).decode()}}
+
+
+def agent_rbac(spec: KubePoolSpec, owner: Dict[str, Any], owner_resource: str, owner_group: str) -> List[Dict[str, Any]]:
+    """A service account that may see its pool's pods and scale or delete its own owner object:
+    what agent 0 needs to act on the idle timeout when no client is around."""
+    ref = [owner_reference(owner)]
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {**_meta(spec, spec.name), "ownerReferences": ref}}
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": {**_meta(spec, spec.name), "ownerReferences": ref},
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+                      {"apiGroups": [owner_group], "resources": [owner_resource], "resourceNames": [spec.name],
+                       "verbs": ["get", "patch", "delete"]}]}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": {**_meta(spec, spec.name), "ownerReferences": ref},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": spec.name},
+               "subjects": [{"kind": "ServiceAccount", "name": spec.name, "namespace": spec.namespace}]}
+    return [sa, role, binding]
+
+
+# ---------------------------------------------------------------- schema checks
+
+MODEL_OF = {"StatefulSet": "V1StatefulSet", "Service": "V1Service", "Secret": "V1Secret",
+            "ServiceAccount": "V1ServiceAccount", "Role": "V1Role", "RoleBinding": "V1RoleBinding",
+            "Pod": "V1Pod", "PodTemplateSpec": "V1PodTemplateSpec"}
+
+
+def schema_errors(obj: Dict[str, Any], model: Optional[str] = None) -> List[str]:
+    """Checks ``obj`` against the Kubernetes schema of the official client's models: wrong types
+    and missing required fields raise in the models, unknown fields are dropped by them (found by
+    comparing the round trip). A MonarchMesh is checked through its pod template."""
+    if obj.get("kind") == MESH_KIND and model is None:
+        errs = []
+        s = obj.get("spec", {})
+        if not isinstance(s.get("replicas"), int) or s["replicas"] < 0:
+            errs.append("spec.replicas must be a non-negative integer")
+        if not isinstance(s.get("port"), int):
+            errs.append("spec.port must be an integer")
+        return errs + [f"spec.podTemplate: {e}" for e in schema_errors(s.get("podTemplate", {}), "V1PodTemplateSpec")]
+    from kubernetes.client import ApiClient
+
+    model = model or MODEL_OF.get(obj.get("kind", ""))
+    if model is None:
+        return [f"no schema for kind {obj.get('kind')!r}"]
+    api = ApiClient()
+    try:
+        parsed = api._ApiClient__deserialize(copy.deepcopy(obj), model)
+    except (ValueError, TypeError, AttributeError) as e:
+        return [str(e).splitlines()[0]]
+    back = api.sanitize_for_serialization(parsed)
+    return [f"unknown or invalid field {p}" for p in _unknown(obj, back, "")]
+
+
+def _unknown(sent: Any, kept: Any, path: str) -> List[str]:
+    if isinstance(sent, dict):
+        out = []
+        for k, v in sent.items():
+            if not isinstance(kept, dict) or k not in kept:
+                out.append(f"{path}.{k}".lstrip("."))
+            else:
+                out += _unknown(v, kept[k], f"{path}.{k}")
+        return out
+    if isinstance(sent, list) and isinstance(kept, list):
+        return [p for i, (a, b) in enumerate(zip(sent, kept)) for p in _unknown(a, b, f"{path}[{i}]")]
+    return []
+
+
+def check(obj: Dict[str, Any]) -> None:
+    errs = schema_errors(obj)
+    if errs:
+        raise MonarchError(f"the {obj.get('kind')} for pool objects {obj['metadata'].get('name')!r} is invalid: "
+                           f"{'; '.join(errs[:3])} (check pod_template and the other run options)")

