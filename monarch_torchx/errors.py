@@ -7,3 +7,10 @@ class MonarchError(RuntimeError):
 
 class PoolNotFound(MonarchError, LookupError):
     pass
+
+
+class AccessError(MonarchError):
+    """This client cannot reach a pool's hosts at all (credentials, RBAC, a refused tunnel).
+
+    Not a host failure: health checks raise it instead of "repairing" healthy hosts.
+    """

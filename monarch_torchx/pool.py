@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from . import wire
-from .errors import MonarchError
+from .errors import AccessError, MonarchError
 from .registry import HostAddr, PoolRecord, Registry, check_pool_name
 
 PING_TIMEOUT_S = 3.0
@@ -69,6 +69,9 @@ class Provisioner(Protocol):
     def describe(self, rec: PoolRecord) -> Dict[str, Any]:
         """Engine facts for `pool status` (allocation id, state, walltime left, ...)."""
 
+    # optional: ``resize(rec, hosts) -> (indices to wait for, their old incarnations)`` and
+    # ``open_tunnel(rec, addr, timeout)`` for hosts whose address has ``via`` set
+
 
 @dataclass
 class PoolRequest:
@@ -117,11 +120,15 @@ class Pool:
             raise MonarchError(f"host {index} of pool {self.name!r} has no agent address (not started yet?)")
         if addr.exited:
             raise MonarchError(f"host {index} of pool {self.name!r} is stopped ({addr.exit_reason})")
+        tunnel = None
+        if addr.via:  # e.g. a Kubernetes port-forward: the engine opens the stream
+            tunnel = get_provisioner(self.record.scheduler).open_tunnel(self.record, addr, timeout)
         try:
             return wire.Client(addr.host, addr.port, self.record.key, timeout=timeout,
-                               identity=addr.identity(self.name))
+                               identity=addr.identity(self.name), sock=tunnel.sock if tunnel else None)
         except wire.WireError as e:
-            raise MonarchError(f"host {index} of pool {self.name!r} is lost: {e}") from None
+            why = tunnel.error() if tunnel else ""
+            raise MonarchError(f"host {index} of pool {self.name!r} is lost: {why or e}") from None
 
     def call(self, index: int, op: str, timeout: float = 30.0, **args: Any) -> Any:
         with self.connect(index) as c:
@@ -168,6 +175,9 @@ class Pool:
                 return self.call(i, "info", timeout=SLOW_PING_TIMEOUT_S, touch=touch)
 
         res = self.fan_out(ping, range(len(hosts)))
+        for _, _, err in res:
+            if isinstance(err, AccessError):  # our access is broken, not the hosts: nothing to repair
+                raise err
         return [HostHealth(i, hosts[i], err is None, info or {}, str(err) if err else "") for i, info, err in res]
 
 

@@ -82,6 +82,7 @@ class HostAddr:
     exited: float = 0.0
     exit_reason: str = ""
     last_work: float = 0.0  # when this host last ran or was asked to run something (now, if busy)
+    via: str = ""  # how clients reach it when not directly ("k8s-portforward:NS/POD"); "" = host:port
 
     @property
     def address(self) -> str:

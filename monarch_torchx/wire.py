@@ -534,12 +534,19 @@ class Client:
     Not thread-safe: one request in flight at a time (streams included). Open one per thread.
     """
 
-    def __init__(self, host: str, port: int, key: bytes, timeout: float = 10.0, identity: bytes = b""):
+    def __init__(self, host: str, port: int, key: bytes, timeout: float = 10.0, identity: bytes = b"",
+                 sock: Optional[socket.socket] = None):
+        """``sock``: an already connected stream (a tunnel, e.g. Kubernetes port-forward) to use
+        instead of connecting to host:port; the handshake is the same."""
         self.address = f"{host}:{port}"
-        try:
-            self._sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as e:
-            raise WireError(f"cannot reach agent at {self.address}: {e.strerror or e}") from None
+        if sock is not None:
+            self._sock = sock
+            self._sock.settimeout(timeout)
+        else:
+            try:
+                self._sock = socket.create_connection((host, port), timeout=timeout)
+            except OSError as e:
+                raise WireError(f"cannot reach agent at {self.address}: {e.strerror or e}") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._ids = itertools.count(1)
         client_handshake(self._sock, key, identity, self.address)

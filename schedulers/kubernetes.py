@@ -16,10 +16,11 @@ import json
 import os
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..errors import MonarchError
+from ..errors import AccessError, MonarchError
 from ..pool import parse_duration
 from ..registry import HostAddr, PoolRecord, Registry
 from . import k8s_manifests as mf
@@ -243,6 +244,44 @@ def pod_problem(pod: Any) -> Tuple[str, bool]:
     return f"pod {name}: {st.phase or 'Pending'}", False
 
 
+@dataclass
+class Tunnel:
+    """A stream to one agent through the API server's port-forward (a socket-like object)."""
+
+    sock: Any
+    forward: Any
+    port: int
+
+    def error(self) -> str:
+        err = self.forward.error(self.port)
+        return f"port-forward: {err.strip()}" if err else ""
+
+
+def tunnel_error(reason: str, namespace: str, pod: str) -> MonarchError:
+    """One line from a failed port-forward handshake ("Handshake status 403 ... -+-+- {Status})."""
+    m = re.search(r"Handshake status (\d+)", reason)
+    status = int(m.group(1)) if m else 0
+    try:
+        message = json.loads(reason.rsplit("-+-+-", 1)[1]).get("message", "")
+    except (IndexError, ValueError, AttributeError):
+        message = ""
+    if status in (401, 403):
+        return AccessError(f"Kubernetes RBAC forbids create pods/portforward in namespace {namespace!r}: "
+                           f"{message or reason} (ask for that right, or use access=pod_ip inside the cluster)")
+    if status:
+        return AccessError(f"the API server refused port-forward to pod {namespace}/{pod} (HTTP {status}"
+                           f"{': ' + message if message else ''}); use access=pod_ip from inside the cluster")
+    return AccessError(f"port-forward to pod {namespace}/{pod} failed: {reason}")
+
+
+def access_mode(rec: PoolRecord) -> str:
+    """pod_ip inside the cluster, port_forward outside it, unless the pool says which."""
+    mode = rec.options.get("access", "auto")
+    if mode == "auto":
+        return "pod_ip" if os.environ.get("KUBERNETES_SERVICE_HOST") else "port_forward"
+    return mode
+
+
 class KubernetesProvisioner:
     scheduler = "monarch_kubernetes"
     hosts_option = "replicas"
@@ -273,8 +312,9 @@ class KubernetesProvisioner:
                  help="YAML file overlaid on the pod template (volumes, env, sidecars, affinity, ...)")
         opts.add("port", type_=int, default=int(d["port"]) if d.get("port") else None,
                  help=f"agent port in each pod (default: the existing pool's, else {mf.DEFAULT_PORT})")
-        opts.add("access", type_=str, default=d.get("access", "pod_ip"),
-                 help="how this client reaches agents: pod_ip (inside the cluster or a routed pod network)")
+        opts.add("access", type_=str, default=d.get("access", "auto"),
+                 help="how clients reach agents: pod_ip (in the cluster, or a routed pod network), port_forward "
+                      "(through the API server), auto = pod_ip inside a cluster, else port_forward")
         opts.add("idle_action", type_=str, default=d.get("idle_action", "delete"),
                  help="when the pool idles out: delete its objects, or scale_to_zero (the next run scales it back)")
         opts.add("context", type_=str, default=d.get("context"), help="kubeconfig context (default: the current one)")
@@ -288,9 +328,8 @@ class KubernetesProvisioner:
         options["start_timeout"] = parse_duration(options.get("start_timeout", "10m"), "start_timeout")
         if options.get("idle_action", "delete") not in ("delete", "scale_to_zero"):
             raise MonarchError(f"idle_action={options['idle_action']!r}: use delete or scale_to_zero")
-        if options.get("access", "pod_ip") != "pod_ip":
-            raise MonarchError(f"access={options['access']!r}: only pod_ip is implemented (run the client in the "
-                               "cluster, or where pod IPs are routed); see docs/kubernetes.md")
+        if options.get("access", "auto") not in ("auto", "pod_ip", "port_forward"):
+            raise MonarchError(f"access={options['access']!r}: use pod_ip, port_forward or auto")
         spec["namespace"] = cfg.get("namespace") or None
         spec["image"] = cfg.get("image") or None
         for k in ("queue", "priority_class", "service_account"):
@@ -452,6 +491,7 @@ class KubernetesProvisioner:
     def _publish_ready(self, rec: PoolRecord, pods: Dict[int, Any], indices: List[int], old: Dict[int, str]) -> List[int]:
         """Writes host files for ready pods that are new incarnations; returns the indices written."""
         port = int(rec.spec.get("port") or mf.DEFAULT_PORT)
+        forward = access_mode(rec) == "port_forward"
         done = []
         for i in indices:
             pod = pods.get(i)
@@ -460,7 +500,8 @@ class KubernetesProvisioner:
             started = pod.status.start_time.timestamp() if pod.status.start_time else time.time()
             Registry.publish_host(Path(rec.state_dir), HostAddr(
                 index=i, host=pod.status.pod_ip, port=port, hostname=pod.metadata.name, pid=0,
-                incarnation=pod.metadata.uid, started=started, heartbeat=time.time(), last_work=time.time()))
+                incarnation=pod.metadata.uid, started=started, heartbeat=time.time(), last_work=time.time(),
+                via=f"k8s-portforward:{pod.metadata.namespace}/{pod.metadata.name}" if forward else ""))
             done.append(i)
         return done
 
@@ -539,6 +580,24 @@ class KubernetesProvisioner:
             Registry.clear_host(rec, i)
         grow = list(range(0 if st["replicas"] == 0 else old_n, replicas))  # scaled to zero: all come back
         return grow, {i: st["pods"][i].metadata.uid for i in grow if i in st["pods"]}
+
+    def open_tunnel(self, rec: PoolRecord, addr: HostAddr, timeout: float) -> Tunnel:
+        """A stream to one agent through the API server (``kubectl port-forward``, for clients
+        outside the cluster); the pool handshake then runs over it as over TCP."""
+        from kubernetes.client.exceptions import ApiException
+        from kubernetes.stream import portforward
+
+        namespace, _, pod = addr.via.partition(":")[2].partition("/")
+        api = self._api(rec)
+        try:
+            forward = portforward(api.core.connect_get_namespaced_pod_portforward, pod, namespace,
+                                  ports=str(addr.port), _request_timeout=timeout)
+        except Exception as e:  # the client wraps websocket failures in ApiException(0) (and then trips on it)
+            inner = e if isinstance(e, ApiException) else (e.__context__ or e)
+            raise tunnel_error(getattr(inner, "reason", None) or str(inner), namespace, pod) from None
+        finally:
+            api.close()
+        return Tunnel(forward.socket(addr.port), forward, addr.port)
 
     def release(self, rec: PoolRecord) -> None:
         a = rec.allocation

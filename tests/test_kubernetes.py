@@ -326,7 +326,7 @@ def test_api_failures_are_one_line(cluster, home, pool_name, monkeypatch, tmp_pa
 
 @pytest.mark.parametrize("cfg,expect", [
     ("idle_action=pause", "idle_action='pause': use delete or scale_to_zero"),
-    ("access=port_forward", "only pod_ip is implemented"),
+    ("access=tunnel", "access='tunnel': use pod_ip, port_forward or auto"),
     ("node_selector=gpu", "node_selector='gpu': use label:value"),
     ("tolerations=gpu:x:Sometimes", "is not NoSchedule"),
     ("cpu=lots", "cpu='lots' is not a number"),
@@ -374,6 +374,63 @@ def test_torchxconfig_kubernetes_section_supplies_defaults(cluster, home, pool_n
     h = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name},preload=none", "utils.echo", cwd=tmp_path))
     wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="echo")
     assert cluster.objects("StatefulSet", "research")[0]["metadata"]["labels"][mf.KUEUE_QUEUE_LABEL] == "team-a"
+
+
+def test_clients_outside_the_cluster_use_port_forward_inside_pod_ips(cluster, home, pool_name, tmp_path):
+    torchx(home, "pool", "create", pool_name, "-s", S, "-cfg", f"replicas=2,port={_free_port()},preload=none")
+    rec = Registry(home).get(pool_name)
+    name = mf.object_name(pool_name)
+    assert [h.via for h in Registry.hosts(rec)] == [f"k8s-portforward:default/{name}-{i}" for i in range(2)]
+    before = cluster.server.forwards
+    assert all(h.ok for h in attach(pool_name).health())
+    assert cluster.server.forwards >= before + 2  # every agent was reached through the API server
+    uids = [cluster.pod(f"{name}-{i}")["metadata"]["uid"] for i in range(2)]
+
+    # RBAC refuses port-forward: one line naming it, and healthy pods are not "repaired"
+    cluster.server.deny.add(("create", "pods/portforward"))
+    res = torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo", check=False, cwd=tmp_path)
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "RBAC forbids create pods/portforward" in res.stderr.strip().splitlines()[-1]
+    assert [cluster.pod(f"{name}-{i}")["metadata"]["uid"] for i in range(2)] == uids
+    cluster.server.deny.clear()
+
+    from monarch_torchx.actor.mesh import attach as attach_mesh
+
+    with pytest.raises(MonarchError, match="actors talk to procs directly"):
+        attach_mesh(pool_name)
+
+    # inside the cluster (KUBERNETES_SERVICE_HOST set, as in a pod) the default is the pod IP
+    other = f"{pool_name}b"
+    env_home = home
+    res = subprocess.run([str(Path(os.sys.executable).parent / "monarch-torchx"), "pool", "create", other, "-s", S,
+                          "-cfg", f"port={_free_port()},preload=none"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "MONARCH_TORCHX_HOME": str(env_home), "KUBERNETES_SERVICE_HOST": "10.0.0.1"})
+    assert res.returncode == 0, res.stderr
+    forwards = cluster.server.forwards
+    assert [h.via for h in Registry.hosts(Registry(home).get(other))] == [""]
+    assert all(h.ok for h in attach(other).health()) and cluster.server.forwards == forwards
+
+
+def test_actor_mesh_on_pods_with_pod_ip_access(cluster, home, pool_name):
+    """Monarch-style meshes on a Kubernetes pool: procs fork in each pod and are called directly."""
+    from monarch_torchx import Channel
+    from monarch_torchx import attach as attach_hosts
+
+    from .fixtures.actors import Counter
+
+    torchx(home, "pool", "create", pool_name, "-s", S, "-cfg",
+           f"replicas=2,access=pod_ip,port={_free_port()},preload=none")
+    hosts = attach_hosts(pool_name)
+    procs = hosts.spawn_procs(per_host={"procs": 2})
+    counters = procs.spawn("counters", Counter)
+    names = counters.env.call("HOSTNAME").get(timeout=60)  # the emulated pods have no UTS namespace of their own
+    name = mf.object_name(pool_name)
+    assert sorted(set(names.values())) == [f"{name}-0", f"{name}-1"]  # each proc runs in its pod
+    assert list(counters.incr.call(2).get().values()) == [2, 2, 2, 2]
+    port, rx = Channel.open()
+    counters.send_rank.broadcast(port)
+    assert sorted(rx.recv().get(timeout=30) for _ in range(4)) == [0, 1, 2, 3]
+    procs.stop()
 
 
 def test_agent_secret_and_identity_come_from_the_pod(cluster, home, pool_name):

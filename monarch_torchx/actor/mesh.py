@@ -195,6 +195,10 @@ def attach(pool: str) -> HostMesh:
         if h.exited:
             raise MonarchError(f"host {i} of pool {pool!r} is stopped ({h.exit_reason}); "
                                f"a torchx run or `monarch-torchx pool create` brings it back")
+        if h.via:
+            raise MonarchError(f"pool {pool!r} is reached through a tunnel ({h.via.split(':')[0]}), but actors talk to "
+                               f"procs directly: run the controller where pod IPs are reachable (in the cluster, "
+                               f"access=pod_ip)")
     session.hub_for(pool, rec.key)
     session.set_current_pool(pool)
     return HostMesh(pool, [h for h in hosts if h is not None])

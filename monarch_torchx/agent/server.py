@@ -16,7 +16,6 @@ import socket
 import sys
 import time
 import uuid
-from dataclasses import asdict
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
