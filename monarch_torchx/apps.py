@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
-from .errors import MonarchError
-from .pool import Pool, get_provisioner
+from .errors import AccessError, MonarchError
+from .pool import Pool
 from .registry import AppRecord, Placement, Registry
 from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec
 
@@ -68,14 +68,16 @@ def replica_states(pool: Pool, arec: AppRecord) -> Dict[Tuple[str, int], Dict[st
         lambda i: pool.call(i, "describe", timeout=10.0, app_id=arec.app_id), indices)}
     loss = None
     if any(err for _, err in answers.values()):
-        loss = get_provisioner(pool.record.scheduler).loss_reason(pool.record)
+        loss = pool.provisioner.loss_reason(pool.record)
     out: Dict[Tuple[str, int], Dict[str, Any]] = {}
     for p in arec.placement:
         res, err = answers[p.host_index]
         host = pool.hosts[p.host_index] if p.host_index < len(pool.hosts) else None
         hostname = host.hostname if host else ""
         key = (p.role, p.replica_id)
-        if err is not None and "timed out" in str(err) and not loss:
+        if isinstance(err, AccessError):  # we cannot reach the hosts: that says nothing about the replica
+            out[key] = {"state": UNKNOWN, "msg": str(err), "hostname": hostname}
+        elif err is not None and "timed out" in str(err) and not loss:
             out[key] = {"state": UNKNOWN, "msg": str(err), "hostname": hostname}  # busy is not dead
         elif err is not None:
             out[key] = {"state": FAILED, "msg": f"{err}; {loss}" if loss else str(err), "hostname": hostname}

@@ -100,6 +100,7 @@ class Pool:
         self.record = rec
         self.registry = registry
         self._hosts: Optional[List[Optional[HostAddr]]] = None
+        self._provisioner: Optional[Provisioner] = None
 
     @property
     def name(self) -> str:
@@ -114,6 +115,13 @@ class Pool:
     def refresh(self) -> None:
         self._hosts = None
 
+    @property
+    def provisioner(self) -> Provisioner:
+        """The engine's provisioner, kept for this handle's life (it may hold an API client)."""
+        if self._provisioner is None:
+            self._provisioner = get_provisioner(self.record.scheduler)
+        return self._provisioner
+
     def connect(self, index: int, timeout: float = PING_TIMEOUT_S) -> wire.Client:
         addr = self.hosts[index] if 0 <= index < len(self.hosts) else None
         if addr is None:
@@ -122,7 +130,12 @@ class Pool:
             raise MonarchError(f"host {index} of pool {self.name!r} is stopped ({addr.exit_reason})")
         tunnel = None
         if addr.via:  # e.g. a Kubernetes port-forward: the engine opens the stream
-            tunnel = get_provisioner(self.record.scheduler).open_tunnel(self.record, addr, timeout)
+            try:
+                tunnel = self.provisioner.open_tunnel(self.record, addr, timeout)
+            except AccessError:
+                raise
+            except MonarchError as e:  # the pod behind it is gone or not running
+                raise MonarchError(f"host {index} of pool {self.name!r} is lost: {e}") from None
         try:
             return wire.Client(addr.host, addr.port, self.record.key, timeout=timeout,
                                identity=addr.identity(self.name), sock=tunnel.sock if tunnel else None)

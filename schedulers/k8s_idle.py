@@ -36,18 +36,21 @@ async def _watch(agent: Any, owner: str, limit: float, action: str) -> None:
             continue
         try:
             idle = await loop.run_in_executor(None, _pool_idle_seconds, agent)
-            if idle is not None and idle >= limit:
-                log.info("pool idle for %.0f s: %s %s", idle, "scaling to zero" if action == "scale_to_zero" else "deleting", owner)
-                await loop.run_in_executor(None, _end_pool, owner, action)
-                return
+            if idle is None or idle < limit or agent.idle_seconds() < limit:  # a run may have started meanwhile
+                continue
+            log.info("pool idle for %.0f s: %s %s", idle, "scaling to zero" if action == "scale_to_zero" else "deleting", owner)
+            await loop.run_in_executor(None, _end_pool, owner, action)
+            return
         except Exception as e:  # the API or a peer may be briefly unavailable: try again later
             log.warning("idle check failed: %s", e)
 
 
 def _pool_idle_seconds(agent: Any) -> Optional[float]:
-    """The least idle time over the pool's ready pods (peers that do not answer count as idle)."""
+    """The least idle time over the pool's ready pods; None when a ready peer does not answer
+    (a network problem is not idleness: ask again next round)."""
     from .. import wire
-    from .kubernetes import KubeApi, pod_index, pod_ready
+    from .k8s_api import KubeApi
+    from .k8s_pods import pod_index, pod_ready
 
     namespace = os.environ["MONARCH_TORCHX_POD_NAMESPACE"]
     api = KubeApi()
@@ -67,22 +70,27 @@ def _pool_idle_seconds(agent: Any) -> Optional[float]:
                 c.settimeout(5.0)
                 least = min(least, float(c.call("info")["idle_s"]))
         except (wire.WireError, wire.RemoteError, OSError, KeyError, ValueError) as e:
-            log.info("peer %s did not answer the idle check (%s): counted as idle", pod.metadata.name, e)
+            log.info("peer %s did not answer the idle check (%s): not ending the pool this round", pod.metadata.name, e)
+            return None
     return least
 
 
 def _end_pool(owner: str, action: str) -> None:
-    from .kubernetes import KubernetesProvisioner, KubeApi
+    """Deletes the owner object, or scales a StatefulSet to zero through its ``scale``
+    subresource: the only rights the pool's Role grants (see ``k8s_manifests.agent_rbac``)."""
+    from .k8s_api import KubeApi
+    from .kubernetes import KubernetesProvisioner
 
     namespace = os.environ["MONARCH_TORCHX_POD_NAMESPACE"]
     kind = "MonarchMesh" if owner.startswith("monarch.pytorch.org/") else "StatefulSet"
     name = owner.rsplit("/", 1)[-1]
     api = KubeApi()
     try:
-        calls = KubernetesProvisioner()._owner_calls(api, kind)
-        if action == "scale_to_zero":
-            api.call("patch", calls["resource"], namespace, calls["patch"], namespace, name, {"spec": {"replicas": 0}})
+        if action == "scale_to_zero" and kind == "StatefulSet":
+            api.call("patch", "statefulsets.apps/scale", namespace, api.apps.patch_namespaced_stateful_set_scale,
+                     name, namespace, {"spec": {"replicas": 0}}, _preload_content=False)
         else:
+            calls = KubernetesProvisioner()._owner_calls(api, kind)
             api.call("delete", calls["resource"], namespace, calls["delete"], namespace, name, ok=(404,))
     finally:
         api.close()

@@ -21,6 +21,7 @@ MESH_GROUP = "monarch.pytorch.org"
 MESH_VERSION = "v1alpha1"
 MESH_PLURAL = "monarchmeshes"
 MESH_KIND = "MonarchMesh"
+MESH_LABEL = "monarch.pytorch.org/mesh-name"  # what the monarch-kubernetes operator puts on a mesh's pods
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 POOL_LABEL = "monarch-torchx.pytorch.org/pool"
@@ -38,6 +39,15 @@ def object_name(pool: str) -> str:
     name = f"monarch-{base}"
     if base != pool or len(name) > 40:  # keep it unique and short enough for pod names + hostnames
         name = f"{name[:33].rstrip('-')}-{hashlib.sha256(pool.encode()).hexdigest()[:6]}"
+    return name
+
+
+def mesh_name(pool: str) -> str:
+    """The MonarchMesh CRD wants ``^[a-z][a-z0-9]*$`` (no hyphens) and at most 63 characters."""
+    base = re.sub(r"[^a-z0-9]+", "", pool.lower())
+    name = f"monarch{base}"
+    if base != pool or len(name) > 40:
+        name = f"{name[:33]}{hashlib.sha256(pool.encode()).hexdigest()[:6]}"
     return name
 
 
@@ -68,10 +78,11 @@ class KubePoolSpec:
     idle_timeout: float = 1800.0
     idle_action: str = "delete"
     python: str = "python"
+    kind: str = "StatefulSet"  # or MESH_KIND: the owner object, decided by what the cluster serves
 
     @property
     def name(self) -> str:
-        return object_name(self.pool)
+        return mesh_name(self.pool) if self.kind == MESH_KIND else object_name(self.pool)
 
     @property
     def labels(self) -> Dict[str, str]:
@@ -79,6 +90,9 @@ class KubePoolSpec:
 
     @property
     def selector(self) -> str:
+        """Finds the pool's pods: our label, or the operator's (it replaces a mesh's pod labels)."""
+        if self.kind == MESH_KIND:
+            return f"{MESH_LABEL}={self.name}"
         return f"{POOL_LABEL}={label_value(self.pool)}"
 
     @property
@@ -149,8 +163,10 @@ def pod_template(spec: KubePoolSpec) -> Dict[str, Any]:
         "containers": [container],
         "restartPolicy": "Always",
         "serviceAccountName": spec.account,
-        "volumes": [{"name": "pool-token", "secret": {"secretName": f"{spec.name}-token", "defaultMode": 0o400}},
+        # group-readable through fsGroup: the image runs as UID 1000, Secret files belong to root
+        "volumes": [{"name": "pool-token", "secret": {"secretName": f"{spec.name}-token", "defaultMode": 0o440}},
                     {"name": "state", "emptyDir": {}}],
+        "securityContext": {"fsGroup": 1000, "fsGroupChangePolicy": "OnRootMismatch"},
     }
     if spec.priority_class:
         pod_spec["priorityClassName"] = spec.priority_class
@@ -208,40 +224,46 @@ def statefulset(spec: KubePoolSpec) -> Dict[str, Any]:
 
 
 def monarch_mesh(spec: KubePoolSpec) -> Dict[str, Any]:
+    """The operator's CRD: ``podTemplate`` is a pod *spec*, and the pods get the operator's labels."""
+    template = with_owner_env(pod_template(spec), f"{MESH_GROUP}/{MESH_VERSION}/{MESH_PLURAL}/{spec.name}")
     return {
         "apiVersion": f"{MESH_GROUP}/{MESH_VERSION}", "kind": MESH_KIND, "metadata": _meta(spec, spec.name, kueue=True),
-        "spec": {"replicas": spec.replicas, "port": spec.port,
-                 "podTemplate": with_owner_env(pod_template(spec), f"{MESH_GROUP}/{MESH_VERSION}/{MESH_PLURAL}/{spec.name}")},
+        "spec": {"replicas": spec.replicas, "port": spec.port, "podTemplate": template["spec"]},
     }
 
 
-def headless_service(spec: KubePoolSpec, owner: Dict[str, Any]) -> Dict[str, Any]:
+def headless_service(spec: KubePoolSpec) -> Dict[str, Any]:
+    """Stable DNS names for a StatefulSet's pods (the mesh operator makes its own, NAME-svc)."""
     meta = _meta(spec, spec.name)
-    meta["ownerReferences"] = [owner_reference(owner)]
     return {"apiVersion": "v1", "kind": "Service", "metadata": meta,
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": spec.labels,
                      "ports": [{"name": "agent", "port": spec.port, "targetPort": spec.port, "protocol": "TCP"}]}}
 
 
-def token_secret(spec: KubePoolSpec, owner: Dict[str, Any], token: str) -> Dict[str, Any]:
+def token_secret(spec: KubePoolSpec, token: str) -> Dict[str, Any]:
     meta = _meta(spec, f"{spec.name}-token")
-    meta["ownerReferences"] = [owner_reference(owner)]
     return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque",
             "data": {"token": base64.b64encode(token.encode()).decode()}}
 
 
-def agent_rbac(spec: KubePoolSpec, owner: Dict[str, Any], owner_resource: str, owner_group: str) -> List[Dict[str, Any]]:
-    """A service account that may see its pool's pods and scale or delete its own owner object:
-    what agent 0 needs to act on the idle timeout when no client is around."""
-    ref = [owner_reference(owner)]
-    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {**_meta(spec, spec.name), "ownerReferences": ref}}
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-            "metadata": {**_meta(spec, spec.name), "ownerReferences": ref},
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
-                      {"apiGroups": [owner_group], "resources": [owner_resource], "resourceNames": [spec.name],
-                       "verbs": ["get", "patch", "delete"]}]}
+def agent_rbac(spec: KubePoolSpec) -> List[Dict[str, Any]]:
+    """A service account that may list its pool's pods and delete (or scale) its own owner object,
+    nothing more: what agent 0 needs to end an idle pool when no client is around. Scaling goes
+    through the ``scale`` subresource, so code in a pod cannot rewrite the pod template."""
+    if spec.kind == MESH_KIND:
+        owner_rules = [{"apiGroups": [MESH_GROUP], "resources": [MESH_PLURAL], "resourceNames": [spec.name],
+                        "verbs": ["get", "delete"]}]
+    elif spec.idle_action == "scale_to_zero":
+        owner_rules = [{"apiGroups": ["apps"], "resources": ["statefulsets/scale"], "resourceNames": [spec.name],
+                        "verbs": ["get", "patch"]}]
+    else:
+        owner_rules = [{"apiGroups": ["apps"], "resources": ["statefulsets"], "resourceNames": [spec.name],
+                        "verbs": ["get", "delete"]}]
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(spec, spec.name)}
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(spec, spec.name),
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}, *owner_rules]}
     binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-               "metadata": {**_meta(spec, spec.name), "ownerReferences": ref},
+               "metadata": _meta(spec, spec.name),
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": spec.name},
                "subjects": [{"kind": "ServiceAccount", "name": spec.name, "namespace": spec.namespace}]}
     return [sa, role, binding]
@@ -251,21 +273,24 @@ def agent_rbac(spec: KubePoolSpec, owner: Dict[str, Any], owner_resource: str, o
 
 MODEL_OF = {"StatefulSet": "V1StatefulSet", "Service": "V1Service", "Secret": "V1Secret",
             "ServiceAccount": "V1ServiceAccount", "Role": "V1Role", "RoleBinding": "V1RoleBinding",
-            "Pod": "V1Pod", "PodTemplateSpec": "V1PodTemplateSpec"}
+            "Pod": "V1Pod", "PodTemplateSpec": "V1PodTemplateSpec", "Scale": "V1Scale"}
 
 
 def schema_errors(obj: Dict[str, Any], model: Optional[str] = None) -> List[str]:
     """Checks ``obj`` against the Kubernetes schema of the official client's models: wrong types
     and missing required fields raise in the models, unknown fields are dropped by them (found by
     comparing the round trip). A MonarchMesh is checked through its pod template."""
-    if obj.get("kind") == MESH_KIND and model is None:
+    if obj.get("kind") == MESH_KIND and model is None:  # the CRD's own rules, then the pod spec's schema
         errs = []
         s = obj.get("spec", {})
-        if not isinstance(s.get("replicas"), int) or s["replicas"] < 0:
-            errs.append("spec.replicas must be a non-negative integer")
-        if not isinstance(s.get("port"), int):
+        name = obj.get("metadata", {}).get("name", "")
+        if not re.match(r"^[a-z][a-z0-9]*$", name) or len(name) > 63:
+            errs.append(f"metadata.name {name!r} must be lowercase alphanumeric, starting with a letter")
+        if not isinstance(s.get("replicas"), int) or s["replicas"] < 1:
+            errs.append("spec.replicas must be an integer of at least 1")
+        if "port" in s and not isinstance(s.get("port"), int):
             errs.append("spec.port must be an integer")
-        return errs + [f"spec.podTemplate: {e}" for e in schema_errors(s.get("podTemplate", {}), "V1PodTemplateSpec")]
+        return errs + [f"spec.podTemplate: {e}" for e in schema_errors(s.get("podTemplate", {}), "V1PodSpec")]
     from kubernetes.client import ApiClient
 
     model = model or MODEL_OF.get(obj.get("kind", ""))

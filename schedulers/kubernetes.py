@@ -1,109 +1,37 @@
 """``monarch_kubernetes``: a warm pool of pods, one agent each, kept by Kubernetes.
 
 A pool is one owner object: a ``MonarchMesh`` where the cluster has that CRD
-(meta-pytorch/monarch-kubernetes), else a StatefulSet (Parallel pod management); a headless
-Service, the pool secret and the agents' service account hang off it by owner reference, so
-deleting the owner deletes the pool. Kueue admits the owner object through its
-``kueue.x-k8s.io/queue-name`` label. Pods share no file system with the client, so the client
-writes the pool's host files itself from pod status: pod IP, the fixed agent port, and the pod
-UID, which is also the agent's handshake incarnation.
+(meta-pytorch/monarch-kubernetes; its operator makes the StatefulSet), else a StatefulSet
+(Parallel pod management) and a headless Service. The pool secret and the agents' service
+account hang off the owner by owner reference, so deleting the owner deletes the pool. Kueue
+admits the owner through its ``kueue.x-k8s.io/queue-name`` label. Pods share no file system with
+the client, so the client writes the pool's host files itself from pod status: pod IP, the
+agent port, and the pod UID, which is also the agent's handshake incarnation.
 """
 
 from __future__ import annotations
 
 import configparser
-import json
 import os
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..errors import AccessError, MonarchError
+from ..errors import MonarchError
 from ..pool import parse_duration
 from ..registry import HostAddr, PoolRecord, Registry
 from . import k8s_manifests as mf
 from .base import MonarchScheduler
+from .k8s_api import KubeApi, Tunnel, open_portforward
+from .k8s_pods import gated, pod_index, pod_problem, pod_ready
 
 SPEC_OPTS = ("namespace", "image", "cpu", "memMB", "gpu", "queue", "priority_class", "service_account",
              "node_selector", "tolerations", "pod_template", "port")
 PLAIN_OPTS = ("access", "idle_action", "context", "start_timeout", "image_repo")
-# container states that will not get better by waiting: the pool fails at once, with the reason
-FATAL_WAITING = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
-                 "CreateContainerConfigError", "CreateContainerError", "CrashLoopBackOff")
-KUEUE_GATE = "kueue.x-k8s.io/admission"
-API_TIMEOUT_S = 15
-
-
-# ---------------------------------------------------------------- API access
-
-
-class KubeApi:
-    """The official client for one kubeconfig context (or the pod's own service account), with
-    every failure turned into one line that says what to do."""
-
-    def __init__(self, context: Optional[str] = None):
-        try:
-            from kubernetes import client, config
-        except ImportError:
-            raise MonarchError("monarch_kubernetes needs the kubernetes client: "
-                               "pip install 'monarch-torchx[kubernetes]'") from None
-        self.client = client
-        try:
-            if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG") and context is None:
-                conf = client.Configuration()
-                config.load_incluster_config(client_configuration=conf)
-                self.api = client.ApiClient(conf)
-            else:
-                # the client reads $KUBECONFIG once, at import: read it now
-                self.api = config.new_client_from_config(config_file=os.environ.get("KUBECONFIG") or None,
-                                                         context=context)
-        except config.ConfigException as e:
-            where = os.environ.get("KUBECONFIG") or "~/.kube/config"
-            raise MonarchError(f"no usable Kubernetes configuration ({where}): {str(e).rstrip('.')}; "
-                               "set KUBECONFIG or run `kubectl config use-context`") from None
-        self.server = self.api.configuration.host
-        self.core = client.CoreV1Api(self.api)
-        self.apps = client.AppsV1Api(self.api)
-        self.custom = client.CustomObjectsApi(self.api)
-        self.rbac = client.RbacAuthorizationV1Api(self.api)
-
-    def call(self, verb: str, resource: str, namespace: Optional[str], fn: Callable[..., Any], *args: Any,
-             ok: Tuple[int, ...] = (), **kwargs: Any) -> Any:
-        """Runs one API call; statuses in ``ok`` come back as ``None`` instead of an error."""
-        from kubernetes.client.exceptions import ApiException
-        from urllib3.exceptions import HTTPError
-
-        kwargs.setdefault("_request_timeout", API_TIMEOUT_S)
-        try:
-            return fn(*args, **kwargs)
-        except ApiException as e:
-            if e.status in ok:
-                return None
-            raise MonarchError(api_error(e, verb, resource, namespace)) from None
-        except (HTTPError, OSError) as e:
-            reason = getattr(e, "reason", None) or e
-            raise MonarchError(f"the Kubernetes API server at {self.server} is unreachable ({reason}); "
-                               "check KUBECONFIG, the cluster and your network") from None
-
-    def close(self) -> None:
-        self.api.close()
-
-
-def api_error(e: Any, verb: str, resource: str, namespace: Optional[str]) -> str:
-    try:
-        message = json.loads(e.body).get("message", "") if e.body else ""
-    except (ValueError, AttributeError):
-        message = ""
-    message = message or e.reason or f"HTTP {e.status}"
-    where = f" in namespace {namespace!r}" if namespace else ""
-    if e.status == 403:
-        return (f"Kubernetes RBAC forbids {verb} {resource}{where}: {message} "
-                f"(ask for the right to {verb} {resource}, or use another namespace)")
-    if e.status == 401:
-        return f"Kubernetes rejected your credentials ({message}): refresh your kubeconfig"
-    return f"Kubernetes refused to {verb} {resource}{where}: {message}"
+# events that say why a pod went away (with every Warning)
+LOSS_EVENTS = ("Preempted", "Killing", "Evicted", "TaintManagerEviction", "NodeNotReady", "OOMKilling")
+RELEASE_WAIT_S = 60.0
 
 
 # ---------------------------------------------------------------- run options
@@ -197,81 +125,11 @@ def kube_spec(rec: PoolRecord) -> mf.KubePoolSpec:
         priority_class=s.get("priority_class"), service_account=s.get("service_account"),
         node_selector=s.get("node_selector") or {}, tolerations=s.get("tolerations") or [],
         pod_template=s.get("pod_template") or {}, preload=s.get("preload") or "",
-        idle_timeout=float(o.get("idle_timeout", 1800)), idle_action=o.get("idle_action", "delete"))
+        idle_timeout=float(o.get("idle_timeout", 1800)), idle_action=o.get("idle_action", "delete"),
+        kind=rec.allocation.get("kind", "StatefulSet"))
 
 
 # ---------------------------------------------------------------- pods
-
-
-def pod_index(pod: Any) -> Optional[int]:
-    labels = pod.metadata.labels or {}
-    raw = labels.get(mf.POD_INDEX_LABEL) or pod.metadata.name.rsplit("-", 1)[-1]
-    return int(raw) if str(raw).isdigit() else None
-
-
-def pod_ready(pod: Any) -> bool:
-    if pod.metadata.deletion_timestamp or pod.status is None or pod.status.phase != "Running":
-        return False
-    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
-
-
-def pod_problem(pod: Any) -> Tuple[str, bool]:
-    """(what is wrong with a pod that is not ready, whether waiting cannot fix it)."""
-    st = pod.status
-    name = pod.metadata.name
-    if st is None:
-        return f"pod {name}: no status yet", False
-    if st.phase == "Failed":
-        return f"pod {name} {st.reason or 'failed'}: {st.message or 'no message'}", True
-    for cs in st.container_statuses or []:
-        w = cs.state.waiting if cs.state else None
-        if w and w.reason in FATAL_WAITING:
-            if w.reason == "CrashLoopBackOff":
-                t = cs.last_state.terminated if cs.last_state else None
-                detail = f"exit code {t.exit_code}{f' ({t.reason})' if t and t.reason else ''}" if t else w.message
-                return f"pod {name}: agent keeps crashing: {detail}", True
-            return f"pod {name}: {w.reason}: {w.message or 'no message'}", True
-        t = cs.state.terminated if cs.state else None
-        if t:
-            return f"pod {name}: agent exited with code {t.exit_code}{f' ({t.reason})' if t.reason else ''}", False
-        if w and w.reason:
-            return f"pod {name}: {w.reason}", False
-    if pod.spec and any(g.name == KUEUE_GATE for g in pod.spec.scheduling_gates or []):
-        return f"pod {name}: waiting for Kueue admission", False
-    for c in st.conditions or []:
-        if c.type == "PodScheduled" and c.status == "False":
-            return f"pod {name}: {c.reason or 'unschedulable'}: {c.message or ''}".rstrip(": "), False
-    return f"pod {name}: {st.phase or 'Pending'}", False
-
-
-@dataclass
-class Tunnel:
-    """A stream to one agent through the API server's port-forward (a socket-like object)."""
-
-    sock: Any
-    forward: Any
-    port: int
-
-    def error(self) -> str:
-        err = self.forward.error(self.port)
-        return f"port-forward: {err.strip()}" if err else ""
-
-
-def tunnel_error(reason: str, namespace: str, pod: str) -> MonarchError:
-    """One line from a failed port-forward handshake ("Handshake status 403 ... -+-+- {Status})."""
-    m = re.search(r"Handshake status (\d+)", reason)
-    status = int(m.group(1)) if m else 0
-    try:
-        message = json.loads(reason.rsplit("-+-+-", 1)[1]).get("message", "")
-    except (IndexError, ValueError, AttributeError):
-        message = ""
-    if status in (401, 403):
-        return AccessError(f"Kubernetes RBAC forbids create pods/portforward in namespace {namespace!r}: "
-                           f"{message or reason} (ask for that right, or use access=pod_ip inside the cluster)")
-    if status:
-        return AccessError(f"the API server refused port-forward to pod {namespace}/{pod} (HTTP {status}"
-                           f"{': ' + message if message else ''}); use access=pod_ip from inside the cluster")
-    return AccessError(f"port-forward to pod {namespace}/{pod} failed: {reason}")
 
 
 def access_mode(rec: PoolRecord) -> str:
@@ -283,6 +141,12 @@ def access_mode(rec: PoolRecord) -> str:
 
 
 class KubernetesProvisioner:
+    """Creates, watches, repairs, resizes and releases a pool's Kubernetes objects.
+
+    Holds one API client per kubeconfig context for its life (a ``Pool`` keeps one provisioner),
+    so a health check of N hosts through port-forward reads the kubeconfig once, not N times.
+    """
+
     scheduler = "monarch_kubernetes"
     hosts_option = "replicas"
     client_cwd_on_hosts = False  # replicas start in the client's cwd (else the agent's)
@@ -296,7 +160,8 @@ class KubernetesProvisioner:
                  help="agent image: python, torch and monarch-torchx (see Dockerfile); default IMAGE_REPO/monarch-torchx:latest")
         opts.add("image_repo", type_=str, default=d.get("image_repo"),
                  help="repository of the agent image when image is not given (TorchX's kubernetes option)")
-        opts.add("queue", type_=str, default=d.get("queue"),
+        # not from [kubernetes]: there TorchX's queue is a Volcano queue, here a Kueue LocalQueue
+        opts.add("queue", type_=str, default=None,
                  help="Kueue LocalQueue: sets kueue.x-k8s.io/queue-name on the pool and its pods")
         opts.add("priority_class", type_=str, default=d.get("priority_class"), help="PriorityClass of the pods")
         opts.add("service_account", type_=str, default=d.get("service_account"),
@@ -355,10 +220,24 @@ class KubernetesProvisioner:
         spec["tolerations"] = parse_tolerations(cfg.get("tolerations")) or None
         spec["pod_template"] = load_pod_template(cfg.get("pod_template")) or None
 
-    # ------------------------------------------------------------ objects
+
+    def __init__(self) -> None:
+        self._apis: Dict[Optional[str], KubeApi] = {}
+
+    # ------------------------------------------------------------ API and objects
 
     def _api(self, rec: PoolRecord) -> KubeApi:
-        return KubeApi(rec.options.get("context"))
+        """The client for the pool's context; refuses when that context now points at another
+        cluster than the one the pool was created on (it would look gone, and be recreated there)."""
+        context = rec.options.get("context")
+        api = self._apis.get(context)
+        if api is None:
+            api = self._apis[context] = KubeApi(context)
+        made_on = rec.allocation.get("server")
+        if made_on and api.server != made_on:
+            raise MonarchError(f"pool {rec.name!r} lives on the API server {made_on}, but kubeconfig context "
+                               f"{api.context!r} points at {api.server}: switch back, or -cfg context=... ")
+        return api
 
     @staticmethod
     def has_monarch_mesh(api: KubeApi) -> bool:
@@ -378,7 +257,7 @@ class KubernetesProvisioner:
                 "get": lambda ns, name, **kw: api.custom.get_namespaced_custom_object(g, v, ns, p, name, **kw),
                 "patch": lambda ns, name, body, **kw: api.custom.patch_namespaced_custom_object(g, v, ns, p, name, body, **kw),
                 "delete": lambda ns, name, **kw: api.custom.delete_namespaced_custom_object(
-                    g, v, ns, p, name, propagation_policy="Background", **kw),
+                    g, v, ns, p, name, propagation_policy="Foreground", **kw),
             }
         return {
             "resource": "statefulsets.apps",
@@ -386,57 +265,85 @@ class KubernetesProvisioner:
             "get": lambda ns, name, **kw: plain(api.apps.read_namespaced_stateful_set(name, ns, **kw)),
             "patch": lambda ns, name, body, **kw: api.apps.patch_namespaced_stateful_set(name, ns, body, **kw),
             "delete": lambda ns, name, **kw: api.apps.delete_namespaced_stateful_set(
-                name, ns, propagation_policy="Background", **kw),
+                name, ns, propagation_policy="Foreground", **kw),
         }
 
+    @staticmethod
+    def _dependent_calls(api: KubeApi, kind: str) -> Dict[str, Any]:
+        """resource name and create/read/patch/delete for the objects that hang off the owner."""
+        core, rbac = api.core, api.rbac
+        resource, client, suffix = {
+            "Secret": ("secrets", core, "secret"), "Service": ("services", core, "service"),
+            "ServiceAccount": ("serviceaccounts", core, "service_account"),
+            "Role": ("roles.rbac.authorization.k8s.io", rbac, "role"),
+            "RoleBinding": ("rolebindings.rbac.authorization.k8s.io", rbac, "role_binding"),
+        }[kind]
+        return {"resource": resource, **{verb: getattr(client, f"{verb}_namespaced_{suffix}")
+                                         for verb in ("create", "read", "patch", "delete")}}
+
     def create(self, rec: PoolRecord) -> None:
+        """Dependents first (the secret and service account must exist before any pod), then the
+        owner, then owner references on the dependents. Nothing is left behind on failure."""
         for i in range(rec.num_hosts):
             Registry.clear_host(rec, i)
-        spec = kube_spec(rec)
         api = self._api(rec)
+        rec.options["context"] = api.context  # this pool stays on this cluster
+        spec = kube_spec(rec)
+        spec.kind = mf.MESH_KIND if self.has_monarch_mesh(api) else "StatefulSet"
+        if spec.kind == mf.MESH_KIND and spec.idle_action == "scale_to_zero":
+            raise MonarchError("idle_action=scale_to_zero: this cluster has the MonarchMesh CRD, whose replicas "
+                               "cannot be 0; use idle_action=delete")
+        ns = spec.namespace
+        owner_body = mf.monarch_mesh(spec) if spec.kind == mf.MESH_KIND else mf.statefulset(spec)
+        deps = [mf.token_secret(spec, rec.token)]
+        if spec.kind != mf.MESH_KIND:  # the operator makes a mesh's Service
+            deps.append(mf.headless_service(spec))
+        if not spec.service_account:
+            deps += mf.agent_rbac(spec)
+        for body in [owner_body, *deps]:
+            mf.check(body)
+        rec.allocation = {"kind": spec.kind, "name": spec.name, "namespace": ns, "server": api.server,
+                          "created": time.time()}
+        made: List[Dict[str, Any]] = []
         try:
-            kind = mf.MESH_KIND if self.has_monarch_mesh(api) else "StatefulSet"
-            owner_body = mf.monarch_mesh(spec) if kind == mf.MESH_KIND else mf.statefulset(spec)
-            mf.check(owner_body)
-            calls = self._owner_calls(api, kind)
-            ns = spec.namespace
+            for body in deps:
+                self._create_dependent(api, rec, body)
+                made.append(body)
+            calls = self._owner_calls(api, spec.kind)
             owner = api.call("create", calls["resource"], ns, calls["create"], ns, owner_body, ok=(409,))
             if owner is None:
                 raise MonarchError(
-                    f"a {kind} named {spec.name!r} already exists in namespace {ns!r} (left from an earlier pool "
-                    f"{rec.name!r}?): delete it (kubectl -n {ns} delete {calls['resource']} {spec.name}) or use another pool name")
-            rec.allocation = {"kind": kind, "name": spec.name, "namespace": ns, "uid": owner["metadata"]["uid"],
-                              "server": api.server, "created": time.time()}
-            deps = [mf.token_secret(spec, owner, rec.token), mf.headless_service(spec, owner)]
-            if not spec.service_account:
-                resource = mf.MESH_PLURAL if kind == mf.MESH_KIND else "statefulsets"
-                group = mf.MESH_GROUP if kind == mf.MESH_KIND else "apps"
-                deps += mf.agent_rbac(spec, owner, resource, group)
-            makers = {"Secret": (api.core.create_namespaced_secret, "secrets"),
-                      "Service": (api.core.create_namespaced_service, "services"),
-                      "ServiceAccount": (api.core.create_namespaced_service_account, "serviceaccounts"),
-                      "Role": (api.rbac.create_namespaced_role, "roles.rbac.authorization.k8s.io"),
-                      "RoleBinding": (api.rbac.create_namespaced_role_binding, "rolebindings.rbac.authorization.k8s.io")}
+                    f"a {spec.kind} named {spec.name!r} already exists in namespace {ns!r} (left from an earlier pool "
+                    f"{rec.name!r}?): delete it (kubectl -n {ns} delete {calls['resource']} {spec.name}) or use "
+                    "another pool name")
+            rec.allocation["uid"] = owner["metadata"]["uid"]
+            ref = {"metadata": {"ownerReferences": [mf.owner_reference(owner)]}}
             for body in deps:
-                mf.check(body)
-                fn, resource = makers[body["kind"]]
-                api.call("create", resource, ns, fn, ns, body)
-        finally:
-            api.close()
+                c = self._dependent_calls(api, body["kind"])
+                api.call("patch", c["resource"], ns, c["patch"], body["metadata"]["name"], ns, ref)
+        except BaseException:
+            for body in made:  # the owner (if any) is deleted by the caller's release
+                c = self._dependent_calls(api, body["kind"])
+                try:
+                    api.call("delete", c["resource"], ns, c["delete"], body["metadata"]["name"], ns, ok=(404,))
+                except MonarchError:
+                    pass
+            raise
 
-    def _pods(self, api: KubeApi, rec: PoolRecord) -> Dict[int, Any]:
-        """The pool's live pods by index (the newest, where a replacement overlaps its predecessor)."""
-        spec = kube_spec(rec)
-        pods = api.call("list", "pods", spec.namespace, api.core.list_namespaced_pod, spec.namespace,
-                        label_selector=spec.selector)
-        out: Dict[int, Any] = {}
-        for pod in pods.items:
-            i = pod_index(pod)
-            if i is None or (pod.metadata.labels or {}).get(mf.POOL_LABEL) != mf.label_value(rec.name):
-                continue
-            if i not in out or (pod.metadata.creation_timestamp or 0) >= (out[i].metadata.creation_timestamp or 0):
-                out[i] = pod
-        return out
+    def _create_dependent(self, api: KubeApi, rec: PoolRecord, body: Dict[str, Any]) -> None:
+        """Creates one dependent; one left by an earlier pool of this name that is still being
+        garbage-collected is waited for, anything else of that name is refused in one line."""
+        ns, name = rec.allocation["namespace"], body["metadata"]["name"]
+        c = self._dependent_calls(api, body["kind"])
+        resource = c["resource"]
+        deadline = time.time() + RELEASE_WAIT_S
+        while api.call("create", resource, ns, c["create"], ns, body, ok=(409,)) is None:
+            old = api.call("get", resource, ns, c["read"], name, ns, ok=(404,))
+            ours = old is not None and (old.metadata.labels or {}).get(mf.POOL_LABEL) == mf.label_value(rec.name)
+            if old is not None and (not ours or time.time() > deadline):
+                raise MonarchError(f"a {body['kind']} named {name!r} already exists in namespace {ns!r}: delete it "
+                                   f"(kubectl -n {ns} delete {resource} {name}) or use another pool name")
+            time.sleep(0.5)  # an earlier pool's object, on its way out
 
     def _owner(self, api: KubeApi, rec: PoolRecord) -> Optional[Dict[str, Any]]:
         a = rec.allocation
@@ -447,6 +354,35 @@ class KubernetesProvisioner:
         if obj is not None and a.get("uid") and obj["metadata"].get("uid") != a["uid"]:
             return None  # same name, another pool's object
         return obj
+
+    def _pods_owner_uid(self, api: KubeApi, rec: PoolRecord) -> Optional[str]:
+        """The UID the pool's pods name as their owner: ours, or the operator's StatefulSet's."""
+        a = rec.allocation
+        if a["kind"] != mf.MESH_KIND:
+            return a.get("uid")
+        sts = api.call("get", "statefulsets.apps", a["namespace"], api.apps.read_namespaced_stateful_set,
+                       a["name"], a["namespace"], ok=(404,))
+        if sts is None or not any(r.uid == a.get("uid") for r in sts.metadata.owner_references or []):
+            return None
+        return sts.metadata.uid
+
+    def _pods(self, api: KubeApi, rec: PoolRecord) -> Dict[int, Any]:
+        """The pool's pods by index: only those of this pool's owner (not a predecessor's, still
+        being collected), the newest where a replacement overlaps its predecessor."""
+        spec = kube_spec(rec)
+        owner_uid = self._pods_owner_uid(api, rec)
+        if owner_uid is None:
+            return {}
+        pods = api.call("list", "pods", spec.namespace, api.core.list_namespaced_pod, spec.namespace,
+                        label_selector=spec.selector)
+        out: Dict[int, Any] = {}
+        for pod in pods.items:
+            i = pod_index(pod)
+            if i is None or not any(r.uid == owner_uid for r in pod.metadata.owner_references or []):
+                continue
+            if i not in out or (pod.metadata.creation_timestamp or 0) >= (out[i].metadata.creation_timestamp or 0):
+                out[i] = pod
+        return out
 
     def _kueue_reason(self, api: KubeApi, rec: PoolRecord, pods: Dict[int, Any]) -> str:
         """Kueue's own message for a pool it has not admitted (its Workload's conditions)."""
@@ -469,7 +405,8 @@ class KubernetesProvisioner:
         owner = self._owner(api, rec)
         if owner is None:
             return {"state": "GONE", "reason": f"{rec.allocation.get('kind', 'owner object')} "
-                                               f"{rec.allocation.get('namespace')}/{rec.allocation.get('name')} was deleted"}
+                                               f"{rec.allocation.get('namespace')}/{rec.allocation.get('name')} was deleted",
+                    "pods": {}, "ready": [], "replicas": 0}
         pods = self._pods(api, rec)
         want = owner["spec"].get("replicas", 0)
         ready = sorted(i for i, p in pods.items() if pod_ready(p) and i < want)
@@ -477,11 +414,11 @@ class KubernetesProvisioner:
             return {"state": "SCALED_TO_ZERO", "reason": "scaled to zero (idle)", "owner": owner, "pods": pods,
                     "ready": ready, "replicas": want}
         problems = {i: pod_problem(p) for i, p in pods.items() if i not in ready and i < want}
-        gated = [i for i, p in pods.items() if any(g.name == KUEUE_GATE for g in (p.spec.scheduling_gates or []))]
+        waiting = [i for i, p in pods.items() if gated(p)]
         suspended = bool(owner["spec"].get("suspend"))
         state = "RUNNING" if len(ready) == want else "PENDING"
         reason = ""
-        if state == "PENDING" and (gated or suspended or (rec.spec.get("queue") and not pods)):
+        if state == "PENDING" and (waiting or suspended or (rec.spec.get("queue") and not pods)):
             reason = "Kueue: " + (self._kueue_reason(api, rec, pods) or "not admitted yet")
         elif problems:
             reason = "; ".join(p for p, _ in problems.values())
@@ -505,75 +442,69 @@ class KubernetesProvisioner:
             done.append(i)
         return done
 
+    # ------------------------------------------------------------ the Provisioner protocol
+
     def wait_ready(self, rec: PoolRecord, indices: List[int], old: Dict[int, str], timeout: float,
                    progress: Callable[[str], None]) -> None:
         deadline = time.time() + timeout
         pending = set(indices)
         said = ""
         api = self._api(rec)
-        try:
-            while True:
-                st = self._state(api, rec)
-                if st["state"] == "GONE":
-                    raise MonarchError(f"pool {rec.name!r} did not start: {st['reason']}")
-                pending -= set(self._publish_ready(rec, st["pods"], sorted(pending), old))
-                if not pending:
-                    return
-                for i, (problem, fatal) in st.get("problems", {}).items():
-                    if fatal and i in pending:
-                        raise MonarchError(f"pool {rec.name!r} did not start: {problem}")
-                line = f"{rec.allocation['kind']} {rec.allocation['namespace']}/{rec.allocation['name']}: " \
-                       f"{len(st['ready'])}/{st['replicas']} ready" + (f" ({st['reason']})" if st["reason"] else "")
-                if line != said:
-                    progress(line)
-                    said = line
-                if time.time() > deadline:
-                    why = f" ({st['reason']})" if st["reason"] else ""
-                    raise MonarchError(f"pool {rec.name!r}: {len(pending)} pod(s) not ready after {timeout:.0f} s{why}; "
-                                       "deleted the pool's objects (raise start_timeout to wait longer)")
-                time.sleep(0.2)
-        finally:
-            api.close()
+        while True:
+            st = self._state(api, rec)
+            if st["state"] == "GONE":
+                raise MonarchError(f"pool {rec.name!r} did not start: {st['reason']}")
+            pending -= set(self._publish_ready(rec, st["pods"], sorted(pending), old))
+            if not pending:
+                return
+            for i, (problem, fatal) in st.get("problems", {}).items():
+                if fatal and i in pending:
+                    raise MonarchError(f"pool {rec.name!r} did not start: {problem}")
+            line = f"{rec.allocation['kind']} {rec.allocation['namespace']}/{rec.allocation['name']}: " \
+                   f"{len(st['ready'])}/{st['replicas']} ready" + (f" ({st['reason']})" if st["reason"] else "")
+            if line != said:
+                progress(line)
+                said = line
+            if time.time() > deadline:
+                why = f" ({st['reason']})" if st["reason"] else ""
+                raise MonarchError(f"pool {rec.name!r}: {len(pending)} pod(s) not ready after {timeout:.0f} s{why} "
+                                   "(raise start_timeout to wait longer)")
+            time.sleep(0.2)
 
     def repair(self, rec: PoolRecord, indices: List[int]) -> List[int]:
         """Lost pods are deleted so the StatefulSet brings them back; a pool that idled out
         (deleted or scaled to zero) comes back whole."""
         api = self._api(rec)
-        try:
-            st = self._state(api, rec)
-            if st["state"] == "GONE":
-                self.create(rec)
+        st = self._state(api, rec)
+        if st["state"] == "GONE":
+            self.create(rec)
+            return list(range(rec.num_hosts))
+        a = rec.allocation
+        calls = self._owner_calls(api, a["kind"])
+        if st["replicas"] != rec.num_hosts:
+            api.call("patch", calls["resource"], a["namespace"], calls["patch"], a["namespace"], a["name"],
+                     {"spec": {"replicas": rec.num_hosts}})
+            if st["replicas"] == 0:
                 return list(range(rec.num_hosts))
-            a = rec.allocation
-            calls = self._owner_calls(api, a["kind"])
-            if st["replicas"] != rec.num_hosts:
-                body = {"spec": {"replicas": rec.num_hosts}}
-                api.call("patch", calls["resource"], a["namespace"], calls["patch"], a["namespace"], a["name"], body)
-                return list(range(rec.num_hosts)) if st["replicas"] == 0 else indices
-            for i in indices:
-                Registry.clear_host(rec, i)
-                pod = st["pods"].get(i)
-                if pod is not None and not pod.metadata.deletion_timestamp:
-                    api.call("delete", "pods", a["namespace"], api.core.delete_namespaced_pod,
-                             pod.metadata.name, a["namespace"], grace_period_seconds=5, ok=(404,))
-            return indices
-        finally:
-            api.close()
+        for i in indices:
+            Registry.clear_host(rec, i)
+            pod = st["pods"].get(i)
+            if pod is not None and not pod.metadata.deletion_timestamp:
+                api.call("delete", "pods", a["namespace"], api.core.delete_namespaced_pod,
+                         pod.metadata.name, a["namespace"], grace_period_seconds=5, ok=(404,))
+        return indices
 
     def resize(self, rec: PoolRecord, replicas: int) -> Tuple[List[int], Dict[int, str]]:
         """Scales the owner object, leaving running pods alone; returns the new indices to wait
         for and the pod UIDs they must not be (a pod being deleted may still hold the name)."""
         api = self._api(rec)
-        try:
-            st = self._state(api, rec)
-            if st["state"] == "GONE":
-                raise MonarchError(f"pool {rec.name!r} has no objects any more ({st['reason']}): the next run recreates it")
-            a = rec.allocation
-            calls = self._owner_calls(api, a["kind"])
-            api.call("patch", calls["resource"], a["namespace"], calls["patch"], a["namespace"], a["name"],
-                     {"spec": {"replicas": replicas}})
-        finally:
-            api.close()
+        st = self._state(api, rec)
+        if st["state"] == "GONE":
+            raise MonarchError(f"pool {rec.name!r} has no objects any more ({st['reason']}): the next run recreates it")
+        a = rec.allocation
+        calls = self._owner_calls(api, a["kind"])
+        api.call("patch", calls["resource"], a["namespace"], calls["patch"], a["namespace"], a["name"],
+                 {"spec": {"replicas": replicas}})
         old_n = rec.num_hosts
         rec.spec["hosts"] = replicas
         for i in range(replicas, old_n):
@@ -584,42 +515,29 @@ class KubernetesProvisioner:
     def open_tunnel(self, rec: PoolRecord, addr: HostAddr, timeout: float) -> Tunnel:
         """A stream to one agent through the API server (``kubectl port-forward``, for clients
         outside the cluster); the pool handshake then runs over it as over TCP."""
-        from kubernetes.client.exceptions import ApiException
-        from kubernetes.stream import portforward
-
         namespace, _, pod = addr.via.partition(":")[2].partition("/")
-        api = self._api(rec)
-        try:
-            forward = portforward(api.core.connect_get_namespaced_pod_portforward, pod, namespace,
-                                  ports=str(addr.port), _request_timeout=timeout)
-        except Exception as e:  # the client wraps websocket failures in ApiException(0) (and then trips on it)
-            inner = e if isinstance(e, ApiException) else (e.__context__ or e)
-            raise tunnel_error(getattr(inner, "reason", None) or str(inner), namespace, pod) from None
-        finally:
-            api.close()
-        return Tunnel(forward.socket(addr.port), forward, addr.port)
+        return open_portforward(self._api(rec), namespace, pod, addr.port, timeout)
 
     def release(self, rec: PoolRecord) -> None:
+        """Deletes the owner in the foreground (dependents first) and waits, a bounded while, until
+        it is gone, so that a pool created right after under the same name finds a clean slate."""
         a = rec.allocation
         if not a.get("name"):
             return
         api = self._api(rec)
-        try:
-            calls = self._owner_calls(api, a["kind"])
-            owner = self._owner(api, rec)
-            if owner is not None:  # dependents go with it (owner references)
-                api.call("delete", calls["resource"], a["namespace"], calls["delete"], a["namespace"], a["name"], ok=(404,))
-        finally:
-            api.close()
+        calls = self._owner_calls(api, a["kind"])
+        if self._owner(api, rec) is None:
+            return
+        api.call("delete", calls["resource"], a["namespace"], calls["delete"], a["namespace"], a["name"], ok=(404,))
+        deadline = time.time() + RELEASE_WAIT_S
+        while time.time() < deadline and self._owner(api, rec) is not None:
+            time.sleep(0.5)
 
     def loss_reason(self, rec: PoolRecord) -> Optional[str]:
         """Why hosts are gone: the pool's objects deleted, or each lost pod's own story (its
-        status while it lasts, then the Warning events Kubernetes kept about it: Evicted, OOM...)."""
+        status while it lasts, then the events Kubernetes kept about it: Evicted, Preempted...)."""
         try:
             api = self._api(rec)
-        except MonarchError as e:
-            return str(e)
-        try:
             st = self._state(api, rec)
             if st["state"] in ("GONE", "SCALED_TO_ZERO"):
                 return f"pool objects {st['reason']}"
@@ -640,29 +558,23 @@ class KubernetesProvisioner:
             return "; ".join(lost) or None
         except MonarchError as e:
             return str(e)
-        finally:
-            api.close()
 
     def _events(self, api: KubeApi, rec: PoolRecord, uid: str) -> str:
         ns = rec.allocation["namespace"]
         res = api.call("list", "events", ns, api.core.list_namespaced_event, ns,
                        field_selector=f"involvedObject.uid={uid}", ok=(403,))
-        warnings = [e for e in (res.items if res else []) if e.type == "Warning"]
-        return "; ".join(f"{e.reason}: {e.message}" for e in warnings[-2:])
+        told = [e for e in (res.items if res else []) if e.type == "Warning" or e.reason in LOSS_EVENTS]
+        return "; ".join(f"{e.reason}: {e.message}" for e in told[-2:])
 
     def describe(self, rec: PoolRecord) -> Dict[str, Any]:
         a = rec.allocation
         out: Dict[str, Any] = {"kind": a.get("kind"), "object": f"{a.get('namespace')}/{a.get('name')}"}
         try:
-            api = self._api(rec)
-            try:
-                st = self._state(api, rec)
-            finally:
-                api.close()
+            st = self._state(self._api(rec), rec)
         except MonarchError as e:
             return {**out, "state": "UNKNOWN", "reason": str(e)}
-        return {**out, "state": st["state"], "reason": st["reason"], "ready": f"{len(st.get('ready', []))}/{st.get('replicas', 0)}",
-                "queue": rec.spec.get("queue")}
+        return {**out, "state": st["state"], "reason": st["reason"],
+                "ready": f"{len(st.get('ready', []))}/{st.get('replicas', 0)}", "queue": rec.spec.get("queue")}
 
 
 def create_scheduler(session_name: str, **kwargs: Any) -> MonarchScheduler:

@@ -116,7 +116,12 @@ def test_pool_is_provisioned_once_and_reused_warm(cluster, home, pool_name, tmp_
     svc = cluster.objects("Service", "ml")[0]
     assert svc["spec"]["clusterIP"] == "None"
     secret = cluster.objects("Secret", "ml")[0]
-    assert secret["data"]["token"] and pod_spec["volumes"][0]["secret"]["defaultMode"] == 0o400
+    # the secret is readable by the image's user (UID 1000) through fsGroup, and by nobody else
+    assert secret["data"]["token"] and pod_spec["volumes"][0]["secret"]["defaultMode"] == 0o440
+    assert pod_spec["securityContext"]["fsGroup"] == 1000
+    role = next(o for o in cluster.objects("Role", "ml") if o["metadata"]["name"] == name)
+    assert role["rules"][1] == {"apiGroups": ["apps"], "resources": ["statefulsets"], "resourceNames": [name],
+                                "verbs": ["get", "delete"]}  # no patch: code in a pod cannot rewrite the pool
     pods = {p["metadata"]["name"]: p for p in cluster.objects("Pod", "ml")}
     assert sorted(pods) == [f"{name}-0", f"{name}-1"]
     assert {p["metadata"]["labels"][mf.POD_INDEX_LABEL] for p in pods.values()} == {"0", "1"}
@@ -165,16 +170,33 @@ def test_dist_ddp_gloo_all_reduce_across_two_pods(cluster, home, pool_name, tmp_
 
 
 def test_monarch_mesh_crd_is_used_when_the_cluster_has_it(mesh_cluster, home, pool_name, tmp_path):
+    """With the CRD, the pool is a MonarchMesh as meta-pytorch/monarch-kubernetes defines it: an
+    alphanumeric name, replicas >= 1, podTemplate a pod spec; its operator's StatefulSet, Service
+    and pod labels are what the pool then finds its pods by."""
     c = mesh_cluster
     h = _handle(torchx(home, "run", "-s", S, "-cfg", _cfg(pool_name, _free_port(), replicas=2), "utils.echo",
-                       "--msg", "mesh", cwd=tmp_path))
+                       "--num_replicas", "2", "--msg", "mesh", cwd=tmp_path))
     wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="echo")
     meshes = c.objects(mf.MESH_KIND, "default")
-    assert len(meshes) == 1 and not c.objects("StatefulSet")
+    name = mf.mesh_name(pool_name)
+    assert [m["metadata"]["name"] for m in meshes] == [name] and re.match(r"^[a-z][a-z0-9]*$", name)
     spec = meshes[0]["spec"]
-    assert spec["replicas"] == 2 and isinstance(spec["port"], int) and spec["podTemplate"]["spec"]["containers"]
+    assert spec["replicas"] == 2 and isinstance(spec["port"], int) and spec["podTemplate"]["containers"]
+    assert [s["metadata"]["name"] for s in c.objects("StatefulSet")] == [name]  # the operator's
+    assert sorted(s["metadata"]["name"] for s in c.objects("Service")) == [f"{name}-svc"]  # no second Service
+    pods = c.objects("Pod")
+    assert {p["metadata"]["labels"][mf.MESH_LABEL] for p in pods} == {name}
+    assert mf.POOL_LABEL not in pods[0]["metadata"]["labels"]
     assert Registry(home).get(pool_name).allocation["kind"] == mf.MESH_KIND
     assert c.objects("Secret")[0]["metadata"]["ownerReferences"][0]["kind"] == mf.MESH_KIND
+    # no scale-to-zero for a mesh (its CRD's minimum is 1): refused before anything is made
+    res = torchx(home, "pool", "create", f"{pool_name}z", "-s", S, "-cfg",
+                 f"port={_free_port()},preload=none,idle_action=scale_to_zero", check=False)
+    assert res.returncode == 1 and "cannot be 0; use idle_action=delete" in res.stderr
+    assert len(c.objects(mf.MESH_KIND)) == 1
+    torchx(home, "pool", "stop", pool_name)
+    wait_for(lambda: not c.objects("Pod") and not c.objects("StatefulSet") and not c.objects("Secret"),
+             timeout=15, what="the mesh and all it owns gone")
 
 
 def test_unknown_queue_stays_pending_with_kueues_reason_then_times_out(cluster, home, pool_name, tmp_path):
@@ -277,6 +299,19 @@ def test_resize_scales_without_touching_running_pods(cluster, home, pool_name, t
     assert res.returncode == 1 and "at least 1" in res.stderr
 
 
+def test_replace_makes_new_objects_and_the_old_ones_go(cluster, home, pool_name, tmp_path):
+    port = _free_port()
+    torchx(home, "pool", "create", pool_name, "-s", S, "-cfg", f"replicas=1,port={port},preload=none")
+    old_uid = cluster.objects("StatefulSet")[0]["metadata"]["uid"]
+    h = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name},image=other:2,replace=True", "utils.echo",
+                       cwd=tmp_path))
+    wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="echo on the replaced pool")
+    sts = cluster.objects("StatefulSet")
+    assert len(sts) == 1 and sts[0]["metadata"]["uid"] != old_uid
+    assert sts[0]["spec"]["template"]["spec"]["containers"][0]["image"] == "other:2"
+    assert len(cluster.objects("Secret")) == 1
+
+
 def test_resize_is_refused_where_the_engine_cannot(home, pool_name):
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
     res = torchx(home, "pool", "resize", pool_name, "--replicas", "2", check=False)
@@ -291,6 +326,9 @@ def test_idle_pool_ends_itself_and_the_next_run_brings_it_back(cluster, home, po
         wait_for(lambda: not cluster.objects("StatefulSet"), timeout=30, what="idle pool deleted by agent 0")
     else:
         wait_for(lambda: cluster.objects("StatefulSet")[0]["spec"]["replicas"] == 0, timeout=30, what="scaled to 0")
+        assert any(verb == "patch" and plural == "statefulsets/scale" for verb, plural, _ in cluster.server.received)
+        role = cluster.objects("Role")[0]
+        assert role["rules"][1]["resources"] == ["statefulsets/scale"] and role["rules"][1]["verbs"] == ["get", "patch"]
     wait_for(lambda: not cluster.pods, timeout=15, what="pods gone")
     st = _pool_status_json(home, pool_name)
     assert st["state"] != "healthy" and ("deleted" in st["allocation"]["reason"] or "zero" in st["allocation"]["reason"])
@@ -347,7 +385,7 @@ def test_pod_template_overlay_selectors_and_tolerations_reach_the_pods(cluster, 
     (tmp_path / "bad.yaml").write_text("spec:\n  containers:\n  - name: agent\n    imagePullPolicy: [1]\n    bogus: 1\n")
     res = torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name},pod_template={tmp_path / 'bad.yaml'}", "utils.echo",
                  check=False)
-    assert res.returncode != 0 and "bogus" in res.stderr or "imagePullPolicy" in res.stderr
+    assert res.returncode != 0 and "bogus" in res.stderr and "Traceback" not in res.stderr
     h = _handle(torchx(home, "run", "-s", S, "-cfg",
                        _cfg(pool_name, _free_port(), pod_template=tmp_path / "overlay.yaml",
                             node_selector="pool:a100,zone:z1", tolerations="gpu:true:NoSchedule,spot::NoExecute", gpu=1),
@@ -368,9 +406,11 @@ def test_pod_template_overlay_selectors_and_tolerations_reach_the_pods(cluster, 
 
 def test_torchxconfig_kubernetes_section_supplies_defaults(cluster, home, pool_name, tmp_path):
     port = _free_port()
-    (tmp_path / ".torchxconfig").write_text(f"[kubernetes]\nnamespace = research\nqueue = team-a\nport = {port}\n")
+    # [kubernetes] is TorchX's section: its queue is a Volcano queue, so only [monarch_kubernetes] sets Kueue's
+    (tmp_path / ".torchxconfig").write_text(f"[kubernetes]\nnamespace = research\nqueue = volcano-q\nport = {port}\n\n"
+                                            "[monarch_kubernetes]\nqueue = team-a\n")
     res = torchx(home, "run", "--dryrun", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo", cwd=tmp_path)
-    assert "namespace=research" in res.stdout and "queue=team-a" in res.stdout
+    assert "namespace=research" in res.stdout and "queue=team-a" in res.stdout and "volcano" not in res.stdout
     h = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name},preload=none", "utils.echo", cwd=tmp_path))
     wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="echo")
     assert cluster.objects("StatefulSet", "research")[0]["metadata"]["labels"][mf.KUEUE_QUEUE_LABEL] == "team-a"
