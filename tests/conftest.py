@@ -41,17 +41,22 @@ def agent_pids(home: Path) -> List[int]:
     return pids
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    h = tmp_path / "mt_home"
-    monkeypatch.setenv("MONARCH_TORCHX_HOME", str(h))
-    yield h
-    reg = Registry(h)
+def stop_all_pools(home: Path) -> None:
+    """Stops every pool of a registry home (best effort: one that cannot be stopped is skipped)."""
+    reg = Registry(home)
     for rec in reg.list():
         try:
             stop_pool(rec.name, reg)
         except MonarchError:
             pass
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    h = tmp_path / "mt_home"
+    monkeypatch.setenv("MONARCH_TORCHX_HOME", str(h))
+    yield h
+    stop_all_pools(h)
     deadline = time.time() + 10
     while agent_pids(h) and time.time() < deadline:
         time.sleep(0.1)

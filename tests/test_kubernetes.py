@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from monarch_torchx.errors import MonarchError
-from monarch_torchx.pool import attach, stop_pool
+from monarch_torchx.pool import attach
 from monarch_torchx.registry import Registry
 from monarch_torchx.schedulers import k8s_manifests as mf
 
-from .conftest import torchx, wait_for
+from .conftest import stop_all_pools, torchx, wait_for
 from .fixtures.k8s_cluster import Cluster
 from .test_cli import TRAIN
 
@@ -56,12 +56,7 @@ def _run_cluster(c: Cluster, home: Path, monkeypatch):
         yield c
         assert not c.server.invalid, f"objects that fail the Kubernetes schema: {c.server.invalid}"
     finally:
-        reg = Registry(home)
-        for rec in reg.list():
-            try:
-                stop_pool(rec.name, reg)
-            except MonarchError:
-                pass
+        stop_all_pools(home)  # while the cluster is up to hear it
         try:
             wait_for(lambda: not c.pods, timeout=10, what="pods to end with their pool")
         finally:
