@@ -139,6 +139,41 @@ def cmd_resize(args: argparse.Namespace) -> None:
     print(f"pool {pool.name!r} has {pool.record.num_hosts} host(s)")
 
 
+def cmd_sync(args: argparse.Namespace) -> None:
+    from .pool import attach
+    from .syncfs import sync
+
+    pool = attach(args.pool)
+    hosts = [int(x) for x in args.hosts.split(",")] if args.hosts else None
+    quiet = args.json or not sys.stderr.isatty()
+    report = sync(pool, args.src, args.to, hosts=hosts,
+                  progress=(lambda m: None) if quiet else (lambda m: print(f"\r{m}\033[K", end="", file=sys.stderr,
+                                                                             flush=True)))
+    if not quiet:
+        print(file=sys.stderr)
+    if args.json:
+        print(report.to_json())
+    else:
+        for h in report.hosts:
+            print(f"host {h.index}: " + (f"generation {h.generation} at {h.path} ({h.bytes_sent / 1e6:.1f} MB sent)"
+                                         if h.ok else f"FAILED: {h.error}"))
+        print(f"{report.files} file(s), {report.bytes / 1e6:.1f} MB; sent {report.bytes_sent / 1e6:.1f} MB, "
+              f"skipped {report.bytes_skipped / 1e6:.1f} MB in {report.seconds:.2f} s")
+    if not report.ok:
+        sys.exit(1)
+
+
+def add_sync_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="directory to sync (a checkout, a virtualenv, ...)")
+    p.add_argument("--pool", required=True, help="pool whose hosts receive it")
+    p.add_argument("--to", required=True,
+                   help="target path on every host: relative = in the pool's own sync area; absolute = under an "
+                        "allowed root (/workspace, /env, $MONARCH_TORCHX_SYNC_ROOTS)")
+    p.add_argument("--hosts", default="", help="comma-separated host indices (default: all)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(pool_fn=cmd_sync)
+
+
 def cmd_stop(args: argparse.Namespace) -> None:
     from .pool import stop_pool
 
@@ -223,7 +258,7 @@ def cmd_tables(args: argparse.Namespace) -> None:
 
 
 def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="pool_cmd", metavar="{create,list,status,resize,stop}")
+    sub = parser.add_subparsers(dest="pool_cmd", metavar="{create,list,status,resize,sync,stop}")
     sub.required = True
     p = sub.add_parser("create", help="create a warm pool (torchx run also creates on first use)")
     p.add_argument("name", help="pool name")
@@ -241,6 +276,7 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="pool name")
     p.add_argument("--replicas", "--hosts", dest="replicas", type=int, required=True, help="the new number of hosts")
     p.set_defaults(pool_fn=cmd_resize)
+    add_sync_arguments(sub.add_parser("sync", help="sync a directory to every host (same as `monarch-torchx sync`)"))
     p = sub.add_parser("stop", help="stop a pool: kills its apps, releases its hosts")
     p.add_argument("name", help="pool name")
     p.set_defaults(pool_fn=cmd_stop)
@@ -258,9 +294,10 @@ def run_pool(args: argparse.Namespace) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="monarch-torchx", description="Warm pools for TorchX, submitit and actors.")
-    sub = parser.add_subparsers(dest="cmd", metavar="{pool,sql,stacks,tables}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{pool,sync,sql,stacks,tables}")
     sub.required = True
     add_pool_arguments(sub.add_parser("pool", help="create, list, inspect and stop warm pools"))
+    add_sync_arguments(sub.add_parser("sync", help="sync a directory (code, a virtualenv) to every host of a pool"))
     p = sub.add_parser("sql", help="ask every host of a pool one SQL question (logs, procs, events)")
     p.add_argument("query", help="a SELECT over the tables of `monarch-torchx tables`")
     p.add_argument("--pool", required=True)

@@ -165,6 +165,12 @@ class Pool:
         with ThreadPoolExecutor(max_workers=min(32, len(indices))) as ex:
             return list(ex.map(one, indices))
 
+    def sync(self, src: str, target: str, hosts: Optional[List[int]] = None) -> Any:
+        """Syncs directory ``src`` to ``target`` on every host; returns a ``syncfs.SyncReport``."""
+        from .syncfs import sync
+
+        return sync(self, src, target, hosts=hosts)
+
     def sql(self, query: str, timeout: float = 30.0) -> Any:
         """One SQL question over every host's telemetry tables -> pyarrow.Table (see `monarch-torchx tables`).
 

@@ -1,0 +1,151 @@
+"""What a tree is, independent of where it lives: a manifest of entries and content-addressed chunks.
+
+Files are cut into content-defined chunks (FastCDC), so an edit in the middle of a large file
+changes only the chunks around it, and each chunk is named by its BLAKE3 hash, so a host that
+has a chunk never receives it again. Hashing an unchanged tree is skipped through a cache keyed
+by each file's size, mtime and inode: a no-op resync reads metadata only.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import stat
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import blake3
+import fastcdc
+
+SMALL_FILE = 256 << 10  # below this a file is one chunk
+CDC = {"min_size": 256 << 10, "avg_size": 1 << 20, "max_size": 4 << 20}
+
+
+@dataclass
+class Entry:
+    """One path of the tree. ``kind``: f(ile), d(ir), l (symlink), h (hard link to ``target``)."""
+
+    path: str
+    kind: str
+    mode: int
+    size: int = 0
+    mtime_ns: int = 0
+    chunks: List[Tuple[str, int]] = field(default_factory=list)  # (blake3 hex, size), in file order
+    target: str = ""
+
+
+@dataclass
+class Manifest:
+    entries: List[Entry]
+
+    def chunk_sizes(self) -> Dict[str, int]:
+        return {h: n for e in self.entries for h, n in e.chunks}
+
+    @property
+    def bytes(self) -> int:
+        return sum(e.size for e in self.entries if e.kind == "f")
+
+    def to_json(self) -> str:
+        return json.dumps([asdict(e) for e in self.entries], separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        return cls([Entry(**{**d, "chunks": [tuple(c) for c in d["chunks"]]}) for d in json.loads(text)])
+
+
+@dataclass
+class ChunkSource:
+    """Where the client reads a chunk from."""
+
+    path: str
+    offset: int
+    size: int
+
+
+def chunk_file(path: str, size: int) -> List[Tuple[str, int, int]]:
+    """(hash, offset, size) of each content-defined chunk of a file."""
+    if size == 0:
+        return []
+    with open(path, "rb") as f:
+        if size <= SMALL_FILE:
+            data = f.read()
+            return [(blake3.blake3(data).hexdigest(), 0, len(data))]
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            view = memoryview(m)
+            try:
+                return [(blake3.blake3(view[c.offset:c.offset + c.length]).hexdigest(), c.offset, c.length)
+                        for c in fastcdc.fastcdc(m, fat=False, hf=None, **CDC)]
+            finally:
+                view.release()
+
+
+class HashCache:
+    """Per-source cache of file chunk lists, keyed by (size, mtime_ns, inode); a JSON file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.data: Dict[str, list] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            self.data = {}
+        self.used: Dict[str, list] = {}
+
+    def get(self, rel: str, st: os.stat_result) -> Optional[List[Tuple[str, int, int]]]:
+        hit = self.data.get(rel)
+        if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns and hit[2] == st.st_ino:
+            self.used[rel] = hit
+            return [tuple(c) for c in hit[3]]
+        return None
+
+    def put(self, rel: str, st: os.stat_result, chunks: List[Tuple[str, int, int]]) -> None:
+        self.used[rel] = [st.st_size, st.st_mtime_ns, st.st_ino, chunks]
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + f".{os.getpid()}")
+        tmp.write_text(json.dumps(self.used, separators=(",", ":")))
+        os.replace(tmp, self.path)
+
+
+def _walk(root: str) -> Iterator[Tuple[str, os.DirEntry]]:
+    stack = [""]
+    while stack:
+        rel_dir = stack.pop()
+        with os.scandir(os.path.join(root, rel_dir) if rel_dir else root) as it:
+            for d in sorted(it, key=lambda d: d.name):
+                rel = f"{rel_dir}/{d.name}" if rel_dir else d.name
+                yield rel, d
+                if d.is_dir(follow_symlinks=False):
+                    stack.append(rel)
+
+
+def scan(root: str, cache: Optional[HashCache] = None) -> Tuple[Manifest, Dict[str, ChunkSource]]:
+    """The manifest of ``root`` and where each of its chunks can be read."""
+    entries: List[Entry] = []
+    sources: Dict[str, ChunkSource] = {}
+    seen_inodes: Dict[Tuple[int, int], str] = {}
+    for rel, d in _walk(root):
+        st = d.stat(follow_symlinks=False)
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_ISDIR(st.st_mode):
+            entries.append(Entry(rel, "d", mode))
+        elif stat.S_ISLNK(st.st_mode):
+            entries.append(Entry(rel, "l", mode, target=os.readlink(d.path)))
+        elif stat.S_ISREG(st.st_mode):
+            key = (st.st_dev, st.st_ino)
+            if st.st_nlink > 1 and key in seen_inodes:
+                entries.append(Entry(rel, "h", mode, target=seen_inodes[key]))
+                continue
+            seen_inodes[key] = rel
+            chunks = cache.get(rel, st) if cache else None
+            if chunks is None:
+                chunks = chunk_file(d.path, st.st_size)
+                if cache:
+                    cache.put(rel, st, chunks)
+            for h, off, n in chunks:
+                sources.setdefault(h, ChunkSource(d.path, off, n))
+            entries.append(Entry(rel, "f", mode, st.st_size, st.st_mtime_ns, [(h, n) for h, _, n in chunks]))
+        # sockets, fifos and devices are not synced
+    return Manifest(entries), sources

@@ -1,0 +1,217 @@
+"""A host's side of syncfs: a chunk store on node-local disk and the generations built from it.
+
+Each sync commits an immutable generation: a read-only tree materialized from chunks (files
+unchanged since the previous generation are hard links to it, so a small change costs a small
+commit), then the target path, a symlink, is switched to it with one atomic rename. Readers
+never see a half-built tree, and files opened in an older generation keep working. Only the
+current and the previous generation are kept; chunks no kept generation uses are removed once
+they are an hour old (younger ones may belong to a sync still in flight).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import blake3
+
+from .manifest import Manifest
+
+KEEP_GENERATIONS = 2
+# an unreferenced chunk younger than this may belong to a sync still in flight: kept
+GC_GRACE_S = 3600.0
+
+
+class StoreError(Exception):
+    """A one-line reason a host could not store or commit (disk full, bad chunk, bad target)."""
+
+
+def _disk_error(e: OSError, what: str) -> StoreError:
+    if e.errno == errno.ENOSPC:
+        return StoreError(f"disk full while {what} ({e.filename or ''}); the previous generation is intact")
+    return StoreError(f"{what} failed: {e.strerror or e}")
+
+
+class ChunkStore:
+    def __init__(self, root: Path):
+        self.root = root
+        self.chunks = root / "chunks"
+        self.targets = root / "targets"
+        for d in (self.chunks, self.targets):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def chunk_path(self, h: str) -> Path:
+        if len(h) != 64 or not all(c in "0123456789abcdef" for c in h):
+            raise StoreError(f"bad chunk name {h[:80]!r}")
+        return self.chunks / h[:2] / h
+
+    def missing(self, hashes: Iterable[str]) -> List[str]:
+        """The chunks not stored here; those that are get their mtime refreshed, so garbage
+        collection spares them until the sync that is about to rely on them has committed."""
+        out = []
+        for h in hashes:
+            p = self.chunk_path(h)
+            try:
+                os.utime(p)
+            except FileNotFoundError:
+                out.append(h)
+        return out
+
+    def put(self, chunks: List[Tuple[str, bytes]]) -> int:
+        """Stores verified chunks; a chunk whose bytes do not hash to its name is refused whole."""
+        for h, data in chunks:
+            if blake3.blake3(data).hexdigest() != h:
+                raise StoreError(f"chunk {h[:12]} does not match its hash (corrupted in transit); resend it")
+        stored = 0
+        for h, data in chunks:
+            p = self.chunk_path(h)
+            if p.exists():
+                continue
+            p.parent.mkdir(exist_ok=True)
+            tmp = p.with_name(f".{h}.{os.getpid()}")
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, p)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                raise _disk_error(e, f"storing chunk {h[:12]}") from None
+            stored += len(data)
+        return stored
+
+    # ------------------------------------------------------------ generations
+
+    def target_dir(self, target: Path) -> Path:
+        return self.targets / hashlib.sha256(str(target).encode()).hexdigest()[:16]
+
+    def generations(self, target: Path) -> List[int]:
+        d = self.target_dir(target)
+        return sorted(int(p.name[4:]) for p in d.glob("gen-*") if p.is_dir() and p.name[4:].isdigit()) if d.is_dir() else []
+
+    def current(self, target: Path) -> Optional[int]:
+        try:
+            name = os.readlink(target)
+        except OSError:
+            return None
+        base = os.path.basename(name)
+        return int(base[4:]) if base.startswith("gen-") and base[4:].isdigit() else None
+
+    def commit(self, target: Path, manifest: Manifest) -> int:
+        """Builds the next generation and switches ``target`` to it; returns its number."""
+        if os.path.lexists(target) and not os.path.islink(target):
+            raise StoreError(f"{target} exists and is not a syncfs target (a symlink to a generation): "
+                             "remove it or choose another --to")
+        gens = self.generations(target)
+        n = (gens[-1] if gens else 0) + 1
+        tdir = self.target_dir(target)
+        tdir.mkdir(parents=True, exist_ok=True)
+        for stale in tdir.glob("gen-*.tmp"):  # left by a commit that died (host killed mid-commit)
+            _rmtree(stale)
+        build = tdir / f"gen-{n}.tmp"
+        prev = self.current(target)
+        prev_dir = tdir / f"gen-{prev}" if prev else None
+        prev_files = _previous_files(tdir / f"gen-{prev}.json") if prev_dir and prev_dir.is_dir() else {}
+        missing = self.missing(manifest.chunk_sizes())
+        if missing:
+            raise StoreError(f"{len(missing)} chunk(s) missing (first {missing[0][:12]}): the sync did not finish")
+        try:
+            _materialize(build, manifest, self, prev_dir, prev_files)
+            (tdir / f"gen-{n}.json").write_text(manifest.to_json())  # beside the tree, not in it
+            _read_only(build, manifest)
+            final = tdir / f"gen-{n}"
+            os.rename(build, final)
+        except OSError as e:
+            _rmtree(build)
+            raise _disk_error(e, f"building generation {n} of {target}") from None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        link = target.with_name(f".{target.name}.syncfs-{os.getpid()}")
+        if os.path.lexists(link):
+            os.unlink(link)
+        os.symlink(final, link)
+        os.replace(link, target)  # the switch: atomic for every reader
+        self._collect(target)
+        return n
+
+    def _collect(self, target: Path) -> None:
+        """Keeps the newest generations of every target; drops chunks none of them uses."""
+        tdir = self.target_dir(target)
+        for g in self.generations(target)[:-KEEP_GENERATIONS]:
+            _rmtree(tdir / f"gen-{g}")
+            (tdir / f"gen-{g}.json").unlink(missing_ok=True)
+        used = set()
+        for man in self.targets.glob("*/gen-*.json"):
+            try:
+                used |= set(Manifest.from_json(man.read_text()).chunk_sizes())
+            except (OSError, ValueError):
+                return  # unreadable: keep everything rather than delete what may be in use
+        old = time.time() - GC_GRACE_S
+        for sub in self.chunks.iterdir():
+            for p in sub.iterdir():
+                if p.name not in used and not p.name.startswith("."):
+                    try:
+                        if p.stat().st_mtime < old:
+                            p.unlink()
+                    except FileNotFoundError:
+                        pass
+
+
+def _previous_files(manifest_path: Path) -> Dict[str, Tuple[Tuple[Tuple[str, int], ...], int]]:
+    try:
+        man = Manifest.from_json(manifest_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {e.path: (tuple(e.chunks), e.mode) for e in man.entries if e.kind == "f"}
+
+
+def _safe(rel: str) -> str:
+    parts = rel.split("/")
+    if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise StoreError(f"unsafe path in manifest: {rel!r}")
+    return rel
+
+
+def _materialize(build: Path, manifest: Manifest, store: ChunkStore, prev_dir: Optional[Path],
+                 prev_files: Dict[str, Tuple[Tuple[Tuple[str, int], ...], int]]) -> None:
+    build.mkdir()
+    for e in manifest.entries:
+        dst = build / _safe(e.path)
+        if e.kind == "d":
+            dst.mkdir(exist_ok=True)
+        elif e.kind == "l":
+            os.symlink(e.target, dst)
+        elif e.kind == "h":
+            os.link(build / _safe(e.target), dst)
+        elif e.kind == "f":
+            if prev_dir is not None and prev_files.get(e.path) == (tuple(e.chunks), e.mode):
+                os.link(prev_dir / e.path, dst)  # unchanged: the same read-only inode
+                continue
+            with open(dst, "wb") as out:
+                for h, _ in e.chunks:
+                    with open(store.chunk_path(h), "rb") as src:
+                        shutil.copyfileobj(src, out, 1 << 20)
+            os.chmod(dst, e.mode & ~0o222)
+
+
+def _read_only(build: Path, manifest: Manifest) -> None:
+    for e in sorted((e for e in manifest.entries if e.kind == "d"), key=lambda e: -e.path.count("/")):
+        os.chmod(build / e.path, (e.mode | 0o500) & ~0o222)
+    os.chmod(build, 0o555)
+
+
+def _rmtree(path: Path) -> None:
+    """Removes a generation (read-only directories included)."""
+    if not path.exists():
+        return
+    for d, dirs, _ in os.walk(path):
+        for x in dirs:
+            try:
+                os.chmod(os.path.join(d, x), 0o700)
+            except OSError:
+                pass
+    os.chmod(path, 0o700)
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,244 @@
+"""syncfs on a real 2-host monarch_local pool: content-addressed chunks, generations switched
+atomically, and the faults the issue lists. Each test keeps the hosts' stores in its tmp dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from monarch_torchx import wire
+from monarch_torchx.pool import PoolRequest, attach, ensure_pool
+
+from .conftest import BIN, cli_env, wait_for
+
+CLI = str(BIN / "monarch-torchx")
+
+
+@pytest.fixture
+def pool(home, pool_name, tmp_path, monkeypatch):
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))
+    return ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 2, "preload": ""}))
+
+
+def make_tree(root: Path) -> Path:
+    (root / "pkg" / "sub").mkdir(parents=True)
+    (root / "empty").mkdir()
+    (root / "pkg" / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    (root / "pkg" / "run.sh").chmod(0o755)
+    (root / "pkg" / "sub" / "big.bin").write_bytes(os.urandom(5 << 20))
+    (root / "zero").write_bytes(b"")
+    (root / "ünïcødé ñame.txt").write_text("π\n")
+    os.link(root / "pkg" / "run.sh", root / "hardlink.sh")
+    (root / "link").symlink_to("pkg/run.sh")
+    (root / "dangling").symlink_to("does/not/exist")
+    return root
+
+
+def sync_cli(home, *args, check=True) -> subprocess.CompletedProcess:
+    res = subprocess.run([CLI, "sync", *args], env=cli_env(home), capture_output=True, text=True, timeout=300)
+    if check and res.returncode != 0:
+        raise AssertionError(f"sync failed ({res.returncode}): {res.stdout}\n{res.stderr}")
+    return res
+
+
+def assert_same_tree(src: Path, dst: Path) -> None:
+    names = sorted(str(p.relative_to(src)) for p in src.rglob("*"))
+    assert sorted(str(p.relative_to(dst)) for p in dst.rglob("*")) == names
+    for rel in names:
+        a, b = src / rel, dst / rel
+        if a.is_symlink():
+            assert b.is_symlink() and os.readlink(a) == os.readlink(b), rel
+        elif a.is_dir():
+            assert b.is_dir() and not b.is_symlink(), rel
+        else:
+            assert b.read_bytes() == a.read_bytes(), rel
+            assert b.stat().st_mode & 0o555 == a.stat().st_mode & 0o555, rel  # exec bits kept
+            assert b.stat().st_mode & 0o222 == 0, rel  # read-only
+
+
+def test_sync_a_tree_to_every_host(pool, home, tmp_path):
+    src = make_tree(tmp_path / "src")
+    res = sync_cli(home, str(src), "--pool", pool.name, "--to", "work", "--json")
+    report = json.loads(res.stdout)
+    assert set(report) >= {"files", "bytes_sent", "bytes_skipped", "seconds", "generation", "hosts"}
+    assert report["generation"] == 1 and len(report["hosts"]) == 2
+    assert report["bytes_sent"] >= 2 * (5 << 20)
+    for h in report["hosts"]:
+        dst = Path(h["path"])
+        assert h["ok"] and dst.is_symlink()
+        assert_same_tree(src, dst)
+        assert os.stat(dst / "hardlink.sh").st_ino == os.stat(dst / "pkg" / "run.sh").st_ino  # hard link kept
+    assert report["hosts"][0]["path"] != report["hosts"][1]["path"]  # each host its own store
+
+    # a no-op resync sends nothing and still commits a (new, identical) generation
+    again = json.loads(sync_cli(home, str(src), "--pool", pool.name, "--to", "work", "--json").stdout)
+    assert again["bytes_sent"] == 0 and again["generation"] == 2
+    assert again["bytes_skipped"] == 2 * again["bytes"]
+    text = sync_cli(home, str(src), "--pool", pool.name, "--to", "work").stdout
+    assert "host 0: generation 3" in text and "sent 0.0 MB" in text
+    # only the current and the previous generation are kept
+    gens = sorted(p.name for p in Path(report["hosts"][0]["path"]).resolve().parent.glob("gen-*") if p.is_dir())
+    assert gens == ["gen-2", "gen-3"]
+
+
+def test_an_edit_in_a_large_file_resends_only_nearby_chunks(pool, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    data = bytearray(os.urandom(48 << 20))
+    (src / "weights.bin").write_bytes(data)
+    first = pool.sync(str(src), "w", hosts=[0])
+    assert first.ok and first.bytes_sent == 48 << 20
+    data[24 << 20: (24 << 20) + 100] = os.urandom(100)
+    (src / "weights.bin").write_bytes(data)
+    second = pool.sync(str(src), "w", hosts=[0])
+    assert second.ok and 0 < second.bytes_sent <= 8 << 20, second.bytes_sent  # at most two 4 MiB chunks
+    assert Path(second.hosts[0].path, "weights.bin").read_bytes() == bytes(data)
+
+
+def test_open_files_of_the_old_generation_keep_working(pool, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "cfg.txt").write_text("v1\n")
+    path = Path(pool.sync(str(src), "live", hosts=[0]).hosts[0].path)
+    with open(path / "cfg.txt") as f:
+        (src / "cfg.txt").write_text("v2 longer\n")
+        r = pool.sync(str(src), "live", hosts=[0])
+        assert r.generation == 2 and (path / "cfg.txt").read_text() == "v2 longer\n"
+        assert f.read() == "v1\n"  # the reader that opened generation 1 still sees it
+
+
+def test_a_corrupted_chunk_is_refused_and_sent_again(pool, tmp_path, monkeypatch):
+    import blake3
+
+    good = b"x" * 1000
+    h = blake3.blake3(good).hexdigest()
+    with pytest.raises(wire.RemoteError, match="does not match its hash"):
+        pool.call(0, "syncfs.put", chunks=[(h, b"y" * 1000)])
+    assert pool.call(0, "syncfs.missing", hashes=[h]) == [h]  # nothing was stored
+
+    from monarch_torchx.syncfs import client
+
+    real = client.read_chunk
+    corrupted = []
+
+    def flaky(src):  # the wire flips a byte, once
+        data = real(src)
+        if not corrupted:
+            corrupted.append(1)
+            return bytes([data[0] ^ 0xFF]) + data[1:]
+        return data
+
+    monkeypatch.setattr(client, "read_chunk", flaky)
+    src = make_tree(tmp_path / "src")
+    report = pool.sync(str(src), "fixed", hosts=[0])
+    assert report.ok and corrupted
+    assert_same_tree(src, Path(report.hosts[0].path))
+
+
+def test_a_dead_host_is_named_and_the_others_complete(pool, home, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("one\n")
+    first = pool.sync(str(src), "ws")
+    old = Path(first.hosts[1].path)
+    os.kill(pool.hosts[1].pid, signal.SIGKILL)
+    (src / "a.txt").write_text("two\n")
+    res = sync_cli(home, str(src), "--pool", pool.name, "--to", "ws", "--json", check=False)
+    report = json.loads(res.stdout)
+    assert res.returncode == 1
+    assert report["hosts"][0]["ok"] and report["hosts"][0]["generation"] == 2
+    assert not report["hosts"][1]["ok"] and "host 1" in report["hosts"][1]["error"]
+    assert (old / "a.txt").read_text() == "one\n"  # its old generation intact
+
+
+def test_a_client_killed_mid_sync_switches_no_host(pool, home, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("old\n")
+    target = Path(pool.sync(str(src), "ws", hosts=[0]).hosts[0].path)
+    (src / "big.bin").write_bytes(os.urandom(400 << 20))
+    store = tmp_path / "node-stores" / f"{pool.name}-host0" / "chunks"
+    before = sum(1 for _ in store.rglob("*"))
+    proc = subprocess.Popen([CLI, "sync", str(src), "--pool", pool.name, "--to", "ws", "--hosts", "0"],
+                            env=cli_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: sum(1 for _ in store.rglob("*")) > before + 2, timeout=60, interval=0.01,
+             what="some chunks to arrive")
+    proc.kill()
+    proc.wait()
+    assert os.readlink(target).endswith("gen-1") and not (target / "big.bin").exists()
+    report = pool.sync(str(src), "ws", hosts=[0])  # and the next sync completes, sending only the rest
+    assert report.ok and report.generation == 2 and report.bytes_sent < 400 << 20
+    assert (target / "big.bin").stat().st_size == 400 << 20
+
+
+def test_two_syncs_to_one_target_are_serialized_and_each_whole(pool, tmp_path):
+    trees = []
+    for n in range(2):
+        t = tmp_path / f"src{n}"
+        t.mkdir()
+        for k in range(20):
+            (t / f"f{k}.txt").write_text(f"tree {n} file {k}\n" * 1000)
+        trees.append(t)
+    reports = {}
+    threads = [threading.Thread(target=lambda n=n: reports.__setitem__(n, pool.sync(str(trees[n]), "same", hosts=[0])))
+               for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(r.ok for r in reports.values())
+    assert sorted(r.generation for r in reports.values()) == [1, 2]
+    last = max(reports, key=lambda n: reports[n].generation)
+    assert_same_tree(trees[last], Path(reports[last].hosts[0].path))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_disk_full_on_a_host_is_one_line_and_the_old_generation_stays(home, pool_name, tmp_path, monkeypatch):
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    try:
+        monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(small))
+        p = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}))
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "a.txt").write_text("fits\n")
+        target = Path(p.sync(str(src), "ws").hosts[0].path)
+        (src / "big.bin").write_bytes(os.urandom(8 << 20))
+        res = sync_cli(home, str(src), "--pool", pool_name, "--to", "ws", check=False)
+        assert res.returncode == 1 and "disk full" in res.stdout and "Traceback" not in res.stdout + res.stderr
+        assert (target / "a.txt").read_text() == "fits\n" and not (target / "big.bin").exists()
+        from monarch_torchx.pool import stop_pool
+
+        stop_pool(pool_name)
+    finally:
+        deadline = time.time() + 10
+        while subprocess.run(["umount", str(small)], capture_output=True).returncode != 0 and time.time() < deadline:
+            time.sleep(0.2)
+
+
+def test_bad_input_is_one_line(pool, home, tmp_path):
+    src = make_tree(tmp_path / "src")
+    cases = [
+        ([str(tmp_path / "missing"), "--pool", pool.name, "--to", "w"], "does not exist"),
+        ([str(src / "zero"), "--pool", pool.name, "--to", "w"], "is not a directory"),
+        ([str(src), "--pool", "nosuchpool", "--to", "w"], "no pool named 'nosuchpool'"),
+        ([str(src), "--pool", pool.name, "--to", "w", "--hosts", "7"], "has no host(s) [7]"),
+    ]
+    for args, expect in cases:
+        res = sync_cli(home, *args, check=False)
+        assert res.returncode != 0 and expect in res.stderr + res.stdout, (args, res.stderr)
+        assert "Traceback" not in res.stderr
+    res = sync_cli(home, str(src), "--pool", pool.name, "--to", "/etc/monarch-evil", check=False)
+    assert res.returncode == 1 and "outside what this agent allows" in res.stdout
+    assert "0.0 MB sent" in res.stdout.replace("sent 0.0 MB", "0.0 MB sent")  # refused before any byte moved
+    res = sync_cli(home, str(src), "--pool", pool.name, "--to", "../../escape", check=False)
+    assert res.returncode == 1 and "leaves the pool's sync area" in res.stdout
+    assert not attach(pool.name).call(0, "syncfs.where", target="w")["generation"]
