@@ -14,6 +14,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional
@@ -70,11 +71,13 @@ class _Progress:
         self.sent = {i: 0 for i in hosts}
         self.state = {i: "checking" for i in hosts}
         self.last = 0.0
+        self.client_bytes = 0  # what left this machine (a chain sends each byte once)
         self.lock = threading.Lock()
 
     def update(self, i: int, sent: int = 0, state: Optional[str] = None, force: bool = False) -> None:
         with self.lock:
             self.sent[i] += sent
+            self.client_bytes += sent
             if state:
                 self.state[i] = state
             now = time.time()
@@ -93,8 +96,15 @@ def _cache_for(src: str) -> HashCache:
 
 
 def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
-         progress: Callable[[str], None] = lambda _m: None, timeout: float = 600.0) -> SyncReport:
-    """Syncs directory ``src`` to ``target`` on every host of ``pool`` (or ``hosts``)."""
+         progress: Callable[[str], None] = lambda _m: None, timeout: float = 600.0,
+         fanout: str = "chain") -> SyncReport:
+    """Syncs directory ``src`` to ``target`` on every host of ``pool`` (or ``hosts``).
+
+    ``fanout="chain"``: the client sends each missing chunk once, to the first host, which
+    stores it and passes it on down a pipelined chain, so N hosts take about as long as one;
+    hosts a broken chain did not reach are then fed directly. ``"star"``: the client feeds every
+    host itself.
+    """
     t0 = time.time()
     if not os.path.exists(src):
         raise MonarchError(f"sync source {src!r} does not exist")
@@ -102,6 +112,8 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         raise MonarchError(f"sync source {src!r} is not a directory (sync a directory holding it)")
     if not target:
         raise MonarchError("no target: pass --to PATH (relative paths land in the pool's own sync area)")
+    if fanout not in ("chain", "star"):
+        raise MonarchError(f"fanout={fanout!r}: use chain or star")
     indices = list(range(len(pool.hosts))) if hosts is None else hosts
     bad = [i for i in indices if not 0 <= i < len(pool.hosts)]
     if bad:
@@ -110,54 +122,104 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
     manifest, sources = scan(src, cache)
     cache.save()
     sizes = manifest.chunk_sizes()
+    hashes = list(sizes)
     meter = _Progress(progress, sum(sizes.values()), indices)
-    text = manifest.to_json()
+    results = {i: HostResult(i, False) for i in indices}
+    conns: Dict[int, Any] = {}
+    lacking: Dict[int, List[str]] = {}
 
-    def one(i: int) -> HostResult:
-        res = HostResult(i, False)
-        try:
-            with pool.connect(i, timeout=10.0) as c:
-                c.settimeout(timeout)
-                missing = c.call("syncfs.missing", hashes=list(sizes), target=target)
-                meter.update(i, state=f"sending {len(missing)} chunk(s)")
-                batch: List[Any] = []
-                size = 0
-                for h in missing + [None]:
-                    if h is not None:
-                        batch.append(h)
-                        size += sizes[h]
-                    if batch and (h is None or size >= BATCH_BYTES):
-                        _send(c, batch, sources)
-                        res.bytes_sent += size
-                        meter.update(i, size)
-                        batch, size = [], 0
-                meter.update(i, state="committing")
-                out = c.call("syncfs.commit", target=target, manifest=text)
-                res.ok, res.generation, res.path = True, out["generation"], out["path"]
-                meter.update(i, state=f"gen {out['generation']}")
-        except Exception as e:  # one host's failure is reported, the others carry on
-            res.error = str(e) or type(e).__name__
-            meter.update(i, state="FAILED")
-        return res
+    def each(fn: Callable[[int], None], which: List[int]) -> None:
+        def guarded(i: int) -> None:
+            try:
+                fn(i)
+            except Exception as e:  # one host's failure is reported, the others carry on
+                results[i].error = results[i].error or str(e) or type(e).__name__
+                meter.update(i, state="FAILED")
+        with ThreadPoolExecutor(max_workers=min(16, max(1, len(which)))) as ex:
+            list(ex.map(guarded, which))
 
-    with ThreadPoolExecutor(max_workers=min(16, max(1, len(indices)))) as ex:
-        results = list(ex.map(one, indices))
+    def ask(i: int) -> None:  # what each host lacks (and whether it accepts the target at all)
+        c = conns[i] = pool.connect(i, timeout=10.0)
+        c.settimeout(timeout)
+        lacking[i] = c.call("syncfs.missing", hashes=hashes, target=target)
+
+    def direct(i: int) -> None:
+        meter.update(i, state=f"sending {len(lacking[i])} chunk(s)")
+        results[i].bytes_sent = _send_all(conns[i], lacking[i], sizes, sources, lambda n: meter.update(i, n))
+
+    try:
+        each(ask, indices)
+        live = [i for i in indices if i in lacking]
+        feed_directly = live
+        if fanout == "chain" and len(live) > 1:
+            head, rest = live[0], live[1:]
+            wanted = set().union(*(lacking[i] for i in live))
+            union = [h for h in hashes if h in wanted]
+            chain = [{"index": i, "host": pool.hosts[i].host, "port": pool.hosts[i].port,
+                      "identity": pool.hosts[i].identity(pool.name).decode()} for i in rest]
+            session = uuid.uuid4().hex
+            for i in live:
+                meter.update(i, state="chain")
+            try:
+                n = _send_all(conns[head], union, sizes, sources, lambda k: meter.update(head, k),
+                              session=session, chain=chain)
+                down = conns[head].call("syncfs.flush", session=session)
+            except Exception as e:
+                results[head].error = str(e) or type(e).__name__
+                down = {"failed": {}, "unreached": rest}
+                n = 0
+            for k, why in down["failed"].items():
+                results[int(k)].error = f"host {k}: {why}" if not why.startswith("host ") else why
+            reached = [i for i in live if not results[i].error and i not in down["unreached"]]
+            for i in reached:
+                results[i].bytes_sent = n
+            feed_directly = [i for i in down["unreached"] if not results[i].error]
+        each(direct, feed_directly)
+
+        def commit(i: int) -> None:
+            meter.update(i, state="committing")
+            out = conns[i].call("syncfs.commit", target=target, manifest=manifest.to_json())
+            results[i].ok, results[i].generation, results[i].path = True, out["generation"], out["path"]
+            meter.update(i, state=f"gen {out['generation']}")
+
+        each(commit, [i for i in live if not results[i].error])
+    finally:
+        for c in conns.values():
+            c.close()
     meter.update(indices[0] if indices else 0, force=True)
-    sent = sum(r.bytes_sent for r in results)
-    total = manifest.bytes * len(indices)
-    gens = {r.generation for r in results if r.ok}
+    out = [results[i] for i in indices]
+    delivered = sum(r.bytes_sent for r in out)
+    gens = {r.generation for r in out if r.ok}
     return SyncReport(files=sum(1 for e in manifest.entries if e.kind in ("f", "h", "l")), bytes=manifest.bytes,
-                      bytes_sent=sent, bytes_skipped=max(0, total - sent), seconds=round(time.time() - t0, 3),
-                      generation=max(gens) if gens else None, hosts=results)
+                      bytes_sent=meter.client_bytes, bytes_skipped=max(0, manifest.bytes * len(indices) - delivered),
+                      seconds=round(time.time() - t0, 3), generation=max(gens) if gens else None, hosts=out)
 
 
-def _send(client: Any, batch: List[str], sources: Dict[str, ChunkSource]) -> None:
+def _send_all(client: Any, todo: List[str], sizes: Dict[str, int], sources: Dict[str, ChunkSource],
+              sent: Callable[[int], None], **extra: Any) -> int:
+    """Sends chunks in batches of about BATCH_BYTES; returns the bytes sent."""
+    total = 0
+    batch: List[str] = []
+    size = 0
+    for h in todo + [None]:  # type: ignore[list-item]
+        if h is not None:
+            batch.append(h)
+            size += sizes[h]
+        if batch and (h is None or size >= BATCH_BYTES):
+            _send(client, batch, sources, **extra)
+            total += size
+            sent(size)
+            batch, size = [], 0
+    return total
+
+
+def _send(client: Any, batch: List[str], sources: Dict[str, ChunkSource], **extra: Any) -> None:
     from ..wire import RemoteError
 
     for attempt in range(RETRIES):
         chunks = [(h, read_chunk(sources[h])) for h in batch]
         try:
-            client.call("syncfs.put", chunks=chunks)
+            client.call("syncfs.put", chunks=chunks, **extra)
             return
         except RemoteError as e:
             if "does not match its hash" not in str(e) or attempt == RETRIES - 1:

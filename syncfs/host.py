@@ -9,16 +9,77 @@ that is interrupted never switches a target.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import queue
 import shutil
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .manifest import Manifest
 from .store import ChunkStore, StoreError
 
 DEFAULT_ROOTS = ("/workspace", "/env")
+PIPELINE_DEPTH = 4  # batches a host holds for the next one before it slows its sender down
+
+log = logging.getLogger("monarch_torchx.agent.syncfs")
+
+
+class Forwarder:
+    """Passes every batch this host received on to the next host of the chain, in order, from a
+    thread of its own: the sender is answered as soon as the batch is stored here and queued,
+    so each hop of the chain works on a different batch at once."""
+
+    def __init__(self, key: bytes, session: str, chain: List[Dict[str, Any]]):
+        from .. import wire
+
+        self.session, self.next, self.rest = session, chain[0], chain[1:]
+        self.queue: "queue.Queue[Optional[List[Tuple[str, bytes]]]]" = queue.Queue(PIPELINE_DEPTH)
+        self.failed: Dict[int, str] = {}  # host index -> why; hosts after a failed one are not reached
+        self.unreached: List[int] = []
+        self.client: Any = None
+        try:
+            self.client = wire.Client(self.next["host"], self.next["port"], key, timeout=10.0,
+                                      identity=self.next["identity"].encode())
+            self.client.settimeout(600.0)
+        except Exception as e:
+            self._fail(e)
+        self.thread = threading.Thread(target=self._run, name=f"syncfs-forward-{session[:8]}", daemon=True)
+        self.thread.start()
+
+    def _fail(self, e: Exception) -> None:
+        if not self.failed:
+            self.failed[self.next["index"]] = str(e) or type(e).__name__
+            self.unreached = [h["index"] for h in self.rest]
+            log.warning("sync %s: host %d failed: %s", self.session[:8], self.next["index"], e)
+
+    def _run(self) -> None:
+        while True:
+            batch = self.queue.get()
+            if batch is None:
+                break
+            if self.failed:
+                continue  # drain: the sender must not block on a dead chain
+            try:
+                self.client.call("syncfs.put", chunks=batch, session=self.session, chain=self.rest)
+            except Exception as e:
+                self._fail(e)
+        if not self.failed and self.rest:
+            try:
+                down = self.client.call("syncfs.flush", session=self.session)
+                self.failed.update({int(k): v for k, v in down["failed"].items()})
+                self.unreached = down["unreached"]
+            except Exception as e:
+                self._fail(e)
+        if self.client is not None:
+            self.client.close()
+
+    def finish(self) -> Dict[str, Any]:
+        self.queue.put(None)
+        self.thread.join()
+        return {"failed": self.failed, "unreached": self.unreached}
 
 
 def store_root(agent: Any) -> Path:
@@ -52,6 +113,7 @@ def setup(agent: Any) -> None:
     store = ChunkStore(store_root(agent))
     locks: Dict[Path, asyncio.Lock] = {}
     made: List[Path] = []
+    sessions: Dict[str, Forwarder] = {}
 
     async def run(fn: Any, *args: Any) -> Any:
         try:
@@ -65,8 +127,23 @@ def setup(agent: Any) -> None:
             resolve_target(store, target)
         return await run(store.missing, hashes)
 
-    async def put(peer: Any, chunks: List[Tuple[str, bytes]]) -> int:
-        return await run(store.put, chunks)
+    async def put(peer: Any, chunks: List[Tuple[str, bytes]], session: str = "",
+                  chain: Optional[List[Dict[str, Any]]] = None) -> int:
+        """Stores a batch; with a ``chain``, also passes it on to the next host of it."""
+        stored = await run(store.put, chunks)
+        if chain:
+            fw = sessions.get(session)
+            if fw is None:
+                fw = sessions[session] = await run(Forwarder, agent.key, session, chain)
+            await run(fw.queue.put, chunks)
+        return stored
+
+    async def flush(peer: Any, session: str) -> Dict[str, Any]:
+        """Waits until every batch of the session went down the chain; who failed, who was not reached."""
+        fw = sessions.pop(session, None)
+        if fw is None:
+            return {"failed": {}, "unreached": []}
+        return await run(fw.finish)
 
     async def commit(peer: Any, target: str, manifest: str) -> Dict[str, Any]:
         path = resolve_target(store, target)
@@ -82,6 +159,8 @@ def setup(agent: Any) -> None:
         return {"path": str(path), "generation": store.current(path)}
 
     def cleanup() -> None:  # a stopped pool leaves no synced trees or chunks on the node
+        for fw in sessions.values():
+            fw.queue.put(None)
         for p in made:
             if os.path.islink(p) and str(os.readlink(p)).startswith(str(store.root)):
                 os.unlink(p)
@@ -91,7 +170,7 @@ def setup(agent: Any) -> None:
             _rmtree(d)
         shutil.rmtree(store.root, ignore_errors=True)
 
-    for op, fn in (("syncfs.missing", missing), ("syncfs.put", put), ("syncfs.commit", commit),
-                   ("syncfs.where", where)):
+    for op, fn in (("syncfs.missing", missing), ("syncfs.put", put), ("syncfs.flush", flush),
+                   ("syncfs.commit", commit), ("syncfs.where", where)):
         agent.add_handler(op, fn)
     agent.on_stop(cleanup)

@@ -69,7 +69,9 @@ def test_sync_a_tree_to_every_host(pool, home, tmp_path):
     report = json.loads(res.stdout)
     assert set(report) >= {"files", "bytes_sent", "bytes_skipped", "seconds", "generation", "hosts"}
     assert report["generation"] == 1 and len(report["hosts"]) == 2
-    assert report["bytes_sent"] >= 2 * (5 << 20)
+    # a chain: the client sent each byte once; host 0 passed it on to host 1
+    assert 5 << 20 <= report["bytes_sent"] < (5 << 20) + (1 << 20)
+    assert all(h["bytes_sent"] == report["bytes_sent"] for h in report["hosts"])
     for h in report["hosts"]:
         dst = Path(h["path"])
         assert h["ok"] and dst.is_symlink()
@@ -156,6 +158,43 @@ def test_a_dead_host_is_named_and_the_others_complete(pool, home, tmp_path):
     assert report["hosts"][0]["ok"] and report["hosts"][0]["generation"] == 2
     assert not report["hosts"][1]["ok"] and "host 1" in report["hosts"][1]["error"]
     assert (old / "a.txt").read_text() == "one\n"  # its old generation intact
+
+
+def test_chain_reaches_every_host_and_routes_around_a_dead_one(home, pool_name, tmp_path, monkeypatch):
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))
+    p = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 4, "preload": ""}))
+    src = make_tree(tmp_path / "src")
+    report = p.sync(str(src), "ws")
+    assert report.ok and report.bytes_sent < (5 << 20) + (1 << 20)  # once, not 4 times
+    for h in report.hosts:
+        assert_same_tree(src, Path(h.path))
+    star = p.sync(str(src), "ws2", hosts=[0, 1])
+    assert star.ok
+    from monarch_torchx.syncfs import sync
+
+    assert sync(p, str(src), "ws3", hosts=[2, 3], fanout="star").bytes_sent == 0  # chunks already on both
+
+    # a host in the middle of the chain dies while the chain is being fed: the hosts after it get
+    # the data directly, the dead one is named
+    (src / "more.bin").write_bytes(os.urandom(20 << 20))
+    from monarch_torchx.syncfs import client
+
+    real = client._send
+    calls = []
+
+    def kill_host1_after_first_batch(*a, **kw):
+        real(*a, **kw)
+        calls.append(1)
+        if len(calls) == 1:
+            os.kill(p.hosts[1].pid, signal.SIGKILL)
+
+    monkeypatch.setattr(client, "_send", kill_host1_after_first_batch)
+    report = p.sync(str(src), "ws")
+    by = {h.index: h for h in report.hosts}
+    assert not by[1].ok and "host 1" in by[1].error
+    assert by[0].ok and by[2].ok and by[3].ok
+    for i in (0, 2, 3):
+        assert_same_tree(src, Path(by[i].path))
 
 
 def test_a_client_killed_mid_sync_switches_no_host(pool, home, tmp_path):
