@@ -195,6 +195,7 @@ def _materialize(build: Path, manifest: Manifest, store: ChunkStore, prev_dir: O
                     with open(store.chunk_path(h), "rb") as src:
                         shutil.copyfileobj(src, out, 1 << 20)
             os.chmod(dst, e.mode & ~0o222)
+            os.utime(dst, ns=(e.mtime_ns, e.mtime_ns))  # Python checks .pyc files against their source's mtime
 
 
 def _read_only(build: Path, manifest: Manifest) -> None:

@@ -61,6 +61,7 @@ def assert_same_tree(src: Path, dst: Path) -> None:
             assert b.read_bytes() == a.read_bytes(), rel
             assert b.stat().st_mode & 0o555 == a.stat().st_mode & 0o555, rel  # exec bits kept
             assert b.stat().st_mode & 0o222 == 0, rel  # read-only
+            assert b.stat().st_mtime_ns == a.stat().st_mtime_ns, rel  # kept (.pyc checks use it)
 
 
 def test_sync_a_tree_to_every_host(pool, home, tmp_path):
