@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -269,7 +268,7 @@ def main() -> None:
             nmax = max(n for n, _, _, _ in rows)
             lines += ["", f"- syncfs to {nmax} hosts takes **{t[(nmax, 'syncfs')] / t[(1, 'syncfs')]:.2f}x** its 1-host time "
                       f"(target <= 1.25x); **{t[(nmax, 'rsync')] / t[(nmax, 'syncfs')]:.1f}x** faster than rsync and "
-                      f"**{t[(nmax, "tar over socket")] / t[(nmax, 'syncfs')]:.1f}x** faster than tar to {nmax} hosts "
+                      f"**{t[(nmax, 'tar over socket')] / t[(nmax, 'syncfs')]:.1f}x** faster than tar to {nmax} hosts "
                       "(target >= 3x vs rsync)",
                       f"- 1 host: syncfs moves the tree at **{size / t[(1, 'syncfs')] / link * 100:.0f}%** of the link rate "
                       "(target >= 90%; includes chunking and hashing the tree, commit on the host)",
@@ -277,7 +276,7 @@ def main() -> None:
                       f"({files} paths; target < 0.5 s for 10k files; both include process start)",
                       f"- 4 KiB changed in a 1 GiB file: syncfs sent **{edit['syncfs']['sent'] / (1 << 30) * 100:.2f}%** of the "
                       f"file in {edit['syncfs']['s']:.2f} s (target < 1%); rsync {edit['rsync']['sent'] / (1 << 30) * 100:.2f}% in "
-                      f"{edit['rsync']['s']:.2f} s; tar 100% in {edit["tar over socket"]['s']:.2f} s", ""]
+                      f"{edit['rsync']['s']:.2f} s; tar 100% in {edit['tar over socket']['s']:.2f} s", ""]
             print("\n".join(lines[-12:]), file=sys.stderr)
     finally:
         teardown_network()
