@@ -15,6 +15,15 @@ if ! "$PY" -m venv --help >/dev/null 2>&1 || ! "$PY" -c "import ensurepip" >/dev
         exit 1
     fi
 fi
+# syncfs serves targets with FUSE (pyfuse3 builds against libfuse3)
+if ! pkg-config --exists fuse3 2>/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "installing libfuse3-dev, fuse3, pkg-config (Debian) for syncfs' FUSE mounts" >&2
+        apt-get update -qq && apt-get install -y -qq libfuse3-dev fuse3 pkg-config >/dev/null
+    else
+        echo "warning: libfuse3-dev and pkg-config are missing: pyfuse3 will not build" >&2
+    fi
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true

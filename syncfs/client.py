@@ -35,6 +35,7 @@ class HostResult:
     path: str = ""
     bytes_sent: int = 0
     error: str = ""
+    served_by: str = ""  # "fuse", or "symlink (why not FUSE)"
 
 
 @dataclass
@@ -180,6 +181,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             meter.update(i, state="committing")
             out = conns[i].call("syncfs.commit", target=target, manifest=manifest.to_json())
             results[i].ok, results[i].generation, results[i].path = True, out["generation"], out["path"]
+            results[i].served_by = out.get("served_by", "")
             meter.update(i, state=f"gen {out['generation']}")
 
         each(commit, [i for i in live if not results[i].error])

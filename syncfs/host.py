@@ -109,8 +109,101 @@ def resolve_target(store: ChunkStore, target: str) -> Path:
     return path
 
 
+def fuse_available() -> str:
+    """Why FUSE cannot serve targets here ("" when it can)."""
+    if os.environ.get("MONARCH_TORCHX_SYNC_FUSE", "1") == "0":
+        return "disabled by MONARCH_TORCHX_SYNC_FUSE=0"
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    import importlib.util
+
+    if importlib.util.find_spec("pyfuse3") is None:
+        return "pyfuse3 is not installed"
+    return ""
+
+
+class Mount:
+    """The FUSE process serving one target; switched by SIGUSR1, confirmed through ``current``."""
+
+    def __init__(self, store: ChunkStore, target: Path):
+        import subprocess
+        import sys
+
+        self.target, self.tdir = target, store.target_dir(target)
+        if os.path.ismount(target):  # served by the FUSE process of an earlier agent of this host
+            _end_orphans(str(target))
+        target.mkdir(parents=True, exist_ok=True)
+        if any(target.iterdir()):
+            raise StoreError(f"{target} is a non-empty directory: syncfs mounts its generations there; "
+                             "empty it or choose another --to")
+        log_path = self.tdir / "fuse.log"
+        self.proc = subprocess.Popen([sys.executable, "-m", "monarch_torchx.syncfs.fusefs", str(self.tdir), str(target),
+                                      str(store.root)], stdout=subprocess.PIPE, stderr=open(log_path, "ab"),
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else b""
+        if line.strip() != b"mounted":
+            self.proc.kill()
+            self.proc.wait()
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.exists() else []
+            raise StoreError(f"could not mount {target} with FUSE: {' '.join(tail) or 'no reason given'}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def switch(self, n: int, timeout: float = 10.0) -> None:
+        import signal
+        import time
+
+        os.kill(self.proc.pid, signal.SIGUSR1)
+        deadline = time.time() + timeout
+        while time.time() < deadline:  # the FS says which generation it serves in its log
+            if f"serving generation {n}\n" in (self.tdir / "fuse.log").read_text(errors="replace"):
+                return
+            time.sleep(0.002)
+        raise StoreError(f"the file system at {self.target} did not switch to generation {n}")
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if os.path.ismount(self.target):
+            subprocess.run(["umount", "-l", str(self.target)], capture_output=True)
+            subprocess.run(["fusermount3", "-u", "-z", str(self.target)], capture_output=True)
+
+
+def _end_orphans(target: str) -> None:
+    """Stops the FUSE server an agent that died left serving ``target``, and unmounts it."""
+    import signal
+    import subprocess
+    import time
+
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"monarch_torchx.syncfs.fusefs" in cmd and os.fsencode(target) in cmd:
+                try:
+                    os.kill(int(p.name), signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+    deadline = time.time() + 5
+    while os.path.ismount(target) and time.time() < deadline:
+        time.sleep(0.05)
+    if os.path.ismount(target):
+        subprocess.run(["umount", "-l", target], capture_output=True)
+
+
 def setup(agent: Any) -> None:
     store = ChunkStore(store_root(agent))
+    mounts: Dict[Path, Mount] = {}
+    no_fuse = fuse_available()
     locks: Dict[Path, asyncio.Lock] = {}
     made: List[Path] = []
     sessions: Dict[str, Forwarder] = {}
@@ -145,22 +238,41 @@ def setup(agent: Any) -> None:
             return {"failed": {}, "unreached": []}
         return await run(fw.finish)
 
+    def commit_blocking(path: Path, manifest: Manifest) -> Dict[str, Any]:
+        fuse = not no_fuse and not os.path.islink(path)  # a target first served materialized stays so
+        n = store.commit(path, manifest, fuse)
+        if fuse:
+            m = mounts.get(path)
+            if m is None or not m.alive():
+                if m is not None:
+                    m.stop()
+                mounts[path] = Mount(store, path)  # serves ``current``: generation n
+            else:
+                m.switch(n)
+        store.collect(path)
+        return {"generation": n, "path": str(path), "served_by": "fuse" if fuse else f"symlink ({no_fuse})"}
+
     async def commit(peer: Any, target: str, manifest: str) -> Dict[str, Any]:
         path = resolve_target(store, target)
         lock = locks.setdefault(path, asyncio.Lock())
         async with lock:  # two syncs to one target: one after the other, each whole
-            n = await run(store.commit, path, Manifest.from_json(manifest))
+            out = await run(commit_blocking, path, Manifest.from_json(manifest))
         if path not in made:
             made.append(path)
-        return {"generation": n, "path": str(path)}
+        return out
 
     async def where(peer: Any, target: str) -> Dict[str, Any]:
         path = resolve_target(store, target)
         return {"path": str(path), "generation": store.current(path)}
 
-    def cleanup() -> None:  # a stopped pool leaves no synced trees or chunks on the node
+    def cleanup() -> None:  # a stopped pool leaves no mounts, synced trees or chunks on the node
         for fw in sessions.values():
-            fw.queue.put(None)
+            try:
+                fw.queue.put_nowait(None)
+            except queue.Full:
+                pass
+        for m in mounts.values():
+            m.stop()
         for p in made:
             if os.path.islink(p) and str(os.readlink(p)).startswith(str(store.root)):
                 os.unlink(p)

@@ -130,9 +130,9 @@ def scan(root: str, cache: Optional[HashCache] = None) -> Tuple[Manifest, Dict[s
         st = d.stat(follow_symlinks=False)
         mode = stat.S_IMODE(st.st_mode)
         if stat.S_ISDIR(st.st_mode):
-            entries.append(Entry(rel, "d", mode))
+            entries.append(Entry(rel, "d", mode, mtime_ns=st.st_mtime_ns))
         elif stat.S_ISLNK(st.st_mode):
-            entries.append(Entry(rel, "l", mode, target=os.readlink(d.path)))
+            entries.append(Entry(rel, "l", mode, mtime_ns=st.st_mtime_ns, target=os.readlink(d.path)))
         elif stat.S_ISREG(st.st_mode):
             key = (st.st_dev, st.st_ino)
             if st.st_nlink > 1 and key in seen_inodes:

@@ -91,42 +91,57 @@ class ChunkStore:
 
     def generations(self, target: Path) -> List[int]:
         d = self.target_dir(target)
-        return sorted(int(p.name[4:]) for p in d.glob("gen-*") if p.is_dir() and p.name[4:].isdigit()) if d.is_dir() else []
+        return sorted(int(p.name[4:-5]) for p in d.glob("gen-*.json") if p.name[4:-5].isdigit()) if d.is_dir() else []
 
     def current(self, target: Path) -> Optional[int]:
+        """The generation ``target`` shows: a symlink's (materialized) or the one FUSE serves."""
         try:
-            name = os.readlink(target)
+            base = os.path.basename(os.readlink(target))
+            return int(base[4:]) if base.startswith("gen-") and base[4:].isdigit() else None
         except OSError:
+            pass
+        try:
+            return int((self.target_dir(target) / "current").read_text())
+        except (OSError, ValueError):
             return None
-        base = os.path.basename(name)
-        return int(base[4:]) if base.startswith("gen-") and base[4:].isdigit() else None
 
-    def commit(self, target: Path, manifest: Manifest) -> int:
-        """Builds the next generation and switches ``target`` to it; returns its number."""
-        if os.path.lexists(target) and not os.path.islink(target):
+    def commit(self, target: Path, manifest: Manifest, fuse: bool) -> int:
+        """Records the next generation of ``target``; materializes it and switches the symlink
+        unless ``fuse`` (then the caller switches the mounted file system to it)."""
+        if os.path.lexists(target) and not os.path.islink(target) and not fuse:
             raise StoreError(f"{target} exists and is not a syncfs target (a symlink to a generation): "
                              "remove it or choose another --to")
+        missing = self.missing(manifest.chunk_sizes())
+        if missing:
+            raise StoreError(f"{len(missing)} chunk(s) missing (first {missing[0][:12]}): the sync did not finish")
         gens = self.generations(target)
         n = (gens[-1] if gens else 0) + 1
         tdir = self.target_dir(target)
         tdir.mkdir(parents=True, exist_ok=True)
+        try:
+            _write_atomic(tdir / f"gen-{n}.json", manifest.to_json())
+        except OSError as e:
+            raise _disk_error(e, f"recording generation {n} of {target}") from None
+        if fuse:
+            try:
+                _write_atomic(tdir / "current", str(n))
+            except OSError as e:
+                raise _disk_error(e, f"switching {target} to generation {n}") from None
+            return n
         for stale in tdir.glob("gen-*.tmp"):  # left by a commit that died (host killed mid-commit)
             _rmtree(stale)
         build = tdir / f"gen-{n}.tmp"
         prev = self.current(target)
         prev_dir = tdir / f"gen-{prev}" if prev else None
         prev_files = _previous_files(tdir / f"gen-{prev}.json") if prev_dir and prev_dir.is_dir() else {}
-        missing = self.missing(manifest.chunk_sizes())
-        if missing:
-            raise StoreError(f"{len(missing)} chunk(s) missing (first {missing[0][:12]}): the sync did not finish")
         try:
             _materialize(build, manifest, self, prev_dir, prev_files)
-            (tdir / f"gen-{n}.json").write_text(manifest.to_json())  # beside the tree, not in it
             _read_only(build, manifest)
             final = tdir / f"gen-{n}"
             os.rename(build, final)
         except OSError as e:
             _rmtree(build)
+            (tdir / f"gen-{n}.json").unlink(missing_ok=True)
             raise _disk_error(e, f"building generation {n} of {target}") from None
         target.parent.mkdir(parents=True, exist_ok=True)
         link = target.with_name(f".{target.name}.syncfs-{os.getpid()}")
@@ -134,10 +149,9 @@ class ChunkStore:
             os.unlink(link)
         os.symlink(final, link)
         os.replace(link, target)  # the switch: atomic for every reader
-        self._collect(target)
         return n
 
-    def _collect(self, target: Path) -> None:
+    def collect(self, target: Path) -> None:
         """Keeps the newest generations of every target; drops chunks none of them uses."""
         tdir = self.target_dir(target)
         for g in self.generations(target)[:-KEEP_GENERATIONS]:
@@ -158,6 +172,16 @@ class ChunkStore:
                             p.unlink()
                     except FileNotFoundError:
                         pass
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _previous_files(manifest_path: Path) -> Dict[str, Tuple[Tuple[Tuple[str, int], ...], int]]:

@@ -21,10 +21,38 @@ from .conftest import BIN, cli_env, wait_for
 CLI = str(BIN / "monarch-torchx")
 
 
+def syncfs_mounts(under: Path) -> list:
+    with open("/proc/mounts") as f:
+        return [line.split()[1] for line in f if "monarch-syncfs" in line and str(under) in line]
+
+
+@pytest.fixture(autouse=True)
+def no_mounts_left(home, tmp_path):
+    """Every test: its pools stopped, the FUSE servers of agents it killed ended, no mount left."""
+    yield
+    from .conftest import stop_all_pools
+
+    stop_all_pools(home)
+    kill_orphans(tmp_path)
+    wait_for(lambda: not syncfs_mounts(tmp_path), timeout=10, what="FUSE mounts to go")
+
+
 @pytest.fixture
 def pool(home, pool_name, tmp_path, monkeypatch):
     monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))
     return ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 2, "preload": ""}))
+
+
+def kill_orphans(store: Path) -> None:
+    """The FUSE servers of an agent that was SIGKILLed (they outlive it, so its files stay readable)."""
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"monarch_torchx.syncfs.fusefs" in cmd and str(store).encode() in cmd:
+                os.kill(int(p.name), signal.SIGTERM)
 
 
 def make_tree(root: Path) -> Path:
@@ -75,8 +103,10 @@ def test_sync_a_tree_to_every_host(pool, home, tmp_path):
     assert all(h["bytes_sent"] == report["bytes_sent"] for h in report["hosts"])
     for h in report["hosts"]:
         dst = Path(h["path"])
-        assert h["ok"] and dst.is_symlink()
+        assert h["ok"] and h["served_by"] == "fuse" and os.path.ismount(dst)
         assert_same_tree(src, dst)
+        with pytest.raises(OSError, match="Read-only file system"):  # even for root
+            (dst / "zero").write_text("no")
         assert os.stat(dst / "hardlink.sh").st_ino == os.stat(dst / "pkg" / "run.sh").st_ino  # hard link kept
     assert report["hosts"][0]["path"] != report["hosts"][1]["path"]  # each host its own store
 
@@ -87,8 +117,8 @@ def test_sync_a_tree_to_every_host(pool, home, tmp_path):
     text = sync_cli(home, str(src), "--pool", pool.name, "--to", "work").stdout
     assert "host 0: generation 3" in text and "sent 0.0 MB" in text
     # only the current and the previous generation are kept
-    gens = sorted(p.name for p in Path(report["hosts"][0]["path"]).resolve().parent.glob("gen-*") if p.is_dir())
-    assert gens == ["gen-2", "gen-3"]
+    gens = sorted(p.name for p in (tmp_path / "node-stores").glob(f"{pool.name}-host0/targets/*/gen-*.json"))
+    assert gens == ["gen-2.json", "gen-3.json"]
 
 
 def test_an_edit_in_a_large_file_resends_only_nearby_chunks(pool, tmp_path):
@@ -145,6 +175,25 @@ def test_a_corrupted_chunk_is_refused_and_sent_again(pool, tmp_path, monkeypatch
     assert_same_tree(src, Path(report.hosts[0].path))
 
 
+def test_without_fuse_generations_are_trees_behind_a_symlink(home, pool_name, tmp_path, monkeypatch):
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_FUSE", "0")
+    p = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}))
+    src = make_tree(tmp_path / "src")
+    first = p.sync(str(src), "plain")
+    dst = Path(first.hosts[0].path)
+    assert first.hosts[0].served_by.startswith("symlink") and dst.is_symlink() and not os.path.ismount(dst)
+    assert_same_tree(src, dst)
+    with open(dst / "pkg" / "run.sh") as f:
+        (src / "pkg" / "run.sh").write_text("#!/bin/sh\necho v2\n")
+        second = p.sync(str(src), "plain")
+        assert second.generation == 2 and "v2" in (dst / "pkg" / "run.sh").read_text()
+        assert "echo hi" in f.read()  # opened in generation 1
+    assert os.readlink(dst).endswith("gen-2")
+    assert os.stat(dst / "pkg" / "sub" / "big.bin").st_ino == os.stat(
+        Path(os.readlink(dst)).parent / "gen-1" / "pkg" / "sub" / "big.bin").st_ino  # unchanged: shared
+
+
 def test_a_dead_host_is_named_and_the_others_complete(pool, home, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
@@ -158,7 +207,11 @@ def test_a_dead_host_is_named_and_the_others_complete(pool, home, tmp_path):
     assert res.returncode == 1
     assert report["hosts"][0]["ok"] and report["hosts"][0]["generation"] == 2
     assert not report["hosts"][1]["ok"] and "host 1" in report["hosts"][1]["error"]
-    assert (old / "a.txt").read_text() == "one\n"  # its old generation intact
+    assert (old / "a.txt").read_text() == "one\n"  # its old generation intact (still served)
+
+    # the host comes back (a new agent): it takes over its old mount and gets the new generation
+    report = attach(pool.name) and ensure_pool(PoolRequest("monarch_local", pool.name, {})).sync(str(src), "ws")
+    assert report.ok and (old / "a.txt").read_text() == "two\n"
 
 
 def test_chain_reaches_every_host_and_routes_around_a_dead_one(home, pool_name, tmp_path, monkeypatch):
@@ -212,7 +265,7 @@ def test_a_client_killed_mid_sync_switches_no_host(pool, home, tmp_path):
              what="some chunks to arrive")
     proc.kill()
     proc.wait()
-    assert os.readlink(target).endswith("gen-1") and not (target / "big.bin").exists()
+    assert pool.call(0, "syncfs.where", target="ws")["generation"] == 1 and not (target / "big.bin").exists()
     report = pool.sync(str(src), "ws", hosts=[0])  # and the next sync completes, sending only the rest
     assert report.ok and report.generation == 2 and report.bytes_sent < 400 << 20
     assert (target / "big.bin").stat().st_size == 400 << 20
