@@ -134,13 +134,10 @@ class Bench:
                 pass
 
     def wipe(self) -> None:
-        """Cold hosts: empty chunk stores, generations, rsync and tar destinations; no client cache."""
-        for d in list((self.work / "stores").glob("*/chunks/*")) + list((self.work / "stores").glob("*/targets/*")) + \
-                list((self.work / "stores").glob("*/mounts/*")):
-            if d.is_symlink() or d.is_file():
-                d.unlink()
-            else:
-                shutil.rmtree(d, ignore_errors=True)
+        """Cold hosts: empty chunk stores (each cold run syncs to a new target), empty rsync and tar
+        destinations, no client hash cache, no page cache."""
+        for d in (self.work / "stores").glob("*/chunks/*"):
+            shutil.rmtree(d, ignore_errors=True)
         for d in (self.work / "rsync").glob("h*"):
             shutil.rmtree(d)
             d.mkdir()
@@ -240,15 +237,16 @@ def main() -> None:
             rows = []
             one = {}
             for n in [int(x) for x in args.hosts.split(",")]:
-                for name, fn in (("syncfs", b.ours), ("rsync", b.rsync), ("tar over socket", b.tar)):
+                for name, fn in (("syncfs", lambda s_, n_: b.ours(s_, n_, target=f"cold{n_}")), ("rsync", b.rsync),
+                                 ("tar over socket", b.tar)):
                     b.wipe()
                     r = fn(src, n)
                     one.setdefault(name, r["s"]) if n == 1 else None
                     rows.append((n, name, r["s"], r["sent"]))
                     print(f"{rate} cold {n} host(s) {name}: {r['s']:.2f} s", file=sys.stderr)
             noop = {}
-            b.ours(src, N_HOSTS)
-            noop["syncfs"] = b.ours(src, N_HOSTS)["s"]
+            b.ours(src, N_HOSTS, target="noop")
+            noop["syncfs"] = b.ours(src, N_HOSTS, target="noop")["s"]
             b.rsync(src, N_HOSTS)
             noop["rsync"] = b.rsync(src, N_HOSTS)["s"]
             b.wipe()

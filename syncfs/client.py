@@ -24,6 +24,7 @@ from ..registry import home
 from .manifest import ChunkSource, HashCache, scan
 
 BATCH_BYTES = 8 << 20
+STREAMS = 4  # parallel connections to a host while sending
 RETRIES = 3
 
 
@@ -93,7 +94,7 @@ class _Progress:
 
 def _cache_for(src: str) -> HashCache:
     key = hashlib.sha256(os.path.realpath(src).encode()).hexdigest()[:24]
-    return HashCache(home() / "syncfs-cache" / f"{key}.json")
+    return HashCache(home() / "syncfs-cache" / f"{key}.cache")
 
 
 def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
@@ -126,6 +127,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
     hashes = list(sizes)
     meter = _Progress(progress, sum(sizes.values()), indices)
     results = {i: HostResult(i, False) for i in indices}
+    rows = manifest.rows()
     conns: Dict[int, Any] = {}
     lacking: Dict[int, List[str]] = {}
 
@@ -144,9 +146,15 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         c.settimeout(timeout)
         lacking[i] = c.call("syncfs.missing", hashes=hashes, target=target)
 
+    def connect(i: int) -> Any:
+        c = pool.connect(i, timeout=10.0)
+        c.settimeout(timeout)
+        return c
+
     def direct(i: int) -> None:
         meter.update(i, state=f"sending {len(lacking[i])} chunk(s)")
-        results[i].bytes_sent = _send_all(conns[i], lacking[i], sizes, sources, lambda n: meter.update(i, n))
+        results[i].bytes_sent = _send_all(conns[i], lacking[i], sizes, sources, lambda n: meter.update(i, n),
+                                          more=lambda: connect(i))
 
     try:
         each(ask, indices)
@@ -163,7 +171,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
                 meter.update(i, state="chain")
             try:
                 n = _send_all(conns[head], union, sizes, sources, lambda k: meter.update(head, k),
-                              session=session, chain=chain)
+                              more=lambda: connect(head), session=session, chain=chain)
                 down = conns[head].call("syncfs.flush", session=session)
             except Exception as e:
                 results[head].error = str(e) or type(e).__name__
@@ -179,7 +187,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
 
         def commit(i: int) -> None:
             meter.update(i, state="committing")
-            out = conns[i].call("syncfs.commit", target=target, manifest=manifest.to_json())
+            out = conns[i].call("syncfs.commit", target=target, manifest=rows)
             results[i].ok, results[i].generation, results[i].path = True, out["generation"], out["path"]
             results[i].served_by = out.get("served_by", "")
             meter.update(i, state=f"gen {out['generation']}")
@@ -197,22 +205,51 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
                       seconds=round(time.time() - t0, 3), generation=max(gens) if gens else None, hosts=out)
 
 
-def _send_all(client: Any, todo: List[str], sizes: Dict[str, int], sources: Dict[str, ChunkSource],
-              sent: Callable[[int], None], **extra: Any) -> int:
-    """Sends chunks in batches of about BATCH_BYTES; returns the bytes sent."""
-    total = 0
-    batch: List[str] = []
+def _batches(todo: List[str], sizes: Dict[str, int]) -> List[List[str]]:
+    out: List[List[str]] = [[]]
     size = 0
-    for h in todo + [None]:  # type: ignore[list-item]
-        if h is not None:
-            batch.append(h)
-            size += sizes[h]
-        if batch and (h is None or size >= BATCH_BYTES):
-            _send(client, batch, sources, **extra)
-            total += size
-            sent(size)
-            batch, size = [], 0
-    return total
+    for h in todo:
+        if size >= BATCH_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(h)
+        size += sizes[h]
+    return [b for b in out if b]
+
+
+def _send_all(client: Any, todo: List[str], sizes: Dict[str, int], sources: Dict[str, ChunkSource],
+              sent: Callable[[int], None], more: Callable[[], Any] = None, **extra: Any) -> int:
+    """Sends chunks in batches of about BATCH_BYTES over ``client`` and up to STREAMS - 1 more
+    connections from ``more()`` (parallel streams: while one batch is being stored by the host,
+    the next ones are on the wire); returns the bytes sent."""
+    batches = _batches(todo, sizes)
+    lock = threading.Lock()
+    total = [0]
+    left = iter(batches)
+
+    def worker(conn: Any) -> None:
+        while True:
+            with lock:
+                batch = next(left, None)
+            if batch is None:
+                return
+            _send(conn, batch, sources, **extra)
+            n = sum(sizes[h] for h in batch)
+            with lock:
+                total[0] += n
+            sent(n)
+
+    extra_conns = [more() for _ in range(min(STREAMS, len(batches)) - 1)] if more else []
+    try:
+        if not extra_conns:
+            worker(client)
+        else:
+            with ThreadPoolExecutor(max_workers=1 + len(extra_conns)) as ex:
+                list(ex.map(worker, [client, *extra_conns]))
+    finally:
+        for c in extra_conns:
+            c.close()
+    return total[0]
 
 
 def _send(client: Any, batch: List[str], sources: Dict[str, ChunkSource], **extra: Any) -> None:

@@ -72,8 +72,8 @@ class Generation:
 def load(target_dir: str) -> Generation:
     with open(os.path.join(target_dir, "current")) as f:
         number = int(f.read().strip())
-    with open(os.path.join(target_dir, f"gen-{number}.json")) as f:
-        return Generation(number, Manifest.from_json(f.read()))
+    with open(os.path.join(target_dir, f"gen-{number}.manifest"), "rb") as f:
+        return Generation(number, Manifest.loads(f.read()))
 
 
 class SyncFS(pyfuse3.Operations):

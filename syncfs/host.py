@@ -28,57 +28,67 @@ log = logging.getLogger("monarch_torchx.agent.syncfs")
 
 
 class Forwarder:
-    """Passes every batch this host received on to the next host of the chain, in order, from a
-    thread of its own: the sender is answered as soon as the batch is stored here and queued,
-    so each hop of the chain works on a different batch at once."""
+    """Passes every batch this host received on to the next host of the chain, from threads of
+    its own (parallel streams, as from the client): the sender is answered as soon as a batch is
+    stored here and queued, so each hop of the chain works on different batches at once."""
 
-    def __init__(self, key: bytes, session: str, chain: List[Dict[str, Any]]):
-        from .. import wire
-
-        self.session, self.next, self.rest = session, chain[0], chain[1:]
+    def __init__(self, key: bytes, session: str, chain: List[Dict[str, Any]], streams: int = 4):
+        self.key, self.session, self.next, self.rest = key, session, chain[0], chain[1:]
         self.queue: "queue.Queue[Optional[List[Tuple[str, bytes]]]]" = queue.Queue(PIPELINE_DEPTH)
         self.failed: Dict[int, str] = {}  # host index -> why; hosts after a failed one are not reached
         self.unreached: List[int] = []
-        self.client: Any = None
-        try:
-            self.client = wire.Client(self.next["host"], self.next["port"], key, timeout=10.0,
-                                      identity=self.next["identity"].encode())
-            self.client.settimeout(600.0)
-        except Exception as e:
-            self._fail(e)
-        self.thread = threading.Thread(target=self._run, name=f"syncfs-forward-{session[:8]}", daemon=True)
-        self.thread.start()
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, name=f"syncfs-forward-{session[:8]}-{k}", daemon=True)
+                        for k in range(streams)]
+        for t in self.threads:
+            t.start()
+
+    def _connect(self) -> Any:
+        from .. import wire
+
+        c = wire.Client(self.next["host"], self.next["port"], self.key, timeout=10.0,
+                        identity=self.next["identity"].encode())
+        c.settimeout(600.0)
+        return c
 
     def _fail(self, e: Exception) -> None:
-        if not self.failed:
-            self.failed[self.next["index"]] = str(e) or type(e).__name__
-            self.unreached = [h["index"] for h in self.rest]
-            log.warning("sync %s: host %d failed: %s", self.session[:8], self.next["index"], e)
+        with self.lock:
+            if not self.failed:
+                self.failed[self.next["index"]] = str(e) or type(e).__name__
+                self.unreached = [h["index"] for h in self.rest]
+                log.warning("sync %s: host %d failed: %s", self.session[:8], self.next["index"], e)
 
     def _run(self) -> None:
-        while True:
-            batch = self.queue.get()
-            if batch is None:
-                break
-            if self.failed:
-                continue  # drain: the sender must not block on a dead chain
-            try:
-                self.client.call("syncfs.put", chunks=batch, session=self.session, chain=self.rest)
-            except Exception as e:
-                self._fail(e)
+        client = None
+        try:
+            while True:
+                batch = self.queue.get()
+                if batch is None:
+                    return
+                if self.failed:
+                    continue  # drain: the sender must not block on a dead chain
+                try:
+                    client = client or self._connect()
+                    client.call("syncfs.put", chunks=batch, session=self.session, chain=self.rest)
+                except Exception as e:
+                    self._fail(e)
+        finally:
+            if client is not None:
+                client.close()
+
+    def finish(self) -> Dict[str, Any]:
+        for _ in self.threads:
+            self.queue.put(None)
+        for t in self.threads:
+            t.join()
         if not self.failed and self.rest:
             try:
-                down = self.client.call("syncfs.flush", session=self.session)
+                with self._connect() as c:
+                    down = c.call("syncfs.flush", session=self.session)
                 self.failed.update({int(k): v for k, v in down["failed"].items()})
                 self.unreached = down["unreached"]
             except Exception as e:
                 self._fail(e)
-        if self.client is not None:
-            self.client.close()
-
-    def finish(self) -> Dict[str, Any]:
-        self.queue.put(None)
-        self.thread.join()
         return {"failed": self.failed, "unreached": self.unreached}
 
 
@@ -226,8 +236,8 @@ def setup(agent: Any) -> None:
         stored = await run(store.put, chunks)
         if chain:
             fw = sessions.get(session)
-            if fw is None:
-                fw = sessions[session] = await run(Forwarder, agent.key, session, chain)
+            if fw is None:  # no await between the check and the insert: parallel streams share one
+                fw = sessions[session] = Forwarder(agent.key, session, chain)
             await run(fw.queue.put, chunks)
         return stored
 
@@ -252,11 +262,11 @@ def setup(agent: Any) -> None:
         store.collect(path)
         return {"generation": n, "path": str(path), "served_by": "fuse" if fuse else f"symlink ({no_fuse})"}
 
-    async def commit(peer: Any, target: str, manifest: str) -> Dict[str, Any]:
+    async def commit(peer: Any, target: str, manifest: List[Any]) -> Dict[str, Any]:
         path = resolve_target(store, target)
         lock = locks.setdefault(path, asyncio.Lock())
         async with lock:  # two syncs to one target: one after the other, each whole
-            out = await run(commit_blocking, path, Manifest.from_json(manifest))
+            out = await run(commit_blocking, path, Manifest.from_rows(manifest))
         if path not in made:
             made.append(path)
         return out
@@ -267,10 +277,11 @@ def setup(agent: Any) -> None:
 
     def cleanup() -> None:  # a stopped pool leaves no mounts, synced trees or chunks on the node
         for fw in sessions.values():
-            try:
-                fw.queue.put_nowait(None)
-            except queue.Full:
-                pass
+            for _ in fw.threads:
+                try:
+                    fw.queue.put_nowait(None)
+                except queue.Full:
+                    pass
         for m in mounts.values():
             m.stop()
         for p in made:

@@ -91,7 +91,7 @@ class ChunkStore:
 
     def generations(self, target: Path) -> List[int]:
         d = self.target_dir(target)
-        return sorted(int(p.name[4:-5]) for p in d.glob("gen-*.json") if p.name[4:-5].isdigit()) if d.is_dir() else []
+        return sorted(int(p.name[4:-9]) for p in d.glob("gen-*.manifest") if p.name[4:-9].isdigit()) if d.is_dir() else []
 
     def current(self, target: Path) -> Optional[int]:
         """The generation ``target`` shows: a symlink's (materialized) or the one FUSE serves."""
@@ -119,12 +119,12 @@ class ChunkStore:
         tdir = self.target_dir(target)
         tdir.mkdir(parents=True, exist_ok=True)
         try:
-            _write_atomic(tdir / f"gen-{n}.json", manifest.to_json())
+            _write_atomic(tdir / f"gen-{n}.manifest", manifest.dumps())
         except OSError as e:
             raise _disk_error(e, f"recording generation {n} of {target}") from None
         if fuse:
             try:
-                _write_atomic(tdir / "current", str(n))
+                _write_atomic(tdir / "current", str(n).encode())
             except OSError as e:
                 raise _disk_error(e, f"switching {target} to generation {n}") from None
             return n
@@ -133,7 +133,7 @@ class ChunkStore:
         build = tdir / f"gen-{n}.tmp"
         prev = self.current(target)
         prev_dir = tdir / f"gen-{prev}" if prev else None
-        prev_files = _previous_files(tdir / f"gen-{prev}.json") if prev_dir and prev_dir.is_dir() else {}
+        prev_files = _previous_files(tdir / f"gen-{prev}.manifest") if prev_dir and prev_dir.is_dir() else {}
         try:
             _materialize(build, manifest, self, prev_dir, prev_files)
             _read_only(build, manifest)
@@ -141,7 +141,7 @@ class ChunkStore:
             os.rename(build, final)
         except OSError as e:
             _rmtree(build)
-            (tdir / f"gen-{n}.json").unlink(missing_ok=True)
+            (tdir / f"gen-{n}.manifest").unlink(missing_ok=True)
             raise _disk_error(e, f"building generation {n} of {target}") from None
         target.parent.mkdir(parents=True, exist_ok=True)
         link = target.with_name(f".{target.name}.syncfs-{os.getpid()}")
@@ -156,11 +156,11 @@ class ChunkStore:
         tdir = self.target_dir(target)
         for g in self.generations(target)[:-KEEP_GENERATIONS]:
             _rmtree(tdir / f"gen-{g}")
-            (tdir / f"gen-{g}.json").unlink(missing_ok=True)
+            (tdir / f"gen-{g}.manifest").unlink(missing_ok=True)
         used = set()
-        for man in self.targets.glob("*/gen-*.json"):
+        for man in self.targets.glob("*/gen-*.manifest"):
             try:
-                used |= set(Manifest.from_json(man.read_text()).chunk_sizes())
+                used |= set(Manifest.loads(man.read_bytes()).chunk_sizes())
             except (OSError, ValueError):
                 return  # unreadable: keep everything rather than delete what may be in use
         old = time.time() - GC_GRACE_S
@@ -174,10 +174,10 @@ class ChunkStore:
                         pass
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        tmp.write_text(text)
+        tmp.write_bytes(data)
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
@@ -186,8 +186,8 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _previous_files(manifest_path: Path) -> Dict[str, Tuple[Tuple[Tuple[str, int], ...], int]]:
     try:
-        man = Manifest.from_json(manifest_path.read_text())
-    except (OSError, ValueError):
+        man = Manifest.loads(manifest_path.read_bytes())
+    except (OSError, ValueError, EOFError):
         return {}
     return {e.path: (tuple(e.chunks), e.mode) for e in man.entries if e.kind == "f"}
 

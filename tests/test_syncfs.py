@@ -117,8 +117,8 @@ def test_sync_a_tree_to_every_host(pool, home, tmp_path):
     text = sync_cli(home, str(src), "--pool", pool.name, "--to", "work").stdout
     assert "host 0: generation 3" in text and "sent 0.0 MB" in text
     # only the current and the previous generation are kept
-    gens = sorted(p.name for p in (tmp_path / "node-stores").glob(f"{pool.name}-host0/targets/*/gen-*.json"))
-    assert gens == ["gen-2.json", "gen-3.json"]
+    gens = sorted(p.name for p in (tmp_path / "node-stores").glob(f"{pool.name}-host0/targets/*/gen-*.manifest"))
+    assert gens == ["gen-2.manifest", "gen-3.manifest"]
 
 
 def test_an_edit_in_a_large_file_resends_only_nearby_chunks(pool, tmp_path):
