@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ..errors import MonarchError
 from ..registry import home
-from .manifest import ChunkSource, HashCache, scan
+from .manifest import ChunkSource, HashCache, Manifest, scan_groups
 
 BATCH_BYTES = 8 << 20
 STREAMS = 4  # parallel connections to a host while sending
@@ -121,69 +121,96 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
     if bad:
         raise MonarchError(f"pool {pool.name!r} has no host(s) {bad} (it has {len(pool.hosts)})")
     cache = _cache_for(src)
-    manifest, sources = scan(src, cache)
-    cache.save()
-    sizes = manifest.chunk_sizes()
-    hashes = list(sizes)
-    meter = _Progress(progress, sum(sizes.values()), indices)
+    meter = _Progress(progress, 0, indices)
     results = {i: HostResult(i, False) for i in indices}
-    rows = manifest.rows()
     conns: Dict[int, Any] = {}
-    lacking: Dict[int, List[str]] = {}
+    entries: List[Any] = []
+    sources: Dict[str, ChunkSource] = {}
+    sizes: Dict[str, int] = {}
 
-    def each(fn: Callable[[int], None], which: List[int]) -> None:
+    def each(fn: Callable[[int], Any], which: List[int]) -> Dict[int, Any]:
+        out: Dict[int, Any] = {}
+
         def guarded(i: int) -> None:
             try:
-                fn(i)
+                out[i] = fn(i)
             except Exception as e:  # one host's failure is reported, the others carry on
                 results[i].error = results[i].error or str(e) or type(e).__name__
                 meter.update(i, state="FAILED")
         with ThreadPoolExecutor(max_workers=min(16, max(1, len(which)))) as ex:
             list(ex.map(guarded, which))
-
-    def ask(i: int) -> None:  # what each host lacks (and whether it accepts the target at all)
-        c = conns[i] = pool.connect(i, timeout=10.0)
-        c.settimeout(timeout)
-        lacking[i] = c.call("syncfs.missing", hashes=hashes, target=target)
+        return out
 
     def connect(i: int) -> Any:
         c = pool.connect(i, timeout=10.0)
         c.settimeout(timeout)
         return c
 
-    def direct(i: int) -> None:
-        meter.update(i, state=f"sending {len(lacking[i])} chunk(s)")
-        results[i].bytes_sent = _send_all(conns[i], lacking[i], sizes, sources, lambda n: meter.update(i, n),
-                                          more=lambda: connect(i))
+    def open_host(i: int) -> None:  # and does it accept the target at all? (before a byte moves)
+        conns[i] = connect(i)
+        conns[i].call("syncfs.missing", hashes=[], target=target)
+
+    def ok(which: List[int]) -> List[int]:
+        return [i for i in which if not results[i].error]
+
+    def send_direct(which: List[int], hashes: List[str]) -> None:
+        lacking = each(lambda i: conns[i].call("syncfs.missing", hashes=hashes), ok(which))
+
+        def one(i: int) -> None:
+            results[i].bytes_sent += _send_all(conns[i], lacking[i], sizes, sources, lambda n: meter.update(i, n),
+                                               more=lambda: connect(i))
+        each(one, list(lacking))
 
     try:
-        each(ask, indices)
-        live = [i for i in indices if i in lacking]
-        feed_directly = live
-        if fanout == "chain" and len(live) > 1:
-            head, rest = live[0], live[1:]
-            wanted = set().union(*(lacking[i] for i in live))
-            union = [h for h in hashes if h in wanted]
-            chain = [{"index": i, "host": pool.hosts[i].host, "port": pool.hosts[i].port,
-                      "identity": pool.hosts[i].identity(pool.name).decode()} for i in rest]
-            session = uuid.uuid4().hex
-            for i in live:
-                meter.update(i, state="chain")
-            try:
-                n = _send_all(conns[head], union, sizes, sources, lambda k: meter.update(head, k),
-                              more=lambda: connect(head), session=session, chain=chain)
-                down = conns[head].call("syncfs.flush", session=session)
-            except Exception as e:
-                results[head].error = str(e) or type(e).__name__
-                down = {"failed": {}, "unreached": rest}
-                n = 0
+        each(open_host, indices)
+        live = ok(indices)
+        chained = fanout == "chain" and len(live) > 1
+        head, rest = (live[0], live[1:]) if chained else (None, [])
+        chain = [{"index": i, "host": pool.hosts[i].host, "port": pool.hosts[i].port,
+                  "identity": pool.hosts[i].identity(pool.name).decode()} for i in rest]
+        session = uuid.uuid4().hex
+        chain_sent = 0
+        for i in live:
+            meter.update(i, state="chain" if chained else "sending")
+        # the tree is read and hashed group by group in a thread while the previous group is sent
+        for group, found in _read_errors_are_one_line(src, _prefetch(scan_groups(src, cache))):
+            entries += group
+            new = [h for h in found if h not in sizes]
+            for h in new:
+                sizes[h] = found[h].size
+                sources[h] = found[h]
+            if not new:
+                continue
+            if chained and not results[head].error:
+                lacking = each(lambda i: conns[i].call("syncfs.missing", hashes=new), ok(live))
+                wanted = set().union(*lacking.values()) if lacking else set()
+                union = [h for h in new if h in wanted]
+                try:
+                    chain_sent += _send_all(conns[head], union, sizes, sources, lambda k: meter.update(head, k),
+                                            more=lambda: connect(head), session=session, chain=chain)
+                except Exception as e:
+                    results[head].error = str(e) or type(e).__name__
+            elif not chained:
+                send_direct(live, new)
+        feed: List[int] = []
+        if chained:
+            down = {"failed": {}, "unreached": rest}
+            if not results[head].error:
+                try:
+                    down = conns[head].call("syncfs.flush", session=session)
+                except Exception as e:
+                    results[head].error = str(e) or type(e).__name__
             for k, why in down["failed"].items():
-                results[int(k)].error = f"host {k}: {why}" if not why.startswith("host ") else why
-            reached = [i for i in live if not results[i].error and i not in down["unreached"]]
-            for i in reached:
-                results[i].bytes_sent = n
-            feed_directly = [i for i in down["unreached"] if not results[i].error]
-        each(direct, feed_directly)
+                results[int(k)].error = results[int(k)].error or (why if why.startswith("host ") else f"host {k}: {why}")
+            for i in live:
+                if i not in down["unreached"] and not results[i].error:
+                    results[i].bytes_sent = chain_sent
+            feed = [i for i in down["unreached"] if not results[i].error]  # a broken chain: fed directly
+        if feed:
+            send_direct(feed, list(sizes))
+        cache.save()
+        manifest = Manifest(entries)
+        rows = manifest.rows()
 
         def commit(i: int) -> None:
             meter.update(i, state="committing")
@@ -192,17 +219,50 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             results[i].served_by = out.get("served_by", "")
             meter.update(i, state=f"gen {out['generation']}")
 
-        each(commit, [i for i in live if not results[i].error])
+        each(commit, ok(live))
     finally:
         for c in conns.values():
             c.close()
     meter.update(indices[0] if indices else 0, force=True)
     out = [results[i] for i in indices]
     delivered = sum(r.bytes_sent for r in out)
+    total = sum(e.size for e in entries if e.kind == "f")
     gens = {r.generation for r in out if r.ok}
-    return SyncReport(files=sum(1 for e in manifest.entries if e.kind in ("f", "h", "l")), bytes=manifest.bytes,
-                      bytes_sent=meter.client_bytes, bytes_skipped=max(0, manifest.bytes * len(indices) - delivered),
+    return SyncReport(files=sum(1 for e in entries if e.kind in ("f", "h", "l")), bytes=total,
+                      bytes_sent=meter.client_bytes, bytes_skipped=max(0, total * len(indices) - delivered),
                       seconds=round(time.time() - t0, 3), generation=max(gens) if gens else None, hosts=out)
+
+
+def _read_errors_are_one_line(src: str, groups: Any) -> Any:
+    try:
+        yield from groups
+    except OSError as e:  # a file vanished or became unreadable while the tree was read
+        raise MonarchError(f"reading {src}: {e.strerror or e} ({e.filename}); nothing was committed") from None
+
+
+def _prefetch(groups: Any, depth: int = 2) -> Any:
+    """Runs a generator in a thread, ``depth`` items ahead of its consumer."""
+    import queue
+
+    q: "queue.Queue[Any]" = queue.Queue(depth)
+    done = object()
+
+    def produce() -> None:
+        try:
+            for g in groups:
+                q.put(g)
+        except BaseException as e:  # handed to the consumer
+            q.put(e)
+        q.put(done)
+
+    threading.Thread(target=produce, name="syncfs-scan", daemon=True).start()
+    while True:
+        item = q.get()
+        if item is done:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item
 
 
 def _batches(todo: List[str], sizes: Dict[str, int]) -> List[List[str]]:

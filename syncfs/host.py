@@ -259,6 +259,8 @@ def setup(agent: Any) -> None:
                 mounts[path] = Mount(store, path)  # serves ``current``: generation n
             else:
                 m.switch(n)
+        for h in manifest.chunk_sizes():  # committed: a kept generation now protects them
+            store.pins.pop(h, None)
         store.collect(path)
         return {"generation": n, "path": str(path), "served_by": "fuse" if fuse else f"symlink ({no_fuse})"}
 

@@ -140,14 +140,39 @@ def _walk(root: str) -> Iterator[Tuple[str, os.DirEntry]]:
                     stack.append(rel)
 
 
-def scan(root: str, cache: Optional[HashCache] = None, workers: int = 4) -> Tuple[Manifest, Dict[str, ChunkSource]]:
-    """The manifest of ``root`` and where each of its chunks can be read (files hashed in
-    parallel: reading and BLAKE3 release the GIL)."""
+def scan_groups(root: str, cache: Optional[HashCache] = None, group_bytes: int = 64 << 20,
+                workers: int = 4) -> Iterator[Tuple[List[Entry], Dict[str, ChunkSource]]]:
+    """Walks ``root`` and yields its entries in groups of about ``group_bytes`` of file data,
+    each group hashed (in worker threads) when it is yielded: a caller can send one group while
+    the next is read, so reading the tree from disk overlaps the transfer."""
     from concurrent.futures import ThreadPoolExecutor
 
+    seen_inodes: Dict[Tuple[int, int], str] = {}
     entries: List[Entry] = []
     todo: List[Tuple[Entry, str, os.stat_result]] = []
-    seen_inodes: Dict[Tuple[int, int], str] = {}
+    size = 0
+
+    def finish() -> Tuple[List[Entry], Dict[str, ChunkSource]]:
+        found: List[Optional[List[Tuple[str, int, int]]]] = [cache.get(e.path, st) if cache else None
+                                                              for e, _, st in todo]
+        misses = [k for k, hit in enumerate(found) if hit is None]
+        if misses:
+            def hash_some(some: List[int]) -> None:
+                for k in some:
+                    found[k] = chunk_file(todo[k][1], todo[k][2].st_size)
+
+            with ThreadPoolExecutor(max_workers=workers) as ex:
+                list(ex.map(hash_some, [misses[k::workers] for k in range(workers)]))
+        sources: Dict[str, ChunkSource] = {}
+        for (e, path, st), chunks in zip(todo, found):
+            assert chunks is not None
+            if cache:
+                cache.put(e.path, st, chunks)
+            for h, off, n in chunks:
+                sources.setdefault(h, ChunkSource(path, off, n))
+            e.chunks = [(h, n) for h, _, n in chunks]
+        return entries, sources
+
     for rel, d in _walk(root):
         st = d.stat(follow_symlinks=False)
         mode = stat.S_IMODE(st.st_mode)
@@ -164,26 +189,20 @@ def scan(root: str, cache: Optional[HashCache] = None, workers: int = 4) -> Tupl
             e = Entry(rel, "f", mode, st.st_size, st.st_mtime_ns)
             entries.append(e)
             todo.append((e, d.path, st))
+            size += st.st_size
+            if size >= group_bytes:
+                yield finish()
+                entries, todo, size = [], [], 0
         # sockets, fifos and devices are not synced
+    yield finish()
 
-    found: List[Optional[List[Tuple[str, int, int]]]] = [cache.get(e.path, st) if cache else None
-                                                          for e, _, st in todo]
-    misses = [k for k, hit in enumerate(found) if hit is None]
-    if misses:
-        groups = [misses[k::workers] for k in range(workers)]
 
-        def hash_group(group: List[int]) -> None:
-            for k in group:
-                found[k] = chunk_file(todo[k][1], todo[k][2].st_size)
-
-        with ThreadPoolExecutor(max_workers=workers) as ex:
-            list(ex.map(hash_group, groups))
+def scan(root: str, cache: Optional[HashCache] = None, workers: int = 4) -> Tuple[Manifest, Dict[str, ChunkSource]]:
+    """The manifest of ``root`` and where each of its chunks can be read."""
+    entries: List[Entry] = []
     sources: Dict[str, ChunkSource] = {}
-    for (e, path, st), chunks in zip(todo, found):
-        assert chunks is not None
-        if cache:
-            cache.put(e.path, st, chunks)
-        for h, off, n in chunks:
-            sources.setdefault(h, ChunkSource(path, off, n))
-        e.chunks = [(h, n) for h, _, n in chunks]
+    for group, found in scan_groups(root, cache, workers=workers):
+        entries += group
+        for h, src in found.items():
+            sources.setdefault(h, src)
     return Manifest(entries), sources

@@ -40,6 +40,9 @@ def _disk_error(e: OSError, what: str) -> StoreError:
 class ChunkStore:
     def __init__(self, root: Path):
         self.root = root
+        self.pins: Dict[str, float] = {}  # chunks a sync in flight relies on -> when it said so
+        self.manifest_chunks: Dict[Path, Tuple[int, set]] = {}  # a manifest file's chunks, by its mtime
+        self.swept = 0.0
         self.chunks = root / "chunks"
         self.targets = root / "targets"
         for d in (self.chunks, self.targets):
@@ -50,15 +53,28 @@ class ChunkStore:
             raise StoreError(f"bad chunk name {h[:80]!r}")
         return self.chunks / h[:2] / h
 
+    def present(self) -> set:
+        """Every stored chunk's name: 256 directory listings, not one stat per chunk."""
+        have: set = set()
+        for sub in self.chunks.iterdir():
+            have.update(n for n in os.listdir(sub) if not n.startswith("."))
+        return have
+
     def missing(self, hashes: Iterable[str]) -> List[str]:
-        """The chunks not stored here; those that are get their mtime refreshed, so garbage
-        collection spares them until the sync that is about to rely on them has committed."""
+        """The chunks not stored here. The others are pinned: garbage collection spares them
+        until the sync that is about to rely on them has committed (or for GC_GRACE_S)."""
+        hashes = list(hashes)
+        for h in hashes[:1]:
+            self.chunk_path(h)  # names are checked (all are, below, through the set)
+        have = self.present() if len(hashes) > 64 else {h for h in hashes if self.chunk_path(h).exists()}
+        now = time.time()
+        self.pins = {h: t for h, t in self.pins.items() if now - t < GC_GRACE_S}
         out = []
         for h in hashes:
-            p = self.chunk_path(h)
-            try:
-                os.utime(p)
-            except FileNotFoundError:
+            if h in have:
+                self.pins[h] = now
+            else:
+                self.chunk_path(h)
                 out.append(h)
         return out
 
@@ -111,7 +127,8 @@ class ChunkStore:
         if os.path.lexists(target) and not os.path.islink(target) and not fuse:
             raise StoreError(f"{target} exists and is not a syncfs target (a symlink to a generation): "
                              "remove it or choose another --to")
-        missing = self.missing(manifest.chunk_sizes())
+        have = self.present()
+        missing = [h for h in manifest.chunk_sizes() if h not in have]
         if missing:
             raise StoreError(f"{len(missing)} chunk(s) missing (first {missing[0][:12]}): the sync did not finish")
         gens = self.generations(target)
@@ -151,22 +168,33 @@ class ChunkStore:
         os.replace(link, target)  # the switch: atomic for every reader
         return n
 
-    def collect(self, target: Path) -> None:
-        """Keeps the newest generations of every target; drops chunks none of them uses."""
+    def collect(self, target: Path, sweep_every_s: float = 60.0) -> None:
+        """Keeps the newest generations of ``target``; now and then, drops chunks that no kept
+        generation uses, no sync in flight pinned, and that are older than GC_GRACE_S."""
         tdir = self.target_dir(target)
-        for g in self.generations(target)[:-KEEP_GENERATIONS]:
+        dropped = self.generations(target)[:-KEEP_GENERATIONS]
+        for g in dropped:
             _rmtree(tdir / f"gen-{g}")
             (tdir / f"gen-{g}.manifest").unlink(missing_ok=True)
-        used = set()
+        if not dropped or time.time() - self.swept < sweep_every_s:
+            return
+        self.swept = time.time()
+        used = set(self.pins)
         for man in self.targets.glob("*/gen-*.manifest"):
             try:
-                used |= set(Manifest.loads(man.read_bytes()).chunk_sizes())
-            except (OSError, ValueError):
+                mtime = man.stat().st_mtime_ns
+                cached = self.manifest_chunks.get(man)
+                if cached is None or cached[0] != mtime:
+                    cached = self.manifest_chunks[man] = (mtime, set(Manifest.loads(man.read_bytes()).chunk_sizes()))
+                used |= cached[1]
+            except (OSError, ValueError, EOFError):
                 return  # unreadable: keep everything rather than delete what may be in use
+        self.manifest_chunks = {m: v for m, v in self.manifest_chunks.items() if m.exists()}
         old = time.time() - GC_GRACE_S
         for sub in self.chunks.iterdir():
-            for p in sub.iterdir():
-                if p.name not in used and not p.name.startswith("."):
+            for name in os.listdir(sub):
+                if name not in used and not name.startswith("."):
+                    p = sub / name
                     try:
                         if p.stat().st_mtime < old:
                             p.unlink()
