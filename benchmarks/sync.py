@@ -92,6 +92,19 @@ class Bench:
     # ------------------------------------------------------------ servers in the host namespaces
 
     def start(self) -> None:
+        self.start_agents()
+        for i in range(N_HOSTS):
+            d = self.work / "rsync" / f"h{i}"
+            d.mkdir(parents=True)
+            conf = self.work / f"rsyncd{i}.conf"
+            conf.write_text(f"use chroot = no\nuid = root\ngid = root\n[bench]\npath = {d}\nread only = no\n")
+            self.procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", ns_host(i), "rsync", "--daemon", "--no-detach", f"--config={conf}",
+                 f"--port={RSYNC_PORT}", f"--address={ip_host(i)}"], stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True))
+
+    def start_agents(self) -> None:
+        """A pool of 4 agents, one per host namespace (fresh: empty chunk stores)."""
         from monarch_torchx.agent import agent_argv
         from monarch_torchx.pool import wait_for_hosts
         from monarch_torchx.registry import Registry
@@ -106,27 +119,21 @@ class Bench:
             p = subprocess.Popen(["ip", "netns", "exec", ns_host(i), *argv], env=self.env,
                                  stdout=open(self.work / f"agent{i}.log", "ab"), stderr=subprocess.STDOUT,
                                  start_new_session=True)
-            self.procs.append(p)
             pids[str(i)] = p.pid
-            d = self.work / "rsync" / f"h{i}"
-            d.mkdir(parents=True)
-            conf = self.work / f"rsyncd{i}.conf"
-            conf.write_text(f"use chroot = no\nuid = root\ngid = root\n[bench]\npath = {d}\nread only = no\n")
-            self.procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", ns_host(i), "rsync", "--daemon", "--no-detach", f"--config={conf}",
-                 f"--port={RSYNC_PORT}", f"--address={ip_host(i)}"], stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=True))
         rec.allocation["pids"] = pids
         reg.save(rec)
         wait_for_hosts(rec, list(range(N_HOSTS)), {}, 60)
 
-    def stop(self) -> None:
+    def stop_agents(self) -> None:
         from monarch_torchx.pool import stop_pool
 
         try:
-            stop_pool("syncbench")
+            stop_pool("syncbench")  # agents unmount and delete their stores
         except Exception as e:  # noqa: BLE001
             print(f"stop_pool: {e}", file=sys.stderr)
+
+    def stop(self) -> None:
+        self.stop_agents()
         for p in self.procs:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -134,10 +141,10 @@ class Bench:
                 pass
 
     def wipe(self) -> None:
-        """Cold hosts: empty chunk stores (each cold run syncs to a new target), empty rsync and tar
-        destinations, no client hash cache, no page cache."""
-        for d in (self.work / "stores").glob("*/chunks/*"):
-            shutil.rmtree(d, ignore_errors=True)
+        """Cold hosts: new agents (empty chunk stores), empty rsync and tar destinations, no
+        client hash cache, no page cache."""
+        self.stop_agents()
+        self.start_agents()
         for d in (self.work / "rsync").glob("h*"):
             shutil.rmtree(d)
             d.mkdir()

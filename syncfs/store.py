@@ -43,6 +43,7 @@ class ChunkStore:
         self.pins: Dict[str, float] = {}  # chunks a sync in flight relies on -> when it said so
         self.manifest_chunks: Dict[Path, Tuple[int, set]] = {}  # a manifest file's chunks, by its mtime
         self.swept = 0.0
+        self._have: Optional[set] = None
         self.chunks = root / "chunks"
         self.targets = root / "targets"
         for d in (self.chunks, self.targets):
@@ -54,19 +55,20 @@ class ChunkStore:
         return self.chunks / h[:2] / h
 
     def present(self) -> set:
-        """Every stored chunk's name: 256 directory listings, not one stat per chunk."""
-        have: set = set()
-        for sub in self.chunks.iterdir():
-            have.update(n for n in os.listdir(sub) if not n.startswith("."))
-        return have
+        """Every stored chunk's name, kept in memory (read once from disk, then updated by put
+        and garbage collection): asking what is missing costs a set lookup per chunk."""
+        if self._have is None:
+            have: set = set()
+            for sub in self.chunks.iterdir():
+                have.update(n for n in os.listdir(sub) if not n.startswith("."))
+            self._have = have
+        return self._have
 
     def missing(self, hashes: Iterable[str]) -> List[str]:
         """The chunks not stored here. The others are pinned: garbage collection spares them
         until the sync that is about to rely on them has committed (or for GC_GRACE_S)."""
         hashes = list(hashes)
-        for h in hashes[:1]:
-            self.chunk_path(h)  # names are checked (all are, below, through the set)
-        have = self.present() if len(hashes) > 64 else {h for h in hashes if self.chunk_path(h).exists()}
+        have = self.present()
         now = time.time()
         self.pins = {h: t for h, t in self.pins.items() if now - t < GC_GRACE_S}
         out = []
@@ -74,7 +76,7 @@ class ChunkStore:
             if h in have:
                 self.pins[h] = now
             else:
-                self.chunk_path(h)
+                self.chunk_path(h)  # a name that could not be a chunk is refused here
                 out.append(h)
         return out
 
@@ -97,6 +99,7 @@ class ChunkStore:
             except OSError as e:
                 tmp.unlink(missing_ok=True)
                 raise _disk_error(e, f"storing chunk {h[:12]}") from None
+            self.present().add(h)
             stored += len(data)
         return stored
 
@@ -198,6 +201,7 @@ class ChunkStore:
                     try:
                         if p.stat().st_mtime < old:
                             p.unlink()
+                            self.present().discard(name)
                     except FileNotFoundError:
                         pass
 
