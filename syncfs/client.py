@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 from ..errors import MonarchError
 from ..registry import home
 from .manifest import ChunkSource, HashCache, Manifest, scan_groups
+from .store import manifest_digest
 
 BATCH_BYTES = 8 << 20
 STREAMS = 4  # parallel connections to a host while sending
@@ -211,10 +212,13 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         cache.save()
         manifest = Manifest(entries)
         rows = manifest.rows()
+        digest = manifest_digest(manifest.dumps())
 
         def commit(i: int) -> None:
             meter.update(i, state="committing")
-            out = conns[i].call("syncfs.commit", target=target, manifest=rows)
+            out = conns[i].call("syncfs.commit", target=target, digest=digest)
+            if not out["unchanged"]:  # the host's current generation is another tree: send the manifest
+                out = conns[i].call("syncfs.commit", target=target, manifest=rows)
             results[i].ok, results[i].generation, results[i].path = True, out["generation"], out["path"]
             results[i].served_by = out.get("served_by", "")
             meter.update(i, state=f"gen {out['generation']}")

@@ -264,10 +264,16 @@ def setup(agent: Any) -> None:
         store.collect(path)
         return {"generation": n, "path": str(path), "served_by": "fuse" if fuse else f"symlink ({no_fuse})"}
 
-    async def commit(peer: Any, target: str, manifest: List[Any]) -> Dict[str, Any]:
+    async def commit(peer: Any, target: str, manifest: Optional[List[Any]] = None, digest: str = "") -> Dict[str, Any]:
+        """Commits a generation; with only a ``digest``, reports whether the current generation
+        already is that tree (then nothing changes: {"unchanged": True}) or asks for the manifest."""
         path = resolve_target(store, target)
         lock = locks.setdefault(path, asyncio.Lock())
         async with lock:  # two syncs to one target: one after the other, each whole
+            if manifest is None:
+                n = store.unchanged(path, digest)
+                served = "fuse" if path in mounts else f"symlink ({no_fuse})" if no_fuse or os.path.islink(path) else "fuse"
+                return {"unchanged": n is not None, "generation": n, "path": str(path), "served_by": served}
             out = await run(commit_blocking, path, Manifest.from_rows(manifest))
         if path not in made:
             made.append(path)

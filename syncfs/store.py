@@ -124,6 +124,16 @@ class ChunkStore:
         except (OSError, ValueError):
             return None
 
+    def unchanged(self, target: Path, digest: str) -> Optional[int]:
+        """The current generation, when its manifest has this digest (a no-op sync commits nothing)."""
+        n = self.current(target)
+        if n is None:
+            return None
+        try:
+            return n if (self.target_dir(target) / f"gen-{n}.digest").read_text() == digest else None
+        except OSError:
+            return None
+
     def commit(self, target: Path, manifest: Manifest, fuse: bool) -> int:
         """Records the next generation of ``target``; materializes it and switches the symlink
         unless ``fuse`` (then the caller switches the mounted file system to it)."""
@@ -139,7 +149,9 @@ class ChunkStore:
         tdir = self.target_dir(target)
         tdir.mkdir(parents=True, exist_ok=True)
         try:
-            _write_atomic(tdir / f"gen-{n}.manifest", manifest.dumps())
+            data = manifest.dumps()
+            _write_atomic(tdir / f"gen-{n}.manifest", data)
+            _write_atomic(tdir / f"gen-{n}.digest", manifest_digest(data).encode())
         except OSError as e:
             raise _disk_error(e, f"recording generation {n} of {target}") from None
         if fuse:
@@ -179,6 +191,7 @@ class ChunkStore:
         for g in dropped:
             _rmtree(tdir / f"gen-{g}")
             (tdir / f"gen-{g}.manifest").unlink(missing_ok=True)
+            (tdir / f"gen-{g}.digest").unlink(missing_ok=True)
         if not dropped or time.time() - self.swept < sweep_every_s:
             return
         self.swept = time.time()
@@ -204,6 +217,10 @@ class ChunkStore:
                             self.present().discard(name)
                     except FileNotFoundError:
                         pass
+
+
+def manifest_digest(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

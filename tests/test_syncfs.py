@@ -110,13 +110,15 @@ def test_sync_a_tree_to_every_host(pool, home, tmp_path):
         assert os.stat(dst / "hardlink.sh").st_ino == os.stat(dst / "pkg" / "run.sh").st_ino  # hard link kept
     assert report["hosts"][0]["path"] != report["hosts"][1]["path"]  # each host its own store
 
-    # a no-op resync sends nothing and still commits a (new, identical) generation
+    # a no-op resync sends nothing and commits nothing (the hosts already serve that tree)
     again = json.loads(sync_cli(home, str(src), "--pool", pool.name, "--to", "work", "--json").stdout)
-    assert again["bytes_sent"] == 0 and again["generation"] == 2
+    assert again["bytes_sent"] == 0 and again["generation"] == 1
     assert again["bytes_skipped"] == 2 * again["bytes"]
-    text = sync_cli(home, str(src), "--pool", pool.name, "--to", "work").stdout
-    assert "host 0: generation 3" in text and "sent 0.0 MB" in text
-    # only the current and the previous generation are kept
+    # a change (a touched mtime is one) makes a new generation; only the newest two are kept
+    for k in (2, 3):
+        os.utime(src / "zero", ns=(k * 10**18, k * 10**18))
+        text = sync_cli(home, str(src), "--pool", pool.name, "--to", "work").stdout
+        assert f"host 0: generation {k}" in text and "sent 0.0 MB" in text
     gens = sorted(p.name for p in (tmp_path / "node-stores").glob(f"{pool.name}-host0/targets/*/gen-*.manifest"))
     assert gens == ["gen-2.manifest", "gen-3.manifest"]
 
