@@ -60,6 +60,8 @@ class Manifest:
             if not (isinstance(p, str) and k in ("f", "d", "l", "h") and isinstance(m, int) and isinstance(sz, int)
                     and isinstance(mt, int) and isinstance(t, str)):
                 raise ValueError(f"malformed manifest entry {str(r)[:120]}")
+            if p.startswith("/") or any(part in ("", ".", "..") for part in p.split("/")) or "\0" in p:
+                raise ValueError(f"unsafe path in manifest: {p[:120]!r}")
             out.append(Entry(p, k, m, sz, mt, [(str(h), int(n)) for h, n in ch], t))
         return cls(out)
 

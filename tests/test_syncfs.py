@@ -337,3 +337,7 @@ def test_bad_input_is_one_line(pool, home, tmp_path):
     res = sync_cli(home, str(src), "--pool", pool.name, "--to", "../../escape", check=False)
     assert res.returncode == 1 and "leaves the pool's sync area" in res.stdout
     assert not attach(pool.name).call(0, "syncfs.where", target="w")["generation"]
+    # a manifest (from any authenticated peer) cannot name paths outside its tree
+    for bad in ("../x", "/etc/x", "a/../../x", "a//b"):
+        with pytest.raises(wire.RemoteError, match="unsafe path"):
+            pool.call(0, "syncfs.commit", target="w", manifest=[(bad, "d", 0o755, 0, 0, [], "")])
