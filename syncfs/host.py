@@ -300,6 +300,10 @@ def setup(agent: Any) -> None:
         for d in store.targets.glob("*/gen-*"):
             _rmtree(d)
         shutil.rmtree(store.root, ignore_errors=True)
+        try:
+            os.rmdir(store.root.parent)  # the shared syncfs directory, once no pool uses it
+        except OSError:
+            pass
 
     for op, fn in (("syncfs.missing", missing), ("syncfs.put", put), ("syncfs.flush", flush),
                    ("syncfs.commit", commit), ("syncfs.where", where)):

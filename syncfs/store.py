@@ -44,10 +44,8 @@ class ChunkStore:
         self.manifest_chunks: Dict[Path, Tuple[int, set]] = {}  # a manifest file's chunks, by its mtime
         self.swept = 0.0
         self._have: Optional[set] = None
-        self.chunks = root / "chunks"
+        self.chunks = root / "chunks"  # made on first use: a pool that never syncs leaves nothing on disk
         self.targets = root / "targets"
-        for d in (self.chunks, self.targets):
-            d.mkdir(parents=True, exist_ok=True)
 
     def chunk_path(self, h: str) -> Path:
         if len(h) != 64 or not all(c in "0123456789abcdef" for c in h):
@@ -59,7 +57,7 @@ class ChunkStore:
         and garbage collection): asking what is missing costs a set lookup per chunk."""
         if self._have is None:
             have: set = set()
-            for sub in self.chunks.iterdir():
+            for sub in self.chunks.iterdir() if self.chunks.is_dir() else []:
                 have.update(n for n in os.listdir(sub) if not n.startswith("."))
             self._have = have
         return self._have
@@ -90,7 +88,7 @@ class ChunkStore:
             p = self.chunk_path(h)
             if p.exists():
                 continue
-            p.parent.mkdir(exist_ok=True)
+            p.parent.mkdir(parents=True, exist_ok=True)
             tmp = p.with_name(f".{h}.{os.getpid()}")
             try:
                 with open(tmp, "wb") as f:
@@ -207,7 +205,7 @@ class ChunkStore:
                 return  # unreadable: keep everything rather than delete what may be in use
         self.manifest_chunks = {m: v for m, v in self.manifest_chunks.items() if m.exists()}
         old = time.time() - GC_GRACE_S
-        for sub in self.chunks.iterdir():
+        for sub in self.chunks.iterdir() if self.chunks.is_dir() else []:
             for name in os.listdir(sub):
                 if name not in used and not name.startswith("."):
                     p = sub / name
