@@ -230,8 +230,9 @@ async def _serve(fs: SyncFS) -> None:
                         return
                     try:
                         names = fs.switch()
-                    except (OSError, ValueError) as e:
+                    except (OSError, ValueError, EOFError) as e:
                         log.error("could not switch generation: %s", e)
+                        print(f"failed: {e}", flush=True)  # the agent waits for a line
                         continue
                     for name in names:
                         try:
@@ -239,6 +240,7 @@ async def _serve(fs: SyncFS) -> None:
                         except Exception:  # noqa: BLE001 - an entry the kernel never looked up
                             pass
                     log.info("serving generation %d", fs.current.number)
+                    print(f"serving {fs.current.number}", flush=True)  # what the agent waits for
 
         nursery.start_soon(on_switch)
 

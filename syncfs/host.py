@@ -147,9 +147,10 @@ class Mount:
             raise StoreError(f"{target} is a non-empty directory: syncfs mounts its generations there; "
                              "empty it or choose another --to")
         log_path = self.tdir / "fuse.log"
-        self.proc = subprocess.Popen([sys.executable, "-m", "monarch_torchx.syncfs.fusefs", str(self.tdir), str(target),
-                                      str(store.root)], stdout=subprocess.PIPE, stderr=open(log_path, "ab"),
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        with open(log_path, "ab") as err:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen([sys.executable, "-m", "monarch_torchx.syncfs.fusefs", str(self.tdir),
+                                          str(target), str(store.root)], stdout=subprocess.PIPE, stderr=err,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
         line = self.proc.stdout.readline() if self.proc.stdout else b""
         if line.strip() != b"mounted":
             self.proc.kill()
@@ -161,16 +162,22 @@ class Mount:
         return self.proc.poll() is None
 
     def switch(self, n: int, timeout: float = 10.0) -> None:
+        """Tells the FS to serve ``current`` and waits until it says, on its stdout, that it does."""
+        import select
         import signal
         import time
 
+        assert self.proc.stdout is not None
         os.kill(self.proc.pid, signal.SIGUSR1)
         deadline = time.time() + timeout
-        while time.time() < deadline:  # the FS says which generation it serves in its log
-            if f"serving generation {n}\n" in (self.tdir / "fuse.log").read_text(errors="replace"):
+        while (left := deadline - time.time()) > 0 and select.select([self.proc.stdout], [], [], left)[0]:
+            line = self.proc.stdout.readline().decode(errors="replace").strip()
+            if line == f"serving {n}":
                 return
-            time.sleep(0.002)
-        raise StoreError(f"the file system at {self.target} did not switch to generation {n}")
+            if not line or line.startswith("failed"):
+                raise StoreError(f"the file system at {self.target} did not switch to generation {n}: "
+                                 f"{line or 'it exited'}")
+        raise StoreError(f"the file system at {self.target} did not switch to generation {n} within {timeout:.0f} s")
 
     def stop(self) -> None:
         import subprocess

@@ -199,13 +199,3 @@ def scan_groups(root: str, cache: Optional[HashCache] = None, group_bytes: int =
         # sockets, fifos and devices are not synced
     yield finish()
 
-
-def scan(root: str, cache: Optional[HashCache] = None, workers: int = 4) -> Tuple[Manifest, Dict[str, ChunkSource]]:
-    """The manifest of ``root`` and where each of its chunks can be read."""
-    entries: List[Entry] = []
-    sources: Dict[str, ChunkSource] = {}
-    for group, found in scan_groups(root, cache, workers=workers):
-        entries += group
-        for h, src in found.items():
-            sources.setdefault(h, src)
-    return Manifest(entries), sources
