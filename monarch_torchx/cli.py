@@ -146,7 +146,7 @@ def cmd_sync(args: argparse.Namespace) -> None:
     pool = attach(args.pool)
     hosts = [int(x) for x in args.hosts.split(",")] if args.hosts else None
     quiet = args.json or not sys.stderr.isatty()
-    report = sync(pool, args.src, args.to, hosts=hosts,
+    report = sync(pool, args.src, args.to, hosts=hosts, exclude=args.exclude,
                   progress=(lambda m: None) if quiet else (lambda m: print(f"\r{m}\033[K", end="", file=sys.stderr,
                                                                              flush=True)))
     if not quiet:
@@ -170,6 +170,9 @@ def add_sync_arguments(p: argparse.ArgumentParser) -> None:
                    help="target path on every host: relative = in the pool's own sync area; absolute = under an "
                         "allowed root (/workspace, /env, $MONARCH_TORCHX_SYNC_ROOTS)")
     p.add_argument("--hosts", default="", help="comma-separated host indices (default: all)")
+    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                   help="leave out paths matching PATTERN (fnmatch, relative to SRC; repeatable); "
+                        "SRC/.torchxignore is always honoured")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(pool_fn=cmd_sync)
 

@@ -165,11 +165,12 @@ class Pool:
         with ThreadPoolExecutor(max_workers=min(32, len(indices))) as ex:
             return list(ex.map(one, indices))
 
-    def sync(self, src: str, target: str, hosts: Optional[List[int]] = None) -> Any:
+    def sync(self, src: str, target: str, hosts: Optional[List[int]] = None, exclude: Sequence[str] = (),
+             progress: Callable[[str], None] = lambda _m: None) -> Any:
         """Syncs directory ``src`` to ``target`` on every host; returns a ``syncfs.SyncReport``."""
         from .syncfs import sync
 
-        return sync(self, src, target, hosts=hosts)
+        return sync(self, src, target, hosts=hosts, exclude=exclude, progress=progress)
 
     def sql(self, query: str, timeout: float = 30.0) -> Any:
         """One SQL question over every host's telemetry tables -> pyarrow.Table (see `monarch-torchx tables`).

@@ -11,17 +11,19 @@ import re
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from torchx.schedulers.api import DescribeAppResponse, ListAppResponse, Scheduler, Stream
 from torchx.schedulers.ids import make_unique
-from torchx.specs import AppDef, AppDryRunInfo, AppState, ReplicaStatus, Role, RoleStatus, macros, runopts
+from torchx.specs import AppDef, AppDryRunInfo, AppState, CfgVal, ReplicaStatus, Role, RoleStatus, macros, runopts
+from torchx.workspace.api import WorkspaceMixin
 
 from .. import apps
 from ..errors import MonarchError
 from ..pool import Pool, PoolRequest, ensure_pool, get_provisioner, parse_duration
 from ..registry import AppRecord, Registry, check_pool_name
 from ..specs import FAILED, SUCCEEDED, LaunchSpec
+from . import workspace as ws
 
 RANK0_ENV = "TORCHX_RANK0_HOST"
 
@@ -41,11 +43,15 @@ class MonarchRequest:
     app_name: str
     roles: List[Dict[str, Any]]
     replicas: List[ReplicaLaunch] = field(default_factory=list)
+    workspace: Optional[ws.Workspace] = None  # synced to the hosts of role 0 before it starts
 
     def __repr__(self) -> str:
         spec = ", ".join(f"{k}={v}" for k, v in self.pool.spec.items() if v is not None) or "existing spec"
         lines = [f"pool {self.pool.name!r} on {self.pool.scheduler} ({spec}; replace={self.pool.replace})",
                  f"app {self.app_id}:"]
+        if self.workspace:
+            lines.append(f"workspace {self.workspace.src} synced to {self.workspace.mount} "
+                         f"(shown below as {ws.MOUNT_TOKEN})")
         for r in self.replicas:
             s = r.spec
             lines.append(f"  {s.role}/{s.replica_id} on host {r.host_index}: {' '.join(s.argv)}")
@@ -65,7 +71,7 @@ def split_app_id(app_id: str) -> Tuple[str, str]:
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
-class MonarchScheduler(Scheduler):
+class MonarchScheduler(WorkspaceMixin[None], Scheduler):
     """One TorchX scheduler per pool engine; the engine is the provisioner behind ``backend``."""
 
     def __init__(self, session_name: str, backend: str, registry: Optional[Registry] = None):
@@ -89,6 +95,19 @@ class MonarchScheduler(Scheduler):
                       "(default: the existing pool's, else torch; none = no preloads)")
         prov.add_run_opts(opts)
         return opts
+
+    def workspace_opts(self) -> runopts:
+        opts = runopts()
+        opts.add("workspace_mount", type_=str, default=None,
+                 help="sync the workspace (--workspace, default: the current directory; .torchxignore honoured) "
+                      "to this path on the pool's hosts and run role 0 there: relative = in the pool's own sync "
+                      "area, absolute = under an allowed root (/workspace, /env); default: no sync")
+        return opts
+
+    def build_workspace_and_update_role(self, role: Role, workspace: str, cfg: Mapping[str, CfgVal]) -> None:
+        """Marks ``role`` to run in ``workspace``; the sync itself happens once the pool is up."""
+        if cfg.get("workspace_mount"):
+            role.image = ws.IMAGE_PREFIX + ws.local_dir(workspace)
 
     def _validate(self, app: AppDef, scheduler: str, cfg: Any = None) -> None:
         if not app.roles:
@@ -126,16 +145,20 @@ class MonarchScheduler(Scheduler):
         # the agent's working directory (the image's WORKDIR), as TorchX's kubernetes scheduler does
         cwd = os.getcwd() if get_provisioner(self.backend).client_cwd_on_hosts else None
         req = MonarchRequest(pool_req, app_id, app.name, roles=[])
-        for role in app.roles:
+        for n, role in enumerate(app.roles):
+            workspace = ws.attached(role.image, cfg) if n == 0 else None
+            req.workspace = req.workspace or workspace
             req.roles.append({"name": role.name, "image": role.image, "entrypoint": role.entrypoint,
                               "args": list(role.args), "num_replicas": role.num_replicas})
             for i in range(role.num_replicas):
-                values = macros.Values(img_root=role.image if os.path.isdir(role.image) else (cwd or ""),
+                root = ws.MOUNT_TOKEN if workspace else role.image if os.path.isdir(role.image) else (cwd or "")
+                values = macros.Values(img_root=root,
                                        app_id=f"{pool_req.name}:{app_id}", replica_id=str(i), rank0_env=RANK0_ENV)
                 r = values.apply(role)
                 env = {str(k): str(v) for k, v in r.env.items()}
                 spec = LaunchSpec(app_id=app_id, role=role.name, replica_id=i, argv=[r.entrypoint, *r.args],
-                                  env=env, cwd=cwd, max_retries=int(role.max_retries or 0))
+                                  env=env, cwd=ws.MOUNT_TOKEN if workspace else cwd,
+                                  max_retries=int(role.max_retries or 0))
                 req.replicas.append(ReplicaLaunch(host_index=i, spec=spec))
         return AppDryRunInfo(req, repr)
 
@@ -153,6 +176,13 @@ class MonarchScheduler(Scheduler):
         rank0 = hosts[0].host if hosts[0] else "localhost"
         for r in req.replicas:
             r.spec.env.setdefault(RANK0_ENV, rank0)
+        if req.workspace:
+            first = req.roles[0]["name"]
+            paths = ws.sync_to_hosts(pool, req.workspace, sorted({r.host_index for r in req.replicas
+                                                                  if r.spec.role == first}), _progress)
+            for r in req.replicas:
+                if r.spec.role == first:
+                    ws.place(r.spec, paths[r.host_index])
         apps.launch(pool, req.app_id, req.app_name, req.roles, [(r.host_index, r.spec) for r in req.replicas])
         return f"{pool.name}:{req.app_id}"
 

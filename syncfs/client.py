@@ -17,10 +17,11 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..errors import MonarchError
 from ..registry import home
+from .ignore import IgnoreRules
 from .manifest import ChunkSource, HashCache, Manifest, scan_groups
 from .store import manifest_digest
 
@@ -100,13 +101,14 @@ def _cache_for(src: str) -> HashCache:
 
 def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
          progress: Callable[[str], None] = lambda _m: None, timeout: float = 600.0,
-         fanout: str = "chain") -> SyncReport:
+         fanout: str = "chain", exclude: Sequence[str] = ()) -> SyncReport:
     """Syncs directory ``src`` to ``target`` on every host of ``pool`` (or ``hosts``).
 
     ``fanout="chain"``: the client sends each missing chunk once, to the first host, which
     stores it and passes it on down a pipelined chain, so N hosts take about as long as one;
     hosts a broken chain did not reach are then fed directly. ``"star"``: the client feeds every
-    host itself.
+    host itself. Paths matching ``src/.torchxignore`` (TorchX's workspace rules) or
+    ``exclude`` (the same ``fnmatch`` syntax) are left out.
     """
     t0 = time.time()
     if not os.path.exists(src):
@@ -122,6 +124,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
     if bad:
         raise MonarchError(f"pool {pool.name!r} has no host(s) {bad} (it has {len(pool.hosts)})")
     cache = _cache_for(src)
+    ignore = IgnoreRules.for_tree(src, list(exclude))
     meter = _Progress(progress, 0, indices)
     results = {i: HostResult(i, False) for i in indices}
     conns: Dict[int, Any] = {}
@@ -174,7 +177,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         for i in live:
             meter.update(i, state="chain" if chained else "sending")
         # the tree is read and hashed group by group in a thread while the previous group is sent
-        for group, found in _read_errors_are_one_line(src, _prefetch(scan_groups(src, cache))):
+        for group, found in _read_errors_are_one_line(src, _prefetch(scan_groups(src, cache, ignore=ignore))):
             entries += group
             new = [h for h in found if h not in sizes]
             for h in new:

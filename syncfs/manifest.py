@@ -19,6 +19,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import blake3
 import fastcdc
 
+from .ignore import IgnoreRules
+
 SMALL_FILE = 256 << 10  # below this a file is one chunk
 CDC = {"min_size": 256 << 10, "avg_size": 1 << 20, "max_size": 4 << 20}
 
@@ -131,20 +133,22 @@ class HashCache:
         os.replace(tmp, self.path)
 
 
-def _walk(root: str) -> Iterator[Tuple[str, os.DirEntry]]:
+def _walk(root: str, ignore: Optional[IgnoreRules] = None) -> Iterator[Tuple[str, os.DirEntry]]:
     stack = [""]
     while stack:
         rel_dir = stack.pop()
         with os.scandir(os.path.join(root, rel_dir) if rel_dir else root) as it:
             for d in sorted(it, key=lambda d: d.name):
                 rel = f"{rel_dir}/{d.name}" if rel_dir else d.name
+                if ignore and ignore.ignored(rel):
+                    continue
                 yield rel, d
                 if d.is_dir(follow_symlinks=False):
                     stack.append(rel)
 
 
 def scan_groups(root: str, cache: Optional[HashCache] = None, group_bytes: int = 64 << 20,
-                workers: int = 4) -> Iterator[Tuple[List[Entry], Dict[str, ChunkSource]]]:
+                workers: int = 4, ignore: Optional[IgnoreRules] = None) -> Iterator[Tuple[List[Entry], Dict[str, ChunkSource]]]:
     """Walks ``root`` and yields its entries in groups of about ``group_bytes`` of file data,
     each group hashed (in worker threads) when it is yielded: a caller can send one group while
     the next is read, so reading the tree from disk overlaps the transfer."""
@@ -176,7 +180,7 @@ def scan_groups(root: str, cache: Optional[HashCache] = None, group_bytes: int =
             e.chunks = [(h, n) for h, _, n in chunks]
         return entries, sources
 
-    for rel, d in _walk(root):
+    for rel, d in _walk(root, ignore):
         st = d.stat(follow_symlinks=False)
         mode = stat.S_IMODE(st.st_mode)
         if stat.S_ISDIR(st.st_mode):

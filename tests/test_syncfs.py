@@ -341,3 +341,45 @@ def test_bad_input_is_one_line(pool, home, tmp_path):
     for bad in ("../x", "/etc/x", "a/../../x", "a//b"):
         with pytest.raises(wire.RemoteError, match="unsafe path"):
             pool.call(0, "syncfs.commit", target="w", manifest=[(bad, "d", 0o755, 0, 0, [], "")])
+
+
+def test_torchx_workspace_is_synced_to_the_pool_and_role_0_runs_in_it(pool, home, tmp_path):
+    """`torchx run -cfg workspace_mount=...` (here from `.torchxconfig`): the real torchx CLI syncs
+    the current directory (less `.torchxignore`) to each host of role 0, which runs in its copy;
+    an edit reaches the next run as a new generation, and a bad mount starts nothing."""
+    from .conftest import torchx
+
+    ws = tmp_path / "proj"
+    ws.mkdir()
+    (ws / "train.py").write_text("import os, sys\nprint('ran', open('version.txt').read().strip(), os.getcwd(), "
+                                 "sys.argv[1], os.path.exists('secret.key'), os.access('.', os.W_OK))\n")
+    (ws / "version.txt").write_text("v1\n")
+    (ws / "secret.key").write_text("not for the cluster\n")
+    (ws / ".torchxignore").write_text("# local only\nsecret.key\n")
+    (ws / ".torchxconfig").write_text(f"[monarch_local]\npool = {pool.name}\nworkspace_mount = proj\n")
+
+    def run() -> list:
+        res = torchx(home, "run", "-s", "monarch_local", "--wait", "--log", "utils.python", "--num_replicas", "2",
+                     "--script", "train.py", "--", "${img_root}", cwd=ws)
+        assert "workspace " in res.stderr and "on 2 host(s)" in res.stderr, res.stderr
+        out = sorted(line.split(" ", 1)[1] for line in (res.stdout + res.stderr).splitlines() if " ran " in line)
+        assert len(out) == 2, res.stdout + res.stderr
+        return out
+
+    first = run()
+    assert len(first) == 2, first
+    for k, line in enumerate(first):
+        _, version, cwd, img_root, secret, writable = line.split()
+        assert version == "v1" and cwd == img_root == str(tmp_path / "node-stores" / f"{pool.name}-host{k}" / "mounts" / "proj")
+        assert secret == "False" and writable == "False"  # .torchxignore honoured; a read-only mount
+        assert os.path.ismount(cwd)
+    (ws / "version.txt").write_text("v2\n")
+    second = run()
+    assert [line.split()[1] for line in second] == ["v2", "v2"]
+    gens = attach(pool.name).call(0, "syncfs.where", target="proj")
+    assert gens["generation"] == 2
+
+    res = torchx(home, "run", "-s", "monarch_local", "-cfg", "workspace_mount=/etc/nope", "utils.echo",
+                 cwd=ws, check=False)
+    assert res.returncode != 0 and "could not be synced to /etc/nope" in res.stderr
+    assert "nothing was started" in res.stderr and "Traceback" not in res.stderr
