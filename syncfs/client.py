@@ -28,6 +28,8 @@ from .store import manifest_digest
 BATCH_BYTES = 8 << 20
 STREAMS = 4  # parallel connections to a host while sending
 RETRIES = 3
+# hosts in one chain: past this, several chains (each chunk leaves the client once per chain)
+CHAIN_LENGTH = 16
 
 
 @dataclass
@@ -101,12 +103,14 @@ def _cache_for(src: str) -> HashCache:
 
 def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
          progress: Callable[[str], None] = lambda _m: None, timeout: float = 600.0,
-         fanout: str = "chain", exclude: Sequence[str] = ()) -> SyncReport:
+         fanout: str = "chain", exclude: Sequence[str] = (), chain_length: int = CHAIN_LENGTH) -> SyncReport:
     """Syncs directory ``src`` to ``target`` on every host of ``pool`` (or ``hosts``).
 
     ``fanout="chain"``: the client sends each missing chunk once, to the first host, which
     stores it and passes it on down a pipelined chain, so N hosts take about as long as one;
-    hosts a broken chain did not reach are then fed directly. ``"star"``: the client feeds every
+    hosts a broken chain did not reach are then fed directly. More than ``chain_length`` hosts
+    are split into that many chains of equal length, fed at once: the client sends each chunk
+    once per chain, and a chain's fill time and a failure's reach stay bounded. ``"star"``: the client feeds every
     host itself. Paths matching ``src/.torchxignore`` (TorchX's workspace rules) or
     ``exclude`` (the same ``fnmatch`` syntax) are left out.
     """
@@ -119,6 +123,8 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         raise MonarchError("no target: pass --to PATH (relative paths land in the pool's own sync area)")
     if fanout not in ("chain", "star"):
         raise MonarchError(f"fanout={fanout!r}: use chain or star")
+    if chain_length < 1:
+        raise MonarchError(f"chain_length={chain_length}: a chain holds at least one host")
     indices = list(range(len(pool.hosts))) if hosts is None else hosts
     bad = [i for i in indices if not 0 <= i < len(pool.hosts)]
     if bad:
@@ -169,13 +175,27 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         each(open_host, indices)
         live = ok(indices)
         chained = fanout == "chain" and len(live) > 1
-        head, rest = (live[0], live[1:]) if chained else (None, [])
-        chain = [{"index": i, "host": pool.hosts[i].host, "port": pool.hosts[i].port,
-                  "identity": pool.hosts[i].identity(pool.name).decode()} for i in rest]
+        chains = _split(live, chain_length) if chained else []
         session = uuid.uuid4().hex
-        chain_sent = 0
+        chain_sent = {c[0]: 0 for c in chains}  # by head
         for i in live:
             meter.update(i, state="chain" if chained else "sending")
+
+        addrs = pool.hosts
+        routes = {c[0]: [{"index": i, "host": addrs[i].host, "port": addrs[i].port,
+                          "identity": addrs[i].identity(pool.name).decode()} for i in c[1:]] for c in chains}
+
+        def feed_chain(c: List[int], union: set, new: List[str]) -> None:
+            head = c[0]
+            if results[head].error:
+                return
+            try:
+                chain_sent[head] += _send_all(conns[head], [h for h in new if h in union], sizes, sources,
+                                              lambda k: meter.update(head, k), more=lambda: connect(head),
+                                              session=session, chain=routes[head])
+            except Exception as e:
+                results[head].error = str(e) or type(e).__name__
+
         # the tree is read and hashed group by group in a thread while the previous group is sent
         for group, found in _read_errors_are_one_line(src, _prefetch(scan_groups(src, cache, ignore=ignore))):
             entries += group
@@ -185,19 +205,16 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
                 sources[h] = found[h]
             if not new:
                 continue
-            if chained and not results[head].error:
+            if chained:
                 lacking = each(lambda i: conns[i].call("syncfs.missing", hashes=new), ok(live))
-                wanted = set().union(*lacking.values()) if lacking else set()
-                union = [h for h in new if h in wanted]
-                try:
-                    chain_sent += _send_all(conns[head], union, sizes, sources, lambda k: meter.update(head, k),
-                                            more=lambda: connect(head), session=session, chain=chain)
-                except Exception as e:
-                    results[head].error = str(e) or type(e).__name__
-            elif not chained:
+                unions = [set().union(*(lacking.get(i, ()) for i in c)) for c in chains]
+                with ThreadPoolExecutor(max_workers=len(chains)) as ex:  # each chain fed at once
+                    list(ex.map(feed_chain, chains, unions, [new] * len(chains)))
+            else:
                 send_direct(live, new)
         feed: List[int] = []
-        if chained:
+        for c in chains:
+            head, rest = c[0], c[1:]
             down = {"failed": {}, "unreached": rest}
             if not results[head].error:
                 try:
@@ -206,10 +223,10 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
                     results[head].error = str(e) or type(e).__name__
             for k, why in down["failed"].items():
                 results[int(k)].error = results[int(k)].error or (why if why.startswith("host ") else f"host {k}: {why}")
-            for i in live:
+            for i in c:
                 if i not in down["unreached"] and not results[i].error:
-                    results[i].bytes_sent = chain_sent
-            feed = [i for i in down["unreached"] if not results[i].error]  # a broken chain: fed directly
+                    results[i].bytes_sent = chain_sent[head]
+            feed += [i for i in down["unreached"] if not results[i].error]  # a broken chain: fed directly
         if feed:
             send_direct(feed, list(sizes))
         cache.save()
@@ -270,6 +287,12 @@ def _prefetch(groups: Any, depth: int = 2) -> Any:
         if isinstance(item, BaseException):
             raise item
         yield item
+
+
+def _split(hosts: List[int], length: int) -> List[List[int]]:
+    """``hosts`` in the fewest chains of at most ``length``, as equal as can be."""
+    n = -(-len(hosts) // max(1, length))
+    return [hosts[k::n] for k in range(n)] if n > 1 else [hosts]
 
 
 def _batches(todo: List[str], sizes: Dict[str, int]) -> List[List[str]]:

@@ -229,6 +229,13 @@ def test_chain_reaches_every_host_and_routes_around_a_dead_one(home, pool_name, 
     from monarch_torchx.syncfs import sync
 
     assert sync(p, str(src), "ws3", hosts=[2, 3], fanout="star").bytes_sent == 0  # chunks already on both
+    # several chains (here of 2 hosts each): each chunk leaves the client once per chain
+    (src / "fresh.bin").write_bytes(os.urandom(3 << 20))
+    two = sync(p, str(src), "ws4", chain_length=2)
+    assert two.ok and 2 * (3 << 20) <= two.bytes_sent < 2 * ((3 << 20) + (1 << 20)), two.bytes_sent
+    assert {h.bytes_sent for h in two.hosts} == {two.bytes_sent // 2}
+    for h in two.hosts:
+        assert_same_tree(src, Path(h.path))
 
     # a host in the middle of the chain dies while the chain is being fed: the hosts after it get
     # the data directly, the dead one is named
