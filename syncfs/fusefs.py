@@ -18,12 +18,14 @@ import stat
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
 import pyfuse3
 import trio
 
 from .manifest import Entry, Manifest
+from .store import SMALL_CHUNK, PackIndex
 
 log = logging.getLogger("monarch_torchx.syncfs.fuse")
 GEN_SHIFT = 32
@@ -83,6 +85,7 @@ class SyncFS(pyfuse3.Operations):
         self.current = load(target_dir)
         self.gens: "OrderedDict[int, Generation]" = OrderedDict({self.current.number: self.current})
         self.fds: "OrderedDict[str, int]" = OrderedDict()
+        self.packs = PackIndex(Path(store) / "packs")
         self.uid, self.gid = os.getuid(), os.getgid()
 
     # ------------------------------------------------------------ generations
@@ -175,16 +178,24 @@ class SyncFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR if node.entry.kind == "d" else errno.EINVAL)
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)  # immutable: the page cache stays valid
 
-    def _fd(self, h: str) -> int:
-        fd = self.fds.get(h)
+    def _where(self, h: str, n: int) -> Tuple[int, int]:
+        """An open descriptor of the file holding chunk ``h`` (of size ``n``), and its offset there."""
+        if n < SMALL_CHUNK:
+            if h not in self.packs.where:
+                self.packs.refresh()  # a pack written since this generation was loaded
+            pack, off, _ = self.packs.where[h]
+            path = os.path.join(self.store, "packs", pack)
+        else:
+            path, off = os.path.join(self.store, "chunks", h[:2], h), 0
+        fd = self.fds.get(path)
         if fd is not None:
-            self.fds.move_to_end(h)
-            return fd
-        fd = os.open(os.path.join(self.store, "chunks", h[:2], h), os.O_RDONLY)
-        self.fds[h] = fd
+            self.fds.move_to_end(path)
+            return fd, off
+        fd = os.open(path, os.O_RDONLY)
+        self.fds[path] = fd
         if len(self.fds) > OPEN_FDS:
             os.close(self.fds.popitem(last=False)[1])
-        return fd
+        return fd, off
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         node = self.node(fh)
@@ -199,7 +210,10 @@ class SyncFS(pyfuse3.Operations):
             inner = off - node.offsets[k]
             take = min(size, n - inner)
             try:
-                parts.append(os.pread(self._fd(h), take, inner))
+                fd, base = self._where(h, n)
+                parts.append(os.pread(fd, take, base + inner))
+            except KeyError:
+                raise pyfuse3.FUSEError(errno.EIO) from None
             except OSError as err:
                 raise pyfuse3.FUSEError(err.errno or errno.EIO) from None
             off += take

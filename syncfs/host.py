@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pickle
 import queue
 import shutil
 import tempfile
@@ -34,7 +35,7 @@ class Forwarder:
 
     def __init__(self, key: bytes, session: str, chain: List[Dict[str, Any]], streams: int = 4):
         self.key, self.session, self.next, self.rest = key, session, chain[0], chain[1:]
-        self.queue: "queue.Queue[Optional[List[Tuple[str, bytes]]]]" = queue.Queue(PIPELINE_DEPTH)
+        self.queue: "queue.Queue[Optional[Tuple[List[Tuple[str, int]], Any]]]" = queue.Queue(PIPELINE_DEPTH)
         self.failed: Dict[int, str] = {}  # host index -> why; hosts after a failed one are not reached
         self.unreached: List[int] = []
         self.lock = threading.Lock()
@@ -69,7 +70,9 @@ class Forwarder:
                     continue  # drain: the sender must not block on a dead chain
                 try:
                     client = client or self._connect()
-                    client.call("syncfs.put", chunks=batch, session=self.session, chain=self.rest)
+                    index, data = batch
+                    client.call("syncfs.put", chunks=index, data=pickle.PickleBuffer(data), session=self.session,
+                                chain=self.rest)
                 except Exception as e:
                     self._fail(e)
         finally:
@@ -237,15 +240,16 @@ def setup(agent: Any) -> None:
             resolve_target(store, target)
         return await run(store.missing, hashes)
 
-    async def put(peer: Any, chunks: List[Tuple[str, bytes]], session: str = "",
+    async def put(peer: Any, chunks: List[Tuple[str, int]], data: Any, session: str = "",
                   chain: Optional[List[Dict[str, Any]]] = None) -> int:
-        """Stores a batch; with a ``chain``, also passes it on to the next host of it."""
-        stored = await run(store.put, chunks)
+        """Stores a batch (``data``: the ``chunks``, (name, size) each, end to end); with a
+        ``chain``, also passes it on to the next host of it."""
+        stored = await run(store.put, chunks, data)
         if chain:
             fw = sessions.get(session)
             if fw is None:  # no await between the check and the insert: parallel streams share one
                 fw = sessions[session] = Forwarder(agent.key, session, chain)
-            await run(fw.queue.put, chunks)
+            await run(fw.queue.put, (chunks, data))
         return stored
 
     async def flush(peer: Any, session: str) -> Dict[str, Any]:

@@ -1,5 +1,10 @@
 """A host's side of syncfs: a chunk store on node-local disk and the generations built from it.
 
+Chunks below SMALL_CHUNK (whole small files: most of a virtualenv's 40k paths) are not one file
+each: every stored batch writes them to one pack file with an index beside it, since creating a
+file per chunk cost the host more than receiving, verifying and forwarding them. A pack is
+deleted when no chunk in it is used any more; larger chunks are files of their own.
+
 Each sync commits an immutable generation: a read-only tree materialized from chunks (files
 unchanged since the previous generation are hard links to it, so a small change costs a small
 commit), then the target path, a symlink, is switched to it with one atomic rename. Readers
@@ -12,17 +17,21 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import marshal
 import os
 import shutil
+import threading
 import time
+import uuid
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import blake3
 
 from .manifest import Manifest
 
 KEEP_GENERATIONS = 2
+SMALL_CHUNK = 256 << 10  # chunks below this are packed (FastCDC's smallest cut: only whole small files and tails)
 # an unreferenced chunk younger than this may belong to a sync still in flight: kept
 GC_GRACE_S = 3600.0
 
@@ -37,6 +46,46 @@ def _disk_error(e: OSError, what: str) -> StoreError:
     return StoreError(f"{what} failed: {e.strerror or e}")
 
 
+class PackIndex:
+    """Where each packed chunk lies: name -> (pack file name, offset, size). Read from the packs'
+    index files, and grown with new ones; the FUSE server keeps one of its own and refreshes it
+    when a chunk it is asked for is not in it yet."""
+
+    def __init__(self, packs: Path):
+        self.packs = packs
+        self.where: Dict[str, Tuple[str, int, int]] = {}
+        self.rows: Dict[str, List[Tuple[str, int, int]]] = {}  # pack name -> its chunks
+
+    def refresh(self) -> None:
+        try:
+            names = os.listdir(self.packs)
+        except FileNotFoundError:
+            return
+        for name in names:
+            pack = name[:-4] + ".pack"
+            if not name.endswith(".idx") or name.startswith(".") or pack in self.rows:
+                continue
+            try:
+                rows = marshal.loads((self.packs / name).read_bytes())
+            except (OSError, ValueError, EOFError):
+                continue  # unreadable: its chunks count as missing and are sent again
+            self.add(pack, rows)
+
+    def add(self, pack: str, rows: List[Tuple[str, int, int]]) -> None:
+        self.rows[pack] = rows
+        for h, off, n in rows:
+            self.where.setdefault(h, (pack, off, n))
+
+    def remove(self, packs: List[str]) -> set:
+        """Forgets packs; returns the chunks no remaining pack holds."""
+        affected = {h for p in packs for h, _, _ in self.rows.pop(p, [])}
+        self.where = {}
+        for pack, rows in self.rows.items():
+            for h, off, n in rows:
+                self.where.setdefault(h, (pack, off, n))
+        return affected - self.where.keys()
+
+
 class ChunkStore:
     def __init__(self, root: Path):
         self.root = root
@@ -44,7 +93,11 @@ class ChunkStore:
         self.manifest_chunks: Dict[Path, Tuple[int, set]] = {}  # a manifest file's chunks, by its mtime
         self.swept = 0.0
         self._have: Optional[set] = None
+        self._index: Optional[PackIndex] = None
+        self._dirs: set = set()  # chunk directories known to exist
+        self.lock = threading.Lock()  # the pack index: stores and sweeps run in different threads
         self.chunks = root / "chunks"  # made on first use: a pool that never syncs leaves nothing on disk
+        self.packs = root / "packs"
         self.targets = root / "targets"
 
     def chunk_path(self, h: str) -> Path:
@@ -56,11 +109,24 @@ class ChunkStore:
         """Every stored chunk's name, kept in memory (read once from disk, then updated by put
         and garbage collection): asking what is missing costs a set lookup per chunk."""
         if self._have is None:
-            have: set = set()
+            have: set = set(self.index().where)
             for sub in self.chunks.iterdir() if self.chunks.is_dir() else []:
                 have.update(n for n in os.listdir(sub) if not n.startswith("."))
             self._have = have
         return self._have
+
+    def index(self) -> PackIndex:
+        if self._index is None:
+            self._index = PackIndex(self.packs)
+            self._index.refresh()
+        return self._index
+
+    def locate(self, h: str) -> Tuple[Path, int]:
+        """The file holding chunk ``h`` and where in it the chunk starts."""
+        packed = self.index().where.get(h)
+        if packed is not None:
+            return self.packs / packed[0], packed[1]
+        return self.chunk_path(h), 0
 
     def missing(self, hashes: Iterable[str]) -> List[str]:
         """The chunks not stored here. The others are pinned: garbage collection spares them
@@ -78,17 +144,32 @@ class ChunkStore:
                 out.append(h)
         return out
 
-    def put(self, chunks: List[Tuple[str, bytes]]) -> int:
-        """Stores verified chunks; a chunk whose bytes do not hash to its name is refused whole."""
-        for h, data in chunks:
-            if blake3.blake3(data).hexdigest() != h:
+    def put(self, index: List[Tuple[str, int]], data: Any) -> int:
+        """Stores a batch of verified chunks (``data``: those of ``index`` end to end); a batch with
+        a chunk whose bytes do not hash to its name is refused whole."""
+        view = memoryview(data).cast("B")
+        if sum(n for _, n in index) != view.nbytes:
+            raise StoreError(f"a batch of {view.nbytes} bytes does not hold the {len(index)} chunk(s) it names")
+        chunks, off = [], 0
+        for h, n in index:
+            chunk = view[off:off + n]
+            off += n
+            if blake3.blake3(chunk).hexdigest() != h:
                 raise StoreError(f"chunk {h[:12]} does not match its hash (corrupted in transit); resend it")
+            chunks.append((h, chunk))
+        have = self.present()
+        small: Dict[str, Any] = {}
         stored = 0
         for h, data in chunks:
-            p = self.chunk_path(h)
-            if p.exists():
+            if h in have:
                 continue
-            p.parent.mkdir(parents=True, exist_ok=True)
+            if len(data) < SMALL_CHUNK:
+                small[h] = data
+                continue
+            p = self.chunk_path(h)
+            if p.parent not in self._dirs:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                self._dirs.add(p.parent)
             tmp = p.with_name(f".{h}.{os.getpid()}")
             try:
                 with open(tmp, "wb") as f:
@@ -97,9 +178,35 @@ class ChunkStore:
             except OSError as e:
                 tmp.unlink(missing_ok=True)
                 raise _disk_error(e, f"storing chunk {h[:12]}") from None
-            self.present().add(h)
+            have.add(h)
             stored += len(data)
+        if small:
+            stored += self._write_pack(small)
         return stored
+
+    def _write_pack(self, chunks: Dict[str, Any]) -> int:
+        """Writes small chunks as one pack file, then its index (a pack without one is ignored,
+        and removed by the next sweep): the chunks are stored once the index is in place."""
+        name = uuid.uuid4().hex
+        pack, idx = self.packs / f"{name}.pack", self.packs / f"{name}.idx"
+        rows, off = [], 0
+        for h, data in chunks.items():
+            rows.append((h, off, len(data)))
+            off += len(data)
+        if self.packs not in self._dirs:
+            self.packs.mkdir(parents=True, exist_ok=True)
+            self._dirs.add(self.packs)
+        try:
+            with open(pack, "wb") as f:
+                f.write(b"".join(chunks.values()))
+            _write_atomic(idx, marshal.dumps(rows))
+        except OSError as e:
+            pack.unlink(missing_ok=True)
+            raise _disk_error(e, f"storing {len(rows)} small chunk(s)") from None
+        with self.lock:
+            self.index().add(pack.name, rows)
+            self.present().update(chunks)
+        return off
 
     # ------------------------------------------------------------ generations
 
@@ -205,6 +312,28 @@ class ChunkStore:
                 return  # unreadable: keep everything rather than delete what may be in use
         self.manifest_chunks = {m: v for m, v in self.manifest_chunks.items() if m.exists()}
         old = time.time() - GC_GRACE_S
+        index = self.index()
+        with self.lock:
+            dead = []
+            for pack, rows in list(index.rows.items()):
+                try:
+                    if any(h in used for h, _, _ in rows) or (self.packs / pack).stat().st_mtime >= old:
+                        continue
+                except FileNotFoundError:
+                    pass
+                (self.packs / (pack[:-5] + ".idx")).unlink(missing_ok=True)
+                (self.packs / pack).unlink(missing_ok=True)
+                dead.append(pack)
+            if dead:
+                self.present().difference_update(index.remove(dead))
+        for name in os.listdir(self.packs) if self.packs.is_dir() else []:  # packs a crash left without an index
+            p = self.packs / name
+            if name not in index.rows and not name.endswith(".idx"):
+                try:
+                    if p.stat().st_mtime < old:
+                        p.unlink()
+                except FileNotFoundError:
+                    pass
         for sub in self.chunks.iterdir() if self.chunks.is_dir() else []:
             for name in os.listdir(sub):
                 if name not in used and not name.startswith("."):
@@ -262,9 +391,11 @@ def _materialize(build: Path, manifest: Manifest, store: ChunkStore, prev_dir: O
                 os.link(prev_dir / e.path, dst)  # unchanged: the same read-only inode
                 continue
             with open(dst, "wb") as out:
-                for h, _ in e.chunks:
-                    with open(store.chunk_path(h), "rb") as src:
-                        shutil.copyfileobj(src, out, 1 << 20)
+                for h, n in e.chunks:
+                    path, off = store.locate(h)
+                    with open(path, "rb") as src:
+                        src.seek(off)
+                        out.write(src.read(n)) if n < SMALL_CHUNK else shutil.copyfileobj(src, out, 1 << 20)
             os.chmod(dst, e.mode & ~0o222)
             os.utime(dst, ns=(e.mtime_ns, e.mtime_ns))  # Python checks .pyc files against their source's mtime
 

@@ -155,22 +155,24 @@ def test_a_corrupted_chunk_is_refused_and_sent_again(pool, tmp_path, monkeypatch
     good = b"x" * 1000
     h = blake3.blake3(good).hexdigest()
     with pytest.raises(wire.RemoteError, match="does not match its hash"):
-        pool.call(0, "syncfs.put", chunks=[(h, b"y" * 1000)])
+        pool.call(0, "syncfs.put", chunks=[(h, 1000)], data=b"y" * 1000)
+    with pytest.raises(wire.RemoteError, match="does not hold the 1 chunk"):
+        pool.call(0, "syncfs.put", chunks=[(h, 1000)], data=good + b"extra")
     assert pool.call(0, "syncfs.missing", hashes=[h]) == [h]  # nothing was stored
 
     from monarch_torchx.syncfs import client
 
-    real = client.read_chunk
+    real = client.read_batch
     corrupted = []
 
-    def flaky(src):  # the wire flips a byte, once
-        data = real(src)
+    def flaky(batch, sources):  # the wire flips a byte, once
+        index, data = real(batch, sources)
         if not corrupted:
             corrupted.append(1)
-            return bytes([data[0] ^ 0xFF]) + data[1:]
-        return data
+            data[0] ^= 0xFF
+        return index, data
 
-    monkeypatch.setattr(client, "read_chunk", flaky)
+    monkeypatch.setattr(client, "read_batch", flaky)
     src = make_tree(tmp_path / "src")
     report = pool.sync(str(src), "fixed", hosts=[0])
     assert report.ok and corrupted
@@ -390,3 +392,49 @@ def test_torchx_workspace_is_synced_to_the_pool_and_role_0_runs_in_it(pool, home
                  cwd=ws, check=False)
     assert res.returncode != 0 and "could not be synced to /etc/nope" in res.stderr
     assert "nothing was started" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_store_packs_small_chunks_and_collects_what_no_generation_uses(tmp_path, monkeypatch):
+    """The host's store on its own: small chunks go to one pack per batch, a restarted host finds
+    them, and a sweep removes packs and chunk files that no kept generation uses (a pack any of
+    whose chunks is still used stays whole), and packs a crash left without an index."""
+    import blake3
+
+    from monarch_torchx.syncfs import store as st
+    from monarch_torchx.syncfs.manifest import Entry, Manifest
+
+    def chunk(data: bytes):
+        return blake3.blake3(data).hexdigest(), data
+
+    def manifest(*files):
+        return Manifest([Entry(f"f{k}", "f", 0o644, len(d), 0, chunks=[(h, len(d))]) for k, (h, d) in enumerate(files)])
+
+    s = st.ChunkStore(tmp_path / "store")
+    old_small, kept_small, big = chunk(b"a" * 100), chunk(b"b" * 200), chunk(os.urandom(st.SMALL_CHUNK))
+    def put(chunks):
+        s.put([(h, len(d)) for h, d in chunks], b"".join(d for _, d in chunks))
+
+    put([old_small, kept_small, big])
+    assert len(list(s.packs.glob("*.pack"))) == 1 and s.chunk_path(big[0]).exists()
+    assert not s.chunk_path(old_small[0]).exists()  # packed, not a file of its own
+    assert st.ChunkStore(s.root).missing([old_small[0], kept_small[0], big[0], "0" * 64]) == ["0" * 64]
+
+    target = tmp_path / "t"
+    s.commit(target, manifest(old_small, big), fuse=False)
+    assert (target / "f0").read_bytes() == old_small[1] and (target / "f1").read_bytes() == big[1]
+    lone = chunk(b"c" * 300)
+    put([lone])  # a second pack, used by no generation
+    (s.packs / "crashed.pack").write_bytes(b"x")  # written, but its index never was
+    monkeypatch.setattr(st, "GC_GRACE_S", 0.0)
+    for k in range(2):  # two newer generations: the first one (old_small, big) is dropped
+        new = chunk(b"new" * (k + 1))
+        put([new])
+        s.commit(target, manifest(kept_small, new), fuse=False)
+        s.swept = 0.0
+        s.collect(target)
+    assert (target / "f0").read_bytes() == kept_small[1]
+    assert not s.chunk_path(big[0]).exists() and big[0] not in s.present()
+    assert lone[0] not in s.present() and not (s.packs / "crashed.pack").exists()
+    assert old_small[0] in s.present()  # shares a pack with kept_small, which is still used
+    fresh = st.ChunkStore(s.root)
+    assert fresh.missing([kept_small[0], lone[0], big[0]]) == [lone[0], big[0]]
