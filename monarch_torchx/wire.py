@@ -554,6 +554,15 @@ class Client:
     def close(self) -> None:
         self._sock.close()
 
+    @property
+    def local_address(self) -> str:
+        """The address this connection leaves from ("" through a tunnel): where the peer can reach us."""
+        try:
+            name = self._sock.getsockname()
+        except OSError:
+            return ""
+        return name[0] if isinstance(name, tuple) and self._sock.family in (socket.AF_INET, socket.AF_INET6) else ""
+
     def __enter__(self) -> "Client":
         return self
 

@@ -125,7 +125,9 @@ class _Handle:
 class RDMABuffer:
     """A region of this process's memory that other processes of the pool may read and write."""
 
-    def __init__(self, data: Any, *, pool: Optional[str] = None):
+    def __init__(self, data: Any, *, pool: Optional[str] = None, bind: Optional[str] = None):
+        """``bind``: where this process serves its buffers, when it is not a proc of the pool
+        (an agent, a sync client): the address its peers reach it on."""
         from ..actor import context
 
         backend = get_rdma_backend()  # a forced backend that cannot work fails here, in one line
@@ -133,7 +135,7 @@ class RDMABuffer:
         if mem.nbytes == 0:
             raise ValueError("Cannot create RDMABuffer with size 0.")
         pool = _current_pool(pool)
-        own = owner_for(pool)
+        own = owner_for(pool, bind)
         slot, gen = own.register(mem)
         rkey = None
         try:

@@ -273,10 +273,16 @@ _owners: Dict[str, Owner] = {}
 _owners_lock = threading.Lock()
 
 
-def owner_for(pool: str) -> Owner:
-    """This process's owner for ``pool`` (started on first use)."""
+def owner_for(pool: str, bind: Optional[str] = None) -> Owner:
+    """This process's owner for ``pool`` (started on first use; ``bind``: the address its data
+    plane listens on, for a process that is not a proc, e.g. an agent or a sync client)."""
     with _owners_lock:
         own = _owners.get(pool)
+        if own is not None and bind and own.host != bind:
+            raise RDMAError(f"this process already serves pool {pool!r}'s buffers on {own.host}, not {bind}")
+        if own is None and bind:
+            from ..actor import session
+            own = _owners[pool] = Owner(pool, session.hub_for(pool).key, bind, bind)
         if own is None:
             from ..actor import session
             hub = session.hub_for(pool)

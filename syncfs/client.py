@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import threading
 import time
 import uuid
@@ -22,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import MonarchError
 from ..registry import home
+from . import transfer
 from .ignore import IgnoreRules
 from .manifest import ChunkSource, HashCache, Manifest, scan_groups
 from .store import manifest_digest
@@ -55,6 +55,7 @@ class SyncReport:
     seconds: float
     generation: Optional[int]
     hosts: List[HostResult] = field(default_factory=list)
+    transfer: str = ""  # how the bytes went: "socket", or "rdma/<backend>" (as the first host pulled them)
 
     @property
     def ok(self) -> bool:
@@ -177,6 +178,9 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         conns[i] = connect(i)
         conns[i].call("syncfs.missing", hashes=[], target=target)
 
+    vias: List[str] = []
+    how = {"mode": "socket", "pool": pool.name, "bind": "", "vias": vias}
+
     def ok(which: List[int]) -> List[int]:
         return [i for i in which if not results[i].error]
 
@@ -185,12 +189,15 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
 
         def one(i: int) -> None:
             results[i].bytes_sent += _send_all(conns[i], lacking[i], sizes, sources, lambda n: meter.update(i, n),
-                                               more=lambda: connect(i))
+                                               more=lambda: connect(i), how=how)
         each(one, list(lacking))
 
     try:
         each(open_host, indices)
         live = ok(indices)
+        if live:
+            how["bind"] = conns[live[0]].local_address
+            how["mode"] = transfer.choose(how["bind"])
         chained = fanout == "chain" and len(live) > 1
         chains = _split(live, chain_length) if chained else []
         session = uuid.uuid4().hex
@@ -209,7 +216,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             try:
                 chain_sent[head] += _send_all(conns[head], [h for h in new if h in union], sizes, sources,
                                               lambda k: meter.update(head, k), more=lambda: connect(head),
-                                              session=session, chain=routes[head])
+                                              how=how, session=session, chain=routes[head])
             except Exception as e:
                 results[head].error = str(e) or type(e).__name__
 
@@ -271,7 +278,8 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
     gens = {r.generation for r in out if r.ok}
     return SyncReport(files=sum(1 for e in entries if e.kind in ("f", "h", "l")), bytes=total,
                       bytes_sent=meter.client_bytes, bytes_skipped=max(0, total * len(indices) - delivered),
-                      seconds=round(time.time() - t0, 3), generation=max(gens) if gens else None, hosts=out)
+                      seconds=round(time.time() - t0, 3), generation=max(gens) if gens else None, hosts=out,
+                      transfer=vias[0] if vias else how["mode"])
 
 
 def _read_errors_are_one_line(src: str, groups: Any) -> Any:
@@ -325,7 +333,7 @@ def _batches(todo: List[str], sizes: Dict[str, int]) -> List[List[str]]:
 
 
 def _send_all(client: Any, todo: List[str], sizes: Dict[str, int], sources: Dict[str, ChunkSource],
-              sent: Callable[[int], None], more: Callable[[], Any] = None, **extra: Any) -> int:
+              sent: Callable[[int], None], more: Callable[[], Any], how: Dict[str, Any], **extra: Any) -> int:
     """Sends chunks in batches of about BATCH_BYTES over ``client`` and up to STREAMS - 1 more
     connections from ``more()`` (parallel streams: while one batch is being stored by the host,
     the next ones are on the wire); returns the bytes sent."""
@@ -340,7 +348,7 @@ def _send_all(client: Any, todo: List[str], sizes: Dict[str, int], sources: Dict
                 batch = next(left, None)
             if batch is None:
                 return
-            _send(conn, batch, sources, **extra)
+            _send(conn, batch, sources, how, **extra)
             n = sum(sizes[h] for h in batch)
             with lock:
                 total[0] += n
@@ -359,14 +367,19 @@ def _send_all(client: Any, todo: List[str], sizes: Dict[str, int], sources: Dict
     return total[0]
 
 
-def _send(client: Any, batch: List[str], sources: Dict[str, ChunkSource], **extra: Any) -> None:
+def _send(client: Any, batch: List[str], sources: Dict[str, ChunkSource], how: Dict[str, Any], **extra: Any) -> None:
     from ..wire import RemoteError
 
     for attempt in range(RETRIES):
         index, blob = read_batch(batch, sources)
+        args, release = transfer.outgoing(how["mode"], how["pool"], how["bind"], blob)
         try:
-            client.call("syncfs.put", chunks=index, data=pickle.PickleBuffer(blob), **extra)
+            out = client.call("syncfs.put", chunks=index, **args, **extra)
+            if not how["vias"]:
+                how["vias"].append(out["via"])
             return
         except RemoteError as e:
             if "does not match its hash" not in str(e) or attempt == RETRIES - 1:
                 raise
+        finally:
+            release()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import pickle
 import queue
 import shutil
 import tempfile
@@ -19,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import transfer
 from .manifest import Manifest
 from .store import ChunkStore, StoreError
 
@@ -33,8 +33,9 @@ class Forwarder:
     its own (parallel streams, as from the client): the sender is answered as soon as a batch is
     stored here and queued, so each hop of the chain works on different batches at once."""
 
-    def __init__(self, key: bytes, session: str, chain: List[Dict[str, Any]], streams: int = 4):
-        self.key, self.session, self.next, self.rest = key, session, chain[0], chain[1:]
+    def __init__(self, pool: str, key: bytes, session: str, chain: List[Dict[str, Any]], mode: str, streams: int = 4):
+        self.pool, self.key, self.session, self.next, self.rest = pool, key, session, chain[0], chain[1:]
+        self.mode = mode  # socket or rdma: as the batches came here
         self.queue: "queue.Queue[Optional[Tuple[List[Tuple[str, int]], Any]]]" = queue.Queue(PIPELINE_DEPTH)
         self.failed: Dict[int, str] = {}  # host index -> why; hosts after a failed one are not reached
         self.unreached: List[int] = []
@@ -71,8 +72,11 @@ class Forwarder:
                 try:
                     client = client or self._connect()
                     index, data = batch
-                    client.call("syncfs.put", chunks=index, data=pickle.PickleBuffer(data), session=self.session,
-                                chain=self.rest)
+                    args, release = transfer.outgoing(self.mode, self.pool, client.local_address, data)
+                    try:
+                        client.call("syncfs.put", chunks=index, session=self.session, chain=self.rest, **args)
+                    finally:
+                        release()
                 except Exception as e:
                     self._fail(e)
         finally:
@@ -240,17 +244,18 @@ def setup(agent: Any) -> None:
             resolve_target(store, target)
         return await run(store.missing, hashes)
 
-    async def put(peer: Any, chunks: List[Tuple[str, int]], data: Any, session: str = "",
-                  chain: Optional[List[Dict[str, Any]]] = None) -> int:
-        """Stores a batch (``data``: the ``chunks``, (name, size) each, end to end); with a
-        ``chain``, also passes it on to the next host of it."""
+    async def put(peer: Any, chunks: List[Tuple[str, int]], data: Any = None, rdma: Any = None, session: str = "",
+                  chain: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
+        """Stores a batch (``data``, or what ``rdma`` points at: the ``chunks``, (name, size) each,
+        end to end); with a ``chain``, also passes it on to the next host of it."""
+        data, via = await run(transfer.incoming, agent.pool, agent.key, data, rdma)
         stored = await run(store.put, chunks, data)
         if chain:
             fw = sessions.get(session)
             if fw is None:  # no await between the check and the insert: parallel streams share one
-                fw = sessions[session] = Forwarder(agent.key, session, chain)
+                fw = sessions[session] = Forwarder(agent.pool, agent.key, session, chain, transfer.forwarding(via))
             await run(fw.queue.put, (chunks, data))
-        return stored
+        return {"stored": stored, "via": via}
 
     async def flush(peer: Any, session: str) -> Dict[str, Any]:
         """Waits until every batch of the session went down the chain; who failed, who was not reached."""

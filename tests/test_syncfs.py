@@ -98,6 +98,7 @@ def test_sync_a_tree_to_every_host(pool, home, tmp_path):
     report = json.loads(res.stdout)
     assert set(report) >= {"files", "bytes_sent", "bytes_skipped", "seconds", "generation", "hosts"}
     assert report["generation"] == 1 and len(report["hosts"]) == 2
+    assert report["transfer"] == "socket"  # auto: no ibverbs device here, so not the rdma module
     # a chain: the client sent each byte once; host 0 passed it on to host 1
     assert 5 << 20 <= report["bytes_sent"] < (5 << 20) + (1 << 20)
     assert all(h["bytes_sent"] == report["bytes_sent"] for h in report["hosts"])
@@ -438,3 +439,27 @@ def test_store_packs_small_chunks_and_collects_what_no_generation_uses(tmp_path,
     assert old_small[0] in s.present()  # shares a pack with kept_small, which is still used
     fresh = st.ChunkStore(s.root)
     assert fresh.missing([kept_small[0], lone[0], big[0]]) == [lone[0], big[0]]
+
+
+@pytest.mark.parametrize("backend", ["cma", "tcp"])
+def test_bulk_bytes_over_the_rdma_module(home, pool_name, tmp_path, monkeypatch, backend):
+    """MONARCH_TORCHX_SYNC_TRANSFER=rdma: each put carries an RDMABuffer handle and the host pulls
+    the batch with the rdma module (here cma, same host; or its TCP data plane, forced as
+    MONARCH_TORCHX_RDMA=tcp), then forwards it down the chain the same way. ibverbs, which
+    `auto` picks, takes this same path with a device (none here)."""
+    from monarch_torchx.errors import MonarchError
+
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_TRANSFER", "rdma")
+    if backend == "tcp":
+        monkeypatch.setenv("MONARCH_TORCHX_RDMA", "tcp")  # the client's and (inherited) the agents'
+    p = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 3, "preload": ""}))
+    src = make_tree(tmp_path / "src")
+    report = p.sync(str(src), "ws")
+    assert report.ok and report.transfer == f"rdma/{backend}"
+    assert (5 << 20) <= report.bytes_sent < (6 << 20)  # still once: hosts 1 and 2 got it down the chain
+    for h in report.hosts:
+        assert_same_tree(src, Path(h.path))
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_TRANSFER", "carrier-pigeon")
+    with pytest.raises(MonarchError, match="use auto, socket or rdma"):
+        p.sync(str(src), "ws")

@@ -1,0 +1,78 @@
+"""How a batch's bytes get from one machine to the next: one interface, two ways.
+
+``socket``: the bytes ride in the ``syncfs.put`` request itself, as one out-of-band buffer on the
+pool's authenticated connection (never copied through pickle). ``rdma``: the request carries an
+``RDMABuffer`` handle on the sender's memory, and the receiver pulls the bytes with the rdma
+module's best backend for that pair: ibverbs between hosts with RDMA devices, cma on one host,
+its TCP data plane otherwise. The sender chooses per sync and every hop of a chain forwards the
+way it received. ``auto`` (the default) takes rdma only where it beats the socket, i.e. where
+ibverbs is usable and the hosts can reach the client directly (no tunnel);
+``MONARCH_TORCHX_SYNC_TRANSFER=socket|rdma`` forces one.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any, Callable, Dict, Tuple
+
+from ..errors import MonarchError
+
+MODES = ("auto", "socket", "rdma")
+ENV = "MONARCH_TORCHX_SYNC_TRANSFER"
+
+
+def choose(local_address: str) -> str:
+    """The way this sync sends; ``local_address``: where the hosts reach this machine ("" through a tunnel)."""
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise MonarchError(f"{ENV}={mode!r}: use auto, socket or rdma")
+    if mode == "rdma" and not local_address:
+        raise MonarchError(f"{ENV}=rdma, but the hosts are reached through a tunnel and cannot pull from this "
+                           "machine; unset it")
+    if mode != "auto":
+        return mode
+    if not local_address:
+        return "socket"
+    from ..rdma import get_rdma_backend
+
+    try:
+        return "rdma" if get_rdma_backend() == "ibverbs" else "socket"
+    except Exception:  # a forced rdma backend that cannot work here: the socket still does
+        return "socket"
+
+
+def outgoing(mode: str, pool: str, bind: str, data: Any) -> Tuple[Dict[str, Any], Callable[[], None]]:
+    """The put arguments that carry ``data``, and what to call once the put returned."""
+    if mode == "socket":
+        return {"data": pickle.PickleBuffer(data)}, lambda: None
+    from ..rdma import RDMABuffer
+
+    buf = RDMABuffer(data, pool=pool, bind=bind)
+    return {"rdma": buf}, lambda: buf.drop()
+
+
+def incoming(pool: str, key: bytes, data: Any, rdma: Any, timeout: float = 120.0) -> Tuple[Any, str]:
+    """A received batch's bytes, pulled first when they came as an RDMABuffer; and how they came."""
+    if rdma is None:
+        if data is None:
+            raise ValueError("a put needs data or rdma")
+        return data, "socket"
+    from ..actor import session
+    from ..rdma import RDMABuffer, RDMAError
+
+    if not isinstance(rdma, RDMABuffer):
+        raise ValueError("rdma must be an RDMABuffer")
+    session.hub_for(pool, key=key)  # the pool's secret, for the rdma data plane (an agent has no registry)
+    local = bytearray(rdma.size())
+    try:
+        via = f"rdma/{rdma.backend}"
+        rdma.read_into(local, timeout=timeout).get()
+    except RDMAError as e:
+        raise ValueError(f"pulling a batch over rdma failed: {e}") from None
+    return local, via
+
+
+def forwarding(via: str) -> str:
+    """The way a host forwards what came to it ``via``."""
+    return "rdma" if via.startswith("rdma") else "socket"
