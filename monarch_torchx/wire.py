@@ -157,7 +157,10 @@ class FrameParser:
 
     BIG = 64 * 1024  # segments at least this large are received in place
 
-    def __init__(self, chunk: int = 256 * 1024):
+    def __init__(self, chunk: int = 256 * 1024, alloc: Callable[[int], Any] = big_buffer):
+        """``alloc(n)``: the memory a large segment is received into (``big_buffer``: huge-page
+        maps for tensors; ``bytearray`` where handlers expect ordinary picklable bytes)."""
+        self._alloc = alloc
         self._buf = bytearray(chunk)
         self._start = 0
         self._end = 0
@@ -198,7 +201,7 @@ class FrameParser:
                 frames += self._segment(seg)
                 continue
             if need >= self.BIG:
-                self._big = big_buffer(need)
+                self._big = self._alloc(need)
                 self._big[:avail] = self._buf[self._start:self._end]
                 self._bigpos = avail
                 self._start = self._end = 0
@@ -282,7 +285,7 @@ def decode(body: bytes, bufs: List[bytearray]) -> Any:
         raise WireError(f"malformed message: {e}") from None
 
 
-def _check_msg(msg: Any) -> dict:
+def check_msg(msg: Any) -> dict:
     if not isinstance(msg, dict) or not isinstance(msg.get("id"), int):
         raise WireError("malformed message: not a request/reply dict")
     return msg
@@ -301,26 +304,6 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
     body = await reader.readexactly(body_len)
     bufs = [bytearray(await reader.readexactly(n)) if n else bytearray() for n in lens]
     return decode(body, bufs)
-
-
-def write_frame(writer: asyncio.StreamWriter, msg: Any) -> None:
-    """Queues one whole frame; callers await ``writer.drain()`` for back-pressure."""
-    writer.writelines(encode(msg))
-
-
-async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes,
-                           identity: bytes = b"") -> None:
-    import asyncio
-
-    async def exchange() -> None:
-        nonce_s, hello = server_hello()
-        writer.write(hello)
-        await writer.drain()
-        answer = await reader.readexactly(ANSWER_LEN)
-        writer.write(server_check(key, nonce_s, answer, identity))
-        await writer.drain()
-
-    await asyncio.wait_for(exchange(), HANDSHAKE_TIMEOUT_S)
 
 
 Handler = Callable[..., Any]
@@ -350,77 +333,29 @@ class Server:
 
     def __init__(self, key: bytes, handlers: Dict[str, Handler], on_activity: Optional[Callable[[str], None]] = None,
                  identity: bytes = b""):
-        self._key = key
-        self._identity = identity
+        self.key = key
+        self.identity = identity
         self._handlers = handlers
-        self._on_activity = on_activity or (lambda _op: None)
+        self.on_activity = on_activity or (lambda _op: None)
         self._server: Optional[asyncio.base_events.Server] = None
-        self.connections = 0
-        import asyncio
-
-        self._handshakes = asyncio.Semaphore(MAX_HANDSHAKES)
+        self.connections = 0  # authenticated ones
+        self.handshakes = 0  # in progress
 
     async def start(self, host: str, port: int = 0) -> int:
         import asyncio
 
-        self._server = await asyncio.start_server(self._serve, host, port, limit=1 << 20)
+        from .wire_conn import ServerConnection
+
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: ServerConnection(self), host, port)
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
         if self._server:
             self._server.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        import asyncio
-
-        peer = writer.get_extra_info("peername")
-        addr = f"{peer[0]}:{peer[1]}" if peer else "?"
-        if self._handshakes.locked():  # a flood of unauthenticated peers gets no memory or time
-            log.warning("dropped connection from %s: too many handshakes in progress", addr)
-            writer.close()
-            return
-        try:
-            async with self._handshakes:
-                await server_handshake(reader, writer, self._key, self._identity)
-        except (WireError, asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError) as e:
-            reason = "timed out" if isinstance(e, asyncio.TimeoutError) else (str(e) or type(e).__name__)
-            if isinstance(e, asyncio.IncompleteReadError) and not e.partial:
-                # connected and closed without a byte: a TCP readiness probe (Kubernetes) or a port check
-                log.debug("connection from %s closed before the handshake", addr)
-            else:
-                log.warning("dropped connection from %s: %s", addr, reason)
-            writer.close()
-            return
-        self.connections += 1
-        tasks: Dict[int, asyncio.Task] = {}
-        try:
-            while True:
-                try:
-                    msg = _check_msg(await read_frame(reader))
-                except asyncio.IncompleteReadError:
-                    break
-                except WireError as e:
-                    log.warning("dropped connection from %s: %s", addr, e)
-                    break
-                rid = msg["id"]
-                if msg.get("cancel"):
-                    task = tasks.pop(rid, None)
-                    if task:
-                        task.cancel()
-                    continue
-                self._on_activity(str(msg.get("op")))
-                task = asyncio.create_task(self._run(writer, Peer(addr), rid, msg.get("op"), msg.get("args") or {}))
-                tasks[rid] = task
-                task.add_done_callback(lambda _t, rid=rid: tasks.pop(rid, None))
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            self.connections -= 1
-            for t in list(tasks.values()):
-                t.cancel()
-            writer.close()
-
-    async def _run(self, writer: asyncio.StreamWriter, peer: Peer, rid: int, op: Any, args: dict) -> None:
+    async def run_request(self, conn: Any, peer: Peer, rid: int, op: Any, args: dict) -> None:
+        """Runs one request's handler and writes its reply (or its stream, then the reply) to ``conn``."""
         import asyncio
 
         handler = self._handlers.get(op) if isinstance(op, str) else None
@@ -435,8 +370,8 @@ class Server:
             if isinstance(result, Stream):
                 try:
                     async for item in result.items:
-                        write_frame(writer, {"id": rid, "item": item})
-                        await writer.drain()
+                        conn.write(encode({"id": rid, "item": item}))
+                        await conn.drain()
                 finally:
                     aclose = getattr(result.items, "aclose", None)
                     if aclose:
@@ -452,8 +387,8 @@ class Server:
                 log.exception("handler %s failed", op)
             reply = {"id": rid, "ok": False, "error": str(e) or type(e).__name__}
         try:
-            write_frame(writer, reply)
-            await writer.drain()
+            conn.write(encode(reply))
+            await conn.drain()
         except (ConnectionError, OSError, RuntimeError):
             pass
 
@@ -576,7 +511,7 @@ class Client:
         send_msg(self._sock, msg)
 
     def _recv(self) -> dict:
-        return _check_msg(recv_msg(self._sock))
+        return check_msg(recv_msg(self._sock))
 
     def _exchange(self, op: str, args: dict) -> Iterator[dict]:
         rid = next(self._ids)

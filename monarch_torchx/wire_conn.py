@@ -1,0 +1,170 @@
+"""The agent server's side of one connection, as an asyncio ``BufferedProtocol``.
+
+It reads with ``wire.FrameParser``, the parser the actor procs use: a large body or buffer is
+received straight into its final memory (one copy from the kernel), where a ``StreamReader``
+copied it three times (into its buffer, out of it, into a writable bytearray). That was a fifth
+of a sync host's CPU. Kept out of ``wire`` so the blocking client does not import asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Dict, List, Optional
+
+from . import wire
+
+log = logging.getLogger("monarch_torchx.wire")
+HANDSHAKE_BUF = 64 << 10
+
+
+class ServerConnection(asyncio.BufferedProtocol):
+    """One peer of a ``wire.Server``: the handshake, then requests dispatched as tasks."""
+
+    def __init__(self, server: "wire.Server"):
+        self.server = server
+        self.transport: Optional[asyncio.Transport] = None
+        self.peer = "?"
+        self.authed = False
+        self._hs = bytearray(HANDSHAKE_BUF)  # more than the answer: what follows it is kept, and a
+        # peer that talks out of turn is closed with its bytes read (a clean EOF, not a reset)
+        self._hs_len = 0
+        self._nonce = b""
+        self._counted = False  # holds one of the server's handshake slots
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self.parser = wire.FrameParser(alloc=bytearray)  # handlers get bytearrays, as they may pickle them again
+        self.tasks: Dict[int, asyncio.Task] = {}
+        self._paused = False
+        self._drained: Optional[asyncio.Future] = None
+
+    # ------------------------------------------------------------ handshake
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        if self.server.handshakes >= wire.MAX_HANDSHAKES:  # a flood of unauthenticated peers gets no memory or time
+            log.warning("dropped connection from %s: too many handshakes in progress", self.peer)
+            transport.close()
+            return
+        self.server.handshakes += 1
+        self._counted = True
+        self._nonce, hello = wire.server_hello()
+        self.transport.write(hello)
+        self._timer = asyncio.get_running_loop().call_later(wire.HANDSHAKE_TIMEOUT_S, self._handshake_timeout)
+
+    def _handshake_timeout(self) -> None:
+        if not self.authed and self.transport is not None:
+            log.warning("dropped connection from %s: timed out", self.peer)
+            self.transport.close()
+
+    def _release_slot(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._counted:
+            self._counted = False
+            self.server.handshakes -= 1
+
+    # ------------------------------------------------------------ reading
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if not self.authed:
+            return memoryview(self._hs)[self._hs_len:]
+        return self.parser.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        assert self.transport is not None
+        if not self.authed:
+            self._hs_len += nbytes
+            if self._hs_len < wire.ANSWER_LEN:
+                return
+            self._release_slot()
+            try:
+                proof = wire.server_check(self.server.key, self._nonce, bytes(self._hs[:wire.ANSWER_LEN]),
+                                          self.server.identity)
+            except wire.WireError as e:
+                log.warning("dropped connection from %s: %s", self.peer, e)
+                self.transport.close()
+                return
+            self.transport.write(proof)
+            self.authed = True
+            self.server.connections += 1
+            early = memoryview(self._hs)[wire.ANSWER_LEN:self._hs_len]  # sent right after the answer
+            self._hs = bytearray()
+            while early.nbytes and self.transport is not None and not self.transport.is_closing():
+                into = self.parser.get_buffer()
+                n = min(into.nbytes, early.nbytes)
+                into[:n] = early[:n]
+                early = early[n:]
+                self._frames(n)
+            return
+        self._frames(nbytes)
+
+    def _frames(self, nbytes: int) -> None:
+        assert self.transport is not None
+        try:
+            for body, bufs in self.parser.feed(nbytes):
+                self._dispatch(wire.check_msg(wire.decode(body, bufs)))
+        except wire.WireError as e:
+            log.warning("dropped connection from %s: %s", self.peer, e)
+            self.transport.close()
+
+    def eof_received(self) -> Optional[bool]:
+        if not self.authed and self._hs_len == 0:
+            # connected and closed without a byte: a TCP readiness probe (Kubernetes) or a port check
+            log.debug("connection from %s closed before the handshake", self.peer)
+        elif not self.authed:
+            log.warning("dropped connection from %s: closed during the handshake", self.peer)
+        return False
+
+    def _dispatch(self, msg: dict) -> None:
+        rid = msg["id"]
+        if msg.get("cancel"):
+            task = self.tasks.pop(rid, None)
+            if task:
+                task.cancel()
+            return
+        self.server.on_activity(str(msg.get("op")))
+        task = asyncio.get_running_loop().create_task(
+            self.server.run_request(self, wire.Peer(self.peer), rid, msg.get("op"), msg.get("args") or {}))
+        self.tasks[rid] = task
+        task.add_done_callback(lambda _t, rid=rid: self.tasks.pop(rid, None))
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._release_slot()
+        if self.authed:
+            self.server.connections -= 1
+        self.transport = None
+        for t in list(self.tasks.values()):
+            t.cancel()
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_exception(ConnectionError("connection lost"))
+
+    # ------------------------------------------------------------ writing
+
+    def write(self, parts: List[Any]) -> None:
+        if self.transport is None or self.transport.is_closing():
+            raise ConnectionError("connection closed")
+        if sum(memoryview(p).nbytes for p in parts) < (256 << 10):
+            self.transport.write(b"".join(parts))
+        else:
+            self.transport.writelines([memoryview(p).cast("B") for p in parts])
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        self._drained = None
+
+    async def drain(self) -> None:
+        """Waits while the peer is slower than we write (the transport's buffer is full)."""
+        if self.transport is None:
+            raise ConnectionError("connection closed")
+        if self._paused:
+            if self._drained is None:
+                self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
