@@ -84,21 +84,27 @@ class ChunkSource:
     path: str
     offset: int
     size: int
+    data: Optional[bytes] = None  # a small file's bytes, kept from hashing it until they are sent
 
 
 def chunk_file(path: str, size: int) -> List[Tuple[str, int, int]]:
     """(hash, offset, size) of each content-defined chunk of a file."""
+    return read_and_chunk(path, size)[0]
+
+
+def read_and_chunk(path: str, size: int) -> Tuple[List[Tuple[str, int, int]], Optional[bytes]]:
+    """``chunk_file``, and a small file's bytes (read anyway to hash them: not read twice)."""
     if size == 0:
-        return []
+        return [], None
     with open(path, "rb") as f:
         if size <= SMALL_FILE:
             data = f.read()
-            return [(blake3.blake3(data).hexdigest(), 0, len(data))]
+            return [(blake3.blake3(data).hexdigest(), 0, len(data))], data
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             view = memoryview(m)
             try:
                 return [(blake3.blake3(view[c.offset:c.offset + c.length]).hexdigest(), c.offset, c.length)
-                        for c in fastcdc.fastcdc(m, fat=False, hf=None, **CDC)]
+                        for c in fastcdc.fastcdc(m, fat=False, hf=None, **CDC)], None
             finally:
                 view.release()
 
@@ -163,20 +169,23 @@ def scan_groups(root: str, cache: Optional[HashCache] = None, group_bytes: int =
         found: List[Optional[List[Tuple[str, int, int]]]] = [cache.get(e.path, st) if cache else None
                                                               for e, _, st in todo]
         misses = [k for k, hit in enumerate(found) if hit is None]
+        datas: Dict[int, bytes] = {}
         if misses:
             def hash_some(some: List[int]) -> None:
                 for k in some:
-                    found[k] = chunk_file(todo[k][1], todo[k][2].st_size)
+                    found[k], data = read_and_chunk(todo[k][1], todo[k][2].st_size)
+                    if data is not None:
+                        datas[k] = data
 
             with ThreadPoolExecutor(max_workers=workers) as ex:
                 list(ex.map(hash_some, [misses[k::workers] for k in range(workers)]))
         sources: Dict[str, ChunkSource] = {}
-        for (e, path, st), chunks in zip(todo, found):
+        for k, ((e, path, st), chunks) in enumerate(zip(todo, found)):
             assert chunks is not None
             if cache:
                 cache.put(e.path, st, chunks)
             for h, off, n in chunks:
-                sources.setdefault(h, ChunkSource(path, off, n))
+                sources.setdefault(h, ChunkSource(path, off, n, datas.get(k)))
             e.chunks = [(h, n) for h, _, n in chunks]
         return entries, sources
 
