@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import threading
 import time
 import uuid
@@ -28,6 +29,7 @@ from .store import manifest_digest
 
 BATCH_BYTES = 8 << 20
 STREAMS = 4  # parallel connections to a host while sending
+QUEUED_BATCHES = 8  # batches read ahead of the senders (about 64 MiB)
 RETRIES = 3
 # hosts in one chain: past this, several chains (each chunk leaves the client once per chain)
 CHAIN_LENGTH = 16
@@ -188,13 +190,17 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
     def ok(which: List[int]) -> List[int]:
         return [i for i in which if not results[i].error]
 
-    def send_direct(which: List[int], hashes: List[str]) -> None:
-        lacking = each(lambda i: conns[i].call("syncfs.missing", hashes=hashes), ok(which))
+    def sender(i: int, **extra: Any) -> "_Sender":
+        return _Sender(lambda: connect(i), sources, sizes, how, lambda n: meter.update(i, n), **extra)
 
-        def one(i: int) -> None:
-            results[i].bytes_sent += _send_all(conns[i], lacking[i], sizes, sources, lambda n: meter.update(i, n),
-                                               more=lambda: connect(i), how=how)
-        each(one, list(lacking))
+    def finish(senders: Dict[int, "_Sender"]) -> Dict[int, int]:
+        sent = {}
+        for i, s in senders.items():
+            sent[i] = s.finish()
+            if s.error:
+                results[i].error = results[i].error or s.error
+                meter.update(i, state="FAILED")
+        return sent
 
     try:
         each(open_host, indices)
@@ -203,50 +209,47 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             how["bind"] = conns[live[0]].local_address
             how["mode"] = transfer.choose(how["bind"])
         chained = fanout == "chain" and len(live) > 1
-        chains = _split(live, chain_length) if chained else []
+        chains = _split(live, chain_length) if chained else [[i] for i in live]
         session = uuid.uuid4().hex
-        chain_sent = {c[0]: 0 for c in chains}  # by head
         for i in live:
             meter.update(i, state="chain" if chained else "sending")
-
         addrs = pool.hosts
-        routes = {c[0]: [{"index": i, "host": addrs[i].host, "port": addrs[i].port,
-                          "identity": addrs[i].identity(pool.name).decode()} for i in c[1:]] for c in chains}
-
-        def feed_chain(c: List[int], union: set, new: List[str]) -> None:
-            head = c[0]
-            if results[head].error:
-                return
-            try:
-                chain_sent[head] += _send_all(conns[head], [h for h in new if h in union], sizes, sources,
-                                              lambda k: meter.update(head, k), more=lambda: connect(head),
-                                              how=how, session=session, chain=routes[head])
-            except Exception as e:
-                results[head].error = str(e) or type(e).__name__
-
-        # the tree is read and hashed group by group in a thread while the previous group is sent
-        for group, found in _read_errors_are_one_line(src, _prefetch(scan_groups(src, cache, ignore=ignore))):
-            entries += group
-            new = [h for h in found if h not in sizes]
-            for h in new:
-                sizes[h] = found[h].size
-                sources[h] = found[h]
-            if not new:
-                continue
-            if chained:
+        # one sender per chain head (or per host fed directly), each with STREAMS connections of its own
+        senders = {c[0]: sender(c[0], session=session, chain=[
+            {"index": i, "host": addrs[i].host, "port": addrs[i].port, "identity": addrs[i].identity(pool.name).decode()}
+            for i in c[1:]]) if chained else sender(c[0]) for c in chains}
+        recent: List[List[str]] = []
+        try:
+            # the tree is read and hashed group by group in a thread; each group's batches are queued
+            # to the senders and the loop moves on, so the links stay busy from one group to the next
+            for group, found in _read_errors_are_one_line(src, _prefetch(scan_groups(src, cache, ignore=ignore))):
+                entries += group
+                new = [h for h in found if h not in sizes]
+                for h in new:
+                    sizes[h] = found[h].size
+                    sources[h] = found[h]
+                if not new:
+                    continue
                 lacking = each(lambda i: conns[i].call("syncfs.missing", hashes=new), ok(live))
-                unions = [set().union(*(lacking.get(i, ()) for i in c)) for c in chains]
-                with ThreadPoolExecutor(max_workers=len(chains)) as ex:  # each chain fed at once
-                    list(ex.map(feed_chain, chains, unions, [new] * len(chains)))
-            else:
-                send_direct(live, new)
-            for h in new:
-                sources[h].data = None  # sent: a host a broken chain left out is fed from the files
+                for c in chains:
+                    if not results[c[0]].error and not senders[c[0]].error:
+                        wanted = set().union(*(lacking.get(i, ()) for i in c))
+                        senders[c[0]].submit([h for h in new if h in wanted])
+                recent.append(new)
+                if len(recent) > 2:  # long since read by the senders: a later resend reads the files
+                    for h in recent.pop(0):
+                        sources[h].data = None
+        except BaseException:
+            for s in senders.values():  # the sync is over: drop what is queued
+                s.error = s.error or "cancelled"
+            raise
+        finally:
+            sent = finish(senders)
         feed: List[int] = []
         for c in chains:
             head, rest = c[0], c[1:]
             down = {"failed": {}, "unreached": rest}
-            if not results[head].error:
+            if chained and not results[head].error:
                 try:
                     down = conns[head].call("syncfs.flush", session=session)
                 except Exception as e:
@@ -255,19 +258,27 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
                 results[int(k)].error = results[int(k)].error or (why if why.startswith("host ") else f"host {k}: {why}")
             for i in c:
                 if i not in down["unreached"] and not results[i].error:
-                    results[i].bytes_sent = chain_sent[head]
+                    results[i].bytes_sent = sent[head]
             feed += [i for i in down["unreached"] if not results[i].error]  # a broken chain: fed directly
-        if feed:
-            send_direct(feed, list(sizes))
+        if feed:  # each host the chain did not reach is fed what it lacks of the whole tree
+            lacking = each(lambda i: conns[i].call("syncfs.missing", hashes=list(sizes)), feed)
+            direct = {i: sender(i) for i in lacking}
+            for i, s in direct.items():
+                s.submit(lacking[i])
+            for i, n in finish(direct).items():
+                results[i].bytes_sent += n
         cache.save()
         manifest = Manifest(entries)
-        rows = manifest.rows()
+        lock = threading.Lock()
+        rows: List[Any] = []  # built only for a host whose current generation is another tree
         digest = manifest_digest(manifest.dumps())
 
         def commit(i: int) -> None:
             meter.update(i, state="committing")
             out = conns[i].call("syncfs.commit", target=target, digest=digest)
             if not out["unchanged"]:  # the host's current generation is another tree: send the manifest
+                with lock:
+                    rows[:] = rows or manifest.rows()
                 out = conns[i].call("syncfs.commit", target=target, manifest=rows)
             results[i].ok, results[i].generation, results[i].path = True, out["generation"], out["path"]
             results[i].served_by = out.get("served_by", "")
@@ -338,39 +349,65 @@ def _batches(todo: List[str], sizes: Dict[str, int]) -> List[List[str]]:
     return [b for b in out if b]
 
 
-def _send_all(client: Any, todo: List[str], sizes: Dict[str, int], sources: Dict[str, ChunkSource],
-              sent: Callable[[int], None], more: Callable[[], Any], how: Dict[str, Any], **extra: Any) -> int:
-    """Sends chunks in batches of about BATCH_BYTES over ``client`` and up to STREAMS - 1 more
-    connections from ``more()`` (parallel streams: while one batch is being stored by the host,
-    the next ones are on the wire); returns the bytes sent."""
-    batches = _batches(todo, sizes)
-    lock = threading.Lock()
-    total = [0]
-    left = iter(batches)
+class _Sender:
+    """Feeds one host (a chain's head, or a host fed directly) over STREAMS connections of its
+    own, from a bounded queue of batches: while the host stores one batch, the next ones are on
+    the wire, and the queue carries on from one group of the tree to the next without a pause.
+    A failure stops this host's sending (the rest of its queue is dropped) and is kept in
+    ``error``; the other senders carry on."""
 
-    def worker(conn: Any) -> None:
-        while True:
-            with lock:
-                batch = next(left, None)
-            if batch is None:
+    def __init__(self, connect: Callable[[], Any], sources: Dict[str, ChunkSource], sizes: Dict[str, int],
+                 how: Dict[str, Any], on_sent: Callable[[int], None], **extra: Any):
+        self.connect, self.sources, self.sizes, self.how, self.on_sent, self.extra = \
+            connect, sources, sizes, how, on_sent, extra
+        self.queue: "queue.Queue[Optional[List[str]]]" = queue.Queue(QUEUED_BATCHES)
+        self.error = ""
+        self.sent = 0
+        self.lock = threading.Lock()
+        self.threads: List[threading.Thread] = []  # started with the first batch (a no-op sync sends none)
+
+    def _run(self) -> None:
+        conn = None
+        try:
+            while True:
+                batch = self.queue.get()
+                if batch is None:
+                    return
+                if self.error:
+                    continue
+                try:
+                    conn = conn or self.connect()
+                    _send(conn, batch, self.sources, self.how, **self.extra)
+                except Exception as e:
+                    with self.lock:
+                        self.error = self.error or str(e) or type(e).__name__
+                    continue
+                n = sum(self.sizes[h] for h in batch)
+                with self.lock:
+                    self.sent += n
+                self.on_sent(n)
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def submit(self, hashes: List[str]) -> None:
+        for batch in _batches(hashes, self.sizes):
+            if self.error:
                 return
-            _send(conn, batch, sources, how, **extra)
-            n = sum(sizes[h] for h in batch)
-            with lock:
-                total[0] += n
-            sent(n)
+            if not self.threads:
+                self.threads = [threading.Thread(target=self._run, name=f"syncfs-send-{k}", daemon=True)
+                                for k in range(STREAMS)]
+                for t in self.threads:
+                    t.start()
+            self.queue.put(batch)
 
-    extra_conns = [more() for _ in range(min(STREAMS, len(batches)) - 1)] if more else []
-    try:
-        if not extra_conns:
-            worker(client)
-        else:
-            with ThreadPoolExecutor(max_workers=1 + len(extra_conns)) as ex:
-                list(ex.map(worker, [client, *extra_conns]))
-    finally:
-        for c in extra_conns:
-            c.close()
-    return total[0]
+    def finish(self) -> int:
+        """Waits until every queued batch is sent (or dropped after a failure); the bytes sent."""
+        for _ in self.threads:
+            self.queue.put(None)
+        for t in self.threads:
+            t.join()
+        return self.sent
 
 
 def _send(client: Any, batch: List[str], sources: Dict[str, ChunkSource], how: Dict[str, Any], **extra: Any) -> None:

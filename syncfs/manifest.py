@@ -133,6 +133,8 @@ class HashCache:
         self.used[rel] = [st.st_size, st.st_mtime_ns, st.st_ino, chunks]
 
     def save(self) -> None:
+        if self.used == self.data:  # nothing changed (a no-op sync): no rewrite
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + f".{os.getpid()}")
         tmp.write_bytes(marshal.dumps(self.used))

@@ -32,7 +32,7 @@ def choose(local_address: str) -> str:
                            "machine; unset it")
     if mode != "auto":
         return mode
-    if not local_address:
+    if not local_address or not _rdma_devices():
         return "socket"
     from ..rdma import get_rdma_backend
 
@@ -40,6 +40,14 @@ def choose(local_address: str) -> str:
         return "rdma" if get_rdma_backend() == "ibverbs" else "socket"
     except Exception:  # a forced rdma backend that cannot work here: the socket still does
         return "socket"
+
+
+def _rdma_devices() -> bool:
+    """Whether the kernel lists an RDMA device (without importing pyverbs: a no-op sync must stay fast)."""
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
 
 
 def outgoing(mode: str, pool: str, bind: str, data: Any) -> Tuple[Dict[str, Any], Callable[[], None]]:
