@@ -269,17 +269,14 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
                 results[i].bytes_sent += n
         cache.save()
         manifest = Manifest(entries)
-        lock = threading.Lock()
-        rows: List[Any] = []  # built only for a host whose current generation is another tree
-        digest = manifest_digest(manifest.dumps())
+        data = manifest.dumps()
+        digest = manifest_digest(data)
 
         def commit(i: int) -> None:
             meter.update(i, state="committing")
             out = conns[i].call("syncfs.commit", target=target, digest=digest)
             if not out["unchanged"]:  # the host's current generation is another tree: send the manifest
-                with lock:
-                    rows[:] = rows or manifest.rows()
-                out = conns[i].call("syncfs.commit", target=target, manifest=rows)
+                out = conns[i].call("syncfs.commit", target=target, manifest=data)
             results[i].ok, results[i].generation, results[i].path = True, out["generation"], out["path"]
             results[i].served_by = out.get("served_by", "")
             meter.update(i, state=f"gen {out['generation']}")

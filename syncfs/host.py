@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import marshal
 import os
 import queue
 import shutil
@@ -264,9 +265,13 @@ def setup(agent: Any) -> None:
             return {"failed": {}, "unreached": []}
         return await run(fw.finish)
 
-    def commit_blocking(path: Path, manifest: Manifest) -> Dict[str, Any]:
+    def commit_blocking(path: Path, data: bytes) -> Dict[str, Any]:
+        try:
+            manifest = Manifest.from_rows(marshal.loads(data))
+        except (ValueError, EOFError, TypeError) as e:
+            raise ValueError(f"malformed manifest: {e}") from None
         fuse = not no_fuse and not os.path.islink(path)  # a target first served materialized stays so
-        n = store.commit(path, manifest, fuse)
+        n = store.commit(path, manifest, fuse, data)
         if fuse:
             m = mounts.get(path)
             if m is None or not m.alive():
@@ -280,9 +285,10 @@ def setup(agent: Any) -> None:
         store.collect(path)
         return {"generation": n, "path": str(path), "served_by": "fuse" if fuse else f"symlink ({no_fuse})"}
 
-    async def commit(peer: Any, target: str, manifest: Optional[List[Any]] = None, digest: str = "") -> Dict[str, Any]:
-        """Commits a generation; with only a ``digest``, reports whether the current generation
-        already is that tree (then nothing changes: {"unchanged": True}) or asks for the manifest."""
+    async def commit(peer: Any, target: str, manifest: Optional[bytes] = None, digest: str = "") -> Dict[str, Any]:
+        """Commits a generation (``manifest``: its ``Manifest.dumps()``); with only a ``digest``,
+        reports whether the current generation already is that tree (then nothing changes:
+        {"unchanged": True}) or asks for the manifest."""
         path = resolve_target(store, target)
         lock = locks.setdefault(path, asyncio.Lock())
         async with lock:  # two syncs to one target: one after the other, each whole
@@ -290,7 +296,9 @@ def setup(agent: Any) -> None:
                 n = store.unchanged(path, digest)
                 served = "fuse" if path in mounts else f"symlink ({no_fuse})" if no_fuse or os.path.islink(path) else "fuse"
                 return {"unchanged": n is not None, "generation": n, "path": str(path), "served_by": served}
-            out = await run(commit_blocking, path, Manifest.from_rows(manifest))
+            if not isinstance(manifest, bytes):
+                raise ValueError("manifest must be the bytes of Manifest.dumps()")
+            out = await run(commit_blocking, path, manifest)  # off the event loop
         if path not in made:
             made.append(path)
         return out

@@ -239,9 +239,10 @@ class ChunkStore:
         except OSError:
             return None
 
-    def commit(self, target: Path, manifest: Manifest, fuse: bool) -> int:
+    def commit(self, target: Path, manifest: Manifest, fuse: bool, data: Optional[bytes] = None) -> int:
         """Records the next generation of ``target``; materializes it and switches the symlink
-        unless ``fuse`` (then the caller switches the mounted file system to it)."""
+        unless ``fuse`` (then the caller switches the mounted file system to it). ``data``: the
+        manifest's ``dumps()``, when the caller has it already."""
         if os.path.lexists(target) and not os.path.islink(target) and not fuse:
             raise StoreError(f"{target} exists and is not a syncfs target (a symlink to a generation): "
                              "remove it or choose another --to")
@@ -254,7 +255,7 @@ class ChunkStore:
         tdir = self.target_dir(target)
         tdir.mkdir(parents=True, exist_ok=True)
         try:
-            data = manifest.dumps()
+            data = manifest.dumps() if data is None else data
             _write_atomic(tdir / f"gen-{n}.manifest", data)
             _write_atomic(tdir / f"gen-{n}.digest", manifest_digest(data).encode())
         except OSError as e:
@@ -306,7 +307,8 @@ class ChunkStore:
                 mtime = man.stat().st_mtime_ns
                 cached = self.manifest_chunks.get(man)
                 if cached is None or cached[0] != mtime:
-                    cached = self.manifest_chunks[man] = (mtime, set(Manifest.loads(man.read_bytes()).chunk_sizes()))
+                    rows = marshal.loads(man.read_bytes())
+                    cached = self.manifest_chunks[man] = (mtime, {h for r in rows for h, _ in r[5]})
                 used |= cached[1]
             except (OSError, ValueError, EOFError):
                 return  # unreadable: keep everything rather than delete what may be in use

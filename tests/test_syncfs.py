@@ -348,9 +348,15 @@ def test_bad_input_is_one_line(pool, home, tmp_path):
     assert res.returncode == 1 and "leaves the pool's sync area" in res.stdout
     assert not attach(pool.name).call(0, "syncfs.where", target="w")["generation"]
     # a manifest (from any authenticated peer) cannot name paths outside its tree
-    for bad in ("../x", "/etc/x", "a/../../x", "a//b"):
+    import marshal
+
+    for bad in ("../x", "/etc/x", "a/../../x", "a//b", "a/./b", "", "a/\0"):
         with pytest.raises(wire.RemoteError, match="unsafe path"):
-            pool.call(0, "syncfs.commit", target="w", manifest=[(bad, "d", 0o755, 0, 0, [], "")])
+            pool.call(0, "syncfs.commit", target="w", manifest=marshal.dumps([(bad, "d", 0o755, 0, 0, [], "")], 2))
+    for junk in (b"not marshal", marshal.dumps([("a", "f", 0o644, 1, 0, [("x", "y")], "")], 2), [("a", "d")]):
+        with pytest.raises(wire.RemoteError, match="malformed|must be"):
+            pool.call(0, "syncfs.commit", target="w", manifest=junk)
+    assert not attach(pool.name).call(0, "syncfs.where", target="w")["generation"]
 
 
 def test_torchx_workspace_is_synced_to_the_pool_and_role_0_runs_in_it(pool, home, tmp_path):
