@@ -164,7 +164,8 @@ def _walk(root: str, ignore: Optional[IgnoreRules] = None) -> Iterator[Tuple[str
 
 def scan_groups(root: str, cache: Optional[HashCache] = None, group_bytes: int = 64 << 20,
                 workers: int = 4, ignore: Optional[IgnoreRules] = None) -> Iterator[Tuple[List[Entry], Dict[str, ChunkSource]]]:
-    """Walks ``root`` and yields its entries in groups of about ``group_bytes`` of file data,
+    """Walks ``root`` and yields its entries in groups of up to about ``group_bytes`` of file data
+    (the first ones smaller, 4 MiB and doubling, so the first bytes go out early),
     each group hashed (in worker threads) when it is yielded: a caller can send one group while
     the next is read, so reading the tree from disk overlaps the transfer."""
     from concurrent.futures import ThreadPoolExecutor
@@ -173,6 +174,7 @@ def scan_groups(root: str, cache: Optional[HashCache] = None, group_bytes: int =
     entries: List[Entry] = []
     todo: List[Tuple[Entry, str, os.stat_result]] = []
     size = 0
+    limit = min(group_bytes, 4 << 20)
 
     def finish() -> Tuple[List[Entry], Dict[str, ChunkSource]]:
         found: List[Optional[List[Tuple[str, int, int]]]] = [cache.get(e.path, st) if cache else None
@@ -215,9 +217,10 @@ def scan_groups(root: str, cache: Optional[HashCache] = None, group_bytes: int =
             entries.append(e)
             todo.append((e, d.path, st))
             size += st.st_size
-            if size >= group_bytes:
+            if size >= limit:
                 yield finish()
                 entries, todo, size = [], [], 0
+                limit = min(group_bytes, limit * 2)
         # sockets, fifos and devices are not synced
     yield finish()
 
