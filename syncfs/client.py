@@ -239,6 +239,13 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
                 if len(recent) > 2:  # long since read by the senders: a later resend reads the files
                     for h in recent.pop(0):
                         sources[h].data = None
+            # the whole tree is read: while its last batches are still on the way, each host checks
+            # the manifest and starts the target's FUSE server, so the commit after them is short
+            data = Manifest(entries).dumps()
+            digest = manifest_digest(data)
+            ready = each(lambda i: conns[i].call("syncfs.prepare", target=target, digest=digest), ok(live))
+            each(lambda i: conns[i].call("syncfs.prepare", target=target, digest=digest, manifest=data),
+                 [i for i, r in ready.items() if not r["unchanged"] and not r["prepared"]])
         except BaseException:
             for s in senders.values():  # the sync is over: drop what is queued
                 s.error = s.error or "cancelled"
@@ -268,14 +275,11 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             for i, n in finish(direct).items():
                 results[i].bytes_sent += n
         cache.save()
-        manifest = Manifest(entries)
-        data = manifest.dumps()
-        digest = manifest_digest(data)
 
         def commit(i: int) -> None:
             meter.update(i, state="committing")
             out = conns[i].call("syncfs.commit", target=target, digest=digest)
-            if not out["unchanged"]:  # the host's current generation is another tree: send the manifest
+            if not out["committed"]:  # nothing prepared (the host was restarted?): send the manifest
                 out = conns[i].call("syncfs.commit", target=target, manifest=data)
             results[i].ok, results[i].generation, results[i].path = True, out["generation"], out["path"]
             results[i].served_by = out.get("served_by", "")

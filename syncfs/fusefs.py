@@ -262,6 +262,9 @@ async def _serve(fs: SyncFS) -> None:
 def main(argv: Optional[List[str]] = None) -> None:
     target_dir, mountpoint, store = (argv or sys.argv[1:])[:3]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s syncfs-fuse %(levelname)s %(message)s")
+    # started ahead of the first commit (imports done): mount once the agent says so
+    if sys.stdin.readline().strip() != "mount":
+        return  # the agent let go of this server without a commit
     fs = SyncFS(target_dir, store)
     options = set(pyfuse3.default_options) | {"fsname=monarch-syncfs", "ro", "subtype=monarch"}
     if os.getuid() == 0:

@@ -16,12 +16,13 @@ import queue
 import shutil
 import tempfile
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import transfer
 from .manifest import Manifest
-from .store import ChunkStore, StoreError
+from .store import ChunkStore, StoreError, manifest_digest
 
 DEFAULT_ROOTS = ("/workspace", "/env")
 PIPELINE_DEPTH = 4  # batches a host holds for the next one before it slows its sender down
@@ -144,27 +145,41 @@ class Mount:
     """The FUSE process serving one target; switched by SIGUSR1, confirmed through ``current``."""
 
     def __init__(self, store: ChunkStore, target: Path):
+        """Starts the server in standby: imported and waiting, not mounted yet (see ``start``), so
+        a sync can have it ready while its last chunks are still on the way."""
         import subprocess
         import sys
 
-        self.target, self.tdir = target, store.target_dir(target)
+        self.target, self.tdir, self.started = target, store.target_dir(target), False
         if os.path.ismount(target):  # served by the FUSE process of an earlier agent of this host
             _end_orphans(str(target))
         target.mkdir(parents=True, exist_ok=True)
         if any(target.iterdir()):
             raise StoreError(f"{target} is a non-empty directory: syncfs mounts its generations there; "
                              "empty it or choose another --to")
-        log_path = self.tdir / "fuse.log"
-        with open(log_path, "ab") as err:  # the child keeps its own copy of the descriptor
+        self.tdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.tdir / "fuse.log"
+        with open(self.log_path, "ab") as err:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen([sys.executable, "-m", "monarch_torchx.syncfs.fusefs", str(self.tdir),
                                           str(target), str(store.root)], stdout=subprocess.PIPE, stderr=err,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        line = self.proc.stdout.readline() if self.proc.stdout else b""
+                                         stdin=subprocess.PIPE, start_new_session=True)
+
+    def start(self) -> None:
+        """Mounts ``current`` (the generation just committed); returns once the mount serves it."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(b"mount\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # it exited: said below
+        line = self.proc.stdout.readline()
         if line.strip() != b"mounted":
             self.proc.kill()
             self.proc.wait()
+            log_path = self.log_path
             tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.exists() else []
-            raise StoreError(f"could not mount {target} with FUSE: {' '.join(tail) or 'no reason given'}")
+            raise StoreError(f"could not mount {self.target} with FUSE: {' '.join(tail) or 'no reason given'}")
+        self.started = True
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -232,6 +247,7 @@ def setup(agent: Any) -> None:
     locks: Dict[Path, asyncio.Lock] = {}
     made: List[Path] = []
     sessions: Dict[str, Forwarder] = {}
+    prepared: "OrderedDict[Tuple[Path, str], Tuple[Manifest, bytes]]" = OrderedDict()
 
     async def run(fn: Any, *args: Any) -> Any:
         try:
@@ -265,19 +281,34 @@ def setup(agent: Any) -> None:
             return {"failed": {}, "unreached": []}
         return await run(fw.finish)
 
-    def commit_blocking(path: Path, data: bytes) -> Dict[str, Any]:
+    def parse(data: Any) -> Manifest:
+        if not isinstance(data, bytes):
+            raise ValueError("manifest must be the bytes of Manifest.dumps()")
         try:
-            manifest = Manifest.from_rows(marshal.loads(data))
+            return Manifest.from_rows(marshal.loads(data))
         except (ValueError, EOFError, TypeError) as e:
             raise ValueError(f"malformed manifest: {e}") from None
-        fuse = not no_fuse and not os.path.islink(path)  # a target first served materialized stays so
+
+    def fuse_for(path: Path) -> bool:
+        return not no_fuse and not os.path.islink(path)  # a target first served materialized stays so
+
+    def standby(path: Path) -> None:
+        """A FUSE server for a target that has none yet, started ahead of its first commit."""
+        m = mounts.get(path)
+        if fuse_for(path) and (m is None or not m.alive()):
+            if m is not None:
+                m.stop()
+            mounts[path] = Mount(store, path)
+
+    def commit_blocking(path: Path, manifest: Manifest, data: bytes) -> Dict[str, Any]:
+        fuse = fuse_for(path)
+        if fuse:
+            standby(path)  # before the switch: a target that cannot be mounted keeps its generations
         n = store.commit(path, manifest, fuse, data)
         if fuse:
-            m = mounts.get(path)
-            if m is None or not m.alive():
-                if m is not None:
-                    m.stop()
-                mounts[path] = Mount(store, path)  # serves ``current``: generation n
+            m = mounts[path]
+            if not m.started:
+                m.start()  # serves ``current``: generation n
             else:
                 m.switch(n)
         for h in manifest.chunk_sizes():  # committed: a kept generation now protects them
@@ -285,23 +316,45 @@ def setup(agent: Any) -> None:
         store.collect(path)
         return {"generation": n, "path": str(path), "served_by": "fuse" if fuse else f"symlink ({no_fuse})"}
 
+    async def prepare(peer: Any, target: str, digest: str, manifest: Optional[bytes] = None) -> Dict[str, Any]:
+        """Gets a commit ready while the sync's last chunks are still on their way: the manifest
+        checked and kept (by its digest), the target's FUSE server started. Without a
+        ``manifest``, says whether one is needed: not when the target already serves that tree
+        (``unchanged``) or one with that digest is ready."""
+        path = resolve_target(store, target)
+        if store.unchanged(path, digest) is not None:
+            return {"unchanged": True, "prepared": False}
+        if (path, digest) not in prepared:
+            if manifest is None:
+                return {"unchanged": False, "prepared": False}
+            if not isinstance(manifest, bytes) or manifest_digest(manifest) != digest:
+                raise ValueError("the manifest does not match its digest")
+            prepared[(path, digest)] = (await run(parse, manifest), manifest)
+            while len(prepared) > 4:  # abandoned syncs' manifests
+                prepared.popitem(last=False)
+        await run(standby, path)
+        return {"unchanged": False, "prepared": True}
+
     async def commit(peer: Any, target: str, manifest: Optional[bytes] = None, digest: str = "") -> Dict[str, Any]:
-        """Commits a generation (``manifest``: its ``Manifest.dumps()``); with only a ``digest``,
-        reports whether the current generation already is that tree (then nothing changes:
-        {"unchanged": True}) or asks for the manifest."""
+        """Commits a generation: the one ``prepare`` made ready under ``digest``, or ``manifest``
+        (its ``Manifest.dumps()``). ``committed`` is False when neither is at hand (then send the
+        manifest); a target that already serves that tree changes nothing (``unchanged``)."""
         path = resolve_target(store, target)
         lock = locks.setdefault(path, asyncio.Lock())
         async with lock:  # two syncs to one target: one after the other, each whole
             if manifest is None:
                 n = store.unchanged(path, digest)
-                served = "fuse" if path in mounts else f"symlink ({no_fuse})" if no_fuse or os.path.islink(path) else "fuse"
-                return {"unchanged": n is not None, "generation": n, "path": str(path), "served_by": served}
-            if not isinstance(manifest, bytes):
-                raise ValueError("manifest must be the bytes of Manifest.dumps()")
-            out = await run(commit_blocking, path, manifest)  # off the event loop
+                ready = prepared.pop((path, digest), None) if n is None else None
+                if ready is None:
+                    served = "fuse" if path in mounts else f"symlink ({no_fuse})" if not fuse_for(path) else "fuse"
+                    return {"committed": n is not None, "unchanged": n is not None, "generation": n,
+                            "path": str(path), "served_by": served}
+                out = await run(commit_blocking, path, *ready)  # off the event loop
+            else:
+                out = await run(lambda: commit_blocking(path, parse(manifest), manifest))
         if path not in made:
             made.append(path)
-        return out
+        return {**out, "committed": True, "unchanged": False}
 
     async def where(peer: Any, target: str) -> Dict[str, Any]:
         path = resolve_target(store, target)
@@ -330,6 +383,6 @@ def setup(agent: Any) -> None:
             pass
 
     for op, fn in (("syncfs.missing", missing), ("syncfs.put", put), ("syncfs.flush", flush),
-                   ("syncfs.commit", commit), ("syncfs.where", where)):
+                   ("syncfs.prepare", prepare), ("syncfs.commit", commit), ("syncfs.where", where)):
         agent.add_handler(op, fn)
     agent.on_stop(cleanup)
