@@ -102,6 +102,7 @@ class _Progress:
         self.state = {i: "checking" for i in hosts}
         self.last = 0.0
         self.client_bytes = 0  # what left this machine (a chain sends each byte once)
+        self.files = 0  # read so far
         self.lock = threading.Lock()
 
     def update(self, i: int, sent: int = 0, state: Optional[str] = None, force: bool = False) -> None:
@@ -117,7 +118,7 @@ class _Progress:
             total = sum(self.sent.values())
             rate = total / max(now - self.start, 1e-6) / 1e6
             hosts = " ".join(f"h{i}:{s}" for i, s in sorted(self.state.items()))
-            self.say(f"sync: {total / 1e6:.1f} MB sent, {rate:.0f} MB/s; {hosts}")
+            self.say(f"sync: {self.files} files read, {total / 1e6:.1f} MB sent, {rate:.0f} MB/s; {hosts}")
 
 
 def _cache_for(src: str) -> HashCache:
@@ -224,6 +225,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             # to the senders and the loop moves on, so the links stay busy from one group to the next
             for group, found in _read_errors_are_one_line(src, _prefetch(scan_groups(src, cache, ignore=ignore))):
                 entries += group
+                meter.files += len(group)
                 new = [h for h in found if h not in sizes]
                 for h in new:
                     sizes[h] = found[h].size
