@@ -19,7 +19,7 @@ from ..errors import MonarchError
 
 IMAGE_PREFIX = "syncfs:"  # role 0's image once a workspace is attached: "syncfs:/abs/workspace"
 MOUNT_TOKEN = "@workspace_mount@"  # in a planned launch: where the workspace is on its host
-SILENT_S = 2.0  # a sync that takes longer shows its progress
+SILENT_S = 3.0  # a sync that takes longer shows its progress, a line this often
 
 
 @dataclass
@@ -51,9 +51,15 @@ def attached(image: str, cfg: Dict[str, Any]) -> Workspace | None:
 def sync_to_hosts(pool: Any, ws: Workspace, hosts: List[int], say: Callable[[str], None]) -> Dict[int, str]:
     """Syncs the workspace to ``hosts``; returns each host's path to it. Any host that did not
     get it stops the run before anything starts (its previous generation stays served)."""
-    t0 = time.time()
-    report = pool.sync(ws.src, ws.mount, hosts=hosts,
-                       progress=lambda m: say(m) if time.time() - t0 > SILENT_S else None)
+    t0, last = time.time(), [0.0]
+
+    def progress(msg: str) -> None:  # a line every few seconds, once the sync is a long one
+        now = time.time()
+        if now - t0 > SILENT_S and now - last[0] >= SILENT_S:
+            last[0] = now
+            say(msg)
+
+    report = pool.sync(ws.src, ws.mount, hosts=hosts, progress=progress)
     failed = [h for h in report.hosts if not h.ok]
     if failed:
         why = "; ".join(f"host {h.index}: {h.error}" for h in failed)

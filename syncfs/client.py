@@ -75,8 +75,9 @@ def read_batch(batch: List[str], sources: Dict[str, ChunkSource]) -> Tuple[List[
     view, off = memoryview(blob), 0
     for h, n in index:
         src = sources[h]
-        if src.data is not None and len(src.data) == n:
-            view[off:off + n] = src.data
+        data = src.data  # once: the scan loop may drop it meanwhile
+        if data is not None and len(data) == n:
+            view[off:off + n] = data
             off += n
             continue
         fd = os.open(src.path, os.O_RDONLY)
@@ -315,23 +316,37 @@ def _prefetch(groups: Any, depth: int = 2) -> Any:
 
     q: "queue.Queue[Any]" = queue.Queue(depth)
     done = object()
+    stop = threading.Event()  # the consumer left early (an error): the reader stops too
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def produce() -> None:
         try:
             for g in groups:
-                q.put(g)
+                if not put(g):
+                    return
         except BaseException as e:  # handed to the consumer
-            q.put(e)
-        q.put(done)
+            put(e)
+        put(done)
 
     threading.Thread(target=produce, name="syncfs-scan", daemon=True).start()
-    while True:
-        item = q.get()
-        if item is done:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
 
 
 def _split(hosts: List[int], length: int) -> List[List[int]]:

@@ -180,13 +180,26 @@ class SyncFS(pyfuse3.Operations):
 
     def _where(self, h: str, n: int) -> Tuple[int, int]:
         """An open descriptor of the file holding chunk ``h`` (of size ``n``), and its offset there."""
+        try:
+            return self._open(*self._locate(h, n))
+        except (KeyError, FileNotFoundError):
+            # a pack this index knew was collected and the chunk came again in another: read afresh
+            self.packs = PackIndex(Path(self.store) / "packs")
+            self.packs.refresh()
+            for fd in self.fds.values():
+                os.close(fd)
+            self.fds.clear()
+            return self._open(*self._locate(h, n))
+
+    def _locate(self, h: str, n: int) -> Tuple[str, int]:
         if n < SMALL_CHUNK:
             if h not in self.packs.where:
                 self.packs.refresh()  # a pack written since this generation was loaded
             pack, off, _ = self.packs.where[h]
-            path = os.path.join(self.store, "packs", pack)
-        else:
-            path, off = os.path.join(self.store, "chunks", h[:2], h), 0
+            return os.path.join(self.store, "packs", pack), off
+        return os.path.join(self.store, "chunks", h[:2], h), 0
+
+    def _open(self, path: str, off: int) -> Tuple[int, int]:
         fd = self.fds.get(path)
         if fd is not None:
             self.fds.move_to_end(path)

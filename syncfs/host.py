@@ -292,6 +292,17 @@ def setup(agent: Any) -> None:
     def fuse_for(path: Path) -> bool:
         return not no_fuse and not os.path.islink(path)  # a target first served materialized stays so
 
+    def serving(path: Path) -> bool:
+        """Whether the target shows its current generation: a FUSE target only while its server
+        runs (after a failed mount, or under a new agent, the same tree is committed again)."""
+        if not fuse_for(path):
+            return True
+        m = mounts.get(path)
+        return m is not None and m.started and m.alive()
+
+    def unchanged(path: Path, digest: str) -> Optional[int]:
+        return store.unchanged(path, digest) if serving(path) else None
+
     def standby(path: Path) -> None:
         """A FUSE server for a target that has none yet, started ahead of its first commit."""
         m = mounts.get(path)
@@ -303,7 +314,7 @@ def setup(agent: Any) -> None:
     def commit_blocking(path: Path, manifest: Manifest, data: bytes) -> Dict[str, Any]:
         fuse = fuse_for(path)
         if fuse:
-            standby(path)  # before the switch: a target that cannot be mounted keeps its generations
+            standby(path)  # started first: a target that cannot be mounted (not empty) is refused here
         n = store.commit(path, manifest, fuse, data)
         if fuse:
             m = mounts[path]
@@ -322,7 +333,7 @@ def setup(agent: Any) -> None:
         ``manifest``, says whether one is needed: not when the target already serves that tree
         (``unchanged``) or one with that digest is ready."""
         path = resolve_target(store, target)
-        if store.unchanged(path, digest) is not None:
+        if unchanged(path, digest) is not None:
             return {"unchanged": True, "prepared": False}
         if (path, digest) not in prepared:
             if manifest is None:
@@ -332,7 +343,8 @@ def setup(agent: Any) -> None:
             prepared[(path, digest)] = (await run(parse, manifest), manifest)
             while len(prepared) > 4:  # abandoned syncs' manifests
                 prepared.popitem(last=False)
-        await run(standby, path)
+        async with locks.setdefault(path, asyncio.Lock()):  # one server per target, even for two syncs
+            await run(standby, path)
         return {"unchanged": False, "prepared": True}
 
     async def commit(peer: Any, target: str, manifest: Optional[bytes] = None, digest: str = "") -> Dict[str, Any]:
@@ -343,7 +355,7 @@ def setup(agent: Any) -> None:
         lock = locks.setdefault(path, asyncio.Lock())
         async with lock:  # two syncs to one target: one after the other, each whole
             if manifest is None:
-                n = store.unchanged(path, digest)
+                n = unchanged(path, digest)
                 ready = prepared.pop((path, digest), None) if n is None else None
                 if ready is None:
                     served = "fuse" if path in mounts else f"symlink ({no_fuse})" if not fuse_for(path) else "fuse"

@@ -25,15 +25,20 @@ class IgnoreRules:
     @classmethod
     def for_tree(cls, root: str, extra: List[str] = ()) -> "IgnoreRules":
         """The rules of ``root/.torchxignore`` (if there is one), then ``extra``."""
+        from ..errors import MonarchError
+
         patterns: List[str] = []
+        path = os.path.join(root, IGNORE_FILE)
         try:
-            with open(os.path.join(root, IGNORE_FILE), encoding="utf-8") as f:
+            with open(path, encoding="utf-8") as f:
                 for line in f:
                     line = line.partition("#")[0].strip()
                     if line and line != ".":
                         patterns.append(line)
         except FileNotFoundError:
             pass
+        except (OSError, UnicodeDecodeError) as e:
+            raise MonarchError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}; fix or remove it") from None
         return cls(patterns + [p for p in extra if p])
 
     def __bool__(self) -> bool:

@@ -134,14 +134,15 @@ class ChunkStore:
         hashes = list(hashes)
         have = self.present()
         now = time.time()
-        self.pins = {h: t for h, t in self.pins.items() if now - t < GC_GRACE_S}
         out = []
-        for h in hashes:
-            if h in have:
-                self.pins[h] = now
-            else:
-                self.chunk_path(h)  # a name that could not be a chunk is refused here
-                out.append(h)
+        with self.lock:  # a sweep re-checks the pins under it before it deletes anything
+            self.pins = {h: t for h, t in self.pins.items() if now - t < GC_GRACE_S}
+            for h in hashes:
+                if h in have:
+                    self.pins[h] = now
+                else:
+                    self.chunk_path(h)  # a name that could not be a chunk is refused here
+                    out.append(h)
         return out
 
     def put(self, index: List[Tuple[str, int]], data: Any) -> int:
@@ -319,7 +320,7 @@ class ChunkStore:
             dead = []
             for pack, rows in list(index.rows.items()):
                 try:
-                    if any(h in used for h, _, _ in rows) or (self.packs / pack).stat().st_mtime >= old:
+                    if any(h in used or h in self.pins for h, _, _ in rows) or (self.packs / pack).stat().st_mtime >= old:
                         continue
                 except FileNotFoundError:
                     pass
@@ -328,12 +329,14 @@ class ChunkStore:
                 dead.append(pack)
             if dead:
                 self.present().difference_update(index.remove(dead))
-        for name in os.listdir(self.packs) if self.packs.is_dir() else []:  # packs a crash left without an index
-            p = self.packs / name
-            if name not in index.rows and not name.endswith(".idx"):
+        names = set(os.listdir(self.packs)) if self.packs.is_dir() else set()
+        for name in names:  # packs a crash left without an index, indexes that could not be read
+            stray = (name.endswith(".idx") and name[:-4] + ".pack" not in index.rows) or \
+                (not name.endswith(".idx") and name not in index.rows)
+            if stray:
                 try:
-                    if p.stat().st_mtime < old:
-                        p.unlink()
+                    if (self.packs / name).stat().st_mtime < old:
+                        (self.packs / name).unlink()
                 except FileNotFoundError:
                     pass
         for sub in self.chunks.iterdir() if self.chunks.is_dir() else []:
@@ -341,9 +344,10 @@ class ChunkStore:
                 if name not in used and not name.startswith("."):
                     p = sub / name
                     try:
-                        if p.stat().st_mtime < old:
-                            p.unlink()
-                            self.present().discard(name)
+                        with self.lock:
+                            if name not in self.pins and p.stat().st_mtime < old:
+                                p.unlink()
+                                self.present().discard(name)
                     except FileNotFoundError:
                         pass
 

@@ -12,6 +12,7 @@ ibverbs is usable and the hosts can reach the client directly (no tunnel);
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 from typing import Any, Callable, Dict, Tuple
@@ -19,6 +20,7 @@ from typing import Any, Callable, Dict, Tuple
 from ..errors import MonarchError
 
 MODES = ("auto", "socket", "rdma")
+log = logging.getLogger("monarch_torchx.syncfs")
 ENV = "MONARCH_TORCHX_SYNC_TRANSFER"
 
 
@@ -54,9 +56,13 @@ def outgoing(mode: str, pool: str, bind: str, data: Any) -> Tuple[Dict[str, Any]
     """The put arguments that carry ``data``, and what to call once the put returned."""
     if mode == "socket":
         return {"data": pickle.PickleBuffer(data)}, lambda: None
-    from ..rdma import RDMABuffer
+    from ..rdma import RDMABuffer, RDMAError
 
-    buf = RDMABuffer(data, pool=pool, bind=bind)
+    try:
+        buf = RDMABuffer(data, pool=pool, bind=bind)
+    except RDMAError as e:  # e.g. this process already serves the pool's buffers on another address
+        log.info("sending a batch by socket: %s", e)
+        return {"data": pickle.PickleBuffer(data)}, lambda: None
     return {"rdma": buf}, lambda: buf.drop()
 
 

@@ -43,8 +43,9 @@ def pool(home, pool_name, tmp_path, monkeypatch):
     return ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 2, "preload": ""}))
 
 
-def kill_orphans(store: Path) -> None:
-    """The FUSE servers of an agent that was SIGKILLed (they outlive it, so its files stay readable)."""
+def fuse_servers(store: Path) -> list:
+    """The pids of syncfs FUSE servers of a store."""
+    out = []
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
@@ -52,7 +53,17 @@ def kill_orphans(store: Path) -> None:
             except OSError:
                 continue
             if b"monarch_torchx.syncfs.fusefs" in cmd and str(store).encode() in cmd:
-                os.kill(int(p.name), signal.SIGTERM)
+                out.append(int(p.name))
+    return out
+
+
+def kill_orphans(store: Path) -> None:
+    """The FUSE servers of an agent that was SIGKILLed (they outlive it, so its files stay readable)."""
+    for pid in fuse_servers(store):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
 
 def make_tree(root: Path) -> Path:
@@ -469,3 +480,51 @@ def test_bulk_bytes_over_the_rdma_module(home, pool_name, tmp_path, monkeypatch,
     monkeypatch.setenv("MONARCH_TORCHX_SYNC_TRANSFER", "carrier-pigeon")
     with pytest.raises(MonarchError, match="use auto, socket or rdma"):
         p.sync(str(src), "ws")
+
+
+def test_fuse_server_finds_a_chunk_that_was_collected_and_sent_again(tmp_path, monkeypatch):
+    """The FUSE server's own pack index: after a sweep removed the pack it knew for a chunk and a
+    later sync brought the chunk again in a new pack, reads are served from the new pack."""
+    import blake3
+
+    from monarch_torchx.syncfs import store as st
+    from monarch_torchx.syncfs.fusefs import SyncFS
+    from monarch_torchx.syncfs.manifest import Entry, Manifest
+
+    s = st.ChunkStore(tmp_path / "store")
+    data = b"reverted later" * 10
+    h = blake3.blake3(data).hexdigest()
+    s.put([(h, len(data))], data)
+    target = tmp_path / "mnt"
+    s.commit(target, Manifest([Entry("f", "f", 0o644, len(data), 0, [(h, len(data))])]), fuse=True)
+    fs = SyncFS(str(s.target_dir(target)), str(s.root))
+    fd, off = fs._where(h, len(data))
+    assert os.pread(fd, len(data), off) == data
+    monkeypatch.setattr(st, "GC_GRACE_S", 0.0)
+    for k in range(2):  # two generations without the chunk: its pack is collected
+        other = f"other {k}".encode()
+        oh = blake3.blake3(other).hexdigest()
+        s.put([(oh, len(other))], other)
+        s.commit(target, Manifest([Entry("g", "f", 0o644, len(other), 0, [(oh, len(other))])]), fuse=True)
+        s.swept = 0.0
+        s.collect(target)
+    assert h not in s.present()
+    s.put([(h, len(data))], data)  # sent again: a new pack
+    fd, off = fs._where(h, len(data))
+    assert os.pread(fd, len(data), off) == data
+
+
+def test_a_target_whose_fuse_server_died_is_mounted_again_by_the_next_sync(pool, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello\n")
+    first = pool.sync(str(src), "ws", hosts=[0])
+    path = Path(first.hosts[0].path)
+    assert (path / "a.txt").read_text() == "hello\n"
+    store = tmp_path / "node-stores" / f"{pool.name}-host0"
+    kill_orphans(store)  # the server goes away; the mount with it
+
+    wait_for(lambda: not os.path.ismount(path) and not fuse_servers(store), timeout=10, what="the FUSE server to go")
+    again = pool.sync(str(src), "ws", hosts=[0])  # the same tree: not "unchanged", since nothing serves it
+    assert again.ok and again.generation == first.generation + 1 and again.hosts[0].served_by == "fuse"
+    assert os.path.ismount(path) and (path / "a.txt").read_text() == "hello\n"
