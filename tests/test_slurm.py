@@ -263,3 +263,27 @@ def test_rdma_buffers_across_slurm_nodes_use_tcp(home, pool_name):
         buf.read_into(dst.view(torch.uint8), timeout=20).get(timeout=30)
     procs.stop()
     torchx(home, "pool", "stop", pool_name)
+
+
+def test_torchx_workspace_is_synced_to_the_nodes_and_served_by_fuse_there(home, pool_name, tmp_path, monkeypatch):
+    """`-cfg workspace_mount=ws` on real SLURM nodes: each node's agent mounts its copy (FUSE, in the
+    node's own namespace) and role 0 runs in it; an edit reaches the next run on the warm pool."""
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))  # the agents inherit it
+    ws = tmp_path / "proj"
+    ws.mkdir()
+    (ws / "main.py").write_text("import os, socket\nprint('ran', open('v.txt').read().strip(), socket.gethostname(), "
+                                "os.getcwd(), os.path.ismount(os.getcwd()))\n")
+
+    def run(version: str, *cfg: str) -> list:
+        (ws / "v.txt").write_text(version + "\n")
+        res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", ",".join((f"pool={pool_name}", "workspace_mount=ws", *cfg)),
+                     "--wait", "--log", "utils.python", "--num_replicas", "2", "--script", "main.py", cwd=ws, timeout=240)
+        return sorted(line.split(" ", 1)[1].split() for line in (res.stdout + res.stderr).splitlines() if " ran " in line)
+
+    for version, cfg in (("v1", ("nodes=2", "partition=debug", "time=00:30:00")), ("v2", ())):
+        out = run(version, *cfg)
+        assert len(out) == 2, out
+        for k, (_, v, node, cwd, mounted) in enumerate(out):
+            assert v == version and re.fullmatch(r"node\d", node) and mounted == "True"
+            assert cwd == str(tmp_path / "node-stores" / f"{pool_name}-host{k}" / "mounts" / "ws")
+        assert out[0][2] != out[1][2]  # two nodes, each serving its own copy
