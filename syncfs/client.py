@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
 import threading
 import time
 import uuid
@@ -192,17 +191,25 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
     def ok(which: List[int]) -> List[int]:
         return [i for i in which if not results[i].error]
 
-    def sender(i: int, **extra: Any) -> "_Sender":
-        return _Sender(lambda: connect(i), sources, sizes, how, lambda n: meter.update(i, n), **extra)
+    def sender(i: int, **extra: Any) -> transfer.Pump:
+        """Feeds host ``i`` (a chain's head, or a host fed directly): the queue carries on from one
+        group of the tree to the next without a pause."""
+        def send(conn: Any, batch: List[str]) -> None:
+            _send(conn, batch, sources, how, **extra)
+            meter.update(i, sum(sizes[h] for h in batch))
+        return transfer.Pump(lambda: connect(i), send, QUEUED_BATCHES, STREAMS, "syncfs-send")
 
-    def finish(senders: Dict[int, "_Sender"]) -> Dict[int, int]:
-        sent = {}
-        for i, s in senders.items():
-            sent[i] = s.finish()
-            if s.error:
-                results[i].error = results[i].error or s.error
+    def submit(pump: transfer.Pump, hashes: List[str]) -> None:
+        for batch in _batches(hashes, sizes):
+            pump.put(batch)
+
+    def finish(senders: Dict[int, transfer.Pump]) -> Dict[int, int]:
+        """Waits for the senders; the bytes each host was sent (by the client)."""
+        for i, pump in senders.items():
+            if pump.finish():
+                results[i].error = results[i].error or pump.error
                 meter.update(i, state="FAILED")
-        return sent
+        return {i: meter.sent[i] for i in senders}
 
     try:
         each(open_host, indices)
@@ -237,7 +244,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
                 for c in chains:
                     if not results[c[0]].error and not senders[c[0]].error:
                         wanted = set().union(*(lacking.get(i, ()) for i in c))
-                        senders[c[0]].submit([h for h in new if h in wanted])
+                        submit(senders[c[0]], [h for h in new if h in wanted])
                 recent.append(new)
                 if len(recent) > 2:  # long since read by the senders: a later resend reads the files
                     for h in recent.pop(0):
@@ -250,8 +257,8 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             each(lambda i: conns[i].call("syncfs.prepare", target=target, digest=digest, manifest=data),
                  [i for i, r in ready.items() if not r["unchanged"] and not r["prepared"]])
         except BaseException:
-            for s in senders.values():  # the sync is over: drop what is queued
-                s.error = s.error or "cancelled"
+            for pump in senders.values():  # the sync is over: drop what is queued
+                pump.abort("cancelled")
             raise
         finally:
             sent = finish(senders)
@@ -273,10 +280,10 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         if feed:  # each host the chain did not reach is fed what it lacks of the whole tree
             lacking = each(lambda i: conns[i].call("syncfs.missing", hashes=list(sizes)), feed)
             direct = {i: sender(i) for i in lacking}
-            for i, s in direct.items():
-                s.submit(lacking[i])
+            for i, pump in direct.items():
+                submit(pump, lacking[i])
             for i, n in finish(direct).items():
-                results[i].bytes_sent += n
+                results[i].bytes_sent = n
         cache.save()
 
         def commit(i: int) -> None:
@@ -365,67 +372,6 @@ def _batches(todo: List[str], sizes: Dict[str, int]) -> List[List[str]]:
         out[-1].append(h)
         size += sizes[h]
     return [b for b in out if b]
-
-
-class _Sender:
-    """Feeds one host (a chain's head, or a host fed directly) over STREAMS connections of its
-    own, from a bounded queue of batches: while the host stores one batch, the next ones are on
-    the wire, and the queue carries on from one group of the tree to the next without a pause.
-    A failure stops this host's sending (the rest of its queue is dropped) and is kept in
-    ``error``; the other senders carry on."""
-
-    def __init__(self, connect: Callable[[], Any], sources: Dict[str, ChunkSource], sizes: Dict[str, int],
-                 how: Dict[str, Any], on_sent: Callable[[int], None], **extra: Any):
-        self.connect, self.sources, self.sizes, self.how, self.on_sent, self.extra = \
-            connect, sources, sizes, how, on_sent, extra
-        self.queue: "queue.Queue[Optional[List[str]]]" = queue.Queue(QUEUED_BATCHES)
-        self.error = ""
-        self.sent = 0
-        self.lock = threading.Lock()
-        self.threads: List[threading.Thread] = []  # started with the first batch (a no-op sync sends none)
-
-    def _run(self) -> None:
-        conn = None
-        try:
-            while True:
-                batch = self.queue.get()
-                if batch is None:
-                    return
-                if self.error:
-                    continue
-                try:
-                    conn = conn or self.connect()
-                    _send(conn, batch, self.sources, self.how, **self.extra)
-                except Exception as e:
-                    with self.lock:
-                        self.error = self.error or str(e) or type(e).__name__
-                    continue
-                n = sum(self.sizes[h] for h in batch)
-                with self.lock:
-                    self.sent += n
-                self.on_sent(n)
-        finally:
-            if conn is not None:
-                conn.close()
-
-    def submit(self, hashes: List[str]) -> None:
-        for batch in _batches(hashes, self.sizes):
-            if self.error:
-                return
-            if not self.threads:
-                self.threads = [threading.Thread(target=self._run, name=f"syncfs-send-{k}", daemon=True)
-                                for k in range(STREAMS)]
-                for t in self.threads:
-                    t.start()
-            self.queue.put(batch)
-
-    def finish(self) -> int:
-        """Waits until every queued batch is sent (or dropped after a failure); the bytes sent."""
-        for _ in self.threads:
-            self.queue.put(None)
-        for t in self.threads:
-            t.join()
-        return self.sent
 
 
 def _send(client: Any, batch: List[str], sources: Dict[str, ChunkSource], how: Dict[str, Any], **extra: Any) -> None:

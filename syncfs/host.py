@@ -12,10 +12,8 @@ import asyncio
 import logging
 import marshal
 import os
-import queue
 import shutil
 import tempfile
-import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -38,14 +36,9 @@ class Forwarder:
     def __init__(self, pool: str, key: bytes, session: str, chain: List[Dict[str, Any]], mode: str, streams: int = 4):
         self.pool, self.key, self.session, self.next, self.rest = pool, key, session, chain[0], chain[1:]
         self.mode = mode  # socket or rdma: as the batches came here
-        self.queue: "queue.Queue[Optional[Tuple[List[Tuple[str, int]], Any]]]" = queue.Queue(PIPELINE_DEPTH)
+        self.pump = transfer.Pump(self._connect, self._send, PIPELINE_DEPTH, streams, f"syncfs-forward-{session[:8]}")
         self.failed: Dict[int, str] = {}  # host index -> why; hosts after a failed one are not reached
         self.unreached: List[int] = []
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, name=f"syncfs-forward-{session[:8]}-{k}", daemon=True)
-                        for k in range(streams)]
-        for t in self.threads:
-            t.start()
 
     def _connect(self) -> Any:
         from .. import wire
@@ -55,41 +48,23 @@ class Forwarder:
         c.settimeout(600.0)
         return c
 
-    def _fail(self, e: Exception) -> None:
-        with self.lock:
-            if not self.failed:
-                self.failed[self.next["index"]] = str(e) or type(e).__name__
-                self.unreached = [h["index"] for h in self.rest]
-                log.warning("sync %s: host %d failed: %s", self.session[:8], self.next["index"], e)
-
-    def _run(self) -> None:
-        client = None
+    def _send(self, client: Any, batch: Tuple[List[Tuple[str, int]], Any]) -> None:
+        index, data = batch
+        args, release = transfer.outgoing(self.mode, self.pool, client.local_address, data)
         try:
-            while True:
-                batch = self.queue.get()
-                if batch is None:
-                    return
-                if self.failed:
-                    continue  # drain: the sender must not block on a dead chain
-                try:
-                    client = client or self._connect()
-                    index, data = batch
-                    args, release = transfer.outgoing(self.mode, self.pool, client.local_address, data)
-                    try:
-                        client.call("syncfs.put", chunks=index, session=self.session, chain=self.rest, **args)
-                    finally:
-                        release()
-                except Exception as e:
-                    self._fail(e)
+            client.call("syncfs.put", chunks=index, session=self.session, chain=self.rest, **args)
         finally:
-            if client is not None:
-                client.close()
+            release()
+
+    def _fail(self, why: str) -> None:
+        if not self.failed:
+            self.failed[self.next["index"]] = why
+            self.unreached = [h["index"] for h in self.rest]
+            log.warning("sync %s: host %d failed: %s", self.session[:8], self.next["index"], why)
 
     def finish(self) -> Dict[str, Any]:
-        for _ in self.threads:
-            self.queue.put(None)
-        for t in self.threads:
-            t.join()
+        if self.pump.finish():
+            self._fail(self.pump.error)
         if not self.failed and self.rest:
             try:
                 with self._connect() as c:
@@ -97,7 +72,7 @@ class Forwarder:
                 self.failed.update({int(k): v for k, v in down["failed"].items()})
                 self.unreached = down["unreached"]
             except Exception as e:
-                self._fail(e)
+                self._fail(str(e) or type(e).__name__)
         return {"failed": self.failed, "unreached": self.unreached}
 
 
@@ -271,7 +246,7 @@ def setup(agent: Any) -> None:
             fw = sessions.get(session)
             if fw is None:  # no await between the check and the insert: parallel streams share one
                 fw = sessions[session] = Forwarder(agent.pool, agent.key, session, chain, transfer.forwarding(via))
-            await run(fw.queue.put, (chunks, data))
+            await run(fw.pump.put, (chunks, data))
         return {"stored": stored, "via": via}
 
     async def flush(peer: Any, session: str) -> Dict[str, Any]:
@@ -374,11 +349,7 @@ def setup(agent: Any) -> None:
 
     def cleanup() -> None:  # a stopped pool leaves no mounts, synced trees or chunks on the node
         for fw in sessions.values():
-            for _ in fw.threads:
-                try:
-                    fw.queue.put_nowait(None)
-                except queue.Full:
-                    pass
+            fw.pump.abort("the pool is stopping")  # its threads drain what is queued and end
         for m in mounts.values():
             m.stop()
         for p in made:

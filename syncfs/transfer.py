@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-from typing import Any, Callable, Dict, Tuple
+import queue
+import threading
+from typing import Any, Callable, Dict, List, Tuple
 
 from ..errors import MonarchError
 
@@ -85,6 +87,63 @@ def incoming(pool: str, key: bytes, data: Any, rdma: Any, timeout: float = 120.0
     except RDMAError as e:
         raise ValueError(f"pulling a batch over rdma failed: {e}") from None
     return local, via
+
+
+class Pump:
+    """Items sent to one peer over ``streams`` connections of its own, from a bounded queue: while
+    the peer handles one item, the next ones are on the wire (the client feeding a host, a host
+    forwarding down its chain). Threads start with the first item, connections with each thread's
+    first send. The first failure is kept in ``error``; the items after it are dropped, so the
+    producer never blocks on a dead peer."""
+
+    def __init__(self, connect: Callable[[], Any], send: Callable[[Any, Any], None], depth: int, streams: int,
+                 name: str):
+        self.connect, self.send, self.streams, self.name = connect, send, streams, name
+        self.queue: "queue.Queue[Any]" = queue.Queue(depth)
+        self.error = ""
+        self.lock = threading.Lock()
+        self.threads: List[threading.Thread] = []
+
+    def put(self, item: Any) -> None:
+        if self.error:
+            return
+        if not self.threads:
+            self.threads = [threading.Thread(target=self._run, name=f"{self.name}-{k}", daemon=True)
+                            for k in range(self.streams)]
+            for t in self.threads:
+                t.start()
+        self.queue.put(item)
+
+    def _run(self) -> None:
+        conn = None
+        try:
+            while True:
+                item = self.queue.get()
+                if item is None:
+                    return
+                if self.error:
+                    continue  # drain
+                try:
+                    conn = conn or self.connect()
+                    self.send(conn, item)
+                except Exception as e:
+                    self.abort(str(e) or type(e).__name__)
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def abort(self, why: str) -> None:
+        """Drops what is queued from now on; the first reason stays."""
+        with self.lock:
+            self.error = self.error or why
+
+    def finish(self) -> str:
+        """Waits until every queued item is sent (or dropped after a failure); the failure, or ""."""
+        for _ in self.threads:
+            self.queue.put(None)
+        for t in self.threads:
+            t.join()
+        return self.error
 
 
 def forwarding(via: str) -> str:
