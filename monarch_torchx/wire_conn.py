@@ -1,16 +1,17 @@
-"""The agent server's side of one connection, as an asyncio ``BufferedProtocol``.
+"""The accepting side of a connection, as an asyncio ``BufferedProtocol``: the agent's request
+server and the actor procs both accept through ``AuthenticatedConnection``.
 
-It reads with ``wire.FrameParser``, the parser the actor procs use: a large body or buffer is
-received straight into its final memory (one copy from the kernel), where a ``StreamReader``
-copied it three times (into its buffer, out of it, into a writable bytearray). That was a fifth
-of a sync host's CPU. Kept out of ``wire`` so the blocking client does not import asyncio.
+It reads with ``wire.FrameParser``: a large body or buffer is received straight into its final
+memory (one copy from the kernel), where a ``StreamReader`` copied it three times (into its
+buffer, out of it, into a writable bytearray). That was a fifth of a sync host's CPU. Kept out
+of ``wire`` so the blocking client does not import asyncio.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from . import wire
 
@@ -18,11 +19,16 @@ log = logging.getLogger("monarch_torchx.wire")
 HANDSHAKE_BUF = 64 << 10
 
 
-class ServerConnection(asyncio.BufferedProtocol):
-    """One peer of a ``wire.Server``: the handshake, then requests dispatched as tasks."""
+class AuthenticatedConnection(asyncio.BufferedProtocol):
+    """The accepting side of one connection of the pool's protocol: the handshake (bounded in
+    number and time; nothing is decoded before it succeeds), then whole frames to ``on_frame``.
+    The agent's request server and each actor proc accept connections through it.
 
-    def __init__(self, server: "wire.Server"):
-        self.server = server
+    ``gate`` holds the count of handshakes in progress (``gate.handshakes``), shared by every
+    connection of one server."""
+
+    def __init__(self, gate: Any, key: bytes, identity: bytes, alloc: Callable[[int], Any] = wire.big_buffer):
+        self.gate, self.key, self.identity = gate, key, identity
         self.transport: Optional[asyncio.Transport] = None
         self.peer = "?"
         self.authed = False
@@ -30,12 +36,20 @@ class ServerConnection(asyncio.BufferedProtocol):
         # peer that talks out of turn is closed with its bytes read (a clean EOF, not a reset)
         self._hs_len = 0
         self._nonce = b""
-        self._counted = False  # holds one of the server's handshake slots
+        self._counted = False  # holds one of the gate's handshake slots
         self._timer: Optional[asyncio.TimerHandle] = None
-        self.parser = wire.FrameParser(alloc=bytearray)  # handlers get bytearrays, as they may pickle them again
-        self.tasks: Dict[int, asyncio.Task] = {}
-        self._paused = False
-        self._drained: Optional[asyncio.Future] = None
+        self.parser = wire.FrameParser(alloc=alloc)
+
+    # ------------------------------------------------------------ what subclasses add
+
+    def on_authenticated(self) -> None:
+        pass
+
+    def on_frame(self, body: Any, bufs: List[Any]) -> None:
+        raise NotImplementedError
+
+    def on_lost(self) -> None:
+        pass
 
     # ------------------------------------------------------------ handshake
 
@@ -43,11 +57,11 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
-        if self.server.handshakes >= wire.MAX_HANDSHAKES:  # a flood of unauthenticated peers gets no memory or time
+        if self.gate.handshakes >= wire.MAX_HANDSHAKES:  # a flood of unauthenticated peers gets no memory or time
             log.warning("dropped connection from %s: too many handshakes in progress", self.peer)
             transport.close()
             return
-        self.server.handshakes += 1
+        self.gate.handshakes += 1
         self._counted = True
         self._nonce, hello = wire.server_hello()
         self.transport.write(hello)
@@ -55,7 +69,7 @@ class ServerConnection(asyncio.BufferedProtocol):
 
     def _handshake_timeout(self) -> None:
         if not self.authed and self.transport is not None:
-            log.warning("dropped connection from %s: timed out", self.peer)
+            log.warning("dropped connection from %s: handshake timed out", self.peer)
             self.transport.close()
 
     def _release_slot(self) -> None:
@@ -64,7 +78,7 @@ class ServerConnection(asyncio.BufferedProtocol):
             self._timer = None
         if self._counted:
             self._counted = False
-            self.server.handshakes -= 1
+            self.gate.handshakes -= 1
 
     # ------------------------------------------------------------ reading
 
@@ -81,15 +95,14 @@ class ServerConnection(asyncio.BufferedProtocol):
                 return
             self._release_slot()
             try:
-                proof = wire.server_check(self.server.key, self._nonce, bytes(self._hs[:wire.ANSWER_LEN]),
-                                          self.server.identity)
+                proof = wire.server_check(self.key, self._nonce, bytes(self._hs[:wire.ANSWER_LEN]), self.identity)
             except wire.WireError as e:
                 log.warning("dropped connection from %s: %s", self.peer, e)
                 self.transport.close()
                 return
             self.transport.write(proof)
             self.authed = True
-            self.server.connections += 1
+            self.on_authenticated()
             early = memoryview(self._hs)[wire.ANSWER_LEN:self._hs_len]  # sent right after the answer
             self._hs = bytearray()
             while early.nbytes and self.transport is not None and not self.transport.is_closing():
@@ -105,7 +118,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         assert self.transport is not None
         try:
             for body, bufs in self.parser.feed(nbytes):
-                self._dispatch(wire.check_msg(wire.decode(body, bufs)))
+                self.on_frame(body, bufs)
         except wire.WireError as e:
             log.warning("dropped connection from %s: %s", self.peer, e)
             self.transport.close()
@@ -117,6 +130,30 @@ class ServerConnection(asyncio.BufferedProtocol):
         elif not self.authed:
             log.warning("dropped connection from %s: closed during the handshake", self.peer)
         return False
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._release_slot()
+        authed, self.transport = self.authed, None
+        if authed:
+            self.on_lost()
+
+
+class ServerConnection(AuthenticatedConnection):
+    """One peer of a ``wire.Server``: requests dispatched as tasks, replies written back."""
+
+    def __init__(self, server: "wire.Server"):
+        # handlers get bytearrays (not maps), as they may pickle them again
+        super().__init__(server, server.key, server.identity, alloc=bytearray)
+        self.server = server
+        self.tasks: Dict[int, asyncio.Task] = {}
+        self._paused = False
+        self._drained: Optional[asyncio.Future] = None
+
+    def on_authenticated(self) -> None:
+        self.server.connections += 1
+
+    def on_frame(self, body: Any, bufs: List[Any]) -> None:
+        self._dispatch(wire.check_msg(wire.decode(body, bufs)))
 
     def _dispatch(self, msg: dict) -> None:
         rid = msg["id"]
@@ -131,11 +168,8 @@ class ServerConnection(asyncio.BufferedProtocol):
         self.tasks[rid] = task
         task.add_done_callback(lambda _t, rid=rid: self.tasks.pop(rid, None))
 
-    def connection_lost(self, exc: Optional[Exception]) -> None:
-        self._release_slot()
-        if self.authed:
-            self.server.connections -= 1
-        self.transport = None
+    def on_lost(self) -> None:
+        self.server.connections -= 1
         for t in list(self.tasks.values()):
             t.cancel()
         if self._drained is not None and not self._drained.done():

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from .. import wire
+from ..wire_conn import AuthenticatedConnection
 from . import session
 from .actor import ActorInstance, Context, Endpoint, current_context, endpoints_of
 from .errors import MeshFailure, error_payload
@@ -33,7 +34,6 @@ log = logging.getLogger("monarch_torchx.actor")
 
 OWNER_WAIT_S = float(os.environ.get("MONARCH_TORCHX_OWNER_WAIT_S", "60"))
 GAP_S = 5.0  # an out-of-order message waits this long for the ones before it (a dead forwarder)
-MAX_HANDSHAKES = wire.MAX_HANDSHAKES
 Reply = Callable[[bool, Any], None]
 
 
@@ -50,78 +50,17 @@ class ActorSlot:
     failed: Optional[str] = None
 
 
-class ProcConnection(asyncio.BufferedProtocol):
+class ProcConnection(AuthenticatedConnection):
     """One authenticated peer of this proc (a controller, another actor, a forwarding proc)."""
 
     def __init__(self, server: "ProcServer"):
+        super().__init__(server, server.key, server.identity.encode())
         self.server = server
-        self.transport: Optional[asyncio.Transport] = None
-        self.authed = False
-        self._hs = bytearray(wire.ANSWER_LEN)
-        self._hs_len = 0
-        self.parser = wire.FrameParser()
-        self.peer = "?"
-        self._counted = False  # holds one of the proc's handshake slots
-        self._timer: Optional[asyncio.TimerHandle] = None
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
-        if self.server.handshakes >= MAX_HANDSHAKES:
-            log.warning("dropped connection from %s: too many handshakes in progress", self.peer)
-            transport.close()
-            return
-        self.server.handshakes += 1
-        self._counted = True
-        self._nonce, hello = wire.server_hello()
-        transport.write(hello)  # type: ignore[attr-defined]
-        self._timer = asyncio.get_running_loop().call_later(wire.HANDSHAKE_TIMEOUT_S, self._handshake_timeout)
+    def on_frame(self, body: Any, bufs: List[Any]) -> None:
+        self.server.on_frame(self, body, bufs)
 
-    def _handshake_timeout(self) -> None:
-        if not self.authed and self.transport is not None:
-            log.warning("dropped connection from %s: handshake timed out", self.peer)
-            self.transport.close()
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if not self.authed:
-            return memoryview(self._hs)[self._hs_len:]
-        return self.parser.get_buffer()
-
-    def buffer_updated(self, nbytes: int) -> None:
-        assert self.transport is not None
-        if not self.authed:
-            self._hs_len += nbytes
-            if self._hs_len < wire.ANSWER_LEN:
-                return
-            self._release_slot()
-            try:
-                proof = wire.server_check(self.server.key, self._nonce, bytes(self._hs), self.server.identity.encode())
-            except wire.WireError as e:
-                log.warning("dropped connection from %s: %s", self.peer, e)
-                self.transport.close()
-                return
-            self.transport.write(proof)
-            self.authed = True
-            return
-        try:
-            frames = self.parser.feed(nbytes)
-            for body, bufs in frames:
-                self.server.on_frame(self, body, bufs)
-        except wire.WireError as e:
-            log.warning("dropped connection from %s: %s", self.peer, e)
-            self.transport.close()
-
-    def _release_slot(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._counted:
-            self._counted = False
-            self.server.handshakes -= 1
-
-    def connection_lost(self, exc: Optional[Exception]) -> None:
-        self._release_slot()
-        self.transport = None
+    def on_lost(self) -> None:
         if self.server.owner is self:
             self.server.begin_stop("its owner disconnected")
 
