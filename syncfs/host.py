@@ -333,9 +333,8 @@ def setup(agent: Any) -> None:
                 n = unchanged(path, digest)
                 ready = prepared.pop((path, digest), None) if n is None else None
                 if ready is None:
-                    served = "fuse" if path in mounts else f"symlink ({no_fuse})" if not fuse_for(path) else "fuse"
                     return {"committed": n is not None, "unchanged": n is not None, "generation": n,
-                            "path": str(path), "served_by": served}
+                            "path": str(path), "served_by": "fuse" if fuse_for(path) else f"symlink ({no_fuse})"}
                 out = await run(commit_blocking, path, *ready)  # off the event loop
             else:
                 out = await run(lambda: commit_blocking(path, parse(manifest), manifest))

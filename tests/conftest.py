@@ -26,8 +26,8 @@ BIN = Path(sys.executable).parent
 TORCHX = str(BIN / "torchx")
 
 
-def agent_pids(home: Path) -> List[int]:
-    """Agents (and fork servers) whose command line names this home."""
+def pids_running(module: str, path: Path) -> List[int]:
+    """Processes whose command line names both ``module`` and ``path``."""
     pids = []
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
@@ -36,9 +36,14 @@ def agent_pids(home: Path) -> List[int]:
             cmd = (p / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"monarch_torchx.agent" in cmd and str(home).encode() in cmd:
+        if module.encode() in cmd and str(path).encode() in cmd:
             pids.append(int(p.name))
     return pids
+
+
+def agent_pids(home: Path) -> List[int]:
+    """Agents (and fork servers) whose command line names this home."""
+    return pids_running("monarch_torchx.agent", home)
 
 
 def stop_all_pools(home: Path) -> None:

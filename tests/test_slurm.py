@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from monarch_torchx.pool import attach
 from monarch_torchx.registry import Registry
 
 from .conftest import BIN, cli_env, squeue_ids, torchx, wait_for

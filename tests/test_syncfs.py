@@ -16,7 +16,7 @@ import pytest
 from monarch_torchx import wire
 from monarch_torchx.pool import PoolRequest, attach, ensure_pool
 
-from .conftest import BIN, cli_env, wait_for
+from .conftest import BIN, cli_env, pids_running, wait_for
 
 CLI = str(BIN / "monarch-torchx")
 
@@ -45,16 +45,7 @@ def pool(home, pool_name, tmp_path, monkeypatch):
 
 def fuse_servers(store: Path) -> list:
     """The pids of syncfs FUSE servers of a store."""
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                cmd = (p / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"monarch_torchx.syncfs.fusefs" in cmd and str(store).encode() in cmd:
-                out.append(int(p.name))
-    return out
+    return pids_running("monarch_torchx.syncfs.fusefs", store)
 
 
 def kill_orphans(store: Path) -> None:
