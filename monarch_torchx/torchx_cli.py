@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from torchx.cli.cmd_base import SubCommand
 from torchx.cli.cmd_cancel import CmdCancel as _Cancel
@@ -51,6 +52,24 @@ def check_run_options(scheduler: str, cfg_str: str) -> None:
         raise MonarchError(f"invalid run option value in {cfg_str!r}: {e}") from None
 
 
+class _PromptWaitRunner:
+    """A TorchX Runner whose ``wait`` blocks on the pool's agents (they answer when the app ends)."""
+
+    def __init__(self, runner: Any):
+        self._runner = runner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    def wait(self, app_handle: str, wait_interval: float = 10) -> Any:
+        scheduler, _, app_id = self._runner._scheduler_app_id(app_handle, check_session=False)
+        while True:
+            status = self._runner.status(app_handle)
+            if not status or status.is_terminal():
+                return status
+            scheduler.wait_until_done(app_id, timeout=max(wait_interval, 30.0))
+
+
 class CmdRun(_OneLineErrors, _Run):
     def add_arguments(self, subparser: argparse.ArgumentParser) -> None:
         """As TorchX's, but ``monarch_local`` is the default scheduler unless .torchxconfig names one.
@@ -63,6 +82,12 @@ class CmdRun(_OneLineErrors, _Run):
         for action in subparser._actions:
             if action.dest == "scheduler" and action.default == get_default_scheduler_name():
                 action.default = "monarch_local"
+
+    def _wait_and_exit(self, runner: Any, app_handle: str, log: bool) -> None:
+        """TorchX's, with a wait that returns when the app ends rather than at the next 1 s poll."""
+        if app_handle.startswith("monarch_"):
+            runner = _PromptWaitRunner(runner)
+        super()._wait_and_exit(runner, app_handle, log)
 
     def run(self, args: argparse.Namespace) -> None:
         if str(getattr(args, "scheduler", "")).startswith("monarch_"):

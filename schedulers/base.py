@@ -6,6 +6,7 @@ An app handle is ``monarch_local://SESSION/POOL:APP``; the pool part tells any l
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -23,6 +24,7 @@ from ..errors import MonarchError
 from ..pool import Pool, PoolRequest, ensure_pool, get_provisioner, parse_duration
 from ..registry import AppRecord, Registry, check_pool_name
 from ..specs import FAILED, SUCCEEDED, LaunchSpec
+from ..torchrun import PLAN_ENV, TorchrunPlan, plan_role
 from . import workspace as ws
 
 RANK0_ENV = "TORCHX_RANK0_HOST"
@@ -44,6 +46,7 @@ class MonarchRequest:
     roles: List[Dict[str, Any]]
     replicas: List[ReplicaLaunch] = field(default_factory=list)
     workspace: Optional[ws.Workspace] = None  # synced to the hosts of role 0 before it starts
+    torchrun: Dict[str, TorchrunPlan] = field(default_factory=dict)  # by role name, torchrun roles only
 
     def __repr__(self) -> str:
         spec = ", ".join(f"{k}={v}" for k, v in self.pool.spec.items() if v is not None) or "existing spec"
@@ -52,6 +55,9 @@ class MonarchRequest:
         if self.workspace:
             lines.append(f"workspace {self.workspace.src} synced to {self.workspace.mount} "
                          f"(shown below as {ws.MOUNT_TOKEN})")
+        for role, plan in self.torchrun.items():
+            path = "warm torchrun" if plan.warm else "real torchrun"
+            lines.append(f"role {role}: {path}: {plan.reason}")
         for r in self.replicas:
             s = r.spec
             lines.append(f"  {s.role}/{s.replica_id} on host {r.host_index}: {' '.join(s.argv)}")
@@ -156,7 +162,13 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                                        app_id=f"{pool_req.name}:{app_id}", replica_id=str(i), rank0_env=RANK0_ENV)
                 r = values.apply(role)
                 env = {str(k): str(v) for k, v in r.env.items()}
-                spec = LaunchSpec(app_id=app_id, role=role.name, replica_id=i, argv=[r.entrypoint, *r.args],
+                argv = [r.entrypoint, *r.args]
+                plan = plan_role(argv, env, role.num_replicas, role.name)
+                if plan is not None:
+                    req.torchrun.setdefault(role.name, plan)
+                    if plan.warm:
+                        argv = list(plan.argv)
+                spec = LaunchSpec(app_id=app_id, role=role.name, replica_id=i, argv=argv,
                                   env=env, cwd=ws.MOUNT_TOKEN if workspace else cwd,
                                   max_retries=int(role.max_retries or 0))
                 req.replicas.append(ReplicaLaunch(host_index=i, spec=spec))
@@ -176,6 +188,9 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         rank0 = hosts[0].host if hosts[0] else "localhost"
         for r in req.replicas:
             r.spec.env.setdefault(RANK0_ENV, rank0)
+        for role, plan in req.torchrun.items():
+            if plan.warm:
+                _place_torchrun(pool, role, plan, [r for r in req.replicas if r.spec.role == role])
         if req.workspace:
             first = req.roles[0]["name"]
             paths = ws.sync_to_hosts(pool, req.workspace, sorted({r.host_index for r in req.replicas
@@ -233,6 +248,21 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                                            app_handle=f"{self.backend}://{self.session_name}/{app_id}"))
         return out
 
+    def wait_until_done(self, app_id: str, timeout: float = 30.0) -> None:
+        """Returns when every replica of the app has ended on its host, or after ``timeout`` seconds.
+
+        The agents answer when their replicas end, so `torchx run --wait` returns then, not at
+        TorchX's next one-second status poll. An unreachable host makes this return early: the
+        caller's status check then says what became of the app.
+        """
+        found = self._lookup(app_id)
+        if found is None:
+            return
+        pool, arec = found
+        indices = sorted({p.host_index for p in arec.placement})
+        pool.fan_out(lambda i: pool.call(i, "wait", timeout=timeout + 10.0, app_id=arec.app_id, within=timeout),
+                     indices)
+
     # ------------------------------------------------------------ cancel and logs
 
     def _cancel_existing(self, app_id: str) -> None:
@@ -258,6 +288,18 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                                     since=since.timestamp() if since else None,
                                     until=until.timestamp() if until else None, regex=regex, follow=should_tail),
                       client)
+
+
+def _place_torchrun(pool: Pool, role: str, plan: TorchrunPlan, replicas: List[ReplicaLaunch]) -> None:
+    """Tells each node of a warm torchrun its rank and where the role's store is (a port host 0 reserved)."""
+    first = min(replicas, key=lambda r: r.spec.replica_id)
+    host = pool.hosts[first.host_index]
+    if host is None:
+        raise MonarchError(f"host {first.host_index} of pool {pool.name!r} has no agent")
+    port = pool.call(first.host_index, "reserve_port", timeout=10.0)
+    for r in replicas:
+        r.spec.env[PLAN_ENV] = json.dumps({"node_rank": r.spec.replica_id, "nnodes": plan.nnodes,
+                                           "store_host": host.host, "store_port": port})
 
 
 def _progress(msg: str) -> None:

@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import time
+import types
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -113,13 +114,19 @@ def _sys_path(inv: PyInvocation, base: List[str], env: Dict[str, str]) -> List[s
     return [first, *extra, *base]
 
 
+def _user_frames(tb: Optional[types.TracebackType]) -> Optional[types.TracebackType]:
+    """The traceback from the user's first frame on, as a real interpreter prints it (not ours)."""
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return tb
+
+
 def run_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> int:
     """Runs the invocation as ``__main__`` in this (forked) process; returns the exit code."""
     import atexit
     import runpy
     import threading
     import traceback
-    import types
     import zipfile
 
     os.environ.clear()
@@ -162,11 +169,13 @@ def run_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> 
         else:
             print(e.code, file=sys.stderr)
             code = 1
-    except KeyboardInterrupt:
-        traceback.print_exc()
+    except KeyboardInterrupt as e:
+        e = e.with_traceback(_user_frames(e.__traceback__))
+        traceback.print_exception(type(e), e, e.__traceback__)
         code = -signal.SIGINT
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
+    except BaseException as e:
+        e = e.with_traceback(_user_frames(e.__traceback__))
+        sys.excepthook(type(e), e, e.__traceback__)
         code = 1
     try:
         threading._shutdown()  # type: ignore[attr-defined]  # join non-daemon threads, as at exit
@@ -349,6 +358,14 @@ def main(argv: List[str]) -> None:
             __import__("monarch_torchx.actor.proc")
         except Exception:
             pass
+    if "torch" in sys.modules:  # a torchrun role's node process starts here: its part of torch too
+        from ..torchrun import TORCH_MODULES
+
+        for mod in TORCH_MODULES:
+            try:
+                __import__(mod)
+            except Exception:
+                pass
     server.send({"ready": True, "preloaded": [m for m in preloads if m not in failed], "failed": failed,
                  "seconds": round(time.time() - t0, 3)})
     server.serve()

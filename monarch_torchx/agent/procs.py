@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import json
 import os
 import re
 import signal
@@ -24,6 +25,20 @@ STREAMS = ("stdout", "stderr")
 MAX_PARTIAL = 64 * 1024  # a line longer than this is split rather than buffered forever
 BATCH_LINES = 2000
 MAX_REQUEUES = 100  # a safety net: submitit counts a job's requeues itself
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+
+def read_error_file(path: Path) -> str:
+    """The one-line message of a torchelastic error file (``{"message": {"message": ...}}``), or ""."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(1 << 20))
+        msg = data["message"]
+        text = msg.get("message", "") if isinstance(msg, dict) else str(msg)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ""
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1][:500] if lines else ""
 
 
 def describe_exit(code: int) -> str:
@@ -190,6 +205,10 @@ class ProcTable:
         loop = asyncio.get_running_loop()
         rep.attempts += 1
         env = {**self._base_env, **rep.spec.env}
+        # where a torchrun (or any @record entrypoint) writes why it failed, as TorchX's local_cwd sets it
+        env.setdefault(ERROR_FILE_ENV, str(rep.log_dir / "error.json"))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(rep.log_dir / "error.json")
         fds: List[int] = []
         pid: Optional[int] = None
         captures: List[_Capture] = []
@@ -283,7 +302,8 @@ class ProcTable:
             self._start(rep)
         else:
             retries = f" after {rep.attempts} attempts" if rep.attempts > 1 else ""
-            self._finish(rep, FAILED, code, f"{describe_exit(code)}{retries}")
+            reason = read_error_file(rep.log_dir / "error.json")
+            self._finish(rep, FAILED, code, f"{describe_exit(code)}{retries}" + (f": {reason}" if reason else ""))
 
     def on_launcher_death(self, reason: str, pids: Iterable[int]) -> None:
         """The fork server that started these pids is gone (and took its children with it)."""

@@ -32,7 +32,7 @@ log = logging.getLogger("monarch_torchx.agent")
 MODULES_GROUP = "monarch_torchx.modules"
 HEARTBEAT_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_S", "5"))
 # asking about a pool must not keep it alive: only work (launches, module calls) resets idleness
-PASSIVE_OPS = frozenset({"info", "describe", "list", "logs", "kill", "shutdown", "telemetry.query",
+PASSIVE_OPS = frozenset({"info", "describe", "list", "logs", "kill", "shutdown", "wait", "telemetry.query",
                          "telemetry.stacks"})
 MAX_FINISHED_APPS = 500
 
@@ -55,6 +55,7 @@ class Agent:
         self.handlers: Dict[str, Callable[..., Any]] = {
             "info": self.op_info, "launch": self.op_launch, "describe": self.op_describe,
             "list": self.op_list, "kill": self.op_kill, "logs": self.op_logs, "shutdown": self.op_shutdown,
+            "reserve_port": self.op_reserve_port, "wait": self.op_wait,
         }
         self.stopping = asyncio.Event()
         self.stop_reason = ""
@@ -145,8 +146,32 @@ class Agent:
         self._trim_history()
         return status
 
+    async def op_reserve_port(self, peer: wire.Peer) -> int:
+        """A port that is free on this host's pool address, for a role's store (a warm torchrun's)."""
+        assert self.addr is not None
+        family = socket.AF_INET6 if ":" in self.addr.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((self.args.bind if self.args.bind not in ("", "0.0.0.0", "::") else "", 0))
+            return s.getsockname()[1]
+
     async def op_describe(self, peer: wire.Peer, app_id: str) -> List[dict]:
         return [r.status() for r in self.procs.select(app_id)]
+
+    async def op_wait(self, peer: wire.Peer, app_id: str, within: float = 30.0) -> List[dict]:
+        """Answers once every replica of the app on this host has ended, or after ``within`` seconds."""
+        deadline = time.time() + max(0.0, min(float(within), 300.0))
+        while True:
+            reps = self.procs.select(app_id)
+            live = [r for r in reps if r.state not in TERMINAL]
+            left = deadline - time.time()
+            if not live or left <= 0:
+                return [r.status() for r in reps]
+            waits = [asyncio.ensure_future(r.wait_change(left)) for r in live]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
 
     async def op_list(self, peer: wire.Peer) -> List[dict]:
         return [r.status() for r in self.procs.replicas.values()]

@@ -1,0 +1,143 @@
+"""Warm distributed training: `torchx run --wait --log dist.ddp` on stock schedulers vs warm pools.
+
+    .venv/bin/python benchmarks/warm_ddp.py [--n 7]
+    .venv/bin/python benchmarks/warm_ddp.py --slurm [--n 5]   # adds stock slurm vs monarch_slurm (lab, root)
+
+Each case runs the same script (gloo: init_process_group, one all_reduce, print "first-step",
+a few more steps, done) through the real torchx CLI, all cases interleaved, median of N:
+  first step  from invoking `torchx run` to the first "first-step" line on the CLI's output
+  completion  from invoking `torchx run` until it returned (the app SUCCEEDED)
+Cases: stock local_cwd -j 1x2; warm monarch_local -j 2x1 and -j 1x2 (pool up and warm before the
+first timed run); with --slurm, stock slurm -j 2x1 and warm monarch_slurm -j 2x1 on 2 lab nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _results import record  # noqa: E402
+
+BIN = Path(sys.executable).parent
+SCRIPT = """\
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+t = torch.ones(4)
+dist.all_reduce(t)
+print("first-step", dist.get_rank(), flush=True)
+model = torch.nn.Linear(8, 1)
+for _ in range(3):
+    g = torch.ones(9)
+    dist.all_reduce(g)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def timed_run(args: List[str], cwd: Path, env: Dict[str, str], timeout: float = 180) -> Tuple[float, float]:
+    """(time to the first "first-step" line, time until the CLI returned), from the CLI's start."""
+    t0 = time.time()
+    p = subprocess.Popen([str(BIN / "torchx"), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    first: List[float] = []
+    out: List[str] = []
+
+    def read() -> None:
+        assert p.stdout is not None
+        for line in p.stdout:
+            out.append(line)
+            if not first and "first-step" in line:
+                first.append(time.time() - t0)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise SystemExit(f"torchx {' '.join(args)} did not finish in {timeout:.0f} s:\n{''.join(out[-20:])}")
+    done = time.time() - t0
+    reader.join(10)
+    text = "".join(out)
+    if p.returncode != 0 or "SUCCEEDED" not in text or not first:
+        raise SystemExit(f"torchx {' '.join(args)} failed (exit {p.returncode}):\n{''.join(out[-30:])}")
+    return first[0], done
+
+
+def ddp(scheduler: str, cfg: str, j: str) -> List[str]:
+    opts = ["-cfg", cfg] if cfg else []
+    return ["run", "--wait", "--log", "-s", scheduler, *opts, "dist.ddp", "-j", j, "--script", "bench_ddp.py"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=7, help="timed runs per case (median reported)")
+    ap.add_argument("--slurm", action="store_true", help="also stock slurm vs monarch_slurm on the SLURM lab")
+    a = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-ddp-"))
+    home = work / "home"
+    (work / "bench_ddp.py").write_text(SCRIPT)
+    env = {**os.environ, "MONARCH_TORCHX_HOME": str(home), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    pool = f"bench-ddp-{os.getpid()}"
+    cases: Dict[str, List[str]] = {
+        "local_cwd -j 1x2 (stock)": ddp("local_cwd", f"log_dir={work / 'lcwd'}", "1x2"),
+        "monarch_local -j 2x1 (warm)": ddp("monarch_local", f"pool={pool}", "2x1"),
+        "monarch_local -j 1x2 (warm)": ddp("monarch_local", f"pool={pool}", "1x2"),
+    }
+    if a.slurm:
+        if os.geteuid() != 0:
+            raise SystemExit("--slurm needs root (it uses the project's SLURM lab)")
+        lab = Path(__file__).resolve().parents[1] / "scripts" / "slurmlab"
+        subprocess.run(["bash", str(lab / "start-cluster.sh")], check=True, capture_output=True)
+        cases["slurm -j 2x1 (stock)"] = ddp("slurm", "partition=debug", "2x1")
+        cases["monarch_slurm -j 2x1 (warm)"] = ddp("monarch_slurm", f"pool={pool}-s,nodes=2,partition=debug", "2x1")
+    try:
+        print("warming the pools ...", file=sys.stderr)
+        for name, args in cases.items():
+            if "warm" in name:
+                timed_run(args, work, env)  # creates the pool and warms it; not timed
+        times: Dict[str, List[Tuple[float, float]]] = {k: [] for k in cases}
+        for i in range(a.n):
+            for name, args in cases.items():
+                times[name].append(timed_run(args, work, env))
+            print(f"round {i + 1}/{a.n}: " + ", ".join(f"{k.split()[0]} {v[-1][0]:.2f}/{v[-1][1]:.2f}"
+                                                        for k, v in times.items()), file=sys.stderr)
+    finally:
+        for p in (pool, f"{pool}-s"):
+            subprocess.run([str(BIN / "torchx"), "pool", "stop", p], env=env, capture_output=True)
+    med = {k: (statistics.median(t for t, _ in v), statistics.median(d for _, d in v)) for k, v in times.items()}
+    rows = [f"| {k} | {f:.3f} | {d:.3f} |" for k, (f, d) in med.items()]
+    stock = med["local_cwd -j 1x2 (stock)"]
+    ratios = []
+    for k in ("monarch_local -j 2x1 (warm)", "monarch_local -j 1x2 (warm)"):
+        ratios.append(f"- {k}: **{stock[0] / med[k][0]:.1f}x** faster to the first step, "
+                      f"**{stock[1] / med[k][1]:.1f}x** to completion than local_cwd -j 1x2")
+    if a.slurm:
+        s, w = med["slurm -j 2x1 (stock)"], med["monarch_slurm -j 2x1 (warm)"]
+        ratios.append(f"- monarch_slurm -j 2x1: **{s[0] / w[0]:.1f}x** faster to the first step, "
+                      f"**{s[1] / w[1]:.1f}x** to completion than stock slurm -j 2x1")
+    body = (f"Median of {a.n} runs per case, all cases interleaved in one run; `torchx run --wait --log "
+            f"... dist.ddp --script S` where S does init_process_group (gloo), one all_reduce, prints "
+            f"`first-step`, 3 more all_reduces and a barrier.\n\n"
+            "| case | first step (s) | completion (s) |\n|---|---:|---:|\n" + "\n".join(rows) +
+            "\n\nRatios (same run):\n" + "\n".join(ratios) +
+            "\n\nTargets: >= 5x to the first step, >= 3x to completion, on both engines.")
+    print(body)
+    command = "make bench-ddp  # .venv/bin/python benchmarks/warm_ddp.py" + (" --slurm" if a.slurm else "") + f" --n {a.n}"
+    record("warm_ddp" + (" --slurm" if a.slurm else ""), command, body)
+
+
+if __name__ == "__main__":
+    main()
