@@ -134,7 +134,8 @@ def test_run_options_help_and_errors(home, pool_name):
     assert bad.returncode == 1 and "no pool named 'nope'" in bad.stderr and "Traceback" not in bad.stderr
     dry = torchx(home, "run", "--dryrun", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=2",
                  "dist.ddp", "-j", "2x1", "--script", "train.py").stdout
-    assert f"pool '{pool_name}'" in dry and "train/1 on host 1: bash -c torchrun" in dry
+    assert f"pool '{pool_name}'" in dry and "train/1 on host 1: python -m monarch_torchx.agent.torchrun_node -c torchrun" in dry
+    assert "role train: warm torchrun" in dry
     assert not agent_pids(home)  # a dry run starts nothing
 
 

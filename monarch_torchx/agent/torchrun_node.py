@@ -372,15 +372,27 @@ def _torchrun_argv(argv: List[str]) -> List[str]:
 
 
 def _failure_message(err: Any, max_restarts: int) -> str:
-    rank, failure = err.get_first_failure()
-    if failure.exitcode is not None and failure.exitcode < 0:
-        how = f"was killed by signal {failure.signal_name()}"
-    else:
-        how = f"exited with code {failure.exitcode}"
-    msg = f"rank {rank} (local_rank {failure.local_rank} on {socket.gethostname()}) {how}"
-    detail = failure.message if isinstance(failure.message, str) else ""
-    if detail and not detail.startswith("To enable traceback"):
-        msg += f": {detail.strip().splitlines()[-1]}"
+    """torchrun's ChildFailedError summary in one line: every failed rank, first observed first.
+
+    (torchrun's own "root cause" is the earliest failure by a one-second timestamp, often a rank
+    that only saw its peer go; listing them all keeps the one that failed first in sight.)
+    """
+    host = socket.gethostname()
+    parts = []
+    failures = sorted(err.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    for rank, failure in failures[:4]:
+        if failure.exitcode is not None and failure.exitcode < 0:
+            how = f"was killed by signal {failure.signal_name()}"
+        else:
+            how = f"exited with code {failure.exitcode}"
+        part = f"rank {rank} (local_rank {failure.local_rank} on {host}) {how}"
+        detail = failure.message if isinstance(failure.message, str) else ""
+        if detail and not detail.startswith("To enable traceback"):
+            part += f": {detail.strip().splitlines()[-1]}"
+        parts.append(part)
+    if len(failures) > 4:
+        parts.append(f"{len(failures) - 4} more")
+    msg = "; ".join(parts)
     if max_restarts:
         msg += f" (after {max_restarts} restart{'s' if max_restarts > 1 else ''})"
     return msg
