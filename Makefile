@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench bench-slurm bench-actors docs clean
+.PHONY: setup demo test bench bench-slurm bench-actors bench-ddp bench-ddp-slurm docs clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,12 @@ bench: setup
 bench-actors: setup
 	$(BIN)/pip install -q -e '.[bench-peers]'
 	$(BIN)/python benchmarks/actors.py
+
+bench-ddp: setup
+	$(BIN)/python benchmarks/warm_ddp.py
+
+bench-ddp-slurm: setup
+	$(BIN)/python benchmarks/warm_ddp.py --slurm
 
 bench-slurm: setup
 	$(BIN)/python benchmarks/warm_relaunch.py --slurm

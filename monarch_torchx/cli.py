@@ -60,6 +60,7 @@ def pool_summary(pool: "Pool") -> Dict[str, Any]:
             "hostname": a.hostname if a else None, "pid": a.pid if a else None,
             "running": h.info.get("running"), "idle_s": h.info.get("idle_s"),
             "warm": h.info.get("warm", {}).get("preloaded") if h.ok else None,
+            "warm_state": h.info.get("warm", {}).get("state") if h.ok else None,
             "last_seen": a.heartbeat if a else None,
             "error": (a.exit_reason if a and a.exited else h.error) if not h.ok else "",
         })
@@ -124,7 +125,8 @@ def cmd_status(args: argparse.Namespace) -> None:
         print("allocation: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in alloc.items()))
     rows = []
     for h in s["hosts"]:
-        detail = h["error"] if h["error"] else f"running={h['running']} idle={h['idle_s']}s warm={','.join(h['warm'] or []) or '-'}"
+        warm = "importing" if h.get("warm_state") == "importing" else ",".join(h["warm"] or []) or "-"
+        detail = h["error"] if h["error"] else f"running={h['running']} idle={h['idle_s']}s warm={warm}"
         seen = _ago(h["last_seen"]) + " ago" if h["last_seen"] else "-"
         rows.append([h["index"], h["state"], h["address"] or "-", h["hostname"] or "-", h["pid"] or "-", seen, detail])
     print(_table(rows, ["HOST", "STATE", "ADDRESS", "HOSTNAME", "PID", "LAST SEEN", "DETAIL"]))

@@ -254,9 +254,13 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
                 with contextlib.suppress(Exception):
                     _stop(Pool(rec, registry), prov, "failed to start")
                 raise
-            return Pool(rec, registry)
+            pool = Pool(rec, registry)
+            wait_warm(pool, progress, _start_timeout(rec))
+            return pool
         pool = Pool(rec, registry)
         health = pool.health(touch=True)
+        if warming_hosts([h.info if h.ok else {} for h in health]):
+            wait_warm(pool, progress, _start_timeout(rec))
         dead = [h.index for h in health if not h.ok]
         if dead:
             progress(f"repairing pool {req.name!r}: host(s) {dead} lost")
@@ -272,7 +276,35 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
                     raise MonarchError(f"{e} (pool {req.name!r} was released; the next run creates it anew)") from None
                 raise
             pool.refresh()
+            wait_warm(pool, progress, _start_timeout(rec))
         return pool
+
+
+def warming_hosts(infos: Sequence[Dict[str, Any]]) -> List[int]:
+    """Indices of hosts whose warm fork server is still importing the pool's preloads."""
+    return [i for i, info in enumerate(infos) if (info or {}).get("warm", {}).get("state") == "importing"]
+
+
+def wait_warm(pool: Pool, progress: Callable[[str], None], timeout: float) -> None:
+    """Blocks until every host has imported its preloads, so "ready" means the next run starts warm.
+
+    A host that does not finish in time is reported and the wait ends: its runs start cold.
+    """
+    deadline = time.time() + timeout
+    said = False
+    while True:
+        infos = [h.info if h.ok else {} for h in pool.health()]
+        warming = warming_hosts(infos)
+        if not warming:
+            return
+        if not said:
+            mods = ",".join(infos[warming[0]].get("warm", {}).get("preloads") or []) or "preloads"
+            progress(f"warming: importing {mods} on {len(warming)} host(s)")
+            said = True
+        if time.time() > deadline:
+            progress(f"host(s) {warming} still importing after {timeout:.0f} s; their first runs start cold")
+            return
+        time.sleep(0.05)
 
 
 def _start_timeout(rec: PoolRecord) -> float:

@@ -289,10 +289,12 @@ def plan_role(argv: Sequence[str], env: Dict[str, str], num_replicas: int, role:
     if ns.help or not ns.training_script:
         return real("no training script (torchrun prints its usage)")
     backend = ns.rdzv_backend
+    lo, hi = _nnodes(ns.nnodes)
+    if backend == "static" and not ns.rdzv_endpoint and ns.master_port is None and hi == 1:
+        backend = "c10d"  # torchrun's own rewrite of a single-node static run
     if not ns.standalone and backend not in WARM_BACKENDS:
         return real(f"--rdzv_backend {backend} is served by the real torchrun only "
-                    f"(the warm path stands in for {', '.join(WARM_BACKENDS)} and --standalone)")
-    lo, hi = _nnodes(ns.nnodes)
+                    f"(the warm path stands in for {', '.join(WARM_BACKENDS)}, --standalone and single-node runs)")
     if ns.standalone:
         lo = hi = 1
     if not lo <= num_replicas <= hi:

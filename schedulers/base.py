@@ -193,8 +193,9 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                 _place_torchrun(pool, role, plan, [r for r in req.replicas if r.spec.role == role])
         if req.workspace:
             first = req.roles[0]["name"]
-            paths = ws.sync_to_hosts(pool, req.workspace, sorted({r.host_index for r in req.replicas
-                                                                  if r.spec.role == first}), _progress)
+            hosts0 = sorted({r.host_index for r in req.replicas if r.spec.role == first})
+            ws.sync_to_hosts(pool, req.workspace, hosts0, _progress)
+            paths = ws.workdirs(pool, req.workspace, hosts0)
             for r in req.replicas:
                 if r.spec.role == first:
                     ws.place(r.spec, paths[r.host_index])

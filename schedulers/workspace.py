@@ -69,6 +69,16 @@ def sync_to_hosts(pool: Any, ws: Workspace, hosts: List[int], say: Callable[[str
     return {h.index: h.path for h in report.hosts}
 
 
+def workdirs(pool: Any, ws: Workspace, hosts: List[int]) -> Dict[int, str]:
+    """Each host's writable working directory over its synced copy (outputs persist there)."""
+    res = pool.fan_out(lambda i: pool.call(i, "syncfs.workdir", timeout=120.0, target=ws.mount), hosts)
+    failed = [(i, e) for i, _, e in res if e]
+    if failed:
+        why = "; ".join(f"host {i}: {e}" for i, e in failed)
+        raise MonarchError(f"no writable working directory for workspace {ws.mount} ({why}); nothing was started")
+    return {i: out["path"] for i, out, _ in res}
+
+
 def place(spec: Any, path: str) -> None:
     """Puts a planned launch in its host's copy of the workspace."""
     spec.argv = [a.replace(MOUNT_TOKEN, path) for a in spec.argv]

@@ -20,7 +20,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from . import transfer
 from .manifest import Manifest
+from ..registry import home as registry_home
 from .store import ChunkStore, StoreError, manifest_digest
+from .workdir import refresh as refresh_workdir
+from .workdir import workdir_root
 
 DEFAULT_ROOTS = ("/workspace", "/env")
 PIPELINE_DEPTH = 4  # batches a host holds for the next one before it slows its sender down
@@ -342,6 +345,15 @@ def setup(agent: Any) -> None:
             made.append(path)
         return {**out, "committed": True, "unchanged": False}
 
+    async def workdir(peer: Any, target: str) -> Dict[str, Any]:
+        """The writable working directory over this host's copy of ``target`` (see workdir.py)."""
+        path = resolve_target(store, target)
+        gen = store.current(path)
+        if gen is None:
+            raise LookupError(f"nothing is synced to {target} on host {agent.index}")
+        wd = workdir_root(registry_home(), agent.pool, target, agent.index)
+        return {"path": str(await run(refresh_workdir, path, wd, gen)), "generation": gen}
+
     async def where(peer: Any, target: str) -> Dict[str, Any]:
         path = resolve_target(store, target)
         return {"path": str(path), "generation": store.current(path)}
@@ -365,6 +377,7 @@ def setup(agent: Any) -> None:
             pass
 
     for op, fn in (("syncfs.missing", missing), ("syncfs.put", put), ("syncfs.flush", flush),
-                   ("syncfs.prepare", prepare), ("syncfs.commit", commit), ("syncfs.where", where)):
+                   ("syncfs.prepare", prepare), ("syncfs.commit", commit), ("syncfs.where", where),
+                   ("syncfs.workdir", workdir)):
         agent.add_handler(op, fn)
     agent.on_stop(cleanup)

@@ -93,6 +93,25 @@ def test_dist_ddp_gloo_all_reduce_across_two_nodes(home, pool_name, tmp_path):
     assert sorted(r for r, _ in ranks) == ["0", "1"] and sorted(hh for _, hh in ranks) == ["0", "1"]
 
 
+def test_warm_torchrun_trains_ddp_on_two_nodes_by_two_procs(home, pool_name, tmp_path):
+    from .test_torchrun import TRAIN as DDP_TRAIN
+
+    (tmp_path / "train.py").write_text(DDP_TRAIN)
+    args = ("dist.ddp", "-j", "2x2", "--script", "train.py")
+    dry = torchx(home, "run", "--dryrun", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=2", *args,
+                 cwd=tmp_path).stdout
+    assert "role train: warm torchrun" in dry
+    outs = []
+    for cfg in (f"pool={pool_name},nodes=2,partition=debug,time=00:30:00", f"pool={pool_name}"):  # create, then warm
+        res = torchx(home, "run", "--wait", "--log", "-s", "monarch_slurm", "-cfg", cfg, *args, cwd=tmp_path, timeout=240)
+        outs.append(res.stdout + res.stderr)
+    for out in outs:
+        found = re.findall(r"train/(\d) \[(\d)\]:params rank=(\d) world=4 init=(\w+) final=(\w+)", out)
+        assert sorted(int(r) for _, _, r, _, _ in found) == [0, 1, 2, 3], out
+        assert len({f for *_, f in found}) == 1 and found[0][3] != found[0][4]  # trained, equal on both nodes
+        assert "SUCCEEDED" in out
+
+
 def test_bad_requests_are_refused_in_one_line_and_leave_no_allocation(home, pool_name, tmp_path):
     cases = [
         (f"pool={pool_name},partition=nope", "Invalid partition"),
@@ -270,8 +289,9 @@ def test_torchx_workspace_is_synced_to_the_nodes_and_served_by_fuse_there(home, 
     monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))  # the agents inherit it
     ws = tmp_path / "proj"
     ws.mkdir()
-    (ws / "main.py").write_text("import os, socket\nprint('ran', open('v.txt').read().strip(), socket.gethostname(), "
-                                "os.getcwd(), os.path.ismount(os.getcwd()))\n")
+    (ws / "main.py").write_text("import os, socket\ncode = os.path.dirname(os.path.realpath('main.py'))\n"
+                                "print('ran', open('v.txt').read().strip(), socket.gethostname(), "
+                                "code, os.path.ismount(code), os.access('.', os.W_OK))\n")
 
     def run(version: str, *cfg: str) -> list:
         (ws / "v.txt").write_text(version + "\n")
@@ -282,7 +302,7 @@ def test_torchx_workspace_is_synced_to_the_nodes_and_served_by_fuse_there(home, 
     for version, cfg in (("v1", ("nodes=2", "partition=debug", "time=00:30:00")), ("v2", ())):
         out = run(version, *cfg)
         assert len(out) == 2, out
-        for k, (_, v, node, cwd, mounted) in enumerate(out):
-            assert v == version and re.fullmatch(r"node\d", node) and mounted == "True"
-            assert cwd == str(tmp_path / "node-stores" / f"{pool_name}-host{k}" / "mounts" / "ws")
+        for k, (_, v, node, code, mounted, writable) in enumerate(out):
+            assert v == version and re.fullmatch(r"node\d", node) and mounted == "True" and writable == "True"
+            assert code == str(tmp_path / "node-stores" / f"{pool_name}-host{k}" / "mounts" / "ws")
         assert out[0][2] != out[1][2]  # two nodes, each serving its own copy

@@ -369,8 +369,11 @@ def test_torchx_workspace_is_synced_to_the_pool_and_role_0_runs_in_it(pool, home
 
     ws = tmp_path / "proj"
     ws.mkdir()
-    (ws / "train.py").write_text("import os, sys\nprint('ran', open('version.txt').read().strip(), os.getcwd(), "
-                                 "sys.argv[1], os.path.exists('secret.key'), os.access('.', os.W_OK))\n")
+    (ws / "train.py").write_text(
+        "import os, sys\nprint('ran', open('version.txt').read().strip(), os.getcwd(), sys.argv[1], "
+        "os.path.exists('secret.key'), os.access('.', os.W_OK), os.path.dirname(os.path.realpath('train.py')), "
+        "open('out.txt').read().strip().replace(' ', '_') if os.path.exists('out.txt') else '-')\n"
+        "open('out.txt', 'w').write('written by ' + open('version.txt').read())\n")
     (ws / "version.txt").write_text("v1\n")
     (ws / "secret.key").write_text("not for the cluster\n")
     (ws / ".torchxignore").write_text("# local only\nsecret.key\n")
@@ -387,13 +390,18 @@ def test_torchx_workspace_is_synced_to_the_pool_and_role_0_runs_in_it(pool, home
     first = run()
     assert len(first) == 2, first
     for k, line in enumerate(first):
-        _, version, cwd, img_root, secret, writable = line.split()
-        assert version == "v1" and cwd == img_root == str(tmp_path / "node-stores" / f"{pool.name}-host{k}" / "mounts" / "proj")
-        assert secret == "False" and writable == "False"  # .torchxignore honoured; a read-only mount
-        assert os.path.ismount(cwd)
+        _, version, cwd, img_root, secret, writable, code_dir, before = line.split()
+        # role 0 runs in a writable directory of its host, over the read-only synced copy
+        assert version == "v1" and cwd == img_root == str(home / "workspaces" / pool.name / "proj" / f"host{k}")
+        assert code_dir == str(tmp_path / "node-stores" / f"{pool.name}-host{k}" / "mounts" / "proj")
+        assert os.path.ismount(code_dir)
+        assert secret == "False" and writable == "True" and before == "-"  # .torchxignore honoured
+        assert (Path(cwd) / "out.txt").read_text() == "written by v1\n"
+        assert os.stat(cwd).st_mode & 0o077 == 0  # private
     (ws / "version.txt").write_text("v2\n")
     second = run()
     assert [line.split()[1] for line in second] == ["v2", "v2"]
+    assert [line.split()[-1] for line in second] == ["written_by_v1"] * 2  # kept across the sync
     gens = attach(pool.name).call(0, "syncfs.where", target="proj")
     assert gens["generation"] == 2
 

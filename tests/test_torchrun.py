@@ -8,6 +8,7 @@ import re
 import signal
 import socket
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -137,12 +138,13 @@ def test_which_roles_run_warm_and_why():
     assert plan.warm and plan.argv[:3] == ["python", "-m", torchrun.NODE_MODULE] and plan.nnodes == 2
     assert torchrun.plan_role(["torchrun", "--nnodes", "1:4", "--rdzv-backend=c10d", "-m", "pkg.train"], {}, 3, "r").warm
     assert torchrun.plan_role(["python3", "-m", "torch.distributed.run", "--standalone", "t.py"], {}, 1, "r").warm
+    assert torchrun.plan_role(["torchrun", "--nproc_per_node", "2", "t.py"], {}, 1, "r").warm  # static, 1 node
     assert torchrun.plan_role(["python", "train.py"], {}, 1, "r") is None  # not torchrun at all
     for argv, why in [
         (["torchrun", "--rdzv_backend", "etcd", "--rdzv_endpoint", "e:2379", "t.py"], "etcd"),
         (["torchrun", "--rdzv_backend", "c10d", "--no-such-flag", "t.py"], "would not accept"),
         (["bash", "-c", "torchrun --rdzv_backend c10d t.py | tee out"], "does more than run torchrun"),
-        (["torchrun", "t.py"], "static"),  # torchrun's default backend pins the master address
+        (["torchrun", "--nnodes", "2", "t.py"], "static"),  # torchrun's default backend, multi-node
     ]:
         plan = torchrun.plan_role(argv, {}, 1, "r")
         assert not plan.warm and why in plan.reason and plan.argv == argv, (argv, plan)
@@ -156,7 +158,7 @@ def test_which_roles_run_warm_and_why():
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
-    with module_pool(tmp_path_factory, "trwarm", hosts=2) as (name, home):
+    with module_pool(tmp_path_factory, f"trwarm{uuid.uuid4().hex[:6]}", hosts=2) as (name, home):
         pool = attach(name, Registry(home))
         wait_for(lambda: all(pool.call(i, "info")["warm"]["ready"] for i in range(2)), 120, what="warm fork servers")
         yield name, home
@@ -226,7 +228,11 @@ def _runner_outcome(sched: str, cfg: dict, app, cwd: Path):
     try:
         with get_runner() as runner:
             h = runner.run(app, sched, cfg)
-            st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal() and s, 120, what="flaky app")
+            # the app is FAILED as soon as one replica is; the others end a moment later
+            done = ("SUCCEEDED", "FAILED", "CANCELLED")
+            st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal()
+                          and [r.state.name in done for rs in s.roles for r in rs.replicas]
+                          == [True] * app.roles[0].num_replicas and s, 120, what="flaky app")
             logs = "".join(line if line.endswith("\n") else line + "\n"
                            for k in range(app.roles[0].num_replicas) for line in runner.log_lines(h, "flaky", k))
             return st, sorted(set(re.findall(r"attempt rank=(\d) restart=(\d)", logs)))
@@ -266,6 +272,27 @@ def test_a_failing_worker_restarts_the_role_on_every_host(flaky, tmp_path, nnode
     if final == "FAILED":
         assert re.search(rf"rank {2 * nnodes - 1} \(local_rank 1 on \S+\) exited with code 3", ours.msg), ours.msg
         assert "(after 1 restart)" in ours.msg
+
+
+def test_the_ddp_tutorial_runs_unchanged_in_a_workspace_and_resumes_from_its_snapshot(warm, tmp_path):
+    pool, home = warm
+    ws = tmp_path / "proj"
+    ws.mkdir()
+    (ws / "ddp_snapshot.py").write_text((Path(__file__).parents[1] / "examples" / "ddp_snapshot.py").read_text())
+
+    def run(epochs: int) -> str:
+        res = torchx(home, "run", "--wait", "--log", "-s", "monarch_local", "-cfg", f"pool={pool},workspace_mount=tut",
+                     "dist.ddp", "-j", "2x2", "--script", "ddp_snapshot.py", "--", str(epochs), "2", cwd=ws, timeout=240)
+        return res.stdout + res.stderr
+
+    first = run(4)
+    assert "resuming" not in first and len(re.findall(r"epoch 3 \| loss", first)) == 4, first
+    snaps = [home / "workspaces" / pool / "tut" / f"host{k}" / "snapshot.pt" for k in range(2)]
+    assert all(p.is_file() for p in snaps)
+    assert re.search(r"snapshot saved at " + re.escape(str(snaps[0])), first)
+    second = run(6)
+    assert len(re.findall(r"resuming from snapshot at epoch 4", second)) == 4, second
+    assert "epoch 3 | loss" not in second and len(re.findall(r"epoch 5 \| loss", second)) == 4
 
 
 def test_cancel_stops_every_worker_on_every_host(warm, tmp_path):

@@ -167,8 +167,10 @@ class Launcher:
     @property
     def warm_info(self) -> dict:
         if self._warm is None:
-            return {"preloaded": [], "ready": True}
-        return {**self._warm.info, "ready": self._warm.ready.is_set() and not self._warm.dead.is_set()}
+            return {"preloaded": [], "ready": True, "state": "none"}
+        ready = self._warm.ready.is_set() and not self._warm.dead.is_set()
+        state = "ready" if ready else "dead" if self._warm.dead.is_set() else "importing"
+        return {"preloads": self._warm.preloads, **self._warm.info, "ready": ready, "state": state}
 
     def is_our_python(self, argv: List[str], env: Dict[str, str]) -> bool:
         """True when the entrypoint is this interpreter and the fork can honour its flags and env."""
