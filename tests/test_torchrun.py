@@ -327,6 +327,8 @@ def test_bad_torchrun_input_fails_clearly(warm, tmp_path):
     dry = torchx(home, "run", "--dryrun", "-s", "monarch_local", "-cfg", f"pool={pool}", "utils.sh", "torchrun",
                  "--rdzv_backend", "c10d", "--bogus", "train.py", cwd=tmp_path).stdout
     assert "real torchrun: torchrun would not accept the command" in dry
+    res = _run(home, pool, tmp_path, "utils.sh", "torchrun", "--rdzv_backend", "c10d", "--bogus", "train.py", check=False)
+    assert res.returncode == 1 and "unrecognized arguments: --bogus" in res.stdout + res.stderr  # torchrun's words
     # more procs than cores: a warning, then it works
     res = _run(home, pool, tmp_path, "dist.ddp", "-j", "1x3", "--script", "train.py")
     out = res.stdout + res.stderr
@@ -358,6 +360,51 @@ def test_forked_traceback_is_line_for_line_the_interpreters(warm, tmp_path):
     ours = "".join(line.split(" ", 1)[1] + "\n" if " " in line else "\n"
                    for line in torchx(home, "log", h).stdout.splitlines())
     assert ours.strip() == real.strip()
+
+
+def _warm_fork_server(agent_pid: int) -> int:
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent_pid:
+                cmd = (p / "cmdline").read_bytes().split(b"\0")
+                if b"monarch_torchx.agent.forkserver" in cmd and b"torch" in cmd:
+                    return int(p.name)
+        except (OSError, ValueError, IndexError):
+            continue
+    raise AssertionError(f"no warm fork server under agent {agent_pid}")
+
+
+def test_cancel_during_rendezvous_ends_the_waiting_node(home, pool_name, tmp_path):
+    import subprocess
+
+    from .conftest import TORCHX, cli_env
+
+    ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 2, "preload": "torch"}))
+    pool = attach(pool_name)
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    held = _warm_fork_server(pool.hosts[1].pid)
+    os.kill(held, signal.SIGSTOP)  # host 1's node cannot start: host 0's node waits in the rendezvous
+    try:
+        run = subprocess.Popen([TORCHX, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "dist.ddp", "-j",
+                                "2x1", "--script", "sleeper.py"], cwd=tmp_path, env=cli_env(home),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        rec = Registry().get(pool_name)
+        app = wait_for(lambda: Registry.list_apps(rec), 60, what="the app record")[0]
+        node0 = wait_for(lambda: [r for r in pool.call(0, "describe", app_id=app.app_id) if r["state"] == "RUNNING"],
+                         30, what="node 0 to start")[0]
+        time.sleep(1.0)
+        assert "sleeping" not in torchx(home, "log", f"monarch_local://torchx/{pool_name}:{app.app_id}/sleeper/0",
+                                         check=False).stdout  # still in the rendezvous
+        torchx(home, "cancel", f"monarch_local://torchx/{pool_name}:{app.app_id}")
+    finally:
+        os.kill(held, signal.SIGCONT)
+    out, err = run.communicate(timeout=60)
+    handle = f"monarch_local://torchx/{pool_name}:{app.app_id}"
+    wait_for(lambda: _status(home, handle).get("State") == "CANCELLED", 30, what="cancelled")
+    states = wait_for(lambda: (st := pool.call(1, "describe", app_id=app.app_id)) and st[0]["state"] != "RUNNING"
+                      and st, 30, what="node 1 to end")
+    assert states[0]["state"] == "CANCELLED"
+    assert not os.path.exists(f"/proc/{node0['pid']}")
 
 
 def test_a_lost_host_fails_the_role_instead_of_hanging(home, pool_name, tmp_path):

@@ -167,9 +167,23 @@ class PoolRendezvous:
                 self._store = TCPStore(self.host, self.port, None, True, timeout, wait_for_workers=False,
                                        master_listen_fd=self._listen.fileno())
             else:
+                self._await_listener(timeout.total_seconds())
                 self._store = TCPStore(self.host, self.port, None, False, timeout)
             threading.Thread(target=self._heartbeat, name="pool-rdzv-heartbeat", daemon=True).start()
         return self._store
+
+    def _await_listener(self, timeout: float) -> None:
+        """Waits, polling every few ms, for node 0's store to listen: a TCPStore client that finds
+        nothing there backs off for up to a second between attempts."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection((self.host, self.port), timeout=max(0.1, deadline - time.monotonic())).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    return  # the TCPStore client reports it, in torch's words
+                time.sleep(0.005)
 
     def _serve_workers(self, store: Any, prefix: str) -> None:
         from torch.distributed import TCPStore
