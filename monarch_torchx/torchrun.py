@@ -21,6 +21,7 @@ from .errors import MonarchError
 
 NODE_MODULE = "monarch_torchx.agent.torchrun_node"
 PLAN_ENV = "MONARCH_TORCHX_TORCHRUN"  # the node's placement (json), set per replica at submit
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # a node's forked workers apply these themselves
 WARM_BACKENDS = ("c10d",)  # rendezvous backends the pool stands in for
 # what a node process imports beyond torch; the warm fork server imports them with torch
 TORCH_MODULES = ("torch.distributed.run", "torch.distributed.launcher.api",
@@ -260,11 +261,6 @@ def _torchrun_args(argv: Sequence[str]) -> Tuple[Optional[List[str]], Optional[s
             return None, None, ""
         return inner, argv[2], f"{prog} -c \"{how} ...\""
     return None, None, ""
-
-
-def is_torchrun(argv: Sequence[str]) -> bool:
-    args, _, how = _torchrun_args(argv)
-    return args is not None or bool(how)
 
 
 def plan_role(argv: Sequence[str], env: Dict[str, str], num_replicas: int, role: str) -> Optional[TorchrunPlan]:

@@ -230,9 +230,10 @@ def _runner_outcome(sched: str, cfg: dict, app, cwd: Path):
             h = runner.run(app, sched, cfg)
             # the app is FAILED as soon as one replica is; the others end a moment later
             done = ("SUCCEEDED", "FAILED", "CANCELLED")
-            st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal()
-                          and [r.state.name in done for rs in s.roles for r in rs.replicas]
-                          == [True] * app.roles[0].num_replicas and s, 120, what="flaky app")
+            want = [True] * app.roles[0].num_replicas
+            st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal()  # (local_cwd lists no replicas)
+                          and (not s.roles or [r.state.name in done for rs in s.roles for r in rs.replicas] == want)
+                          and s, 120, what=f"flaky app on {sched}")
             logs = "".join(line if line.endswith("\n") else line + "\n"
                            for k in range(app.roles[0].num_replicas) for line in runner.log_lines(h, "flaky", k))
             return st, sorted(set(re.findall(r"attempt rank=(\d) restart=(\d)", logs)))
@@ -335,6 +336,20 @@ def test_bad_torchrun_input_fails_clearly(warm, tmp_path):
     if (os.cpu_count() or 1) < 3:
         assert "more than this host's" in out
     assert len(re.findall(r"params rank=\d world=3", out)) == 3
+
+
+def test_thread_counts_reach_forked_workers_and_spmd_runs_warm(warm, tmp_path):
+    pool, home = warm
+    (tmp_path / "threads.py").write_text(
+        "import os, torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+        "print('threads', os.environ['RANK'], os.environ['OMP_NUM_THREADS'], torch.get_num_threads(), flush=True)\n")
+    for component, env, want in (("dist.ddp", ["--env", "OMP_NUM_THREADS=2"], "2"), ("dist.spmd", [], "1")):
+        dry = torchx(home, "run", "--dryrun", "-s", "monarch_local", "-cfg", f"pool={pool}", component, "-j", "1x2",
+                     *env, "--script", "threads.py", cwd=tmp_path).stdout
+        assert "warm torchrun" in dry, dry
+        res = _run(home, pool, tmp_path, component, "-j", "1x2", *env, "--script", "threads.py")
+        found = sorted(re.findall(r"threads (\d) (\d+) (\d+)", res.stdout + res.stderr))
+        assert found == [("0", want, want), ("1", want, want)], res.stdout + res.stderr
 
 
 def test_two_ddp_apps_at_once_on_one_pool_need_no_port(warm, tmp_path):

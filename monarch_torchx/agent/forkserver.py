@@ -24,7 +24,7 @@ import sys
 import time
 import types
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterable, List, NoReturn, Optional, Sequence
 
 PR_SET_PDEATHSIG = 1
 
@@ -190,40 +190,51 @@ def run_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> 
     return code
 
 
+def detach_child(stdout_fd: int, stderr_fd: int, close: Iterable[int]) -> None:
+    """In a fresh fork: its own session, killed with its parent, stdin from /dev/null, the given
+    stdout and stderr, no other inherited descriptor in ``close``, default signal handlers."""
+    os.setsid()
+    set_pdeathsig(signal.SIGKILL)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(stdout_fd, 1)
+    os.dup2(stderr_fd, 2)
+    for fd in {devnull, stdout_fd, stderr_fd, *close}:
+        if fd > 2:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def exit_as_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> NoReturn:
+    """Runs the invocation in this detached fork and exits the way the interpreter would have."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    code = run_python(inv, env, base_path)
+    _flush_c_stdio()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
 def _child(req: dict, fds: List[int], errw: int, keep_closed: List[int], base_path: List[str]) -> None:
     try:
-        os.setsid()
-        set_pdeathsig(signal.SIGKILL)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(fds[0], 1)
-        os.dup2(fds[1], 2)
-        for fd in {devnull, *fds, *keep_closed}:
-            if fd > 2:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(sig, signal.SIG_DFL)
+        detach_child(fds[0], fds[1], keep_closed)
         if req.get("cwd"):
             os.chdir(req["cwd"])
         if req["mode"] == "exec":
             for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGXFSZ):  # Python's own dispositions
                 signal.signal(sig, signal.SIG_DFL)
             os.execve(req["exe"], req["argv"], req["env"])
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.close(errw)
         errw = -1
         inv = parse_python_argv(req["argv"][1:])
         assert inv is not None
-        code = run_python(inv, req["env"], base_path)
-        _flush_c_stdio()
-        if code < 0:
-            signal.signal(-code, signal.SIG_DFL)
-            os.kill(os.getpid(), -code)
-        os._exit(code & 0xFF)
+        exit_as_python(inv, req["env"], base_path)
     except BaseException as e:
         if errw >= 0:
             msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)

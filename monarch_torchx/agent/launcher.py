@@ -19,6 +19,7 @@ import sys
 from typing import Callable, Dict, List, Optional
 
 from .. import wire
+from ..torchrun import NODE_MODULE, THREAD_ENV
 from .forkserver import INIT_ENV, parse_python_argv
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,9 @@ class Launcher:
             return False
         if os.path.realpath(found) != self._python_real:
             return False
-        return all(env.get(k) == v for k, v in self._init_env.items())
+        # a torchrun node applies the thread counts to its forked workers itself (torch.set_num_threads)
+        exempt = THREAD_ENV if list(argv[1:3]) == ["-m", NODE_MODULE] else ()
+        return all(env.get(k) == v for k, v in self._init_env.items() if k not in exempt)
 
     def _shadows_preload(self, env: Dict[str, str]) -> bool:
         """True when the role's PYTHONPATH has its own copy of a preloaded module (a dev build of torch):

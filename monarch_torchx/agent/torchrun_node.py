@@ -32,11 +32,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from ..torchrun import PLAN_ENV, shell_words
-from .forkserver import INIT_ENV, parse_python_argv, run_python, set_pdeathsig
+from ..torchrun import PLAN_ENV, THREAD_ENV, shell_words
+from .forkserver import INIT_ENV, detach_child, exit_as_python, parse_python_argv
 
 BACKEND = "monarch-pool"
-THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # honoured in the fork with torch.set_num_threads
 
 
 @dataclass
@@ -100,11 +99,9 @@ class PoolRendezvous:
         return self.run_id
 
     def next_rendezvous(self) -> Any:
-        from torch.distributed import PrefixStore
+        from torch.distributed import DistError, PrefixStore
         from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousConnectionError,
                                                           RendezvousInfo, RendezvousStoreInfo)
-
-        from torch.distributed import DistError
 
         try:
             store = self._control()
@@ -127,27 +124,33 @@ class PoolRendezvous:
         return RendezvousInfo(PrefixStore(prefix + "agent/", store), self.node_rank, self.nnodes, info)
 
     def is_closed(self) -> bool:
+        from torch.distributed import DistError
+
         if self._closed:
             return True
         try:
             self._closed = bool(self._control().check([f"{self.run_id}/closed"]))
-        except Exception:  # node 0's store is gone: nothing can rendezvous again
+        except DistError:  # node 0's store is gone: nothing can rendezvous again
             self._closed = True
         return self._closed
 
     def set_closed(self) -> None:
+        from torch.distributed import DistError
+
         self._closed = True
         try:
             self._control().set(f"{self.run_id}/closed", "1")
-        except Exception:
-            pass
+        except DistError:
+            pass  # gone already: the others find that out the same way
 
     def num_nodes_waiting(self) -> int:
+        from torch.distributed import DistError
+
         if self.is_closed():
             return 1  # lets a healthy node stop its workers; its next_rendezvous then ends it
         try:
             return int(self._control().add(f"{self.run_id}/r{self._round}/joined", 0))
-        except Exception:
+        except DistError:
             return 1
 
     def shutdown(self) -> bool:
@@ -199,11 +202,13 @@ class PoolRendezvous:
     def _heartbeat(self) -> None:
         from torch.distributed import TCPStore
 
+        from torch.distributed import DistError
+
         try:
             client = TCPStore(self.host, self.port, None, False, datetime.timedelta(seconds=self.join_timeout))
             while not self._stop.wait(self.keep_alive_s):
                 client.add(f"{self.run_id}/alive/{self.node_rank}", 1)
-        except Exception:
+        except DistError:
             pass  # the store is gone: the main thread finds out on its next call
 
     def _wait_complete(self, store: Any, prefix: str) -> None:
@@ -234,11 +239,21 @@ class PoolRendezvous:
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """The store's socket, bound to the pool's address of this host only (not every interface)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    """The store's socket, bound to the pool's address of this host only (not every interface).
+
+    An address given as a host name is bound on every interface, as the agent itself is: the name
+    may resolve here to a loopback address that the other hosts cannot reach.
+    """
+    import ipaddress
+
+    try:
+        literal = ipaddress.ip_address(host)
+    except ValueError:
+        literal = None
+    family = socket.AF_INET6 if literal is not None and literal.version == 6 else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock.bind((host if literal is not None else "", port))
     sock.listen(1024)
     return sock
 
@@ -325,49 +340,20 @@ def _base_path() -> List[str]:
 
 
 def _become_worker(inv: Any, env: Dict[str, str], stdout: Any, stderr: Any, base_path: List[str]) -> None:
-    """In the forked child: look exec'd (own session, clean fds and signals), then run the script."""
-    code = 127
+    """In the forked child: look exec'd (as the fork server's children do), then run the script."""
     try:
-        os.setsid()
-        set_pdeathsig(signal.SIGKILL)  # nothing outlives a SIGKILLed node process
-        if stdout is not None:
-            os.dup2(stdout.fileno(), 1)
-        if stderr is not None:
-            os.dup2(stderr.fileno(), 2)
-        _close_fds_above(2)
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            inherited = [int(f) for f in os.listdir("/proc/self/fd")]
+        except OSError:
+            inherited = list(range(3, 1024))
+        detach_child(stdout.fileno() if stdout is not None else 1, stderr.fileno() if stderr is not None else 2,
+                     inherited)
         threads = next((env[k] for k in THREAD_ENV if env.get(k)), None)
         if threads and threads.isdigit() and "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(int(threads))  # what the variable does at exec time
-        code = run_python(inv, env, base_path)
-        try:
-            import ctypes
-
-            ctypes.CDLL(None).fflush(None)
-        except OSError:
-            pass
-        if code < 0:
-            signal.signal(-code, signal.SIG_DFL)
-            os.kill(os.getpid(), -code)
+        exit_as_python(inv, env, base_path)
     except BaseException:
-        pass
-    os._exit(code & 0xFF)
-
-
-def _close_fds_above(low: int) -> None:
-    try:
-        fds = [int(f) for f in os.listdir("/proc/self/fd")]
-    except OSError:
-        fds = list(range(low + 1, 1024))
-    for fd in fds:
-        if fd > low:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        os._exit(127)
 
 
 # ------------------------------------------------------------------ main
