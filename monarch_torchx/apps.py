@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
-from .errors import AccessError, MonarchError
+from .errors import AccessError, HostUnreachable, MonarchError
 from .pool import Pool
 from .registry import AppRecord, Placement, Registry
 from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec
@@ -66,21 +66,23 @@ def replica_states(pool: Pool, arec: AppRecord) -> Dict[Tuple[str, int], Dict[st
     indices = sorted({p.host_index for p in arec.placement})
     answers = {i: (res, err) for i, res, err in pool.fan_out(
         lambda i: pool.call(i, "describe", timeout=10.0, app_id=arec.app_id), indices)}
-    loss = None
-    if any(err for _, err in answers.values()):
-        loss = pool.provisioner.loss_reason(pool.record)
+    # a host that did not answer is lost only on evidence (see Pool.loss_evidence); else UNKNOWN
+    evidence = {i: pool.loss_evidence(i, err) for i, (_, err) in answers.items()
+                if err is not None and not isinstance(err, AccessError)}
     out: Dict[Tuple[str, int], Dict[str, Any]] = {}
     for p in arec.placement:
         res, err = answers[p.host_index]
         host = pool.hosts[p.host_index] if p.host_index < len(pool.hosts) else None
         hostname = host.hostname if host else ""
         key = (p.role, p.replica_id)
+        lost = evidence.get(p.host_index)
         if isinstance(err, AccessError):  # we cannot reach the hosts: that says nothing about the replica
             out[key] = {"state": UNKNOWN, "msg": str(err), "hostname": hostname}
-        elif err is not None and "timed out" in str(err) and not loss:
-            out[key] = {"state": UNKNOWN, "msg": str(err), "hostname": hostname}  # busy is not dead
+        elif err is not None and not lost and isinstance(err, HostUnreachable):
+            out[key] = {"state": UNKNOWN, "msg": str(err), "hostname": hostname}  # unreachable is not dead
         elif err is not None:
-            out[key] = {"state": FAILED, "msg": f"{err}; {loss}" if loss else str(err), "hostname": hostname}
+            out[key] = {"state": FAILED, "msg": pool.lost_message(p.host_index, lost, err) if lost else str(err),
+                        "hostname": hostname}
         elif host is None or host.incarnation != p.incarnation:
             out[key] = {"state": FAILED, "hostname": hostname,
                         "msg": f"host {p.host_index} was lost and restarted while the replica ran"}

@@ -54,7 +54,7 @@ def pool_summary(pool: "Pool") -> Dict[str, Any]:
     hosts = []
     for h in health:
         a = h.addr
-        state = "ok" if h.ok else ("stopped" if a and a.exited else "lost")
+        state = "ok" if h.ok else ("stopped" if a and a.exited else h.state)
         hosts.append({
             "index": h.index, "state": state, "address": a.address if a else None,
             "hostname": a.hostname if a else None, "pid": a.pid if a else None,

@@ -14,3 +14,17 @@ class AccessError(MonarchError):
 
     Not a host failure: health checks raise it instead of "repairing" healthy hosts.
     """
+
+
+class HostUnreachable(MonarchError):
+    """This client could not talk to one host. Says nothing of whether the host is alive: only
+    evidence (``Pool.loss_evidence``) makes a host lost; until then its apps are UNKNOWN."""
+
+    def __init__(self, message: str, index: int = -1, cause: "BaseException | None" = None):
+        super().__init__(message)
+        self.index = index
+        self.cause = cause
+
+
+class StartTimeout(MonarchError):
+    """Hosts did not publish their address within the start timeout."""

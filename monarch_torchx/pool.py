@@ -14,11 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from . import wire
-from .errors import AccessError, MonarchError
+from .errors import AccessError, HostUnreachable, MonarchError, StartTimeout
 from .registry import HostAddr, PoolRecord, Registry, check_pool_name
 
 PING_TIMEOUT_S = 3.0
 SLOW_PING_TIMEOUT_S = 15.0
+# a host whose heartbeat (every MONARCH_TORCHX_HEARTBEAT_S, 5 s) is older than this, and that does
+# not answer a patient probe either, is lost
+HEARTBEAT_GRACE_S = 60.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 
 
@@ -84,6 +87,9 @@ class PoolRequest:
     replace: bool = False
 
 
+OK, LOST, UNREACHABLE = "ok", "lost", "unreachable"  # a host's health: only "lost" is ever repaired
+
+
 @dataclass
 class HostHealth:
     index: int
@@ -91,6 +97,7 @@ class HostHealth:
     ok: bool
     info: Dict[str, Any] = field(default_factory=dict)
     error: str = ""
+    state: str = OK
 
 
 class Pool:
@@ -141,7 +148,7 @@ class Pool:
                                identity=addr.identity(self.name), sock=tunnel.sock if tunnel else None)
         except wire.WireError as e:
             why = tunnel.error() if tunnel else ""
-            raise MonarchError(f"host {index} of pool {self.name!r} is lost: {why or e}") from None
+            raise HostUnreachable(f"host {index} of pool {self.name!r} is unreachable: {why or e}", index, e) from None
 
     def call(self, index: int, op: str, timeout: float = 30.0, **args: Any) -> Any:
         with self.connect(index) as c:
@@ -149,7 +156,35 @@ class Pool:
             try:
                 return c.call(op, **args)
             except wire.WireError as e:
-                raise MonarchError(f"host {index} of pool {self.name!r} is lost: {e}") from None
+                raise HostUnreachable(f"host {index} of pool {self.name!r} is unreachable: {e}", index, e) from None
+
+    def loss_evidence(self, index: int, err: Optional[BaseException] = None) -> Optional[str]:
+        """Why host ``index`` is gone, on evidence, or None.
+
+        Evidence: its engine says it ended (process gone, allocation or pod over), the agent
+        published its exit, its host refused the connection (nothing listens on the agent's port:
+        ``err``), or its heartbeat is older than HEARTBEAT_GRACE_S. A connection that timed out or
+        was dropped is not evidence: a flooded, busy or briefly cut-off host looks the same.
+        """
+        addr = self.hosts[index] if 0 <= index < len(self.hosts) else None
+        why = self.provisioner.loss_reason(self.record)  # the engine's word first: it says why
+        if why:
+            return why
+        if addr is None:
+            return f"host {index} has no agent"
+        gone = getattr(self.provisioner, "host_gone", None)
+        why = gone(self.record, addr) if gone else None
+        if why:
+            return why
+        if addr.exited:
+            return f"host {index} stopped ({addr.exit_reason})"
+        cause = err.cause if isinstance(err, HostUnreachable) else None
+        if isinstance(cause, wire.ConnectFailed) and cause.refused:
+            return f"nothing listens on host {index}'s agent port ({addr.address}): its agent is gone"
+        age = time.time() - addr.heartbeat
+        if addr.heartbeat and age > HEARTBEAT_GRACE_S:
+            return f"host {index} has not heartbeaten for {age:.0f} s"
+        return None
 
     def fan_out(self, fn: Callable[[int], Any], indices: Sequence[int]) -> List[Tuple[int, Any, Optional[Exception]]]:
         """Runs fn(index) for each index concurrently; returns (index, result, error) in order."""
@@ -188,17 +223,36 @@ class Pool:
         def ping(i: int) -> Any:
             try:
                 return self.call(i, "info", timeout=PING_TIMEOUT_S, touch=touch)
-            except MonarchError as e:
-                if "timed out" not in str(e):
+            except HostUnreachable as e:
+                if self.loss_evidence(i, e):
                     raise
-                # busy is not dead: ask once more, patiently, before anyone repairs (kills) this host
-                return self.call(i, "info", timeout=SLOW_PING_TIMEOUT_S, touch=touch)
+                # no evidence it is gone: ask once more, patiently (connecting included)
+                with self.connect(i, timeout=SLOW_PING_TIMEOUT_S) as c:
+                    c.settimeout(SLOW_PING_TIMEOUT_S)
+                    try:
+                        return c.call("info", touch=touch)
+                    except wire.WireError as e:
+                        raise HostUnreachable(f"host {i} of pool {self.name!r} is unreachable: {e}", i, e) from None
 
         res = self.fan_out(ping, range(len(hosts)))
         for _, _, err in res:
             if isinstance(err, AccessError):  # our access is broken, not the hosts: nothing to repair
                 raise err
-        return [HostHealth(i, hosts[i], err is None, info or {}, str(err) if err else "") for i, info, err in res]
+        out = []
+        for i, info, err in res:
+            if err is None:
+                out.append(HostHealth(i, hosts[i], True, info or {}, "", OK))
+                continue
+            evidence = self.loss_evidence(i, err)
+            state = LOST if evidence or not isinstance(err, HostUnreachable) else UNREACHABLE
+            out.append(HostHealth(i, hosts[i], False, {}, self.lost_message(i, evidence, err) if evidence else str(err),
+                                  state))
+        return out
+
+    def lost_message(self, index: int, evidence: str, err: Optional[BaseException] = None) -> str:
+        """One line for a host lost on ``evidence`` (with what the last connection said, if any)."""
+        cause = err.cause if isinstance(err, HostUnreachable) else None
+        return f"host {index} of pool {self.name!r} is lost: {evidence}" + (f" (last try: {cause})" if cause else "")
 
 
 def _fingerprint_diff(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> List[str]:
@@ -261,7 +315,10 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
         health = pool.health(touch=True)
         if warming_hosts([h.info if h.ok else {} for h in health]):
             wait_warm(pool, progress, _start_timeout(rec))
-        dead = [h.index for h in health if not h.ok]
+        for h in health:
+            if h.state == UNREACHABLE:  # never repaired (killed) on one failed connection
+                progress(f"host {h.index} is unreachable but not known to be lost ({h.error}); leaving it be")
+        dead = [h.index for h in health if h.state == LOST]
         if dead:
             progress(f"repairing pool {req.name!r}: host(s) {dead} lost")
             old = {h.index: h.addr.incarnation for h in health if h.addr}
@@ -373,6 +430,6 @@ def wait_for_hosts(rec: PoolRecord, indices: List[int], old: Dict[int, str], tim
         if not pending:
             return
         if time.time() > deadline:
-            raise MonarchError(f"host(s) {sorted(pending)} of pool {rec.name!r} did not start within {timeout:.0f} s")
+            raise StartTimeout(f"host(s) {sorted(pending)} of pool {rec.name!r} did not start within {timeout:.0f} s")
         time.sleep(delay)
         delay = min(delay * 2, 0.1)

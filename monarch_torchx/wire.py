@@ -60,11 +60,50 @@ _BUFLEN = struct.Struct("!Q")
 
 
 class WireError(ConnectionError):
-    """The peer broke the protocol, failed authentication, or went away."""
+    """The peer broke the protocol, failed authentication, or went away.
+
+    Callers branch on the subclass, never on the message: none of them says the peer is dead
+    (a busy or flooded host looks the same from one connection); that takes other evidence.
+    """
+
+
+class ConnectFailed(WireError):
+    """No connection could be made (refused, unreachable, or connecting timed out).
+
+    ``refused``: the peer's host answered that nothing listens on the port (a reset), which a
+    flood or a network blip does not produce: evidence that the listener is gone.
+    """
+
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
+
+
+class HandshakeRefused(WireError):
+    """The peer is not one of ours, or one side failed authentication."""
+
+
+class PeerTimeout(WireError):
+    """The peer did not answer within the timeout (busy, stalled, or gone)."""
+
+
+class PeerClosed(WireError):
+    """The connection ended in the middle of an exchange."""
+
+
+class MalformedFrame(WireError):
+    """A frame or message that does not follow the protocol."""
 
 
 class RemoteError(RuntimeError):
-    """The peer ran the request and it failed; the message is the peer's one-line reason."""
+    """The peer ran the request and it failed; the message is the peer's one-line reason.
+
+    ``kind`` names the exception type the peer raised, so callers can branch on it.
+    """
+
+    def __init__(self, message: str, kind: str = ""):
+        super().__init__(message)
+        self.kind = kind
 
 
 # ---------------------------------------------------------------- authentication (pure)
@@ -86,7 +125,7 @@ def client_answer(key: bytes, hello: bytes, identity: bytes = b"") -> Tuple[byte
     cover it, so a handshake relayed to another agent of the same pool fails.
     """
     if len(hello) != len(MAGIC) + NONCE or not hello.startswith(MAGIC):
-        raise WireError("peer is not a monarch-torchx agent (bad greeting)")
+        raise HandshakeRefused("peer is not a monarch-torchx agent (bad greeting)")
     nonce_s = hello[len(MAGIC):]
     nonce_c = os.urandom(NONCE)
     return MAGIC + nonce_c + _mac(key, b"c", identity, nonce_s, nonce_c), nonce_s, nonce_c
@@ -95,16 +134,16 @@ def client_answer(key: bytes, hello: bytes, identity: bytes = b"") -> Tuple[byte
 def server_check(key: bytes, nonce_s: bytes, answer: bytes, identity: bytes = b"") -> bytes:
     """Verifies the client's answer; returns the server's proof to send back."""
     if len(answer) != len(MAGIC) + NONCE + MAC or not answer.startswith(MAGIC):
-        raise WireError("malformed handshake")
+        raise HandshakeRefused("malformed handshake")
     nonce_c = answer[len(MAGIC):len(MAGIC) + NONCE]
     if not hmac.compare_digest(answer[-MAC:], _mac(key, b"c", identity, nonce_s, nonce_c)):
-        raise WireError("authentication failed (wrong pool token, or meant for another agent)")
+        raise HandshakeRefused("authentication failed (wrong pool token, or meant for another agent)")
     return _mac(key, b"s", identity, nonce_c, nonce_s)
 
 
 def client_check(key: bytes, nonce_s: bytes, nonce_c: bytes, proof: bytes, identity: bytes = b"") -> None:
     if not hmac.compare_digest(proof, _mac(key, b"s", identity, nonce_c, nonce_s)):
-        raise WireError("agent failed authentication (wrong pool token?)")
+        raise HandshakeRefused("agent failed authentication (wrong pool token?)")
 
 
 ANSWER_LEN = len(MAGIC) + NONCE + MAC
@@ -223,7 +262,7 @@ class FrameParser:
             if pos + body_len + sum(lens) > end:
                 break
             if any(n > MAX_BUF for n in lens):
-                raise WireError("malformed frame (buffer too large)")
+                raise MalformedFrame("malformed frame (buffer too large)")
             body = buf[pos:pos + body_len]
             pos += body_len
             bufs = []
@@ -258,7 +297,7 @@ class FrameParser:
         if self._stage == 1:
             self._lens = [_BUFLEN.unpack_from(seg, 8 * i)[0] for i in range(len(self._lens))]
             if any(n > MAX_BUF for n in self._lens):
-                raise WireError("malformed frame (buffer too large)")
+                raise MalformedFrame("malformed frame (buffer too large)")
             self._stage = 2
             return []
         if self._stage == 2:
@@ -275,19 +314,19 @@ class FrameParser:
 
 def _check_head(body_len: int, nbufs: int) -> None:
     if body_len > MAX_BODY or nbufs > MAX_BUFS:
-        raise WireError(f"malformed frame (body {body_len} bytes, {nbufs} buffers)")
+        raise MalformedFrame(f"malformed frame (body {body_len} bytes, {nbufs} buffers)")
 
 
 def decode(body: bytes, bufs: List[bytearray]) -> Any:
     try:
         return pickle.loads(body, buffers=bufs)
     except Exception as e:  # a frame from an authenticated peer that does not unpickle
-        raise WireError(f"malformed message: {e}") from None
+        raise MalformedFrame(f"malformed message: {e}") from None
 
 
 def check_msg(msg: Any) -> dict:
     if not isinstance(msg, dict) or not isinstance(msg.get("id"), int):
-        raise WireError("malformed message: not a request/reply dict")
+        raise MalformedFrame("malformed message: not a request/reply dict")
     return msg
 
 
@@ -300,7 +339,7 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
     _check_head(body_len, nbufs)
     lens = [_BUFLEN.unpack(await reader.readexactly(8))[0] for _ in range(nbufs)]
     if any(n > MAX_BUF for n in lens):
-        raise WireError("malformed frame (buffer too large)")
+        raise MalformedFrame("malformed frame (buffer too large)")
     body = await reader.readexactly(body_len)
     bufs = [bytearray(await reader.readexactly(n)) if n else bytearray() for n in lens]
     return decode(body, bufs)
@@ -385,7 +424,7 @@ class Server:
         except Exception as e:
             if not isinstance(e, (RemoteError, ValueError, LookupError, OSError)):
                 log.exception("handler %s failed", op)
-            reply = {"id": rid, "ok": False, "error": str(e) or type(e).__name__}
+            reply = {"id": rid, "ok": False, "error": str(e) or type(e).__name__, "kind": type(e).__name__}
         try:
             conn.write(encode(reply))
             await conn.drain()
@@ -403,7 +442,7 @@ def _recv_into(sock: socket.socket, n: int) -> bytearray:
     while got < n:
         k = sock.recv_into(view[got:])
         if k == 0:
-            raise WireError("connection closed by peer")
+            raise PeerClosed("connection closed by peer")
         got += k
     return buf
 
@@ -417,8 +456,10 @@ def client_handshake(sock: socket.socket, key: bytes, identity: bytes, address: 
     except (OSError, WireError) as e:
         sock.close()
         if isinstance(e, socket.timeout):
-            raise WireError(f"peer at {address} did not answer the handshake") from None
-        raise WireError(f"{address}: {e}") from None
+            raise PeerTimeout(f"peer at {address} did not answer the handshake") from None
+        if isinstance(e, WireError):
+            raise type(e)(f"{address}: {e}") from None
+        raise PeerClosed(f"{address}: {e.strerror or e}") from None
 
 
 def server_handshake_blocking(sock: socket.socket, key: bytes, identity: bytes) -> None:
@@ -458,7 +499,7 @@ def recv_msg(sock: socket.socket) -> Any:
     _check_head(body_len, nbufs)
     lens = [_BUFLEN.unpack(_recv_into(sock, 8))[0] for _ in range(nbufs)]
     if any(n > MAX_BUF for n in lens):
-        raise WireError("malformed frame (buffer too large)")
+        raise MalformedFrame("malformed frame (buffer too large)")
     body = bytes(_recv_into(sock, body_len))
     return decode(body, [_recv_into(sock, n) for n in lens])
 
@@ -481,7 +522,8 @@ class Client:
             try:
                 self._sock = socket.create_connection((host, port), timeout=timeout)
             except OSError as e:
-                raise WireError(f"cannot reach agent at {self.address}: {e.strerror or e}") from None
+                raise ConnectFailed(f"cannot reach agent at {self.address}: {e.strerror or e}",
+                                    refused=isinstance(e, ConnectionRefusedError)) from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._ids = itertools.count(1)
         client_handshake(self._sock, key, identity, self.address)
@@ -525,19 +567,19 @@ class Client:
                         return
         except socket.timeout:
             self.close()  # mid-frame: the stream can no longer be trusted to be in step
-            raise WireError(f"agent at {self.address} timed out on {op!r}") from None
+            raise PeerTimeout(f"agent at {self.address} timed out on {op!r}") from None
         except (OSError, WireError) as e:
             self.close()
             if isinstance(e, WireError):
                 raise
-            raise WireError(f"lost agent at {self.address}: {e.strerror or e}") from None
+            raise PeerClosed(f"lost the connection to the agent at {self.address}: {e.strerror or e}") from None
 
     def call(self, op: str, **args: Any) -> Any:
         for msg in self._exchange(op, args):
             if "item" in msg:
                 continue
             if not msg["ok"]:
-                raise RemoteError(msg["error"])
+                raise RemoteError(msg["error"], msg.get("kind", ""))
             return msg["value"]
 
     def stream(self, op: str, **args: Any) -> Iterator[Any]:
@@ -553,7 +595,7 @@ class Client:
                     continue
                 finished = True
                 if not msg["ok"]:
-                    raise RemoteError(msg["error"])
+                    raise RemoteError(msg["error"], msg.get("kind", ""))
                 return
         finally:
             if not finished and rid is not None:

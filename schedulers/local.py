@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ..agent import agent_argv
 from ..pool import wait_for_hosts
-from ..registry import PoolRecord, Registry
+from ..registry import HostAddr, PoolRecord, Registry
 from .base import MonarchScheduler
 
 
@@ -69,11 +69,19 @@ class LocalProvisioner:
         for i in indices:
             pid = rec.allocation.get("pids", {}).get(str(i))
             if pid and _is_our_agent(pid, rec.state_dir):
-                os.kill(pid, signal.SIGKILL)  # hung, not just slow: it failed a health check
+                # only a lost host is repaired: its heartbeat is stale and a patient probe failed (hung)
+                os.kill(pid, signal.SIGKILL)
         self._start(rec, indices)
         return indices
 
     def loss_reason(self, rec: PoolRecord) -> Optional[str]:
+        return None
+
+    def host_gone(self, rec: PoolRecord, addr: HostAddr) -> Optional[str]:
+        """The engine's evidence for one host: its agent process is not running any more."""
+        pid = rec.allocation.get("pids", {}).get(str(addr.index)) or addr.pid
+        if pid and not _is_our_agent(pid, rec.state_dir):
+            return f"agent {addr.index} (pid {pid}) is not running"
         return None
 
     def describe(self, rec: PoolRecord) -> Dict[str, Any]:

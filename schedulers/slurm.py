@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..agent import agent_argv
-from ..errors import MonarchError
+from ..errors import MonarchError, StartTimeout
 from ..pool import parse_duration, wait_for_hosts
 from ..registry import PoolRecord, Registry
 from .base import MonarchScheduler
@@ -220,13 +220,11 @@ class SlurmProvisioner:
 
         try:
             wait_for_hosts(rec, indices, old, timeout, check)
-        except MonarchError as e:
-            if "did not start within" in str(e):
-                state, reason, _ = job_state(job)
-                raise MonarchError(f"pool {rec.name!r}: allocation {job} still {state or 'unknown'}"
-                                   f"{f' ({reason})' if reason else ''} after {timeout:.0f} s; "
-                                   f"cancelled it (raise start_timeout to wait longer)") from None
-            raise
+        except StartTimeout:
+            state, reason, _ = job_state(job)
+            raise MonarchError(f"pool {rec.name!r}: allocation {job} still {state or 'unknown'}"
+                               f"{f' ({reason})' if reason else ''} after {timeout:.0f} s; "
+                               f"cancelled it (raise start_timeout to wait longer)") from None
 
     def loss_reason(self, rec: PoolRecord) -> Optional[str]:
         job = rec.allocation.get("job_id")

@@ -386,7 +386,7 @@ def _send(client: Any, batch: List[str], sources: Dict[str, ChunkSource], how: D
                 how["vias"].append(out["via"])
             return
         except RemoteError as e:
-            if "does not match its hash" not in str(e) or attempt == RETRIES - 1:
+            if e.kind != "ChunkCorrupt" or attempt == RETRIES - 1:
                 raise
         finally:
             release()

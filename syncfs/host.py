@@ -230,8 +230,8 @@ def setup(agent: Any) -> None:
     async def run(fn: Any, *args: Any) -> Any:
         try:
             return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        except StoreError as e:
-            raise ValueError(f"host {agent.index}: {e}") from None
+        except StoreError as e:  # its type reaches the client (RemoteError.kind)
+            raise type(e)(f"host {agent.index}: {e}") from None
 
     async def missing(peer: Any, hashes: List[str], target: str = "") -> List[str]:
         """The chunks this host lacks; the target is checked first, before any byte is sent."""

@@ -36,8 +36,12 @@ SMALL_CHUNK = 256 << 10  # chunks below this are packed (FastCDC's smallest cut:
 GC_GRACE_S = 3600.0
 
 
-class StoreError(Exception):
+class StoreError(ValueError):
     """A one-line reason a host could not store or commit (disk full, bad chunk, bad target)."""
+
+
+class ChunkCorrupt(StoreError):
+    """A chunk's bytes do not hash to its name (damaged in transit): sending it again may work."""
 
 
 def _disk_error(e: OSError, what: str) -> StoreError:
@@ -156,7 +160,7 @@ class ChunkStore:
             chunk = view[off:off + n]
             off += n
             if blake3.blake3(chunk).hexdigest() != h:
-                raise StoreError(f"chunk {h[:12]} does not match its hash (corrupted in transit); resend it")
+                raise ChunkCorrupt(f"chunk {h[:12]} does not match its hash (corrupted in transit); resend it")
             chunks.append((h, chunk))
         have = self.present()
         small: Dict[str, Any] = {}

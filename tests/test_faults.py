@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import socket
@@ -143,3 +144,51 @@ def test_registry_refuses_a_home_others_can_read(tmp_path, monkeypatch):
     shared.chmod(0o755)
     with pytest.raises(MonarchError, match="must be yours and private"):
         Registry(shared).new_record("p", "monarch_local", {"hosts": 1}, {})
+
+
+def _point_at(home, pool_name: str, index: int, port: int, heartbeat_age: float = 0.0) -> int:
+    """Rewrites host ``index``'s published address to ``port`` (the agent lives on); returns its pid."""
+    from dataclasses import replace
+
+    rec = Registry(home).get(pool_name)
+    addr = Registry.read_host(rec.state_dir, index)
+    Registry.publish_host(rec.state_dir, replace(addr, port=port, heartbeat=time.time() - heartbeat_age))
+    return addr.pid
+
+
+def test_an_unreachable_host_with_a_fresh_heartbeat_is_unknown_and_never_repaired(home, pool_name, monkeypatch):
+    monkeypatch.setenv("MONARCH_TORCHX_HEARTBEAT_S", "600")  # nothing republishes the address during the test
+    with get_runner() as runner:
+        h = runner.run(_sleeper(), "monarch_local", {"pool": pool_name, "hosts": 2, "preload": ""})
+        wait_for(lambda: runner.status(h).state == AppState.RUNNING, what="RUNNING")
+        # a port that takes connections and never answers: what a flooded or stalled agent looks like
+        silent = socket.socket()
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        agent = _point_at(home, pool_name, 1, silent.getsockname()[1])
+        st = runner.status(h)
+        assert st.state == AppState.UNKNOWN and "host 1" in st.msg and "unreachable" in st.msg, st
+        # a new run on the pool leaves host 1 alone: no repair, no kill
+        res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "hi")
+        assert "host 1 is unreachable but not known to be lost" in res.stderr and "repairing" not in res.stderr
+        assert _proc_alive(agent)
+        out = torchx(home, "pool", "status", pool_name, check=False).stdout
+        assert re.search(r"^1\s+unreachable\s", out, re.M), out
+        runner.cancel(h)
+        silent.close()
+
+
+def test_an_unreachable_host_with_a_stale_heartbeat_is_lost_and_repaired(home, pool_name, monkeypatch):
+    monkeypatch.setenv("MONARCH_TORCHX_HEARTBEAT_S", "600")
+    with get_runner() as runner:
+        h = runner.run(_sleeper(), "monarch_local", {"pool": pool_name, "hosts": 2, "preload": ""})
+        wait_for(lambda: runner.status(h).state == AppState.RUNNING, what="RUNNING")
+        addr = Registry.read_host(Registry(home).get(pool_name).state_dir, 1)
+        os.kill(addr.pid, signal.SIGSTOP)  # hung: it takes connections (in the kernel) and never answers
+        agent = _point_at(home, pool_name, 1, addr.port, heartbeat_age=3600)
+        st = runner.status(h)
+        assert st.state == AppState.FAILED and "host 1 of pool" in st.msg and "is lost: host 1 has not heartbeaten" in st.msg
+        res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "hi")
+        assert "repairing" in res.stderr
+        wait_for(lambda: not _proc_alive(agent), what="the hung agent to be replaced")
+        assert all(x.ok for x in attach(pool_name).health())

@@ -114,7 +114,7 @@ class Conn:
         try:
             sock = socket.create_connection((addr.host, addr.port), timeout=CONNECT_TIMEOUT_S)
         except OSError as e:
-            raise wire.WireError(f"cannot reach {where}: {e.strerror or e}") from None
+            raise wire.ConnectFailed(f"cannot reach {where}: {e.strerror or e}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         wire.client_handshake(sock, hub.key, addr.identity.encode(), where)
         sock.setblocking(False)
@@ -293,7 +293,7 @@ class Hub:
         if conn.error is not None:
             return
         if conn.inbound:  # the inbox thread unregisters and closes it
-            conn.error = wire.WireError("peer closed")
+            conn.error = wire.PeerClosed("peer closed")
             return
         err = self.dead.get(conn.addr) or self.closing.get(conn.addr) or self._lost_error(conn.addr, cause)
         with conn.send_lock:
@@ -329,7 +329,7 @@ class Hub:
             header = pickle.loads(body)
             kind = header[0]
         except Exception as e:
-            self.lost(conn, wire.WireError(f"malformed message: {e}"))
+            self.lost(conn, wire.MalformedFrame(f"malformed message: {e}"))
             return
         if kind == "r":
             fut = conn.pending.pop(header[1], None)

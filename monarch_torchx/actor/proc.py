@@ -165,7 +165,7 @@ class ProcServer:
             header = pickle.loads(body)
             kind = header[0]
         except Exception as e:
-            raise wire.WireError(f"malformed message: {e}") from None
+            raise wire.MalformedFrame(f"malformed message: {e}") from None
         if kind == "call":
             _, rid, sender, seq, actor_id, ep = header
             self.ordered(sender, seq, lambda: self.call(self._replier(conn, rid, actor_id, ep), actor_id, ep, bufs))
@@ -186,7 +186,7 @@ class ProcServer:
                 except Exception as e:
                     log.warning("dropped a message for port %s: %s", header[1], e)
         else:
-            raise wire.WireError(f"unknown message kind {kind!r}")
+            raise wire.MalformedFrame(f"unknown message kind {kind!r}")
 
     def ordered(self, sender: Optional[str], seq: Optional[int], fn: Callable[[], None]) -> None:
         """Runs each sender's messages in the order it sent them (multicasts take other paths)."""
