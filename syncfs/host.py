@@ -9,17 +9,18 @@ that is interrupted never switches a target.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import marshal
 import os
 import shutil
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import transfer
 from .manifest import Manifest
+from ..private import node_temp_root, remove_empty_dirs
 from ..registry import home as registry_home
 from .store import ChunkStore, StoreError, manifest_digest
 from .workdir import refresh as refresh_workdir
@@ -79,9 +80,22 @@ class Forwarder:
         return {"failed": self.failed, "unreached": self.unreached}
 
 
+def pool_id(key: bytes) -> str:
+    """Names one pool (not one pool name): two pools called alike, in two homes, never share a store."""
+    return hashlib.sha256(b"monarch-torchx pool id\0" + key).hexdigest()[:12]
+
+
+def store_base() -> Tuple[Path, Path]:
+    """(where hosts' stores go, the highest directory of it that must be ours alone)."""
+    if os.environ.get("MONARCH_TORCHX_SYNC_STORE"):
+        base = Path(os.environ["MONARCH_TORCHX_SYNC_STORE"])
+        return base, base
+    return node_temp_root() / "syncfs", node_temp_root()
+
+
 def store_root(agent: Any) -> Path:
-    base = os.environ.get("MONARCH_TORCHX_SYNC_STORE") or os.path.join(tempfile.gettempdir(), "monarch_torchx", "syncfs")
-    return Path(base) / f"{agent.pool}-host{agent.index}"
+    """This host's store: under a root of this user's alone (made 0700 and checked before use)."""
+    return store_base()[0] / f"{agent.pool}-{pool_id(agent.key)}-host{agent.index}"
 
 
 def allowed_roots() -> List[Path]:
@@ -131,13 +145,17 @@ class Mount:
         self.target, self.tdir, self.started = target, store.target_dir(target), False
         if os.path.ismount(target):  # served by the FUSE process of an earlier agent of this host
             _end_orphans(str(target))
-        target.mkdir(parents=True, exist_ok=True)
+        if store.root in target.parents:  # a relative --to: inside the store, made private like it
+            store.make_dir(target)
+        else:
+            target.mkdir(parents=True, exist_ok=True)
         if any(target.iterdir()):
             raise StoreError(f"{target} is a non-empty directory: syncfs mounts its generations there; "
                              "empty it or choose another --to")
-        self.tdir.mkdir(parents=True, exist_ok=True)
+        store.make_dir(self.tdir)
         self.log_path = self.tdir / "fuse.log"
-        with open(self.log_path, "ab") as err:  # the child keeps its own copy of the descriptor
+        log_fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(log_fd, "ab") as err:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen([sys.executable, "-m", "monarch_torchx.syncfs.fusefs", str(self.tdir),
                                           str(target), str(store.root)], stdout=subprocess.PIPE, stderr=err,
                                          stdin=subprocess.PIPE, start_new_session=True)
@@ -219,7 +237,7 @@ def _end_orphans(target: str) -> None:
 
 
 def setup(agent: Any) -> None:
-    store = ChunkStore(store_root(agent))
+    store = ChunkStore(store_root(agent), private_from=store_base()[1])
     mounts: Dict[Path, Mount] = {}
     no_fuse = fuse_available()
     locks: Dict[Path, asyncio.Lock] = {}
@@ -371,10 +389,8 @@ def setup(agent: Any) -> None:
         for d in store.targets.glob("*/gen-*"):
             _rmtree(d)
         shutil.rmtree(store.root, ignore_errors=True)
-        try:
-            os.rmdir(store.root.parent)  # the shared syncfs directory, once no pool uses it
-        except OSError:
-            pass
+        # the user's syncfs directory (and temp root), once no pool of theirs uses it
+        remove_empty_dirs(store.root.parent, store.private_from)
 
     for op, fn in (("syncfs.missing", missing), ("syncfs.put", put), ("syncfs.flush", flush),
                    ("syncfs.prepare", prepare), ("syncfs.commit", commit), ("syncfs.where", where),

@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import blake3
 
+from ..private import PrivatePathError, open_private, private_dir, write_private_bytes
 from .manifest import Manifest
 
 KEEP_GENERATIONS = 2
@@ -91,8 +92,11 @@ class PackIndex:
 
 
 class ChunkStore:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, private_from: Optional[Path] = None):
+        """``private_from``: the highest directory above ``root`` that must be ours alone too
+        (default: root's parent), checked before anything is written."""
         self.root = root
+        self.private_from = private_from or root.parent
         self.pins: Dict[str, float] = {}  # chunks a sync in flight relies on -> when it said so
         self.manifest_chunks: Dict[Path, Tuple[int, set]] = {}  # a manifest file's chunks, by its mtime
         self.swept = 0.0
@@ -103,6 +107,23 @@ class ChunkStore:
         self.chunks = root / "chunks"  # made on first use: a pool that never syncs leaves nothing on disk
         self.packs = root / "packs"
         self.targets = root / "targets"
+
+    def make_dir(self, d: Path) -> None:
+        """Makes a directory of the store; the store's root (and its parent) must be ours alone.
+
+        On a shared node another user could have made the root first, to read what we sync or
+        to plant a chunk under a hash we will trust: such a root is refused, in one line.
+        """
+        if d in self._dirs:
+            return
+        if self.root not in self._dirs:
+            try:
+                private_dir(self.root, from_=self.private_from)
+            except PrivatePathError as e:
+                raise StoreError(f"refusing the sync store: {e}") from None
+            self._dirs.add(self.root)
+        private_dir(d, check=False)
+        self._dirs.add(d)
 
     def chunk_path(self, h: str) -> Path:
         if len(h) != 64 or not all(c in "0123456789abcdef" for c in h):
@@ -172,12 +193,10 @@ class ChunkStore:
                 small[h] = data
                 continue
             p = self.chunk_path(h)
-            if p.parent not in self._dirs:
-                p.parent.mkdir(parents=True, exist_ok=True)
-                self._dirs.add(p.parent)
-            tmp = p.with_name(f".{h}.{os.getpid()}")
+            self.make_dir(p.parent)
+            tmp = p.with_name(f".{h}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
             try:
-                with open(tmp, "wb") as f:
+                with open_private(tmp) as f:
                     f.write(data)
                 os.replace(tmp, p)
             except OSError as e:
@@ -198,11 +217,9 @@ class ChunkStore:
         for h, data in chunks.items():
             rows.append((h, off, len(data)))
             off += len(data)
-        if self.packs not in self._dirs:
-            self.packs.mkdir(parents=True, exist_ok=True)
-            self._dirs.add(self.packs)
+        self.make_dir(self.packs)
         try:
-            with open(pack, "wb") as f:
+            with open_private(pack) as f:
                 f.write(b"".join(chunks.values()))
             _write_atomic(idx, marshal.dumps(rows))
         except OSError as e:
@@ -258,7 +275,7 @@ class ChunkStore:
         gens = self.generations(target)
         n = (gens[-1] if gens else 0) + 1
         tdir = self.target_dir(target)
-        tdir.mkdir(parents=True, exist_ok=True)
+        self.make_dir(tdir)
         try:
             data = manifest.dumps() if data is None else data
             _write_atomic(tdir / f"gen-{n}.manifest", data)
@@ -361,13 +378,7 @@ def manifest_digest(data: bytes) -> str:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_private_bytes(path, data)
 
 
 def _previous_files(manifest_path: Path) -> Dict[str, Tuple[Tuple[Tuple[str, int], ...], int]]:

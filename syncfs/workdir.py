@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from pathlib import Path
 from typing import Optional
+
+from ..private import private_dir
 
 STAMP = ".monarch-torchx-generation"  # the generation the links were last made for
 _SLUG = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -27,30 +28,12 @@ def workdir_root(home: Path, pool: str, target: str, index: int) -> Path:
     return home / "workspaces" / pool / slug / f"host{index}"
 
 
-def _mkdir_private(path: Path) -> None:
-    """mkdir -p, each level made here 0700; the leaf must be ours, a real directory, not shared."""
-    missing = []
-    p = path
-    while not p.exists() and not p.is_symlink():
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        try:
-            d.mkdir(mode=0o700)
-        except FileExistsError:
-            pass
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise PermissionError(f"{path} must be a directory of yours that others cannot write; "
-                              "remove it or set MONARCH_TORCHX_HOME elsewhere")
-
-
 def refresh(tree: Path, workdir: Path, generation: Optional[int]) -> Path:
     """Makes ``workdir`` mirror ``tree`` (dirs made, files linked); a no-op when ``generation`` is done.
 
     Files written by runs are never touched; links whose file left the tree are removed.
     """
-    _mkdir_private(workdir)
+    private_dir(workdir, from_=workdir.parent)  # made 0700; one someone else made is refused
     stamp = workdir / STAMP
     if generation is not None:
         try:

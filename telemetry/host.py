@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..private import private_dir
 from .query import read_only_options
 from .schema import TABLES, arrow_schema
 
@@ -86,7 +87,7 @@ class LogIndex:
                 keep -= b.num_rows
                 old.append(b)
             self.rows = keep
-            self.spill_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            private_dir(self.spill_dir)  # on a shared node: ours alone, checked
             path = self.spill_dir / f"logs-{time.time_ns()}.parquet"
             table = pa.Table.from_batches(old)
             pq.write_table(table, path)
@@ -399,12 +400,18 @@ class Stacks:
 
 def setup(agent: Any) -> None:
     """Entry point (group ``monarch_torchx.modules``): serve ``telemetry.*`` on this agent."""
-    import tempfile
+    from ..private import node_temp_root, remove_empty_dirs
 
-    spill = Path(tempfile.gettempdir()) / "monarch_torchx" / f"{agent.pool}-{agent.index}-{agent.incarnation}"
+    root = node_temp_root()
+    spill = root / "telemetry" / f"{agent.pool}-{agent.index}-{agent.incarnation}"
     logs = LogIndex(agent, spill)
     stacks = Stacks(agent)
-    agent.on_stop(lambda: shutil.rmtree(spill, ignore_errors=True))  # the data lives as long as the pool
+
+    def drop_spill() -> None:  # the data lives as long as the pool
+        shutil.rmtree(spill, ignore_errors=True)
+        remove_empty_dirs(spill.parent, root)
+
+    agent.on_stop(drop_spill)
 
     async def index_in_background() -> None:
         """Indexes when output pauses (or the backlog grows large), so that a chatty process is not

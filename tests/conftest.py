@@ -153,3 +153,10 @@ def slurm_lab():
 def squeue_ids(name_prefix: str) -> List[str]:
     out = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in out.splitlines() if line.split()[1:] and line.split()[1].startswith(name_prefix)]
+
+
+def node_store(base: Path, pool: str, index: int) -> Path:
+    """Host ``index``'s syncfs store under MONARCH_TORCHX_SYNC_STORE=``base`` (named POOL-POOLID-hostN)."""
+    from monarch_torchx.syncfs.host import pool_id
+
+    return base / f"{pool}-{pool_id(Registry().require(pool).key)}-host{index}"

@@ -13,7 +13,7 @@ import pytest
 
 from monarch_torchx.registry import Registry
 
-from .conftest import BIN, cli_env, squeue_ids, torchx, wait_for
+from .conftest import BIN, cli_env, node_store, squeue_ids, torchx, wait_for
 from .test_cli import TRAIN
 
 pytestmark = pytest.mark.usefixtures("slurm_lab")
@@ -304,5 +304,5 @@ def test_torchx_workspace_is_synced_to_the_nodes_and_served_by_fuse_there(home, 
         assert len(out) == 2, out
         for k, (_, v, node, code, mounted, writable) in enumerate(out):
             assert v == version and re.fullmatch(r"node\d", node) and mounted == "True" and writable == "True"
-            assert code == str(tmp_path / "node-stores" / f"{pool_name}-host{k}" / "mounts" / "ws")
+            assert code == str(node_store(tmp_path / "node-stores", pool_name, k) / "mounts" / "ws")
         assert out[0][2] != out[1][2]  # two nodes, each serving its own copy

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from monarch_torchx import wire
-from monarch_torchx.pool import PoolRequest, attach, ensure_pool
+from monarch_torchx.pool import PoolRequest, attach, ensure_pool, stop_pool
 
-from .conftest import BIN, cli_env, pids_running, wait_for
+from .conftest import BIN, cli_env, node_store, pids_running, wait_for
 
 CLI = str(BIN / "monarch-torchx")
 
@@ -122,7 +122,7 @@ def test_sync_a_tree_to_every_host(pool, home, tmp_path):
         os.utime(src / "zero", ns=(k * 10**18, k * 10**18))
         text = sync_cli(home, str(src), "--pool", pool.name, "--to", "work").stdout
         assert f"host 0: generation {k}" in text and "sent 0.0 MB" in text
-    gens = sorted(p.name for p in (tmp_path / "node-stores").glob(f"{pool.name}-host0/targets/*/gen-*.manifest"))
+    gens = sorted(p.name for p in node_store(tmp_path / "node-stores", pool.name, 0).glob("targets/*/gen-*.manifest"))
     assert gens == ["gen-2.manifest", "gen-3.manifest"]
 
 
@@ -271,7 +271,7 @@ def test_a_client_killed_mid_sync_switches_no_host(pool, home, tmp_path):
     (src / "a.txt").write_text("old\n")
     target = Path(pool.sync(str(src), "ws", hosts=[0]).hosts[0].path)
     (src / "big.bin").write_bytes(os.urandom(400 << 20))
-    store = tmp_path / "node-stores" / f"{pool.name}-host0" / "chunks"
+    store = node_store(tmp_path / "node-stores", pool.name, 0) / "chunks"
     before = sum(1 for _ in store.rglob("*"))
     proc = subprocess.Popen([CLI, "sync", str(src), "--pool", pool.name, "--to", "ws", "--hosts", "0"],
                             env=cli_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -310,7 +310,7 @@ def test_two_syncs_to_one_target_are_serialized_and_each_whole(pool, tmp_path):
 def test_disk_full_on_a_host_is_one_line_and_the_old_generation_stays(home, pool_name, tmp_path, monkeypatch):
     small = tmp_path / "small"
     small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(small)], check=True)
     try:
         monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(small))
         p = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}))
@@ -393,7 +393,7 @@ def test_torchx_workspace_is_synced_to_the_pool_and_role_0_runs_in_it(pool, home
         _, version, cwd, img_root, secret, writable, code_dir, before = line.split()
         # role 0 runs in a writable directory of its host, over the read-only synced copy
         assert version == "v1" and cwd == img_root == str(home / "workspaces" / pool.name / "proj" / f"host{k}")
-        assert code_dir == str(tmp_path / "node-stores" / f"{pool.name}-host{k}" / "mounts" / "proj")
+        assert code_dir == str(node_store(tmp_path / "node-stores", pool.name, k) / "mounts" / "proj")
         assert os.path.ismount(code_dir)
         assert secret == "False" and writable == "True" and before == "-"  # .torchxignore honoured
         assert (Path(cwd) / "out.txt").read_text() == "written by v1\n"
@@ -520,10 +520,78 @@ def test_a_target_whose_fuse_server_died_is_mounted_again_by_the_next_sync(pool,
     first = pool.sync(str(src), "ws", hosts=[0])
     path = Path(first.hosts[0].path)
     assert (path / "a.txt").read_text() == "hello\n"
-    store = tmp_path / "node-stores" / f"{pool.name}-host0"
+    store = node_store(tmp_path / "node-stores", pool.name, 0)
     kill_orphans(store)  # the server goes away; the mount with it
 
     wait_for(lambda: not os.path.ismount(path) and not fuse_servers(store), timeout=10, what="the FUSE server to go")
     again = pool.sync(str(src), "ws", hosts=[0])  # the same tree: not "unchanged", since nothing serves it
     assert again.ok and again.generation == first.generation + 1 and again.hosts[0].served_by == "fuse"
     assert os.path.ismount(path) and (path / "a.txt").read_text() == "hello\n"
+
+
+def _as_nobody(*cmd: str) -> subprocess.CompletedProcess:
+    """Runs a command as another local user (uid 65534): what a stranger on a shared node can do."""
+    return subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *cmd],
+                          capture_output=True, text=True)
+
+
+def test_the_store_is_private_and_a_planted_root_is_refused(home, pool_name, tmp_path, monkeypatch):
+    """Another local user can neither read what is synced (a 0600 `.env` included) nor plant a chunk:
+    the store's root is made 0700 and checked; a root someone else made first is refused."""
+    shared = tmp_path / "shared-tmp"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o1777)  # like /tmp
+    monkeypatch.setenv("TMPDIR", str(shared))  # the default store root is $TMPDIR/monarch_torchx-UID
+    monkeypatch.delenv("MONARCH_TORCHX_SYNC_STORE", raising=False)
+    pool = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "main.py").write_text("print('mine')\n")
+    (src / ".env").write_text("TOKEN=secret\n")
+    os.chmod(src / ".env", 0o600)
+    report = pool.sync(str(src), "ws")
+    assert report.ok, report
+    root = shared / f"monarch_torchx-{os.getuid()}"
+    store = node_store(root / "syncfs", pool_name, 0)
+    for d in (root, root / "syncfs", store):
+        assert os.stat(d).st_mode & 0o777 == 0o700, d
+    files = [p for p in store.rglob("*") if p.is_file() and "mounts" not in p.parts]
+    assert files and not [(p.relative_to(store), oct(os.stat(p).st_mode)) for p in files if os.stat(p).st_mode & 0o077]
+    os.chmod(tmp_path, 0o755)  # (pytest's tmp dirs are 0700: let the stranger reach shared-tmp at all)
+    os.chmod(tmp_path.parent, 0o755)
+    res = _as_nobody("cat", *map(str, files))
+    assert res.returncode != 0 and "Permission denied" in res.stderr and "secret" not in res.stdout
+    res = _as_nobody("touch", str(store / "chunks" / "planted"))
+    assert res.returncode != 0
+    stop_pool(pool_name)
+    assert not root.exists()  # nothing left in the node's temp dir
+
+    # a stranger made the root first (theirs, or open to all): syncs are refused, in one line
+    other = pool_name + "x"
+    root.mkdir(mode=0o777)
+    os.chmod(root, 0o777)
+    pool = ensure_pool(PoolRequest("monarch_local", other, {"hosts": 1, "preload": ""}))
+    res = sync_cli(home, str(src), "--pool", other, "--to", "ws", check=False)
+    assert res.returncode == 1 and "refusing the sync store" in res.stdout and "chmod 700" in res.stdout
+    assert "Traceback" not in res.stdout + res.stderr and not list(root.iterdir())  # nothing written there
+    stop_pool(other)
+
+
+def test_two_pools_of_one_name_in_two_homes_keep_their_own_stores(pool_name, tmp_path, monkeypatch):
+    from monarch_torchx.registry import Registry
+
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))
+    pools = []
+    for n in (1, 2):
+        home = tmp_path / f"home{n}"
+        src = tmp_path / f"src{n}"
+        src.mkdir()
+        (src / "who.txt").write_text(f"pool in home{n}\n")
+        reg = Registry(home)
+        pool = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}), reg)
+        pools.append((pool, reg, src))
+    paths = [Path(pool.sync(str(src), "ws").hosts[0].path) for pool, _, src in pools]
+    assert paths[0] != paths[1]
+    assert [(p / "who.txt").read_text() for p in paths] == ["pool in home1\n", "pool in home2\n"]
+    for pool, reg, _ in pools:
+        stop_pool(pool_name, reg)

@@ -142,11 +142,14 @@ def test_retention_spills_to_parquet_stays_queryable_and_is_bounded(home, pool_n
     for _ in range(3):
         _print_lines(home, pool_name, 2000)
     pool = attach(pool_name)
-    wait_for(lambda: list(tmp_path.glob("monarch_torchx/*/logs-*.parquet")), what="a spill to parquet")
+    spills = f"monarch_torchx-{os.getuid()}/telemetry/*/logs-*.parquet"
+    wait_for(lambda: list(tmp_path.glob(spills)), what="a spill to parquet")
+    root = tmp_path / f"monarch_torchx-{os.getuid()}"
+    assert all(os.stat(d).st_mode & 0o077 == 0 for d in (root, root / "telemetry", *root.glob("telemetry/*")))
     assert pool.sql("SELECT count(*) AS n FROM logs").to_pylist() == [{"n": 6000}]  # memory + parquet
     assert pool.sql("SELECT count(*) AS n FROM logs WHERE line = 'line 5'").to_pylist() == [{"n": 3}]
     torchx(home, "pool", "stop", pool_name)
-    wait_for(lambda: not list(tmp_path.glob("monarch_torchx/*")), what="spill removed with the pool")
+    wait_for(lambda: not root.exists(), what="spill removed with the pool")
 
     # a spill budget of one byte: what spills is dropped, memory keeps the newest rows
     other = pool_name + "b"

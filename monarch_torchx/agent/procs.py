@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import AsyncIterator, Callable, Dict, Iterable, List, Optional, Tuple
 
+from ..private import private_dir
 from ..specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, TERMINAL, LaunchSpec
 from .launcher import Launcher, SpawnError
 
@@ -192,7 +193,7 @@ class ProcTable:
         if old and old.state not in TERMINAL:
             raise ValueError(f"replica {spec.role}/{spec.replica_id} of {spec.app_id} is already running")
         log_dir = self._log_root / spec.app_id / spec.role / str(spec.replica_id)
-        _mkdirs_private(log_dir)
+        private_dir(log_dir, check=False)  # logs may hold secrets from env or args
         rep = Replica(spec, log_dir)
         self.replicas[key] = rep
         # shielded: a client that goes away mid-launch must not leave a half-started process behind
@@ -387,15 +388,3 @@ def _signal_group(pid: int, sig: int) -> bool:
             return True
         except OSError:
             return False
-
-
-def _mkdirs_private(path: Path) -> None:
-    """mkdir -p where every level created gets mode 0700 (logs may hold secrets from env or args)."""
-    missing = []
-    p = path
-    while not p.exists():
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            d.mkdir(mode=0o700)

@@ -1,0 +1,90 @@
+"""Paths only their owner can use: how everything a pool keeps on a (shared) node is made.
+
+Cluster nodes are shared with other users, and ``/tmp`` is writable by all of them: a directory
+at a predictable path there may already exist, made by someone else to read or plant what we
+put in it. So every directory we keep state in is made 0700 level by level, and one that already
+exists is used only if it is a real directory, ours, and closed to group and others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+import tempfile
+from pathlib import Path
+from typing import Optional, Union
+
+
+class PrivatePathError(PermissionError):
+    """A path we would keep state in is not ours alone; the message says what to do."""
+
+
+def node_temp_root() -> Path:
+    """This user's root in the node's temp directory, for what agents keep there (never shared)."""
+    return Path(tempfile.gettempdir()) / f"monarch_torchx-{os.getuid()}"
+
+
+def check_private_dir(path: Path) -> None:
+    """Raises PrivatePathError unless ``path`` is a real directory of ours that only we can use."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise PrivatePathError(f"{path} is not a directory (a symlink or a file is there); remove it")
+    if st.st_uid != os.getuid():
+        raise PrivatePathError(f"{path} belongs to uid {st.st_uid}, not you: remove it or choose another path")
+    if st.st_mode & 0o077:
+        raise PrivatePathError(f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): "
+                               "chmod 700 it, or remove it")
+
+
+def private_dir(path: Union[str, Path], check: bool = True, from_: Optional[Path] = None) -> Path:
+    """mkdir -p where each level made here is 0700. With ``check``, the leaf, and every level from
+    ``from_`` down to it (the part of the path that must be ours), is checked before anything is
+    made inside it (see check_private_dir), so nothing is ever created under a planted directory."""
+    path = Path(path)
+    top = from_ if from_ is not None and (from_ == path or from_ in path.parents) else path
+    chain = [path]
+    while chain[-1] != top:
+        chain.append(chain[-1].parent)
+    if not os.path.lexists(top.parent):
+        os.makedirs(top.parent, mode=0o700, exist_ok=True)
+    for d in reversed(chain):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            if check:
+                check_private_dir(d)
+    return path
+
+
+def write_private_bytes(path: Path, data: bytes) -> None:
+    """Atomically writes a 0600 file (readers see the old or the new content, never half)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def open_private(path: Path) -> "object":
+    """A new file, 0600, for writing bytes (fails if something is already there)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
+
+
+def remove_empty_dirs(path: Path, up_to: Path) -> None:
+    """Removes ``path`` and its parents while they are empty, up to (and including) ``up_to``."""
+    p = path
+    while True:
+        try:
+            os.rmdir(p)
+        except OSError:
+            return
+        if p == up_to or up_to not in p.parents:
+            return
+        p = p.parent
