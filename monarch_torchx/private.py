@@ -47,8 +47,14 @@ def private_dir(path: Union[str, Path], check: bool = True, from_: Optional[Path
     chain = [path]
     while chain[-1] != top:
         chain.append(chain[-1].parent)
-    if not os.path.lexists(top.parent):
-        os.makedirs(top.parent, mode=0o700, exist_ok=True)
+    above = top.parent
+    missing = []
+    while not os.path.lexists(above):  # (os.makedirs would give the levels above the leaf 0777)
+        missing.append(above)
+        above = above.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, 0o700)
     for d in reversed(chain):
         try:
             os.mkdir(d, 0o700)
