@@ -36,6 +36,8 @@ import os
 import pickle
 import socket
 import struct
+import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -51,7 +53,7 @@ MAGIC = b"MTX1"
 NONCE = 32
 MAC = 32
 HANDSHAKE_TIMEOUT_S = 5.0
-MAX_HANDSHAKES = 64  # unauthenticated connections an agent entertains at once
+MAX_HANDSHAKES = 256  # unauthenticated connections an agent entertains at once (then the oldest goes)
 MAX_BODY = 1 << 30  # one pickled message body
 MAX_BUFS = 4096
 MAX_BUF = 1 << 40
@@ -104,6 +106,63 @@ class RemoteError(RuntimeError):
     def __init__(self, message: str, kind: str = ""):
         super().__init__(message)
         self.kind = kind
+
+
+DROP_LOG_EVERY_S = 10.0
+
+
+class HandshakeGate:
+    """The connections of one server that are still in their handshake, at most ``limit``.
+
+    When full, the *oldest* is dropped to admit the newest: a real client finishes its
+    handshake within a round trip, so a flood of silent peers can hold slots only by opening
+    connections faster than that, not by sitting on them. Drops are logged at most once per
+    DROP_LOG_EVERY_S (with a count), so a flood cannot fill a log either. Thread-safe: the
+    asyncio acceptor (``AuthenticatedConnection``) and the threaded ones (the actor inbox, the
+    rdma data plane) share it; each admitted connection comes with how to evict it.
+    """
+
+    def __init__(self, limit: int = MAX_HANDSHAKES, name: str = ""):
+        self.limit = limit
+        self.name = name
+        self.pending: Dict[Any, Callable[[], None]] = {}  # insertion order: oldest first
+        self._lock = threading.Lock()
+        self._drops: Dict[str, Tuple[float, int]] = {}  # reason -> (last logged, dropped since)
+
+    def admit(self, conn: Any, evict: Callable[[], None]) -> None:
+        with self._lock:
+            evicted = []
+            while len(self.pending) >= self.limit:
+                oldest = next(iter(self.pending))
+                evicted.append(self.pending.pop(oldest))
+            self.pending[conn] = evict
+        for fn in evicted:
+            fn()
+
+    def release(self, conn: Any) -> None:
+        with self._lock:
+            self.pending.pop(conn, None)
+
+    def note_drop(self, peer: Any, why: str) -> None:
+        """Logs a dropped connection: each reason at most once per DROP_LOG_EVERY_S, with a count."""
+        key = why if why in self._drops or len(self._drops) < 32 else "other reasons"
+        with self._lock:
+            now = time.monotonic()
+            last, since = self._drops.get(key, (-DROP_LOG_EVERY_S, 0))
+            if now - last < DROP_LOG_EVERY_S:
+                self._drops[key] = (last, since + 1)
+                return
+            self._drops[key] = (now, 0)
+        more = f" ({since} more like it since the last report)" if since else ""
+        log.warning("%sdropped connection from %s: %s%s", self.name, peer, why, more)
+
+
+def shutdown_quietly(sock: socket.socket) -> None:
+    """Ends a blocking read on ``sock`` from another thread (it returns at once)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 # ---------------------------------------------------------------- authentication (pure)
@@ -378,7 +437,7 @@ class Server:
         self.on_activity = on_activity or (lambda _op: None)
         self._server: Optional[asyncio.base_events.Server] = None
         self.connections = 0  # authenticated ones
-        self.handshakes = 0  # in progress
+        self.gate = HandshakeGate()  # the ones in their handshake
 
     async def start(self, host: str, port: int = 0) -> int:
         import asyncio

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional
 from . import wire
 
 log = logging.getLogger("monarch_torchx.wire")
-HANDSHAKE_BUF = 64 << 10
+HANDSHAKE_BUF = 4 << 10  # the answer is 80 bytes; the client sends nothing more before the proof
 
 
 class AuthenticatedConnection(asyncio.BufferedProtocol):
@@ -24,10 +24,10 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
     number and time; nothing is decoded before it succeeds), then whole frames to ``on_frame``.
     The agent's request server and each actor proc accept connections through it.
 
-    ``gate`` holds the count of handshakes in progress (``gate.handshakes``), shared by every
-    connection of one server."""
+    ``gate`` (a HandshakeGate) bounds the handshakes in progress, shared by every connection of
+    one server."""
 
-    def __init__(self, gate: Any, key: bytes, identity: bytes, alloc: Callable[[int], Any] = wire.big_buffer):
+    def __init__(self, gate: wire.HandshakeGate, key: bytes, identity: bytes, alloc: Callable[[int], Any] = wire.big_buffer):
         self.gate, self.key, self.identity = gate, key, identity
         self.transport: Optional[asyncio.Transport] = None
         self.peer = "?"
@@ -36,7 +36,7 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
         # peer that talks out of turn is closed with its bytes read (a clean EOF, not a reset)
         self._hs_len = 0
         self._nonce = b""
-        self._counted = False  # holds one of the gate's handshake slots
+        self._counted = False  # in the gate's pending handshakes
         self._timer: Optional[asyncio.TimerHandle] = None
         self.parser = wire.FrameParser(alloc=alloc)
 
@@ -57,20 +57,23 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
-        if self.gate.handshakes >= wire.MAX_HANDSHAKES:  # a flood of unauthenticated peers gets no memory or time
-            log.warning("dropped connection from %s: too many handshakes in progress", self.peer)
-            transport.close()
-            return
-        self.gate.handshakes += 1
+        # a flood of unauthenticated peers is bounded in memory and time
+        self.gate.admit(self, lambda: self.drop("evicted by newer connections while silent in its handshake"))
         self._counted = True
         self._nonce, hello = wire.server_hello()
         self.transport.write(hello)
         self._timer = asyncio.get_running_loop().call_later(wire.HANDSHAKE_TIMEOUT_S, self._handshake_timeout)
 
+    def drop(self, why: str) -> None:
+        """Closes this connection, saying why (rate-limited by the gate)."""
+        self.gate.note_drop(self.peer, why)
+        self._release_slot()
+        if self.transport is not None:
+            self.transport.close()
+
     def _handshake_timeout(self) -> None:
         if not self.authed and self.transport is not None:
-            log.warning("dropped connection from %s: handshake timed out", self.peer)
-            self.transport.close()
+            self.drop("handshake timed out")
 
     def _release_slot(self) -> None:
         if self._timer is not None:
@@ -78,7 +81,7 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
             self._timer = None
         if self._counted:
             self._counted = False
-            self.gate.handshakes -= 1
+            self.gate.release(self)
 
     # ------------------------------------------------------------ reading
 
@@ -97,8 +100,7 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
             try:
                 proof = wire.server_check(self.key, self._nonce, bytes(self._hs[:wire.ANSWER_LEN]), self.identity)
             except wire.WireError as e:
-                log.warning("dropped connection from %s: %s", self.peer, e)
-                self.transport.close()
+                self.drop(str(e))
                 return
             self.transport.write(proof)
             self.authed = True
@@ -120,15 +122,16 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
             for body, bufs in self.parser.feed(nbytes):
                 self.on_frame(body, bufs)
         except wire.WireError as e:
-            log.warning("dropped connection from %s: %s", self.peer, e)
-            self.transport.close()
+            self.drop(str(e))
+        except MemoryError:  # an authenticated peer declared a buffer larger than this host can hold
+            self.drop("a frame larger than this host's free memory")
 
     def eof_received(self) -> Optional[bool]:
         if not self.authed and self._hs_len == 0:
             # connected and closed without a byte: a TCP readiness probe (Kubernetes) or a port check
             log.debug("connection from %s closed before the handshake", self.peer)
         elif not self.authed:
-            log.warning("dropped connection from %s: closed during the handshake", self.peer)
+            self.gate.note_drop(self.peer, "closed during the handshake")
         return False
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
@@ -143,7 +146,7 @@ class ServerConnection(AuthenticatedConnection):
 
     def __init__(self, server: "wire.Server"):
         # handlers get bytearrays (not maps), as they may pickle them again
-        super().__init__(server, server.key, server.identity, alloc=bytearray)
+        super().__init__(server.gate, server.key, server.identity, alloc=bytearray)
         self.server = server
         self.tasks: Dict[int, asyncio.Task] = {}
         self._paused = False

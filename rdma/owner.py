@@ -113,7 +113,7 @@ class Owner:
         self.host = advertise
         self.port = self._lsock.getsockname()[1]
         self._conns = 0
-        self._handshaking = 0
+        self._gate = wire.HandshakeGate(name="rdma: ")
         self._huge: Dict[int, threading.Event] = {}
         self._quarantine: Deque[Tuple[float, LocalMemory]] = collections.deque()
         self.server_socks: Set[socket.socket] = set()  # closed in a forked child
@@ -182,27 +182,25 @@ class Owner:
             except OSError:
                 return
             with self._lock:
-                if self._conns >= MAX_CONNS or self._handshaking >= wire.MAX_HANDSHAKES:
-                    log.warning("rdma: refused a connection from %s (%d connections, %d handshaking)",
-                                peer, self._conns, self._handshaking)
+                if self._conns >= MAX_CONNS:
+                    self._gate.note_drop(peer, f"{self._conns} connections already")
                     sock.close()
                     continue
                 self._conns += 1
-                self._handshaking += 1
                 self.server_socks.add(sock)
+            self._gate.admit(sock, lambda s=sock: wire.shutdown_quietly(s))  # the oldest silent one goes when full
             threading.Thread(target=self._serve, args=(sock, peer), daemon=True).start()
 
     def _serve(self, sock: socket.socket, peer: Any) -> None:
         try:
-            timer = threading.Timer(wire.HANDSHAKE_TIMEOUT_S, lambda: sock.shutdown(socket.SHUT_RDWR))
+            timer = threading.Timer(wire.HANDSHAKE_TIMEOUT_S, lambda: wire.shutdown_quietly(sock))
             timer.start()
             try:
                 sock.settimeout(wire.HANDSHAKE_TIMEOUT_S)
                 wire.server_handshake_blocking(sock, self.key, self.identity.encode())
             finally:
                 timer.cancel()
-                with self._lock:
-                    self._handshaking -= 1
+                self._gate.release(sock)
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             req = bytearray(REQ.size)

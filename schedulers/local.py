@@ -92,7 +92,7 @@ class LocalProvisioner:
         for i in indices:
             Registry.clear_host(rec, i)
             log_path = Path(rec.state_dir) / "logs" / f"agent{i}.log"
-            with open(log_path, "ab") as logf:
+            with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as logf:
                 proc = subprocess.Popen(agent_argv(rec, i, "127.0.0.1"), stdin=subprocess.DEVNULL, stdout=logf,
                                         stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
             pids[str(i)] = proc.pid

@@ -223,3 +223,23 @@ def test_forked_child_gets_its_own_connections(weights, monkeypatch):
     p.join(10)
     buf.read_into(as_bytes(dst)).get(timeout=30)  # the parent's own connections are still in step
     assert torch.equal(dst, torch.arange(N, dtype=torch.float32))
+
+
+def test_a_handshake_flood_does_not_keep_reads_out(weights, monkeypatch):
+    """Silent peers holding more than every handshake slot of a buffer's owner: reads still work."""
+    import socket
+
+    from monarch_torchx import wire
+
+    monkeypatch.setenv("MONARCH_TORCHX_RDMA", "tcp")
+    buf = weights.slice(hosts=1).handle.call_one().get()
+    host, port, _ = buf._h.owner_addr
+    flood = [socket.create_connection((host, port)) for _ in range(2 * wire.MAX_HANDSHAKES)]
+    try:
+        for _ in range(3):
+            dst = torch.zeros(N, dtype=torch.float32)
+            buf.read_into(as_bytes(dst)).get()
+            assert torch.equal(dst, torch.arange(N, dtype=torch.float32))
+    finally:
+        for s in flood:
+            s.close()

@@ -517,8 +517,7 @@ class Inbox:
         self.lsock.setblocking(False)
         self.port = self.lsock.getsockname()[1]
         self.sel.register(self.lsock, selectors.EVENT_READ, None)
-        self.handshakes = 0
-        self._lock = threading.Lock()
+        self.gate = wire.HandshakeGate(name="inbox: ")
         threading.Thread(target=self._run, name="monarch-torchx-inbox", daemon=True).start()
 
     def _run(self) -> None:
@@ -542,28 +541,22 @@ class Inbox:
             sock, peer = self.lsock.accept()
         except (BlockingIOError, InterruptedError):
             return
-        with self._lock:
-            if self.handshakes >= wire.MAX_HANDSHAKES:
-                log.warning("dropped connection from %s: too many handshakes in progress", peer)
-                sock.close()
-                return
-            self.handshakes += 1
+        self.gate.admit(sock, lambda: wire.shutdown_quietly(sock))  # the oldest silent one goes when full
         threading.Thread(target=self._handshake, args=(sock, peer), daemon=True).start()
 
     def _handshake(self, sock: socket.socket, peer: Any) -> None:
-        timer = threading.Timer(wire.HANDSHAKE_TIMEOUT_S, lambda: sock.shutdown(socket.SHUT_RDWR))
+        timer = threading.Timer(wire.HANDSHAKE_TIMEOUT_S, lambda: wire.shutdown_quietly(sock))
         timer.start()  # a deadline for the whole handshake, not per read
         try:
             sock.settimeout(wire.HANDSHAKE_TIMEOUT_S)
             wire.server_handshake_blocking(sock, self.hub.key, self.identity.encode())
         except (OSError, wire.WireError) as e:
-            log.warning("dropped connection from %s: %s", peer, e or "handshake timed out")
+            self.gate.note_drop(peer, str(e) or "handshake timed out")
             sock.close()
             return
         finally:
             timer.cancel()
-            with self._lock:
-                self.handshakes -= 1
+            self.gate.release(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
         conn = Conn(self.hub, ProcAddr(str(peer[0]), int(peer[1]), "inbound"), sock)

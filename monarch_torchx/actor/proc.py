@@ -54,7 +54,7 @@ class ProcConnection(AuthenticatedConnection):
     """One authenticated peer of this proc (a controller, another actor, a forwarding proc)."""
 
     def __init__(self, server: "ProcServer"):
-        super().__init__(server, server.key, server.identity.encode())
+        super().__init__(server.gate, server.key, server.identity.encode())
         self.server = server
 
     def on_frame(self, body: Any, bufs: List[Any]) -> None:
@@ -98,7 +98,7 @@ class ProcServer:
         self.expected: Dict[str, int] = {}
         self.held: Dict[str, Dict[int, Callable[[], None]]] = {}
         self.owner: Optional[ProcConnection] = None
-        self.handshakes = 0
+        self.gate = wire.HandshakeGate()
         self.stop_reason = ""
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.stopped: Optional[asyncio.Event] = None
