@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from .errors import MonarchError, PoolNotFound
+from .private import PrivatePathError, private_dir
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
@@ -190,8 +191,12 @@ class Registry:
         """
         self._ensure_dirs()
         state = Path(options["job_dir"]).expanduser().absolute() / name if options.get("job_dir") else self.state_dir(name)
-        for sub in ("", "hosts", "apps", "logs"):
-            (state / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:  # on shared scratch: JOB_DIR/NAME must be ours and closed, or someone could swap the token
+            private_dir(state, from_=state)
+        except PrivatePathError as e:
+            raise MonarchError(f"refusing the pool's state dir: {e}") from None
+        for sub in ("hosts", "apps", "logs"):
+            private_dir(state / sub)
         return PoolRecord(name=name, scheduler=scheduler, spec=spec, token=secrets.token_hex(32),
                           state_dir=str(state), options=options)
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ..agent import agent_argv
 from ..errors import MonarchError, StartTimeout
 from ..pool import parse_duration, wait_for_hosts
-from ..registry import PoolRecord, Registry
+from ..registry import PoolRecord, Registry, write_private
 from .base import MonarchScheduler
 
 # spec keys (must match for reuse) and plain options, by TorchX slurm run-option name
@@ -161,10 +161,10 @@ class SlurmProvisioner:
             Registry.clear_host(rec, i)
         script = Path(rec.state_dir) / "pool.sbatch"
         agent = " ".join(shlex.quote(a) for a in agent_argv(rec, index=None, bind="0.0.0.0"))
-        script.write_text(
-            "#!/bin/bash\n"
-            f"# monarch-torchx pool {rec.name}: one agent per node; agents exit when idle or told to stop\n"
-            f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {agent}\n")
+        write_private(script,  # a new file renamed into place: a planted symlink is replaced, never followed
+                      "#!/bin/bash\n"
+                      f"# monarch-torchx pool {rec.name}: one agent per node; agents exit when idle or told to stop\n"
+                      f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {agent}\n")
         script.chmod(0o700)
         rc, out, err = _run(self._sbatch_argv(rec, script))
         if rc != 0:

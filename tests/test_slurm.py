@@ -130,6 +130,26 @@ def test_bad_requests_are_refused_in_one_line_and_leave_no_allocation(home, pool
     assert res.returncode == 1 and "sbatch not found on PATH" in res.stderr and "SLURM" in res.stderr
 
 
+def test_a_job_dir_someone_else_made_is_refused_before_anything_is_submitted(home, pool_name, tmp_path):
+    """On shared scratch, JOB_DIR/NAME made first by another user (or open to all) could let them
+    swap the token or the sbatch script: such a directory is refused, and nothing is submitted."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    os.chmod(scratch, 0o1777)
+    planted = scratch / pool_name
+    for how in ("open", "theirs"):
+        planted.mkdir(exist_ok=True)
+        os.chmod(planted, 0o777 if how == "open" else 0o700)
+        if how == "theirs":
+            os.chown(planted, 65534, 65534)
+        res = torchx(home, "run", "-s", "monarch_slurm", "-cfg",
+                     f"pool={pool_name},nodes=1,partition=debug,job_dir={scratch}", "utils.echo", check=False)
+        assert res.returncode == 1 and "refusing the pool's state dir" in res.stderr, res.stderr
+        assert ("open to other users" if how == "open" else "belongs to uid 65534") in res.stderr
+        assert "Traceback" not in res.stderr and not list(planted.iterdir())
+        assert not squeue_ids(f"monarch-{pool_name}")
+
+
 def test_torchxconfig_slurm_section_is_honoured(home, pool_name, tmp_path):
     (tmp_path / ".torchxconfig").write_text("[slurm]\npartition = from_torchxconfig\n")
     res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo", cwd=tmp_path, check=False)
