@@ -245,9 +245,22 @@ class SyncFS(pyfuse3.Operations):
         return s
 
 
-async def _serve(fs: SyncFS) -> None:
+PARENT_CHECK_S = 0.5
+
+
+async def _serve(fs: SyncFS, agent_pid: int) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pyfuse3.main)
+
+        async def with_the_agent() -> None:
+            """Ends (and unmounts) when the agent that started us is gone: its replicas went with
+            it, and a server nobody owns would keep the mount and the store busy forever."""
+            while os.getppid() == agent_pid:
+                await trio.sleep(PARENT_CHECK_S)
+            log.info("the agent (pid %d) is gone: unmounting", agent_pid)
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(with_the_agent)
 
         async def on_switch() -> None:
             with trio.open_signal_receiver(signal.SIGUSR1, signal.SIGTERM, signal.SIGINT) as signals:
@@ -273,6 +286,7 @@ async def _serve(fs: SyncFS) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    agent_pid = os.getppid()
     target_dir, mountpoint, store = (argv or sys.argv[1:])[:3]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s syncfs-fuse %(levelname)s %(message)s")
     # started ahead of the first commit (imports done): mount once the agent says so
@@ -286,7 +300,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     log.info("serving generation %d", fs.current.number)
     print("mounted", flush=True)  # the agent waits for this line
     try:
-        trio.run(_serve, fs)
+        trio.run(_serve, fs, agent_pid)
     finally:
         pyfuse3.close(unmount=True)
 

@@ -49,7 +49,7 @@ def fuse_servers(store: Path) -> list:
 
 
 def kill_orphans(store: Path) -> None:
-    """The FUSE servers of an agent that was SIGKILLed (they outlive it, so its files stay readable)."""
+    """Ends the FUSE servers of a store (of an agent a test killed they end by themselves)."""
     for pid in fuse_servers(store):
         try:
             os.kill(pid, signal.SIGTERM)
@@ -595,3 +595,15 @@ def test_two_pools_of_one_name_in_two_homes_keep_their_own_stores(pool_name, tmp
     assert [(p / "who.txt").read_text() for p in paths] == ["pool in home1\n", "pool in home2\n"]
     for pool, reg, _ in pools:
         stop_pool(pool_name, reg)
+
+
+def test_a_killed_agent_leaves_no_fuse_server_or_mount(pool, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello\n")
+    path = Path(pool.sync(str(src), "ws", hosts=[0]).hosts[0].path)
+    store = node_store(tmp_path / "node-stores", pool.name, 0)
+    assert os.path.ismount(path) and fuse_servers(store)
+    os.kill(pool.hosts[0].pid, signal.SIGKILL)
+    wait_for(lambda: not fuse_servers(store) and not os.path.ismount(path), timeout=15,
+             what="the FUSE server to end with its agent, and its mount with it")
