@@ -180,9 +180,16 @@ def add_sync_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_stop(args: argparse.Namespace) -> None:
-    from .pool import stop_pool
+    from .pool import force_stop, stop_pool
 
-    stop_pool(args.name)
+    try:
+        stop_pool(args.name)
+    except MonarchError:
+        if not args.force:
+            raise
+        done = force_stop(args.name)
+        print(f"pool {args.name!r} forced to stop: {'; '.join(done) or 'nothing of it was found'}")
+        return
     print(f"pool {args.name!r} stopped")
 
 
@@ -284,6 +291,9 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     add_sync_arguments(sub.add_parser("sync", help="sync a directory to every host (same as `monarch-torchx sync`)"))
     p = sub.add_parser("stop", help="stop a pool: kills its apps, releases its hosts")
     p.add_argument("name", help="pool name")
+    p.add_argument("--force", action="store_true",
+                   help="if the pool's record cannot be read: end its local agents and the SLURM allocation "
+                        "it names, and remove the record")
     p.set_defaults(pool_fn=cmd_stop)
 
 

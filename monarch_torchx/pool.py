@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -386,6 +387,65 @@ def stop_pool(name: str, registry: Optional[Registry] = None) -> None:
     with registry.lock(name):
         pool = Pool(registry.require(name), registry)
         _stop(pool, get_provisioner(pool.record.scheduler), "pool stopped")
+
+
+def force_stop(name: str, registry: Optional[Registry] = None) -> List[str]:
+    """Ends a pool whose record cannot be read, from what this machine can find of it by name:
+    its local agents (by their command line), the SLURM allocation the raw record still names,
+    and the record itself. Returns what it did, a line each."""
+    import json
+    import os
+    import shutil
+    import signal
+    import subprocess
+
+    registry = registry or Registry()
+    path = registry.record_path(name)
+    raw: Dict[str, Any] = {}
+    try:
+        loaded = json.loads(path.read_text())
+        raw = loaded if isinstance(loaded, dict) else {}
+    except (OSError, ValueError):
+        pass
+    state_dirs = {str(registry.state_dir(name))}
+    if isinstance(raw.get("state_dir"), str):
+        state_dirs.add(raw["state_dir"])
+    done = []
+    pids = [pid for pid, cmd in _processes() if "monarch_torchx.agent" in cmd and "--pool" in cmd
+            and cmd[cmd.index("--pool") + 1:cmd.index("--pool") + 2] == [name]
+            and any(d in cmd for d in state_dirs)]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.time() + 5
+    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+        time.sleep(0.05)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if pids:
+        done.append(f"ended {len(pids)} local agent(s)")
+    alloc = raw.get("allocation") if isinstance(raw.get("allocation"), dict) else {}
+    job = alloc.get("job_id")
+    if job and shutil.which("scancel"):
+        subprocess.run(["scancel", str(job)], capture_output=True)
+        done.append(f"cancelled SLURM allocation {job}")
+    for p in (path, *(Path(d) / "token" for d in state_dirs)):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+            done.append(f"removed {p}")
+    return done
+
+
+def _processes() -> List[Tuple[int, List[str]]]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                out.append((int(p.name), [a.decode(errors="replace") for a in (p / "cmdline").read_bytes().split(b"\0")]))
+            except OSError:
+                continue
+    return out
 
 
 def resize_pool(name: str, hosts: int, registry: Optional[Registry] = None,

@@ -61,11 +61,15 @@ def write_private(path: Path, data: str) -> None:
 
 def _read_json(path: Path) -> Optional[dict]:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
     except (ValueError, OSError) as e:
-        raise MonarchError(f"corrupt registry file {path}: {e}; remove it to start over") from None
+        raise MonarchError(f"corrupt registry file {path}: {e}; remove it to start over "
+                           "(for a pool's record: `torchx pool stop --force NAME`)") from None
+    if not isinstance(data, dict):
+        raise MonarchError(f"corrupt registry file {path}: not a JSON object; remove it to start over")
+    return data
 
 
 @dataclass
@@ -206,8 +210,17 @@ class Registry:
         write_private(Path(rec.state_dir) / "token", rec.token)
 
     def get(self, name: str) -> Optional[PoolRecord]:
-        data = _read_json(self.record_path(name))
-        return PoolRecord(**data) if data else None
+        path = self.record_path(name)
+        data = _read_json(path)
+        if not data:
+            return None
+        try:
+            rec = PoolRecord(**data)
+            rec.key, rec.num_hosts  # noqa: B018 - the fields everything relies on parse
+            return rec
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise MonarchError(f"corrupt registry file {path} ({type(e).__name__}: {e}); "
+                               f"`torchx pool stop --force {name}` ends its agents and removes it") from None
 
     def require(self, name: str, scheduler: Optional[str] = None) -> PoolRecord:
         rec = self.get(name)
@@ -245,8 +258,12 @@ class Registry:
 
     @staticmethod
     def read_host(state_dir: Path, index: int) -> Optional[HostAddr]:
-        data = _read_json(Path(state_dir) / "hosts" / f"{index}.json")
-        return HostAddr(**data) if data else None
+        path = Path(state_dir) / "hosts" / f"{index}.json"
+        data = _read_json(path)
+        try:
+            return HostAddr(**data) if data else None
+        except TypeError as e:
+            raise MonarchError(f"corrupt host file {path} ({e}); the host's agent rewrites it, or remove it") from None
 
     @staticmethod
     def hosts(rec: PoolRecord) -> List[Optional[HostAddr]]:

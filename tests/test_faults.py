@@ -219,3 +219,33 @@ def test_a_handshake_flood_neither_keeps_clients_out_nor_gets_hosts_repaired(hom
             assert os.stat(log).st_mode & 0o077 == 0
             assert log.read_text().count("dropped connection") <= 3
         runner.cancel(h)
+
+
+def test_a_wrong_shaped_record_is_one_line_and_stop_force_ends_its_agents(home, pool_name):
+    from .conftest import agent_pids
+
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2,preload=none")
+    assert len(agent_pids(home)) >= 2
+    Registry(home).record_path(pool_name).write_text(json.dumps({"name": pool_name, "hosts": "two"}))
+    for args in (("pool", "status", pool_name), ("pool", "stop", pool_name)):
+        res = torchx(home, *args, check=False)
+        assert res.returncode == 1 and "corrupt registry file" in res.stderr and "Traceback" not in res.stderr
+        assert f"torchx pool stop --force {pool_name}" in res.stderr
+    res = torchx(home, "pool", "stop", "--force", pool_name)
+    assert "ended 2 local agent(s)" in res.stdout and "removed" in res.stdout
+    wait_for(lambda: not agent_pids(home), what="the agents to end")
+    assert not Registry(home).record_path(pool_name).exists()
+
+
+def test_an_agent_that_sees_a_successor_in_its_host_file_exits(home, pool_name, monkeypatch):
+    """A pool re-created under the same state dir after its record was removed: the old agents
+    leave instead of overwriting the new ones' addresses (the new pool stays healthy)."""
+    monkeypatch.setenv("MONARCH_TORCHX_HEARTBEAT_S", "0.3")
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    old = Registry(home).get(pool_name).allocation["pids"]["0"]
+    Registry(home).record_path(pool_name).unlink()  # what the corrupt-record message used to advise
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    wait_for(lambda: not _proc_alive(old), timeout=15, what="the old agent to leave")
+    time.sleep(1.0)
+    assert all(x.ok for x in attach(pool_name).health())
+    assert Registry(home).get(pool_name).allocation["pids"]["0"] != old

@@ -231,10 +231,30 @@ class Agent:
             setattr(self.addr, k, v)
         Registry.publish_host(self.state_dir, self.addr)
 
+    def _superseded(self) -> Optional[str]:
+        """Why another agent (or nobody) now owns this host's address file, or None if we do.
+
+        A pool re-created under the same state dir (after its record was removed) starts new
+        agents; an old one that kept heartbeating would overwrite their address forever."""
+        try:
+            current = Registry.read_host(self.state_dir, self.index)
+        except (MonarchError, OSError, TypeError):
+            return None  # unreadable for now: not proof of anything
+        if current is None:
+            return f"host {self.index}'s address file was removed (the pool was stopped or re-created)"
+        if current.incarnation != self.incarnation:
+            return f"another agent ({current.incarnation}, pid {current.pid}) now serves host {self.index}"
+        return None
+
     async def _heartbeat(self) -> None:
         while not self.stopping.is_set():
             await asyncio.sleep(HEARTBEAT_S)
             now = time.time()
+            why = self._superseded()
+            if why:
+                log.warning("%s: exiting", why)
+                self.stop(f"superseded: {why}")
+                return
             try:
                 self._publish(heartbeat=now, last_work=now - self.idle_seconds())
             except OSError as e:  # a full or flaky shared file system must not stop the idle check
