@@ -94,3 +94,29 @@ def remove_empty_dirs(path: Path, up_to: Path) -> None:
         if p == up_to or up_to not in p.parents:
             return
         p = p.parent
+
+
+def agent_temp_dir(kind: str, pool: str, index: int) -> Path:
+    """``node_temp_root()/KIND/POOL-INDEX-PID``: what one agent keeps on the node's temp disk.
+
+    Made private; the same kind's directories of agents that died without cleaning up (SIGKILL,
+    a node reboot of the process but not of /tmp) are removed first, so nothing piles up.
+    """
+    import shutil
+
+    parent = node_temp_root() / kind
+    private_dir(parent, from_=node_temp_root())
+    for d in parent.iterdir():
+        pid = d.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+    return private_dir(parent / f"{pool}-{index}-{os.getpid()}")
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie no one reaped is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

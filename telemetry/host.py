@@ -400,10 +400,10 @@ class Stacks:
 
 def setup(agent: Any) -> None:
     """Entry point (group ``monarch_torchx.modules``): serve ``telemetry.*`` on this agent."""
-    from ..private import node_temp_root, remove_empty_dirs
+    from ..private import agent_temp_dir, node_temp_root, remove_empty_dirs
 
     root = node_temp_root()
-    spill = root / "telemetry" / f"{agent.pool}-{agent.index}-{agent.incarnation}"
+    spill = agent_temp_dir("telemetry", agent.pool, agent.index)
     logs = LogIndex(agent, spill)
     stacks = Stacks(agent)
 

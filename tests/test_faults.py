@@ -249,3 +249,21 @@ def test_an_agent_that_sees_a_successor_in_its_host_file_exits(home, pool_name, 
     time.sleep(1.0)
     assert all(x.ok for x in attach(pool_name).health())
     assert Registry(home).get(pool_name).allocation["pids"]["0"] != old
+
+
+def test_what_a_killed_agent_left_in_temp_is_swept_by_the_next(home, pool_name, monkeypatch, tmp_path):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    root = tmp_path / f"monarch_torchx-{os.getuid()}"
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    pid = attach(pool_name).hosts[0].pid
+    left = sorted(root.glob(f"*/{pool_name}-0-{pid}"))
+    assert [d.parent.name for d in left] == ["procs", "telemetry"]
+    assert all(os.stat(d).st_mode & 0o077 == 0 for d in (root, *left))
+    os.kill(pid, signal.SIGKILL)  # no cleanup runs
+    wait_for(lambda: not _proc_alive(pid), what="the agent to die")
+    assert all(d.exists() for d in left)
+    torchx(home, "pool", "create", pool_name + "n", "-cfg", "hosts=1,preload=none")
+    assert not any(d.exists() for d in left)  # swept at the next agent's start
+    torchx(home, "pool", "stop", pool_name + "n")
+    torchx(home, "pool", "stop", "--force", pool_name)
+    wait_for(lambda: not root.exists(), what="nothing left in TMPDIR")

@@ -12,10 +12,11 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from ..private import agent_temp_dir, node_temp_root, remove_empty_dirs
 from ..specs import TERMINAL, LaunchSpec
 
 SPAWN_TIMEOUT_S = float(os.environ.get("MONARCH_TORCHX_PROC_START_TIMEOUT_S", "120"))
@@ -26,8 +27,14 @@ def app_id(mesh_id: str) -> str:
 
 
 def setup(agent: Any) -> None:
-    rendezvous = tempfile.mkdtemp(prefix="mtx-procs-")
-    agent.on_stop(lambda: shutil.rmtree(rendezvous, ignore_errors=True))
+    root = node_temp_root()
+    rendezvous = str(agent_temp_dir("procs", agent.pool, agent.index))  # where procs say they listen
+
+    def cleanup() -> None:
+        shutil.rmtree(rendezvous, ignore_errors=True)
+        remove_empty_dirs(Path(rendezvous).parent, root)
+
+    agent.on_stop(cleanup)
 
     async def spawn(peer: Any, mesh_id: str, ranks: List[int], env: Optional[Dict[str, str]] = None) -> List[Dict[str, Any]]:
         """Starts one proc per rank; returns their addresses once every one listens."""
