@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from .errors import MonarchError, PoolNotFound
-from .private import PrivatePathError, private_dir
+from .private import PrivatePathError, private_dir, write_private_bytes
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
@@ -47,16 +47,7 @@ def check_pool_name(name: str) -> str:
 
 def write_private(path: Path, data: str) -> None:
     """Atomically writes a 0600 file (readers see the old or the new content, never half)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_private_bytes(path, data.encode())
 
 
 def _read_json(path: Path) -> Optional[dict]:
