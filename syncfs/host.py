@@ -14,6 +14,7 @@ import logging
 import marshal
 import os
 import shutil
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -43,6 +44,7 @@ class Forwarder:
         self.pump = transfer.Pump(self._connect, self._send, PIPELINE_DEPTH, streams, f"syncfs-forward-{session[:8]}")
         self.failed: Dict[int, str] = {}  # host index -> why; hosts after a failed one are not reached
         self.unreached: List[int] = []
+        self.last_used = time.monotonic()
 
     def _connect(self) -> Any:
         from .. import wire
@@ -78,6 +80,9 @@ class Forwarder:
             except Exception as e:
                 self._fail(str(e) or type(e).__name__)
         return {"failed": self.failed, "unreached": self.unreached}
+
+
+SESSION_IDLE_S = float(os.environ.get("MONARCH_TORCHX_SYNC_SESSION_IDLE_S", "300"))
 
 
 def pool_id(key: bytes) -> str:
@@ -243,6 +248,28 @@ def setup(agent: Any) -> None:
     locks: Dict[Path, asyncio.Lock] = {}
     made: List[Path] = []
     sessions: Dict[str, Forwarder] = {}
+    abandoned: "OrderedDict[str, int]" = OrderedDict()  # session -> the next host, for a late flush
+
+    async def reap_abandoned() -> None:
+        """Drops the forwarders of syncs whose client went away without a flush (killed,
+        interrupted): their threads and connections would otherwise live as long as the agent."""
+        while True:
+            await asyncio.sleep(max(0.2, SESSION_IDLE_S / 4))
+            now = time.monotonic()
+            for sid in [sid for sid, fw in sessions.items() if now - fw.last_used > SESSION_IDLE_S]:
+                fw = sessions.pop(sid)
+                fw.pump.abort("abandoned")
+                abandoned[sid] = fw.next["index"]
+                while len(abandoned) > 256:
+                    abandoned.popitem(last=False)
+                log.warning("sync %s: no batch for %.0f s: dropped its forwarding", sid[:8], now - fw.last_used)
+                await run(fw.pump.finish)  # its threads drain the queue and close their connections
+
+    async def open_sessions(peer: Any) -> List[Dict[str, Any]]:
+        """The chained syncs this host is forwarding now (session, next host, seconds idle)."""
+        now = time.monotonic()
+        return [{"session": sid, "next": fw.next["index"], "idle_s": round(now - fw.last_used, 1)}
+                for sid, fw in sessions.items()]
     prepared: "OrderedDict[Tuple[Path, str], Tuple[Manifest, bytes]]" = OrderedDict()
 
     async def run(fn: Any, *args: Any) -> Any:
@@ -267,12 +294,16 @@ def setup(agent: Any) -> None:
             fw = sessions.get(session)
             if fw is None:  # no await between the check and the insert: parallel streams share one
                 fw = sessions[session] = Forwarder(agent.pool, agent.key, session, chain, transfer.forwarding(via))
+            fw.last_used = time.monotonic()
             await run(fw.pump.put, (chunks, data))
         return {"stored": stored, "via": via}
 
     async def flush(peer: Any, session: str) -> Dict[str, Any]:
         """Waits until every batch of the session went down the chain; who failed, who was not reached."""
         fw = sessions.pop(session, None)
+        if fw is None and session in abandoned:
+            why = f"the sync stalled for more than {SESSION_IDLE_S:.0f} s and this host dropped its forwarding"
+            return {"failed": {abandoned[session]: why}, "unreached": []}
         if fw is None:
             return {"failed": {}, "unreached": []}
         return await run(fw.finish)
@@ -394,6 +425,7 @@ def setup(agent: Any) -> None:
 
     for op, fn in (("syncfs.missing", missing), ("syncfs.put", put), ("syncfs.flush", flush),
                    ("syncfs.prepare", prepare), ("syncfs.commit", commit), ("syncfs.where", where),
-                   ("syncfs.workdir", workdir)):
+                   ("syncfs.workdir", workdir), ("syncfs.sessions", open_sessions)):
         agent.add_handler(op, fn)
     agent.on_stop(cleanup)
+    agent.background(reap_abandoned())

@@ -607,3 +607,22 @@ def test_a_killed_agent_leaves_no_fuse_server_or_mount(pool, tmp_path):
     os.kill(pool.hosts[0].pid, signal.SIGKILL)
     wait_for(lambda: not fuse_servers(store) and not os.path.ismount(path), timeout=15,
              what="the FUSE server to end with its agent, and its mount with it")
+
+
+def test_an_abandoned_chained_sync_leaves_no_forwarder(home, pool_name, tmp_path, monkeypatch):
+    """A client that stops mid-sync (killed, interrupted) never flushes: the first host of the
+    chain drops its forwarding (threads, connections) after the idle limit, and a late flush says so."""
+    import blake3
+
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_SESSION_IDLE_S", "1")
+    pool = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 2, "preload": ""}))
+    data = os.urandom(1000)
+    h = blake3.blake3(data).hexdigest()
+    nxt = pool.hosts[1]
+    chain = [{"host": nxt.host, "port": nxt.port, "identity": nxt.identity(pool_name).decode(), "index": 1}]
+    pool.call(0, "syncfs.put", chunks=[(h, len(data))], data=data, session="s" * 32, chain=chain)
+    assert [s["session"] for s in pool.call(0, "syncfs.sessions")] == ["s" * 32]
+    wait_for(lambda: not pool.call(0, "syncfs.sessions"), timeout=10, what="the abandoned forwarder to go")
+    late = pool.call(0, "syncfs.flush", session="s" * 32)
+    assert "stalled" in late["failed"][1]
