@@ -8,10 +8,15 @@ calls) is the same for every engine and lives here.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import re
+import shutil
+import signal
+import subprocess
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from . import wire
@@ -109,6 +114,7 @@ class Pool:
         self.registry = registry
         self._hosts: Optional[List[Optional[HostAddr]]] = None
         self._provisioner: Optional[Provisioner] = None
+        self._engine_loss: Optional[Tuple[float, Optional[str]]] = None  # (when asked, the answer)
 
     @property
     def name(self) -> str:
@@ -168,7 +174,7 @@ class Pool:
         was dropped is not evidence: a flooded, busy or briefly cut-off host looks the same.
         """
         addr = self.hosts[index] if 0 <= index < len(self.hosts) else None
-        why = self.provisioner.loss_reason(self.record)  # the engine's word first: it says why
+        why = self._engine_loss_reason()  # the engine's word first: it says why
         if why:
             return why
         if addr is None:
@@ -186,6 +192,14 @@ class Pool:
         if addr.heartbeat and age > HEARTBEAT_GRACE_S:
             return f"host {index} has not heartbeaten for {age:.0f} s"
         return None
+
+    def _engine_loss_reason(self) -> Optional[str]:
+        """The provisioner's ``loss_reason``, asked once a second at most: on SLURM it runs squeue,
+        and one health check may weigh the evidence for every host of a pool."""
+        now = time.monotonic()
+        if self._engine_loss is None or now - self._engine_loss[0] > 1.0:
+            self._engine_loss = (now, self.provisioner.loss_reason(self.record))
+        return self._engine_loss[1]
 
     def fan_out(self, fn: Callable[[int], Any], indices: Sequence[int]) -> List[Tuple[int, Any, Optional[Exception]]]:
         """Runs fn(index) for each index concurrently; returns (index, result, error) in order."""
@@ -393,12 +407,6 @@ def force_stop(name: str, registry: Optional[Registry] = None) -> List[str]:
     """Ends a pool whose record cannot be read, from what this machine can find of it by name:
     its local agents (by their command line), the SLURM allocation the raw record still names,
     and the record itself. Returns what it did, a line each."""
-    import json
-    import os
-    import shutil
-    import signal
-    import subprocess
-
     registry = registry or Registry()
     path = registry.record_path(name)
     raw: Dict[str, Any] = {}

@@ -97,20 +97,23 @@ def remove_empty_dirs(path: Path, up_to: Path) -> None:
 
 
 def agent_temp_dir(kind: str, pool: str, index: int) -> Path:
-    """``node_temp_root()/KIND/POOL-INDEX-PID``: what one agent keeps on the node's temp disk.
+    """``node_temp_root()/KIND/POOL-INDEX-HOSTNAME-PID``: what one agent keeps on the node's temp disk.
 
-    Made private; the same kind's directories of agents that died without cleaning up (SIGKILL,
-    a node reboot of the process but not of /tmp) are removed first, so nothing piles up.
+    Made private. Directories of the same kind that agents of this host left when they died
+    without cleaning up (SIGKILL) are removed first, so nothing piles up; the host name keeps a
+    temp directory that several nodes share from judging other nodes' pids.
     """
     import shutil
+    import socket
 
     parent = node_temp_root() / kind
     private_dir(parent, from_=node_temp_root())
+    host = socket.gethostname()
     for d in parent.iterdir():
-        pid = d.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        rest, _, pid = d.name.rpartition("-")
+        if rest.endswith(f"-{host}") and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
-    return private_dir(parent / f"{pool}-{index}-{os.getpid()}")
+    return private_dir(parent / f"{pool}-{index}-{host}-{os.getpid()}")
 
 
 def _alive(pid: int) -> bool:

@@ -120,7 +120,7 @@ def shell_words(cmd: str, env: Optional[Dict[str, str]] = None) -> List[str]:
     in_word = False
     i, n = 0, len(cmd)
 
-    def expand(j: int, quoted: bool) -> Tuple[str, int]:
+    def expand(j: int) -> Tuple[str, int]:
         if j + 1 < n and cmd[j + 1] == "{":
             end = cmd.find("}", j + 2)
             if end < 0:
@@ -183,7 +183,7 @@ def shell_words(cmd: str, env: Optional[Dict[str, str]] = None) -> List[str]:
                     cur.append(cmd[i + 1])
                     i += 2
                 elif c == "$":
-                    text, i = expand(i, True)
+                    text, i = expand(i)
                     cur.append(text)
                 elif c == "`":
                     raise ShellTooComplex("`")
@@ -195,7 +195,7 @@ def shell_words(cmd: str, env: Optional[Dict[str, str]] = None) -> List[str]:
                 cur.append(cmd[i + 1])
             in_word, i = True, i + 2
         elif c == "$":
-            text, i = expand(i, False)
+            text, i = expand(i)
             if env is not None and not in_word and text == "" and (i >= n or cmd[i] in " \t"):
                 continue  # an empty unquoted expansion is no word at all
             if env is not None and any(ch in text for ch in " \t\n"):
@@ -237,7 +237,6 @@ class TorchrunPlan:
     # warm: the node process's argv; not warm: the role's argv unchanged
     argv: List[str] = field(default_factory=list)
     nnodes: int = 1
-    rdzv_id: str = ""
 
 
 def _torchrun_args(argv: Sequence[str]) -> Tuple[Optional[List[str]], Optional[str], str]:
@@ -263,6 +262,11 @@ def _torchrun_args(argv: Sequence[str]) -> Tuple[Optional[List[str]], Optional[s
     return None, None, ""
 
 
+def torchrun_args(argv: Sequence[str]) -> Optional[List[str]]:
+    """torchrun's own arguments when ``argv`` runs torchrun (directly or in ``sh -c``), else None."""
+    return _torchrun_args(argv)[0]
+
+
 def plan_role(argv: Sequence[str], env: Dict[str, str], num_replicas: int, role: str) -> Optional[TorchrunPlan]:
     """None when the role is not torchrun; else whether (and how) it runs warm, or why not.
 
@@ -274,7 +278,7 @@ def plan_role(argv: Sequence[str], env: Dict[str, str], num_replicas: int, role:
         return TorchrunPlan(False, how, list(argv)) if how else None
     real = lambda why: TorchrunPlan(False, why, list(argv))  # noqa: E731
     try:
-        expanded = shell_words(shell, {k: v for k, v in env.items()}) if shell else list(args)
+        expanded = shell_words(shell, dict(env)) if shell else list(args)
         if shell:
             expanded = _torchrun_args(expanded)[0] or []
         ns = parse_args(expanded, env)
@@ -301,7 +305,7 @@ def plan_role(argv: Sequence[str], env: Dict[str, str], num_replicas: int, role:
     node_argv += ["-c", shell] if shell else ["--", *args]
     why = (f"{how}: torch's elastic agent starts from the warm fork server, workers are forked "
            f"(torch imported), the pool is the rendezvous ({num_replicas} node(s))")
-    return TorchrunPlan(True, why, node_argv, nnodes=num_replicas, rdzv_id=str(ns.rdzv_id))
+    return TorchrunPlan(True, why, node_argv, nnodes=num_replicas)
 
 
 def _nnodes(value: str) -> Tuple[int, int]:

@@ -145,8 +145,8 @@ class HandshakeGate:
 
     def note_drop(self, peer: Any, why: str) -> None:
         """Logs a dropped connection: each reason at most once per DROP_LOG_EVERY_S, with a count."""
-        key = why if why in self._drops or len(self._drops) < 32 else "other reasons"
         with self._lock:
+            key = why if why in self._drops or len(self._drops) < 32 else "other reasons"
             now = time.monotonic()
             last, since = self._drops.get(key, (-DROP_LOG_EVERY_S, 0))
             if now - last < DROP_LOG_EVERY_S:

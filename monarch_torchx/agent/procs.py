@@ -111,18 +111,14 @@ class Replica:
         self._changed = asyncio.Event()
 
     async def wait_change(self, timeout: float) -> None:
-        await self.wait_event(self._changed, timeout)
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
 
     def change_event(self) -> asyncio.Event:
         """The event the next change sets: taken before awaiting, so no change falls in between."""
         return self._changed
-
-    @staticmethod
-    async def wait_event(event: asyncio.Event, timeout: float) -> None:
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
 
     @property
     def output_done(self) -> bool:

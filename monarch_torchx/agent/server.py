@@ -166,9 +166,9 @@ class Agent:
             left = deadline - time.time()
             if not live or left <= 0:
                 return [r.status() for r in reps]
-            waits = [asyncio.ensure_future(r.wait_event(r.change_event(), left)) for r in live]
+            waits = [asyncio.ensure_future(r.change_event().wait()) for r in live]
             try:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for w in waits:
                     w.cancel()

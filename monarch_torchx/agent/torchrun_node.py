@@ -30,9 +30,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ..torchrun import PLAN_ENV, THREAD_ENV, shell_words
+from ..private import write_private_bytes
+from ..torchrun import PLAN_ENV, THREAD_ENV, shell_words, torchrun_args
 from .forkserver import INIT_ENV, detach_child, exit_as_python, parse_python_argv
 
 BACKEND = "monarch-pool"
@@ -80,9 +82,7 @@ class PoolRendezvous:
         self.keep_alive_misses = keep_alive_misses
         self._round = 0
         self._store: Any = None
-        self._listen: Optional[socket.socket] = None
         self._worker_store: Any = None  # node 0: the current round's server for the workers
-        self._worker_listen: Optional[socket.socket] = None
         self._stop = threading.Event()
         self._closed = False
 
@@ -166,9 +166,8 @@ class PoolRendezvous:
         if self._store is None:
             timeout = datetime.timedelta(seconds=self.join_timeout)
             if self.node_rank == 0:
-                self._listen = _listen(self.host, self.port)
                 self._store = TCPStore(self.host, self.port, None, True, timeout, wait_for_workers=False,
-                                       master_listen_fd=self._listen.fileno())
+                                       master_listen_fd=_listen(self.host, self.port).detach())
             else:
                 self._await_listener(timeout.total_seconds())
                 self._store = TCPStore(self.host, self.port, None, False, timeout)
@@ -191,18 +190,15 @@ class PoolRendezvous:
     def _serve_workers(self, store: Any, prefix: str) -> None:
         from torch.distributed import TCPStore
 
-        old = (self._worker_store, self._worker_listen)
-        self._worker_listen = _listen(self.host, 0)
-        port = self._worker_listen.getsockname()[1]
+        self._worker_store = None  # the previous round's server (its workers are stopped by now)
+        listen = _listen(self.host, 0)
+        port = listen.getsockname()[1]
         self._worker_store = TCPStore(self.host, port, None, True, datetime.timedelta(seconds=self.join_timeout),
-                                      wait_for_workers=False, master_listen_fd=self._worker_listen.fileno())
+                                      wait_for_workers=False, master_listen_fd=listen.detach())
         store.set(prefix + "worker_port", str(port))
-        del old  # the previous round's workers are stopped before a new round starts
 
     def _heartbeat(self) -> None:
-        from torch.distributed import TCPStore
-
-        from torch.distributed import DistError
+        from torch.distributed import DistError, TCPStore
 
         try:
             client = TCPStore(self.host, self.port, None, False, datetime.timedelta(seconds=self.join_timeout))
@@ -239,7 +235,8 @@ class PoolRendezvous:
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """The store's socket, bound to the pool's address of this host only (not every interface).
+    """The store's socket, bound to the pool's address of this host only (not every interface);
+    ``detach()`` it into the TCPStore, which owns (and closes) the descriptor from then on.
 
     An address given as a host name is bound on every interface, as the agent itself is: the name
     may resolve here to a loopback address that the other hosts cannot reach.
@@ -361,11 +358,8 @@ def _become_worker(inv: Any, env: Dict[str, str], stdout: Any, stderr: Any, base
 
 def _torchrun_argv(argv: List[str]) -> List[str]:
     if argv[:1] == ["-c"] and len(argv) == 2:
-        env = dict(os.environ)
-        words = shell_words(argv[1], env)  # as bash would expand them in this host's environment
-        if words[0].endswith("torchrun"):
-            return words[1:]
-        return words[3:]  # python -m torch.distributed.run
+        # as bash would expand the words in this host's environment
+        return torchrun_args(shell_words(argv[1], dict(os.environ))) or []
     if argv[:1] == ["--"]:
         return argv[1:]
     return argv
@@ -404,9 +398,7 @@ def _write_error_file(message: str) -> None:
         return
     data = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
+        write_private_bytes(Path(path), json.dumps(data).encode())
     except OSError:
         pass
 
