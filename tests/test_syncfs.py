@@ -214,7 +214,9 @@ def test_a_dead_host_is_named_and_the_others_complete(pool, home, tmp_path):
     assert res.returncode == 1
     assert report["hosts"][0]["ok"] and report["hosts"][0]["generation"] == 2
     assert not report["hosts"][1]["ok"] and "host 1" in report["hosts"][1]["error"]
-    assert (old / "a.txt").read_text() == "one\n"  # its old generation intact (still served)
+    # its old generation is intact on its disk (its FUSE server ended with its agent)
+    assert list(node_store(tmp_path / "node-stores", pool.name, 1).glob("targets/*/gen-1.manifest"))
+    assert not list(node_store(tmp_path / "node-stores", pool.name, 1).glob("targets/*/gen-2.manifest"))
 
     # the host comes back (a new agent): it takes over its old mount and gets the new generation
     report = attach(pool.name) and ensure_pool(PoolRequest("monarch_local", pool.name, {})).sync(str(src), "ws")
