@@ -75,6 +75,7 @@ def pool_summary(pool: "Pool") -> Dict[str, Any]:
         "name": rec.name, "scheduler": rec.scheduler, "state": state, "hosts": hosts, "spec": rec.spec,
         "options": rec.options, "allocation": engine, "created": rec.created,
         "apps": len(Registry.list_apps(rec)), "state_dir": rec.state_dir,
+        "tls": bool(rec.tls_pem),
     }
 
 
@@ -119,7 +120,8 @@ def cmd_status(args: argparse.Namespace) -> None:
         print(json.dumps(s, indent=1))
         return
     print(f"pool {s['name']} on {s['scheduler']}: {s['state']}, {len(s['hosts'])} host(s), {s['apps']} app(s), "
-          f"up {_ago(s['created'])}, idle timeout {s['options'].get('idle_timeout', 0):.0f}s")
+          f"up {_ago(s['created'])}, idle timeout {s['options'].get('idle_timeout', 0):.0f}s, "
+          f"{'TLS' if s['tls'] else 'plaintext (loopback)'} connections")
     alloc = {k: v for k, v in s["allocation"].items() if v not in (None, "", {})}
     if alloc and ("job_id" in alloc or "kind" in alloc):
         print("allocation: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in alloc.items()))

@@ -52,6 +52,7 @@ class Provisioner(Protocol):
     hosts_option: str  # the run option that sizes a pool ("hosts", "nodes", "replicas")
     client_cwd_on_hosts: bool  # whether hosts see the client's file system (its cwd is valid there)
     fingerprint: Sequence[str]  # spec keys that must match for a pool to be reused
+    tls_default: bool  # whether a new pool's connections are TLS unless the run says (tls=...)
 
     def add_run_opts(self, opts: Any) -> None:
         """Engine-specific TorchX run options."""
@@ -151,7 +152,7 @@ class Pool:
             except MonarchError as e:  # the pod behind it is gone or not running
                 raise MonarchError(f"host {index} of pool {self.name!r} is lost: {e}") from None
         try:
-            return wire.Client(addr.host, addr.port, self.record.key, timeout=timeout,
+            return wire.Client(addr.host, addr.port, self.record.credentials, timeout=timeout,
                                identity=addr.identity(self.name), sock=tunnel.sock if tunnel else None)
         except wire.WireError as e:
             why = tunnel.error() if tunnel else ""
@@ -311,7 +312,7 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
                 _stop(Pool(rec, registry), prov, "replaced")
                 rec = None
         if rec is None:
-            spec = {**(defaults or {}), **{k: v for k, v in req.spec.items() if v is not None}}
+            spec = {"tls": prov.tls_default, **(defaults or {}), **{k: v for k, v in req.spec.items() if v is not None}}
             rec = registry.new_record(req.name, req.scheduler, spec, req.options)
             registry.save(rec)
             progress(f"creating pool {req.name!r} with {rec.num_hosts} host(s) on {req.scheduler}")

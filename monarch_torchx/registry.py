@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import re
@@ -27,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+from .credentials import TLS_FILE, TOKEN_FILE, PoolCredentials, check_tls_pem, new_tls_pem
 from .errors import MonarchError, PoolNotFound
 from .private import PrivatePathError, private_dir, write_private_bytes
 
@@ -101,10 +103,16 @@ class PoolRecord:
     created: float = field(default_factory=time.time)
     allocation: Dict[str, Any] = field(default_factory=dict)
     options: Dict[str, Any] = field(default_factory=dict)
+    tls_pem: str = ""  # the pool's certificate and key ("" = plaintext frames: a loopback pool)
 
     @property
     def key(self) -> bytes:
         return bytes.fromhex(self.token)
+
+    @functools.cached_property
+    def credentials(self) -> PoolCredentials:
+        """What this client dials the pool's agents and procs with (its TLS contexts built once)."""
+        return PoolCredentials(self.key, str(Path(self.state_dir) / TLS_FILE) if self.tls_pem else None)
 
     @property
     def num_hosts(self) -> int:
@@ -193,12 +201,13 @@ class Registry:
         for sub in ("hosts", "apps", "logs"):
             private_dir(state / sub)
         return PoolRecord(name=name, scheduler=scheduler, spec=spec, token=secrets.token_hex(32),
-                          state_dir=str(state), options=options)
+                          state_dir=str(state), options=options,
+                          tls_pem=new_tls_pem(name) if spec.get("tls") else "")
 
     def save(self, rec: PoolRecord) -> None:
         self._ensure_dirs()
         write_private(self.record_path(rec.name), json.dumps(asdict(rec), indent=1))
-        write_private(Path(rec.state_dir) / "token", rec.token)
+        PoolCredentials.install(Path(rec.state_dir), rec.token, rec.tls_pem)
 
     def get(self, name: str) -> Optional[PoolRecord]:
         path = self.record_path(name)
@@ -208,6 +217,8 @@ class Registry:
         try:
             rec = PoolRecord(**data)
             rec.key, rec.num_hosts  # noqa: B018 - the fields everything relies on parse
+            if rec.tls_pem:
+                check_tls_pem(rec.tls_pem)
             return rec
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise MonarchError(f"corrupt registry file {path} ({type(e).__name__}: {e}); "
@@ -242,8 +253,9 @@ class Registry:
                 for f in d.iterdir():
                     with contextlib.suppress(OSError):
                         f.unlink()
-        with contextlib.suppress(FileNotFoundError):
-            (Path(rec.state_dir) / "token").unlink()
+        for name in (TOKEN_FILE, TLS_FILE):
+            with contextlib.suppress(FileNotFoundError):
+                (Path(rec.state_dir) / name).unlink()
 
     # ------------------------------------------------------------ hosts
 
@@ -266,12 +278,13 @@ class Registry:
         write_private(Path(state_dir) / "hosts" / f"{addr.index}.json", json.dumps(asdict(addr)))
 
     @staticmethod
-    def install_token(state_dir: Path, token: str) -> None:
-        """Writes the pool secret where agents and procs read it (0600), for hosts without the client's files."""
-        bytes.fromhex(token)  # a malformed secret fails here, with the file untouched
+    def install_credentials(state_dir: Path, token: str, tls_pem: str = "") -> None:
+        """Writes the pool's secret (and certificate) where agents and procs read them, for hosts
+        without the client's files (Kubernetes): 0600, in a state dir that is checked to be
+        ours and private first, an existing one included."""
         for sub in ("", "hosts", "apps", "logs"):
-            (Path(state_dir) / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
-        write_private(Path(state_dir) / "token", token)
+            private_dir(Path(state_dir) / sub)
+        PoolCredentials.install(Path(state_dir), token, tls_pem)
 
     @staticmethod
     def clear_host(rec: PoolRecord, index: int) -> None:

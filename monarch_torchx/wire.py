@@ -11,8 +11,11 @@ Connection setup (fixed-size raw bytes, nothing is unpickled before it succeeds)
 
 Both sides prove they hold the pool's secret, and both MACs cover the identity of the agent the
 client means to reach (pool/index/incarnation), so a client never unpickles what a stranger on a
-reused port sends, and a handshake relayed to another agent of the pool fails. Frames after the
-handshake are not MAC'd or encrypted: on an untrusted network, TLS is still to come. After that, each frame is::
+reused port sends, and a handshake relayed to another agent of the pool fails. A pool whose
+traffic leaves the machine (SLURM, Kubernetes) runs all of this inside TLS 1.3, both sides
+presenting the pool's certificate (``credentials.PoolCredentials``); a loopback pool sends
+plaintext frames. Every connection is opened by ``dial`` and accepted by ``accept_handshake``
+(threads) or ``wire_conn.AuthenticatedConnection`` (asyncio). After the handshake, each frame is::
 
     u32 body_len | u16 nbufs | nbufs * u64 buf_len | body | buf_0 ... buf_n
 
@@ -28,6 +31,7 @@ Messages are plain dicts:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import itertools
@@ -35,11 +39,14 @@ import logging
 import os
 import pickle
 import socket
+import ssl
 import struct
 import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Tuple
+
+from .credentials import PoolCredentials
 
 if TYPE_CHECKING:
     import asyncio
@@ -269,6 +276,7 @@ class FrameParser:
         self._lens: List[int] = []
         self._body: Any = b""
         self._bufs: List[bytearray] = []
+        self.pending: List[Tuple[Any, List[bytearray]]] = []  # for pulling readers: parsed, not yet taken
 
     def get_buffer(self) -> memoryview:
         if self._big is not None:
@@ -276,6 +284,13 @@ class FrameParser:
         if self._end == len(self._buf):
             self._compact()
         return memoryview(self._buf)[self._end:]
+
+    def wanted(self) -> int:
+        """Bytes still missing from the part being read: reading no more than this never reads
+        past the end of a frame (for streams where something else follows a frame: fds)."""
+        if self._big is not None:
+            return len(self._big) - self._bigpos
+        return max(1, self._need() - (self._end - self._start))
 
     def feed(self, n: int) -> List[Tuple[Any, List[bytearray]]]:
         """Accounts for ``n`` bytes written into the last ``get_buffer``; returns complete frames."""
@@ -392,16 +407,22 @@ def check_msg(msg: Any) -> dict:
 # ---------------------------------------------------------------- asyncio transport
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Any:
-    head = await reader.readexactly(_HEAD.size)
-    body_len, nbufs = _HEAD.unpack(head)
-    _check_head(body_len, nbufs)
-    lens = [_BUFLEN.unpack(await reader.readexactly(8))[0] for _ in range(nbufs)]
-    if any(n > MAX_BUF for n in lens):
-        raise MalformedFrame("malformed frame (buffer too large)")
-    body = await reader.readexactly(body_len)
-    bufs = [bytearray(await reader.readexactly(n)) if n else bytearray() for n in lens]
-    return decode(body, bufs)
+async def read_frame(reader: asyncio.StreamReader, parser: FrameParser) -> Any:
+    """The next message from a stream (the fork server's pipe), through ``parser`` (one per stream)."""
+    while True:
+        frames = parser.pending
+        if frames:
+            return decode(*frames.pop(0))
+        data = await reader.read(parser.get_buffer().nbytes)
+        if not data:
+            raise PeerClosed("connection closed by peer")
+        into = parser.get_buffer()
+        while data:  # the buffer offered may be smaller than what was read (a segment boundary)
+            n = min(into.nbytes, len(data))
+            into[:n] = data[:n]
+            data = data[n:]
+            frames.extend(parser.feed(n))
+            into = parser.get_buffer()
 
 
 Handler = Callable[..., Any]
@@ -429,9 +450,9 @@ class Server:
     with a logged reason; nothing is unpickled before the peer authenticates.
     """
 
-    def __init__(self, key: bytes, handlers: Dict[str, Handler], on_activity: Optional[Callable[[str], None]] = None,
-                 identity: bytes = b""):
-        self.key = key
+    def __init__(self, creds: PoolCredentials, handlers: Dict[str, Handler],
+                 on_activity: Optional[Callable[[str], None]] = None, identity: bytes = b""):
+        self.creds = creds
         self.identity = identity
         self._handlers = handlers
         self.on_activity = on_activity or (lambda _op: None)
@@ -440,12 +461,9 @@ class Server:
         self.gate = HandshakeGate()  # the ones in their handshake
 
     async def start(self, host: str, port: int = 0) -> int:
-        import asyncio
+        from .wire_conn import ServerConnection, serve
 
-        from .wire_conn import ServerConnection
-
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: ServerConnection(self), host, port)
+        self._server = await serve(lambda: ServerConnection(self), host, port)
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
@@ -521,18 +539,141 @@ def client_handshake(sock: socket.socket, key: bytes, identity: bytes, address: 
         raise PeerClosed(f"{address}: {e.strerror or e}") from None
 
 
-def server_handshake_blocking(sock: socket.socket, key: bytes, identity: bytes) -> None:
-    """The server side of the handshake on an accepted blocking socket (with a timeout set)."""
-    nonce_s, hello = server_hello()
-    sock.sendall(hello)
-    sock.sendall(server_check(key, nonce_s, bytes(_recv_into(sock, ANSWER_LEN)), identity))
+def dial(host: str, port: int, creds: PoolCredentials, identity: bytes, timeout: float,
+         sock: Optional[socket.socket] = None) -> socket.socket:
+    """The one way to open a connection to a member of a pool: connect, TLS where the pool uses
+    it, then the handshake. Returns a blocking socket (``timeout`` set) ready for frames.
+
+    ``sock``: an already connected stream to use instead (a tunnel: Kubernetes port-forward).
+    Raises ConnectFailed, HandshakeRefused, PeerTimeout or PeerClosed, never a bare OSError.
+    """
+    address = f"{host}:{port}"
+    if sock is None:
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as e:
+            raise ConnectFailed(f"cannot reach {address}: {e.strerror or e}",
+                                refused=isinstance(e, ConnectionRefusedError)) from None
+    sock.settimeout(timeout)
+    with contextlib.suppress(OSError):  # (a tunnel may not be TCP)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ctx = creds.client_context
+    if ctx is not None:
+        try:
+            sock = ctx.wrap_socket(sock)
+        except ssl.SSLError as e:
+            sock.close()
+            raise HandshakeRefused(f"{address}: TLS refused ({e.reason or e}): not this pool's certificate") from None
+        except socket.timeout:
+            sock.close()
+            raise PeerTimeout(f"peer at {address} did not answer the TLS handshake") from None
+        except OSError as e:
+            sock.close()
+            raise PeerClosed(f"{address}: {e.strerror or e}") from None
+    client_handshake(sock, creds.key, identity, address)
+    return sock
+
+
+def accept_handshake(sock: socket.socket, creds: PoolCredentials, identity: bytes) -> socket.socket:
+    """The server side of ``dial`` on an accepted blocking socket: TLS where the pool uses it,
+    then the handshake, within HANDSHAKE_TIMEOUT_S in all (a trickling peer is cut off)."""
+    timer = threading.Timer(HANDSHAKE_TIMEOUT_S, lambda: shutdown_quietly(sock))
+    timer.start()
+    try:
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        ctx = creds.server_context
+        if ctx is not None:
+            try:
+                sock = ctx.wrap_socket(sock, server_side=True)
+            except ssl.SSLError as e:
+                raise HandshakeRefused(f"TLS refused ({e.reason or e})") from None
+        nonce_s, hello = server_hello()
+        sock.sendall(hello)
+        sock.sendall(server_check(creds.key, nonce_s, bytes(_recv_into(sock, ANSWER_LEN)), identity))
+    finally:
+        timer.cancel()
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+class ThreadedAcceptor:
+    """A listening socket served by threads: the acceptor of processes that serve from threads
+    (a controller's inbox, the rdma data plane; the asyncio one is ``wire_conn``).
+
+    Each connection's TLS and handshake run on a thread of their own under a HandshakeGate;
+    an authenticated socket is handed to ``on_connection(sock, peer)`` on that thread (which
+    may serve it there, or pass it on). ``max_conns`` bounds connections open at once.
+    """
+
+    def __init__(self, bind: str, creds: PoolCredentials, identity: bytes,
+                 on_connection: Callable[[socket.socket, Any], None], name: str, backlog: int = 128,
+                 max_conns: int = 1 << 30):
+        self.creds, self.identity, self.on_connection = creds, identity, on_connection
+        self.max_conns = max_conns
+        self.gate = HandshakeGate(name=f"{name}: ")
+        self.socks: set = set()  # open accepted sockets (a forked child closes its copies)
+        self._lock = threading.Lock()
+        self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.lsock.bind((bind, 0))
+        self.lsock.listen(backlog)
+        self.port = self.lsock.getsockname()[1]
+        threading.Thread(target=self._accept_loop, name=f"monarch-torchx-{name}", daemon=True).start()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.lsock.close()
+
+    def close_copies(self) -> None:
+        """In a forked child: closes the inherited copies of the parent's sockets."""
+        for sock in [self.lsock, *self.socks]:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, peer = self.lsock.accept()
+            except OSError:
+                return
+            with self._lock:
+                if len(self.socks) >= self.max_conns:
+                    self.gate.note_drop(peer, f"{len(self.socks)} connections already")
+                    sock.close()
+                    continue
+                self.socks.add(sock)
+            self.gate.admit(sock, lambda s=sock: shutdown_quietly(s))  # the oldest silent one goes when full
+            threading.Thread(target=self._serve, args=(sock, peer), daemon=True).start()
+
+    def _serve(self, raw: socket.socket, peer: Any) -> None:
+        try:
+            try:
+                sock = accept_handshake(raw, self.creds, self.identity)
+            except (OSError, WireError) as e:
+                self.gate.note_drop(peer, str(e) or "handshake timed out")
+                raw.close()
+                self.forget(raw)
+                return
+            finally:
+                self.gate.release(raw)
+            self.on_connection(sock, peer)
+        except Exception:
+            log.exception("%sconnection from %s failed", self.gate.name, peer)
+            raw.close()
+            self.forget(raw)
+
+    def forget(self, sock: socket.socket) -> None:
+        """A connection handed to on_connection has ended (closed by whoever served it)."""
+        with self._lock:
+            self.socks.discard(sock)
 
 
 IOV_MAX = 512  # parts per sendmsg call, well under the kernel's 1024
+TLS_WRITE = 256 << 10  # a TLS write takes one contiguous buffer: small parts are joined up to this
 
 
 def consume(views: List[memoryview], sent: int) -> None:
-    """Drops what a sendmsg wrote from ``views``; a partly sent part continues where it stopped."""
+    """Drops what a send wrote from ``views``; a partly sent part continues where it stopped."""
     while sent:
         n = views[0].nbytes
         if sent >= n:
@@ -545,22 +686,72 @@ def consume(views: List[memoryview], sent: int) -> None:
         views.pop(0)
 
 
+def send_some(sock: socket.socket, views: List[memoryview]) -> int:
+    """One gathered write of the front of ``views``; returns what was sent (see ``consume``).
+
+    Plain sockets gather with sendmsg (nothing copied). TLS sockets take one buffer per write:
+    small parts are joined (one record, not one per part), large ones sent in slices. A TLS
+    write that would block raises BlockingIOError like a plain one; retried with the same
+    views, it presents the same bytes, as OpenSSL requires.
+    """
+    if not isinstance(sock, ssl.SSLSocket):
+        return sock.sendmsg(views[:IOV_MAX])
+    if views[0].nbytes >= TLS_WRITE or len(views) == 1:
+        data: Any = views[0][:TLS_WRITE * 16]
+    else:
+        k, total = 0, 0
+        while k < len(views) and total + views[k].nbytes <= TLS_WRITE:
+            total += views[k].nbytes
+            k += 1
+        data = b"".join(views[:max(k, 1)])
+    try:
+        return sock.send(data)
+    except (ssl.SSLWantWriteError, ssl.SSLWantReadError):
+        raise BlockingIOError("TLS write would block") from None
+
+
+def recv_some(sock: socket.socket, view: memoryview) -> int:
+    """A non-blocking read (0: the peer closed). Raises BlockingIOError when nothing is there,
+    for TLS too (where a partial record is not yet data)."""
+    try:
+        return sock.recv_into(view)
+    except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+        raise BlockingIOError("no whole TLS record yet") from None
+
+
+def more_buffered(sock: socket.socket) -> bool:
+    """Whether decrypted bytes wait inside a TLS socket: select() cannot see them."""
+    return isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
+
+
 def send_msg(sock: socket.socket, msg: Any) -> None:
-    """Blocking write of one frame: sendmsg gathers the parts, so buffers are not joined or copied."""
+    """Blocking write of one frame: the parts are gathered, not joined (see ``send_some``)."""
     parts = [memoryview(p).cast("B") for p in encode(msg)]
+    parts = [v for v in parts if v.nbytes]
     while parts:
-        consume(parts, sock.sendmsg(parts[:IOV_MAX]))
+        consume(parts, send_some(sock, parts))
 
 
-def recv_msg(sock: socket.socket) -> Any:
-    """Blocking read of one frame."""
-    body_len, nbufs = _HEAD.unpack(_recv_into(sock, _HEAD.size))
-    _check_head(body_len, nbufs)
-    lens = [_BUFLEN.unpack(_recv_into(sock, 8))[0] for _ in range(nbufs)]
-    if any(n > MAX_BUF for n in lens):
-        raise MalformedFrame("malformed frame (buffer too large)")
-    body = bytes(_recv_into(sock, body_len))
-    return decode(body, [_recv_into(sock, n) for n in lens])
+class FrameReader:
+    """Blocking reads of whole messages from one socket, through a ``FrameParser``.
+
+    ``exact``: never read past the end of a message (the fork server's channel, where file
+    descriptors follow), at the cost of a few more reads per message."""
+
+    def __init__(self, sock: socket.socket, exact: bool = False):
+        self.sock = sock
+        self.exact = exact
+        self.parser = FrameParser()
+
+    def recv(self) -> Any:
+        frames = self.parser.pending
+        while not frames:
+            into = self.parser.get_buffer()
+            n = self.sock.recv_into(into[:self.parser.wanted()] if self.exact else into)
+            if n == 0:
+                raise PeerClosed("connection closed by peer")
+            frames.extend(self.parser.feed(n))
+        return decode(*frames.pop(0))
 
 
 class Client:
@@ -569,23 +760,14 @@ class Client:
     Not thread-safe: one request in flight at a time (streams included). Open one per thread.
     """
 
-    def __init__(self, host: str, port: int, key: bytes, timeout: float = 10.0, identity: bytes = b"",
+    def __init__(self, host: str, port: int, creds: PoolCredentials, timeout: float = 10.0, identity: bytes = b"",
                  sock: Optional[socket.socket] = None):
         """``sock``: an already connected stream (a tunnel, e.g. Kubernetes port-forward) to use
-        instead of connecting to host:port; the handshake is the same."""
+        instead of connecting to host:port; TLS and the handshake are the same."""
         self.address = f"{host}:{port}"
-        if sock is not None:
-            self._sock = sock
-            self._sock.settimeout(timeout)
-        else:
-            try:
-                self._sock = socket.create_connection((host, port), timeout=timeout)
-            except OSError as e:
-                raise ConnectFailed(f"cannot reach agent at {self.address}: {e.strerror or e}",
-                                    refused=isinstance(e, ConnectionRefusedError)) from None
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = dial(host, port, creds, identity, timeout, sock=sock)
+        self._frames = FrameReader(self._sock)
         self._ids = itertools.count(1)
-        client_handshake(self._sock, key, identity, self.address)
 
     def close(self) -> None:
         self._sock.close()
@@ -612,7 +794,7 @@ class Client:
         send_msg(self._sock, msg)
 
     def _recv(self) -> dict:
-        return check_msg(recv_msg(self._sock))
+        return check_msg(self._frames.recv())
 
     def _exchange(self, op: str, args: dict) -> Iterator[dict]:
         rid = next(self._ids)

@@ -1,5 +1,5 @@
 """The accepting side of a connection, as an asyncio ``BufferedProtocol``: the agent's request
-server and the actor procs both accept through ``AuthenticatedConnection``.
+server and the actor procs both accept through ``serve`` and ``AuthenticatedConnection``.
 
 It reads with ``wire.FrameParser``: a large body or buffer is received straight into its final
 memory (one copy from the kernel), where a ``StreamReader`` copied it three times (into its
@@ -11,12 +11,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from typing import Any, Callable, Dict, List, Optional
 
 from . import wire
+from .credentials import PoolCredentials
 
 log = logging.getLogger("monarch_torchx.wire")
 HANDSHAKE_BUF = 4 << 10  # the answer is 80 bytes; the client sends nothing more before the proof
+
+
+async def serve(factory: Callable[[], "AuthenticatedConnection"], host: str, port: int,
+                backlog: int = 256) -> asyncio.base_events.Server:
+    """Listens for a pool's connections on an asyncio loop; each is ``factory()``'s protocol,
+    which does TLS (where the pool uses it) and the handshake itself, under its gate."""
+    return await asyncio.get_running_loop().create_server(factory, host, port, backlog=backlog)
+
+
+def write_frame(transport: asyncio.Transport, parts: List[Any]) -> None:
+    """Queues one frame on a transport: small frames joined (one write, one TLS record), large
+    ones part by part, so a tensor's memory is not copied into a joined bytes object."""
+    if sum(memoryview(p).nbytes for p in parts) < (256 << 10):
+        transport.write(b"".join(parts))
+    else:
+        for p in parts:
+            transport.write(memoryview(p).cast("B"))
 
 
 class AuthenticatedConnection(asyncio.BufferedProtocol):
@@ -27,8 +46,10 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
     ``gate`` (a HandshakeGate) bounds the handshakes in progress, shared by every connection of
     one server."""
 
-    def __init__(self, gate: wire.HandshakeGate, key: bytes, identity: bytes, alloc: Callable[[int], Any] = wire.big_buffer):
-        self.gate, self.key, self.identity = gate, key, identity
+    def __init__(self, gate: wire.HandshakeGate, creds: PoolCredentials, identity: bytes,
+                 alloc: Callable[[int], Any] = wire.big_buffer):
+        self.gate, self.key, self.identity = gate, creds.key, identity
+        self.tls = creds.server_context
         self.transport: Optional[asyncio.Transport] = None
         self.peer = "?"
         self.authed = False
@@ -37,6 +58,7 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
         self._hs_len = 0
         self._nonce = b""
         self._counted = False  # in the gate's pending handshakes
+        self._dropped = False
         self._timer: Optional[asyncio.TimerHandle] = None
         self.parser = wire.FrameParser(alloc=alloc)
 
@@ -60,12 +82,39 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
         # a flood of unauthenticated peers is bounded in memory and time
         self.gate.admit(self, lambda: self.drop("evicted by newer connections while silent in its handshake"))
         self._counted = True
+        loop = asyncio.get_running_loop()
+        # one deadline for TLS and the handshake: the gate counts this connection from its accept,
+        # so silent peers are evicted whether they stall in TLS or after it
+        self._timer = loop.call_later(wire.HANDSHAKE_TIMEOUT_S, self._handshake_timeout)
+        if self.tls is None:
+            self._greet()
+            return
+        self.transport.pause_reading()  # no raw byte reaches this protocol: TLS takes the transport over
+        loop.create_task(self._start_tls(loop, self.transport))
+
+    async def _start_tls(self, loop: asyncio.AbstractEventLoop, raw: asyncio.Transport) -> None:
+        try:
+            tls = await loop.start_tls(raw, self, self.tls, server_side=True,
+                                       ssl_handshake_timeout=wire.HANDSHAKE_TIMEOUT_S)
+        except (ssl.SSLError, OSError, ConnectionError, asyncio.TimeoutError) as e:
+            if not self._dropped:
+                self.drop(f"TLS refused ({getattr(e, 'reason', None) or e or type(e).__name__})")
+            return
+        if self._dropped or tls is None:
+            return
+        self.transport = tls
+        self._greet()
+
+    def _greet(self) -> None:
+        assert self.transport is not None
         self._nonce, hello = wire.server_hello()
         self.transport.write(hello)
-        self._timer = asyncio.get_running_loop().call_later(wire.HANDSHAKE_TIMEOUT_S, self._handshake_timeout)
 
     def drop(self, why: str) -> None:
         """Closes this connection, saying why (rate-limited by the gate)."""
+        if self._dropped:
+            return
+        self._dropped = True
         self.gate.note_drop(self.peer, why)
         self._release_slot()
         if self.transport is not None:
@@ -146,7 +195,7 @@ class ServerConnection(AuthenticatedConnection):
 
     def __init__(self, server: "wire.Server"):
         # handlers get bytearrays (not maps), as they may pickle them again
-        super().__init__(server.gate, server.key, server.identity, alloc=bytearray)
+        super().__init__(server.gate, server.creds, server.identity, alloc=bytearray)
         self.server = server
         self.tasks: Dict[int, asyncio.Task] = {}
         self._paused = False
@@ -183,10 +232,7 @@ class ServerConnection(AuthenticatedConnection):
     def write(self, parts: List[Any]) -> None:
         if self.transport is None or self.transport.is_closing():
             raise ConnectionError("connection closed")
-        if sum(memoryview(p).nbytes for p in parts) < (256 << 10):
-            self.transport.write(b"".join(parts))
-        else:
-            self.transport.writelines([memoryview(p).cast("B") for p in parts])
+        write_frame(self.transport, parts)
 
     def pause_writing(self) -> None:
         self._paused = True

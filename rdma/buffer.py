@@ -77,13 +77,13 @@ def _tcp(pool: str) -> Any:
     from ..actor import session
     from .tcp import TcpClient
 
-    key = session.hub_for(pool).key
+    creds = session.hub_for(pool).creds
     with _lock:
         client = _state.get(("tcp", pool))
-        if client is None or client.key != key:
+        if client is None or client.creds != creds:
             if client is not None:
                 client.close()  # the pool was replaced: its owners are gone
-            client = _state[("tcp", pool)] = TcpClient(key)
+            client = _state[("tcp", pool)] = TcpClient(creds)
         return client
 
 

@@ -27,7 +27,7 @@ import struct
 import threading
 import time
 import uuid
-from typing import Any, Deque, Dict, Optional, Set, Tuple
+from typing import Any, Deque, Dict, Optional, Tuple
 
 from .. import wire
 from .memory import LocalMemory, RDMAError, collapse_to_huge_pages
@@ -97,9 +97,9 @@ def send_json(sock: socket.socket, obj: Any) -> None:
 class Owner:
     """This process's registered buffers and its data-plane server for one pool."""
 
-    def __init__(self, pool: str, key: bytes, bind: str, advertise: str):
+    def __init__(self, pool: str, creds: Any, bind: str, advertise: str):
         self.pool = pool
-        self.key = key
+        self.creds = creds
         self.generations = array.array("I", [0]) * SLOTS  # fixed size: its address never moves
         self.table_address = self.generations.buffer_info()[0]
         self._buffers: Dict[int, Tuple[int, LocalMemory]] = {}
@@ -107,18 +107,13 @@ class Owner:
         self._next_gen = 1
         self._lock = threading.Lock()
         self.identity = f"{pool}/rdma/{os.getpid()}/{uuid.uuid4().hex[:8]}"
-        self._lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._lsock.bind((bind, 0))
-        self._lsock.listen(128)
         self.host = advertise
-        self.port = self._lsock.getsockname()[1]
-        self._conns = 0
-        self._gate = wire.HandshakeGate(name="rdma: ")
         self._huge: Dict[int, threading.Event] = {}
         self._quarantine: Deque[Tuple[float, LocalMemory]] = collections.deque()
-        self.server_socks: Set[socket.socket] = set()  # closed in a forked child
         self.ibv: Any = None  # the ibverbs side, when that backend is in use
-        threading.Thread(target=self._accept_loop, name="monarch-torchx-rdma", daemon=True).start()
+        self.acceptor = wire.ThreadedAcceptor(bind, creds, self.identity.encode(), self._serve, name="rdma",
+                                              max_conns=MAX_CONNS)
+        self.port = self.acceptor.port
 
     # ------------------------------------------------------------ the table
 
@@ -175,34 +170,9 @@ class Owner:
 
     # ------------------------------------------------------------ the server
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, peer = self._lsock.accept()
-            except OSError:
-                return
-            with self._lock:
-                if self._conns >= MAX_CONNS:
-                    self._gate.note_drop(peer, f"{self._conns} connections already")
-                    sock.close()
-                    continue
-                self._conns += 1
-                self.server_socks.add(sock)
-            self._gate.admit(sock, lambda s=sock: wire.shutdown_quietly(s))  # the oldest silent one goes when full
-            threading.Thread(target=self._serve, args=(sock, peer), daemon=True).start()
-
     def _serve(self, sock: socket.socket, peer: Any) -> None:
+        """Serves one authenticated connection's requests, one at a time, until it closes."""
         try:
-            timer = threading.Timer(wire.HANDSHAKE_TIMEOUT_S, lambda: wire.shutdown_quietly(sock))
-            timer.start()
-            try:
-                sock.settimeout(wire.HANDSHAKE_TIMEOUT_S)
-                wire.server_handshake_blocking(sock, self.key, self.identity.encode())
-            finally:
-                timer.cancel()
-                self._gate.release(sock)
-            sock.settimeout(None)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             req = bytearray(REQ.size)
             while True:
                 try:
@@ -214,9 +184,7 @@ class Owner:
             log.debug("rdma connection from %s ended: %s", peer, e)
         finally:
             sock.close()
-            with self._lock:
-                self._conns -= 1
-                self.server_socks.discard(sock)
+            self.acceptor.forget(sock)
 
     def _request(self, sock: socket.socket, op: int, slot: int, gen: int, offset: int, length: int) -> None:
         try:
@@ -280,7 +248,7 @@ def owner_for(pool: str, bind: Optional[str] = None) -> Owner:
             raise RDMAError(f"this process already serves pool {pool!r}'s buffers on {own.host}, not {bind}")
         if own is None and bind:
             from ..actor import session
-            own = _owners[pool] = Owner(pool, session.hub_for(pool).key, bind, bind)
+            own = _owners[pool] = Owner(pool, session.hub_for(pool).creds, bind, bind)
         if own is None:
             from ..actor import session
             hub = session.hub_for(pool)
@@ -290,18 +258,14 @@ def owner_for(pool: str, bind: Optional[str] = None) -> Owner:
                 advertise = os.environ.get("MONARCH_TORCHX_PROC_ADVERTISE", bind)
             else:
                 bind = advertise = hub.local_address()
-            own = _owners[pool] = Owner(pool, hub.key, bind, advertise)
+            own = _owners[pool] = Owner(pool, hub.creds, bind, advertise)
         return own
 
 
 def forget_after_fork() -> None:
     """A forked child serves nothing of its parent's: close its copies of the parent's sockets."""
     for own in _owners.values():
-        for sock in [own._lsock, *own.server_socks]:
-            try:
-                sock.close()
-            except OSError:
-                pass
+        own.acceptor.close_copies()
     _owners.clear()
 
 

@@ -22,8 +22,8 @@ Owner = Tuple[str, int, str]
 class TcpClient:
     """Idle authenticated connections per owner, reused across transfers."""
 
-    def __init__(self, key: bytes):
-        self.key = key
+    def __init__(self, creds: Any):
+        self.creds = creds
         self._idle: Dict[Owner, List[socket.socket]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="monarch-torchx-rdma-tcp")
@@ -43,19 +43,14 @@ class TcpClient:
                 return idle.pop()
         host, port, identity = owner
         try:
-            sock = socket.create_connection((host, port), timeout=min(time_left(deadline), 10.0))
-        except socket.timeout:
-            raise RDMAError(f"the buffer's owner at {host}:{port} did not accept a connection in time") from None
-        except OSError as e:
-            raise RDMAError(f"cannot reach the buffer's owner at {host}:{port} ({e.strerror or e}): "
-                            f"is it still running?") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            wire.client_handshake(sock, self.key, identity.encode(), f"{host}:{port}")
+            return wire.dial(host, port, self.creds, identity.encode(), min(time_left(deadline), 10.0))
+        except wire.ConnectFailed as e:
+            raise RDMAError(f"cannot reach the buffer's owner ({e}): is it still running?") from None
+        except wire.PeerTimeout as e:
+            raise RDMAError(f"the buffer's owner did not answer in time ({e})") from None
         except wire.WireError as e:
             raise RDMAError(f"the buffer's owner at {host}:{port} closed or refused the connection "
                             f"(too busy, gone, or another pool's): {e}") from None
-        return sock
 
     def _release(self, owner: Owner, sock: socket.socket) -> None:
         with self._lock:

@@ -99,6 +99,9 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         opts.add("preload", type_=str, default=None,
                  help="comma-separated modules agents pre-import so Python entrypoints start warm "
                       "(default: the existing pool's, else torch; none = no preloads)")
+        opts.add("tls", type_=bool, default=None,
+                 help="TLS 1.3 on every connection of the pool, with a certificate made for it (default: "
+                      f"{'on' if prov.tls_default else 'off'} here; on for pools whose hosts are other machines)")
         prov.add_run_opts(opts)
         return opts
 
@@ -138,7 +141,8 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         if preload is not None:
             preload = "" if str(preload).strip().lower() in ("", "none") else ",".join(
                 m.strip() for m in str(preload).split(",") if m.strip())
-        spec: Dict[str, Any] = {"hosts": hosts, "preload": preload}
+        tls = cfg.get("tls")
+        spec: Dict[str, Any] = {"hosts": hosts, "preload": preload, "tls": None if tls is None else bool(tls)}
         options = {"idle_timeout": parse_duration(cfg.get("idle_timeout", "30m"))}
         prov.pool_spec(cfg, spec, options)
         return PoolRequest(self.backend, name, spec, options, bool(cfg.get("replace")))

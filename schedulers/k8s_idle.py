@@ -65,7 +65,7 @@ def _pool_idle_seconds(agent: Any) -> Optional[float]:
         if i is None or i == agent.index or not pod_ready(pod):
             continue
         try:
-            with wire.Client(pod.status.pod_ip, agent.addr.port, agent.key, timeout=3.0,
+            with wire.Client(pod.status.pod_ip, agent.addr.port, agent.creds, timeout=3.0,
                              identity=f"{agent.pool}/{i}/{pod.metadata.uid}".encode()) as c:
                 c.settimeout(5.0)
                 least = min(least, float(c.call("info")["idle_s"]))

@@ -26,7 +26,8 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 POOL_LABEL = "monarch-torchx.pytorch.org/pool"
 MANAGED_BY = {"app.kubernetes.io/name": "monarch-torchx", "app.kubernetes.io/managed-by": "monarch-torchx"}
-STATE_DIR = "/var/lib/monarch-torchx"
+STATE_VOLUME = "/var/lib/monarch-torchx"  # an emptyDir: 0777, not ours to chmod
+STATE_DIR = f"{STATE_VOLUME}/pool"  # made 0700 by the agent inside it, and checked
 TOKEN_DIR = "/etc/monarch-torchx"
 IDLE_MODULE = "monarch_torchx.schedulers.k8s_idle:setup"
 DEFAULT_PORT = 29600
@@ -155,7 +156,7 @@ def pod_template(spec: KubePoolSpec) -> Dict[str, Any]:
         "env": env,
         "readinessProbe": {"tcpSocket": {"port": spec.port}, "periodSeconds": 2, "failureThreshold": 3},
         "volumeMounts": [{"name": "pool-token", "mountPath": TOKEN_DIR, "readOnly": True},
-                         {"name": "state", "mountPath": STATE_DIR}],
+                         {"name": "state", "mountPath": STATE_VOLUME}],
     }
     if resources:
         container["resources"] = resources
@@ -164,6 +165,7 @@ def pod_template(spec: KubePoolSpec) -> Dict[str, Any]:
         "restartPolicy": "Always",
         "serviceAccountName": spec.account,
         # group-readable through fsGroup: the image runs as UID 1000, Secret files belong to root
+        # (Kubernetes gives no other owner); the agent copies them to 0600 files in its 0700 state dir
         "volumes": [{"name": "pool-token", "secret": {"secretName": f"{spec.name}-token", "defaultMode": 0o440}},
                     {"name": "state", "emptyDir": {}}],
         "securityContext": {"fsGroup": 1000, "fsGroupChangePolicy": "OnRootMismatch"},
@@ -240,10 +242,13 @@ def headless_service(spec: KubePoolSpec) -> Dict[str, Any]:
                      "ports": [{"name": "agent", "port": spec.port, "targetPort": spec.port, "protocol": "TCP"}]}}
 
 
-def token_secret(spec: KubePoolSpec, token: str) -> Dict[str, Any]:
+def token_secret(spec: KubePoolSpec, token: str, tls_pem: str = "") -> Dict[str, Any]:
+    """The pool's secret and, for a TLS pool, its certificate and key (tls.pem)."""
     meta = _meta(spec, f"{spec.name}-token")
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque",
-            "data": {"token": base64.b64encode(token.encode()).decode()}}
+    data = {"token": base64.b64encode(token.encode()).decode()}
+    if tls_pem:
+        data["tls.pem"] = base64.b64encode(tls_pem.encode()).decode()
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque", "data": data}
 
 
 def agent_rbac(spec: KubePoolSpec) -> List[Dict[str, Any]]:

@@ -150,7 +150,8 @@ class KubernetesProvisioner:
     scheduler = "monarch_kubernetes"
     hosts_option = "replicas"
     client_cwd_on_hosts = False  # replicas start in the client's cwd (else the agent's)
-    fingerprint = ("hosts", *SPEC_OPTS, "preload")
+    fingerprint = ("hosts", *SPEC_OPTS, "preload", "tls")
+    tls_default = True  # pods on other nodes: the network is shared
 
     def add_run_opts(self, opts: Any) -> None:
         d = _config_defaults()
@@ -295,7 +296,7 @@ class KubernetesProvisioner:
                                "cannot be 0; use idle_action=delete")
         ns = spec.namespace
         owner_body = mf.monarch_mesh(spec) if spec.kind == mf.MESH_KIND else mf.statefulset(spec)
-        deps = [mf.token_secret(spec, rec.token)]
+        deps = [mf.token_secret(spec, rec.token, rec.tls_pem)]
         if spec.kind != mf.MESH_KIND:  # the operator makes a mesh's Service
             deps.append(mf.headless_service(spec))
         if not spec.service_account:

@@ -54,7 +54,8 @@ class LocalProvisioner:
     scheduler = "monarch_local"
     hosts_option = "hosts"
     client_cwd_on_hosts = True  # replicas start in the client's cwd (else the agent's)
-    fingerprint = ("hosts", "preload")
+    fingerprint = ("hosts", "preload", "tls")
+    tls_default = False  # one machine: nothing leaves loopback
 
     def add_run_opts(self, opts: Any) -> None:
         pass

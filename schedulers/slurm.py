@@ -103,7 +103,8 @@ class SlurmProvisioner:
     scheduler = "monarch_slurm"
     hosts_option = "nodes"
     client_cwd_on_hosts = True  # replicas start in the client's cwd (else the agent's)
-    fingerprint = ("hosts", *SPEC_OPTS, "preload")
+    fingerprint = ("hosts", *SPEC_OPTS, "preload", "tls")
+    tls_default = True  # agents on other nodes: the network is shared
 
     def add_run_opts(self, opts: Any) -> None:
         d = _slurm_config_defaults()

@@ -38,8 +38,8 @@ class Forwarder:
     its own (parallel streams, as from the client): the sender is answered as soon as a batch is
     stored here and queued, so each hop of the chain works on different batches at once."""
 
-    def __init__(self, pool: str, key: bytes, session: str, chain: List[Dict[str, Any]], mode: str, streams: int = 4):
-        self.pool, self.key, self.session, self.next, self.rest = pool, key, session, chain[0], chain[1:]
+    def __init__(self, pool: str, creds: Any, session: str, chain: List[Dict[str, Any]], mode: str, streams: int = 4):
+        self.pool, self.creds, self.session, self.next, self.rest = pool, creds, session, chain[0], chain[1:]
         self.mode = mode  # socket or rdma: as the batches came here
         self.pump = transfer.Pump(self._connect, self._send, PIPELINE_DEPTH, streams, f"syncfs-forward-{session[:8]}")
         self.failed: Dict[int, str] = {}  # host index -> why; hosts after a failed one are not reached
@@ -49,7 +49,7 @@ class Forwarder:
     def _connect(self) -> Any:
         from .. import wire
 
-        c = wire.Client(self.next["host"], self.next["port"], self.key, timeout=10.0,
+        c = wire.Client(self.next["host"], self.next["port"], self.creds, timeout=10.0,
                         identity=self.next["identity"].encode())
         c.settimeout(600.0)
         return c
@@ -288,12 +288,12 @@ def setup(agent: Any) -> None:
                   chain: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
         """Stores a batch (``data``, or what ``rdma`` points at: the ``chunks``, (name, size) each,
         end to end); with a ``chain``, also passes it on to the next host of it."""
-        data, via = await run(transfer.incoming, agent.pool, agent.key, data, rdma)
+        data, via = await run(transfer.incoming, agent.pool, agent.creds, data, rdma)
         stored = await run(store.put, chunks, data)
         if chain:
             fw = sessions.get(session)
             if fw is None:  # no await between the check and the insert: parallel streams share one
-                fw = sessions[session] = Forwarder(agent.pool, agent.key, session, chain, transfer.forwarding(via))
+                fw = sessions[session] = Forwarder(agent.pool, agent.creds, session, chain, transfer.forwarding(via))
             fw.last_used = time.monotonic()
             await run(fw.pump.put, (chunks, data))
         return {"stored": stored, "via": via}

@@ -68,7 +68,7 @@ def outgoing(mode: str, pool: str, bind: str, data: Any) -> Tuple[Dict[str, Any]
     return {"rdma": buf}, lambda: buf.drop()
 
 
-def incoming(pool: str, key: bytes, data: Any, rdma: Any, timeout: float = 120.0) -> Tuple[Any, str]:
+def incoming(pool: str, creds: Any, data: Any, rdma: Any, timeout: float = 120.0) -> Tuple[Any, str]:
     """A received batch's bytes, pulled first when they came as an RDMABuffer; and how they came."""
     if rdma is None:
         if data is None:
@@ -79,7 +79,7 @@ def incoming(pool: str, key: bytes, data: Any, rdma: Any, timeout: float = 120.0
 
     if not isinstance(rdma, RDMABuffer):
         raise ValueError("rdma must be an RDMABuffer")
-    session.hub_for(pool, key=key)  # the pool's secret, for the rdma data plane (an agent has no registry)
+    session.hub_for(pool, creds)  # the pool's credentials, for the rdma data plane (an agent has no registry)
     local = bytearray(rdma.size())
     try:
         via = f"rdma/{rdma.backend}"

@@ -113,6 +113,7 @@ def test_pool_is_provisioned_once_and_reused_warm(cluster, home, pool_name, tmp_
     secret = cluster.objects("Secret", "ml")[0]
     # the secret is readable by the image's user (UID 1000) through fsGroup, and by nobody else
     assert secret["data"]["token"] and pod_spec["volumes"][0]["secret"]["defaultMode"] == 0o440
+    assert "tls.pem" in secret["data"]  # a Kubernetes pool is TLS by default
     assert pod_spec["securityContext"]["fsGroup"] == 1000
     role = next(o for o in cluster.objects("Role", "ml") if o["metadata"]["name"] == name)
     assert role["rules"][1] == {"apiGroups": ["apps"], "resources": ["statefulsets"], "resourceNames": [name],
@@ -468,20 +469,30 @@ def test_actor_mesh_on_pods_with_pod_ip_access(cluster, home, pool_name):
     procs.stop()
 
 
-def test_agent_secret_and_identity_come_from_the_pod(cluster, home, pool_name):
-    """The pod's agent reads the pool secret from its mounted Secret (0400) and answers only
-    handshakes that name its pod UID; a wrong secret is refused."""
+def test_agent_secret_and_identity_come_from_the_pod(cluster, home, pool_name, tmp_path):
+    """The pod's agent reads the pool secret and TLS certificate from its mounted Secret,
+    serves TLS only (a Kubernetes pool's default), and answers only handshakes that name its
+    pod UID; a wrong secret or another certificate is refused."""
     from monarch_torchx import wire
+    from monarch_torchx.credentials import PoolCredentials, new_tls_pem
 
     torchx(home, "pool", "create", pool_name, "-s", S, "-cfg", f"port={_free_port()},preload=none")
     rec = Registry(home).get(pool_name)
+    assert rec.spec["tls"] is True and rec.tls_pem
     h = Registry.hosts(rec)[0]
-    with wire.Client(h.host, h.port, rec.key, identity=h.identity(pool_name)) as c:
+    with wire.Client(h.host, h.port, rec.credentials, identity=h.identity(pool_name)) as c:
         assert c.call("info")["incarnation"] == h.incarnation
+    with pytest.raises(wire.WireError):  # (the agent just closes: a stranger learns nothing)
+        wire.Client(h.host, h.port, PoolCredentials(os.urandom(32), rec.credentials.tls_file),
+                    identity=h.identity(pool_name))
+    other = tmp_path / "other.pem"
+    other.write_text(new_tls_pem(pool_name))
+    with pytest.raises(wire.HandshakeRefused, match="TLS"):
+        wire.Client(h.host, h.port, PoolCredentials(rec.key, str(other)), identity=h.identity(pool_name))
     with pytest.raises(wire.WireError):
-        wire.Client(h.host, h.port, os.urandom(32), identity=h.identity(pool_name))
+        wire.Client(h.host, h.port, PoolCredentials(rec.key), identity=h.identity(pool_name), timeout=2)
     with pytest.raises(wire.WireError):
-        wire.Client(h.host, h.port, rec.key, identity=f"{pool_name}/0/not-the-pod-uid".encode())
+        wire.Client(h.host, h.port, rec.credentials, identity=f"{pool_name}/0/not-the-pod-uid".encode())
 
 
 def test_dockerfile_passes_hadolint():

@@ -326,3 +326,63 @@ def test_torchx_workspace_is_synced_to_the_nodes_and_served_by_fuse_there(home, 
             assert v == version and re.fullmatch(r"node\d", node) and mounted == "True" and writable == "True"
             assert code == str(node_store(tmp_path / "node-stores", pool_name, k) / "mounts" / "ws")
         assert out[0][2] != out[1][2]  # two nodes, each serving its own copy
+
+
+class _Capture:
+    """Every frame crossing the lab's veth links while it runs (an AF_PACKET socket in the root
+    namespace: the node ends of the links are slveth1..3), as tcpdump on them would see it."""
+
+    def __init__(self):
+        import socket as _socket
+        import threading
+
+        self.data = bytearray()
+        self._sock = _socket.socket(_socket.AF_PACKET, _socket.SOCK_RAW, _socket.htons(0x0003))
+        self._sock.settimeout(0.2)
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        import socket as _socket
+
+        while not self._stop.is_set():
+            try:
+                frame, addr = self._sock.recvfrom(1 << 16)
+            except _socket.timeout:
+                continue
+            if addr[0].startswith("slveth"):
+                self.data += frame
+
+    def stop(self) -> bytes:
+        self._stop.set()
+        self._t.join(5)
+        self._sock.close()
+        return bytes(self.data)
+
+
+def _echo_captured(home, pool: str, cfg: str, marker: str) -> bytes:
+    cap = _Capture()
+    try:
+        h = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool},nodes=1,partition=debug{cfg}",
+                           "utils.echo", "--msg", marker))
+        wait_for(lambda: _state(home, h) == "SUCCEEDED", what="echo")
+        assert marker in torchx(home, "log", h).stdout  # the marker went out to the node and came back
+    finally:
+        seen = cap.stop()
+    return seen
+
+
+def test_traffic_between_nodes_is_tls_by_default_and_plaintext_only_when_asked(home, pool_name):
+    """A SLURM pool's connections are TLS: a capture on the lab's veth links never shows the
+    app's arguments or its output, only TLS records. The same run on a pool made with tls=False
+    shows them in the clear, which proves the capture sees this traffic."""
+    marker = f"PLAINTEXT-MARKER-{pool_name}"
+    seen = _echo_captured(home, pool_name, "", marker)
+    assert Registry(home).get(pool_name).spec["tls"] is True
+    assert b"\x17\x03\x03" in seen  # TLS 1.3 application-data records went by
+    assert marker.encode() not in seen
+    assert b"MTX1" not in seen  # not even the handshake's greeting is visible
+    plain = f"{pool_name}p"
+    seen = _echo_captured(home, plain, ",tls=False", marker + "p")
+    assert (marker + "p").encode() in seen

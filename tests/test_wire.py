@@ -14,6 +14,26 @@ from pathlib import Path
 import pytest
 
 from monarch_torchx import wire
+from monarch_torchx.credentials import PoolCredentials, new_tls_pem
+
+
+def _tls_file(path: Path, pool: str = "t") -> str:
+    path.write_text(new_tls_pem(pool))
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.fixture(params=["plain", "tls"])
+def creds(request, tmp_path):
+    """A pool's credentials: loopback pools send plaintext frames, pools across machines TLS."""
+    key = os.urandom(32)
+    return PoolCredentials(key, _tls_file(tmp_path / "tls.pem") if request.param == "tls" else None)
+
+
+def _raw(creds: PoolCredentials, port: int) -> socket.socket:
+    """A hand-driven connection: TLS with the pool's certificate where the pool uses it."""
+    s = socket.create_connection(("127.0.0.1", port))
+    return creds.client_context.wrap_socket(s) if creds.tls else s
 
 
 class _Pwn:
@@ -27,8 +47,8 @@ class _Pwn:
 
 
 @pytest.fixture
-def server():
-    key = os.urandom(32)
+def server(creds):
+    key = creds
     cancelled = threading.Event()
 
     async def echo(peer, value):
@@ -128,10 +148,10 @@ def test_cancelling_a_stream_stops_the_server_side(server):
 def test_wrong_token_is_refused_and_nothing_is_unpickled(server, tmp_path, caplog):
     key, port, _ = server
     with pytest.raises(wire.WireError, match="authentication|closed|handshake"):
-        wire.Client("127.0.0.1", port, os.urandom(32))
+        wire.Client("127.0.0.1", port, PoolCredentials(os.urandom(32), key.tls_file))
     # a peer that skips the handshake and sends a pickle straight away
     marker = tmp_path / "pwned"
-    s = socket.create_connection(("127.0.0.1", port))
+    s = _raw(key, port)
     s.recv(64)
     s.sendall(b"".join(bytes(p) for p in wire.encode({"id": 1, "op": "echo", "args": {"value": _Pwn(str(marker))}})))
     s.settimeout(10)
@@ -144,7 +164,7 @@ def test_wrong_token_is_refused_and_nothing_is_unpickled(server, tmp_path, caplo
 
 def test_garbage_and_malformed_frames_are_dropped(server, tmp_path):
     key, port, _ = server
-    s = socket.create_connection(("127.0.0.1", port))
+    s = _raw(key, port)
     s.settimeout(10)
     s.recv(64)
     s.sendall(os.urandom(200))
@@ -167,9 +187,10 @@ def test_garbage_and_malformed_frames_are_dropped(server, tmp_path):
 def test_silent_peer_is_dropped_after_the_handshake_timeout(server, monkeypatch):
     key, port, _ = server
     monkeypatch.setattr(wire, "HANDSHAKE_TIMEOUT_S", 0.3)
-    s = socket.create_connection(("127.0.0.1", port))
+    s = socket.create_connection(("127.0.0.1", port))  # silent: no TLS hello either
     s.settimeout(10)
-    assert len(s.recv(64)) == wire.HELLO_LEN
+    if not key.tls:
+        assert len(s.recv(64)) == wire.HELLO_LEN
     assert s.recv(100) == b""  # the server gave up on us rather than holding the slot forever
     s.close()
 
@@ -205,3 +226,53 @@ def test_frame_parser_refuses_oversized_headers():
     view[:len(head)] = head
     with pytest.raises(wire.WireError, match="malformed frame"):
         parser.feed(len(head))
+
+
+def test_tls_peer_without_the_pools_certificate_is_refused_and_nothing_is_unpickled(tmp_path):
+    """A TLS pool admits only peers that present its own certificate: another pool's
+    certificate, a plaintext client and a plaintext pickle are all refused before any frame is
+    decoded, and the server keeps serving its own clients."""
+    key = os.urandom(32)
+    creds = PoolCredentials(key, _tls_file(tmp_path / "tls.pem", "mine"))
+    loop = asyncio.new_event_loop()
+    marker = tmp_path / "pwned"
+
+    async def echo(peer, value):
+        return value
+
+    srv = wire.Server(creds, {"echo": echo})
+    port = loop.run_until_complete(srv.start("127.0.0.1", 0))
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        other = PoolCredentials(key, _tls_file(tmp_path / "other.pem", "mine"))  # same secret, same name
+        with pytest.raises(wire.HandshakeRefused, match="TLS refused"):
+            wire.Client("127.0.0.1", port, other, timeout=5)
+        with pytest.raises(wire.WireError):  # plaintext to a TLS pool: no greeting comes
+            wire.Client("127.0.0.1", port, PoolCredentials(key), timeout=1)
+        s = socket.create_connection(("127.0.0.1", port))  # a pickle where the TLS hello should be
+        s.settimeout(10)
+        s.sendall(b"".join(bytes(p) for p in wire.encode({"id": 1, "op": "echo", "args": {"value": _Pwn(str(marker))}})))
+        assert s.recv(100) == b""
+        s.close()
+        # the threaded acceptor (controller inbox, rdma data plane) refuses it the same way
+        got = []
+        acc = wire.ThreadedAcceptor("127.0.0.1", creds, b"inbox", lambda sock, peer: got.append(sock), name="test")
+        with pytest.raises(wire.HandshakeRefused, match="TLS refused"):
+            wire.dial("127.0.0.1", acc.port, other, b"inbox", 5)
+        sock = wire.dial("127.0.0.1", acc.port, creds, b"inbox", 5)
+        wire.send_msg(sock, {"id": 7})
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got and wire.FrameReader(got[0]).recv() == {"id": 7}
+        sock.close()
+        acc.close()
+        assert not marker.exists()
+        with wire.Client("127.0.0.1", port, creds) as c:
+            assert c.call("echo", value=3) == 3
+    finally:
+        asyncio.run_coroutine_threadsafe(srv.close(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+        loop.close()

@@ -27,6 +27,7 @@ import uuid
 from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional
 
 from .. import wire
+from ..credentials import PoolCredentials
 from . import pickling
 from .errors import SupervisionError
 from .future import Future
@@ -67,7 +68,7 @@ def send_parts(sock: socket.socket, parts: List[Any], timeout: float = SEND_TIME
     deadline = None
     while views:
         try:
-            sent = sock.sendmsg(views[:wire.IOV_MAX])
+            sent = wire.send_some(sock, views)
         except (BlockingIOError, InterruptedError):
             deadline = deadline or time.monotonic() + timeout
             left = deadline - time.monotonic()
@@ -82,7 +83,7 @@ def _send_now(sock: socket.socket, parts: List[Any]) -> List[memoryview]:
     views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
     while views:
         try:
-            sent = sock.sendmsg(views[:wire.IOV_MAX])
+            sent = wire.send_some(sock, views)
         except (BlockingIOError, InterruptedError):
             break
         wire.consume(views, sent)
@@ -110,13 +111,7 @@ class Conn:
 
     @staticmethod
     def open(hub: "Hub", addr: ProcAddr) -> socket.socket:
-        where = f"{addr.host}:{addr.port}"
-        try:
-            sock = socket.create_connection((addr.host, addr.port), timeout=CONNECT_TIMEOUT_S)
-        except OSError as e:
-            raise wire.ConnectFailed(f"cannot reach {where}: {e.strerror or e}") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        wire.client_handshake(sock, hub.key, addr.identity.encode(), where)
+        sock = wire.dial(addr.host, addr.port, hub.creds, addr.identity.encode(), CONNECT_TIMEOUT_S)
         sock.setblocking(False)
         return sock
 
@@ -171,7 +166,7 @@ class Conn:
         while True:
             view = self.parser.get_buffer()
             try:
-                n = self.sock.recv_into(view)
+                n = wire.recv_some(self.sock, view)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
@@ -187,15 +182,15 @@ class Conn:
                 return
             for body, bufs in frames:
                 self.hub.dispatch(self, body, bufs)
-            if n < len(view):
+            if n < len(view) and not wire.more_buffered(self.sock):
                 return
 
 
 class Hub:
-    """All of one process's proc connections for one pool (keyed by the pool's secret)."""
+    """All of one process's proc connections for one pool (keyed by the pool's credentials)."""
 
-    def __init__(self, key: bytes, pool: str):
-        self.key = key
+    def __init__(self, creds: PoolCredentials, pool: str):
+        self.creds = creds
         self.pool = pool
         self.sender = uuid.uuid4().hex[:16]
         self.sel = selectors.DefaultSelector()
@@ -505,63 +500,46 @@ class LocalConn:
 
 
 class Inbox:
-    """A controller's authenticated listener for port messages, served by its own thread."""
+    """A controller's authenticated listener for port messages, served by its own thread
+    (connections are accepted by a ``wire.ThreadedAcceptor``, then read here)."""
 
     def __init__(self, hub: Hub, host: str, identity: str):
         self.hub = hub
-        self.identity = identity
         self.sel = selectors.DefaultSelector()
-        self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.lsock.bind((host, 0))
-        self.lsock.listen(64)
-        self.lsock.setblocking(False)
-        self.port = self.lsock.getsockname()[1]
-        self.sel.register(self.lsock, selectors.EVENT_READ, None)
-        self.gate = wire.HandshakeGate(name="inbox: ")
+        self._wake_r, self._wake_w = os.pipe()
+        self.sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self.acceptor = wire.ThreadedAcceptor(host, hub.creds, identity.encode(), self._add, name="inbox", backlog=64)
+        self.port = self.acceptor.port
         threading.Thread(target=self._run, name="monarch-torchx-inbox", daemon=True).start()
+
+    def _add(self, sock: socket.socket, peer: Any) -> None:
+        sock.setblocking(False)
+        conn = Conn(self.hub, ProcAddr(str(peer[0]), int(peer[1]), "inbound"), sock)
+        conn.inbound = True
+        self.sel.register(sock, selectors.EVENT_READ, conn)
+        os.write(self._wake_w, b"x")  # a TLS record may already wait inside the socket
 
     def _run(self) -> None:
         while True:
             for key, _ in self.sel.select():
                 if key.data is None:
-                    self._accept()
+                    os.read(self._wake_r, 4096)
+                    for k in list(self.sel.get_map().values()):
+                        if k.data is not None and wire.more_buffered(k.fileobj):  # type: ignore[arg-type]
+                            self._read(k.data)
                     continue
-                conn: Conn = key.data
-                if conn.error is None:
-                    conn.on_readable()
-                if conn.error is not None:
-                    try:
-                        self.sel.unregister(conn.sock)
-                    except (KeyError, ValueError):
-                        pass
-                    conn.sock.close()
+                self._read(key.data)
 
-    def _accept(self) -> None:
-        try:
-            sock, peer = self.lsock.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        self.gate.admit(sock, lambda: wire.shutdown_quietly(sock))  # the oldest silent one goes when full
-        threading.Thread(target=self._handshake, args=(sock, peer), daemon=True).start()
-
-    def _handshake(self, sock: socket.socket, peer: Any) -> None:
-        timer = threading.Timer(wire.HANDSHAKE_TIMEOUT_S, lambda: wire.shutdown_quietly(sock))
-        timer.start()  # a deadline for the whole handshake, not per read
-        try:
-            sock.settimeout(wire.HANDSHAKE_TIMEOUT_S)
-            wire.server_handshake_blocking(sock, self.hub.key, self.identity.encode())
-        except (OSError, wire.WireError) as e:
-            self.gate.note_drop(peer, str(e) or "handshake timed out")
-            sock.close()
-            return
-        finally:
-            timer.cancel()
-            self.gate.release(sock)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setblocking(False)
-        conn = Conn(self.hub, ProcAddr(str(peer[0]), int(peer[1]), "inbound"), sock)
-        conn.inbound = True
-        self.sel.register(sock, selectors.EVENT_READ, conn)
+    def _read(self, conn: Conn) -> None:
+        if conn.error is None:
+            conn.on_readable()
+        if conn.error is not None:
+            try:
+                self.sel.unregister(conn.sock)
+            except (KeyError, ValueError):
+                pass
+            conn.sock.close()
+            self.acceptor.forget(conn.sock)
 
 
 class Watcher:
@@ -593,18 +571,19 @@ class Watcher:
                     sock.close()
 
     def _run(self) -> None:
+        scratch = bytearray(4096)
         while True:
             for key, _ in self._sel.select():
                 if key.data is None:
                     continue
                 addr, on_lost = key.data
                 try:
-                    data = key.fileobj.recv(4096)  # type: ignore[union-attr]
+                    n = wire.recv_some(key.fileobj, memoryview(scratch))  # type: ignore[arg-type]
                 except (BlockingIOError, InterruptedError):
                     continue
                 except OSError:
-                    data = b""
-                if data:
+                    n = 0
+                if n:
                     continue
                 with self._lock:
                     if self._by_addr.pop(addr, None) is None:

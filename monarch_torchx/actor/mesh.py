@@ -174,7 +174,7 @@ def _controller_paths() -> List[str]:
 def _agent_call(hub: Hub, host: HostAddr, op: str, timeout: float, **args: Any) -> Any:
     where = f"host {host.index} of pool {hub.pool!r}"
     try:
-        with wire.Client(host.host, host.port, hub.key, timeout=10.0, identity=host.identity(hub.pool)) as c:
+        with wire.Client(host.host, host.port, hub.creds, timeout=10.0, identity=host.identity(hub.pool)) as c:
             c.settimeout(timeout)
             return c.call(op, **args)
     except wire.RemoteError as e:
@@ -199,7 +199,7 @@ def attach(pool: str) -> HostMesh:
             raise MonarchError(f"pool {pool!r} is reached through a tunnel ({h.via.split(':')[0]}), but actors talk to "
                                f"procs directly: run the controller where pod IPs are reachable (in the cluster, "
                                f"access=pod_ip)")
-    session.hub_for(pool, rec.key)
+    session.hub_for(pool, rec.credentials)
     session.set_current_pool(pool)
     return HostMesh(pool, [h for h in hosts if h is not None])
 
@@ -218,7 +218,7 @@ def this_host() -> HostMesh:
     name = os.environ.get("MONARCH_TORCHX_LOCAL_POOL", LOCAL_POOL)
     pool = ensure_pool(PoolRequest("monarch_local", name, {"hosts": 1, "preload": None}),
                        defaults={"hosts": 1, "preload": "torch"})
-    session.hub_for(name, pool.record.key)
+    session.hub_for(name, pool.record.credentials)
     session.set_current_pool(name)
     return HostMesh(name, [h for h in pool.hosts if h is not None])
 
@@ -320,7 +320,7 @@ def _explain(hub: Hub, ref: ProcRef) -> str:
     who = f"proc {ref.rank} of mesh {ref.mesh_id} on host {ref.host_index} ({ref.hostname})"
     deadline = time.monotonic() + 3.0
     while True:
-        with wire.Client(ref.agent.host, ref.agent.port, hub.key, timeout=3.0, identity=ref.agent.identity.encode()) as c:
+        with wire.Client(ref.agent.host, ref.agent.port, hub.creds, timeout=3.0, identity=ref.agent.identity.encode()) as c:
             reps = c.call("describe", app_id=app_id(ref.mesh_id))
         st = next((r for r in reps if r["replica_id"] == ref.rank), None)
         if st is None:

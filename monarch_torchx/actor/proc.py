@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from .. import wire
-from ..wire_conn import AuthenticatedConnection
+from ..credentials import PoolCredentials
+from ..wire_conn import AuthenticatedConnection, serve, write_frame
 from . import session
 from .actor import ActorInstance, Context, Endpoint, current_context, endpoints_of
 from .errors import MeshFailure, error_payload
@@ -54,7 +55,7 @@ class ProcConnection(AuthenticatedConnection):
     """One authenticated peer of this proc (a controller, another actor, a forwarding proc)."""
 
     def __init__(self, server: "ProcServer"):
-        super().__init__(server.gate, server.key, server.identity.encode())
+        super().__init__(server.gate, server.creds, server.identity.encode())
         self.server = server
 
     def on_frame(self, body: Any, bufs: List[Any]) -> None:
@@ -65,14 +66,8 @@ class ProcConnection(AuthenticatedConnection):
             self.server.begin_stop("its owner disconnected")
 
     def write(self, parts: List[Any]) -> None:
-        if self.transport is None or self.transport.is_closing():
-            return
-        total = sum(memoryview(p).nbytes for p in parts)
-        if total < (256 << 10):
-            self.transport.write(b"".join(parts))
-        else:
-            for p in parts:
-                self.transport.write(memoryview(p).cast("B"))
+        if self.transport is not None and not self.transport.is_closing():
+            write_frame(self.transport, parts)
 
     def reply(self, rid: int, ok: bool, value: Any) -> None:
         try:
@@ -86,7 +81,7 @@ class ProcConnection(AuthenticatedConnection):
 class ProcServer:
     def __init__(self, env: Dict[str, str]):
         self.pool = env["MONARCH_TORCHX_POOL"]
-        self.key = bytes.fromhex((Path(env["MONARCH_TORCHX_STATE_DIR"]) / "token").read_text().strip())
+        self.creds = PoolCredentials.load(Path(env["MONARCH_TORCHX_STATE_DIR"]))
         self.host_index = int(env.get("MONARCH_TORCHX_HOST_INDEX", "0"))
         self.mesh_id = env["MONARCH_TORCHX_MESH_ID"]
         self.rank = int(env["MONARCH_TORCHX_PROC_RANK"])
@@ -111,10 +106,10 @@ class ProcServer:
     async def run(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.stopped = asyncio.Event()
-        server = await self.loop.create_server(lambda: ProcConnection(self), self.bind, 0, backlog=256)
+        server = await serve(lambda: ProcConnection(self), self.bind, 0)
         port = server.sockets[0].getsockname()[1]
         addr = ProcAddr(self.advertise, port, self.identity)
-        session.set_proc(session.ProcIdentity(self.pool, self.key, self.host_index, self.mesh_id, self.rank, addr,
+        session.set_proc(session.ProcIdentity(self.pool, self.creds, self.host_index, self.mesh_id, self.rank, addr,
                                               on_child_lost=self.child_lost, loop_thread=threading.get_ident()))
         hub = session.hub_for(self.pool)
         hub.local = LocalConn(hub, addr, self.on_frame, self.loop, threading.get_ident())

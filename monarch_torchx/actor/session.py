@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
+from ..credentials import PoolCredentials
 from .hub import Hub, ProcAddr
 
 
@@ -18,7 +19,7 @@ class ProcIdentity:
     """Set in an actor proc: its pool, host, mesh and rank, and its own listening address."""
 
     pool: str
-    key: bytes
+    creds: PoolCredentials
     host_index: int
     mesh_id: str
     rank: int
@@ -49,10 +50,10 @@ def current_pool() -> Optional[str]:
     return _current.get("pool")
 
 
-def hub_for(pool: str, key: Optional[bytes] = None) -> Hub:
-    """This process's hub for ``pool``; ``key`` (from a fresh registry read) replaces a stale one."""
+def hub_for(pool: str, creds: Optional[PoolCredentials] = None) -> Hub:
+    """This process's hub for ``pool``; ``creds`` (from a fresh registry read) replace stale ones."""
     hub = _hubs.get(pool)
-    if hub is not None and (key is None or hub.key == key):
+    if hub is not None and (creds is None or hub.creds == creds):
         return hub
     if hub is not None:
         with _lock:  # the pool was replaced under the same name: its procs and agents have a new secret
@@ -61,15 +62,15 @@ def hub_for(pool: str, key: Optional[bytes] = None) -> Hub:
         hub = _hubs.get(pool)
         if hub is None:
             me = this_proc()
-            if key is not None:
+            if creds is not None:
                 pass
             elif me is not None and me.pool == pool:
-                key = me.key
+                creds = me.creds
             else:
                 from ..registry import Registry
 
-                key = Registry().require(pool).key
-            hub = _hubs[pool] = Hub(key, pool)
+                creds = Registry().require(pool).credentials
+            hub = _hubs[pool] = Hub(creds, pool)
             if me is not None and me.pool == pool and me.addr is not None:
                 hub.listen_addr = me.addr  # ports of this proc are served by its own server
         return hub

@@ -316,7 +316,9 @@ class ForkServer:
         os._exit(0)
 
     def serve(self) -> None:
-        from monarch_torchx.wire import WireError, recv_msg
+        from monarch_torchx.wire import FrameReader, WireError
+
+        requests = FrameReader(self.ctl, exact=True)
 
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -333,7 +335,7 @@ class ForkServer:
                     _, fds, _, _ = socket.recv_fds(self.ctl, 1, 4)
                     if not fds:
                         self.kill_all()  # agent closed the channel: take everything down with us
-                    req = recv_msg(self.ctl)
+                    req = requests.recv()
                 except (OSError, WireError, EOFError):
                     self.kill_all()
                 try:

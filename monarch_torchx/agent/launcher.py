@@ -64,9 +64,10 @@ class _Server:
         self._task = asyncio.create_task(self._events())
 
     async def _events(self) -> None:
+        frames = wire.FrameParser()
         try:
             while True:
-                msg = await wire.read_frame(self._reader)
+                msg = await wire.read_frame(self._reader, frames)
                 if "exit" in msg:
                     self.pids.discard(msg["exit"])
                     self._on_exit(msg["exit"], msg["code"])

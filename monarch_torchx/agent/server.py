@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from .. import wire
+from ..credentials import TLS_FILE, PoolCredentials
 from ..errors import MonarchError
 from ..registry import HostAddr, Registry
 from ..specs import TERMINAL, LaunchSpec
@@ -45,8 +46,11 @@ class Agent:
         self.pool = args.pool
         self.incarnation = args.incarnation or uuid.uuid4().hex[:12]
         if args.token_file:  # a mounted secret (Kubernetes): procs of this host read it from the state dir
-            Registry.install_token(self.state_dir, Path(args.token_file).read_text().strip())
-        self.key = bytes.fromhex((self.state_dir / "token").read_text().strip())
+            tls = Path(args.token_file).with_name(TLS_FILE)
+            Registry.install_credentials(self.state_dir, Path(args.token_file).read_text().strip(),
+                                         tls.read_text() if tls.exists() else "")
+        self.creds = PoolCredentials.load(self.state_dir)
+        self.key = self.creds.key
         self.started = time.time()
         self.last_request = time.time()
         self.modules: Dict[str, str] = {}
@@ -65,7 +69,7 @@ class Agent:
         base_env["PATH"] = python_dir + os.pathsep + base_env.get("PATH", os.defpath)
         base_env.update({"MONARCH_TORCHX_POOL": self.pool, "MONARCH_TORCHX_HOST_INDEX": str(self.index)})
         self.procs = ProcTable(self.launcher, self.state_dir / "logs" / f"host{self.index}", base_env)
-        self.server = wire.Server(self.key, self.handlers, on_activity=self._touch,
+        self.server = wire.Server(self.creds, self.handlers, on_activity=self._touch,
                                   identity=f"{self.pool}/{self.index}/{self.incarnation}".encode())
         self.addr: Optional[HostAddr] = None
 
