@@ -3,14 +3,15 @@
     .venv/bin/python benchmarks/actors.py [--calls 2000] [--only ours]
 
 One run, each framework in its own process, the same four measurements (see
-benchmarks/actors_peers.py for the peers' side):
+benchmarks/actors_peers.py for the peers' side); ours twice, plaintext (a loopback pool's
+default) and TLS (the default of pools that span machines), to show what TLS costs:
   rtt_ms       call_one round trip to an actor in another process, median of --calls
   call8_ms     call() to 8 actors in 8 procs, all answers gathered, median of 200
   tensor_gbps  a 64 MiB CPU tensor as the argument of one call (GB/s, median of 5)
   spawn8_s     8 new procs that import torch, one actor each, until all 8 answered
                (ours: on a warm pool: created before timing, as a pool is in real use)
 Targets (issue 4): rtt <= 1/3 of the faster of Monarch and Ray; call8 <= 2x our rtt;
-tensor >= 1.5 GB/s; spawn8 < 0.5 s. Peers missing (pip install -e .[bench-peers]) are skipped.
+tensor >= 1.5 GB/s; spawn8 < 0.5 s; (issue 15) rtt with TLS <= 1.3x without. Peers missing (pip install -e .[bench-peers]) are skipped.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _median_ms(fn: Callable[[], Any], n: int, warmup: int) -> float:
     return statistics.median(ts) * 1e3
 
 
-def run_ours(calls: int) -> Dict[str, Optional[float]]:
+def run_ours(calls: int, tls: bool = False) -> Dict[str, Optional[float]]:
     """Our side, in this process (a private registry home and a warm 1-host monarch_local pool)."""
     home = Path(tempfile.mkdtemp(prefix="bench-actors-")) / "home"
     os.environ["MONARCH_TORCHX_HOME"] = str(home)
@@ -57,7 +58,7 @@ def run_ours(calls: int) -> Dict[str, Optional[float]]:
     from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 
     out: Dict[str, Optional[float]] = {}
-    ensure_pool(PoolRequest("monarch_local", "bench", {"hosts": 1, "preload": "torch"}))
+    ensure_pool(PoolRequest("monarch_local", "bench", {"hosts": 1, "preload": "torch", "tls": tls}))
     try:
         host = attach("bench")
         env = {"PYTHONPATH": str(HERE)}
@@ -103,14 +104,15 @@ def main() -> None:
     ap.add_argument("--no-record", action="store_true", help="do not write benchmarks/RESULTS.md")
     args = ap.parse_args()
     results: Dict[str, Dict[str, Any]] = {}
-    print("running monarch_torchx ...", file=sys.stderr)
-    child = subprocess.run([sys.executable, "-c", f"import sys, json; sys.path.insert(0, {str(HERE)!r}); "
-                            f"import actors; print(json.dumps(actors.run_ours({args.calls})))"],
-                           capture_output=True, text=True, timeout=900)
-    try:
-        results["monarch_torchx"] = json.loads(child.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        raise SystemExit(f"our side failed:\n{child.stderr[-3000:]}")
+    for name, tls in (("monarch_torchx", False), ("monarch_torchx (TLS)", True)):
+        print(f"running {name} ...", file=sys.stderr)
+        child = subprocess.run([sys.executable, "-c", f"import sys, json; sys.path.insert(0, {str(HERE)!r}); "
+                                f"import actors; print(json.dumps(actors.run_ours({args.calls}, tls={tls})))"],
+                               capture_output=True, text=True, timeout=900)
+        try:
+            results[name] = json.loads(child.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            raise SystemExit(f"our side failed:\n{child.stderr[-3000:]}")
     if args.only != "ours":
         for peer in ("asyncio", "monarch", "ray"):
             print(f"running {peer} ...", file=sys.stderr)
@@ -141,6 +143,11 @@ def main() -> None:
                  f"{'met' if ours['tensor_gbps'] >= 1.5 else 'NOT met'}")
     lines.append(f"- spawn 8 torch procs on a warm pool: {ours['spawn8_s']:.2f} s; target < 0.5 s: "
                  f"{'met' if ours['spawn8_s'] < 0.5 else 'NOT met'}")
+    tls = results["monarch_torchx (TLS)"]
+    cost = tls["rtt_ms"] / ours["rtt_ms"]
+    lines.append(f"- TLS (issue 15): rtt {cost:.2f}x without TLS, call8 {tls['call8_ms'] / ours['call8_ms']:.2f}x, "
+                 f"64 MiB tensor {tls['tensor_gbps'] / ours['tensor_gbps']:.2f}x the throughput; "
+                 f"target rtt <= 1.3x: {'met' if cost <= 1.3 else 'NOT met'}")
     for peer in ("monarch", "ray"):
         r = results.get(peer, {})
         if r.get("rtt_ms"):

@@ -12,6 +12,9 @@ Scenarios, each method taking its turn in one run:
   (c) resync after changing 4 KiB in the middle of a 1 GiB file (1 host).
 
     sudo .venv/bin/python benchmarks/sync.py [--rates 1gbit,4gbit] [--src .venv] [--hosts 1,2,4]
+
+With --tls-cost, only what TLS costs: cold syncs of the tree to 1 and 4 hosts on a pool without
+TLS and on one with it (the default of pools that span machines), side by side, at each rate.
 """
 
 from __future__ import annotations
@@ -82,8 +85,8 @@ def in_client(*cmd: str, timeout: float = 3600, env: Dict[str, str] = None) -> s
 
 
 class Bench:
-    def __init__(self, work: Path, src: Path):
-        self.work, self.src = work, src
+    def __init__(self, work: Path, src: Path, tls: bool = False):
+        self.work, self.src, self.tls = work, src, tls
         self.home = work / "home"
         self.env = dict(os.environ, MONARCH_TORCHX_HOME=str(self.home), MONARCH_TORCHX_SYNC_STORE=str(work / "stores"),
                         PYTHONPATH=str(ROOT))
@@ -111,7 +114,8 @@ class Bench:
 
         os.environ["MONARCH_TORCHX_HOME"] = str(self.home)
         reg = Registry(self.home)
-        rec = reg.new_record("syncbench", "monarch_local", {"hosts": N_HOSTS, "preload": ""}, {"idle_timeout": 0})
+        rec = reg.new_record("syncbench", "monarch_local", {"hosts": N_HOSTS, "preload": "", "tls": self.tls},
+                             {"idle_timeout": 0})
         reg.save(rec)
         pids = {}
         for i in range(N_HOSTS):
@@ -213,14 +217,59 @@ def rate_bytes(rate: str) -> float:
     raise SystemExit(f"rate {rate!r}: use e.g. 1gbit")
 
 
+def tls_cost(args: argparse.Namespace) -> None:
+    """Cold syncs with TLS off and on, in one run: what encryption costs on each link rate."""
+    from _results import record
+
+    work = Path(tempfile.mkdtemp(prefix="mtx-syncbench-tls-"))
+    src = Path(args.src).resolve()
+    size = int(sh("du", "-sb", str(src)).stdout.split()[0])
+    hosts = [int(x) for x in args.hosts.split(",")]
+    lines = [f"Tree: `{src.name}` ({size / 1e9:.2f} GB). Cold syncs (fresh agents, empty stores), TLS off and on.", "",
+             "| link | hosts | TLS | seconds | rate vs link |", "|---|---:|---|---:|---:|"]
+    notes = []
+    try:
+        for rate in args.rates.split(","):
+            setup_network(rate)
+            link = rate_bytes(rate)
+            t: Dict[tuple, float] = {}
+            for tls in (False, True):
+                b = Bench(work / f"{rate}-{tls}", src, tls=tls)
+                (work / f"{rate}-{tls}").mkdir()
+                b.start_agents()
+                for n in hosts:
+                    b.wipe()
+                    t[(n, tls)] = b.ours(src, n, target=f"cold{n}")["s"]
+                    print(f"{rate} {n} host(s) tls={tls}: {t[(n, tls)]:.2f} s", file=sys.stderr)
+                b.stop()
+            for n in hosts:
+                for tls in (False, True):
+                    lines.append(f"| {rate} | {n} | {'on' if tls else 'off'} | {t[(n, tls)]:.2f} | "
+                                 f"{size / t[(n, tls)] / link * 100:.0f}% |")
+            notes.append(f"- {rate}: with TLS, 1 host at **{size / t[(1, True)] / link * 100:.0f}%** of the link "
+                         f"(target >= 90% at 1 Gbit/s); TLS takes {t[(1, True)] / t[(1, False)]:.2f}x the time to 1 host, "
+                         f"{t[(hosts[-1], True)] / t[(hosts[-1], False)]:.2f}x to {hosts[-1]}")
+    finally:
+        teardown_network()
+        shutil.rmtree(work, ignore_errors=True)
+    body = "\n".join(lines + [""] + notes)
+    print(body)
+    record("sync-tls", f"sudo .venv/bin/python benchmarks/sync.py --tls-cost --rates {args.rates} --hosts {args.hosts}",
+           body)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="1gbit,4gbit")
     ap.add_argument("--src", default=str(ROOT / ".venv"), help="the tree of scenarios (a) and (b)")
     ap.add_argument("--hosts", default="1,2,4")
+    ap.add_argument("--tls-cost", action="store_true", help="only cold syncs with TLS off and on (see above)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root (network namespaces, tc)")
+    if args.tls_cost:
+        tls_cost(args)
+        return
     from _results import record
 
     work = Path(tempfile.mkdtemp(prefix="mtx-syncbench-"))

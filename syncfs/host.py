@@ -83,6 +83,7 @@ class Forwarder:
 
 
 SESSION_IDLE_S = float(os.environ.get("MONARCH_TORCHX_SYNC_SESSION_IDLE_S", "300"))
+SWEEP_EVERY_S = float(os.environ.get("MONARCH_TORCHX_SYNC_SWEEP_S", "600"))  # how often the store is swept
 
 
 def pool_id(key: bytes) -> str:
@@ -427,5 +428,14 @@ def setup(agent: Any) -> None:
                    ("syncfs.prepare", prepare), ("syncfs.commit", commit), ("syncfs.where", where),
                    ("syncfs.workdir", workdir), ("syncfs.sessions", open_sessions)):
         agent.add_handler(op, fn)
+    async def sweep_store() -> None:  # chunks of syncs that never committed (aborted, or to new targets)
+        while True:
+            await asyncio.sleep(SWEEP_EVERY_S)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, store.sweep)
+            except OSError as e:
+                log.warning("syncfs: sweeping the chunk store failed: %s", e)
+
     agent.on_stop(cleanup)
     agent.background(reap_abandoned())
+    agent.background(sweep_store())

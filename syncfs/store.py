@@ -10,7 +10,13 @@ unchanged since the previous generation are hard links to it, so a small change 
 commit), then the target path, a symlink, is switched to it with one atomic rename. Readers
 never see a half-built tree, and files opened in an older generation keep working. Only the
 current and the previous generation are kept; chunks no kept generation uses are removed once
-they are an hour old (younger ones may belong to a sync still in flight).
+they are an hour old (younger ones may belong to a sync still in flight): after each commit, and
+now and then from the agent (``sweep``), so an aborted sync to a target that never committed does
+not keep its chunks either.
+
+A chunk is trusted by its name only once its bytes were hashed in this agent's life: those a
+sync stores are hashed on arrival, those found on disk (a store an earlier agent of the same pool
+left) when a sync first relies on one.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from .manifest import Manifest
 KEEP_GENERATIONS = 2
 SMALL_CHUNK = 256 << 10  # chunks below this are packed (FastCDC's smallest cut: only whole small files and tails)
 # an unreferenced chunk younger than this may belong to a sync still in flight: kept
-GC_GRACE_S = 3600.0
+GC_GRACE_S = float(os.environ.get("MONARCH_TORCHX_SYNC_GC_GRACE_S", "3600"))
 
 
 class StoreError(ValueError):
@@ -101,6 +107,7 @@ class ChunkStore:
         self.manifest_chunks: Dict[Path, Tuple[int, set]] = {}  # a manifest file's chunks, by its mtime
         self.swept = 0.0
         self._have: Optional[set] = None
+        self._unverified: set = set()  # found on disk, not hashed yet in this life
         self._index: Optional[PackIndex] = None
         self._dirs: set = set()  # chunk directories known to exist
         self.lock = threading.Lock()  # the pack index: stores and sweeps run in different threads
@@ -137,8 +144,30 @@ class ChunkStore:
             have: set = set(self.index().where)
             for sub in self.chunks.iterdir() if self.chunks.is_dir() else []:
                 have.update(n for n in os.listdir(sub) if not n.startswith("."))
+            self._unverified = set(have)
             self._have = have
         return self._have
+
+    def _verified(self, h: str) -> bool:
+        """Hashes a chunk found on disk the first time a sync would rely on it; one whose bytes
+        do not match its name is forgotten (and sent again), never served."""
+        try:
+            path, off = self.locate(h)
+            n = self.index().where[h][2] if h in self.index().where else None
+            with open(path, "rb") as f:
+                f.seek(off)
+                data = f.read() if n is None else f.read(n)
+            good = blake3.blake3(data).hexdigest() == h
+        except (OSError, StoreError):
+            good = False
+        with self.lock:
+            self._unverified.discard(h)
+            if not good:
+                self.present().discard(h)
+                self.index().where.pop(h, None)
+                if self.chunks in self.chunk_path(h).parents:
+                    self.chunk_path(h).unlink(missing_ok=True)
+        return good
 
     def index(self) -> PackIndex:
         if self._index is None:
@@ -158,6 +187,8 @@ class ChunkStore:
         until the sync that is about to rely on them has committed (or for GC_GRACE_S)."""
         hashes = list(hashes)
         have = self.present()
+        for h in [h for h in hashes if h in self._unverified]:
+            self._verified(h)
         now = time.time()
         out = []
         with self.lock:  # a sweep re-checks the pins under it before it deletes anything
@@ -320,9 +351,17 @@ class ChunkStore:
             _rmtree(tdir / f"gen-{g}")
             (tdir / f"gen-{g}.manifest").unlink(missing_ok=True)
             (tdir / f"gen-{g}.digest").unlink(missing_ok=True)
-        if not dropped or time.time() - self.swept < sweep_every_s:
+        if dropped:
+            self.sweep(sweep_every_s)
+
+    def sweep(self, every_s: float = 0.0) -> None:
+        """Drops chunks that no kept generation uses, that no sync in flight pinned, and that
+        are older than GC_GRACE_S (at most once per ``every_s``)."""
+        if time.time() - self.swept < every_s or not self.root.is_dir():
             return
         self.swept = time.time()
+        with self.lock:  # a pin lasts GC_GRACE_S: a sync that said it relies on a chunk has committed by then
+            self.pins = {h: t for h, t in self.pins.items() if self.swept - t < GC_GRACE_S}
         used = set(self.pins)
         for man in self.targets.glob("*/gen-*.manifest"):
             try:

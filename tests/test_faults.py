@@ -72,7 +72,7 @@ def test_wrong_token_and_garbage_are_dropped_and_the_agent_keeps_serving(home, p
     pool = attach(pool_name)
     addr = pool.hosts[0]
     with pytest.raises(wire.WireError, match="authentication|closed"):
-        wire.Client(addr.host, addr.port, os.urandom(32))
+        wire.Client(addr.host, addr.port, PoolCredentials(os.urandom(32)))
     for junk in (os.urandom(4096), b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00" * 100):
         s = socket.create_connection((addr.host, addr.port))
         s.settimeout(10)
@@ -133,8 +133,8 @@ def test_a_handshake_meant_for_one_agent_fails_on_another(home, pool_name):
     pool = attach(pool_name)
     a0, a1 = pool.hosts
     with pytest.raises(wire.WireError):  # right secret, identity of agent 0, but reaching agent 1
-        wire.Client(a1.host, a1.port, pool.record.key, identity=a0.identity(pool_name))
-    with wire.Client(a1.host, a1.port, pool.record.key, identity=a1.identity(pool_name)) as c:
+        wire.Client(a1.host, a1.port, pool.record.credentials, identity=a0.identity(pool_name))
+    with wire.Client(a1.host, a1.port, pool.record.credentials, identity=a1.identity(pool_name)) as c:
         assert c.call("info")["index"] == 1
 
 

@@ -459,6 +459,64 @@ def test_store_packs_small_chunks_and_collects_what_no_generation_uses(tmp_path,
     assert fresh.missing([kept_small[0], lone[0], big[0]]) == [lone[0], big[0]]
 
 
+def test_a_chunk_found_on_disk_is_hashed_before_it_is_trusted(tmp_path):
+    """A store an earlier agent left is not taken on its word: a chunk file (or packed chunk)
+    whose bytes do not hash to its name counts as missing, is removed, and is sent again; good
+    ones are kept."""
+    import blake3
+
+    from monarch_torchx.syncfs import store as st
+
+    s = st.ChunkStore(tmp_path / "store")
+    good, bad = os.urandom(st.SMALL_CHUNK), os.urandom(st.SMALL_CHUNK)
+    small_good, small_bad = b"s" * 100, b"t" * 100
+    hg, hb = blake3.blake3(good).hexdigest(), blake3.blake3(bad).hexdigest()
+    hsg, hsb = blake3.blake3(small_good).hexdigest(), blake3.blake3(small_bad).hexdigest()
+    s.put([(hg, len(good)), (hb, len(bad)), (hsg, 100), (hsb, 100)], good + bad + small_good + small_bad)
+    s.chunk_path(hb).write_bytes(b"planted" + bad[7:])  # same size, other bytes
+    pack = next(s.packs.glob("*.pack"))
+    data = bytearray(pack.read_bytes())
+    off = data.find(small_bad)
+    data[off:off + 100] = b"u" * 100
+    pack.write_bytes(bytes(data))
+    later = st.ChunkStore(s.root)  # the next agent of the pool opens the same store
+    assert sorted(later.missing([hg, hb, hsg, hsb])) == sorted([hb, hsb])
+    assert not later.chunk_path(hb).exists()
+    assert later.missing([hg, hsg]) == []  # hashed once, then trusted
+    later.put([(hb, len(bad)), (hsb, 100)], bad + small_bad)  # sent again: stored and served
+    path, at = later.locate(hsb)
+    with open(path, "rb") as f:
+        f.seek(at)
+        assert f.read(100) == small_bad
+    assert later.chunk_path(hb).read_bytes() == bad
+
+
+def test_chunks_of_a_sync_that_never_committed_are_collected(home, pool_name, tmp_path, monkeypatch):
+    """Chunks stored for a sync that was aborted before its commit (here: put to a new target,
+    never committed) are swept by the agent on its own, once older than the grace period."""
+    import blake3
+
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_GC_GRACE_S", "1")
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_SWEEP_S", "0.5")
+    p = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}))
+    kept = make_tree(tmp_path / "src")
+    assert p.sync(str(kept), "ws").ok  # a committed tree: its chunks stay
+    data = [os.urandom(300_000), b"x" * 1000]
+    chunks = [(blake3.blake3(d).hexdigest(), len(d)) for d in data]
+    assert p.call(0, "syncfs.missing", hashes=[h for h, _ in chunks], target="never") == [h for h, _ in chunks]
+    p.call(0, "syncfs.put", chunks=chunks, data=b"".join(data))
+    store = node_store(tmp_path / "node-stores", pool_name, 0)
+    loose = store / "chunks" / chunks[0][0][:2] / chunks[0][0]  # (asking `missing` would pin them)
+    packs = set((store / "packs").glob("*.pack"))
+    assert loose.exists() and len(packs) == 2  # the tree's pack and the aborted sync's
+    wait_for(lambda: not loose.exists() and len(set((store / "packs").glob("*.pack"))) == 1, timeout=30,
+             what="the sweep")
+    assert p.call(0, "syncfs.missing", hashes=[h for h, _ in chunks]) == [h for h, _ in chunks]
+    report = p.sync(str(kept), "ws")  # the committed tree's chunks were kept: nothing to send
+    assert report.ok and report.bytes_sent < 100_000
+
+
 @pytest.mark.parametrize("backend", ["cma", "tcp"])
 def test_bulk_bytes_over_the_rdma_module(home, pool_name, tmp_path, monkeypatch, backend):
     """MONARCH_TORCHX_SYNC_TRANSFER=rdma: each put carries an RDMABuffer handle and the host pulls
