@@ -14,6 +14,7 @@ from torchx.runner import get_runner
 from torchx.specs import AppDef, AppState, Role
 
 from monarch_torchx import wire
+from monarch_torchx.credentials import PoolCredentials
 from monarch_torchx.pool import attach
 from monarch_torchx.registry import Registry
 
