@@ -185,13 +185,15 @@ def cmd_stop(args: argparse.Namespace) -> None:
     from .pool import force_stop, stop_pool
 
     try:
-        stop_pool(args.name)
+        left = stop_pool(args.name)
     except MonarchError:
         if not args.force:
             raise
         done = force_stop(args.name)
         print(f"pool {args.name!r} forced to stop: {'; '.join(done) or 'nothing of it was found'}")
         return
+    for line in left:
+        print(f"ended what a dead agent left: {line}", file=sys.stderr)
     print(f"pool {args.name!r} stopped")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -22,6 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 from . import wire
 from .errors import AccessError, HostUnreachable, MonarchError, StartTimeout
 from .registry import HostAddr, PoolRecord, Registry, check_pool_name
+
+log = logging.getLogger("monarch_torchx.pool")
 
 PING_TIMEOUT_S = 3.0
 SLOW_PING_TIMEOUT_S = 15.0
@@ -68,6 +71,10 @@ class Provisioner(Protocol):
 
     def release(self, rec: PoolRecord) -> None:
         """Free what the agents could not free themselves (leftover processes, the allocation)."""
+
+    def end_leftovers(self, rec: PoolRecord, lost: List[int]) -> List[str]:
+        """End what the lost hosts' agents left on their nodes (sync store, mounts, temp dirs)
+        while the allocation still runs; returns what was found, a line each."""
 
     def wait_ready(self, rec: PoolRecord, indices: List[int], old: Dict[int, str], timeout: float,
                    progress: Callable[[str], None]) -> None:
@@ -389,19 +396,27 @@ def attach(name: str, registry: Optional[Registry] = None) -> Pool:
     return Pool(registry.require(name), registry)
 
 
-def _stop(pool: Pool, prov: Provisioner, reason: str) -> None:
+def _stop(pool: Pool, prov: Provisioner, reason: str) -> List[str]:
+    """Stops the pool; returns what lost hosts had left on their nodes and was ended, a line each."""
     live = [i for i, h in enumerate(pool.hosts) if h is not None and not h.exited]
-    pool.fan_out(lambda i: pool.call(i, "shutdown", timeout=5.0, reason=reason), live)
+    lost = [h.index for h in pool.health() if h.state == LOST and h.addr is not None and not h.addr.exited]
+    # a killed agent could not clean up: that is done for it while its node is still ours
+    left = prov.end_leftovers(pool.record, lost) if lost else []
+    for line in left:
+        log.info("pool %s: ended what %s", pool.name, line)
+    pool.fan_out(lambda i: pool.call(i, "shutdown", timeout=5.0, reason=reason), [i for i in live if i not in lost])
     prov.release(pool.record)
     pool.registry.delete(pool.record)
+    return left
 
 
-def stop_pool(name: str, registry: Optional[Registry] = None) -> None:
-    """Stops every agent (their processes with them), releases the allocation, forgets the pool."""
+def stop_pool(name: str, registry: Optional[Registry] = None) -> List[str]:
+    """Stops every agent (their processes with them), releases the allocation, forgets the pool.
+    Returns what agents that had died left on their nodes and was ended, a line each."""
     registry = registry or Registry()
     with registry.lock(name):
         pool = Pool(registry.require(name), registry)
-        _stop(pool, get_provisioner(pool.record.scheduler), "pool stopped")
+        return _stop(pool, get_provisioner(pool.record.scheduler), "pool stopped")
 
 
 def force_stop(name: str, registry: Optional[Registry] = None) -> List[str]:

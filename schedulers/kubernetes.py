@@ -519,6 +519,10 @@ class KubernetesProvisioner:
         namespace, _, pod = addr.via.partition(":")[2].partition("/")
         return open_portforward(self._api(rec), namespace, pod, addr.port, timeout)
 
+    def end_leftovers(self, rec: PoolRecord, lost: List[int]) -> List[str]:
+        """Nothing to do: a pod's sync store and temp dirs are in its emptyDir, gone with the pod."""
+        return []
+
     def release(self, rec: PoolRecord) -> None:
         """Deletes the owner in the foreground (dependents first) and waits, a bounded while, until
         it is gone, so that a pool created right after under the same name finds a clean slate."""

@@ -109,8 +109,10 @@ class LocalProvisioner:
         wait_for_hosts(rec, indices, old, timeout, check)
 
     def release(self, rec: PoolRecord) -> None:
-        """Agents exit on `shutdown`; kill any that did not (hung, or unreachable)."""
-        for pid in rec.allocation.get("pids", {}).values():
+        """Agents exit on `shutdown`; kill any that did not (hung, or unreachable), and end what
+        those leave behind."""
+        killed = []
+        for index, pid in rec.allocation.get("pids", {}).items():
             if _is_our_agent(pid, rec.state_dir):
                 for _ in range(40):
                     if not _is_our_agent(pid, rec.state_dir):
@@ -118,6 +120,16 @@ class LocalProvisioner:
                     time.sleep(0.05)
                 else:
                     os.kill(pid, signal.SIGKILL)
+                    killed.append(int(index))
+        if killed:
+            self.end_leftovers(rec, killed)
+
+    def end_leftovers(self, rec: PoolRecord, lost: List[int]) -> List[str]:
+        """The hosts are this machine: their leftovers are ended here, in this process."""
+        from ..agent.leftovers import end_host
+        from ..syncfs.host import pool_id
+
+        return [f"host {i}: {what}" for i in lost for what in end_host(rec.name, pool_id(rec.key), i)]
 
 
 def create_scheduler(session_name: str, **kwargs: Any) -> MonarchScheduler:

@@ -8,10 +8,12 @@ supplies their defaults, so existing configs carry over.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -186,6 +188,42 @@ class SlurmProvisioner:
         job = rec.allocation.get("job_id")
         if job and shutil.which("scancel"):
             _run(["scancel", str(job)])
+
+    def end_leftovers(self, rec: PoolRecord, lost: List[int]) -> List[str]:
+        """A job step on each lost host's node (the allocation still runs: its other agents do)
+        ends what the dead agent left there, in that node's mount namespace."""
+        from ..syncfs.host import pool_id
+
+        job = rec.allocation.get("job_id")
+        if not job or job_state(job)[0] != "RUNNING" or shutil.which("srun") is None:
+            return []
+        hosts = Registry.hosts(rec)
+        steps = []
+        for i in lost:
+            h = hosts[i] if i < len(hosts) else None
+            if h is None or not h.hostname:
+                continue
+            argv = ["srun", f"--jobid={job}", "--overlap", "-N1", "-n1", f"--nodelist={h.hostname.split('.')[0]}",
+                    "--quiet", sys.executable, "-m", "monarch_torchx.agent.leftovers", "--pool", rec.name,
+                    "--pool-id", pool_id(rec.key), "--index", str(i)]
+            steps.append((i, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                              stdin=subprocess.DEVNULL)))
+        found = []
+        for i, step in steps:
+            try:
+                out, err = step.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                step.kill()
+                found.append(f"host {i}: the cleanup step did not finish within 60 s")
+                continue
+            if step.returncode != 0:
+                found.append(f"host {i}: the cleanup step failed: {(err.strip().splitlines() or ['?'])[-1]}")
+                continue
+            try:
+                found += [f"host {i}: {what}" for what in json.loads(out.strip().splitlines()[-1]).get(str(i), [])]
+            except (IndexError, ValueError):
+                found.append(f"host {i}: the cleanup step said nothing readable")
+        return found
 
     def release(self, rec: PoolRecord) -> None:
         job = rec.allocation.get("job_id")

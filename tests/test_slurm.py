@@ -386,3 +386,46 @@ def test_traffic_between_nodes_is_tls_by_default_and_plaintext_only_when_asked(h
     plain = f"{pool_name}p"
     seen = _echo_captured(home, plain, ",tls=False", marker + "p")
     assert (marker + "p").encode() in seen
+
+
+def _node_mounts(node: str) -> str:
+    """/proc/mounts as node ``node``'s slurmd (its own mount namespace) sees it."""
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if cmd[:1] and cmd[0].endswith(b"slurmd") and node.encode() in cmd:
+                return subprocess.run(["nsenter", f"--mount=/proc/{p.name}/ns/mnt", "cat", "/proc/mounts"],
+                                      capture_output=True, text=True, check=True).stdout
+    raise AssertionError(f"no slurmd for {node}")
+
+
+def test_pool_stop_ends_what_a_killed_node_agent_left(home, pool_name, tmp_path, monkeypatch):
+    """An agent SIGKILLed on its node (with its FUSE server, as an OOM kill takes both) leaves a
+    mount and a sync store there; `pool stop` ends them with a job step on that node before it
+    releases the allocation, and the healthy node cleans up after itself as always."""
+    from monarch_torchx.pool import attach
+
+    from .test_syncfs import fuse_servers
+
+    stores = tmp_path / "node-stores"
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(stores))  # (passed to the nodes by sbatch and srun)
+    torchx(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", "nodes=2,preload=none")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.py").write_text("print('hi')\n")
+    report = attach(pool_name).sync(str(src), "ws")
+    assert report.ok
+    victim = Registry.hosts(Registry(home).get(pool_name))[1]
+    store = node_store(stores, pool_name, 1)
+    mount = report.hosts[1].path
+    assert mount in _node_mounts(victim.hostname) and fuse_servers(store)
+    for pid in [victim.pid, *fuse_servers(store)]:
+        os.kill(pid, signal.SIGKILL)
+    assert mount in _node_mounts(victim.hostname) and store.is_dir()  # left behind
+    res = torchx(home, "pool", "stop", pool_name)
+    assert f"host 1: sync store {store}" in res.stderr and f"host 1: mount {mount}" in res.stderr
+    assert not store.exists() and mount not in _node_mounts(victim.hostname)
+    assert not list(stores.glob(f"{pool_name}-*"))  # host 0's store: removed by its own agent

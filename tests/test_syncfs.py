@@ -669,6 +669,25 @@ def test_a_killed_agent_leaves_no_fuse_server_or_mount(pool, tmp_path):
              what="the FUSE server to end with its agent, and its mount with it")
 
 
+def test_pool_stop_ends_what_a_killed_agent_left(home, pool_name, tmp_path, monkeypatch):
+    """An agent SIGKILLed with its FUSE server (as an OOM kill takes both) leaves a mount and a
+    sync store; `pool stop` finds and ends them, and says so."""
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))
+    pool = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 2, "preload": ""}))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello\n")
+    path = pool.sync(str(src), "ws").hosts[1].path
+    store = node_store(tmp_path / "node-stores", pool_name, 1)
+    for pid in [pool.hosts[1].pid, *fuse_servers(store)]:
+        os.kill(pid, signal.SIGKILL)
+    assert path in syncfs_mounts(tmp_path) and store.is_dir()  # (a dead FUSE mount: stat fails, /proc/mounts knows)
+    left = stop_pool(pool_name)
+    assert f"host 1: sync store {store}" in left and f"host 1: mount {path}" in left
+    assert not store.exists() and not syncfs_mounts(tmp_path)
+    assert not list((tmp_path / "node-stores").glob(f"{pool_name}-*"))
+
+
 def test_an_abandoned_chained_sync_leaves_no_forwarder(home, pool_name, tmp_path, monkeypatch):
     """A client that stops mid-sync (killed, interrupted) never flushes: the first host of the
     chain drops its forwarding (threads, connections) after the idle limit, and a late flush says so."""

@@ -1,0 +1,96 @@
+"""What a dead agent left on its node, found and ended when its pool stops.
+
+An agent that stops cleans up after itself; one that was SIGKILLed (or OOM-killed) cannot. Its
+FUSE servers end on their own when they see it gone, but its sync store, a mount whose server
+was killed with it, and its temp directories stay on the node's disk. ``pool stop`` runs this on
+each host whose agent is gone: on the client's machine for ``monarch_local``, as a job step on
+the host's node for ``monarch_slurm`` (Kubernetes pods take their emptyDirs with them).
+
+    python -m monarch_torchx.agent.leftovers --pool NAME --pool-id ID --index N [--index M ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+
+def _pids_with(needle: bytes) -> List[int]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and int(p.name) != os.getpid():
+            try:
+                if needle in (p / "cmdline").read_bytes():
+                    out.append(int(p.name))
+            except OSError:
+                continue
+    return out
+
+
+def _mounts_under(root: Path) -> List[str]:
+    prefix = str(root) + "/"
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return []
+    points = [line.split()[1].replace("\\040", " ") for line in lines if len(line.split()) > 1]
+    return sorted((m for m in points if m.startswith(prefix)), key=len, reverse=True)
+
+
+def end_host(pool: str, pool_id: str, index: int) -> List[str]:
+    """Ends and removes what host ``index`` of the pool left here; returns what it found."""
+    from ..private import node_temp_root
+    from ..syncfs.host import store_base
+
+    found: List[str] = []
+    store = store_base()[0] / f"{pool}-{pool_id}-host{index}"
+    if store.is_dir() and store.stat().st_uid == os.getuid():
+        servers = _pids_with(os.fsencode(str(store)))
+        for pid in servers:
+            try:
+                os.kill(pid, signal.SIGTERM)
+                found.append(f"FUSE server {pid}")
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 5
+        while _pids_with(os.fsencode(str(store))) and time.time() < deadline:
+            time.sleep(0.05)
+        for m in _mounts_under(store):
+            subprocess.run(["fusermount3", "-u", "-z", m], capture_output=True)
+            if os.path.ismount(m):
+                subprocess.run(["umount", "-l", m], capture_output=True)
+            found.append(f"mount {m}")
+        for d in store.glob("targets/*/gen-*"):  # generations are read-only trees
+            for sub, dirs, _files in os.walk(d):
+                os.chmod(sub, 0o700)
+        shutil.rmtree(store, ignore_errors=True)
+        found.append(f"sync store {store}")
+    host = os.uname().nodename
+    for kind in node_temp_root().iterdir() if node_temp_root().is_dir() else []:
+        for d in kind.glob(f"{pool}-{index}-{host}-*") if kind.is_dir() else []:
+            pid = d.name.rpartition("-")[2]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                shutil.rmtree(d, ignore_errors=True)
+                found.append(f"temp dir {d}")
+    return found
+
+
+def main(argv: List[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pool", required=True)
+    ap.add_argument("--pool-id", required=True)
+    ap.add_argument("--index", type=int, action="append", required=True)
+    args = ap.parse_args(argv)
+    print(json.dumps({i: end_host(args.pool, args.pool_id, i) for i in args.index}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
