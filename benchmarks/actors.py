@@ -156,8 +156,10 @@ def main() -> None:
                          f"spawn8 {r['spawn8_s'] / ours['spawn8_s']:.1f}x")
     body = "\n".join(rows + lines)
     print(body)
-    if not args.no_record:
-        record("actors", f".venv/bin/python benchmarks/actors.py --calls {args.calls}", body)
+    if not args.no_record:  # ours alone (TLS off and on) is its own section: the peers' table stays
+        section = "actors" if args.only is None else "actors-tls"
+        record(section, f".venv/bin/python benchmarks/actors.py --calls {args.calls}"
+               + (" --only ours" if args.only else ""), body)
 
 
 if __name__ == "__main__":
