@@ -435,7 +435,11 @@ def force_stop(name: str, registry: Optional[Registry] = None) -> List[str]:
     if isinstance(raw.get("state_dir"), str):
         state_dirs.add(raw["state_dir"])
     done = []
-    pids = [pid for pid, cmd in _processes() if "monarch_torchx.agent" in cmd and "--pool" in cmd
+    from . import procfs
+
+    pids = [pid for pid, argv in procfs.processes()
+            for cmd in [[a.decode(errors="replace") for a in argv]]
+            if "monarch_torchx.agent" in cmd and "--pool" in cmd
             and cmd[cmd.index("--pool") + 1:cmd.index("--pool") + 2] == [name]
             and any(d in cmd for d in state_dirs)]
     for pid in pids:
@@ -459,17 +463,6 @@ def force_stop(name: str, registry: Optional[Registry] = None) -> List[str]:
             p.unlink()
             done.append(f"removed {p}")
     return done
-
-
-def _processes() -> List[Tuple[int, List[str]]]:
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                out.append((int(p.name), [a.decode(errors="replace") for a in (p / "cmdline").read_bytes().split(b"\0")]))
-            except OSError:
-                continue
-    return out
 
 
 def resize_pool(name: str, hosts: int, registry: Optional[Registry] = None,

@@ -106,20 +106,15 @@ def agent_temp_dir(kind: str, pool: str, index: int) -> Path:
     import shutil
     import socket
 
+    from . import procfs
+
     parent = node_temp_root() / kind
     private_dir(parent, from_=node_temp_root())
     host = socket.gethostname()
     for d in parent.iterdir():
         rest, _, pid = d.name.rpartition("-")
-        if rest.endswith(f"-{host}") and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if rest.endswith(f"-{host}") and pid.isdigit() and int(pid) != os.getpid() and not procfs.alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
     return private_dir(parent / f"{pool}-{index}-{host}-{os.getpid()}")
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie no one reaped is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from .. import procfs
 from ..agent import agent_argv
 from ..pool import wait_for_hosts
 from ..registry import HostAddr, PoolRecord, Registry
@@ -28,20 +29,13 @@ def _tail(path: Path, n: int = 5) -> str:
 
 
 def _is_our_agent(pid: int, state_dir: str) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return b"monarch_torchx.agent" in cmdline and state_dir.encode() in cmdline
+    argv = procfs.cmdline(pid) or []
+    return b"monarch_torchx.agent" in argv and state_dir.encode() in argv
 
 
 def _alive(pid: int) -> bool:
     """True while the process exists and is not a zombie (reaping it if it is our own child)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    if stat.rsplit(")", 1)[-1].split()[0] != "Z":
+    if procfs.alive(pid):
         return True
     try:
         os.waitpid(pid, os.WNOHANG)

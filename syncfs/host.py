@@ -224,17 +224,13 @@ def _end_orphans(target: str) -> None:
     import subprocess
     import time
 
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                cmd = (p / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"monarch_torchx.syncfs.fusefs" in cmd and os.fsencode(target) in cmd:
-                try:
-                    os.kill(int(p.name), signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+    from .. import procfs
+
+    for pid in procfs.pids_with(b"monarch_torchx.syncfs.fusefs", os.fsencode(target)):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
     deadline = time.time() + 5
     while os.path.ismount(target) and time.time() < deadline:
         time.sleep(0.05)

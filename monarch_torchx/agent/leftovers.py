@@ -19,41 +19,19 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import List
-
-
-def _pids_with(needle: bytes) -> List[int]:
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit() and int(p.name) != os.getpid():
-            try:
-                if needle in (p / "cmdline").read_bytes():
-                    out.append(int(p.name))
-            except OSError:
-                continue
-    return out
-
-
-def _mounts_under(root: Path) -> List[str]:
-    prefix = str(root) + "/"
-    try:
-        lines = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        return []
-    points = [line.split()[1].replace("\\040", " ") for line in lines if len(line.split()) > 1]
-    return sorted((m for m in points if m.startswith(prefix)), key=len, reverse=True)
 
 
 def end_host(pool: str, pool_id: str, index: int) -> List[str]:
     """Ends and removes what host ``index`` of the pool left here; returns what it found."""
+    from .. import procfs
     from ..private import node_temp_root
     from ..syncfs.host import store_base
 
     found: List[str] = []
     store = store_base()[0] / f"{pool}-{pool_id}-host{index}"
     if store.is_dir() and store.stat().st_uid == os.getuid():
-        servers = _pids_with(os.fsencode(str(store)))
+        servers = procfs.pids_with(os.fsencode(str(store)))
         for pid in servers:
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -61,9 +39,9 @@ def end_host(pool: str, pool_id: str, index: int) -> List[str]:
             except ProcessLookupError:
                 pass
         deadline = time.time() + 5
-        while _pids_with(os.fsencode(str(store))) and time.time() < deadline:
+        while procfs.pids_with(os.fsencode(str(store))) and time.time() < deadline:
             time.sleep(0.05)
-        for m in _mounts_under(store):
+        for m in procfs.mounts_under(store):
             subprocess.run(["fusermount3", "-u", "-z", m], capture_output=True)
             if os.path.ismount(m):
                 subprocess.run(["umount", "-l", m], capture_output=True)
@@ -77,7 +55,7 @@ def end_host(pool: str, pool_id: str, index: int) -> List[str]:
     for kind in node_temp_root().iterdir() if node_temp_root().is_dir() else []:
         for d in kind.glob(f"{pool}-{index}-{host}-*") if kind.is_dir() else []:
             pid = d.name.rpartition("-")[2]
-            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            if pid.isdigit() and not procfs.alive(int(pid)):
                 shutil.rmtree(d, ignore_errors=True)
                 found.append(f"temp dir {d}")
     return found
