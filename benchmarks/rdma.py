@@ -8,7 +8,7 @@ For each size (MiB), in one run, GB/s (decimal) of read_into from an actor's buf
   raw tcp     a plain socket server in the owner's proc, same number of streams, recv_into
   tcp         RDMABuffer forced to tcp (MONARCH_TORCHX_RDMA=tcp)
 --slurm adds the same tcp pair across the SLURM lab's veth links (owner on a lab node,
-reader in the controller, outside the node's network namespace).
+reader in the controller, outside the node's network namespace), on a pool with TLS off and on one with it on.
 Median of 5 (3 at 1 GiB) after one warm-up round; the methods take turns, so they share the noise. Targets (issue 5): tcp >= 80% of raw multi-stream
 socket throughput (loopback and veth); cma >= 70% of memcpy. ibverbs: no device here, not run.
 """
@@ -146,13 +146,16 @@ def main() -> None:
         lab = Path(__file__).resolve().parents[1] / "scripts" / "slurmlab"
         subprocess.run(["bash", str(lab / "start-cluster.sh")], check=True, capture_output=True)
         bin_dir = Path(sys.executable).parent
-        subprocess.run([str(bin_dir / "monarch-torchx"), "pool", "create", "labbench", "-s", "monarch_slurm", "-cfg",
-                        "nodes=1,partition=debug,time=00:30:00"], check=True, capture_output=True)
-        try:
-            body += "\n\nAcross the SLURM lab's veth link (owner on a lab node, reader outside its namespace):\n\n"
-            body += table(measure("labbench", sizes, remote=True), remote=True)
-        finally:
-            stop_pool("labbench")
+        for tls in (False, True):  # plaintext, then TLS (the default of a SLURM pool): what TLS costs
+            subprocess.run([str(bin_dir / "monarch-torchx"), "pool", "create", "labbench", "-s", "monarch_slurm",
+                            "-cfg", f"nodes=1,partition=debug,time=00:30:00,tls={tls}"], check=True,
+                           capture_output=True)
+            try:
+                body += (f"\n\nAcross the SLURM lab's veth link (owner on a lab node, reader outside its namespace), "
+                         f"TLS {'on (a SLURM pool’s default)' if tls else 'off (tls=False)'}:\n\n")
+                body += table(measure("labbench", sizes, remote=True), remote=True)
+            finally:
+                stop_pool("labbench")
     body += "\n\nTargets: tcp >= 80% of raw multi-stream socket; cma >= 70% of memcpy. ibverbs: not run (no device)."
     print(body)
     if not args.no_record:
