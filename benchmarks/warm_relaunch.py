@@ -250,7 +250,7 @@ def slurm_suite(args: argparse.Namespace) -> None:
     ok = all(med[("slurm (stock)", k)][1] / med[("monarch_slurm warm", k)][1] >= 10 for k in ("echo", "torch")) and \
         all(smed[("slurm (stock)", f)] / smed[("monarch", f)] >= 10 for f in ("trivial", "torch"))
     body = "\n".join([
-        f"SLURM lab (3 nodes in network namespaces, slurm 22.05), median of {args.n} runs, interleaved.", "",
+        f"SLURM lab (3 nodes in network namespaces, slurm 22.05), median of {args.n} runs, interleaved; the warm pool's connections are TLS (a SLURM pool's default).", "",
         *rows, "", *srows, "", "Ratios (same run):", *ratios, "",
         f"Targets: warm >= 10x stock on all four ({'met' if ok else 'NOT met'}); trivial submit-to-first-line "
         f"< 0.5 s ({'met' if med[('monarch_slurm warm', 'echo')][0] < 0.5 else 'NOT met'}: "
