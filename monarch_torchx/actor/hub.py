@@ -90,6 +90,15 @@ def _send_now(sock: socket.socket, parts: List[Any]) -> List[memoryview]:
     return views
 
 
+def _close_selected(sel: selectors.BaseSelector, sock: socket.socket) -> None:
+    """Stops watching a socket (if it was watched) and closes it."""
+    try:
+        sel.unregister(sock)
+    except (KeyError, ValueError):
+        pass
+    sock.close()
+
+
 def _copy(parts: List[Any]) -> bytes:
     """The unsent rest of a frame, copied: the sender may change its tensors once send() returns."""
     return b"".join(bytes(memoryview(p).cast("B")) for p in parts)
@@ -302,11 +311,7 @@ class Hub:
             if self._conns.get(conn.addr) is conn:
                 del self._conns[conn.addr]
         if conn.sock is not None:
-            try:
-                self.sel.unregister(conn.sock)
-            except (KeyError, ValueError):
-                pass
-            conn.sock.close()
+            _close_selected(self.sel, conn.sock)
         for fut in pending.values():
             fut.set_exception(err)
         self.wake()
@@ -534,11 +539,7 @@ class Inbox:
         if conn.error is None:
             conn.on_readable()
         if conn.error is not None:
-            try:
-                self.sel.unregister(conn.sock)
-            except (KeyError, ValueError):
-                pass
-            conn.sock.close()
+            _close_selected(self.sel, conn.sock)
             self.acceptor.forget(conn.sock)
 
 
