@@ -70,12 +70,12 @@ def run_ours(calls: int, tls: bool = False) -> Dict[str, Optional[float]]:
         t = torch.ones(MIB64, dtype=torch.uint8)
         ms = _median_ms(lambda: one.numel.call_one(t).get(), 5, 1)
         out["tensor_gbps"] = MIB64 / 1e9 / (ms / 1e3)
-        procs.stop()
+        procs.stop().get()
         t0 = time.perf_counter()
         fresh = host.spawn_procs(per_host={"procs": 8}, env=env)
         fresh.spawn("torch_echo", TorchEcho).ping.call().get()
         out["spawn8_s"] = time.perf_counter() - t0
-        fresh.stop()
+        fresh.stop().get()
     finally:
         stop_pool("bench")
     return out

@@ -109,7 +109,7 @@ def measure(pool: str, sizes: List[int], remote: bool) -> List[Dict[str, float]]
             rows.append(row)
             print(row, file=sys.stderr)
         finally:
-            procs.stop()
+            procs.stop().get()
     return rows
 
 

@@ -65,7 +65,7 @@ def main() -> None:
             print(f"step {step:3d}  mean loss {sum(losses) / len(losses):.4f}")
     sums = set(round(v, 6) for v in replicas.checksum.call().get().values())
     print("replicas in sync:", len(sums) == 1)
-    procs.stop()
+    procs.stop().get()
 
 
 if __name__ == "__main__":

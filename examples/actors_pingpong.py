@@ -44,7 +44,7 @@ def main() -> None:
     hits = ping.hit.call_one(pong, args.volleys).get()
     dt = time.perf_counter() - t0
     print(f"{hits} volleys between two procs in {dt:.2f} s ({dt / hits * 1e6:.0f} us per actor-to-actor round trip)")
-    procs.stop()
+    procs.stop().get()
 
 
 if __name__ == "__main__":

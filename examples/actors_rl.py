@@ -78,8 +78,8 @@ def main() -> None:
     for _ in range(args.rounds):
         stats = trainer.slice(procs=0).train_round.call_one(generators, batches=4, n=64).get()
         print(f"policy v{stats['version']}: mean reward {stats['mean_reward']:.3f}, P(best arm) {stats['p_best']:.2f}")
-    gen_procs.stop()
-    trainer_procs.stop()
+    gen_procs.stop().get()
+    trainer_procs.stop().get()
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def pool(tmp_path_factory):
 def procs(pool):
     pm = attach(pool[0]).spawn_procs(per_host={"procs": 2})
     yield pm
-    pm.stop()
+    pm.stop().get()
 
 
 def test_adverbs_values_and_ranks(procs):
@@ -224,10 +224,30 @@ def test_cleanup_on_stop(pool, tmp_path):
     pm = attach(pool[0]).spawn_procs(per_host={"procs": 1})
     cl = pm.spawn("cleaner", Cleaner, str(tmp_path / "clean"))
     assert list(cl.ping.call().get().values()) == ["pong", "pong"]
-    pm.stop()
+    pm.stop().get()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clean.0", "clean.1"]
     with pytest.raises(SupervisionError, match="was stopped"):
         cl.ping.call().get()
+
+
+def test_stop_is_a_future_as_in_monarch(pool, tmp_path):
+    """ProcMesh.stop() tells the procs at once and returns a Future[None] (Monarch's shape):
+    awaited in asyncio, or `async with procs:`; cleanups have run once it completes."""
+    import asyncio
+
+    from monarch_torchx.actor.future import Future
+
+    async def main() -> None:
+        pm = attach(pool[0]).spawn_procs(per_host={"procs": 1})
+        pm.spawn("cleaner", Cleaner, str(tmp_path / "a"))
+        stopping = pm.stop()
+        assert isinstance(stopping, Future)
+        assert await stopping is None
+        async with attach(pool[0]).spawn_procs(per_host={"procs": 1}) as pm2:
+            pm2.spawn("cleaner", Cleaner, str(tmp_path / "b"))
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a.0", "a.1", "b.0", "b.1"]
+
+    asyncio.run(main())
 
 
 def test_tree_multicast_keeps_order(procs, monkeypatch):
@@ -245,7 +265,7 @@ def test_tree_multicast_keeps_order(procs, monkeypatch):
         assert log == [x for i in range(30) for x in (("tree", i), ("direct", i))]
         assert [f.get() for f in c.incr.stream(1)] and sorted(c.incr.call(0).get().values()) == [2] * 6
     finally:
-        big.stop()
+        big.stop().get()
 
 
 def test_spawn_on_stopped_pool(tmp_path, monkeypatch, home, pool_name):
@@ -311,7 +331,7 @@ def test_this_host_is_a_warm_local_pool(home):
     pm = h.spawn_procs(per_host={"gpus": 2})
     assert pm.sizes == {"hosts": 1, "gpus": 2}
     assert list(pm.spawn("c", Counter).incr.call().get().values()) == [1, 1]
-    pm.stop()
+    pm.stop().get()
     assert this_host().pool == h.pool and Registry().get("local") is not None
 
 

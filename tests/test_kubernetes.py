@@ -466,7 +466,7 @@ def test_actor_mesh_on_pods_with_pod_ip_access(cluster, home, pool_name):
     port, rx = Channel.open()
     counters.send_rank.broadcast(port)
     assert sorted(rx.recv().get(timeout=30) for _ in range(4)) == [0, 1, 2, 3]
-    procs.stop()
+    procs.stop().get()
 
 
 def test_agent_secret_and_identity_come_from_the_pod(cluster, home, pool_name, tmp_path):

@@ -35,7 +35,7 @@ def pool(tmp_path_factory):
 def weights(pool):
     procs = attach(pool).spawn_procs(per_host={"procs": 1})
     yield procs.spawn("w", Weights, N)
-    procs.stop()
+    procs.stop().get()
 
 
 def as_bytes(t):
@@ -71,7 +71,7 @@ def test_large_tcp_transfer_uses_parallel_streams(pool, monkeypatch):
         buf.write_from(as_bytes(src)).get()
         assert w.slice(hosts=1).checksum.call_one().get() == pytest.approx(float(src.double().sum()))
     finally:
-        procs.stop()
+        procs.stop().get()
 
 
 def test_proc_to_proc_and_batches(weights):
@@ -155,7 +155,7 @@ def test_owner_killed_mid_transfer_fails_the_future(pool, monkeypatch):
         with pytest.raises(RDMAError, match="has exited"):
             buf.read_into(as_bytes(dst)).get(timeout=10)
     finally:
-        procs.stop()
+        procs.stop().get()
 
 
 def test_backend_selection_and_forced_ibverbs_without_a_device(monkeypatch):
@@ -186,7 +186,7 @@ def test_ibverbs_read_and_write(weights, monkeypatch):
         buf.write_from(as_bytes(torch.zeros(1))).get()
         assert w.head.call_one(2).get() == [0.0, 1.0]
     finally:
-        procs.stop()
+        procs.stop().get()
 
 
 def test_batch_refuses_overlapping_writes(weights):

@@ -271,7 +271,7 @@ def test_actor_mesh_on_a_slurm_pool_across_network_namespaces(home, pool_name):
     with pytest.raises(SupervisionError, match=f"proc 3 of mesh .* on host 1 \\({node}\\) killed by signal SIGKILL"):
         victim.incr.call_one().get(timeout=30)
     assert list(counters.slice(hosts=0).incr.call().get(timeout=30).values()) == [3, 3]
-    procs.stop()
+    procs.stop().get()
     torchx(home, "pool", "stop", pool_name)
 
 
@@ -299,7 +299,7 @@ def test_rdma_buffers_across_slurm_nodes_use_tcp(home, pool_name):
     os.kill(w.slice(hosts=0).pid.call_one().get(), signal.SIGKILL)
     with pytest.raises(RDMAError, match="owner"):
         buf.read_into(dst.view(torch.uint8), timeout=20).get(timeout=30)
-    procs.stop()
+    procs.stop().get()
     torchx(home, "pool", "stop", pool_name)
 
 

@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -248,7 +249,13 @@ class ProcMesh(_MeshTrait):
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        self.stop().get()
+
+    async def __aenter__(self) -> "ProcMesh":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()
 
     def _own(self, hub: Hub) -> None:
         """Connects to each proc and becomes its owner (it stops when this process goes)."""
@@ -282,26 +289,48 @@ class ProcMesh(_MeshTrait):
         return ActorMesh(self.pool, self._procs, self._shape, actor_id, name, actor_class.__name__,
                          tuple(endpoints_of(actor_class)))
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stops every proc of this mesh (``__cleanup__`` runs in each actor first)."""
+    def stop(self, timeout: float = 30.0) -> "Future[None]":
+        """Stops every proc of this mesh (``__cleanup__`` runs in each actor first), as Monarch's
+        ``ProcMesh.stop()``: the procs are told at once, and the returned Future completes once
+        each has stopped (or ``timeout`` passed): ``pm.stop().get()`` or ``await pm.stop()``."""
         hub = session.hub_for(self.pool)
         refs = [self._procs[b] for b in self._shape.ranks]
         for ref in refs:  # what the connections' ends (and the owner watch) will report
             hub.closing[ref.addr] = SupervisionError(f"proc {ref.rank} of mesh {ref.mesh_id} was stopped")
         rid = hub.next_id()
-        futs = []
+        futs: List[Future[Any]] = []
         for ref in refs:
             fut: Future[Any] = Future(hub)
             _send(hub, ref.addr, encode(("stop", rid)), rid, fut)
             futs.append(fut)
-        for fut in futs:
-            try:
-                fut.get(timeout)
-            except (SupervisionError, TimeoutError):
-                pass
-        hub.unwatch_all([r.addr for r in refs])
-        for ref in refs:
-            hub.mark_dead(ref.addr, hub.closing.pop(ref.addr))
+        done: Future[None] = Future(hub)
+        left = [len(futs)]
+        lock = threading.Lock()
+
+        def finish() -> None:
+            hub.unwatch_all([r.addr for r in refs])
+            for ref in refs:
+                err = hub.closing.pop(ref.addr, None)
+                if err is not None:
+                    hub.mark_dead(ref.addr, err)
+            done.set_result(None)
+
+        def one(_f: Future[Any]) -> None:  # an answer, the proc's end (SupervisionError), or the deadline
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                finish()
+
+        timer = threading.Timer(timeout, lambda: [f.set_exception(TimeoutError("stop")) for f in futs])
+        timer.daemon = True
+        timer.start()
+        done.add_done_callback(lambda _f: timer.cancel())
+        if not futs:
+            finish()
+        for f in futs:
+            f.add_done_callback(one)
+        return done
 
 
 def _send(hub: Hub, addr: ProcAddr, parts: List[Any], rid: int, fut: Optional[Future[Any]]) -> None:
