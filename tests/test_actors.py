@@ -20,7 +20,7 @@ from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
-from tests.fixtures.actors import Bad, Blaster, Caller, Cleaner, Counter, Owner
+from tests.fixtures.actors import Bad, Blaster, Caller, Cleaner, Counter, MonarchCleaner, Owner
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -248,6 +248,23 @@ def test_stop_is_a_future_as_in_monarch(pool, tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["a.0", "a.1", "b.0", "b.1"]
 
     asyncio.run(main())
+
+
+def test_monarch_cleanup_signature_supervision_error_and_value_mesh_views(pool, tmp_path):
+    """Monarch's `__cleanup__(self, exc)` is called (exc None on a stop); SupervisionError is a
+    RuntimeError; ValueMesh.slice/flatten give views of the answers by coordinates."""
+    from monarch_torchx.actor.shape import Shape
+
+    pm = attach(pool[0]).spawn_procs(per_host={"procs": 1})
+    pm.spawn("c", MonarchCleaner, str(tmp_path / "m"))
+    pm.stop().get()
+    assert [(tmp_path / f"m.{r}").read_text() for r in (0, 1)] == ["None", "None"]
+    assert issubclass(SupervisionError, RuntimeError)
+    vm = ValueMesh(Shape.dense(("hosts", "gpus"), (2, 3)), list(range(6)))
+    assert list(vm.slice(hosts=1).values()) == [3, 4, 5] and vm.slice(hosts=1).extent.labels == ("gpus",)
+    assert vm.slice(gpus=slice(1, 3)).item(hosts=0, gpus=1) == 2
+    flat = vm.flatten("rank")
+    assert flat.extent.labels == ("rank",) and flat.item(rank=4) == 4
 
 
 def test_tree_multicast_keeps_order(procs, monkeypatch):

@@ -60,7 +60,8 @@ class Actor:
 
     ``__supervise__(self, failure: MeshFailure) -> bool``: a proc of a mesh this actor spawned
     died; return True if handled, else this actor fails too (its callers get SupervisionError).
-    ``__cleanup__(self)``: the actor's proc is stopping (mesh stopped or owner gone).
+    ``__cleanup__(self, exc)`` (Monarch's) or ``__cleanup__(self)``: the actor's proc is stopping
+    (mesh stopped or owner gone; ``exc`` is None then).
     """
 
 

@@ -19,8 +19,9 @@ class ActorError(Exception):
         return f"{msg}\n\nRemote traceback:\n{self.traceback}" if self.traceback else msg
 
 
-class SupervisionError(Exception):
-    """A proc (or the actor that owned a failed mesh) is gone: the call cannot be answered."""
+class SupervisionError(RuntimeError):
+    """A proc (or the actor that owned a failed mesh) is gone: the call cannot be answered.
+    A RuntimeError, as Monarch's (``except RuntimeError`` catches it there too)."""
 
 
 @dataclass

@@ -51,6 +51,17 @@ class ActorSlot:
     failed: Optional[str] = None
 
 
+def _takes_an_argument(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD,
+                                               params[0].VAR_POSITIONAL)
+
+
 class ProcConnection(AuthenticatedConnection):
     """One authenticated peer of this proc (a controller, another actor, a forwarding proc)."""
 
@@ -141,7 +152,9 @@ class ProcServer:
                 continue
             token = current_context.set(slot.ctx)
             try:
-                res = cleanup()
+                # Monarch's signature is __cleanup__(self, exc): the exception that stopped the actor
+                # (None here: a stop or the owner's end is not an actor's failure); ours took none
+                res = cleanup(None) if _takes_an_argument(cleanup) else cleanup()
                 if asyncio.iscoroutine(res):
                     await asyncio.wait_for(res, 30)
             except Exception:

@@ -174,6 +174,16 @@ class ValueMesh:
         sub = self._shape.slice(**coords)
         return self._values[self._shape.ranks.index(sub.ranks[0])]
 
+    def slice(self, **dims: Union[int, slice]) -> "ValueMesh":
+        """The answers of part of the mesh (as Monarch's ``ValueMesh.slice``): an int drops its dim."""
+        sub = self._shape.slice(**dims)
+        at = {r: i for i, r in enumerate(self._shape.ranks)}
+        return ValueMesh(sub, [self._values[at[r]] for r in sub.ranks])
+
+    def flatten(self, name: str) -> "ValueMesh":
+        """The same answers along one dim called ``name``."""
+        return ValueMesh(self._shape.flatten(name), self._values)
+
     def __iter__(self) -> Iterator[Tuple[Point, Any]]:
         return self.items()
 
