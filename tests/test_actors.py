@@ -20,7 +20,7 @@ from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
-from tests.fixtures.actors import Bad, Blaster, Caller, Cleaner, Counter, MonarchCleaner, Owner
+from tests.fixtures.actors import Bad, Blaster, Caller, Cleaner, Counter, Fatal, MonarchCleaner, Owner
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -265,6 +265,22 @@ def test_monarch_cleanup_signature_supervision_error_and_value_mesh_views(pool, 
     assert vm.slice(gpus=slice(1, 3)).item(hosts=0, gpus=1) == 2
     flat = vm.flatten("rank")
     assert flat.extent.labels == ("rank",) and flat.item(rank=4) == 4
+
+
+def test_a_base_exception_in_an_endpoint_fails_the_actor_not_the_call(procs):
+    """SystemExit or KeyboardInterrupt from an endpoint (sync or async) is answered as an error
+    (the call never hangs, the proc's connection stays up); the actor has then failed, as in
+    Monarch, and later calls to it say so, while the proc's other actors go on."""
+    a = procs.spawn("fa", Fatal)
+    b = procs.spawn("fb", Fatal)
+    with pytest.raises(ActorError, match="SystemExit"):
+        a.exit_sync.call().get(timeout=30)
+    with pytest.raises(SupervisionError, match="has failed"):
+        a.ping.call().get(timeout=30)
+    with pytest.raises(ActorError, match="KeyboardInterrupt"):
+        b.slice(hosts=0, procs=0).interrupt_async.call_one().get(timeout=30)
+    assert b.slice(hosts=1, procs=0).ping.call_one().get(timeout=30) == "pong"
+    assert list(procs.spawn("fc", Fatal).ping.call().get(timeout=30).values()) == ["pong"] * len(procs._shape.ranks)
 
 
 def test_tree_multicast_keeps_order(procs, monkeypatch):

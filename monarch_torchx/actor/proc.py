@@ -284,6 +284,8 @@ class ProcServer:
                         res: Tuple[bool, Any] = (True, value)
                     except (Exception, asyncio.CancelledError) as e:
                         res = (False, self._error(slot, ep.name, e))
+                    except BaseException as e:  # SystemExit, KeyboardInterrupt, a user BaseException
+                        res = (False, self._fatal(slot, ep.name, e))
                     finally:
                         current_context.reset(token)
                 else:
@@ -298,8 +300,18 @@ class ProcServer:
             return True, ep.fn(slot.instance, *args, **kwargs)
         except Exception as e:
             return False, self._error(slot, ep.name, e)
+        except BaseException as e:  # SystemExit, KeyboardInterrupt, a user BaseException
+            return False, self._fatal(slot, ep.name, e)
         finally:
             current_context.reset(token)
+
+    def _fatal(self, slot: ActorSlot, what: str, e: BaseException) -> Tuple[str, str, str, str]:
+        """An endpoint raised a BaseException that is not an Exception: as in Monarch, the actor
+        has failed. The call is answered with the error (never left hanging, the connection kept)
+        and every later call to the actor is refused with why."""
+        err = self._error(slot, what, e)
+        slot.failed = f"{err[1]}: the actor has failed and takes no more calls"
+        return err
 
     def _error(self, slot: ActorSlot, what: str, e: BaseException) -> Tuple[str, str, str, str]:
         where = f"{slot.cls_name}.{what} on proc {self.rank} of mesh {self.mesh_id} (host {self.host_index})"
