@@ -283,6 +283,23 @@ def test_a_base_exception_in_an_endpoint_fails_the_actor_not_the_call(procs):
     assert list(procs.spawn("fc", Fatal).ping.call().get(timeout=30).values()) == ["pong"] * len(procs._shape.ranks)
 
 
+def test_actor_mesh_stop_stops_the_actors_not_their_procs(procs, tmp_path):
+    """ActorMesh.stop() (Monarch's): queued calls run, then __cleanup__, then later calls are
+    refused; the procs and their other actors serve on."""
+    c = procs.spawn("ca", Counter)
+    keep = procs.spawn("cb", Counter)
+    cl = procs.spawn("cl", Cleaner, str(tmp_path / "s"))
+    for _ in range(3):
+        c.incr.broadcast(1)
+    stopping = c.stop()
+    assert stopping.get(timeout=30) is None
+    assert cl.stop().get(timeout=30) is None
+    assert len(list(tmp_path.iterdir())) == len(procs._shape.ranks)  # each cleaner's __cleanup__ ran
+    with pytest.raises(SupervisionError, match="stopped"):
+        c.incr.call(1).get(timeout=30)
+    assert set(keep.incr.call(2).get(timeout=30).values()) == {2}
+
+
 def test_tree_multicast_keeps_order(procs, monkeypatch):
     monkeypatch.setattr(mesh_mod, "TREE_MIN", 2)
     monkeypatch.setattr(mesh_mod, "FANOUT", 2)

@@ -404,6 +404,20 @@ class ActorMesh(_MeshTrait, Generic[T]):
     def __repr__(self) -> str:
         return f"ActorMesh({self._name!r}: {self._cls_name}, {self.extent!r})"
 
+    def stop(self) -> "Future[None]":
+        """Stops these actors, not their procs (as Monarch's ``ActorMesh.stop()``): calls already
+        sent run first, then ``__cleanup__``; later calls get SupervisionError. The Future
+        completes once every actor is gone."""
+        hub = session.hub_for(self.pool)
+        rid = hub.next_id()
+        futs: List[Future[Any]] = []
+        for base in self._shape.ranks:
+            ref = self._procs[base]
+            fut: Future[Any] = Future(hub)
+            _send(hub, ref.addr, encode(("stop_actor", rid, hub.sender, hub.next_seq(ref.addr), self._actor_id)), rid, fut)
+            futs.append(fut)
+        return Future.gather(hub, futs, lambda _v: None)
+
     def __getattr__(self, name: str) -> "EndpointMesh":
         if name.startswith("_"):
             raise AttributeError(name)

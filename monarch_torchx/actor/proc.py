@@ -147,24 +147,42 @@ class ProcServer:
 
     async def _shutdown(self, then: Optional[Callable[[], None]]) -> None:
         for slot in list(self.actors.values()):
-            cleanup = getattr(slot.instance, "__cleanup__", None)
-            if cleanup is None:
-                continue
-            token = current_context.set(slot.ctx)
-            try:
-                # Monarch's signature is __cleanup__(self, exc): the exception that stopped the actor
-                # (None here: a stop or the owner's end is not an actor's failure); ours took none
-                res = cleanup(None) if _takes_an_argument(cleanup) else cleanup()
-                if asyncio.iscoroutine(res):
-                    await asyncio.wait_for(res, 30)
-            except Exception:
-                print(f"{slot.name}.__cleanup__ failed:\n{traceback.format_exc()}", file=sys.stderr)
-            finally:
-                current_context.reset(token)
+            await self._cleanup(slot)
         if then is not None:
             then()
         assert self.stopped is not None
         self.stopped.set()
+
+    async def _cleanup(self, slot: ActorSlot) -> None:
+        cleanup = getattr(slot.instance, "__cleanup__", None)
+        if cleanup is None:
+            return
+        token = current_context.set(slot.ctx)
+        try:
+            # Monarch's signature is __cleanup__(self, exc): the exception that stopped the actor
+            # (None here: a stop or the owner's end is not an actor's failure); ours took none
+            res = cleanup(None) if _takes_an_argument(cleanup) else cleanup()
+            if asyncio.iscoroutine(res):
+                await asyncio.wait_for(res, 30)
+        except Exception:
+            print(f"{slot.name}.__cleanup__ failed:\n{traceback.format_exc()}", file=sys.stderr)
+        finally:
+            current_context.reset(token)
+
+    def _begin_actor_stop(self, reply: Reply, actor_id: str) -> None:
+        assert self.loop is not None
+        self.loop.create_task(self._stop_actor(reply, actor_id))
+
+    async def _stop_actor(self, reply: Reply, actor_id: str) -> None:
+        """ActorMesh.stop(): the calls already queued run, then __cleanup__; the actor is gone
+        (later calls are refused) and the proc, with its other actors, goes on."""
+        slot = self.actors.get(actor_id)
+        if slot is not None:
+            while slot.busy or slot.queue:
+                await asyncio.sleep(0.005)
+            self.actors.pop(actor_id, None)
+            await self._cleanup(slot)
+        reply(True, None)
 
     # ------------------------------------------------------------ messages
 
@@ -182,6 +200,9 @@ class ProcServer:
         elif kind == "spawn":
             _, rid, sender, seq, actor_id, name, coords, labels, sizes = header
             self.ordered(sender, seq, lambda: self.spawn(conn, rid, actor_id, name, Point(coords, Extent(labels, sizes)), bufs))
+        elif kind == "stop_actor":
+            _, rid, sender, seq, actor_id = header
+            self.ordered(sender, seq, lambda: self._begin_actor_stop(self._replier(conn, rid, actor_id, "stop"), actor_id))
         elif kind == "own":
             self.owner = conn
         elif kind == "stop":
