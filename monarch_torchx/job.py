@@ -1,0 +1,301 @@
+"""Monarch's job API (``monarch.job``) over warm pools: the same classes, arguments and meaning.
+
+A Monarch program starts with ``job = SlurmJob(meshes={"trainers": 2}, ...)`` and
+``job.state().trainers`` (a HostMesh). Here a job is one warm pool: ``apply()`` makes sure the pool
+exists (a no-op on a live pool that matches; our fingerprint reuse is the job's ``can_run``), and
+each mesh is a slice of the pool's hosts, in the order the meshes are named. ``state()`` caches
+the job (pickled, as Monarch's ``.monarch/job_state.pkl``), so the next run of the script reuses
+the allocation while it can run the spec, and replaces it when it cannot.
+
+    from monarch_torchx.job import SlurmJob          # was: from monarch.job import SlurmJob
+    job = SlurmJob(meshes={"trainers": 2}, partition="debug", time_limit="01:00:00")
+    procs = job.state().trainers.spawn_procs({"gpus": 8})
+
+What is knowingly different from Monarch is listed in docs/actors.md ("monarch.job").
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import uuid
+from pathlib import Path
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
+
+from .errors import MonarchError
+
+DEFAULT_JOB_PATH = ".monarch/job_state.pkl"
+
+__all__ = ["DEFAULT_JOB_PATH", "JobState", "JobTrait", "LocalJob", "ProcessJob", "SlurmJob", "job_load", "job_loads"]
+
+
+class JobState:
+    """The meshes of a running job, one attribute per mesh name (each a HostMesh)."""
+
+    def __init__(self, hosts: Dict[str, Any]):
+        self._hosts = dict(hosts)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._hosts[name]
+        except KeyError:
+            raise AttributeError(f"job has no mesh {name!r} (meshes: {', '.join(self._hosts) or 'none'})") from None
+
+    def __dir__(self) -> Iterable[str]:
+        return [*super().__dir__(), *self._hosts]
+
+    def __repr__(self) -> str:
+        return f"JobState({', '.join(f'{k}={v!r}' for k, v in self._hosts.items())})"
+
+
+class JobTrait:
+    """A declarative job: what it asks for, and (once applied) the pool that serves it."""
+
+    def __init__(self) -> None:
+        self._status = "not_running"
+        self._apply_id: Optional[str] = None
+
+    # ------------------------------------------------------------ what subclasses say
+
+    def _meshes(self) -> Dict[str, int]:
+        """Mesh name -> hosts, in the order the meshes are laid out on the pool."""
+        raise NotImplementedError
+
+    def _pool(self) -> Tuple[str, str, Dict[str, Any]]:
+        """(scheduler, pool name, run options as for `torchx run -cfg`) of the pool that serves the job."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ Monarch's API
+
+    @property
+    def apply_id(self) -> Optional[str]:
+        return self._apply_id
+
+    @property
+    def active(self) -> bool:
+        return self._status == "running"
+
+    def apply(self, client_script: Optional[str] = None) -> None:
+        """Makes sure the job's pool runs and matches the spec (a no-op on a live one that does)."""
+        if client_script is not None:
+            raise MonarchError("apply(client_script=...) is not supported: run the script where the client runs "
+                               "(the pool is reached from there)")
+        if self.active:
+            return
+        self._ensure(replace=False)
+        self._apply_id = uuid.uuid4().hex
+        self._status = "running"
+
+    def can_run(self, spec: "JobTrait") -> bool:
+        """Whether this (cached, running) job serves ``spec``: the same kind and arguments, and its pool alive."""
+        return type(spec) is type(self) and spec._spec() == self._spec() and self._alive()
+
+    def state(self, cached_path: Optional[str] = DEFAULT_JOB_PATH) -> JobState:
+        """The job's meshes. A cached job (``cached_path``) that can run this spec is reused (no new
+        allocation); one that cannot is killed and this spec is applied, then cached."""
+        if not self.active and cached_path is not None:
+            cached = _load_cached(cached_path)
+            if cached is not None and cached.can_run(self):
+                cached_state = cached._connect()
+                self.__dict__.update({k: v for k, v in cached.__dict__.items() if k in ("_status", "_apply_id")})
+                return cached_state
+            if cached is not None:
+                try:
+                    cached.kill()
+                except (MonarchError, NotImplementedError, OSError):
+                    pass
+                Path(os.path.realpath(cached_path)).unlink(missing_ok=True)
+        if not self.active:
+            self.apply()
+            if cached_path is not None:
+                Path(cached_path).parent.mkdir(parents=True, exist_ok=True)
+                self.dump(cached_path)
+        return self._connect()
+
+    def kill(self) -> None:
+        """Ends the job: its pool is stopped (the allocation released)."""
+        from .pool import stop_pool
+        from .registry import Registry
+
+        _, name, _ = self._pool()
+        if Registry().get(name) is not None:
+            stop_pool(name)
+        self._status = "not_running"
+
+    def dump(self, filename: str) -> None:
+        from .private import write_private_bytes
+
+        write_private_bytes(Path(os.path.realpath(filename)), self.dumps())
+
+    def dumps(self) -> bytes:
+        return pickle.dumps(self)
+
+    # ------------------------------------------------------------ ours
+
+    def _spec(self) -> Dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def _alive(self) -> bool:
+        from .pool import attach
+
+        try:
+            return all(h.ok for h in attach(self._pool()[1]).health())
+        except MonarchError:
+            return False
+
+    def _ensure(self, replace: bool) -> Any:
+        from .pool import ensure_pool
+        from .schedulers.base import MonarchScheduler
+
+        scheduler, name, cfg = self._pool()
+        hosts = sum(self._meshes().values())
+        sched = MonarchScheduler("monarch_torchx.job", scheduler)
+        opts = sched.run_opts()
+        resolved = opts.resolve({k: v for k, v in cfg.items() if v is not None})
+        resolved["pool"] = name
+        req = sched._pool_request(dict(resolved), hosts)
+        req.spec["hosts"] = hosts
+        req.replace = True  # a job whose spec changed replaces its allocation, as Monarch's does
+        return ensure_pool(req, defaults={"preload": "torch"})
+
+    def _connect(self) -> JobState:
+        from .actor.mesh import attach
+
+        hosts = attach(self._pool()[1])
+        meshes, start = {}, 0
+        for name, n in self._meshes().items():
+            meshes[name] = hosts.slice(hosts=slice(start, start + n))
+            start += n
+        return JobState(meshes)
+
+
+def _check_meshes(meshes: Dict[str, int]) -> Dict[str, int]:
+    if not isinstance(meshes, dict) or not meshes:
+        raise ValueError("meshes must be a non-empty dict of mesh name -> number of hosts")
+    for name, n in meshes.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"mesh name {name!r} must be a Python identifier (it is an attribute of job.state())")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"mesh {name!r} needs a positive number of hosts, not {n!r}")
+    return dict(meshes)
+
+
+def _pool_name(job_name: str, kind: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{job_name}-{kind}").strip("-.")[:60] or f"job-{kind}"
+
+
+class LocalJob(JobTrait):
+    """Every mesh is this host (``this_host()``), as Monarch's LocalJob; it is never reused from a cache."""
+
+    def __init__(self, hosts: Sequence[str] = ("hosts",)):
+        super().__init__()
+        self.hosts = tuple(hosts)
+        _check_meshes({h: 1 for h in self.hosts})
+
+    def _meshes(self) -> Dict[str, int]:
+        return {h: 1 for h in self.hosts}
+
+    def apply(self, client_script: Optional[str] = None) -> None:
+        if client_script is not None:
+            raise MonarchError("apply(client_script=...) is not supported: run the script where the client runs")
+        self._apply_id = uuid.uuid4().hex
+        self._status = "running"
+
+    def can_run(self, spec: JobTrait) -> bool:
+        return False  # as Monarch's: the current spec is always applied
+
+    def kill(self) -> None:
+        self._status = "not_running"  # this host is not ours to end
+
+    def _connect(self) -> JobState:
+        from .actor.mesh import this_host
+
+        return JobState({h: this_host() for h in self.hosts})
+
+
+class ProcessJob(JobTrait):
+    """Meshes of local hosts (``monarch_local`` agents on this machine): mesh name -> hosts."""
+
+    def __init__(self, meshes: Dict[str, int], env: Optional[Dict[str, str]] = None):
+        super().__init__()
+        self.meshes = _check_meshes(meshes)
+        self.env = dict(env or {})
+        if self.env:
+            raise MonarchError("ProcessJob(env=...) is not supported: pass env to spawn_procs(env=...) instead")
+
+    def _meshes(self) -> Dict[str, int]:
+        return self.meshes
+
+    def _pool(self) -> Tuple[str, str, Dict[str, Any]]:
+        return "monarch_local", _pool_name("process-job-" + "-".join(self.meshes), "local"), {}
+
+
+class SlurmJob(JobTrait):
+    """One SLURM allocation for all the meshes (a ``monarch_slurm`` pool), nodes split among them in order."""
+
+    def __init__(self, meshes: Dict[str, int], python_exe: str = "python", slurm_args: Sequence[str] = (),
+                 monarch_port: int = 22222, job_name: str = "monarch_job", ntasks_per_node: int = 1,
+                 time_limit: Optional[str] = None, partition: Optional[str] = None, log_dir: Optional[str] = None,
+                 exclusive: bool = True, gpus_per_node: Optional[int] = None, cpus_per_task: Optional[int] = None,
+                 mem: Optional[str] = None, job_start_timeout: Optional[int] = None, account: Optional[str] = None,
+                 qos: Optional[str] = None, out_of_cluster: bool = False, attach_to: Optional[str] = None):
+        super().__init__()
+        self.meshes = _check_meshes(meshes)
+        if slurm_args:
+            raise MonarchError("SlurmJob(slurm_args=...) is not supported: use the named arguments "
+                               "(partition, time_limit, account, qos, gpus_per_node, cpus_per_task, mem, exclusive)")
+        if ntasks_per_node != 1:
+            raise MonarchError("SlurmJob(ntasks_per_node=...): one agent per node serves every proc of the node; "
+                               "ask for procs with spawn_procs(per_host=...)")
+        if out_of_cluster or attach_to:
+            raise MonarchError("SlurmJob(out_of_cluster/attach_to): not supported; run the client where sbatch "
+                               "runs (a login node)")
+        self.python_exe, self.monarch_port, self.job_name = python_exe, monarch_port, job_name
+        self.time_limit, self.partition, self.log_dir, self.exclusive = time_limit, partition, log_dir, exclusive
+        self.gpus_per_node, self.cpus_per_task, self.mem = gpus_per_node, cpus_per_task, mem
+        self.job_start_timeout, self.account, self.qos = job_start_timeout, account, qos
+
+    def _meshes(self) -> Dict[str, int]:
+        return self.meshes
+
+    def _spec(self) -> Dict[str, Any]:  # as Monarch's can_run: exclusive and log_dir do not decide reuse
+        return {k: v for k, v in super()._spec().items() if k not in ("exclusive", "log_dir")}
+
+    def _pool(self) -> Tuple[str, str, Dict[str, Any]]:
+        cfg = {"partition": self.partition, "time": self.time_limit, "account": self.account, "qos": self.qos,
+               "gpus_per_node": self.gpus_per_node, "cpus_per_task": self.cpus_per_task, "mem": self.mem,
+               "exclusive": self.exclusive, "job_dir": self.log_dir,
+               "start_timeout": f"{self.job_start_timeout}s" if self.job_start_timeout else None}
+        return "monarch_slurm", _pool_name(self.job_name, "slurm"), cfg
+
+
+def job_loads(data: bytes) -> JobTrait:
+    job = pickle.loads(data)
+    if not isinstance(job, JobTrait):
+        raise MonarchError(f"not a job: {type(job).__name__}")
+    return job
+
+
+def job_load(filename: str = DEFAULT_JOB_PATH) -> JobTrait:
+    with open(filename, "rb") as f:
+        return job_loads(f.read())
+
+
+def _load_cached(path: str) -> Optional[JobTrait]:
+    """The cached job, or None (no file, or one that does not load: it is replaced). A pickle
+    runs code when loaded: one that is not ours, or that others could have written, is refused."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise MonarchError(f"refusing to load the cached job {path}: it is not yours or others can write it "
+                           "(remove it, or pass cached_path=None)")
+    try:
+        job = job_load(path)
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, MonarchError, ImportError):
+        return None
+    return job if job.active else None
