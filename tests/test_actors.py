@@ -20,7 +20,7 @@ from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
-from tests.fixtures.actors import Bad, Blaster, Caller, Cleaner, Counter, Fatal, MonarchCleaner, Owner
+from tests.fixtures.actors import Bad, Blaster, Caller, Cleaner, Counter, Fatal, MonarchCleaner, Owner, Responder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -298,6 +298,25 @@ def test_actor_mesh_stop_stops_the_actors_not_their_procs(procs, tmp_path):
     with pytest.raises(SupervisionError, match="stopped"):
         c.incr.call(1).get(timeout=30)
     assert set(keep.incr.call(2).get(timeout=30).values()) == {2}
+
+
+def test_explicit_response_ports_and_port_exceptions(procs):
+    """@endpoint(explicit_response_port=True) answers through the port it is given (sync or
+    async; the return value is ignored); port.exception(e) fails the call, and on a channel port
+    makes the receiver's recv() raise (as Monarch's Port.exception)."""
+    from monarch_torchx.actor import endpoint
+
+    r = procs.spawn("r", Responder)
+    assert list(r.double.call(21).get(timeout=30).values()) == [42] * len(procs._shape.ranks)
+    assert r.slice(hosts=0, procs=1).later.call_one(1).get(timeout=30) == 2
+    with pytest.raises(ActorError, match="nope"):
+        r.slice(hosts=1, procs=0).refuse.call_one().get(timeout=30)
+    port, rx = Channel.open()
+    r.slice(hosts=0, procs=0).fail_through.broadcast(port)
+    with pytest.raises(ActorError, match="KeyError"):
+        rx.recv().get(timeout=30)
+    with pytest.raises(NotImplementedError, match="propagate"):
+        endpoint(propagate=lambda x: x)
 
 
 def test_tree_multicast_keeps_order(procs, monkeypatch):

@@ -16,10 +16,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Endpoint:
     """Marks a method as callable through a mesh. On an instance it is the plain method."""
 
-    def __init__(self, fn: Callable[..., Any]):
+    def __init__(self, fn: Callable[..., Any], explicit_response_port: bool = False):
         self.fn = fn
         self.name = fn.__name__
         self.is_async = inspect.iscoroutinefunction(fn)
+        # Monarch's explicit_response_port: the method's first argument (after self) is the port
+        # its answer goes to (port.send(value) or port.exception(exc)); what it returns is ignored
+        self.explicit_response_port = explicit_response_port
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -37,11 +40,19 @@ def endpoint(fn: F) -> F: ...
 def endpoint(fn: None = None, **options: Any) -> Callable[[F], F]: ...
 
 
-def endpoint(fn: Any = None, **options: Any) -> Any:
-    """``@endpoint`` or ``@endpoint()``: sync and ``async def`` bodies both work."""
+def endpoint(fn: Any = None, *, explicit_response_port: bool = False, propagate: Any = None,
+             instrument: bool = False) -> Any:
+    """``@endpoint`` or ``@endpoint(...)``: sync and ``async def`` bodies both work.
+
+    ``explicit_response_port=True``: as Monarch's, the method takes the caller's response port
+    first and answers through it. ``instrument`` is accepted (calls are always observable through
+    telemetry). ``propagate`` (Monarch's accumulator hook) is not supported: it is refused rather
+    than ignored."""
+    if propagate is not None:
+        raise NotImplementedError("@endpoint(propagate=...) is not supported here; reduce with Accumulator instead")
     if fn is None:
-        return lambda f: Endpoint(f)
-    return Endpoint(fn)
+        return lambda f: Endpoint(f, explicit_response_port)
+    return Endpoint(fn, explicit_response_port)
 
 
 def endpoints_of(cls: type) -> Dict[str, Endpoint]:

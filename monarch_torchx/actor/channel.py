@@ -28,6 +28,19 @@ class Port(Generic[T]):
     port_id: str
 
     def send(self, value: T) -> None:
+        self._post(value)
+
+    def exception(self, exc: BaseException) -> None:
+        """The receiver's next ``recv()`` raises (as an ActorError carrying this one's type, message
+        and traceback: exception objects are never unpickled)."""
+        import traceback
+
+        from .errors import error_payload
+
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self._post(_PortError(error_payload("actor", f"{type(exc).__name__}: {exc}", tb, type(exc).__name__)))
+
+    def _post(self, value: Any) -> None:
         hub = session.hub_for(self.pool)
         if hub.listen_addr == self.addr:
             deliver = hub.ports.get(self.port_id)
@@ -35,6 +48,13 @@ class Port(Generic[T]):
                 deliver(value)
             return
         hub.conn(self.addr).send(encode(("port", self.port_id), value))
+
+
+@dataclass(frozen=True)
+class _PortError:
+    """What ``Port.exception`` sends: the error, as plain strings."""
+
+    payload: Tuple[str, str, str, str]
 
 
 class PortReceiver(Generic[T]):
@@ -51,17 +71,26 @@ class PortReceiver(Generic[T]):
             if fut is None:
                 self._values.append(value)
         if fut is not None:
-            fut.set_result(value)
+            _settle(fut, value)
 
     def recv(self) -> Future[T]:
         fut: Future[T] = Future(self._hub)
         fut.loop_thread = self._loop_thread
         with self._lock:
             if self._values:
-                fut.set_result(self._values.popleft())
+                _settle(fut, self._values.popleft())
             else:
                 self._waiting.append(fut)
         return fut
+
+
+def _settle(fut: Future[Any], value: Any) -> None:
+    if isinstance(value, _PortError):
+        from .errors import remote_error
+
+        fut.set_exception(remote_error(value.payload))
+    else:
+        fut.set_result(value)
 
 
 class Channel(Generic[T]):

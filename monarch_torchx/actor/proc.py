@@ -51,6 +51,35 @@ class ActorSlot:
     failed: Optional[str] = None
 
 
+class ResponsePort:
+    """The port an ``explicit_response_port`` endpoint answers through: the first ``send`` or
+    ``exception`` answers the call; what the method returns is ignored (an exception it raises
+    still answers the call, if nothing did before)."""
+
+    def __init__(self, reply: Reply, error: Callable[[BaseException], Any]):
+        self._reply, self._error = reply, error
+        self.answered = False
+
+    def send(self, value: Any) -> None:
+        self._answer(True, value)
+
+    def exception(self, exc: BaseException) -> None:
+        self._answer(False, self._error(exc))
+
+    def _answer(self, ok: bool, value: Any) -> None:
+        if self.answered:
+            raise RuntimeError("this call was answered already (a response port takes one answer)")
+        self.answered = True
+        self._reply(ok, value)
+
+    def returned(self, ok: bool, value: Any) -> None:
+        if not ok and not self.answered:
+            self._answer(False, value)
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a response port answers its call from the actor that got it: it cannot be sent on")
+
+
 def _takes_an_argument(fn: Callable[..., Any]) -> bool:
     import inspect
 
@@ -285,6 +314,10 @@ class ProcServer:
         self.submit(slot, ep, args, kwargs, reply)
 
     def submit(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply) -> None:
+        if ep.explicit_response_port:
+            port = ResponsePort(reply, lambda e: self._error(slot, ep.name, e))
+            args = (port, *args)
+            reply = port.returned
         if not slot.busy and not ep.is_async:
             reply(*self._run_sync(slot, ep, args, kwargs))
             return
