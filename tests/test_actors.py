@@ -116,8 +116,11 @@ def test_actor_error_keeps_actor(procs):
     assert "raise ValueError" in ei.value.traceback
     assert isinstance(fut.exception(), ActorError)
     assert c.incr.call_one().get() == 1  # the actor survives
+    bad = procs.spawn("bad", Bad)  # returns at once, as Monarch's spawn
     with pytest.raises(ActorError, match="constructor failed"):
-        procs.spawn("bad", Bad)
+        bad.initialized.get(timeout=30)
+    with pytest.raises(SupervisionError, match="constructor failed.*never created"):
+        bad.slice(hosts=1, procs=1).ping.call_one().get(timeout=30)
 
 
 def test_tensors_out_of_band(procs):

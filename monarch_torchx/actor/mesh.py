@@ -267,7 +267,10 @@ class ProcMesh(_MeshTrait):
             hub.conn(ref.addr)
 
     def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> "ActorMesh[Any]":
-        """Creates one ``actor_class(*args, **kwargs)`` per proc; raises ActorError if a constructor does."""
+        """Creates one ``actor_class(*args, **kwargs)`` per proc and returns at once, as Monarch's
+        spawn: calls sent now run after the constructors. A constructor that raises makes every
+        call to that actor fail with SupervisionError saying why; ``mesh.initialized`` (a Future)
+        completes when all constructors ran, or raises the first one's ActorError."""
         if not isinstance(actor_class, type) or not issubclass(actor_class, Actor):
             raise TypeError(f"spawn() needs an Actor subclass, not {actor_class!r}")
         hub = session.hub_for(self.pool)
@@ -285,9 +288,10 @@ class ProcMesh(_MeshTrait):
                       self._shape.labels, self._shape.sizes)
             _send(hub, ref.addr, encode(header, packed=packed), rid, fut)
             futs.append(fut)
-        Future.gather(hub, futs, lambda _v: None).get()
-        return ActorMesh(self.pool, self._procs, self._shape, actor_id, name, actor_class.__name__,
-                         tuple(endpoints_of(actor_class)))
+        mesh: ActorMesh[Any] = ActorMesh(self.pool, self._procs, self._shape, actor_id, name, actor_class.__name__,
+                                          tuple(endpoints_of(actor_class)))
+        mesh._initialized = Future.gather(hub, futs, lambda _v: None)
+        return mesh
 
     def stop(self, timeout: float = 30.0) -> "Future[None]":
         """Stops every proc of this mesh (``__cleanup__`` runs in each actor first), as Monarch's
@@ -394,8 +398,22 @@ class ActorMesh(_MeshTrait, Generic[T]):
         self._cls_name = cls_name
         self._endpoints = endpoints
 
+    _initialized: Optional["Future[None]"] = None  # the constructors' answers (in the process that spawned it)
+
     def _with_shape(self, shape: Shape) -> "ActorMesh[T]":
-        return ActorMesh(self.pool, self._procs, shape, self._actor_id, self._name, self._cls_name, self._endpoints)
+        mesh = ActorMesh(self.pool, self._procs, shape, self._actor_id, self._name, self._cls_name, self._endpoints)
+        mesh._initialized = self._initialized
+        return mesh
+
+    @property
+    def initialized(self) -> "Future[None]":
+        """Completes once every constructor ran (raises the first failure's ActorError), as
+        Monarch's. Where the mesh was received rather than spawned, a call shows the same."""
+        if self._initialized is None:
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        return self._initialized
 
     def __reduce__(self) -> Any:
         return ActorMesh, (self.pool, self._procs, self._shape, self._actor_id, self._name, self._cls_name,

@@ -35,6 +35,8 @@ log = logging.getLogger("monarch_torchx.actor")
 
 OWNER_WAIT_S = float(os.environ.get("MONARCH_TORCHX_OWNER_WAIT_S", "60"))
 GAP_S = 5.0  # an out-of-order message waits this long for the ones before it (a dead forwarder)
+SPAWN_WAIT_S = 30.0  # a call that arrives before its actor's spawn waits this long for it
+MAX_ENDED = 10000  # why actors are not here (failed constructors, stopped), remembered for their callers
 Reply = Callable[[bool, Any], None]
 
 
@@ -132,6 +134,10 @@ class ProcServer:
         self.actors: Dict[str, ActorSlot] = {}
         self.expected: Dict[str, int] = {}
         self.held: Dict[str, Dict[int, Callable[[], None]]] = {}
+        # spawn returns at once (Monarch's semantics), so a call can reach this proc before the
+        # spawn it relies on, from another sender: it waits here for the actor, a bounded while
+        self.awaiting: Dict[str, List[Callable[[], None]]] = {}
+        self.ended: Dict[str, str] = {}  # actor id -> why it is not here (failed __init__, stopped)
         self.owner: Optional[ProcConnection] = None
         self.gate = wire.HandshakeGate()
         self.stop_reason = ""
@@ -210,6 +216,7 @@ class ProcServer:
             while slot.busy or slot.queue:
                 await asyncio.sleep(0.005)
             self.actors.pop(actor_id, None)
+            self._ended(actor_id, f"actor {slot.name} ({actor_id}) on proc {self.rank} was stopped")
             await self._cleanup(slot)
         reply(True, None)
 
@@ -294,8 +301,10 @@ class ProcServer:
     def call(self, reply: Reply, actor_id: str, ep_name: str, bufs: List[bytearray]) -> None:
         slot = self.actors.get(actor_id)
         if slot is None:
-            reply(False, error_payload("supervision", f"actor {actor_id} is not on proc {self.rank} "
-                                       f"of mesh {self.mesh_id} (stopped?)"))
+            if actor_id in self.ended:
+                reply(False, error_payload("supervision", self.ended[actor_id]))
+            else:
+                self._await_actor(actor_id, lambda: self.call(reply, actor_id, ep_name, bufs))
             return
         if slot.failed:
             reply(False, error_payload("supervision", slot.failed))
@@ -372,8 +381,35 @@ class ProcServer:
         return error_payload("actor", f"{where} raised {type(e).__name__}: {e}", traceback.format_exc(),
                              type(e).__name__)
 
+    def _await_actor(self, actor_id: str, retry: Callable[[], None]) -> None:
+        """Holds a call for an actor whose spawn has not arrived yet; after SPAWN_WAIT_S it is
+        answered as for an actor that is not here."""
+        waiting = self.awaiting.setdefault(actor_id, [])
+        waiting.append(retry)
+        if len(waiting) == 1:
+            assert self.loop is not None
+            self.loop.call_later(SPAWN_WAIT_S, self._give_up_on, actor_id)
+
+    def _give_up_on(self, actor_id: str) -> None:
+        if actor_id in self.awaiting and actor_id not in self.actors:
+            self.ended.setdefault(actor_id, f"actor {actor_id} is not on proc {self.rank} of mesh {self.mesh_id} "
+                                            f"(never spawned here, or stopped)")
+            self._release_calls(actor_id)
+
+    def _release_calls(self, actor_id: str) -> None:
+        for retry in self.awaiting.pop(actor_id, []):
+            retry()
+
+    def _ended(self, actor_id: str, why: str) -> None:
+        self.ended[actor_id] = why
+        while len(self.ended) > MAX_ENDED:
+            self.ended.pop(next(iter(self.ended)))
+        self._release_calls(actor_id)
+
     def spawn(self, conn: ProcConnection, rid: int, actor_id: str, name: str, point: Point,
               bufs: List[bytearray]) -> None:
+        """Creates the actor; a failing constructor is answered to the spawner (its mesh's
+        ``initialized``) and, as in Monarch, every call to the actor then fails with why."""
         inst_ctx = Context(ActorInstance(name, actor_id, point, self.rank, self.mesh_id, self.host_index))
         slot = ActorSlot(actor_id, name, "?", None, inst_ctx, {})
         try:
@@ -382,20 +418,25 @@ class ProcServer:
             slot.endpoints = endpoints_of(cls)
             instance = cls.__new__(cls)
         except Exception as e:
-            conn.reply(rid, False, error_payload("actor", f"could not create actor {name!r} on proc {self.rank}: "
-                                                 f"{type(e).__name__}: {e}", traceback.format_exc(), type(e).__name__))
+            err = error_payload("actor", f"could not create actor {name!r} on proc {self.rank}: "
+                                f"{type(e).__name__}: {e}", traceback.format_exc(), type(e).__name__)
+            self._ended(actor_id, f"{err[1]}: the actor was never created")
+            conn.reply(rid, False, err)
             return
         token = current_context.set(inst_ctx)
         try:
             instance.__init__(*args, **kwargs)
         except Exception as e:
-            conn.reply(rid, False, self._error(slot, "__init__", e))
+            err = self._error(slot, "__init__", e)
+            self._ended(actor_id, f"{err[1]}: the actor was never created")
+            conn.reply(rid, False, err)
             return
         finally:
             current_context.reset(token)
         slot.instance = instance
         self.actors[actor_id] = slot
         conn.reply(rid, True, None)
+        self._release_calls(actor_id)
 
     # ------------------------------------------------------------ multicast through a tree
 
