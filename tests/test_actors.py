@@ -20,7 +20,7 @@ from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
-from tests.fixtures.actors import Bad, Blaster, Caller, Cleaner, Counter, Fatal, MonarchCleaner, Owner, Responder
+from tests.fixtures.actors import Bad, Blaster, Caller, Cleaner, Counter, Fatal, MonarchCleaner, Owner, Responder, Spawner
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -320,6 +320,24 @@ def test_explicit_response_ports_and_port_exceptions(procs):
         rx.recv().get(timeout=30)
     with pytest.raises(NotImplementedError, match="propagate"):
         endpoint(propagate=lambda x: x)
+
+
+def test_this_proc_in_an_actor_and_in_the_controller(procs):
+    """this_proc() (Monarch's): in an actor, its own proc (a child spawned there runs in the
+    same process); in the controller, one proc of its own, kept for later calls; no dims."""
+    from monarch_torchx.actor import this_proc
+
+    s = procs.spawn("sp", Spawner).slice(hosts=1, procs=0)
+    value, child_pid, my_pid = s.child.call_one().get(timeout=60)
+    assert value == 6 and child_pid == my_pid
+    mine = this_proc()
+    try:
+        assert mine.sizes == {} and this_proc() is mine
+        c = mine.spawn("c", Counter, 1)
+        assert c.incr.call_one(1).get(timeout=30) == 2
+    finally:
+        mine.stop().get()
+        stop_pool("local")  # this_host()'s pool, made for the controller's proc
 
 
 def test_tree_multicast_keeps_order(procs, monkeypatch):

@@ -224,6 +224,31 @@ def this_host() -> HostMesh:
     return HostMesh(name, [h for h in pool.hosts if h is not None])
 
 
+def this_proc() -> "ProcMesh":
+    """A proc to spawn actors on here, with no dims (as Monarch's ``this_proc()``). In an actor:
+    the actor's own proc. In a controller: one proc of its own on ``this_host()``, started on
+    first use and kept for the controller's life (not the controller's process: see the
+    differences in docs/actors.md)."""
+    me = session.this_proc()
+    if me is not None:
+        state_dir = os.environ.get("MONARCH_TORCHX_STATE_DIR", "")
+        h = Registry.read_host(state_dir, me.host_index) if state_dir else None
+        if h is None or me.addr is None:
+            raise MonarchError("this proc's host agent address is unknown")
+        import socket
+
+        agent = ProcAddr(h.host, h.port, h.identity(me.pool).decode())
+        ref = ProcRef(me.addr, me.mesh_id, me.rank, me.host_index, socket.gethostname(), agent)
+        return ProcMesh(me.pool, [ref], Shape((), (), (0,)), me.mesh_id)
+    mine = session.controller_proc()
+    if mine is not None and mine._procs[0].addr in session.hub_for(mine.pool).dead:
+        mine = None  # it died (or its pool was replaced): start another
+    if mine is None:
+        mine = this_host().spawn_procs(per_host={"procs": 1}).slice(hosts=0, procs=0)
+        session.set_controller_proc(mine)
+    return mine
+
+
 # ---------------------------------------------------------------- procs
 
 

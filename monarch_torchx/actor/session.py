@@ -31,7 +31,7 @@ class ProcIdentity:
 _lock = threading.Lock()
 _hubs: Dict[str, Hub] = {}
 _proc: Dict[str, ProcIdentity] = {}
-_current: Dict[str, str] = {}
+_current: Dict[str, Any] = {}
 
 
 def set_proc(ident: ProcIdentity) -> None:
@@ -40,6 +40,15 @@ def set_proc(ident: ProcIdentity) -> None:
 
 def this_proc() -> Optional[ProcIdentity]:
     return _proc.get("self")
+
+
+def controller_proc() -> Any:
+    """The controller's own proc (``this_proc()`` outside an actor), once started."""
+    return _current.get("this_proc")
+
+
+def set_controller_proc(mesh: Any) -> None:
+    _current["this_proc"] = mesh
 
 
 def set_current_pool(pool: str) -> None:
