@@ -35,11 +35,11 @@ def main() -> None:
     ap.add_argument("--pool", help="a warm pool to run on (default: this_host())")
     ap.add_argument("--volleys", type=int, default=1000)
     args = ap.parse_args()
-    hosts = attach(args.pool) if args.pool else this_host()
+    hosts = attach(args.pool).slice(hosts=0) if args.pool else this_host()  # one host, no dims
     procs = hosts.spawn_procs(per_host={"procs": 2})
     players = procs.spawn("players", Player)
-    ping = players.slice(hosts=0, procs=0)
-    pong = players.slice(hosts=0, procs=1)
+    ping = players.slice(procs=0)
+    pong = players.slice(procs=1)
     t0 = time.perf_counter()
     hits = ping.hit.call_one(pong, args.volleys).get()
     dt = time.perf_counter() - t0

@@ -72,7 +72,8 @@ def main() -> None:
     args = ap.parse_args()
     hosts = attach(args.pool) if args.pool else this_host()
     gen_procs = hosts.spawn_procs(per_host={"procs": args.generators})
-    trainer_procs = hosts.slice(hosts=0).spawn_procs(per_host={"procs": 1})
+    first_host = hosts.slice(hosts=0) if "hosts" in hosts.sizes else hosts  # (this_host() has no dims)
+    trainer_procs = first_host.spawn_procs(per_host={"procs": 1})
     generators = gen_procs.spawn("generators", Generator)
     trainer = trainer_procs.spawn("trainer", Trainer, lr=0.1)
     for _ in range(args.rounds):

@@ -417,9 +417,10 @@ def _state(pid: int) -> str:
 
 def test_this_host_is_a_warm_local_pool(home):
     h = this_host()
-    assert h.sizes == {"hosts": 1}
+    assert h.sizes == {}  # as Monarch's: no dims, so per_host names them all
     pm = h.spawn_procs(per_host={"gpus": 2})
-    assert pm.sizes == {"hosts": 1, "gpus": 2}
+    assert pm.sizes == {"gpus": 2}
+    assert this_host().spawn_procs(per_host={"hosts": 1, "gpus": 1}).sizes == {"hosts": 1, "gpus": 1}
     assert list(pm.spawn("c", Counter).incr.call().get().values()) == [1, 1]
     pm.stop().get()
     assert this_host().pool == h.pool and Registry().get("local") is not None

@@ -206,14 +206,16 @@ def attach(pool: str) -> HostMesh:
 
 
 def this_host() -> HostMesh:
-    """This machine: in an actor, its own host; elsewhere, the warm ``monarch_local`` pool ``local``."""
+    """This machine, as a HostMesh with no dims (as Monarch's): in an actor, its own host;
+    elsewhere, the warm ``monarch_local`` pool ``local``. ``spawn_procs(per_host={...})`` on it
+    gives exactly the per-host dims."""
     me = session.this_proc()
     if me is not None:
         state_dir = os.environ.get("MONARCH_TORCHX_STATE_DIR", "")
         h = Registry.read_host(state_dir, me.host_index) if state_dir else None
         if h is None:
             raise MonarchError("this proc's host agent address is unknown")
-        return HostMesh(me.pool, [h])
+        return HostMesh(me.pool, [h]).slice(hosts=0)
     from ..pool import PoolRequest, ensure_pool
 
     name = os.environ.get("MONARCH_TORCHX_LOCAL_POOL", LOCAL_POOL)
@@ -221,7 +223,7 @@ def this_host() -> HostMesh:
                        defaults={"hosts": 1, "preload": "torch"})
     session.hub_for(name, pool.record.credentials)
     session.set_current_pool(name)
-    return HostMesh(name, [h for h in pool.hosts if h is not None])
+    return HostMesh(name, [h for h in pool.hosts if h is not None]).slice(hosts=0)
 
 
 def this_proc() -> "ProcMesh":
@@ -244,7 +246,7 @@ def this_proc() -> "ProcMesh":
     if mine is not None and mine._procs[0].addr in session.hub_for(mine.pool).dead:
         mine = None  # it died (or its pool was replaced): start another
     if mine is None:
-        mine = this_host().spawn_procs(per_host={"procs": 1}).slice(hosts=0, procs=0)
+        mine = this_host().spawn_procs(per_host={"procs": 1}).slice(procs=0)
         session.set_controller_proc(mine)
     return mine
 
