@@ -39,6 +39,16 @@ def _forced() -> Optional[str]:
     return v
 
 
+def is_ibverbs_available() -> bool:
+    """Whether this host can move buffers with ibverbs (a device and pyverbs), as Monarch's."""
+    return bool(ibverbs.available())
+
+
+def is_rdma_available() -> bool:
+    """Whether RDMABuffer works here: always, over tcp and cma where there is no ibverbs device."""
+    return True
+
+
 def get_rdma_backend() -> str:
     """The backend this process uses for buffers on other hosts: ``ibverbs`` or ``tcp``
     (``cma`` when forced; same-host transfers use cma automatically)."""

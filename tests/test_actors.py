@@ -340,6 +340,28 @@ def test_this_proc_in_an_actor_and_in_the_controller(procs):
         stop_pool("local")  # this_host()'s pool, made for the controller's proc
 
 
+def test_smaller_monarch_apis(procs, home, pool_name):
+    """current_actor_name(), Channel.open(once=True), ProcMesh.initialized, is_ibverbs_available(),
+    HostMesh.shutdown() (stops the pool) as in Monarch."""
+    from monarch_torchx.actor import current_actor_name
+    from monarch_torchx.rdma import is_ibverbs_available
+
+    assert current_actor_name() == "client"
+    c = procs.spawn("named", Counter)
+    assert procs.initialized.get(timeout=1) is None
+    port, rx = Channel.open(once=True)
+    c.slice(hosts=0, procs=0).send_rank.broadcast(port)
+    c.slice(hosts=1, procs=1).send_rank.broadcast(port)
+    first = rx.recv().get(timeout=30)
+    assert first in (0, 3)
+    with pytest.raises(TimeoutError):
+        rx.recv().get(timeout=1)  # a once-port takes one value
+    assert isinstance(is_ibverbs_available(), bool)
+    ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}))
+    attach(pool_name).shutdown().get(timeout=60)
+    assert Registry().get(pool_name) is None
+
+
 def test_tree_multicast_keeps_order(procs, monkeypatch):
     monkeypatch.setattr(mesh_mod, "TREE_MIN", 2)
     monkeypatch.setattr(mesh_mod, "FANOUT", 2)

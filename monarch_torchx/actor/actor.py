@@ -110,5 +110,10 @@ def current_rank() -> Point:
     return current_context.get().actor_instance.rank
 
 
+def current_actor_name() -> str:
+    """The running actor's name (as given to spawn; "client" in a controller), as Monarch's."""
+    return current_context.get().actor_instance.name
+
+
 def current_size() -> Dict[str, int]:
     return dict(current_context.get().actor_instance.rank.extent)

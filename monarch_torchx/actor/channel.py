@@ -95,8 +95,9 @@ def _settle(fut: Future[Any], value: Any) -> None:
 
 class Channel(Generic[T]):
     @staticmethod
-    def open(pool: Optional[str] = None) -> Tuple[Port[T], PortReceiver[T]]:
-        """A new port of this process. ``pool`` defaults to the pool last attached here."""
+    def open(once: bool = False, pool: Optional[str] = None) -> Tuple[Port[T], PortReceiver[T]]:
+        """A new port of this process. ``pool`` defaults to the pool last attached here.
+        ``once`` (Monarch's once-port): the port takes one value; later ones are dropped."""
         me = session.this_proc()
         pool = pool or (me.pool if me is not None else session.current_pool())
         if pool is None:
@@ -111,5 +112,12 @@ class Channel(Generic[T]):
         assert addr is not None
         port_id = uuid.uuid4().hex
         receiver: PortReceiver[T] = PortReceiver(hub_driven, loop_thread)
-        hub.ports[port_id] = receiver._deliver
+        if once:
+            def deliver_once(value: Any) -> None:
+                if hub.ports.pop(port_id, None) is None:
+                    return
+                receiver._deliver(value)
+            hub.ports[port_id] = deliver_once
+        else:
+            hub.ports[port_id] = receiver._deliver
         return Port(pool, addr, port_id), receiver

@@ -104,6 +104,23 @@ class HostMesh(_MeshTrait):
     def __repr__(self) -> str:
         return f"HostMesh(pool={self.pool!r}, {self.extent!r})"
 
+    def shutdown(self) -> "Future[None]":
+        """Ends the hosts, as Monarch's ``HostMesh.shutdown()``: here, stops the warm pool (its
+        agents, procs and allocation). The Future completes once it is stopped."""
+        from ..pool import stop_pool
+
+        done: Future[None] = Future()
+
+        def stop() -> None:
+            try:
+                stop_pool(self.pool)
+            except Exception as e:  # a pool already gone, or an engine error: reported to the caller
+                done.set_exception(e)
+            else:
+                done.set_result(None)
+        threading.Thread(target=stop, name="monarch-torchx-shutdown", daemon=True).start()
+        return done
+
     def spawn_procs(self, per_host: Optional[Dict[str, int]] = None, *, env: Optional[Dict[str, str]] = None,
                     name: str = "procs") -> "ProcMesh":
         """Starts ``per_host`` procs on every host of this mesh (from the agents' warm fork servers)."""
@@ -268,6 +285,14 @@ class ProcMesh(_MeshTrait):
 
     def __repr__(self) -> str:
         return f"ProcMesh(pool={self.pool!r}, {self.extent!r})"
+
+    @property
+    def initialized(self) -> "Future[None]":
+        """As Monarch's: completes once the procs are up. Here spawn_procs returns with them up
+        (warm fork servers), so it is complete already."""
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
     def __reduce__(self) -> Any:
         return ProcMesh, (self.pool, self._procs, self._shape, self.mesh_id)
