@@ -20,7 +20,7 @@ from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
-from tests.fixtures.actors import Bad, Blaster, Caller, Cleaner, Counter, Fatal, MonarchCleaner, Owner, Responder, Spawner
+from tests.fixtures.actors import Bad, Blaster, Caller, Cleaner, Counter, Fatal, MonarchCleaner, FlakyOwner, Owner, Responder, Spawner
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -360,6 +360,30 @@ def test_smaller_monarch_apis(procs, home, pool_name):
     ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}))
     attach(pool_name).shutdown().get(timeout=60)
     assert Registry().get(pool_name) is None
+
+
+def test_a_failing_broadcast_is_a_supervision_event(procs, monkeypatch):
+    """As in Monarch: an endpoint called by broadcast that raises fails the actor (later calls
+    get SupervisionError). Its owner hears of it: a controller through unhandled_fault_hook (the
+    default would end it with exit code 1), an owning actor through __supervise__."""
+    import monarch_torchx.actor as actor_pkg
+
+    seen = []
+    monkeypatch.setattr(actor_pkg, "unhandled_fault_hook", seen.append)
+    c = procs.spawn("flaky", Counter)
+    one = c.slice(hosts=0, procs=1)
+    one.boom.broadcast()
+    with pytest.raises(SupervisionError, match="boom from the actor.*has failed"):
+        one.incr.call_one().get(timeout=30)
+    wait_for(lambda: seen or c.slice(hosts=1, procs=0).incr.call_one().get(timeout=30) and seen, timeout=30,
+             what="the controller's fault hook")
+    assert seen[0].mesh_name == "flaky" and seen[0].rank == 1 and "boom from the actor" in seen[0].report()
+    assert c.slice(hosts=1, procs=0).incr.call_one().get(timeout=30) >= 1  # the others serve on
+    owner = procs.spawn("owner", FlakyOwner).slice(hosts=1, procs=1)
+    owner.break_child.call_one().get(timeout=30)
+    msgs = wait_for(lambda: owner.seen.call_one().get(timeout=30), timeout=30, what="__supervise__")
+    assert msgs[0].startswith("flaky_child:") and "boom" in msgs[0]
+    assert not seen[1:]  # handled by the owning actor: the controller heard nothing more
 
 
 def test_tree_multicast_keeps_order(procs, monkeypatch):

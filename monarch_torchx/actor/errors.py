@@ -26,16 +26,24 @@ class SupervisionError(RuntimeError):
 
 @dataclass
 class MeshFailure:
-    """Handed to an owner's ``__supervise__``: which proc of which mesh died, and how."""
+    """Handed to an owner's ``__supervise__`` (or, in a controller, ``unhandled_fault_hook``):
+    which member of which mesh failed, and how: a proc that died, or an actor that failed."""
 
     mesh: str
     rank: int
     host: int
     hostname: str
     reason: str
+    mesh_name: str = ""  # the actor mesh's name (as spawned) when an actor failed; "" for a proc
+    actor: str = ""  # the failed actor's id, when it was an actor
 
     def __str__(self) -> str:
-        return f"proc {self.rank} of mesh {self.mesh} on host {self.host} ({self.hostname}) {self.reason}"
+        what = f"actor {self.mesh_name} (rank {self.rank})" if self.actor else f"proc {self.rank}"
+        return f"{what} of mesh {self.mesh} on host {self.host} ({self.hostname}) {self.reason}"
+
+    def report(self) -> str:
+        """A user-readable report of the failure, as Monarch's ``MeshFailure.report()``."""
+        return str(self)
 
 
 def error_payload(kind: str, message: str, tb: str = "", etype: str = "") -> Tuple[str, str, str, str]:

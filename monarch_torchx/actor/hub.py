@@ -346,6 +346,8 @@ class Hub:
                     from .errors import remote_error
 
                     fut.set_exception(remote_error(value))
+        elif kind == "fault":  # an actor we spawned failed with nobody to tell (a broadcast raised)
+            self._fault(header[1], bufs)
         elif kind == "port":
             deliver = self.ports.get(header[1])
             if deliver is not None:
@@ -355,6 +357,23 @@ class Hub:
                     log.warning("dropped a message for port %s: %s", header[1], e)
         if self._waiters:
             self.notify()
+
+    def _fault(self, owner_actor: str, bufs: List[bytearray]) -> None:
+        """An actor this process spawned failed: to the spawning actor's ``__supervise__`` in a
+        proc, to ``unhandled_fault_hook`` in a controller."""
+        from . import session, supervision
+        from .errors import MeshFailure
+
+        try:
+            failure = MeshFailure(**unpack(bufs))
+        except Exception as e:
+            log.warning("dropped a malformed supervision event: %s", e)
+            return
+        me = session.this_proc()
+        if me is not None and me.on_child_lost is not None and owner_actor:
+            me.on_child_lost(owner_actor, failure)
+        else:
+            supervision.dispatch(failure)
 
     def notify(self) -> None:
         with self._cond:

@@ -331,13 +331,14 @@ class ProcMesh(_MeshTrait):
         except Exception as e:
             raise TypeError(f"cannot send {actor_class.__name__} or its arguments to the procs: {e}") from None
         actor_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        owner = context().actor_instance.actor_id if session.this_proc() is not None else ""  # who supervises it
         rid = hub.next_id()
         futs = []
         for point, base in zip(self._shape.points(), self._shape.ranks):
             ref = self._procs[base]
             fut: Future[Any] = Future(hub)
             header = ("spawn", rid, hub.sender, hub.next_seq(ref.addr), actor_id, name, point.coords,
-                      self._shape.labels, self._shape.sizes)
+                      self._shape.labels, self._shape.sizes, owner)
             _send(hub, ref.addr, encode(header, packed=packed), rid, fut)
             futs.append(fut)
         mesh: ActorMesh[Any] = ActorMesh(self.pool, self._procs, self._shape, actor_id, name, actor_class.__name__,

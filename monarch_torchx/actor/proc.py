@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 import traceback
@@ -51,6 +52,7 @@ class ActorSlot:
     queue: Deque[Tuple[Endpoint, tuple, dict, Reply]] = field(default_factory=collections.deque)
     busy: bool = False
     failed: Optional[str] = None
+    owner: Optional[Tuple[Any, str]] = None  # (connection of the process that spawned it, its actor id or "")
 
 
 class ResponsePort:
@@ -234,8 +236,9 @@ class ProcServer:
         elif kind == "cast":
             self.cast(conn, *header[1:], bufs)
         elif kind == "spawn":
-            _, rid, sender, seq, actor_id, name, coords, labels, sizes = header
-            self.ordered(sender, seq, lambda: self.spawn(conn, rid, actor_id, name, Point(coords, Extent(labels, sizes)), bufs))
+            _, rid, sender, seq, actor_id, name, coords, labels, sizes, owner = header
+            self.ordered(sender, seq, lambda: self.spawn(conn, rid, actor_id, name, Point(coords, Extent(labels, sizes)),
+                                                         bufs, owner))
         elif kind == "stop_actor":
             _, rid, sender, seq, actor_id = header
             self.ordered(sender, seq, lambda: self._begin_actor_stop(self._replier(conn, rid, actor_id, "stop"), actor_id))
@@ -293,10 +296,34 @@ class ProcServer:
         if rid and conn is not None:
             return lambda ok, value: conn.reply(rid, ok, value)
 
-        def report(ok: bool, value: Any) -> None:  # a broadcast has nobody to tell
+        def report(ok: bool, value: Any) -> None:  # a broadcast has nobody to tell: it fails the actor
             if not ok:
                 print(f"broadcast to {actor_id}.{ep} failed: {value[1]}\n{value[2]}", file=sys.stderr)
+                if value[0] == "actor":
+                    self._actor_failed(actor_id, value[1])
         return report
+
+    def _actor_failed(self, actor_id: str, why: str) -> None:
+        """As in Monarch, an actor whose endpoint raised with no caller to tell has failed: later
+        calls are refused, and its owner (the process that spawned it) gets a supervision event."""
+        slot = self.actors.get(actor_id)
+        if slot is None or slot.failed:
+            return
+        slot.failed = f"{why}: the actor has failed (an endpoint called by broadcast raised)"
+        if slot.owner is None:
+            return
+        conn, owner_actor = slot.owner
+        failure = {"mesh": slot.ctx.actor_instance.mesh_id, "rank": slot.ctx.actor_instance.rank.rank,
+                   "host": self.host_index, "hostname": socket.gethostname(), "reason": why,
+                   "mesh_name": slot.name, "actor": actor_id}
+        try:
+            parts = encode(("fault", owner_actor), failure)
+            if isinstance(conn, ProcConnection):
+                conn.write(parts)
+            else:  # spawned from this same proc (this_proc()): no socket between them
+                session.hub_for(self.pool)._fault(owner_actor, [bytearray(memoryview(x).cast("B")) for x in parts[2:]])
+        except Exception as e:  # the owner is gone: nobody to tell
+            log.warning("could not report the failure of %s to its owner: %s", actor_id, e)
 
     def call(self, reply: Reply, actor_id: str, ep_name: str, bufs: List[bytearray]) -> None:
         slot = self.actors.get(actor_id)
@@ -407,7 +434,7 @@ class ProcServer:
         self._release_calls(actor_id)
 
     def spawn(self, conn: ProcConnection, rid: int, actor_id: str, name: str, point: Point,
-              bufs: List[bytearray]) -> None:
+              bufs: List[bytearray], owner: str = "") -> None:
         """Creates the actor; a failing constructor is answered to the spawner (its mesh's
         ``initialized``) and, as in Monarch, every call to the actor then fails with why."""
         inst_ctx = Context(ActorInstance(name, actor_id, point, self.rank, self.mesh_id, self.host_index))
@@ -434,6 +461,7 @@ class ProcServer:
         finally:
             current_context.reset(token)
         slot.instance = instance
+        slot.owner = (conn, owner)
         self.actors[actor_id] = slot
         conn.reply(rid, True, None)
         self._release_calls(actor_id)
