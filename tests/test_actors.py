@@ -386,6 +386,28 @@ def test_a_failing_broadcast_is_a_supervision_event(procs, monkeypatch):
     assert not seen[1:]  # handled by the owning actor: the controller heard nothing more
 
 
+def test_send_with_a_port_and_a_selection(procs):
+    """Monarch's send(endpoint, args, kwargs, port=, selection=): every actor's answer (or its
+    error) goes to the port; "choose" sends to one actor; without a port it is fire and forget."""
+    from monarch_torchx.actor import send
+
+    c = procs.spawn("sc", Counter, 10)
+    port, rx = Channel.open()
+    send(c.incr, (1,), port=port)
+    assert sorted(rx.recv().get(timeout=30) for _ in range(4)) == [11] * 4
+    send(c.incr, (), {"by": 5}, port=port, selection="choose")
+    assert rx.recv().get(timeout=30) == 16
+    pending = rx.recv()
+    with pytest.raises(TimeoutError):
+        pending.get(timeout=0.5)  # one actor only (the future stays pending: it takes the next value)
+    bad = c.slice(hosts=0, procs=0)
+    send(bad.incr, ("not an int",), port=port)
+    with pytest.raises(ActorError, match="TypeError"):
+        pending.get(timeout=30)
+    with pytest.raises(ValueError, match="selection"):
+        send(c.incr, (), selection="some")
+
+
 def test_tree_multicast_keeps_order(procs, monkeypatch):
     monkeypatch.setattr(mesh_mod, "TREE_MIN", 2)
     monkeypatch.setattr(mesh_mod, "FANOUT", 2)

@@ -10,11 +10,11 @@ from .channel import Channel, Port, PortReceiver
 from .errors import ActorError, MeshFailure, SupervisionError
 from .future import Future
 from .supervision import unhandled_fault_hook
-from .mesh import Accumulator, ActorMesh, EndpointMesh, HostMesh, ProcMesh, attach, this_host, this_proc
+from .mesh import Accumulator, ActorMesh, EndpointMesh, HostMesh, ProcMesh, attach, send, this_host, this_proc
 from .shape import Extent, Point, Shape, ValueMesh
 
 __all__ = [
     "Accumulator", "Actor", "ActorError", "ActorInstance", "ActorMesh", "Channel", "Context", "EndpointMesh",
     "Extent", "Future", "HostMesh", "MeshFailure", "Point", "Port", "PortReceiver", "ProcMesh", "Shape",
-    "SupervisionError", "ValueMesh", "attach", "context", "current_actor_name", "current_rank", "current_size", "endpoint", "this_host", "this_proc", "unhandled_fault_hook",
+    "SupervisionError", "ValueMesh", "attach", "context", "current_actor_name", "current_rank", "current_size", "endpoint", "send", "this_host", "this_proc", "unhandled_fault_hook",
 ]

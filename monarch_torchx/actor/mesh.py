@@ -583,8 +583,37 @@ class EndpointMesh:
         return gen()
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
-        """Fire and forget to every actor of the mesh (failures go to the actors' stderr)."""
+        """Fire and forget to every actor of the mesh (a failure is a supervision event)."""
         self._send(range(len(self._mesh._shape)), args, kwargs, False)
+
+    def _send_to_port(self, positions: Sequence[int], args: tuple, kwargs: dict, port: Any) -> None:
+        """Each actor at ``positions`` answers to ``port`` (a value, or its error) instead of to us."""
+        m = self._mesh
+        hub = session.hub_for(m.pool)
+        packed = self._pack(args, kwargs)
+        for p in positions:
+            ref = m._procs[m._shape.ranks[p]]
+            header = ("call_port", hub.sender, hub.next_seq(ref.addr), m._actor_id, self._name, port)
+            _send(hub, ref.addr, encode(header, packed=packed), 0, None)
+
+
+def send(endpoint: "EndpointMesh", args: tuple, kwargs: Optional[Dict[str, Any]] = None, port: Any = None,
+         selection: str = "all") -> None:
+    """Monarch's ``send``: calls ``endpoint`` on every actor (``selection="all"``) or on one
+    (``"choose"``), answers going to ``port`` (each actor's value, or its error: the receiver's
+    ``recv()`` raises it), or nowhere (fire and forget) without one."""
+    if selection not in ("all", "choose"):
+        raise ValueError(f"selection must be 'all' or 'choose', not {selection!r}")
+    m = endpoint._mesh
+    positions: Sequence[int] = range(len(m._shape))
+    if selection == "choose":
+        hub = session.hub_for(m.pool)
+        positions = [min((hub.pending_count(m._procs[b].addr), random.random(), i)
+                         for i, b in enumerate(m._shape.ranks))[2]]
+    if port is None:
+        endpoint._send(positions, tuple(args), dict(kwargs or {}), False)
+    else:
+        endpoint._send_to_port(positions, tuple(args), dict(kwargs or {}), port)
 
 
 def _fan_in(per_rank: Dict[int, Future[Any]], ranks: List[int], fut: Future[Any]) -> None:

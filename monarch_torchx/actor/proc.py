@@ -239,6 +239,9 @@ class ProcServer:
             _, rid, sender, seq, actor_id, name, coords, labels, sizes, owner = header
             self.ordered(sender, seq, lambda: self.spawn(conn, rid, actor_id, name, Point(coords, Extent(labels, sizes)),
                                                          bufs, owner))
+        elif kind == "call_port":  # Monarch's send(..., port=): the answer goes to that port
+            _, sender, seq, actor_id, ep, port = header
+            self.ordered(sender, seq, lambda: self.call(self._port_replier(port), actor_id, ep, bufs))
         elif kind == "stop_actor":
             _, rid, sender, seq, actor_id = header
             self.ordered(sender, seq, lambda: self._begin_actor_stop(self._replier(conn, rid, actor_id, "stop"), actor_id))
@@ -302,6 +305,16 @@ class ProcServer:
                 if value[0] == "actor":
                     self._actor_failed(actor_id, value[1])
         return report
+
+    def _port_replier(self, port: Any) -> Reply:
+        from .channel import _PortError
+
+        def answer(ok: bool, value: Any) -> None:
+            try:
+                port.send(value if ok else _PortError(tuple(value)))
+            except Exception as e:  # the port's owner is gone
+                log.warning("could not answer to port %s: %s", getattr(port, "port_id", port), e)
+        return answer
 
     def _actor_failed(self, actor_id: str, why: str) -> None:
         """As in Monarch, an actor whose endpoint raised with no caller to tell has failed: later
