@@ -20,7 +20,7 @@ from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
-from tests.fixtures.actors import Bad, Blaster, Caller, Cleaner, Counter, Fatal, MonarchCleaner, FlakyOwner, Owner, Responder, Spawner
+from tests.fixtures.actors import Bad, Blaster, Caller, Cleaner, Counter, Fatal, MonarchCleaner, FlakyOwner, Gate, Owner, Responder, Spawner
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -406,6 +406,14 @@ def test_send_with_a_port_and_a_selection(procs):
         pending.get(timeout=30)
     with pytest.raises(ValueError, match="selection"):
         send(c.incr, (), selection="some")
+
+
+def test_concurrent_endpoints_run_beside_each_other(procs):
+    """@concurrent_endpoint (Monarch's): a call that waits does not hold up the next one."""
+    g = procs.spawn("gate", Gate).slice(hosts=0, procs=0)
+    waiting = g.wait_open.call_one()
+    g.open.call_one().get(timeout=30)
+    assert waiting.get(timeout=30) == "through"
 
 
 def test_tree_multicast_keeps_order(procs, monkeypatch):

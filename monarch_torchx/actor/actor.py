@@ -16,13 +16,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Endpoint:
     """Marks a method as callable through a mesh. On an instance it is the plain method."""
 
-    def __init__(self, fn: Callable[..., Any], explicit_response_port: bool = False):
+    def __init__(self, fn: Callable[..., Any], explicit_response_port: bool = False, concurrent: bool = False):
         self.fn = fn
         self.name = fn.__name__
         self.is_async = inspect.iscoroutinefunction(fn)
         # Monarch's explicit_response_port: the method's first argument (after self) is the port
         # its answer goes to (port.send(value) or port.exception(exc)); what it returns is ignored
         self.explicit_response_port = explicit_response_port
+        self.concurrent = concurrent  # runs at once, beside the actor's other messages (concurrent_endpoint)
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -53,6 +54,15 @@ def endpoint(fn: Any = None, *, explicit_response_port: bool = False, propagate:
     if fn is None:
         return lambda f: Endpoint(f, explicit_response_port)
     return Endpoint(fn, explicit_response_port)
+
+
+def concurrent_endpoint(fn: Any = None, *, explicit_response_port: bool = False) -> Any:
+    """As Monarch's ``@concurrent_endpoint``: calls to it do not wait for the actor's other
+    messages to finish (an ``async def`` one runs as its own task; many may be in flight at once),
+    so the actor's state must be safe under that."""
+    if fn is None:
+        return lambda f: Endpoint(f, explicit_response_port, concurrent=True)
+    return Endpoint(fn, explicit_response_port, concurrent=True)
 
 
 def endpoints_of(cls: type) -> Dict[str, Endpoint]:

@@ -367,6 +367,13 @@ class ProcServer:
             port = ResponsePort(reply, lambda e: self._error(slot, ep.name, e))
             args = (port, *args)
             reply = port.returned
+        if ep.concurrent:
+            if ep.is_async:
+                assert self.loop is not None
+                self.loop.create_task(self._run_concurrent(slot, ep, args, kwargs, reply))
+            else:
+                reply(*self._run_sync(slot, ep, args, kwargs))
+            return
         if not slot.busy and not ep.is_async:
             reply(*self._run_sync(slot, ep, args, kwargs))
             return
@@ -396,6 +403,18 @@ class ProcServer:
                 reply(*res)
         finally:
             slot.busy = False
+
+    async def _run_concurrent(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply) -> None:
+        token = current_context.set(slot.ctx)
+        try:
+            res: Tuple[bool, Any] = (True, await ep.fn(slot.instance, *args, **kwargs))
+        except (Exception, asyncio.CancelledError) as e:
+            res = (False, self._error(slot, ep.name, e))
+        except BaseException as e:
+            res = (False, self._fatal(slot, ep.name, e))
+        finally:
+            current_context.reset(token)
+        reply(*res)
 
     def _run_sync(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict) -> Tuple[bool, Any]:
         token = current_context.set(slot.ctx)
