@@ -20,7 +20,7 @@ from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
-from tests.fixtures.actors import Bad, Blaster, Caller, Cleaner, Counter, Fatal, MonarchCleaner, FlakyOwner, Gate, Owner, Responder, Spawner
+from tests.fixtures.actors import Aborter, Bad, Blaster, Caller, Cleaner, Counter, Fatal, MonarchCleaner, FlakyOwner, Gate, Owner, Responder, Spawner
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -414,6 +414,30 @@ def test_concurrent_endpoints_run_beside_each_other(procs):
     waiting = g.wait_open.call_one()
     g.open.call_one().get(timeout=30)
     assert waiting.get(timeout=30) == "through"
+
+
+def test_abort_proc_and_bootstrap(pool, procs, monkeypatch):
+    """actor_instance.abort() fails the actor with a supervision event; actor_instance.proc is its
+    own proc; spawn_procs(bootstrap=fn) runs fn in every proc first, and a failing one fails it."""
+    import monarch_torchx.actor as actor_pkg
+    from tests.fixtures.actors import failing_bootstrap, mark_env
+
+    seen = []
+    monkeypatch.setattr(actor_pkg, "unhandled_fault_hook", seen.append)
+    a = procs.spawn("ab", Aborter).slice(hosts=0, procs=0)
+    assert a.proc_sizes.call_one().get(timeout=30) == {}
+    a.quit.call_one().get(timeout=30)
+    with pytest.raises(SupervisionError, match="aborted: giving up"):
+        a.proc_sizes.call_one().get(timeout=30)
+    assert seen and "giving up" in seen[0].report()
+    hosts = attach(pool[0])
+    booted = hosts.spawn_procs(per_host={"procs": 1}, bootstrap=mark_env)
+    try:
+        assert set(booted.spawn("c", Counter).env.call("BOOTSTRAPPED").get(timeout=30).values()) == {"yes"}
+    finally:
+        booted.stop().get()
+    with pytest.raises(ActorError, match="bootstrap broke"):
+        hosts.spawn_procs(per_host={"procs": 1}, bootstrap=failing_bootstrap)
 
 
 def test_tree_multicast_keeps_order(procs, monkeypatch):

@@ -101,6 +101,23 @@ class ActorInstance:
     def extent(self) -> Extent:
         return self.rank.extent
 
+    @property
+    def proc(self) -> Any:
+        """The proc this actor runs in, as a ProcMesh with no dims (Monarch's ``actor_instance.proc``)."""
+        from .mesh import this_proc
+
+        return this_proc()
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Fails this actor now, as Monarch's: later calls to it are refused, and its owner gets a
+        supervision event (``__supervise__``, or a controller's ``unhandled_fault_hook``)."""
+        from . import session
+
+        me = session.this_proc()
+        if me is None or me.on_abort is None:
+            raise RuntimeError("abort() is for an actor; the controller has nothing to abort")
+        me.on_abort(self.actor_id, f"actor {self.name} aborted: {reason}")
+
 
 @dataclass
 class Context:

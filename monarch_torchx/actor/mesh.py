@@ -122,8 +122,18 @@ class HostMesh(_MeshTrait):
         return done
 
     def spawn_procs(self, per_host: Optional[Dict[str, int]] = None, *, env: Optional[Dict[str, str]] = None,
-                    name: str = "procs") -> "ProcMesh":
-        """Starts ``per_host`` procs on every host of this mesh (from the agents' warm fork servers)."""
+                    name: str = "procs", bootstrap: Optional[Callable[[], Any]] = None) -> "ProcMesh":
+        """Starts ``per_host`` procs on every host of this mesh (from the agents' warm fork servers).
+        ``bootstrap`` (Monarch's): a function every proc runs before it is handed back (picklable
+        by value, like an actor's arguments); if it raises, spawn_procs does, and the procs stop."""
+        if bootstrap is not None:
+            procs = self.spawn_procs(per_host, env=env, name=name)
+            try:
+                procs.spawn("bootstrap", _Bootstrap, bootstrap).initialized.get(timeout=600)
+            except BaseException:
+                procs.stop().get()
+                raise
+            return procs
         per_host = dict(per_host if per_host is not None else {"procs": 1})
         for dim, n in per_host.items():
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -177,6 +187,13 @@ class HostMesh(_MeshTrait):
                     pass
             raise MonarchError(f"spawn_procs on pool {self.pool!r} failed: could not connect to the procs: {e}") from None
         return mesh
+
+
+class _Bootstrap(Actor):
+    """Runs a spawn_procs(bootstrap=...) function in a proc (its constructor is the run)."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        fn()
 
 
 def _controller_paths() -> List[str]:

@@ -158,7 +158,8 @@ class ProcServer:
         port = server.sockets[0].getsockname()[1]
         addr = ProcAddr(self.advertise, port, self.identity)
         session.set_proc(session.ProcIdentity(self.pool, self.creds, self.host_index, self.mesh_id, self.rank, addr,
-                                              on_child_lost=self.child_lost, loop_thread=threading.get_ident()))
+                                              on_child_lost=self.child_lost, loop_thread=threading.get_ident(),
+                                              on_abort=self.abort_actor))
         hub = session.hub_for(self.pool)
         hub.local = LocalConn(hub, addr, self.on_frame, self.loop, threading.get_ident())
         tmp = self.addr_file + ".tmp"
@@ -315,6 +316,13 @@ class ProcServer:
             except Exception as e:  # the port's owner is gone
                 log.warning("could not answer to port %s: %s", getattr(port, "port_id", port), e)
         return answer
+
+    def abort_actor(self, actor_id: str, reason: str) -> None:
+        """``context().actor_instance.abort(reason)``: the actor fails now, a supervision event for its owner."""
+        if self.loop is not None and threading.get_ident() != session.this_proc().loop_thread:  # type: ignore[union-attr]
+            self.loop.call_soon_threadsafe(self._actor_failed, actor_id, reason)
+        else:
+            self._actor_failed(actor_id, reason)
 
     def _actor_failed(self, actor_id: str, why: str) -> None:
         """As in Monarch, an actor whose endpoint raised with no caller to tell has failed: later

@@ -26,6 +26,7 @@ class ProcIdentity:
     addr: Optional[ProcAddr] = None
     on_child_lost: Optional[Callable[..., Any]] = None  # (owner actor id, MeshFailure)
     loop_thread: Optional[int] = None  # the thread of the proc's event loop
+    on_abort: Optional[Callable[[str, str], None]] = None  # (actor id, reason): actor_instance.abort()
 
 
 _lock = threading.Lock()
