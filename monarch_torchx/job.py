@@ -20,6 +20,7 @@ import os
 import pickle
 import re
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
@@ -27,7 +28,8 @@ from .errors import MonarchError
 
 DEFAULT_JOB_PATH = ".monarch/job_state.pkl"
 
-__all__ = ["DEFAULT_JOB_PATH", "JobState", "JobTrait", "LocalJob", "ProcessJob", "SlurmJob", "job_load", "job_loads"]
+__all__ = ["DEFAULT_JOB_PATH", "ImageSpec", "JobState", "JobTrait", "KubernetesJob", "LocalJob", "ProcessJob",
+           "SlurmJob", "job_load", "job_loads"]
 
 
 class JobState:
@@ -270,6 +272,80 @@ class SlurmJob(JobTrait):
                "exclusive": self.exclusive, "job_dir": self.log_dir,
                "start_timeout": f"{self.job_start_timeout}s" if self.job_start_timeout else None}
         return "monarch_slurm", _pool_name(self.job_name, "slurm"), cfg
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """The image of a Kubernetes mesh's pods and their resources (Monarch's ``ImageSpec``):
+    ``resources`` as Kubernetes writes them, e.g. {"cpu": "2", "memory": "4Gi", "nvidia.com/gpu": 1}."""
+
+    image: str
+    resources: Optional[Dict[str, Any]] = None
+
+
+def _mebibytes(quantity: Any) -> int:
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1 << 20, "K": 1e3 / (1 << 20), "M": 1e6 / (1 << 20),
+             "G": 1e9 / (1 << 20)}
+    text = str(quantity)
+    for unit, mib in units.items():
+        if text.endswith(unit):
+            return max(1, int(float(text[: -len(unit)]) * mib))
+    return max(1, int(int(text) / (1 << 20)))
+
+
+class KubernetesJob(JobTrait):
+    """Meshes of pods in one namespace (a ``monarch_kubernetes`` pool), added with ``add_mesh``."""
+
+    def __init__(self, namespace: str, timeout: Optional[int] = None, kubeconfig: Any = None,
+                 attach_to: Optional[str] = None):
+        super().__init__()
+        if kubeconfig is not None or attach_to:
+            raise MonarchError("KubernetesJob(kubeconfig/attach_to): not supported; set KUBECONFIG (and its "
+                               "current context) where the client runs, with pod IPs reachable from it")
+        self.namespace, self.timeout = namespace, timeout
+        self.meshes: Dict[str, int] = {}
+        self.images: Dict[str, ImageSpec] = {}
+        self.ports: Dict[str, int] = {}
+
+    def add_mesh(self, name: str, num_replicas: int, label_selector: Optional[str] = None,
+                 pod_rank_label: str = "apps.kubernetes.io/pod-index", image_spec: Optional[ImageSpec] = None,
+                 port: int = 26600, pod_template: Any = None, labels: Optional[Dict[str, str]] = None,
+                 annotations: Optional[Dict[str, str]] = None) -> None:
+        """Adds a mesh of ``num_replicas`` pods, as Monarch's. The pods are made for the job (our
+        agents run in them): attaching to pods found by ``label_selector`` is not supported."""
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,62}", name):
+            raise ValueError(f"mesh name {name!r}: lowercase letters and digits, starting with a letter, at most 63")
+        if label_selector or pod_template is not None or labels or annotations:
+            raise MonarchError("add_mesh(label_selector/pod_template/labels/annotations): not supported; "
+                               "the job makes its own pods from image_spec")
+        if image_spec is None:
+            raise MonarchError("add_mesh needs image_spec=ImageSpec(image, resources): the job makes its pods")
+        if self.images and (next(iter(self.images.values())) != image_spec or next(iter(self.ports.values())) != port):
+            raise MonarchError("every mesh of a job here shares one image, resources and port (one pool of pods)")
+        self.meshes[name] = _check_meshes({name: num_replicas})[name]
+        self.images[name], self.ports[name] = image_spec, port
+
+    def _meshes(self) -> Dict[str, int]:
+        if not self.meshes:
+            raise MonarchError("the job has no meshes: add_mesh(name, num_replicas, image_spec=...) first")
+        return self.meshes
+
+    def _pool(self) -> Tuple[str, str, Dict[str, Any]]:
+        spec = next(iter(self.images.values()), None)
+        res = dict(spec.resources or {}) if spec else {}
+        cfg: Dict[str, Any] = {"namespace": self.namespace, "image": spec.image if spec else None,
+                               "port": next(iter(self.ports.values()), None), "access": "pod_ip",
+                               "start_timeout": f"{self.timeout}s" if self.timeout else None}
+        if "cpu" in res:
+            cfg["cpu"] = str(res.pop("cpu"))
+        if "memory" in res:
+            cfg["memMB"] = _mebibytes(res.pop("memory"))
+        if "nvidia.com/gpu" in res:
+            cfg["gpu"] = int(res.pop("nvidia.com/gpu"))
+        if res:
+            raise MonarchError(f"ImageSpec resources {sorted(res)}: only cpu, memory and nvidia.com/gpu here")
+        name = _pool_name("kjob-" + "-".join(self.meshes or {"none": 0}), "k8s").lower().replace("_", "-")
+        return "monarch_kubernetes", name, cfg
 
 
 def job_loads(data: bytes) -> JobTrait:

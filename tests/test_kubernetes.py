@@ -517,3 +517,44 @@ def test_real_cluster_end_to_end(home, pool_name, tmp_path):
     wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", timeout=120, what="echo")
     assert torchx(home, "log", h).stdout.count("e2e") == 2
     torchx(home, "pool", "stop", pool_name)
+
+
+def test_kubernetes_job_meshes_on_pods(cluster, home, tmp_path):
+    """monarch_torchx.job.KubernetesJob (Monarch's): meshes added with add_mesh become one pool of
+    pods; state() of the same spec from a new process reuses them; kill() deletes them."""
+    import sys
+    import textwrap
+
+    from monarch_torchx.job import ImageSpec, KubernetesJob
+
+    from .fixtures.actors import Counter
+
+    port = _free_port()
+    cache = str(tmp_path / "job_state.pkl")
+    job = KubernetesJob(namespace="ml")
+    job.add_mesh("trainers", 2, image_spec=ImageSpec("ghcr.io/example/agent:1", {"cpu": "1", "memory": "1Gi"}),
+                 port=port)
+    state = job.state(cached_path=cache)
+    procs = state.trainers.spawn_procs(per_host={"procs": 1})
+    names = procs.spawn("c", Counter).env.call("HOSTNAME").get(timeout=60)
+    name = job._pool()[1]
+    assert len(set(names.values())) == 2
+    procs.stop().get()
+    rec = Registry(home).get(name)
+    assert rec.spec["namespace"] == "ml" and rec.spec["memMB"] == 1024 and float(rec.spec["cpu"]) == 1.0
+    pods = sorted(cluster.pods)
+    code = textwrap.dedent(f"""
+        from monarch_torchx.job import ImageSpec, KubernetesJob
+        job = KubernetesJob(namespace="ml")
+        job.add_mesh("trainers", 2, image_spec=ImageSpec("ghcr.io/example/agent:1", {{"cpu": "1", "memory": "1Gi"}}),
+                     port={port})
+        print(job.state(cached_path={cache!r}).trainers.sizes)
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "MONARCH_TORCHX_HOME": str(home)})
+    assert res.returncode == 0, res.stderr
+    assert sorted(cluster.pods) == pods  # the same pods: nothing was made again
+    with pytest.raises(MonarchError, match="label_selector"):
+        job.add_mesh("others", 1, label_selector="app=x")
+    job.kill()
+    assert Registry(home).get(name) is None
