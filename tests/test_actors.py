@@ -440,6 +440,24 @@ def test_abort_proc_and_bootstrap(pool, procs, monkeypatch):
         hosts.spawn_procs(per_host={"procs": 1}, bootstrap=failing_bootstrap)
 
 
+def test_concurrent_endpoint_rules_and_an_escaping_explicit_port(procs, monkeypatch):
+    """As in Monarch: @concurrent_endpoint wraps only async methods, never an @endpoint; an
+    explicit-response-port endpoint that raises instead of answering fails its actor."""
+    import monarch_torchx.actor as actor_pkg
+    from monarch_torchx.actor import concurrent_endpoint, endpoint
+
+    with pytest.raises(ValueError, match="can only wrap async endpoints"):
+        concurrent_endpoint(lambda self: None)
+    with pytest.raises(ValueError, match="does not wrap @endpoint"):
+        concurrent_endpoint(endpoint(Counter.incr.fn))
+    monkeypatch.setattr(actor_pkg, "unhandled_fault_hook", lambda failure: None)
+    r = procs.spawn("esc", Responder).slice(hosts=0, procs=0)
+    with pytest.raises(SupervisionError, match="instead of answering through its response port"):
+        r.escape.call_one().get(timeout=30)
+    with pytest.raises(SupervisionError):
+        r.double.call_one(1).get(timeout=30)
+
+
 def test_tree_multicast_keeps_order(procs, monkeypatch):
     monkeypatch.setattr(mesh_mod, "TREE_MIN", 2)
     monkeypatch.setattr(mesh_mod, "FANOUT", 2)

@@ -58,11 +58,16 @@ def endpoint(fn: Any = None, *, explicit_response_port: bool = False, propagate:
 
 def concurrent_endpoint(fn: Any = None, *, explicit_response_port: bool = False) -> Any:
     """As Monarch's ``@concurrent_endpoint``: calls to it do not wait for the actor's other
-    messages to finish (an ``async def`` one runs as its own task; many may be in flight at once),
-    so the actor's state must be safe under that."""
-    if fn is None:
-        return lambda f: Endpoint(f, explicit_response_port, concurrent=True)
-    return Endpoint(fn, explicit_response_port, concurrent=True)
+    messages to finish (each runs as its own task; many may be in flight at once), so the actor's
+    state must be safe under that. It wraps an ``async def`` method, not an ``@endpoint``."""
+    def wrap(f: Any) -> Endpoint:
+        if isinstance(f, Endpoint):
+            raise ValueError(f"@concurrent_endpoint does not wrap @endpoint ({f.name}): use one of the two")
+        if not inspect.iscoroutinefunction(f):
+            raise ValueError(f"@concurrent_endpoint can only wrap async endpoints ({getattr(f, '__name__', f)} is not "
+                             "async def)")
+        return Endpoint(f, explicit_response_port, concurrent=True)
+    return wrap if fn is None else wrap(fn)
 
 
 def endpoints_of(cls: type) -> Dict[str, Endpoint]:

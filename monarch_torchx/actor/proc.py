@@ -53,6 +53,7 @@ class ActorSlot:
     busy: bool = False
     failed: Optional[str] = None
     owner: Optional[Tuple[Any, str]] = None  # (connection of the process that spawned it, its actor id or "")
+    tasks: set = field(default_factory=set)  # its concurrent endpoints in flight (cancelled when it stops)
 
 
 class ResponsePort:
@@ -60,8 +61,8 @@ class ResponsePort:
     ``exception`` answers the call; what the method returns is ignored (an exception it raises
     still answers the call, if nothing did before)."""
 
-    def __init__(self, reply: Reply, error: Callable[[BaseException], Any]):
-        self._reply, self._error = reply, error
+    def __init__(self, reply: Reply, error: Callable[[BaseException], Any], escaped: Callable[[Any], Any]):
+        self._reply, self._error, self._escaped = reply, error, escaped
         self.answered = False
 
     def send(self, value: Any) -> None:
@@ -77,8 +78,10 @@ class ResponsePort:
         self._reply(ok, value)
 
     def returned(self, ok: bool, value: Any) -> None:
+        """The method ended. One that raised instead of answering has failed its actor, as in
+        Monarch (the caller gets SupervisionError); one that answered first keeps it."""
         if not ok and not self.answered:
-            self._answer(False, value)
+            self._answer(False, self._escaped(value))
 
     def __reduce__(self) -> Any:
         raise TypeError("a response port answers its call from the actor that got it: it cannot be sent on")
@@ -192,6 +195,10 @@ class ProcServer:
         self.stopped.set()
 
     async def _cleanup(self, slot: ActorSlot) -> None:
+        for task in list(slot.tasks):  # concurrent endpoints still running end first, as in Monarch
+            task.cancel()
+        if slot.tasks:
+            await asyncio.gather(*slot.tasks, return_exceptions=True)
         cleanup = getattr(slot.instance, "__cleanup__", None)
         if cleanup is None:
             return
@@ -307,6 +314,10 @@ class ProcServer:
                     self._actor_failed(actor_id, value[1])
         return report
 
+    def _escaped_port(self, slot: ActorSlot, err: Any) -> Any:
+        self._actor_failed(slot.actor_id, f"{err[1]} (instead of answering through its response port)")
+        return error_payload("supervision", slot.failed or err[1])
+
     def _port_replier(self, port: Any) -> Reply:
         from .channel import _PortError
 
@@ -372,15 +383,15 @@ class ProcServer:
 
     def submit(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply) -> None:
         if ep.explicit_response_port:
-            port = ResponsePort(reply, lambda e: self._error(slot, ep.name, e))
+            port = ResponsePort(reply, lambda e: self._error(slot, ep.name, e),
+                                lambda err: self._escaped_port(slot, err))
             args = (port, *args)
             reply = port.returned
         if ep.concurrent:
-            if ep.is_async:
-                assert self.loop is not None
-                self.loop.create_task(self._run_concurrent(slot, ep, args, kwargs, reply))
-            else:
-                reply(*self._run_sync(slot, ep, args, kwargs))
+            assert self.loop is not None
+            task = self.loop.create_task(self._run_concurrent(slot, ep, args, kwargs, reply))
+            slot.tasks.add(task)
+            task.add_done_callback(slot.tasks.discard)
             return
         if not slot.busy and not ep.is_async:
             reply(*self._run_sync(slot, ep, args, kwargs))
@@ -445,8 +456,9 @@ class ProcServer:
 
     def _error(self, slot: ActorSlot, what: str, e: BaseException) -> Tuple[str, str, str, str]:
         where = f"{slot.cls_name}.{what} on proc {self.rank} of mesh {self.mesh_id} (host {self.host_index})"
-        return error_payload("actor", f"{where} raised {type(e).__name__}: {e}", traceback.format_exc(),
-                             type(e).__name__)
+        # "Actor call NAME.ENDPOINT failed" leads, as Monarch's ActorError says it
+        return error_payload("actor", f"Actor call {slot.name}.{what} failed: {where} raised {type(e).__name__}: {e}",
+                             traceback.format_exc(), type(e).__name__)
 
     def _await_actor(self, actor_id: str, retry: Callable[[], None]) -> None:
         """Holds a call for an actor whose spawn has not arrived yet; after SPAWN_WAIT_S it is
