@@ -165,9 +165,11 @@ class HandshakeGate:
 
 
 def shutdown_quietly(sock: socket.socket) -> None:
-    """Ends a blocking read on ``sock`` from another thread (it returns at once)."""
+    """Ends a blocking read on ``sock`` from another thread (it returns at once). On a TLS socket
+    it shuts the descriptor down under OpenSSL (the socket's own shutdown would drop its TLS
+    state while the other thread is in it)."""
     try:
-        sock.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
     except OSError:
         pass
 
@@ -557,10 +559,17 @@ def dial(host: str, port: int, creds: PoolCredentials, identity: bytes, timeout:
     sock.settimeout(timeout)
     with contextlib.suppress(OSError):  # (a tunnel may not be TCP)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    ctx = creds.client_context
+    try:
+        ctx = creds.client_context
+    except (OSError, ssl.SSLError) as e:  # tls.pem missing or damaged
+        sock.close()
+        raise HandshakeRefused(f"cannot use the pool's certificate {creds.tls_file}: {e}") from None
     if ctx is not None:
         try:
             sock = ctx.wrap_socket(sock)
+        except ssl.SSLEOFError:
+            sock.close()
+            raise PeerClosed(f"{address}: the peer closed the connection during TLS (busy, or not one of ours)") from None
         except ssl.SSLError as e:
             sock.close()
             raise HandshakeRefused(f"{address}: TLS refused ({e.reason or e}): not this pool's certificate") from None
@@ -576,20 +585,27 @@ def dial(host: str, port: int, creds: PoolCredentials, identity: bytes, timeout:
 
 def accept_handshake(sock: socket.socket, creds: PoolCredentials, identity: bytes) -> socket.socket:
     """The server side of ``dial`` on an accepted blocking socket: TLS where the pool uses it,
-    then the handshake, within HANDSHAKE_TIMEOUT_S in all (a trickling peer is cut off)."""
+    then the handshake, within HANDSHAKE_TIMEOUT_S in all (a trickling peer is cut off). ``sock``
+    may be already wrapped for TLS (``server_side``, handshake not done): what the timer and the
+    caller hold is then the socket that is used. Closes the socket on failure."""
     timer = threading.Timer(HANDSHAKE_TIMEOUT_S, lambda: shutdown_quietly(sock))
     timer.start()
     try:
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
         ctx = creds.server_context
-        if ctx is not None:
-            try:
+        try:
+            if isinstance(sock, ssl.SSLSocket):
+                sock.do_handshake()
+            elif ctx is not None:
                 sock = ctx.wrap_socket(sock, server_side=True)
-            except ssl.SSLError as e:
-                raise HandshakeRefused(f"TLS refused ({e.reason or e})") from None
+        except ssl.SSLError as e:
+            raise HandshakeRefused(f"TLS refused ({e.reason or e})") from None
         nonce_s, hello = server_hello()
         sock.sendall(hello)
         sock.sendall(server_check(creds.key, nonce_s, bytes(_recv_into(sock, ANSWER_LEN)), identity))
+    except BaseException:
+        sock.close()
+        raise
     finally:
         timer.cancel()
     sock.settimeout(None)
@@ -631,36 +647,45 @@ class ThreadedAcceptor:
                 sock.close()
 
     def _accept_loop(self) -> None:
+        ctx = self.creds.server_context
         while True:
             try:
-                sock, peer = self.lsock.accept()
+                raw, peer = self.lsock.accept()
             except OSError:
                 return
             with self._lock:
                 if len(self.socks) >= self.max_conns:
                     self.gate.note_drop(peer, f"{len(self.socks)} connections already")
-                    sock.close()
+                    raw.close()
                     continue
+            # wrapped here (no I/O yet), so the gate, the timer and forget() all hold the socket in use
+            sock = ctx.wrap_socket(raw, server_side=True, do_handshake_on_connect=False) if ctx else raw
+            with self._lock:
                 self.socks.add(sock)
             self.gate.admit(sock, lambda s=sock: shutdown_quietly(s))  # the oldest silent one goes when full
-            threading.Thread(target=self._serve, args=(sock, peer), daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(sock, peer), daemon=True).start()
+            except RuntimeError as e:  # no thread to spare (a flood): this one goes, the acceptor stays
+                self.gate.release(sock)
+                self.gate.note_drop(peer, f"no thread for its handshake ({e})")
+                sock.close()
+                self.forget(sock)
 
-    def _serve(self, raw: socket.socket, peer: Any) -> None:
+    def _serve(self, sock: socket.socket, peer: Any) -> None:
         try:
             try:
-                sock = accept_handshake(raw, self.creds, self.identity)
+                sock = accept_handshake(sock, self.creds, self.identity)
             except (OSError, WireError) as e:
                 self.gate.note_drop(peer, str(e) or "handshake timed out")
-                raw.close()
-                self.forget(raw)
+                self.forget(sock)
                 return
             finally:
-                self.gate.release(raw)
+                self.gate.release(sock)
             self.on_connection(sock, peer)
         except Exception:
             log.exception("%sconnection from %s failed", self.gate.name, peer)
-            raw.close()
-            self.forget(raw)
+            sock.close()
+            self.forget(sock)
 
     def forget(self, sock: socket.socket) -> None:
         """A connection handed to on_connection has ended (closed by whoever served it)."""

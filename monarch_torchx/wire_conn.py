@@ -100,6 +100,8 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
             if not self._dropped:
                 self.drop(f"TLS refused ({getattr(e, 'reason', None) or e or type(e).__name__})")
             return
+        if tls is None and not self._dropped:
+            self.drop("TLS ended before it began")
         if self._dropped or tls is None:
             return
         self.transport = tls
@@ -143,6 +145,9 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
         assert self.transport is not None
         if not self.authed:
             self._hs_len += nbytes
+            if not self._nonce:  # bytes before our greeting (TLS delivered them early): out of turn
+                self.drop("spoke before the handshake began")
+                return
             if self._hs_len < wire.ANSWER_LEN:
                 return
             self._release_slot()

@@ -458,6 +458,25 @@ def test_concurrent_endpoint_rules_and_an_escaping_explicit_port(procs, monkeypa
         r.double.call_one(1).get(timeout=30)
 
 
+def test_actor_mesh_on_a_tls_pool(home, pool_name):
+    """The hub, the procs and the controller's inbox over TLS (a pool that spans machines has it
+    by default; here a local one asks for it; the rdma data plane over TLS is tested on SLURM)."""
+    ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 2, "preload": "", "tls": True}))
+    assert Registry().require(pool_name).tls_pem
+    pm = attach(pool_name).spawn_procs(per_host={"procs": 2})
+    try:
+        c = pm.spawn("c", Counter)
+        for _ in range(20):
+            assert set(c.incr.call(1).get(timeout=30).values()) == {_ + 1}
+        port, rx = Channel.open()
+        c.send_rank.broadcast(port)
+        assert sorted(rx.recv().get(timeout=30) for _ in range(4)) == [0, 1, 2, 3]
+        t = torch.arange(1 << 20, dtype=torch.uint8)
+        assert torch.equal(c.slice(hosts=1, procs=1).echo.call_one(t).get(timeout=30), t)  # large frames over TLS
+    finally:
+        pm.stop().get()
+
+
 def test_tree_multicast_keeps_order(procs, monkeypatch):
     monkeypatch.setattr(mesh_mod, "TREE_MIN", 2)
     monkeypatch.setattr(mesh_mod, "FANOUT", 2)

@@ -276,3 +276,33 @@ def test_tls_peer_without_the_pools_certificate_is_refused_and_nothing_is_unpick
         loop.call_soon_threadsafe(loop.stop)
         t.join(5)
         loop.close()
+
+
+def test_threaded_acceptor_forgets_closed_tls_connections_and_evicts_silent_ones(tmp_path, monkeypatch):
+    """The threaded acceptor (rdma data plane, controller inbox) tracks the TLS socket it serves,
+    so a connection that ended is forgotten (no cap is reached over a long life) and a silent
+    peer stuck in TLS is cut off by the deadline."""
+    monkeypatch.setattr(wire, "HANDSHAKE_TIMEOUT_S", 0.5)
+    creds = PoolCredentials(os.urandom(32), _tls_file(tmp_path / "tls.pem"))
+
+    def serve(sock, peer):
+        assert wire.FrameReader(sock).recv() == {"id": 1}
+        sock.close()
+        acc.forget(sock)
+
+    acc = wire.ThreadedAcceptor("127.0.0.1", creds, b"x", serve, name="test", max_conns=3)
+    try:
+        for _ in range(6):  # more than max_conns, one after another
+            sock = wire.dial("127.0.0.1", acc.port, creds, b"x", 5)
+            wire.send_msg(sock, {"id": 1})
+            sock.close()
+        deadline = time.monotonic() + 10
+        while acc.socks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not acc.socks
+        silent = socket.create_connection(("127.0.0.1", acc.port))
+        silent.settimeout(10)
+        assert silent.recv(100) == b""  # dropped by the deadline, not held
+        silent.close()
+    finally:
+        acc.close()

@@ -18,13 +18,14 @@ import itertools
 import logging
 import os
 import pickle
+import queue
 import select
 import selectors
 import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 from .. import wire
 from ..credentials import PoolCredentials
@@ -61,14 +62,18 @@ def unpack(bufs: List[bytearray]) -> Any:
     return pickling.loads(bufs[0], bufs[1:])
 
 
-def send_parts(sock: socket.socket, parts: List[Any], timeout: float = SEND_TIMEOUT_S) -> None:
-    """Writes a whole frame on a non-blocking socket (gathered, nothing joined)."""
+def send_parts(sock: socket.socket, parts: List[Any], timeout: float = SEND_TIMEOUT_S,
+               io_lock: Optional[threading.Lock] = None) -> None:
+    """Writes a whole frame on a non-blocking socket (gathered, nothing joined). ``io_lock``:
+    held around each write (never while waiting), as OpenSSL takes one call at a time per socket."""
     views = [memoryview(p).cast("B") for p in parts]
     views = [v for v in views if v.nbytes]
     deadline = None
+    lock = io_lock or _NO_LOCK
     while views:
         try:
-            sent = wire.send_some(sock, views)
+            with lock:
+                sent = wire.send_some(sock, views)
         except (BlockingIOError, InterruptedError):
             deadline = deadline or time.monotonic() + timeout
             left = deadline - time.monotonic()
@@ -78,12 +83,13 @@ def send_parts(sock: socket.socket, parts: List[Any], timeout: float = SEND_TIME
         wire.consume(views, sent)
 
 
-def _send_now(sock: socket.socket, parts: List[Any]) -> List[memoryview]:
+def _send_now(sock: socket.socket, parts: List[Any], io_lock: threading.Lock) -> List[memoryview]:
     """Sends what the socket takes without waiting; returns what is left."""
     views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
     while views:
         try:
-            sent = wire.send_some(sock, views)
+            with io_lock:
+                sent = wire.send_some(sock, views)
         except (BlockingIOError, InterruptedError):
             break
         wire.consume(views, sent)
@@ -104,6 +110,17 @@ def _copy(parts: List[Any]) -> bytes:
     return b"".join(bytes(memoryview(p).cast("B")) for p in parts)
 
 
+class _NoLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_NO_LOCK = _NoLock()
+
+
 class Conn:
     """One authenticated connection; requests go out, replies (or port messages) come in."""
 
@@ -113,6 +130,7 @@ class Conn:
         self.sock = sock
         self.parser = wire.FrameParser()
         self.send_lock = threading.Lock()
+        self.io_lock = threading.Lock()  # one socket call at a time (a TLS socket is not full duplex)
         self.pending: Dict[int, Future[Any]] = {}
         self.error: Optional[BaseException] = None
         self.inbound = False  # a peer's connection to our inbox: it only brings port messages
@@ -138,12 +156,12 @@ class Conn:
                 if self.backlog is not None:  # a writer thread is still sending earlier frames: queue behind
                     self.backlog.append(_copy(parts))
                 elif self.hub.local is not None and self.hub.local.on_loop_thread():
-                    rest = _send_now(self.sock, parts)  # a proc's event loop must never block on a peer
+                    rest = _send_now(self.sock, parts, self.io_lock)  # a proc's event loop must never block on a peer
                     if rest:
                         self.backlog = collections.deque([_copy(rest)])
                         threading.Thread(target=self._write_backlog, daemon=True).start()
                 else:
-                    send_parts(self.sock, parts)
+                    send_parts(self.sock, parts, io_lock=self.io_lock)
             except (OSError, TimeoutError) as e:
                 failure = e
         if failure is not None:
@@ -160,7 +178,7 @@ class Conn:
                     return
                 data = self.backlog[0]
             try:
-                send_parts(self.sock, [data])
+                send_parts(self.sock, [data], io_lock=self.io_lock)
             except (OSError, TimeoutError) as e:
                 with self.send_lock:
                     self.backlog = None
@@ -175,7 +193,9 @@ class Conn:
         while True:
             view = self.parser.get_buffer()
             try:
-                n = wire.recv_some(self.sock, view)
+                with self.io_lock:
+                    n = wire.recv_some(self.sock, view)
+                    more = wire.more_buffered(self.sock)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
@@ -191,7 +211,7 @@ class Conn:
                 return
             for body, bufs in frames:
                 self.hub.dispatch(self, body, bufs)
-            if n < len(view) and not wire.more_buffered(self.sock):
+            if n < len(view) and not more:
                 return
 
 
@@ -529,7 +549,8 @@ class Inbox:
 
     def __init__(self, hub: Hub, host: str, identity: str):
         self.hub = hub
-        self.sel = selectors.DefaultSelector()
+        self.sel = selectors.DefaultSelector()  # only the inbox thread touches it
+        self._new: "queue.SimpleQueue[Tuple[socket.socket, Any]]" = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self.sel.register(self._wake_r, selectors.EVENT_READ, None)
         self.acceptor = wire.ThreadedAcceptor(host, hub.creds, identity.encode(), self._add, name="inbox", backlog=64)
@@ -537,22 +558,31 @@ class Inbox:
         threading.Thread(target=self._run, name="monarch-torchx-inbox", daemon=True).start()
 
     def _add(self, sock: socket.socket, peer: Any) -> None:
-        sock.setblocking(False)
-        conn = Conn(self.hub, ProcAddr(str(peer[0]), int(peer[1]), "inbound"), sock)
-        conn.inbound = True
-        self.sel.register(sock, selectors.EVENT_READ, conn)
-        os.write(self._wake_w, b"x")  # a TLS record may already wait inside the socket
+        """On an acceptor thread: hands the authenticated socket to the inbox thread."""
+        self._new.put((sock, peer))
+        os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
         while True:
             for key, _ in self.sel.select():
                 if key.data is None:
                     os.read(self._wake_r, 4096)
-                    for k in list(self.sel.get_map().values()):
-                        if k.data is not None and wire.more_buffered(k.fileobj):  # type: ignore[arg-type]
-                            self._read(k.data)
+                    self._register_new()
                     continue
                 self._read(key.data)
+
+    def _register_new(self) -> None:
+        while True:
+            try:
+                sock, peer = self._new.get_nowait()
+            except queue.Empty:
+                return
+            sock.setblocking(False)
+            conn = Conn(self.hub, ProcAddr(str(peer[0]), int(peer[1]), "inbound"), sock)
+            conn.inbound = True
+            self.sel.register(sock, selectors.EVENT_READ, conn)
+            if wire.more_buffered(sock):  # a TLS record may already wait inside the socket
+                self._read(conn)
 
     def _read(self, conn: Conn) -> None:
         if conn.error is None:
