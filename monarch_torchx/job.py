@@ -87,7 +87,7 @@ class JobTrait:
                                "(the pool is reached from there)")
         if self.active:
             return
-        self._ensure(replace=False)
+        self._ensure()
         self._apply_id = uuid.uuid4().hex
         self._status = "running"
 
@@ -148,7 +148,7 @@ class JobTrait:
         except MonarchError:
             return False
 
-    def _ensure(self, replace: bool) -> Any:
+    def _ensure(self) -> Any:
         from .pool import ensure_pool
         from .schedulers.base import MonarchScheduler
 

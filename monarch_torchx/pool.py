@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from . import wire
+from .credentials import TLS_FILE, TOKEN_FILE
 from .errors import AccessError, HostUnreachable, MonarchError, StartTimeout
 from .registry import HostAddr, PoolRecord, Registry, check_pool_name
 
@@ -446,7 +447,7 @@ def force_stop(name: str, registry: Optional[Registry] = None) -> List[str]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.time() + 5
-    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+    while time.time() < deadline and any(procfs.alive(p) for p in pids):
         time.sleep(0.05)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -458,7 +459,7 @@ def force_stop(name: str, registry: Optional[Registry] = None) -> List[str]:
     if job and shutil.which("scancel"):
         subprocess.run(["scancel", str(job)], capture_output=True)
         done.append(f"cancelled SLURM allocation {job}")
-    for p in (path, *(Path(d) / "token" for d in state_dirs)):
+    for p in (path, *(Path(d) / f for d in state_dirs for f in (TOKEN_FILE, TLS_FILE))):
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
             done.append(f"removed {p}")

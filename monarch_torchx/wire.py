@@ -584,20 +584,17 @@ def dial(host: str, port: int, creds: PoolCredentials, identity: bytes, timeout:
 
 
 def accept_handshake(sock: socket.socket, creds: PoolCredentials, identity: bytes) -> socket.socket:
-    """The server side of ``dial`` on an accepted blocking socket: TLS where the pool uses it,
-    then the handshake, within HANDSHAKE_TIMEOUT_S in all (a trickling peer is cut off). ``sock``
-    may be already wrapped for TLS (``server_side``, handshake not done): what the timer and the
-    caller hold is then the socket that is used. Closes the socket on failure."""
+    """The server side of ``dial`` on an accepted blocking socket: TLS where the pool uses it
+    (``sock`` comes wrapped for it, server side, its handshake not done: the caller's gate and
+    this timer then hold the socket in use), then the handshake, within HANDSHAKE_TIMEOUT_S in
+    all (a trickling peer is cut off). Closes the socket on failure."""
     timer = threading.Timer(HANDSHAKE_TIMEOUT_S, lambda: shutdown_quietly(sock))
     timer.start()
     try:
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        ctx = creds.server_context
         try:
             if isinstance(sock, ssl.SSLSocket):
                 sock.do_handshake()
-            elif ctx is not None:
-                sock = ctx.wrap_socket(sock, server_side=True)
         except ssl.SSLError as e:
             raise HandshakeRefused(f"TLS refused ({e.reason or e})") from None
         nonce_s, hello = server_hello()

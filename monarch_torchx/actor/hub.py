@@ -14,6 +14,7 @@ arguments once, and a proc forwarding a multicast passes the payload on without 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -69,7 +70,7 @@ def send_parts(sock: socket.socket, parts: List[Any], timeout: float = SEND_TIME
     views = [memoryview(p).cast("B") for p in parts]
     views = [v for v in views if v.nbytes]
     deadline = None
-    lock = io_lock or _NO_LOCK
+    lock = io_lock or contextlib.nullcontext()
     while views:
         try:
             with lock:
@@ -108,17 +109,6 @@ def _close_selected(sel: selectors.BaseSelector, sock: socket.socket) -> None:
 def _copy(parts: List[Any]) -> bytes:
     """The unsent rest of a frame, copied: the sender may change its tensors once send() returns."""
     return b"".join(bytes(memoryview(p).cast("B")) for p in parts)
-
-
-class _NoLock:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-_NO_LOCK = _NoLock()
 
 
 class Conn:

@@ -406,34 +406,24 @@ class ProcServer:
         try:
             while slot.queue:
                 ep, args, kwargs, reply = slot.queue.popleft()
-                if ep.is_async:
-                    token = current_context.set(slot.ctx)
-                    try:
-                        value = await ep.fn(slot.instance, *args, **kwargs)
-                        res: Tuple[bool, Any] = (True, value)
-                    except (Exception, asyncio.CancelledError) as e:
-                        res = (False, self._error(slot, ep.name, e))
-                    except BaseException as e:  # SystemExit, KeyboardInterrupt, a user BaseException
-                        res = (False, self._fatal(slot, ep.name, e))
-                    finally:
-                        current_context.reset(token)
-                else:
-                    res = self._run_sync(slot, ep, args, kwargs)
+                res = await self._run_async(slot, ep, args, kwargs) if ep.is_async else self._run_sync(slot, ep, args, kwargs)
                 reply(*res)
         finally:
             slot.busy = False
 
     async def _run_concurrent(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply) -> None:
+        reply(*await self._run_async(slot, ep, args, kwargs))
+
+    async def _run_async(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict) -> Tuple[bool, Any]:
         token = current_context.set(slot.ctx)
         try:
-            res: Tuple[bool, Any] = (True, await ep.fn(slot.instance, *args, **kwargs))
+            return True, await ep.fn(slot.instance, *args, **kwargs)
         except (Exception, asyncio.CancelledError) as e:
-            res = (False, self._error(slot, ep.name, e))
-        except BaseException as e:
-            res = (False, self._fatal(slot, ep.name, e))
+            return False, self._error(slot, ep.name, e)
+        except BaseException as e:  # SystemExit, KeyboardInterrupt, a user BaseException
+            return False, self._fatal(slot, ep.name, e)
         finally:
             current_context.reset(token)
-        reply(*res)
 
     def _run_sync(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict) -> Tuple[bool, Any]:
         token = current_context.set(slot.ctx)
