@@ -159,8 +159,8 @@ def cmd_sync(args: argparse.Namespace) -> None:
         print(report.to_json())
     else:
         for h in report.hosts:
-            print(f"host {h.index}: " + (f"generation {h.generation} at {h.path} ({h.bytes_sent / 1e6:.1f} MB sent)"
-                                         if h.ok else f"FAILED: {h.error}"))
+            print(f"host {h.index}: generation {h.generation} at {h.path} ({h.bytes_sent / 1e6:.1f} MB sent)"
+                  if h.ok else f"FAILED {h.error}")  # the error names its host
         print(f"{report.files} file(s), {report.bytes / 1e6:.1f} MB; sent {report.bytes_sent / 1e6:.1f} MB, "
               f"skipped {report.bytes_skipped / 1e6:.1f} MB in {report.seconds:.2f} s ({report.transfer})")
     if not report.ok:

@@ -62,7 +62,7 @@ def sync_to_hosts(pool: Any, ws: Workspace, hosts: List[int], say: Callable[[str
     report = pool.sync(ws.src, ws.mount, hosts=hosts, progress=progress)
     failed = [h for h in report.hosts if not h.ok]
     if failed:
-        why = "; ".join(f"host {h.index}: {h.error}" for h in failed)
+        why = "; ".join(h.error for h in failed)  # each names its host
         raise MonarchError(f"workspace {ws.src} could not be synced to {ws.mount} ({why}); nothing was started")
     say(f"workspace {ws.src} -> {ws.mount} on {len(report.hosts)} host(s): generation {report.generation}, "
         f"{report.files} file(s), {report.bytes_sent / 1e6:.1f} MB sent in {report.seconds:.2f} s")

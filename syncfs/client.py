@@ -41,7 +41,7 @@ class HostResult:
     generation: Optional[int] = None
     path: str = ""
     bytes_sent: int = 0
-    error: str = ""
+    error: str = ""  # "host N: why" (it names the host), empty when ok
     served_by: str = ""  # "fuse", or "symlink (why not FUSE)"
 
 
@@ -163,6 +163,11 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
     sources: Dict[str, ChunkSource] = {}
     sizes: Dict[str, int] = {}
 
+    def fail(i: int, why: str) -> None:
+        """Records host ``i``'s first error, naming the host (a report lists many)."""
+        if not results[i].error:
+            results[i].error = why if why.startswith((f"host {i}:", f"host {i} ")) else f"host {i}: {why}"
+
     def each(fn: Callable[[int], Any], which: List[int]) -> Dict[int, Any]:
         out: Dict[int, Any] = {}
 
@@ -170,7 +175,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             try:
                 out[i] = fn(i)
             except Exception as e:  # one host's failure is reported, the others carry on
-                results[i].error = results[i].error or str(e) or type(e).__name__
+                fail(i, str(e) or type(e).__name__)
                 meter.update(i, state="FAILED")
         with ThreadPoolExecutor(max_workers=min(16, max(1, len(which)))) as ex:
             list(ex.map(guarded, which))
@@ -207,7 +212,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         """Waits for the senders; the bytes each host was sent (by the client)."""
         for i, pump in senders.items():
             if pump.finish():
-                results[i].error = results[i].error or pump.error
+                fail(i, pump.error)
                 meter.update(i, state="FAILED")
         return {i: meter.sent[i] for i in senders}
 
@@ -270,9 +275,9 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
                 try:
                     down = conns[head].call("syncfs.flush", session=session)
                 except Exception as e:
-                    results[head].error = str(e) or type(e).__name__
+                    fail(head, str(e) or type(e).__name__)
             for k, why in down["failed"].items():
-                results[int(k)].error = results[int(k)].error or (why if why.startswith("host ") else f"host {k}: {why}")
+                fail(int(k), why)
             for i in c:
                 if i not in down["unreached"] and not results[i].error:
                     results[i].bytes_sent = sent[head]
