@@ -399,6 +399,9 @@ def attach(name: str, registry: Optional[Registry] = None) -> Pool:
 
 def _stop(pool: Pool, prov: Provisioner, reason: str) -> List[str]:
     """Stops the pool; returns what lost hosts had left on their nodes and was ended, a line each."""
+    from .actor import session
+
+    session.pool_ending(pool.name)  # the ends of this process's procs on it are expected, not faults
     live = [i for i, h in enumerate(pool.hosts) if h is not None and not h.exited]
     lost = [h.index for h in pool.health() if h.state == LOST and h.addr is not None and not h.addr.exited]
     # a killed agent could not clean up: that is done for it while its node is still ours
@@ -424,6 +427,9 @@ def force_stop(name: str, registry: Optional[Registry] = None) -> List[str]:
     """Ends a pool whose record cannot be read, from what this machine can find of it by name:
     its local agents (by their command line), the SLURM allocation the raw record still names,
     and the record itself. Returns what it did, a line each."""
+    from .actor import session
+
+    session.pool_ending(name)
     registry = registry or Registry()
     path = registry.record_path(name)
     raw: Dict[str, Any] = {}

@@ -71,6 +71,35 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert not left, f"agents left behind: {left}"
 
 
+class FaultRecorder:
+    """Stands in for ``unhandled_fault_hook`` in this process for the whole run: the default hook
+    ends the controller (as Monarch's), and the controller here is pytest. An event that arrives
+    after its test ended (a proc's end is reported asynchronously) lands in the next test's list
+    or in none, never in the default hook. The default itself is tested in a child process."""
+
+    def __init__(self) -> None:
+        self.current: List = []
+
+    def __call__(self, failure) -> None:
+        self.current.append(failure)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fault_recorder():
+    import monarch_torchx.actor as actor_pkg
+
+    recorder = FaultRecorder()
+    actor_pkg.unhandled_fault_hook = recorder
+    return recorder
+
+
+@pytest.fixture
+def faults(_fault_recorder: FaultRecorder) -> List:
+    """The supervision events that reach this process's fault hook during the test."""
+    _fault_recorder.current = []
+    return _fault_recorder.current
+
+
 @pytest.fixture
 def pool_name() -> str:
     return f"t{uuid.uuid4().hex[:8]}"

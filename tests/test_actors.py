@@ -108,7 +108,7 @@ def test_await_in_controller(procs):
     assert asyncio.run(main()) == ([2, 2, 2, 2], 3)
 
 
-def test_actor_error_keeps_actor(procs):
+def test_actor_error_keeps_actor(procs, faults):
     c = procs.spawn("c", Counter, 0).slice(hosts=0, procs=0)
     fut = c.boom.call_one()
     with pytest.raises(ActorError, match="Counter.boom on proc 0 .* raised ValueError: boom from the actor") as ei:
@@ -121,6 +121,10 @@ def test_actor_error_keeps_actor(procs):
         bad.initialized.get(timeout=30)
     with pytest.raises(SupervisionError, match="constructor failed.*never created"):
         bad.slice(hosts=1, procs=1).ping.call_one().get(timeout=30)
+    # as in Monarch, each failed constructor is also a supervision event for the spawner
+    wait_for(lambda: len(faults) >= 4, timeout=30, what="a fault per failed constructor")
+    assert all("The actor" in f.report() and "bad{" in f.report() and "constructor failed" in f.report()
+               for f in faults)
 
 
 def test_tensors_out_of_band(procs):
@@ -204,7 +208,7 @@ def test_channels(procs, pool):
     assert result.get(timeout=20) == [0, 1, 2, 3]
 
 
-def test_supervise_hook(procs):
+def test_supervise_hook(procs, faults):
     handled = procs.slice(hosts=0, procs=0).spawn("owner", Owner, True)
     os.kill(handled.child_pid.call_one().get(), signal.SIGKILL)
     seen = wait_for(lambda: handled.failures_seen.call_one().get(), timeout=20, what="__supervise__")
@@ -221,6 +225,11 @@ def test_supervise_hook(procs):
             return str(e)
     msg = wait_for(failed, timeout=20, what="owner to fail")
     assert "a mesh it owns lost a proc" in msg and "SIGKILL" in msg
+    # unhandled, the event goes up to the owner's own owner (here the controller), naming the leaf
+    wait_for(lambda: faults, timeout=20, what="the controller's fault hook")
+    report = faults[0].report()
+    assert "The actor child{'procs': 0/1} and all its descendants have failed" in report, report
+    assert "the process this actor was running on failed: Killed(sig=9)" in report, report
 
 
 def test_cleanup_on_stop(pool, tmp_path):
@@ -588,3 +597,50 @@ def test_actor_output_is_in_telemetry(procs, pool):
         return res.to_pylist() if res.num_rows == 4 else None
     got = wait_for(rows, timeout=30, interval=0.5, what="actor output in the logs table")
     assert sorted((r["host"], r["replica"]) for r in got) == [(0, 0), (0, 1), (1, 2), (1, 3)]
+
+
+def test_a_dead_proc_of_the_controller_and_an_idle_controller_get_the_fault(procs, monkeypatch):
+    """As in Monarch: a proc the controller owns dying is a supervision event for the controller's
+    unhandled_fault_hook, and events reach the hook while the controller waits on nothing of ours
+    (here a threading.Event; the hub's idle reader reads)."""
+    import monarch_torchx.actor as actor_pkg
+
+    seen, arrived = [], threading.Event()
+
+    def hook(failure):
+        seen.append(failure)
+        arrived.set()
+    monkeypatch.setattr(actor_pkg, "unhandled_fault_hook", hook)
+    c = procs.spawn("idle", Counter)
+    c.slice(hosts=0, procs=1).boom.broadcast()
+    assert arrived.wait(30), "no supervision event while the controller was idle"
+    assert "The actor tests.fixtures.actors.Counter idle{'hosts': 0/2, 'procs': 1/2}" in seen[0].report()
+    arrived.clear()
+    victim = c.slice(hosts=1, procs=0)
+    os.kill(victim.pid.call_one().get(timeout=30), signal.SIGKILL)
+    assert arrived.wait(30), "no supervision event for the dead proc"
+    report = seen[1].report()
+    assert "idle{'hosts': 1/2, 'procs': 0/2}" in report and "failed: Killed(sig=9)" in report, report
+    assert seen[1].exit_code == -signal.SIGKILL and not seen[1].actor
+
+
+def test_the_default_fault_hook_ends_the_controller(pool, tmp_path):
+    """Unhandled, a supervision event ends the controller (Monarch's default: exit, after the
+    report), even while its main thread waits on something else."""
+    script = tmp_path / "controller.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        from monarch_torchx import attach
+        from tests.fixtures.actors import Counter
+        c = attach({pool[0]!r}).spawn_procs(per_host={{"procs": 1}}).spawn("doomed", Counter)
+        c.slice(hosts=0).boom.broadcast()
+        time.sleep(60)
+        print("still running")
+    """))
+    t0 = time.time()
+    root = str(Path(__file__).resolve().parent.parent)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert res.returncode != 0 and "still running" not in res.stdout
+    assert "unhandled supervision event: The actor tests.fixtures.actors.Counter doomed" in res.stderr, res.stderr
+    assert time.time() - t0 < 45

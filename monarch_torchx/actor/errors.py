@@ -27,7 +27,9 @@ class SupervisionError(RuntimeError):
 @dataclass
 class MeshFailure:
     """Handed to an owner's ``__supervise__`` (or, in a controller, ``unhandled_fault_hook``):
-    which member of which mesh failed, and how: a proc that died, or an actor that failed."""
+    which member of which mesh failed, and how: a proc that died, or an actor that failed. An
+    owner that does not handle it fails too, and the event goes up unchanged: the report names the
+    actor where the failure began, as Monarch's does."""
 
     mesh: str
     rank: int
@@ -36,14 +38,33 @@ class MeshFailure:
     reason: str
     mesh_name: str = ""  # the actor mesh's name (as spawned) when an actor failed; "" for a proc
     actor: str = ""  # the failed actor's id, when it was an actor
+    actor_class: str = ""  # module.Class of the failed actor
+    point: str = ""  # its coordinates, as Monarch prints them: {'gpus': 0/2}
+    actors_on_proc: Tuple[str, ...] = ()  # a dead proc: the actors spawned on it (name{point})
+    exit_code: Optional[int] = None  # a dead proc's exit code (negative: the signal that killed it)
 
     def __str__(self) -> str:
         what = f"actor {self.mesh_name} (rank {self.rank})" if self.actor else f"proc {self.rank}"
         return f"{what} of mesh {self.mesh} on host {self.host} ({self.hostname}) {self.reason}"
 
     def report(self) -> str:
-        """A user-readable report of the failure, as Monarch's ``MeshFailure.report()``."""
-        return str(self)
+        """A user-readable report of the failure, in the words of Monarch's ``MeshFailure.report()``."""
+        if self.actor:
+            who = f"{self.actor_class} {self.mesh_name}{self.point}".strip()
+            return f"The actor {who} and all its descendants have failed:\n  {self.reason}"
+        who = ", ".join(self.actors_on_proc) or f"on proc {self.rank} of mesh {self.mesh}"
+        how = f"Killed(sig={-self.exit_code})" if self.exit_code is not None and self.exit_code < 0 else self.reason
+        return (f"The actor {who} and all its descendants have failed:\n  the process this actor was running on "
+                f"failed: {how} (proc {self.rank} of mesh {self.mesh} on host {self.host}, {self.hostname})")
+
+
+def point_text(point: Any) -> str:
+    """A mesh point as Monarch prints one in its reports: ``{'hosts': 0/2, 'gpus': 1/4}``."""
+    try:
+        return "{" + ", ".join(f"'{k}': {c}/{n}" for k, c, n in
+                               zip(point.extent.labels, point.coords, point.extent.sizes)) + "}"
+    except AttributeError:
+        return ""
 
 
 def error_payload(kind: str, message: str, tb: str = "", etype: str = "") -> Tuple[str, str, str, str]:

@@ -37,6 +37,7 @@ from .future import Future
 log = logging.getLogger("monarch_torchx.actor")
 
 CONNECT_TIMEOUT_S = 10.0
+IDLE_READ_S = 0.05  # no caller has read for this long: the idle reader reads
 SEND_TIMEOUT_S = 120.0
 
 
@@ -230,8 +231,15 @@ class Hub:
         self._ids = itertools.count(1)
         self._seqs: Dict[ProcAddr, "itertools.count[int]"] = {}
         self.ports: Dict[str, Callable[[Any], None]] = {}  # port id -> deliver(value)
+        self.actors_on: Dict[ProcAddr, List[str]] = {}  # what a supervision report says ran on a proc
         self.listen_addr: Optional[ProcAddr] = None
         self._watcher: Optional["Watcher"] = None
+        # the idle reader: reads when no caller has for IDLE_READ_S, so a supervision event
+        # reaches its hook while the program waits on something else (as Monarch's runtime does)
+        self._idle_reader = False
+        self._idle_leads = False  # the idle reader holds the reader role
+        self._want_lead = False  # a caller asked the idle reader to hand the role over
+        self._last_caller = time.monotonic()
 
     # ------------------------------------------------------------ connections
 
@@ -274,6 +282,7 @@ class Hub:
             c = Conn(self, addr, sock)
             self._conns[addr] = c
             self.sel.register(sock, selectors.EVENT_READ, c)
+            self._start_idle_reader()
             return c
 
     def _connect_later(self, c: Conn) -> None:
@@ -284,6 +293,7 @@ class Hub:
             return
         c.sock = sock
         self.sel.register(sock, selectors.EVENT_READ, c)
+        self._start_idle_reader()
         self.wake()
         c._write_backlog()
 
@@ -401,7 +411,8 @@ class Hub:
         """Blocks until ``done()``; the first waiter reads the sockets for everyone.
 
         Taking the reader role and going to sleep are decided under one lock, so a waiter can
-        never miss the moment the role is handed back.
+        never miss the moment the role is handed back. A caller takes the role from the idle
+        reader (it reads on the caller's thread: no hand-off per message while calls flow).
         """
         while not done():
             left = None if deadline is None else deadline - time.monotonic()
@@ -410,10 +421,14 @@ class Hub:
             with self._cond:
                 if done():
                     return True
+                self._last_caller = time.monotonic()
                 lead = not self._reading
                 if lead:
                     self._reading = True
                 else:
+                    if self._idle_leads and not self._want_lead:
+                        self._want_lead = True
+                        self.wake()
                     self._waiters += 1
                     try:
                         self._cond.wait(1.0 if left is None else min(left, 1.0))
@@ -425,10 +440,37 @@ class Hub:
                 finally:
                     with self._cond:
                         self._reading = False
+                        self._last_caller = time.monotonic()
                         self._cond.notify_all()
         return True
 
-    def _pump(self, done: Callable[[], bool], deadline: Optional[float]) -> None:
+    def _start_idle_reader(self) -> None:
+        with self._lock:
+            if self._idle_reader:
+                return
+            self._idle_reader = True
+        threading.Thread(target=self._read_when_idle, name="monarch-torchx-idle-reader", daemon=True).start()
+
+    def _read_when_idle(self) -> None:
+        """Holds the reader role while no caller has wanted it for IDLE_READ_S."""
+        while True:
+            with self._cond:
+                while True:
+                    quiet = time.monotonic() - self._last_caller
+                    if not self._reading and quiet >= IDLE_READ_S:
+                        break
+                    self._cond.wait(max(IDLE_READ_S - quiet, 0.01) if not self._reading else IDLE_READ_S)
+                self._reading = self._idle_leads = True
+            try:
+                self._pump(lambda: self._want_lead, None, idle=True)
+            except Exception:
+                log.exception("the idle reader failed; callers still read for themselves")
+            finally:
+                with self._cond:
+                    self._reading = self._idle_leads = self._want_lead = False
+                    self._cond.notify_all()
+
+    def _pump(self, done: Callable[[], bool], deadline: Optional[float], idle: bool = False) -> None:
         while not done():
             left = 1.0 if deadline is None else min(deadline - time.monotonic(), 1.0)
             if left <= 0:
@@ -440,6 +482,13 @@ class Hub:
                             pass
                     except BlockingIOError:
                         pass
+                elif idle:
+                    try:
+                        key.data.on_readable()
+                    except BaseException as e:  # noqa: BLE001 - the fault hook raised: nobody's get() to raise it from
+                        from . import supervision
+
+                        supervision.unhandled_off_caller(e)
                 else:
                     key.data.on_readable()
 
@@ -478,6 +527,13 @@ class Hub:
             if self._watcher is None:
                 self._watcher = Watcher()
         self._watcher.add(sock, addr, on_lost)
+
+    def ending_all(self) -> None:
+        """Every proc of this pool is being ended on purpose (the pool is stopping)."""
+        addrs = list(self.explain)
+        for addr in addrs:
+            self.closing.setdefault(addr, SupervisionError(f"proc {addr.identity} ended: its pool was stopped"))
+        self.unwatch_all(addrs)
 
     def unwatch_all(self, addrs: List[ProcAddr]) -> None:
         if self._watcher is not None:

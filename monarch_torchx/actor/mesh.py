@@ -27,7 +27,7 @@ from ..registry import HostAddr, Registry
 from ..specs import TERMINAL
 from . import session
 from .actor import Actor, context, endpoints_of
-from .errors import MeshFailure, SupervisionError
+from .errors import MeshFailure, SupervisionError, point_text
 from .future import Future
 from .host import app_id
 from .hub import Hub, ProcAddr, encode, pack
@@ -331,7 +331,7 @@ class ProcMesh(_MeshTrait):
         me = session.this_proc()
         owner_actor = context().actor_instance.actor_id if me is not None else None
         for ref in self._procs:
-            hub.explain[ref.addr] = functools.partial(_explain, hub, ref)
+            hub.explain[ref.addr] = lambda ref=ref: _explain(hub, ref)[0]
             hub.watch(ref.addr, functools.partial(_on_proc_lost, hub, ref, owner_actor))
             hub.conn(ref.addr)
 
@@ -358,6 +358,7 @@ class ProcMesh(_MeshTrait):
                       self._shape.labels, self._shape.sizes, owner)
             _send(hub, ref.addr, encode(header, packed=packed), rid, fut)
             futs.append(fut)
+            hub.actors_on.setdefault(ref.addr, []).append(f"{name}{point_text(point)}")
         mesh: ActorMesh[Any] = ActorMesh(self.pool, self._procs, self._shape, actor_id, name, actor_class.__name__,
                                           tuple(endpoints_of(actor_class)))
         mesh._initialized = Future.gather(hub, futs, lambda _v: None)
@@ -418,8 +419,9 @@ def _send(hub: Hub, addr: ProcAddr, parts: List[Any], rid: int, fut: Optional[Fu
             fut.set_exception(e)
 
 
-def _explain(hub: Hub, ref: ProcRef) -> str:
-    """Asks the proc's agent how it ended (waits briefly for the agent to reap it)."""
+def _explain(hub: Hub, ref: ProcRef) -> Tuple[str, Optional[int]]:
+    """Asks the proc's agent how it ended (waits briefly for the agent to reap it): why, and its
+    exit code (negative: the signal) when it has one."""
     who = f"proc {ref.rank} of mesh {ref.mesh_id} on host {ref.host_index} ({ref.hostname})"
     deadline = time.monotonic() + 3.0
     while True:
@@ -427,29 +429,40 @@ def _explain(hub: Hub, ref: ProcRef) -> str:
             reps = c.call("describe", app_id=app_id(ref.mesh_id))
         st = next((r for r in reps if r["replica_id"] == ref.rank), None)
         if st is None:
-            return f"{who} is gone (its host no longer knows it)"
+            return f"{who} is gone (its host no longer knows it)", None
         if st["state"] in TERMINAL:
-            return f"{who} {st['msg'] or st['state'].lower()}"
+            return f"{who} {st['msg'] or st['state'].lower()}", st.get("exit_code")
         if time.monotonic() > deadline:
-            return f"{who} stopped answering (its host says it is still running: hung, or the network is cut)"
+            return f"{who} stopped answering (its host says it is still running: hung, or the network is cut)", None
         time.sleep(0.05)
 
 
 def _on_proc_lost(hub: Hub, ref: ProcRef, owner_actor: Optional[str], addr: ProcAddr) -> None:
+    """A proc this process spawned died: calls to it fail from now on, and (as in Monarch) its
+    owner gets a supervision event: the spawning actor's ``__supervise__``, or in a controller
+    ``unhandled_fault_hook``."""
     if addr in hub.closing:  # being stopped on purpose
         return
+    code: Optional[int] = None
     try:
-        reason = _explain(hub, ref)
+        reason, code = _explain(hub, ref)
     except Exception as e:
         reason = f"proc {ref.rank} of mesh {ref.mesh_id} on host {ref.host_index} is lost (host unreachable: {e})"
     hub.mark_dead(addr, SupervisionError(reason))
     failure = MeshFailure(ref.mesh_id, ref.rank, ref.host_index, ref.hostname,
-                          reason.split(f"({ref.hostname}) ", 1)[-1])
+                          reason.split(f"({ref.hostname}) ", 1)[-1], exit_code=code,
+                          actors_on_proc=tuple(hub.actors_on.get(addr, ())))
     me = session.this_proc()
     if me is not None and me.on_child_lost is not None and owner_actor is not None:
         me.on_child_lost(owner_actor, failure)
     else:
         log.warning("supervision: %s", reason)
+        from . import supervision
+
+        try:
+            supervision.dispatch(failure)
+        except BaseException as e:  # noqa: BLE001 - the hook raised on the watcher's thread
+            supervision.unhandled_off_caller(e)
 
 
 # ---------------------------------------------------------------- actors

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from ..credentials import PoolCredentials
 from ..wire_conn import AuthenticatedConnection, serve, write_frame
 from . import session
 from .actor import ActorInstance, Context, Endpoint, current_context, endpoints_of
-from .errors import MeshFailure, error_payload
+from .errors import MeshFailure, error_payload, point_text
 from .future import Future, _waiters
 from .hub import LocalConn, ProcAddr, encode, unpack
 from .shape import Extent, Point
@@ -54,6 +55,7 @@ class ActorSlot:
     failed: Optional[str] = None
     owner: Optional[Tuple[Any, str]] = None  # (connection of the process that spawned it, its actor id or "")
     tasks: set = field(default_factory=set)  # its concurrent endpoints in flight (cancelled when it stops)
+    qualname: str = ""  # module.Class, as a supervision report names the actor
 
 
 class ResponsePort:
@@ -335,19 +337,24 @@ class ProcServer:
         else:
             self._actor_failed(actor_id, reason)
 
-    def _actor_failed(self, actor_id: str, why: str) -> None:
+    def _actor_failed(self, actor_id: str, why: str, leaf: Optional[MeshFailure] = None) -> None:
         """As in Monarch, an actor whose endpoint raised with no caller to tell has failed: later
-        calls are refused, and its owner (the process that spawned it) gets a supervision event."""
+        calls are refused, and its owner (the process that spawned it) gets a supervision event:
+        about this actor, or (``leaf``) the unhandled event of one of its own meshes, passed up."""
         slot = self.actors.get(actor_id)
         if slot is None or slot.failed:
             return
-        slot.failed = f"{why}: the actor has failed (an endpoint called by broadcast raised)"
-        if slot.owner is None:
-            return
-        conn, owner_actor = slot.owner
-        failure = {"mesh": slot.ctx.actor_instance.mesh_id, "rank": slot.ctx.actor_instance.rank.rank,
-                   "host": self.host_index, "hostname": socket.gethostname(), "reason": why,
-                   "mesh_name": slot.name, "actor": actor_id}
+        slot.failed = why if leaf is not None else f"{why}: the actor has failed (an endpoint called by broadcast raised)"
+        if slot.owner is not None:
+            self._tell_owner(slot.owner[0], slot.owner[1], dataclasses.asdict(leaf) if leaf else self._failure(slot, why))
+
+    def _failure(self, slot: ActorSlot, why: str) -> Dict[str, Any]:
+        return {"mesh": slot.ctx.actor_instance.mesh_id, "rank": slot.ctx.actor_instance.rank.rank,
+                "host": self.host_index, "hostname": socket.gethostname(), "reason": why,
+                "mesh_name": slot.name, "actor": slot.actor_id, "actor_class": slot.qualname,
+                "point": point_text(slot.ctx.actor_instance.rank)}
+
+    def _tell_owner(self, conn: Any, owner_actor: str, failure: Dict[str, Any]) -> None:
         try:
             parts = encode(("fault", owner_actor), failure)
             if isinstance(conn, ProcConnection):
@@ -355,7 +362,7 @@ class ProcServer:
             else:  # spawned from this same proc (this_proc()): no socket between them
                 session.hub_for(self.pool)._fault(owner_actor, [bytearray(memoryview(x).cast("B")) for x in parts[2:]])
         except Exception as e:  # the owner is gone: nobody to tell
-            log.warning("could not report the failure of %s to its owner: %s", actor_id, e)
+            log.warning("could not report the failure of %s to its owner: %s", failure.get("actor"), e)
 
     def call(self, reply: Reply, actor_id: str, ep_name: str, bufs: List[bytearray]) -> None:
         slot = self.actors.get(actor_id)
@@ -484,6 +491,7 @@ class ProcServer:
         try:
             cls, args, kwargs = unpack(bufs)
             slot.cls_name = cls.__name__
+            slot.qualname = f"{cls.__module__}.{cls.__qualname__}"
             slot.endpoints = endpoints_of(cls)
             instance = cls.__new__(cls)
         except Exception as e:
@@ -499,6 +507,8 @@ class ProcServer:
             err = self._error(slot, "__init__", e)
             self._ended(actor_id, f"{err[1]}: the actor was never created")
             conn.reply(rid, False, err)
+            # as in Monarch, a constructor that raised is also a supervision event for the owner
+            self._tell_owner(conn, owner, self._failure(slot, f"{err[1]}: the actor was never created"))
             return
         finally:
             current_context.reset(token)
@@ -577,9 +587,11 @@ class ProcServer:
                 print(f"{slot.name}.__supervise__ raised:\n{traceback.format_exc()}", file=sys.stderr)
             finally:
                 current_context.reset(token)
-        if not handled:
-            slot.failed = f"actor {slot.name} failed: a mesh it owns lost a proc it did not handle: {failure}"
-            print(slot.failed, file=sys.stderr, flush=True)
+        if not handled:  # as in Monarch, the owner fails too, and the event goes up to its own owner
+            what = "had an actor fail" if failure.actor else "lost a proc"
+            why = f"actor {slot.name} failed: a mesh it owns {what} and it did not handle it: {failure}"
+            print(why, file=sys.stderr, flush=True)
+            self._actor_failed(owner_actor_id, why, leaf=failure)
 
 
 def _subtree_ranks(rank: int, sub: list) -> List[int]:

@@ -86,6 +86,14 @@ def hub_for(pool: str, creds: Optional[PoolCredentials] = None) -> Hub:
         return hub
 
 
+def pool_ending(pool: str) -> None:
+    """This process is ending ``pool`` on purpose (``HostMesh.shutdown()``, a job's ``kill()``):
+    its procs' ends are expected, not supervision events."""
+    hub = _hubs.get(pool)
+    if hub is not None:
+        hub.ending_all()
+
+
 def forget_hubs_after_fork() -> None:
     """A forked child must not share its parent's sockets or reader state."""
     _hubs.clear()

@@ -5,12 +5,16 @@ As in Monarch: an actor of a mesh the controller spawned failed (an endpoint cal
 default logs the report and ends the controller with exit code 1; assign
 ``monarch_torchx.actor.unhandled_fault_hook`` to do something else (it is looked up there each
 time). The hook runs on the thread that reads the mesh's connections: the one waiting on a
-Future; what it raises comes out of that ``get()``.
+Future, and what it raises comes out of that ``get()``; or, while no call is waiting, the hub's idle
+reader or the thread that watches procs for their end, and what it raises ends the program as Monarch's does: a KeyboardInterrupt in the main
+thread (so atexit handlers and destructors still run there).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 from .errors import MeshFailure
 
@@ -25,3 +29,13 @@ def dispatch(failure: MeshFailure) -> None:
     pkg = sys.modules.get("monarch_torchx.actor")
     hook = getattr(pkg, "unhandled_fault_hook", unhandled_fault_hook) if pkg is not None else unhandled_fault_hook
     hook(failure)
+
+
+def unhandled_off_caller(exc: BaseException) -> None:
+    """The hook raised on a thread no call waits on (the idle reader, the proc watcher): the main
+    thread is interrupted."""
+    print(f"monarch-torchx: the unhandled fault hook raised {exc!r}; interrupting the main thread",
+          file=sys.stderr, flush=True)
+    main = threading.main_thread()
+    if main.is_alive() and main.ident is not None:
+        signal.pthread_kill(main.ident, signal.SIGINT)

@@ -1,0 +1,141 @@
+"""Runs Monarch's own public actor tests against monarch_torchx, with only the imports rewritten.
+
+    python compat/monarch_suite/run.py --monarch PATH_TO_A_MONARCH_CHECKOUT [--files test_cookbook ...]
+
+Nothing of Monarch's is committed here: the tests are read from the checkout given, rewritten
+(``rewrite.py``) into a scratch directory next to our stand-ins for Monarch's test helpers, and run
+with pytest. The report counts, per file, what passed, what failed (with the first line of why), and
+what was left out: tests that need Monarch's runtime internals (``Monarch-internal: NAME``) or a
+device this host lacks (CUDA, ibverbs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+from typing import Dict, List
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from rewrite import HELPERS, rewrite  # noqa: E402
+
+# Monarch's tests of its public actor API (python/tests), as the issue that asked for this names them
+DEFAULT_FILES = [
+    "test_python_actors", "test_actor_error", "test_supervision_hierarchy", "test_proc_mesh",
+    "test_host_mesh", "test_concurrent_endpoints", "test_cookbook", "test_actor_logging",
+    "test_client_shutdown", "test_inter_mesh_ping_pong", "test_rdma", "test_rdma_unit",
+    "test_rdma_cpu_no_torch", "test_rdma_initialization", "test_rdma_action",
+]
+PLUGINS = ["pytest-asyncio==1.5.0", "pytest-timeout==2.4.0"]  # what Monarch's suite runs under
+
+
+def _plugins(cache: Path) -> Path:
+    if not (cache / "pytest_asyncio").exists():
+        print(f"installing {' '.join(PLUGINS)} into {cache}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(cache), *PLUGINS],
+                       check=True)
+    return cache
+
+
+def prepare(monarch: Path, files: List[str], work: Path) -> None:
+    tests = monarch / "python" / "tests"
+    if not tests.is_dir():
+        raise SystemExit(f"error: {tests} is not there: --monarch takes a checkout of meta-pytorch/monarch")
+    for f in files:
+        src = tests / f"{f}.py"
+        if not src.exists():
+            raise SystemExit(f"error: {src} is not there (is the checkout recent?)")
+        (work / src.name).write_text(rewrite(src.read_text()))
+    for f in (HERE / "stand_ins").glob("*.py"):
+        shutil.copy(f, work / f.name)
+    (work / "pytest.ini").write_text("[pytest]\nasyncio_mode = auto\nasyncio_default_fixture_loop_scope = function\n")
+
+
+def _why(fail: ET.Element) -> str:
+    """The exception that failed a test, in one line (a traceback's last line, not its first)."""
+    lines = [ln for ln in (fail.text or fail.get("message") or "").splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("E   "):
+            return ln[1:].strip()[:200]
+    return (lines[-1].strip() if lines else "")[:200]
+
+
+def classify(junit: Path) -> Dict[str, Dict]:
+    out: Dict[str, Dict] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        file = case.get("classname", "").split(".")[0]
+        name = case.get("name", "")
+        rec = out.setdefault(file, {"counts": Counter(), "failures": [], "left_out": Counter()})
+        fail = case.find("failure")
+        if fail is None:
+            fail = case.find("error")
+        skip = case.find("skipped")
+        if fail is not None:
+            rec["counts"]["failed"] += 1
+            rec["failures"].append((name, _why(fail)))
+        elif skip is not None:
+            why = skip.get("message", "")
+            kind = "internal" if "Monarch-internal" in why else "device" if any(
+                k in why.lower() for k in ("cuda", "gpu", "ibverbs")) else "skipped"
+            rec["counts"][kind] += 1
+            rec["left_out"][why.split(":")[0] if kind == "internal" else why[:80]] += 1
+        else:
+            rec["counts"]["passed"] += 1
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--monarch", required=True, type=Path, help="a checkout of github.com/meta-pytorch/monarch")
+    ap.add_argument("--files", nargs="*", default=DEFAULT_FILES, help="test files (without .py) of python/tests")
+    ap.add_argument("--timeout", type=int, default=120, help="seconds per test")
+    ap.add_argument("--work", type=Path, help="scratch directory (default: a new temp dir)")
+    ap.add_argument("--json", type=Path, help="write the report here too")
+    ap.add_argument("-k", default="", help="pytest -k expression")
+    ap.add_argument("--plugins", type=Path, default=Path.home() / ".cache" / "monarch-torchx-suite-plugins")
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="monarch-suite-"))
+    work.mkdir(parents=True, exist_ok=True)
+    prepare(args.monarch, args.files, work)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_plugins(args.plugins)), str(work),
+                                                         os.environ.get("PYTHONPATH", "")]))
+    junit = work / "report.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q",  # the plugins load by their entry points
+           f"--timeout={args.timeout}", f"--junitxml={junit}", "-o", "junit_family=xunit1",
+           *(["-k", args.k] if args.k else []), *[f"{f}.py" for f in args.files]]
+    print(f"running in {work}: {' '.join(cmd[2:])}", file=sys.stderr)
+    subprocess.run(cmd, cwd=work, env=env)
+    if not junit.exists():
+        print("error: pytest wrote no report", file=sys.stderr)
+        return 1
+    report = classify(junit)
+    total = Counter()
+    print(f"\n{'file':34} {'passed':>7} {'failed':>7} {'internal':>9} {'device':>7} {'other skip':>10}")
+    for file, rec in sorted(report.items()):
+        c = rec["counts"]
+        total.update(c)
+        print(f"{file:34} {c['passed']:7} {c['failed']:7} {c['internal']:9} {c['device']:7} {c['skipped']:10}")
+    runnable = total["passed"] + total["failed"]
+    print(f"{'total':34} {total['passed']:7} {total['failed']:7} {total['internal']:9} {total['device']:7} "
+          f"{total['skipped']:10}")
+    print(f"\n{total['passed']} of {runnable} runnable items pass "
+          f"({100 * total['passed'] / max(1, runnable):.0f}%); left out: {total['internal']} Monarch-internal, "
+          f"{total['device']} for a device this host lacks, {total['skipped']} skipped by the tests themselves")
+    for file, rec in sorted(report.items()):
+        for name, why in rec["failures"]:
+            print(f"FAILED {file}::{name}: {why}")
+    if args.json:
+        args.json.write_text(json.dumps({f: {"counts": r["counts"], "failures": r["failures"],
+                                             "left_out": r["left_out"]} for f, r in report.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
