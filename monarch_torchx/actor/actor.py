@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import logging
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, TypeVar, overload
@@ -90,6 +91,11 @@ class Actor:
     (mesh stopped or owner gone; ``exc`` is None then).
     """
 
+    @property
+    def logger(self) -> logging.Logger:
+        """As Monarch's ``Actor.logger``: a logger named for the actor's class."""
+        return logging.getLogger(f"{type(self).__module__}.{type(self).__qualname__}")
+
 
 @dataclass
 class ActorInstance:
@@ -143,8 +149,10 @@ def current_rank() -> Point:
 
 
 def current_actor_name() -> str:
-    """The running actor's name (as given to spawn; "client" in a controller), as Monarch's."""
-    return current_context.get().actor_instance.name
+    """The running actor's id as a string, as Monarch's: one per member of a mesh (its name as
+    given to spawn, the mesh's id and the member's point); "client" in a controller."""
+    ai = current_context.get().actor_instance
+    return ai.actor_id if ai.actor_id == "client" else f"{ai.actor_id}{ai.rank!r}"
 
 
 def current_size() -> Dict[str, int]:

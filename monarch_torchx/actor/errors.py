@@ -60,11 +60,9 @@ class MeshFailure:
 
 def point_text(point: Any) -> str:
     """A mesh point as Monarch prints one in its reports: ``{'hosts': 0/2, 'gpus': 1/4}``."""
-    try:
-        return "{" + ", ".join(f"'{k}': {c}/{n}" for k, c, n in
-                               zip(point.extent.labels, point.coords, point.extent.sizes)) + "}"
-    except AttributeError:
-        return ""
+    from .shape import Point
+
+    return repr(point) if isinstance(point, Point) else ""
 
 
 def error_payload(kind: str, message: str, tb: str = "", etype: str = "") -> Tuple[str, str, str, str]:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import os
 import pickle
+import queue
 import signal
 import socket
 import sys
@@ -42,6 +44,51 @@ MAX_ENDED = 10000  # why actors are not here (failed constructors, stopped), rem
 Reply = Callable[[bool, Any], None]
 
 
+class ActorThread:
+    """Runs one actor's synchronous code (its sync endpoints, a sync ``__cleanup__``), one call at
+    a time, off the proc's event loop, as Monarch runs sync endpoints: they may block (``.get()``
+    on any future, a call to an actor of this same proc, a long computation) while the loop goes
+    on answering handshakes, other actors and this actor's own replies. A daemon thread: a hung
+    endpoint never holds the proc's exit."""
+
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=f"actor-{name}", daemon=True).start()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> "asyncio.Future[Any]":
+        done = self._loop.create_future()
+        self._jobs.put((done, fn, args))
+        return done
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            done, fn, args = job
+            try:
+                out = (True, fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the loop, which decides
+                out = (False, e)
+            try:
+                self._loop.call_soon_threadsafe(_settle, done, out)
+            except RuntimeError:  # the loop is closed: the proc is ending
+                return
+
+
+def _settle(done: "asyncio.Future[Any]", out: Tuple[bool, Any]) -> None:
+    if done.cancelled():
+        return
+    if out[0]:
+        done.set_result(out[1])
+    else:
+        done.set_exception(out[1])
+
+
 @dataclass
 class ActorSlot:
     actor_id: str
@@ -56,6 +103,7 @@ class ActorSlot:
     owner: Optional[Tuple[Any, str]] = None  # (connection of the process that spawned it, its actor id or "")
     tasks: set = field(default_factory=set)  # its concurrent endpoints in flight (cancelled when it stops)
     qualname: str = ""  # module.Class, as a supervision report names the actor
+    thread: Optional[ActorThread] = None  # runs its synchronous code (made on first use)
 
 
 class ResponsePort:
@@ -145,6 +193,7 @@ class ProcServer:
         # spawn it relies on, from another sender: it waits here for the actor, a bounded while
         self.awaiting: Dict[str, List[Callable[[], None]]] = {}
         self.ended: Dict[str, str] = {}  # actor id -> why it is not here (failed __init__, stopped)
+        self.constructing: set = set()  # actor ids whose constructor is running (their calls wait)
         self.owner: Optional[ProcConnection] = None
         self.gate = wire.HandshakeGate()
         self.stop_reason = ""
@@ -189,6 +238,10 @@ class ProcServer:
         self.loop.create_task(self._shutdown(then))
 
     async def _shutdown(self, then: Optional[Callable[[], None]]) -> None:
+        assert self.loop is not None
+        deadline = self.loop.time() + SPAWN_WAIT_S
+        while self.constructing and self.loop.time() < deadline:  # their __cleanup__ runs too
+            await asyncio.sleep(0.005)
         for slot in list(self.actors.values()):
             await self._cleanup(slot)
         if then is not None:
@@ -203,20 +256,33 @@ class ProcServer:
             await asyncio.gather(*slot.tasks, return_exceptions=True)
         cleanup = getattr(slot.instance, "__cleanup__", None)
         if cleanup is None:
+            if slot.thread is not None:
+                slot.thread.close()
             return
-        token = current_context.set(slot.ctx)
+        # Monarch's signature is __cleanup__(self, exc): the exception that stopped the actor
+        # (None here: a stop or the owner's end is not an actor's failure); ours took none
+        args = (None,) if _takes_an_argument(cleanup) else ()
         try:
-            # Monarch's signature is __cleanup__(self, exc): the exception that stopped the actor
-            # (None here: a stop or the owner's end is not an actor's failure); ours took none
-            res = cleanup(None) if _takes_an_argument(cleanup) else cleanup()
-            if asyncio.iscoroutine(res):
-                await asyncio.wait_for(res, 30)
+            if asyncio.iscoroutinefunction(cleanup):
+                token = current_context.set(slot.ctx)
+                try:
+                    await asyncio.wait_for(cleanup(*args), 30)
+                finally:
+                    current_context.reset(token)
+            else:  # on the actor's thread, as its sync endpoints: it may block on calls
+                res = await asyncio.wait_for(self._actor_thread(slot).run(self._in_context, slot, cleanup, args), 30)
+                if asyncio.iscoroutine(res):
+                    await asyncio.wait_for(res, 30)
         except Exception:
             print(f"{slot.name}.__cleanup__ failed:\n{traceback.format_exc()}", file=sys.stderr)
         finally:
-            current_context.reset(token)
+            if slot.thread is not None:
+                slot.thread.close()
 
     def _begin_actor_stop(self, reply: Reply, actor_id: str) -> None:
+        if actor_id not in self.actors and actor_id not in self.ended:  # still being constructed
+            self._await_actor(actor_id, lambda: self._begin_actor_stop(reply, actor_id))
+            return
         assert self.loop is not None
         self.loop.create_task(self._stop_actor(reply, actor_id))
 
@@ -389,8 +455,8 @@ class ProcServer:
         self.submit(slot, ep, args, kwargs, reply)
 
     def submit(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply) -> None:
-        if ep.explicit_response_port:
-            port = ResponsePort(reply, lambda e: self._error(slot, ep.name, e),
+        if ep.explicit_response_port:  # a sync endpoint answers from its actor's thread
+            port = ResponsePort(self._on_loop(reply), lambda e: self._error(slot, ep.name, e),
                                 lambda err: self._escaped_port(slot, err))
             args = (port, *args)
             reply = port.returned
@@ -399,9 +465,6 @@ class ProcServer:
             task = self.loop.create_task(self._run_concurrent(slot, ep, args, kwargs, reply))
             slot.tasks.add(task)
             task.add_done_callback(slot.tasks.discard)
-            return
-        if not slot.busy and not ep.is_async:
-            reply(*self._run_sync(slot, ep, args, kwargs))
             return
         slot.queue.append((ep, args, kwargs, reply))
         if not slot.busy:
@@ -413,10 +476,32 @@ class ProcServer:
         try:
             while slot.queue:
                 ep, args, kwargs, reply = slot.queue.popleft()
-                res = await self._run_async(slot, ep, args, kwargs) if ep.is_async else self._run_sync(slot, ep, args, kwargs)
+                if slot.failed:  # it failed while this call waited its turn
+                    reply(False, error_payload("supervision", slot.failed))
+                    continue
+                if ep.is_async:
+                    res = await self._run_async(slot, ep, args, kwargs)
+                else:
+                    res = await self._actor_thread(slot).run(self._run_sync, slot, ep, args, kwargs)
                 reply(*res)
         finally:
             slot.busy = False
+
+    def _actor_thread(self, slot: ActorSlot) -> ActorThread:
+        if slot.thread is None:
+            assert self.loop is not None
+            slot.thread = ActorThread(slot.name, self.loop)
+        return slot.thread
+
+    def _on_loop(self, reply: Reply) -> Reply:
+        """``reply`` made safe to call from an actor's thread (it writes to the loop's connections)."""
+        def answer(ok: bool, value: Any) -> None:
+            if session.this_proc() is not None and threading.get_ident() == session.this_proc().loop_thread:  # type: ignore[union-attr]
+                reply(ok, value)
+            else:
+                assert self.loop is not None
+                self.loop.call_soon_threadsafe(reply, ok, value)
+        return answer
 
     async def _run_concurrent(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply) -> None:
         reply(*await self._run_async(slot, ep, args, kwargs))
@@ -429,6 +514,14 @@ class ProcServer:
             return False, self._error(slot, ep.name, e)
         except BaseException as e:  # SystemExit, KeyboardInterrupt, a user BaseException
             return False, self._fatal(slot, ep.name, e)
+        finally:
+            current_context.reset(token)
+
+    @staticmethod
+    def _in_context(slot: ActorSlot, fn: Callable[..., Any], args: tuple) -> Any:
+        token = current_context.set(slot.ctx)
+        try:
+            return fn(*args)
         finally:
             current_context.reset(token)
 
@@ -455,7 +548,7 @@ class ProcServer:
         where = f"{slot.cls_name}.{what} on proc {self.rank} of mesh {self.mesh_id} (host {self.host_index})"
         # "Actor call NAME.ENDPOINT failed" leads, as Monarch's ActorError says it
         return error_payload("actor", f"Actor call {slot.name}.{what} failed: {where} raised {type(e).__name__}: {e}",
-                             traceback.format_exc(), type(e).__name__)
+                             "".join(traceback.format_exception(type(e), e, e.__traceback__)), type(e).__name__)
 
     def _await_actor(self, actor_id: str, retry: Callable[[], None]) -> None:
         """Holds a call for an actor whose spawn has not arrived yet; after SPAWN_WAIT_S it is
@@ -467,6 +560,10 @@ class ProcServer:
             self.loop.call_later(SPAWN_WAIT_S, self._give_up_on, actor_id)
 
     def _give_up_on(self, actor_id: str) -> None:
+        if actor_id in self.constructing:  # a slow constructor: its calls wait for it, however long
+            assert self.loop is not None
+            self.loop.call_later(SPAWN_WAIT_S, self._give_up_on, actor_id)
+            return
         if actor_id in self.awaiting and actor_id not in self.actors:
             self.ended.setdefault(actor_id, f"actor {actor_id} is not on proc {self.rank} of mesh {self.mesh_id} "
                                             f"(never spawned here, or stopped)")
@@ -500,23 +597,32 @@ class ProcServer:
             self._ended(actor_id, f"{err[1]}: the actor was never created")
             conn.reply(rid, False, err)
             return
-        token = current_context.set(inst_ctx)
-        try:
-            instance.__init__(*args, **kwargs)
-        except Exception as e:
-            err = self._error(slot, "__init__", e)
-            self._ended(actor_id, f"{err[1]}: the actor was never created")
+        # the constructor runs on the actor's thread, as its sync endpoints do (thread-local state
+        # it sets is theirs; it may block on calls); calls that arrive meanwhile wait for it
+        self.constructing.add(actor_id)
+        assert self.loop is not None
+        slot.thread = ActorThread(name, self.loop)
+        done = slot.thread.run(self._in_context, slot, functools.partial(instance.__init__, *args, **kwargs), ())
+        done.add_done_callback(lambda d: self._constructed(conn, rid, slot, instance, owner, d))
+
+    def _constructed(self, conn: ProcConnection, rid: int, slot: ActorSlot, instance: Any, owner: str,
+                     done: "asyncio.Future[Any]") -> None:
+        self.constructing.discard(slot.actor_id)
+        exc = done.exception()
+        if exc is not None:
+            err = self._error(slot, "__init__", exc)
+            self._ended(slot.actor_id, f"{err[1]}: the actor was never created")
             conn.reply(rid, False, err)
             # as in Monarch, a constructor that raised is also a supervision event for the owner
             self._tell_owner(conn, owner, self._failure(slot, f"{err[1]}: the actor was never created"))
+            if slot.thread is not None:
+                slot.thread.close()
             return
-        finally:
-            current_context.reset(token)
         slot.instance = instance
         slot.owner = (conn, owner)
-        self.actors[actor_id] = slot
+        self.actors[slot.actor_id] = slot
         conn.reply(rid, True, None)
-        self._release_calls(actor_id)
+        self._release_calls(slot.actor_id)
 
     # ------------------------------------------------------------ multicast through a tree
 

@@ -77,8 +77,9 @@ class Point(Mapping[str, int]):
     def __hash__(self) -> int:
         return hash((self.coords, self.extent.labels))
 
-    def __repr__(self) -> str:
-        return "{" + ", ".join(f"'{k}': {v}" for k, v in zip(self.extent.labels, self.coords)) + "}"
+    def __repr__(self) -> str:  # as Monarch prints a point: {'hosts': 0/2, 'gpus': 1/4}
+        return "{" + ", ".join(f"'{k}': {v}/{n}" for k, v, n in
+                               zip(self.extent.labels, self.coords, self.extent.sizes)) + "}"
 
 
 @dataclass(frozen=True)

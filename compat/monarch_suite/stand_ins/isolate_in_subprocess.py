@@ -55,11 +55,16 @@ def isolate_in_subprocess(test_fn=None, *, env=None):
                                  pass_fds=(fn_r, res_w), env={**os.environ, **(env or {})})
         os.close(fn_r)
         os.close(res_w)
-        with os.fdopen(fn_w, "wb") as f:
-            f.write(cloudpickle.dumps((test_fn, args, kwargs)))
-        with os.fdopen(res_r, "rb") as f:
-            data = f.read()
-        status = child.wait()
+        try:
+            with os.fdopen(fn_w, "wb") as f:
+                f.write(cloudpickle.dumps((test_fn, args, kwargs)))
+            with os.fdopen(res_r, "rb") as f:
+                data = f.read()
+            status = child.wait()
+        finally:  # timed out (pytest-timeout interrupts the read) or failed: the child goes too
+            if child.poll() is None:
+                child.kill()
+                child.wait()
         if not data:
             pytest.fail(f"the isolated test's process ended without a result (exit status {status})")
         kind, text = pickle.loads(data)
