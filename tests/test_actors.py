@@ -20,7 +20,8 @@ from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
-from tests.fixtures.actors import Aborter, Bad, Blaster, Caller, Cleaner, Counter, Fatal, MonarchCleaner, FlakyOwner, Gate, Owner, Responder, Spawner
+from tests.fixtures.actors import (Aborter, Bad, Blaster, Caller, Cleaner, Counter, Fatal, FlakyOwner, Gate,
+                                   MonarchCleaner, Owner, Responder, Spawner, Store, StoreUser)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -645,3 +646,18 @@ def test_the_default_fault_hook_ends_the_controller(pool, tmp_path):
     assert res.returncode != 0 and "still running" not in res.stdout
     assert "unhandled supervision event: The actor tests.fixtures.actors.Counter doomed" in res.stderr, res.stderr
     assert time.time() - t0 < 45
+
+
+def test_get_or_spawn_controller_is_one_actor_per_name_for_the_whole_program(pool, procs):
+    """As Monarch's: the first call spawns the named actor, every later one (from the controller,
+    from its actors, from procs those actors start) gets the same actor; the first arguments count."""
+    from monarch_torchx.actor import get_or_spawn_controller
+
+    store = get_or_spawn_controller("store", Store).get(timeout=60)
+    assert store.put.call_one("k", 42).get(timeout=30) == "first"
+    again = get_or_spawn_controller("store", Store, "second").get(timeout=60)
+    assert again.put.call_one("j", 1).get(timeout=30) == "first"  # the same actor
+    users = procs.spawn("users", StoreUser)
+    assert set(users.read.call("k").get(timeout=60).values()) == {42}
+    assert set(users.aread.call("j").get(timeout=60).values()) == {1}
+    assert users.slice(hosts=1, procs=0).read_from_a_child.call_one("k").get(timeout=120) == 42

@@ -494,14 +494,22 @@ class Hub:
 
     # ------------------------------------------------------------ ports (a controller's inbox)
 
-    def local_address(self) -> str:
-        """The local address procs can reach us on: the one our connections to them leave from."""
+    def local_address(self, toward: Optional[str] = None) -> str:
+        """The local address procs can reach us on: the one our connections to them leave from,
+        or (none yet) the one the route to host ``toward`` leaves from (no packet is sent)."""
         for conn in list(self._conns.values()):
             if conn.sock is not None:
                 try:
                     return conn.sock.getsockname()[0]
                 except OSError:
                     continue
+        if toward:
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                    probe.connect((toward, 9))  # a UDP connect only picks the route
+                    return probe.getsockname()[0]
+            except OSError:
+                pass
         return "127.0.0.1"
 
     def listen(self, host: str) -> ProcAddr:

@@ -147,6 +147,12 @@ class HostMesh(_MeshTrait):
         mesh_id = uuid.uuid4().hex[:12]
         hosts = [self._hosts[r] for r in self._shape.ranks]
         proc_env = {"MONARCH_TORCHX_PROC_PATH": os.pathsep.join(_controller_paths()), **(env or {})}
+        from .controllers import ENV as CONTROLLERS
+
+        if session.this_proc() is None:  # actors it starts can ask for its get_or_spawn_controller actors
+            proc_env[CONTROLLERS] = session.controllers(self.pool).port_env(hosts[0].host)
+        elif os.environ.get(CONTROLLERS):  # and so can the procs those actors start
+            proc_env[CONTROLLERS] = os.environ[CONTROLLERS]
 
         def start(h: int) -> List[Dict[str, Any]]:
             host = hosts[h]

@@ -86,6 +86,17 @@ def hub_for(pool: str, creds: Optional[PoolCredentials] = None) -> Hub:
         return hub
 
 
+def controllers(pool: str) -> Any:
+    """This controller's actors spawned by name (get_or_spawn_controller) for ``pool``."""
+    from .controllers import Registry
+
+    with _lock:
+        regs = _current.setdefault("controllers", {})
+        if pool not in regs:
+            regs[pool] = Registry(pool)
+        return regs[pool]
+
+
 def pool_ending(pool: str) -> None:
     """This process is ending ``pool`` on purpose (``HostMesh.shutdown()``, a job's ``kill()``):
     its procs' ends are expected, not supervision events."""
