@@ -43,9 +43,10 @@ class MeshFailure:
     actors_on_proc: Tuple[str, ...] = ()  # a dead proc: the actors spawned on it (name{point})
     exit_code: Optional[int] = None  # a dead proc's exit code (negative: the signal that killed it)
 
-    def __str__(self) -> str:
+    def __str__(self) -> str:  # Monarch's shape: MeshFailure(mesh_name=.., crashed_ranks=[..], event=..)
         what = f"actor {self.mesh_name} (rank {self.rank})" if self.actor else f"proc {self.rank}"
-        return f"{what} of mesh {self.mesh} on host {self.host} ({self.hostname}) {self.reason}"
+        event = f"{what} of mesh {self.mesh} on host {self.host} ({self.hostname}) {self.reason}"
+        return f"MeshFailure(mesh_name={self.mesh_name or self.mesh}, crashed_ranks=[{self.rank}], event={event})"
 
     def report(self) -> str:
         """A user-readable report of the failure, in the words of Monarch's ``MeshFailure.report()``."""

@@ -43,6 +43,9 @@ class Future(Generic[T]):
         self._event: Optional[threading.Event] = None
         self.loop_thread: Optional[int] = None  # set when only that thread's asyncio loop can complete it
         self._loop_parts: Optional[List["Future[Any]"]] = None  # for a gather: the parts only that loop completes
+        # an error's words for the caller, applied when it fails (an actor call's SupervisionError
+        # says which endpoint and actor, as Monarch's does)
+        self.translate: Optional[Callable[[BaseException], BaseException]] = None
 
     # ------------------------------------------------------------ completing
 
@@ -53,6 +56,8 @@ class Future(Generic[T]):
         self._complete(None, exc)
 
     def _complete(self, value: Any, exc: Optional[BaseException]) -> None:
+        if exc is not None and self.translate is not None:
+            exc = self.translate(exc)
         with self._lock:
             if self._value is not _UNSET or self._exc is not None:
                 return

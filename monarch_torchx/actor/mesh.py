@@ -366,7 +366,8 @@ class ProcMesh(_MeshTrait):
             futs.append(fut)
             hub.actors_on.setdefault(ref.addr, []).append(f"{name}{point_text(point)}")
         mesh: ActorMesh[Any] = ActorMesh(self.pool, self._procs, self._shape, actor_id, name, actor_class.__name__,
-                                          tuple(endpoints_of(actor_class)))
+                                          tuple(endpoints_of(actor_class)),
+                                          f"{actor_class.__module__}.{actor_class.__qualname__}")
         mesh._initialized = Future.gather(hub, futs, lambda _v: None)
         return mesh
 
@@ -478,7 +479,7 @@ class ActorMesh(_MeshTrait, Generic[T]):
     """One actor per proc of a ProcMesh. ``mesh.endpoint`` gives the adverbs."""
 
     def __init__(self, pool: str, procs: Sequence[ProcRef], shape: Shape, actor_id: str, name: str,
-                 cls_name: str, endpoints: Tuple[str, ...]):
+                 cls_name: str, endpoints: Tuple[str, ...], cls_path: str = ""):
         self.pool = pool
         self._procs = list(procs)
         self._shape = shape
@@ -486,11 +487,13 @@ class ActorMesh(_MeshTrait, Generic[T]):
         self._name = name
         self._cls_name = cls_name
         self._endpoints = endpoints
+        self._cls_path = cls_path or cls_name  # module.Class, as supervision errors name the actor
 
     _initialized: Optional["Future[None]"] = None  # the constructors' answers (in the process that spawned it)
 
     def _with_shape(self, shape: Shape) -> "ActorMesh[T]":
-        mesh = ActorMesh(self.pool, self._procs, shape, self._actor_id, self._name, self._cls_name, self._endpoints)
+        mesh = ActorMesh(self.pool, self._procs, shape, self._actor_id, self._name, self._cls_name, self._endpoints,
+                         self._cls_path)
         mesh._initialized = self._initialized
         return mesh
 
@@ -506,7 +509,7 @@ class ActorMesh(_MeshTrait, Generic[T]):
 
     def __reduce__(self) -> Any:
         return ActorMesh, (self.pool, self._procs, self._shape, self._actor_id, self._name, self._cls_name,
-                           self._endpoints)
+                           self._endpoints, self._cls_path)
 
     def __repr__(self) -> str:
         return f"ActorMesh({self._name!r}: {self._cls_name}, {self.extent!r})"
@@ -534,6 +537,18 @@ class ActorMesh(_MeshTrait, Generic[T]):
         return EndpointMesh(self, name)
 
 
+def _in_monarchs_words(ep: "EndpointMesh", position: int, exc: BaseException) -> BaseException:
+    """A call's SupervisionError as Monarch words it: which endpoint call failed, and which actor
+    ("The actor MODULE.CLASS NAME{point} and all its descendants have failed"), then why."""
+    if not isinstance(exc, SupervisionError) or str(exc).startswith("Endpoint call "):
+        return exc
+    m = ep._mesh
+    points = list(m._shape.points())
+    point = repr(points[position]) if position < len(points) else ""
+    return SupervisionError(f"Endpoint call {m._name}.{ep._name}() failed, The actor {m._cls_path} {m._name}{point} "
+                            f"and all its descendants have failed:\n  {exc}")
+
+
 class EndpointMesh:
     """``call`` / ``call_one`` / ``choose`` / ``stream`` / ``broadcast`` of one endpoint of a mesh."""
 
@@ -557,23 +572,27 @@ class EndpointMesh:
         packed = self._pack(args, kwargs)
         refs = [m._procs[m._shape.ranks[p]] for p in positions]
         if len(refs) >= TREE_MIN:
-            return self._cast(hub, refs, packed, reply)
+            return self._cast(hub, refs, packed, reply, positions)
         rid = hub.next_id() if reply else 0
         futs: List[Future[Any]] = []
         frames = []
-        for ref in refs:  # build every frame first, so the sends go out back to back
+        for p, ref in zip(positions, refs):  # build every frame first, so the sends go out back to back
             fut: Optional[Future[Any]] = Future(hub) if reply else None
             header = ("call", rid, hub.sender, hub.next_seq(ref.addr), m._actor_id, self._name)
             frames.append((ref.addr, encode(header, packed=packed), fut))
             if fut is not None:
+                fut.translate = functools.partial(_in_monarchs_words, self, p)
                 futs.append(fut)
         for addr, parts, fut in frames:
             _send(hub, addr, parts, rid, fut)
         return futs
 
-    def _cast(self, hub: Hub, refs: List[ProcRef], packed: List[Any], reply: bool) -> List[Future[Any]]:
+    def _cast(self, hub: Hub, refs: List[ProcRef], packed: List[Any], reply: bool,
+              positions: Sequence[int] = ()) -> List[Future[Any]]:
         seqs = {ref.rank: hub.next_seq(ref.addr) for ref in refs}
         per_rank: Dict[int, Future[Any]] = {ref.rank: Future(hub) for ref in refs}
+        for p, ref in zip(positions, refs):
+            per_rank[ref.rank].translate = functools.partial(_in_monarchs_words, self, p)
         rid = hub.next_id() if reply else 0
         for root, sub in _tree(refs):
             ranks = [root.rank] + [r.rank for r in _flatten(sub)]

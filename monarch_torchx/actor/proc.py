@@ -538,11 +538,14 @@ class ProcServer:
 
     def _fatal(self, slot: ActorSlot, what: str, e: BaseException) -> Tuple[str, str, str, str]:
         """An endpoint raised a BaseException that is not an Exception: as in Monarch, the actor
-        has failed. The call is answered with the error (never left hanging, the connection kept)
-        and every later call to the actor is refused with why."""
+        has failed. The call is answered with SupervisionError (never left hanging, the connection
+        kept), every later call to the actor is refused with why, and its owner is told."""
         err = self._error(slot, what, e)
-        slot.failed = f"{err[1]}: the actor has failed and takes no more calls"
-        return err
+        why = f"{err[1]}: the actor has failed and takes no more calls"
+        slot.failed = why
+        if slot.owner is not None:  # and, as in Monarch, its owner gets a supervision event
+            self._tell_owner(slot.owner[0], slot.owner[1], self._failure(slot, why))
+        return error_payload("supervision", why, err[2], err[3])
 
     def _error(self, slot: ActorSlot, what: str, e: BaseException) -> Tuple[str, str, str, str]:
         where = f"{slot.cls_name}.{what} on proc {self.rank} of mesh {self.mesh_id} (host {self.host_index})"

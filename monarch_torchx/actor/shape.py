@@ -14,33 +14,41 @@ from typing import Any, Iterator, List, Mapping, Sequence, Tuple, Union
 
 
 class Extent(Mapping[str, int]):
-    """Dim name -> size, in dim order."""
+    """Dim name -> size, in dim order. ``labels`` and ``sizes`` are lists, as Monarch's."""
 
     def __init__(self, labels: Sequence[str], sizes: Sequence[int]):
-        self.labels = tuple(labels)
-        self.sizes = tuple(sizes)
+        self._labels = tuple(labels)
+        self._sizes = tuple(sizes)
+
+    @property
+    def labels(self) -> List[str]:
+        return list(self._labels)
+
+    @property
+    def sizes(self) -> List[int]:
+        return list(self._sizes)
 
     def __getitem__(self, label: str) -> int:
         try:
-            return self.sizes[self.labels.index(label)]
+            return self._sizes[self._labels.index(label)]
         except ValueError:
             raise KeyError(label) from None
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.labels)
+        return iter(self._labels)
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return len(self._labels)
 
     @property
     def nelements(self) -> int:
         n = 1
-        for s in self.sizes:
+        for s in self._sizes:
             n *= s
         return n
 
     def __repr__(self) -> str:
-        return "{" + ", ".join(f"'{k}': {v}" for k, v in zip(self.labels, self.sizes)) + "}"
+        return "{" + ", ".join(f"'{k}': {v}" for k, v in zip(self._labels, self._sizes)) + "}"
 
 
 class Point(Mapping[str, int]):
@@ -53,33 +61,33 @@ class Point(Mapping[str, int]):
     @property
     def rank(self) -> int:
         r = 0
-        for c, s in zip(self.coords, self.extent.sizes):
+        for c, s in zip(self.coords, self.extent._sizes):
             r = r * s + c
         return r
 
     def __getitem__(self, label: str) -> int:
         try:
-            return self.coords[self.extent.labels.index(label)]
+            return self.coords[self.extent._labels.index(label)]
         except ValueError:
             raise KeyError(label) from None
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.extent.labels)
+        return iter(self.extent._labels)
 
     def __len__(self) -> int:
         return len(self.coords)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Point):
-            return self.coords == other.coords and self.extent.labels == other.extent.labels
+            return self.coords == other.coords and self.extent._labels == other.extent._labels
         return Mapping.__eq__(self, other)
 
     def __hash__(self) -> int:
-        return hash((self.coords, self.extent.labels))
+        return hash((self.coords, self.extent._labels))
 
     def __repr__(self) -> str:  # as Monarch prints a point: {'hosts': 0/2, 'gpus': 1/4}
         return "{" + ", ".join(f"'{k}': {v}/{n}" for k, v, n in
-                               zip(self.extent.labels, self.coords, self.extent.sizes)) + "}"
+                               zip(self.extent._labels, self.coords, self.extent._sizes)) + "}"
 
 
 @dataclass(frozen=True)
