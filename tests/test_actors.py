@@ -363,7 +363,7 @@ def test_smaller_monarch_apis(procs, home, pool_name):
 
     assert current_actor_name() == "client"
     c = procs.spawn("named", Counter)
-    assert procs.initialized.get(timeout=1) is None
+    assert procs.initialized.get(timeout=1) is True
     port, rx = Channel.open(once=True)
     c.slice(hosts=0, procs=0).send_rank.broadcast(port)
     c.slice(hosts=1, procs=1).send_rank.broadcast(port)
@@ -442,7 +442,7 @@ def test_abort_proc_and_bootstrap(pool, procs, monkeypatch):
     a = procs.spawn("ab", Aborter).slice(hosts=0, procs=0)
     assert a.proc_sizes.call_one().get(timeout=30) == {}
     a.quit.call_one().get(timeout=30)
-    with pytest.raises(SupervisionError, match="aborted: giving up"):
+    with pytest.raises(SupervisionError, match="aborted due to: giving up"):
         a.proc_sizes.call_one().get(timeout=30)
     assert seen and "giving up" in seen[0].report()
     hosts = attach(pool[0])
@@ -665,3 +665,25 @@ def test_get_or_spawn_controller_is_one_actor_per_name_for_the_whole_program(poo
     assert set(users.read.call("k").get(timeout=60).values()) == {42}
     assert set(users.aread.call("j").get(timeout=60).values()) == {1}
     assert users.slice(hosts=1, procs=0).read_from_a_child.call_one("k").get(timeout=120) == 42
+
+
+def test_host_mesh_stop_context_manager_and_shutdown_as_in_monarch(home, pool_name):
+    """HostMesh.stop() ends only the procs spawned through that HostMesh object; `with`/`async
+    with` shut the hosts down on exit, after which the HostMesh refuses work (Monarch's)."""
+    ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}))
+    hm = attach(pool_name)
+    assert hm.initialized.get(timeout=1) is True
+    mine = hm.spawn_procs(per_host={"procs": 1}).spawn("mine", Counter)
+    theirs = attach(pool_name).spawn_procs(per_host={"procs": 1}).spawn("theirs", Counter)
+    assert mine.incr.call_one().get(timeout=30) == 1
+    hm.stop().get(timeout=60)
+    with pytest.raises(SupervisionError):
+        mine.incr.call_one().get(timeout=30)
+    assert theirs.incr.call_one().get(timeout=30) == 1
+    with hm:
+        pass
+    assert Registry().get(pool_name) is None
+    with pytest.raises(RuntimeError, match="HostMesh has already been shut down"):
+        hm.spawn_procs()
+    with pytest.raises(RuntimeError, match="HostMesh has already been shut down"):
+        hm.shutdown()

@@ -119,7 +119,7 @@ class ActorInstance:
 
         return this_proc()
 
-    def abort(self, reason: str = "aborted") -> None:
+    def abort(self, reason: Optional[str] = None) -> None:
         """Fails this actor now, as Monarch's: later calls to it are refused, and its owner gets a
         supervision event (``__supervise__``, or a controller's ``unhandled_fault_hook``)."""
         from . import session
@@ -127,7 +127,7 @@ class ActorInstance:
         me = session.this_proc()
         if me is None or me.on_abort is None:
             raise RuntimeError("abort() is for an actor; the controller has nothing to abort")
-        me.on_abort(self.actor_id, f"actor {self.name} aborted: {reason}")
+        me.on_abort(self.actor_id, f"actor {self.name} explicitly aborted due to: {reason or 'no reason provided'}")
 
 
 @dataclass

@@ -97,6 +97,8 @@ class HostMesh(_MeshTrait):
         self.pool = pool
         self._hosts = list(hosts)
         self._shape = shape or Shape.dense(("hosts",), (len(self._hosts),))
+        self._shut_down = False
+        self._spawned: List["ProcMesh"] = []  # what stop() ends
 
     def _with_shape(self, shape: Shape) -> "HostMesh":
         return HostMesh(self.pool, self._hosts, shape)
@@ -104,11 +106,49 @@ class HostMesh(_MeshTrait):
     def __repr__(self) -> str:
         return f"HostMesh(pool={self.pool!r}, {self.extent!r})"
 
+    @property
+    def initialized(self) -> "Future[bool]":
+        """As Monarch's: completes (True) once the hosts are up; a pool's agents are up already."""
+        done: Future[bool] = Future()
+        done.set_result(True)
+        return done
+
+    def _check_live(self) -> None:
+        if self._shut_down:
+            raise RuntimeError(f"HostMesh has already been shut down (pool {self.pool!r} was stopped through it)")
+
+    def stop(self) -> "Future[None]":
+        """Stops the procs spawned through this HostMesh object, and no others, as Monarch's
+        ``HostMesh.stop()``; the hosts stay up (the pool warm)."""
+        spawned, self._spawned = self._spawned, []
+        if not spawned:
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        return Future.gather(session.hub_for(self.pool), [pm.stop() for pm in spawned], lambda _v: None)
+
+    def __enter__(self) -> "HostMesh":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self._shut_down:
+            self.shutdown().get()
+
+    async def __aenter__(self) -> "HostMesh":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if not self._shut_down:
+            await self.shutdown()
+
     def shutdown(self) -> "Future[None]":
         """Ends the hosts, as Monarch's ``HostMesh.shutdown()``: here, stops the warm pool (its
-        agents, procs and allocation). The Future completes once it is stopped."""
+        agents, procs and allocation). The Future completes once it is stopped; a second
+        shutdown, or a spawn_procs after it, raises RuntimeError."""
         from ..pool import stop_pool
 
+        self._check_live()
+        self._shut_down = True
         done: Future[None] = Future()
 
         def stop() -> None:
@@ -126,6 +166,7 @@ class HostMesh(_MeshTrait):
         """Starts ``per_host`` procs on every host of this mesh (from the agents' warm fork servers).
         ``bootstrap`` (Monarch's): a function every proc runs before it is handed back (picklable
         by value, like an actor's arguments); if it raises, spawn_procs does, and the procs stop."""
+        self._check_live()
         if bootstrap is not None:
             procs = self.spawn_procs(per_host, env=env, name=name)
             try:
@@ -192,6 +233,7 @@ class HostMesh(_MeshTrait):
                 except Exception:
                     pass
             raise MonarchError(f"spawn_procs on pool {self.pool!r} failed: could not connect to the procs: {e}") from None
+        self._spawned.append(mesh)
         return mesh
 
 
@@ -310,11 +352,11 @@ class ProcMesh(_MeshTrait):
         return f"ProcMesh(pool={self.pool!r}, {self.extent!r})"
 
     @property
-    def initialized(self) -> "Future[None]":
-        """As Monarch's: completes once the procs are up. Here spawn_procs returns with them up
-        (warm fork servers), so it is complete already."""
-        done: Future[None] = Future()
-        done.set_result(None)
+    def initialized(self) -> "Future[bool]":
+        """As Monarch's: completes (True) once the procs are up. Here spawn_procs returns with
+        them up (warm fork servers), so it is complete already."""
+        done: Future[bool] = Future()
+        done.set_result(True)
         return done
 
     def __reduce__(self) -> Any:
