@@ -667,17 +667,29 @@ class EndpointMesh:
         return self._send([min(loads)[2]], args, kwargs, True)[0]
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[Any]]:
-        """Yields one done future per actor, in the order the answers arrive."""
+        """One future per actor, as Monarch's: the k-th completes with the k-th answer to arrive.
+        The iterator never blocks (so ``[await f for f in m.ep.stream()]`` works on an event
+        loop); ``.get()`` or ``await`` each future."""
         hub = session.hub_for(self._mesh.pool)
-        remaining = self._send(range(len(self._mesh._shape)), args, kwargs, True)
+        sent = self._send(range(len(self._mesh._shape)), args, kwargs, True)
+        arrivals: List[Future[Any]] = []
+        for f in sent:
+            out: Future[Any] = Future(hub)
+            out.loop_thread = f.loop_thread
+            arrivals.append(out)
+        order = iter(arrivals)
+        lock = threading.Lock()
 
-        def gen() -> Iterator[Future[Any]]:
-            while remaining:
-                hub.wait(lambda: any(f.done() for f in remaining), None)
-                for f in [f for f in remaining if f.done()]:
-                    remaining.remove(f)
-                    yield f
-        return gen()
+        def arrived(f: Future[Any]) -> None:
+            with lock:
+                out = next(order)
+            if f._exc is not None:
+                out.set_exception(f._exc)
+            else:
+                out.set_result(f._value)
+        for f in sent:
+            f.add_done_callback(arrived)
+        return iter(arrivals)
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Fire and forget to every actor of the mesh (a failure is a supervision event)."""
