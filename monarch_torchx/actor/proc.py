@@ -600,12 +600,21 @@ class ProcServer:
             self._ended(actor_id, f"{err[1]}: the actor was never created")
             conn.reply(rid, False, err)
             return
-        # the constructor runs on the actor's thread, as its sync endpoints do (thread-local state
-        # it sets is theirs; it may block on calls); calls that arrive meanwhile wait for it
-        self.constructing.add(actor_id)
+        # As in Monarch, the constructor runs where the endpoints do (thread-local state it sets is
+        # theirs): an actor with async endpoints on the proc's loop, now; one with only sync ones on
+        # its own thread, where it may block on calls, and calls that arrive meanwhile wait for it
+        init = functools.partial(instance.__init__, *args, **kwargs)
         assert self.loop is not None
-        slot.thread = ActorThread(name, self.loop)
-        done = slot.thread.run(self._in_context, slot, functools.partial(instance.__init__, *args, **kwargs), ())
+        if any(ep.is_async for ep in slot.endpoints.values()):
+            done = self.loop.create_future()
+            try:
+                done.set_result(self._in_context(slot, init, ()))
+            except BaseException as e:  # noqa: BLE001 - a failed constructor, answered below
+                done.set_exception(e)
+            self._constructed(conn, rid, slot, instance, owner, done)
+            return
+        self.constructing.add(actor_id)
+        done = self._actor_thread(slot).run(self._in_context, slot, init, ())
         done.add_done_callback(lambda d: self._constructed(conn, rid, slot, instance, owner, d))
 
     def _constructed(self, conn: ProcConnection, rid: int, slot: ActorSlot, instance: Any, owner: str,
