@@ -21,7 +21,7 @@ from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
 from tests.fixtures.actors import (Aborter, Bad, Blaster, Caller, Cleaner, Counter, Fatal, FlakyOwner, Gate,
-                                   MonarchCleaner, Owner, Responder, Spawner, Store, StoreUser)
+                                   MonarchCleaner, Owner, Responder, Spawner, Store, StoreUser, CleanupCounter, Wrapper)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -687,3 +687,14 @@ def test_host_mesh_stop_context_manager_and_shutdown_as_in_monarch(home, pool_na
         hm.spawn_procs()
     with pytest.raises(RuntimeError, match="HostMesh has already been shut down"):
         hm.shutdown()
+
+
+def test_stopping_an_actor_stops_what_it_spawned(procs):
+    """As in Monarch: an actor's actor meshes (on its own procs or procs it was given) and its
+    proc meshes stop with it; each owned actor's __cleanup__ runs."""
+    one = procs.slice(hosts=0, procs=0)
+    counter = one.spawn("counter", CleanupCounter)
+    wrapper = one.spawn("wrapper", Wrapper, procs.slice(hosts=1, procs=0), counter)
+    wrapper.check.call_one().get(timeout=60)
+    wrapper.stop().get(timeout=60)
+    wait_for(lambda: counter.value.call_one().get(timeout=30) == 2, timeout=30, what="both owned cleanups")

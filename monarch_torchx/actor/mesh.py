@@ -234,6 +234,9 @@ class HostMesh(_MeshTrait):
                     pass
             raise MonarchError(f"spawn_procs on pool {self.pool!r} failed: could not connect to the procs: {e}") from None
         self._spawned.append(mesh)
+        me = session.this_proc()
+        if me is not None:  # an actor's procs: stopped with it, as in Monarch
+            me.record_owned(context().actor_instance.actor_id, mesh)
         return mesh
 
 
@@ -411,6 +414,8 @@ class ProcMesh(_MeshTrait):
                                           tuple(endpoints_of(actor_class)),
                                           f"{actor_class.__module__}.{actor_class.__qualname__}")
         mesh._initialized = Future.gather(hub, futs, lambda _v: None)
+        if owner:  # an actor's: stopped with it, as in Monarch
+            session.this_proc().record_owned(owner, mesh)  # type: ignore[union-attr]
         return mesh
 
     def stop(self, timeout: float = 30.0) -> "Future[None]":

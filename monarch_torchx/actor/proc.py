@@ -296,7 +296,26 @@ class ProcServer:
             self.actors.pop(actor_id, None)
             self._ended(actor_id, f"actor {slot.name} ({actor_id}) on proc {self.rank} was stopped")
             await self._cleanup(slot)
+            await self._stop_owned(actor_id)
         reply(True, None)
+
+    async def _stop_owned(self, actor_id: str) -> None:
+        """As in Monarch, stopping an actor stops what it spawned: its actor meshes (wherever
+        they run), then its proc meshes."""
+        me = session.this_proc()
+        owned = me.owned.pop(actor_id, []) if me is not None else []
+        if not owned:
+            return
+        from .mesh import ProcMesh
+
+        def stop_all() -> None:
+            for m in sorted(owned, key=lambda m: isinstance(m, ProcMesh)):  # actors first
+                try:
+                    m.stop().get(timeout=30)
+                except Exception as e:  # already gone: nothing more to stop
+                    log.info("stopping what actor %s owned: %s", actor_id, e)
+        assert self.loop is not None
+        await self.loop.run_in_executor(_waiters(), stop_all)
 
     # ------------------------------------------------------------ messages
 

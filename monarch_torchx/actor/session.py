@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
 
 from ..credentials import PoolCredentials
 from .hub import Hub, ProcAddr
@@ -27,6 +27,11 @@ class ProcIdentity:
     on_child_lost: Optional[Callable[..., Any]] = None  # (owner actor id, MeshFailure)
     loop_thread: Optional[int] = None  # the thread of the proc's event loop
     on_abort: Optional[Callable[[str, str], None]] = None  # (actor id, reason): actor_instance.abort()
+    # what each actor of this proc spawned (its ProcMeshes and ActorMeshes): stopped with it
+    owned: Dict[str, List[Any]] = field(default_factory=dict)
+
+    def record_owned(self, actor_id: str, mesh: Any) -> None:
+        self.owned.setdefault(actor_id, []).append(mesh)
 
 
 _lock = threading.Lock()
