@@ -239,6 +239,8 @@ def test_cleanup_on_stop(pool, tmp_path):
     cl = pm.spawn("cleaner", Cleaner, str(tmp_path / "clean"))
     assert list(cl.ping.call().get().values()) == ["pong", "pong"]
     pm.stop().get()
+    with pytest.raises(RuntimeError, match="`ProcMesh` has already been stopped"):
+        pm.spawn("late", Cleaner, str(tmp_path / "late"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clean.0", "clean.1"]
     with pytest.raises(SupervisionError, match="was stopped"):
         cl.ping.call().get()

@@ -24,6 +24,10 @@ class SupervisionError(RuntimeError):
     A RuntimeError, as Monarch's (``except RuntimeError`` catches it there too)."""
 
 
+class ProcStopped(SupervisionError):
+    """The proc was stopped on purpose (``ProcMesh.stop()``), not lost."""
+
+
 @dataclass
 class MeshFailure:
     """Handed to an owner's ``__supervise__`` (or, in a controller, ``unhandled_fault_hook``):

@@ -27,7 +27,7 @@ from ..registry import HostAddr, Registry
 from ..specs import TERMINAL
 from . import session
 from .actor import Actor, context, endpoints_of
-from .errors import MeshFailure, SupervisionError, point_text
+from .errors import MeshFailure, ProcStopped, SupervisionError, point_text
 from .future import Future
 from .host import app_id
 from .hub import Hub, ProcAddr, encode, pack
@@ -394,6 +394,9 @@ class ProcMesh(_MeshTrait):
         if not isinstance(actor_class, type) or not issubclass(actor_class, Actor):
             raise TypeError(f"spawn() needs an Actor subclass, not {actor_class!r}")
         hub = session.hub_for(self.pool)
+        if any(self._procs[b].addr in hub.closing or isinstance(hub.dead.get(self._procs[b].addr), ProcStopped)
+               for b in self._shape.ranks):
+            raise RuntimeError(f"`ProcMesh` has already been stopped (mesh {self.mesh_id}): spawn_procs() a new one")
         try:
             packed = pack((actor_class, args, kwargs))
         except Exception as e:
@@ -425,7 +428,7 @@ class ProcMesh(_MeshTrait):
         hub = session.hub_for(self.pool)
         refs = [self._procs[b] for b in self._shape.ranks]
         for ref in refs:  # what the connections' ends (and the owner watch) will report
-            hub.closing[ref.addr] = SupervisionError(f"proc {ref.rank} of mesh {ref.mesh_id} was stopped")
+            hub.closing[ref.addr] = ProcStopped(f"proc {ref.rank} of mesh {ref.mesh_id} was stopped")
         rid = hub.next_id()
         futs: List[Future[Any]] = []
         for ref in refs:
@@ -587,7 +590,7 @@ class ActorMesh(_MeshTrait, Generic[T]):
 def _in_monarchs_words(ep: "EndpointMesh", position: int, exc: BaseException) -> BaseException:
     """A call's SupervisionError as Monarch words it: which endpoint call failed, and which actor
     ("The actor MODULE.CLASS NAME{point} and all its descendants have failed"), then why."""
-    if not isinstance(exc, SupervisionError) or str(exc).startswith("Endpoint call "):
+    if not isinstance(exc, SupervisionError):  # a future fails once: this runs once per call
         return exc
     m = ep._mesh
     points = list(m._shape.points())
