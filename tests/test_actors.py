@@ -21,7 +21,7 @@ from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
 from tests.fixtures.actors import (Aborter, Bad, Blaster, Caller, Cleaner, Counter, Fatal, FlakyOwner, Gate,
-                                   MonarchCleaner, Owner, Responder, Spawner, Store, StoreUser, CleanupCounter, Wrapper)
+                                   MonarchCleaner, Owner, Responder, Spawner, Store, StoreUser, CleanupCounter, Wrapper, Forever)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -700,3 +700,17 @@ def test_stopping_an_actor_stops_what_it_spawned(procs):
     wrapper.check.call_one().get(timeout=60)
     wrapper.stop().get(timeout=60)
     wait_for(lambda: counter.value.call_one().get(timeout=30) == 2, timeout=30, what="both owned cleanups")
+
+
+def test_an_actor_whose_constructor_never_returns_can_be_stopped(procs):
+    """Its constructor runs on its own thread, so the proc goes on serving (the constructor's side
+    effects arrive); stop() answers at once, and the proc's other actors are untouched."""
+    port, rx = Channel.open()
+    forever = procs.slice(hosts=0, procs=0).spawn("forever", Forever, port)
+    assert rx.recv().get(timeout=30) == "started"
+    other = procs.slice(hosts=0, procs=0).spawn("other", Counter)
+    assert other.incr.call_one().get(timeout=30) == 1
+    forever.stop().get(timeout=30)
+    with pytest.raises(SupervisionError, match="stopped"):
+        forever.unreachable.call_one().get(timeout=30)
+    assert other.incr.call_one().get(timeout=30) == 2

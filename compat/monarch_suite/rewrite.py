@@ -45,17 +45,41 @@ def rewrite(source: str) -> str:
     """The test file with only its import statements changed."""
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
-    edits: List[tuple] = []  # (first line, last line, replacement)
+    edits: List[tuple] = []  # (first line, last line, replacement lines, or a string literal's (start, end, text))
     for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "monarch" in node.value:
+            inner = _rewrite_script(node.value)  # a program the test runs (python -c "..."): its imports too
+            if inner is not None:
+                edits.append((node.lineno, node.end_lineno, None, (node.col_offset, node.end_col_offset, repr(inner))))
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and (
                 node.module == "monarch" or node.module.startswith("monarch.")):
-            edits.append((node.lineno, node.end_lineno, _from_import(node)))
+            edits.append((node.lineno, node.end_lineno, _from_import(node), None))
         elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "monarch" for a in node.names):
-            edits.append((node.lineno, node.end_lineno, _plain_import(node)))
-    for first, last, text in sorted(edits, reverse=True):
+            edits.append((node.lineno, node.end_lineno, _plain_import(node), None))
+    for first, last, text, literal in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
+        if literal is not None:  # a string constant, replaced by the rewritten one's repr
+            start, end, new = literal
+            head, tail = lines[first - 1][:start], lines[last - 1][end:]
+            lines[first - 1:last] = [head + new + tail]
+            continue
         indent = lines[first - 1][: len(lines[first - 1]) - len(lines[first - 1].lstrip())]
         lines[first - 1:last] = [indent + t + "\n" for t in text]
     return "".join(lines)
+
+
+def _rewrite_script(text: str):
+    """``text`` with its imports rewritten, if it is a Python program that imports monarch."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    if not any(isinstance(n, (ast.Import, ast.ImportFrom)) and (
+            (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "monarch") or
+            (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "monarch" for a in n.names)))
+            for n in ast.walk(tree)):
+        return None
+    return rewrite(text)
 
 
 def _from_import(node: ast.ImportFrom) -> Sequence[str]:

@@ -40,6 +40,7 @@ log = logging.getLogger("monarch_torchx.actor")
 OWNER_WAIT_S = float(os.environ.get("MONARCH_TORCHX_OWNER_WAIT_S", "60"))
 GAP_S = 5.0  # an out-of-order message waits this long for the ones before it (a dead forwarder)
 SPAWN_WAIT_S = 30.0  # a call that arrives before its actor's spawn waits this long for it
+CONSTRUCTOR_WAIT_AT_STOP_S = 5.0  # a stopping proc waits this long for constructors still running
 MAX_ENDED = 10000  # why actors are not here (failed constructors, stopped), remembered for their callers
 Reply = Callable[[bool, Any], None]
 
@@ -239,7 +240,7 @@ class ProcServer:
 
     async def _shutdown(self, then: Optional[Callable[[], None]]) -> None:
         assert self.loop is not None
-        deadline = self.loop.time() + SPAWN_WAIT_S
+        deadline = self.loop.time() + CONSTRUCTOR_WAIT_AT_STOP_S
         while self.constructing and self.loop.time() < deadline:  # their __cleanup__ runs too
             await asyncio.sleep(0.005)
         for slot in list(self.actors.values()):
@@ -280,7 +281,12 @@ class ProcServer:
                 slot.thread.close()
 
     def _begin_actor_stop(self, reply: Reply, actor_id: str) -> None:
-        if actor_id not in self.actors and actor_id not in self.ended:  # still being constructed
+        if actor_id in self.constructing:  # a constructor that has not returned: the actor is
+            self.constructing.discard(actor_id)  # gone now; if it ever returns, it is dropped
+            self._ended(actor_id, f"actor {actor_id} on proc {self.rank} was stopped (during its constructor)")
+            reply(True, None)
+            return
+        if actor_id not in self.actors and actor_id not in self.ended:  # its spawn is not here yet
             self._await_actor(actor_id, lambda: self._begin_actor_stop(reply, actor_id))
             return
         assert self.loop is not None
@@ -638,6 +644,10 @@ class ProcServer:
 
     def _constructed(self, conn: ProcConnection, rid: int, slot: ActorSlot, instance: Any, owner: str,
                      done: "asyncio.Future[Any]") -> None:
+        if slot.actor_id in self.ended:  # stopped while its constructor ran
+            if slot.thread is not None:
+                slot.thread.close()
+            return
         self.constructing.discard(slot.actor_id)
         exc = done.exception()
         if exc is not None:
