@@ -60,7 +60,8 @@ class MeshFailure:
         who = ", ".join(self.actors_on_proc) or f"on proc {self.rank} of mesh {self.mesh}"
         how = f"Killed(sig={-self.exit_code})" if self.exit_code is not None and self.exit_code < 0 else self.reason
         return (f"The actor {who} and all its descendants have failed:\n  the process this actor was running on "
-                f"failed: {how} (proc {self.rank} of mesh {self.mesh} on host {self.host}, {self.hostname})")
+                f"failed: {how} (proc {self.rank} of mesh {self.mesh} on host {self.host}, {self.hostname}: "
+                f"{self.reason})")
 
 
 def point_text(point: Any) -> str:

@@ -424,18 +424,19 @@ class ProcServer:
     def abort_actor(self, actor_id: str, reason: str) -> None:
         """``context().actor_instance.abort(reason)``: the actor fails now, a supervision event for its owner."""
         if self.loop is not None and threading.get_ident() != session.this_proc().loop_thread:  # type: ignore[union-attr]
-            self.loop.call_soon_threadsafe(self._actor_failed, actor_id, reason)
+            self.loop.call_soon_threadsafe(functools.partial(self._actor_failed, actor_id, reason, aborted=True))
         else:
-            self._actor_failed(actor_id, reason)
+            self._actor_failed(actor_id, reason, aborted=True)
 
-    def _actor_failed(self, actor_id: str, why: str, leaf: Optional[MeshFailure] = None) -> None:
+    def _actor_failed(self, actor_id: str, why: str, leaf: Optional[MeshFailure] = None, aborted: bool = False) -> None:
         """As in Monarch, an actor whose endpoint raised with no caller to tell has failed: later
         calls are refused, and its owner (the process that spawned it) gets a supervision event:
         about this actor, or (``leaf``) the unhandled event of one of its own meshes, passed up."""
         slot = self.actors.get(actor_id)
         if slot is None or slot.failed:
             return
-        slot.failed = why if leaf is not None else f"{why}: the actor has failed (an endpoint called by broadcast raised)"
+        slot.failed = why if leaf is not None or aborted else \
+            f"{why}: the actor has failed (an endpoint called by broadcast raised)"
         if slot.owner is not None:
             self._tell_owner(slot.owner[0], slot.owner[1], dataclasses.asdict(leaf) if leaf else self._failure(slot, why))
 
@@ -508,6 +509,8 @@ class ProcServer:
                     res = await self._run_async(slot, ep, args, kwargs)
                 else:
                     res = await self._actor_thread(slot).run(self._run_sync, slot, ep, args, kwargs)
+                if slot.failed and res[0]:  # it failed while this call ran (Monarch: the call fails too)
+                    res = (False, error_payload("supervision", slot.failed))
                 reply(*res)
         finally:
             slot.busy = False
@@ -722,7 +725,7 @@ class ProcServer:
         if slot is None or slot.failed:
             return
         handler = getattr(slot.instance, "__supervise__", None)
-        handled = False
+        handled, raised = False, ""
         if handler is not None:
             token = current_context.set(slot.ctx)
             try:
@@ -730,13 +733,14 @@ class ProcServer:
                 if asyncio.iscoroutine(res):
                     res = await res
                 handled = bool(res)
-            except Exception:
+            except Exception as e:
                 print(f"{slot.name}.__supervise__ raised:\n{traceback.format_exc()}", file=sys.stderr)
+                raised = f" (its __supervise__ raised {type(e).__name__}: {e})"
             finally:
                 current_context.reset(token)
         if not handled:  # as in Monarch, the owner fails too, and the event goes up to its own owner
             what = "had an actor fail" if failure.actor else "lost a proc"
-            why = f"actor {slot.name} failed: a mesh it owns {what} and it did not handle it: {failure}"
+            why = f"actor {slot.name} failed: a mesh it owns {what} and it did not handle it{raised}: {failure.report()}"
             print(why, file=sys.stderr, flush=True)
             self._actor_failed(owner_actor_id, why, leaf=failure)
 
