@@ -21,7 +21,7 @@ from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
 from tests.fixtures.actors import (Aborter, Bad, Blaster, Caller, Cleaner, Counter, Fatal, FlakyOwner, Gate,
-                                   MonarchCleaner, Owner, Responder, Spawner, Store, StoreUser, CleanupCounter, Wrapper, Forever)
+                                   MonarchCleaner, Owner, Responder, Spawner, Store, StoreUser, CleanupCounter, Wrapper, Forever, Talker)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -720,3 +720,25 @@ def test_an_actor_whose_constructor_never_returns_can_be_stopped(procs):
     with pytest.raises(SupervisionError, match="stopped"):
         forever.unreachable.call_one().get(timeout=30)
     assert other.incr.call_one().get(timeout=30) == 2
+
+
+def test_logging_option_streams_proc_output_with_the_actor_prefix(procs, capsys):
+    """ProcMesh.logging_option (Monarch's): the procs' root logger level, and their output on the
+    controller's stdout, each line led by its rank; log records from actor code start
+    [actor=<module.Class name{point}>], as Monarch's do."""
+    import logging
+
+    with pytest.raises(ValueError, match="aggregate_window_sec needs stream_to_client"):
+        procs.logging_option(aggregate_window_sec=1)
+    procs.logging_option(stream_to_client=True, level=logging.INFO).get(timeout=30)
+    t = procs.spawn("talker", Talker)
+    assert set(t.talk.call("hi").get(timeout=30).values()) == {"hi"}
+    seen = []
+
+    def printed():
+        seen.append(capsys.readouterr().out)
+        out = "".join(seen)
+        return out if out.count("printed hi") == 4 and out.count("logged hi") == 4 else None
+    out = wait_for(printed, timeout=30, what="every proc's output")
+    assert "[3] printed hi" in out and "hidden" not in out
+    assert "[actor=<tests.fixtures.actors.Talker talker{'hosts': 1/2, 'procs': 1/2}>] logged hi" in out

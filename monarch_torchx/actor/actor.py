@@ -107,6 +107,12 @@ class ActorInstance:
     proc_rank: int
     mesh_id: str
     host_index: int
+    cls_path: str = ""  # module.Class of the actor
+
+    def __str__(self) -> str:  # as Monarch prints an actor instance (and prefixes its logs with)
+        if self.actor_id == "client":
+            return "<root>"
+        return f"<{self.cls_path} {self.name}{self.rank!r}>"
 
     @property
     def extent(self) -> Extent:
@@ -157,3 +163,17 @@ def current_actor_name() -> str:
 
 def current_size() -> Dict[str, int]:
     return dict(current_context.get().actor_instance.rank.extent)
+
+
+def prefix_logs_with_actor() -> None:
+    """In a proc: a log record emitted by an actor's code starts ``[actor=<module.Class name{point}>]``,
+    as Monarch's do (an empty message, as torch's structured logging emits, is left alone)."""
+    make = logging.getLogRecordFactory()
+
+    def record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        rec = make(*args, **kwargs)
+        ai = current_context.get().actor_instance
+        if ai.actor_id != "client" and isinstance(rec.msg, str) and rec.msg:
+            rec.msg = f"[actor={ai}] {rec.msg}"
+        return rec
+    logging.setLogRecordFactory(record)

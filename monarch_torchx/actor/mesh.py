@@ -26,7 +26,7 @@ from ..errors import MonarchError
 from ..registry import HostAddr, Registry
 from ..specs import TERMINAL
 from . import session
-from .actor import Actor, context, endpoints_of
+from .actor import Actor, context, endpoint, endpoints_of
 from .errors import MeshFailure, ProcStopped, SupervisionError, point_text
 from .future import Future
 from .host import app_id
@@ -240,6 +240,31 @@ class HostMesh(_MeshTrait):
         return mesh
 
 
+class _LogLevel(Actor):
+    """Sets a proc's root logger level (ProcMesh.logging_option); its constructor is the work."""
+
+    def __init__(self, level: int):
+        logging.getLogger().setLevel(level)
+
+    @endpoint
+    async def noop(self) -> None:  # an async endpoint: constructed on the loop, at once
+        return None
+
+
+def _stream_output(hub: Hub, ref: ProcRef) -> None:
+    """Prints one proc's output here as its agent sees it, until the proc ends."""
+    try:
+        with wire.Client(ref.agent.host, ref.agent.port, hub.creds, timeout=10.0,
+                         identity=ref.agent.identity.encode()) as c:
+            c.settimeout(None)
+            for batch in c.stream("logs", app_id=app_id(ref.mesh_id), role="proc", replica_id=ref.rank,
+                                  streams="combined", follow=True):
+                sys.stdout.write("".join(f"[{ref.rank}] {line}" for line in batch))
+                sys.stdout.flush()
+    except (wire.WireError, OSError) as e:  # the proc or its host is gone: nothing more to show
+        log.debug("output of proc %d of mesh %s: %s", ref.rank, ref.mesh_id, e)
+
+
 class _Bootstrap(Actor):
     """Runs a spawn_procs(bootstrap=...) function in a proc (its constructor is the run)."""
 
@@ -420,6 +445,22 @@ class ProcMesh(_MeshTrait):
         if owner:  # an actor's: stopped with it, as in Monarch
             session.this_proc().record_owned(owner, mesh)  # type: ignore[union-attr]
         return mesh
+
+    def logging_option(self, stream_to_client: bool = False, aggregate_window_sec: Optional[int] = None,
+                       level: int = logging.INFO) -> "Future[None]":
+        """As Monarch's: sets the procs' root logger ``level``; ``stream_to_client`` prints each
+        proc's output (stdout and stderr) on this process's stdout as it comes, each line led by
+        ``[rank]``. ``aggregate_window_sec`` is accepted (it needs ``stream_to_client``) but lines
+        are not aggregated here: each is printed."""
+        if aggregate_window_sec is not None and not stream_to_client:
+            raise ValueError("aggregate_window_sec needs stream_to_client=True")
+        done = self.spawn(f"logging-{uuid.uuid4().hex[:6]}", _LogLevel, level).initialized
+        if stream_to_client:
+            hub = session.hub_for(self.pool)
+            for b in self._shape.ranks:
+                threading.Thread(target=_stream_output, args=(hub, self._procs[b]), daemon=True,
+                                 name="monarch-torchx-proc-output").start()
+        return Future.gather(session.hub_for(self.pool), [done], lambda _v: None)
 
     def stop(self, timeout: float = 30.0) -> "Future[None]":
         """Stops every proc of this mesh (``__cleanup__`` runs in each actor first), as Monarch's

@@ -620,6 +620,7 @@ class ProcServer:
             cls, args, kwargs = unpack(bufs)
             slot.cls_name = cls.__name__
             slot.qualname = f"{cls.__module__}.{cls.__qualname__}"
+            inst_ctx.actor_instance.cls_path = slot.qualname
             slot.endpoints = endpoints_of(cls)
             instance = cls.__new__(cls)
         except Exception as e:
@@ -758,6 +759,9 @@ def main() -> None:
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     except (AttributeError, ValueError):
         pass
+    from .actor import prefix_logs_with_actor
+
+    prefix_logs_with_actor()
     server = ProcServer(dict(os.environ))
     asyncio.run(server.run())
     if server.stop_reason and server.stop_reason != "stopped by its owner":
