@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 _ACTOR_NAMES = frozenset({
     "Accumulator", "Actor", "ActorError", "ActorInstance", "ActorMesh", "Channel", "Context", "EndpointMesh",
     "Extent", "Future", "HostMesh", "MeshFailure", "Point", "Port", "PortReceiver", "ProcMesh", "Shape",
-    "SupervisionError", "ValueMesh", "attach", "concurrent_endpoint", "context", "current_actor_name", "current_rank", "current_size", "endpoint", "get_or_spawn_controller", "send", "this_host", "this_proc", "unhandled_fault_hook",
+    "SupervisionError", "ValueMesh", "attach", "concurrent_endpoint", "context", "current_actor_name", "current_rank", "current_size", "endpoint", "get_or_spawn_controller", "send", "shutdown_context", "this_host", "this_proc", "unhandled_fault_hook",
 })
 
 

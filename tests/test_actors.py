@@ -742,3 +742,20 @@ def test_logging_option_streams_proc_output_with_the_actor_prefix(procs, capsys)
     out = wait_for(printed, timeout=30, what="every proc's output")
     assert "[3] printed hi" in out and "hidden" not in out
     assert "[actor=<tests.fixtures.actors.Talker talker{'hosts': 1/2, 'procs': 1/2}>] logged hi" in out
+
+
+def test_shutdown_context_stops_every_proc_this_process_owns(pool):
+    """Monarch's shutdown_context(): the controller's procs stop (as when it exits), the pool stays
+    warm, and a second call is harmless."""
+    from monarch_torchx.actor import shutdown_context
+
+    pm = attach(pool[0]).spawn_procs(per_host={"procs": 1})
+    pids = list(pm.spawn("c", Counter).pid.call().get(timeout=30).values())
+    assert shutdown_context().get(timeout=5) is None
+    assert shutdown_context().get(timeout=5) is None
+    wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), timeout=30, what="the procs to stop")
+    fresh = attach(pool[0]).spawn_procs(per_host={"procs": 1})
+    try:
+        assert len(fresh.spawn("d", Counter).incr.call().get(timeout=30)) == 2
+    finally:
+        fresh.stop().get()

@@ -11,11 +11,12 @@ from .controllers import get_or_spawn_controller
 from .errors import ActorError, MeshFailure, SupervisionError
 from .future import Future
 from .supervision import unhandled_fault_hook
-from .mesh import Accumulator, ActorMesh, EndpointMesh, HostMesh, ProcMesh, attach, send, this_host, this_proc
+from .mesh import (Accumulator, ActorMesh, EndpointMesh, HostMesh, ProcMesh, attach, send, shutdown_context, this_host,
+                   this_proc)
 from .shape import Extent, Point, Shape, ValueMesh
 
 __all__ = [
     "Accumulator", "Actor", "ActorError", "ActorInstance", "ActorMesh", "Channel", "Context", "EndpointMesh",
     "Extent", "Future", "HostMesh", "MeshFailure", "Point", "Port", "PortReceiver", "ProcMesh", "Shape",
-    "SupervisionError", "ValueMesh", "attach", "concurrent_endpoint", "context", "current_actor_name", "current_rank", "current_size", "endpoint", "get_or_spawn_controller", "send", "this_host", "this_proc", "unhandled_fault_hook",
+    "SupervisionError", "ValueMesh", "attach", "concurrent_endpoint", "context", "current_actor_name", "current_rank", "current_size", "endpoint", "get_or_spawn_controller", "send", "shutdown_context", "this_host", "this_proc", "unhandled_fault_hook",
 ]

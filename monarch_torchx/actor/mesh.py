@@ -336,6 +336,15 @@ def this_host() -> HostMesh:
     return HostMesh(name, [h for h in pool.hosts if h is not None]).slice(hosts=0)
 
 
+def shutdown_context() -> "Future[None]":
+    """As Monarch's: releases what this process started in the actor world. Every proc it owns
+    stops (each actor's ``__cleanup__`` runs), as when it exits; the pools stay warm. Idempotent."""
+    session.end_all()
+    done: Future[None] = Future()
+    done.set_result(None)
+    return done
+
+
 def this_proc() -> "ProcMesh":
     """A proc to spawn actors on here, with no dims (as Monarch's ``this_proc()``). In an actor:
     the actor's own proc. In a controller: one proc of its own on ``this_host()``, started on

@@ -110,6 +110,14 @@ def pool_ending(pool: str) -> None:
         hub.ending_all()
 
 
+def end_all() -> None:
+    """Every proc this process owns, in every pool, is let go: they stop as if it had exited."""
+    for hub in list(_hubs.values()):
+        hub.ending_all()
+    _current.pop("this_proc", None)
+    _current.pop("controllers", None)
+
+
 def forget_hubs_after_fork() -> None:
     """A forked child must not share its parent's sockets or reader state."""
     _hubs.clear()
