@@ -459,8 +459,11 @@ def test_abort_proc_and_bootstrap(pool, procs, monkeypatch):
         assert set(booted.spawn("c", Counter).env.call("BOOTSTRAPPED").get(timeout=30).values()) == {"yes"}
     finally:
         booted.stop().get()
+    before = len(seen)
+    broken = hosts.spawn_procs(per_host={"procs": 1}, bootstrap=failing_bootstrap)  # returns at once (Monarch's)
     with pytest.raises(ActorError, match="bootstrap broke"):
-        hosts.spawn_procs(per_host={"procs": 1}, bootstrap=failing_bootstrap)
+        broken.initialized.get(timeout=60)
+    assert len(seen) == before  # the bootstrap's failure is initialized's error, not a supervision event
 
 
 def test_concurrent_endpoint_rules_and_an_escaping_explicit_port(procs, monkeypatch):

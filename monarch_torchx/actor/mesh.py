@@ -39,6 +39,7 @@ T = TypeVar("T")
 TREE_MIN = int(os.environ.get("MONARCH_TORCHX_CAST_TREE_MIN", "32"))  # meshes this large multicast via a tree
 FANOUT = max(2, int(os.environ.get("MONARCH_TORCHX_CAST_FANOUT", "8")))
 LOCAL_POOL = "local"
+EXIT_WAIT_S = 5.0  # ProcMesh.stop() waits this long for the agents to see its procs exit
 
 
 @dataclass(frozen=True)
@@ -167,13 +168,19 @@ class HostMesh(_MeshTrait):
         ``bootstrap`` (Monarch's): a function every proc runs before it is handed back (picklable
         by value, like an actor's arguments); if it raises, spawn_procs does, and the procs stop."""
         self._check_live()
-        if bootstrap is not None:
+        if bootstrap is not None:  # as Monarch's: returns at once; a failing bootstrap fails `initialized`
             procs = self.spawn_procs(per_host, env=env, name=name)
-            try:
-                procs.spawn("bootstrap", _Bootstrap, bootstrap).initialized.get(timeout=600)
-            except BaseException:
-                procs.stop().get()
-                raise
+            booted = procs.spawn("bootstrap", _Bootstrap, bootstrap).initialized
+            ready: Future[bool] = Future(session.hub_for(self.pool))
+
+            def settle(f: Future[Any]) -> None:
+                if f._exc is None:
+                    ready.set_result(True)
+                    return
+                ready.set_exception(f._exc)
+                threading.Thread(target=lambda: procs.stop().get(), daemon=True, name="monarch-torchx-bootstrap").start()
+            booted.add_done_callback(settle)
+            procs._initialized = ready
             return procs
         per_host = dict(per_host if per_host is not None else {"procs": 1})
         for dim, n in per_host.items():
@@ -266,7 +273,11 @@ def _stream_output(hub: Hub, ref: ProcRef) -> None:
 
 
 class _Bootstrap(Actor):
-    """Runs a spawn_procs(bootstrap=...) function in a proc (its constructor is the run)."""
+    """Runs a spawn_procs(bootstrap=...) function in a proc (its constructor is the run). Its
+    failure is the ProcMesh's ``initialized`` error, not a supervision event."""
+
+    _constructor_failure_is_a_fault = False
+    _gates_the_proc = True  # the proc makes no other actor until it ran
 
     def __init__(self, fn: Callable[[], Any]):
         fn()
@@ -381,6 +392,7 @@ class ProcMesh(_MeshTrait):
         self._procs = list(procs)
         self._shape = shape
         self.mesh_id = mesh_id
+        self._initialized: Optional[Future[bool]] = None  # a bootstrap's outcome, where there is one
 
     def _with_shape(self, shape: Shape) -> "ProcMesh":
         return ProcMesh(self.pool, self._procs, shape, self.mesh_id)
@@ -390,8 +402,10 @@ class ProcMesh(_MeshTrait):
 
     @property
     def initialized(self) -> "Future[bool]":
-        """As Monarch's: completes (True) once the procs are up. Here spawn_procs returns with
-        them up (warm fork servers), so it is complete already."""
+        """As Monarch's: completes (True) once the procs are up and their ``bootstrap`` ran; raises
+        the bootstrap's ActorError if it failed (the procs are then stopped)."""
+        if self._initialized is not None:
+            return self._initialized
         done: Future[bool] = Future()
         done.set_result(True)
         return done
@@ -495,7 +509,12 @@ class ProcMesh(_MeshTrait):
                 err = hub.closing.pop(ref.addr, None)
                 if err is not None:
                     hub.mark_dead(ref.addr, err)
-            done.set_result(None)
+            # the procs answered; done once their agents saw them exit (Monarch's stop() means gone)
+            def exited() -> None:
+                _await_exits(hub, refs, EXIT_WAIT_S)
+                done.set_result(None)
+                hub.wake()  # completed off the reader's thread: whoever waits in the hub must look
+            threading.Thread(target=exited, name="monarch-torchx-stop", daemon=True).start()
 
         def one(_f: Future[Any]) -> None:  # an answer, the proc's end (SupervisionError), or the deadline
             with lock:
@@ -513,6 +532,25 @@ class ProcMesh(_MeshTrait):
         for f in futs:
             f.add_done_callback(one)
         return done
+
+
+def _await_exits(hub: Hub, refs: Sequence[ProcRef], within: float) -> None:
+    """Waits (at most ``within`` s) until each proc's agent reports it ended."""
+    by_agent: Dict[Tuple[str, int], List[ProcRef]] = {}
+    for ref in refs:
+        by_agent.setdefault((ref.agent.host, ref.agent.port), []).append(ref)
+    deadline = time.monotonic() + within
+    for group in by_agent.values():
+        agent, want = group[0].agent, {r.rank for r in group}
+        try:
+            with wire.Client(agent.host, agent.port, hub.creds, timeout=5.0, identity=agent.identity.encode()) as c:
+                while time.monotonic() < deadline:
+                    reps = c.call("describe", app_id=app_id(group[0].mesh_id))
+                    if all(r["state"] in TERMINAL for r in reps if r["replica_id"] in want):
+                        break
+                    time.sleep(0.01)
+        except (wire.WireError, OSError, LookupError) as e:  # the host is gone: so are its procs
+            log.debug("waiting for procs of mesh %s to exit: %s", group[0].mesh_id, e)
 
 
 def _send(hub: Hub, addr: ProcAddr, parts: List[Any], rid: int, fut: Optional[Future[Any]]) -> None:

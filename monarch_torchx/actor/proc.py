@@ -195,6 +195,7 @@ class ProcServer:
         self.awaiting: Dict[str, List[Callable[[], None]]] = {}
         self.ended: Dict[str, str] = {}  # actor id -> why it is not here (failed __init__, stopped)
         self.constructing: set = set()  # actor ids whose constructor is running (their calls wait)
+        self.booting: Optional[List[Callable[[], None]]] = None  # spawns held while a bootstrap runs
         self.owner: Optional[ProcConnection] = None
         self.gate = wire.HandshakeGate()
         self.stop_reason = ""
@@ -614,6 +615,9 @@ class ProcServer:
               bufs: List[bytearray], owner: str = "") -> None:
         """Creates the actor; a failing constructor is answered to the spawner (its mesh's
         ``initialized``) and, as in Monarch, every call to the actor then fails with why."""
+        if self.booting is not None:  # spawn_procs(bootstrap=...) runs before any other actor is made
+            self.booting.append(lambda: self.spawn(conn, rid, actor_id, name, point, bufs, owner))
+            return
         inst_ctx = Context(ActorInstance(name, actor_id, point, self.rank, self.mesh_id, self.host_index))
         slot = ActorSlot(actor_id, name, "?", None, inst_ctx, {})
         try:
@@ -643,11 +647,16 @@ class ProcServer:
             self._constructed(conn, rid, slot, instance, owner, done)
             return
         self.constructing.add(actor_id)
+        if getattr(cls, "_gates_the_proc", False):
+            self.booting = []
         done = self._actor_thread(slot).run(self._in_context, slot, init, ())
         done.add_done_callback(lambda d: self._constructed(conn, rid, slot, instance, owner, d))
 
     def _constructed(self, conn: ProcConnection, rid: int, slot: ActorSlot, instance: Any, owner: str,
                      done: "asyncio.Future[Any]") -> None:
+        if getattr(type(instance), "_gates_the_proc", False) and self.booting is not None:
+            held, self.booting = self.booting, None
+            self.loop.call_soon(lambda: [spawn() for spawn in held])  # type: ignore[union-attr]
         if slot.actor_id in self.ended:  # stopped while its constructor ran
             if slot.thread is not None:
                 slot.thread.close()
@@ -659,7 +668,8 @@ class ProcServer:
             self._ended(slot.actor_id, f"{err[1]}: the actor was never created")
             conn.reply(rid, False, err)
             # as in Monarch, a constructor that raised is also a supervision event for the owner
-            self._tell_owner(conn, owner, self._failure(slot, f"{err[1]}: the actor was never created"))
+            if getattr(type(instance), "_constructor_failure_is_a_fault", True):
+                self._tell_owner(conn, owner, self._failure(slot, f"{err[1]}: the actor was never created"))
             if slot.thread is not None:
                 slot.thread.close()
             return
