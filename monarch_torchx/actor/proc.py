@@ -62,6 +62,11 @@ class ActorThread:
         self._jobs.put((done, fn, args))
         return done
 
+    def run_then(self, fn: Callable[..., Any], args: tuple, then: Callable[[Any], None]) -> None:
+        """Runs ``fn(*args)`` here, then ``then(result)`` on the loop: one loop wake-up, no
+        asyncio future (the path of every sync endpoint call; ``fn`` does not raise)."""
+        self._jobs.put((then, fn, args))
+
     def close(self) -> None:
         self._jobs.put(None)
 
@@ -76,7 +81,10 @@ class ActorThread:
             except BaseException as e:  # noqa: BLE001 - handed to the loop, which decides
                 out = (False, e)
             try:
-                self._loop.call_soon_threadsafe(_settle, done, out)
+                if isinstance(done, asyncio.Future):
+                    self._loop.call_soon_threadsafe(_settle, done, out)
+                else:
+                    self._loop.call_soon_threadsafe(done, out[1])
             except RuntimeError:  # the loop is closed: the proc is ending
                 return
 
@@ -493,11 +501,29 @@ class ProcServer:
             slot.tasks.add(task)
             task.add_done_callback(slot.tasks.discard)
             return
+        if not slot.busy and not ep.is_async:  # the common case: straight to the actor's thread
+            slot.busy = True
+            self._actor_thread(slot).run_then(self._run_sync, (slot, ep, args, kwargs),
+                                              lambda res: self._sync_done(slot, reply, res))
+            return
         slot.queue.append((ep, args, kwargs, reply))
         if not slot.busy:
             slot.busy = True
             assert self.loop is not None
             self.loop.create_task(self._drain(slot))
+
+    def _sync_done(self, slot: ActorSlot, reply: Reply, res: Tuple[bool, Any]) -> None:
+        """On the loop: a sync endpoint that ran alone answered; the actor's queue goes on."""
+        if slot.failed and res[0]:  # it failed while this call ran (Monarch: the call fails too)
+            res = (False, error_payload("supervision", slot.failed))
+        try:
+            reply(*res)
+        finally:
+            if slot.queue:
+                assert self.loop is not None
+                self.loop.create_task(self._drain(slot))
+            else:
+                slot.busy = False
 
     async def _drain(self, slot: ActorSlot) -> None:
         try:
