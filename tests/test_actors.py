@@ -691,6 +691,10 @@ def test_host_mesh_stop_context_manager_and_shutdown_as_in_monarch(home, pool_na
     with pytest.raises(SupervisionError):
         mine.incr.call_one().get(timeout=30)
     assert theirs.incr.call_one().get(timeout=30) == 1
+    import cloudpickle
+
+    with pytest.raises(RuntimeError, match="was received"):
+        cloudpickle.loads(cloudpickle.dumps(hm)).shutdown()  # a reference cannot end the hosts
     with hm:
         pass
     assert Registry().get(pool_name) is None

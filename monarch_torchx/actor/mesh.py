@@ -114,6 +114,9 @@ class HostMesh(_MeshTrait):
         done.set_result(True)
         return done
 
+    def __reduce__(self) -> Any:  # a HostMesh sent to an actor (or pickled) is a reference: it cannot end the hosts
+        return _received_host_mesh, (self.pool, self._hosts, self._shape)
+
     def _check_live(self) -> None:
         if self._shut_down:
             raise RuntimeError(f"HostMesh has already been shut down (pool {self.pool!r} was stopped through it)")
@@ -149,6 +152,9 @@ class HostMesh(_MeshTrait):
         from ..pool import stop_pool
 
         self._check_live()
+        if getattr(self, "_received", False):
+            raise RuntimeError(f"this HostMesh of pool {self.pool!r} was received (unpickled), not created here: only "
+                               "the process that holds the original can shut the hosts down")
         self._shut_down = True
         done: Future[None] = Future()
 
@@ -245,6 +251,12 @@ class HostMesh(_MeshTrait):
         if me is not None:  # an actor's procs: stopped with it, as in Monarch
             me.record_owned(context().actor_instance.actor_id, mesh)
         return mesh
+
+
+def _received_host_mesh(pool: str, hosts: Sequence[HostAddr], shape: Shape) -> "HostMesh":
+    mesh = HostMesh(pool, hosts, shape)
+    mesh._received = True
+    return mesh
 
 
 class _LogLevel(Actor):
