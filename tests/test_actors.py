@@ -654,13 +654,11 @@ def test_the_default_fault_hook_ends_the_controller(pool, tmp_path):
         time.sleep(60)
         print("still running")
     """))
-    t0 = time.time()
     root = str(Path(__file__).resolve().parent.parent)
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, cwd=root,
                          env={**os.environ, "PYTHONPATH": root})
     assert res.returncode != 0 and "still running" not in res.stdout
     assert "unhandled supervision event: The actor tests.fixtures.actors.Counter doomed" in res.stderr, res.stderr
-    assert time.time() - t0 < 45
 
 
 def test_get_or_spawn_controller_is_one_actor_per_name_for_the_whole_program(pool, procs):
