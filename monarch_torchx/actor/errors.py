@@ -28,6 +28,10 @@ class ProcStopped(SupervisionError):
     """The proc was stopped on purpose (``ProcMesh.stop()``), not lost."""
 
 
+class ActorAborted(SupervisionError):
+    """The actor failed itself with ``context().actor_instance.abort(reason)``."""
+
+
 @dataclass
 class MeshFailure:
     """Handed to an owner's ``__supervise__`` (or, in a controller, ``unhandled_fault_hook``):
@@ -83,6 +87,8 @@ def remote_error(payload: Any) -> BaseException:
         return ActorError(f"malformed error from actor: {payload!r}")
     if kind == "supervision":
         return SupervisionError(message)
+    if kind == "aborted":
+        return ActorAborted(message)
     if kind == "usage":
         return ValueError(message)
     return ActorError(message, tb, etype)

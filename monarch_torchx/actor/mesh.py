@@ -689,13 +689,14 @@ class ActorMesh(_MeshTrait, Generic[T]):
 
 def _in_monarchs_words(ep: "EndpointMesh", position: int, exc: BaseException) -> BaseException:
     """A call's SupervisionError as Monarch words it: which endpoint call failed, and which actor
-    ("The actor MODULE.CLASS NAME{point} and all its descendants have failed"), then why."""
+    ("The actor MODULE.CLASS NAME{point} and all its descendants have failed"), then why. The
+    error keeps its type (ProcStopped, ActorAborted)."""
     if not isinstance(exc, SupervisionError):  # a future fails once: this runs once per call
         return exc
     m = ep._mesh
     points = list(m._shape.points())
     point = repr(points[position]) if position < len(points) else ""
-    return SupervisionError(f"Endpoint call {m._name}.{ep._name}() failed, The actor {m._cls_path} {m._name}{point} "
+    return type(exc)(f"Endpoint call {m._name}.{ep._name}() failed, The actor {m._cls_path} {m._name}{point} "
                             f"and all its descendants have failed:\n  {exc}")
 
 

@@ -109,10 +109,15 @@ class ActorSlot:
     queue: Deque[Tuple[Endpoint, tuple, dict, Reply]] = field(default_factory=collections.deque)
     busy: bool = False
     failed: Optional[str] = None
+    failed_kind: str = "supervision"  # the error kind later calls get: "aborted" after abort()
     owner: Optional[Tuple[Any, str]] = None  # (connection of the process that spawned it, its actor id or "")
     tasks: set = field(default_factory=set)  # its concurrent endpoints in flight (cancelled when it stops)
     qualname: str = ""  # module.Class, as a supervision report names the actor
     thread: Optional[ActorThread] = None  # runs its synchronous code (made on first use)
+
+    def refusal(self) -> Tuple[str, str, str, str]:
+        """What a call to this failed actor is answered with."""
+        return error_payload(self.failed_kind, self.failed or "the actor has failed")
 
 
 class ResponsePort:
@@ -446,6 +451,8 @@ class ProcServer:
             return
         slot.failed = why if leaf is not None or aborted else \
             f"{why}: the actor has failed (an endpoint called by broadcast raised)"
+        if aborted:
+            slot.failed_kind = "aborted"
         if slot.owner is not None:
             self._tell_owner(slot.owner[0], slot.owner[1], dataclasses.asdict(leaf) if leaf else self._failure(slot, why))
 
@@ -474,7 +481,7 @@ class ProcServer:
                 self._await_actor(actor_id, lambda: self.call(reply, actor_id, ep_name, bufs))
             return
         if slot.failed:
-            reply(False, error_payload("supervision", slot.failed))
+            reply(False, slot.refusal())
             return
         ep = slot.endpoints.get(ep_name)
         if ep is None:
@@ -515,7 +522,7 @@ class ProcServer:
     def _sync_done(self, slot: ActorSlot, reply: Reply, res: Tuple[bool, Any]) -> None:
         """On the loop: a sync endpoint that ran alone answered; the actor's queue goes on."""
         if slot.failed and res[0]:  # it failed while this call ran (Monarch: the call fails too)
-            res = (False, error_payload("supervision", slot.failed))
+            res = (False, slot.refusal())
         try:
             reply(*res)
         finally:
@@ -530,14 +537,14 @@ class ProcServer:
             while slot.queue:
                 ep, args, kwargs, reply = slot.queue.popleft()
                 if slot.failed:  # it failed while this call waited its turn
-                    reply(False, error_payload("supervision", slot.failed))
+                    reply(False, slot.refusal())
                     continue
                 if ep.is_async:
                     res = await self._run_async(slot, ep, args, kwargs)
                 else:
                     res = await self._actor_thread(slot).run(self._run_sync, slot, ep, args, kwargs)
                 if slot.failed and res[0]:  # it failed while this call ran (Monarch: the call fails too)
-                    res = (False, error_payload("supervision", slot.failed))
+                    res = (False, slot.refusal())
                 reply(*res)
         finally:
             slot.busy = False
