@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -397,11 +398,17 @@ def attach(name: str, registry: Optional[Registry] = None) -> Pool:
     return Pool(registry.require(name), registry)
 
 
+def _ending_own_procs(name: str) -> None:
+    """The ends of this process's actor procs on pool ``name`` are expected, not supervision
+    events. A process that never loaded the actor runtime (the CLI) owns none: nothing to import."""
+    session = sys.modules.get("monarch_torchx.actor.session")
+    if session is not None:
+        session.pool_ending(name)
+
+
 def _stop(pool: Pool, prov: Provisioner, reason: str) -> List[str]:
     """Stops the pool; returns what lost hosts had left on their nodes and was ended, a line each."""
-    from .actor import session
-
-    session.pool_ending(pool.name)  # the ends of this process's procs on it are expected, not faults
+    _ending_own_procs(pool.name)
     live = [i for i, h in enumerate(pool.hosts) if h is not None and not h.exited]
     lost = [h.index for h in pool.health() if h.state == LOST and h.addr is not None and not h.addr.exited]
     # a killed agent could not clean up: that is done for it while its node is still ours
@@ -427,9 +434,7 @@ def force_stop(name: str, registry: Optional[Registry] = None) -> List[str]:
     """Ends a pool whose record cannot be read, from what this machine can find of it by name:
     its local agents (by their command line), the SLURM allocation the raw record still names,
     and the record itself. Returns what it did, a line each."""
-    from .actor import session
-
-    session.pool_ending(name)
+    _ending_own_procs(name)
     registry = registry or Registry()
     path = registry.record_path(name)
     raw: Dict[str, Any] = {}

@@ -166,7 +166,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
     def fail(i: int, why: str) -> None:
         """Records host ``i``'s first error, naming the host (a report lists many)."""
         if not results[i].error:
-            results[i].error = why if why.startswith((f"host {i}:", f"host {i} ")) else f"host {i}: {why}"
+            results[i].error = f"host {i}: {why}"
 
     def each(fn: Callable[[int], Any], which: List[int]) -> Dict[int, Any]:
         out: Dict[int, Any] = {}

@@ -269,11 +269,8 @@ def setup(agent: Any) -> None:
                 for sid, fw in sessions.items()]
     prepared: "OrderedDict[Tuple[Path, str], Tuple[Manifest, bytes]]" = OrderedDict()
 
-    async def run(fn: Any, *args: Any) -> Any:
-        try:
-            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        except StoreError as e:  # its type reaches the client (RemoteError.kind)
-            raise type(e)(f"host {agent.index}: {e}") from None
+    async def run(fn: Any, *args: Any) -> Any:  # a StoreError's type reaches the client, which names the host
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     async def missing(peer: Any, hashes: List[str], target: str = "") -> List[str]:
         """The chunks this host lacks; the target is checked first, before any byte is sent."""

@@ -1,6 +1,6 @@
 """Monarch's ``get_or_spawn_controller``: one actor per name, for the whole program.
 
-In Monarch the registry lives in the root client. Here too: the controller process keeps, per
+In Monarch the names live in the root client. Here too: the controller process keeps, per
 pool, the actors spawned by name (each on a proc of its own on the pool's host 0, started on first
 use). Actors reach it through a port of the controller's: the procs a controller spawns get that
 port in their environment (``MONARCH_TORCHX_CONTROLLERS``), and pass it on to the procs they spawn.
@@ -23,7 +23,7 @@ from .hub import ProcAddr
 ENV = "MONARCH_TORCHX_CONTROLLERS"
 
 
-class Registry:
+class NamedActors:
     """The controller's actors spawned by name for one pool, and the port actors ask it through."""
 
     def __init__(self, pool: str):
@@ -67,12 +67,12 @@ class Registry:
             reply.send(mesh)
 
 
-def _serve(registry: Registry, toward: str) -> Port[Any]:
-    hub = session.hub_for(registry.pool)
+def _serve(names: "NamedActors", toward: str) -> Port[Any]:
+    hub = session.hub_for(names.pool)
     hub.listen(hub.local_address(toward))
-    port, _rx = Channel.open(pool=registry.pool)
+    port, _rx = Channel.open(pool=names.pool)
     # requests are served as they arrive (on the inbox thread), not queued for a receiver
-    hub.ports[port.port_id] = lambda req: threading.Thread(target=registry.answer, args=(req,), daemon=True,
+    hub.ports[port.port_id] = lambda req: threading.Thread(target=names.answer, args=(req,), daemon=True,
                                                            name="monarch-torchx-controllers").start()
     return port
 
@@ -94,9 +94,9 @@ def get_or_spawn_controller(name: str, cls: type, *args: Any, **kwargs: Any) -> 
         raise MonarchError("get_or_spawn_controller() in an actor needs the controller that started its proc "
                            f"(${ENV} is not set: this proc was not spawned by a monarch_torchx controller)")
     pool, addr, port_id = json.loads(raw)
-    registry_port: Port[Any] = Port(pool, ProcAddr(*addr), port_id)
+    names_port: Port[Any] = Port(pool, ProcAddr(*addr), port_id)
     reply, rx = Channel.open(once=True, pool=me.pool)
-    registry_port.send((name, cls, args, kwargs, reply))
+    names_port.send((name, cls, args, kwargs, reply))
     return rx.recv()
 
 

@@ -151,6 +151,13 @@ class Future(Generic[T]):
     # ------------------------------------------------------------ combining
 
     @staticmethod
+    def resolved(value: Any) -> "Future[Any]":
+        """A future that already holds ``value`` (what Monarch returns as a Future is often ready here)."""
+        fut: Future[Any] = Future()
+        fut.set_result(value)
+        return fut
+
+    @staticmethod
     def gather(hub: Optional["Hub"], parts: Sequence["Future[Any]"], combine: Callable[[List[Any]], Any]) -> "Future[Any]":
         """A future for all ``parts``: their values combined, or the first failure in order."""
         out: Future[Any] = Future(hub)

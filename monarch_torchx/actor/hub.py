@@ -31,7 +31,7 @@ from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 from .. import wire
 from ..credentials import PoolCredentials
 from . import pickling
-from .errors import SupervisionError
+from .errors import ProcStopped, SupervisionError
 from .future import Future
 
 log = logging.getLogger("monarch_torchx.actor")
@@ -540,7 +540,7 @@ class Hub:
         """Every proc of this pool is being ended on purpose (the pool is stopping)."""
         addrs = list(self.explain)
         for addr in addrs:
-            self.closing.setdefault(addr, SupervisionError(f"proc {addr.identity} ended: its pool was stopped"))
+            self.closing.setdefault(addr, ProcStopped(f"proc {addr.identity} ended: its pool was stopped"))
         self.unwatch_all(addrs)
 
     def unwatch_all(self, addrs: List[ProcAddr]) -> None:

@@ -99,10 +99,13 @@ class HostMesh(_MeshTrait):
         self._hosts = list(hosts)
         self._shape = shape or Shape.dense(("hosts",), (len(self._hosts),))
         self._shut_down = False
+        self._received = False  # unpickled: a reference, which cannot end the hosts
         self._spawned: List["ProcMesh"] = []  # what stop() ends
 
     def _with_shape(self, shape: Shape) -> "HostMesh":
-        return HostMesh(self.pool, self._hosts, shape)
+        mesh = HostMesh(self.pool, self._hosts, shape)
+        mesh._received = self._received  # a slice of a reference is a reference
+        return mesh
 
     def __repr__(self) -> str:
         return f"HostMesh(pool={self.pool!r}, {self.extent!r})"
@@ -110,9 +113,7 @@ class HostMesh(_MeshTrait):
     @property
     def initialized(self) -> "Future[bool]":
         """As Monarch's: completes (True) once the hosts are up; a pool's agents are up already."""
-        done: Future[bool] = Future()
-        done.set_result(True)
-        return done
+        return Future.resolved(True)
 
     def __reduce__(self) -> Any:  # a HostMesh sent to an actor (or pickled) is a reference: it cannot end the hosts
         return _received_host_mesh, (self.pool, self._hosts, self._shape)
@@ -126,9 +127,7 @@ class HostMesh(_MeshTrait):
         ``HostMesh.stop()``; the hosts stay up (the pool warm)."""
         spawned, self._spawned = self._spawned, []
         if not spawned:
-            done: Future[None] = Future()
-            done.set_result(None)
-            return done
+            return Future.resolved(None)
         return Future.gather(session.hub_for(self.pool), [pm.stop() for pm in spawned], lambda _v: None)
 
     def __enter__(self) -> "HostMesh":
@@ -152,7 +151,7 @@ class HostMesh(_MeshTrait):
         from ..pool import stop_pool
 
         self._check_live()
-        if getattr(self, "_received", False):
+        if self._received:
             raise RuntimeError(f"this HostMesh of pool {self.pool!r} was received (unpickled), not created here: only "
                                "the process that holds the original can shut the hosts down")
         self._shut_down = True
@@ -171,8 +170,9 @@ class HostMesh(_MeshTrait):
     def spawn_procs(self, per_host: Optional[Dict[str, int]] = None, *, env: Optional[Dict[str, str]] = None,
                     name: str = "procs", bootstrap: Optional[Callable[[], Any]] = None) -> "ProcMesh":
         """Starts ``per_host`` procs on every host of this mesh (from the agents' warm fork servers).
-        ``bootstrap`` (Monarch's): a function every proc runs before it is handed back (picklable
-        by value, like an actor's arguments); if it raises, spawn_procs does, and the procs stop."""
+        ``bootstrap`` (Monarch's): a function every proc runs before it makes any other actor
+        (picklable by value, like an actor's arguments); spawn_procs returns at once, and if it
+        raises, ``procs.initialized`` does and the procs stop."""
         self._check_live()
         if bootstrap is not None:  # as Monarch's: returns at once; a failing bootstrap fails `initialized`
             procs = self.spawn_procs(per_host, env=env, name=name)
@@ -363,9 +363,7 @@ def shutdown_context() -> "Future[None]":
     """As Monarch's: releases what this process started in the actor world. Every proc it owns
     stops (each actor's ``__cleanup__`` runs), as when it exits; the pools stay warm. Idempotent."""
     session.end_all()
-    done: Future[None] = Future()
-    done.set_result(None)
-    return done
+    return Future.resolved(None)
 
 
 def this_proc() -> "ProcMesh":
@@ -416,11 +414,7 @@ class ProcMesh(_MeshTrait):
     def initialized(self) -> "Future[bool]":
         """As Monarch's: completes (True) once the procs are up and their ``bootstrap`` ran; raises
         the bootstrap's ActorError if it failed (the procs are then stopped)."""
-        if self._initialized is not None:
-            return self._initialized
-        done: Future[bool] = Future()
-        done.set_result(True)
-        return done
+        return self._initialized if self._initialized is not None else Future.resolved(True)
 
     def __reduce__(self) -> Any:
         return ProcMesh, (self.pool, self._procs, self._shape, self.mesh_id)
@@ -518,6 +512,7 @@ class ProcMesh(_MeshTrait):
         def finish() -> None:
             hub.unwatch_all([r.addr for r in refs])
             for ref in refs:
+                hub.actors_on.pop(ref.addr, None)
                 err = hub.closing.pop(ref.addr, None)
                 if err is not None:
                     hub.mark_dead(ref.addr, err)
@@ -651,11 +646,7 @@ class ActorMesh(_MeshTrait, Generic[T]):
     def initialized(self) -> "Future[None]":
         """Completes once every constructor ran (raises the first failure's ActorError), as
         Monarch's. Where the mesh was received rather than spawned, a call shows the same."""
-        if self._initialized is None:
-            done: Future[None] = Future()
-            done.set_result(None)
-            return done
-        return self._initialized
+        return self._initialized if self._initialized is not None else Future.resolved(None)
 
     def __reduce__(self) -> Any:
         return ActorMesh, (self.pool, self._procs, self._shape, self._actor_id, self._name, self._cls_name,

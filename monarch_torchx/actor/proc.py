@@ -58,14 +58,15 @@ class ActorThread:
         threading.Thread(target=self._serve, name=f"actor-{name}", daemon=True).start()
 
     def run(self, fn: Callable[..., Any], *args: Any) -> "asyncio.Future[Any]":
+        """``fn(*args)`` here, as an asyncio future of the loop."""
         done = self._loop.create_future()
-        self._jobs.put((done, fn, args))
+        self.run_then(fn, args, lambda ok, value: _settle(done, ok, value))
         return done
 
-    def run_then(self, fn: Callable[..., Any], args: tuple, then: Callable[[Any], None]) -> None:
-        """Runs ``fn(*args)`` here, then ``then(result)`` on the loop: one loop wake-up, no
-        asyncio future (the path of every sync endpoint call; ``fn`` does not raise)."""
-        self._jobs.put((then, fn, args))
+    def run_then(self, fn: Callable[..., Any], args: tuple, then: Callable[[bool, Any], None]) -> None:
+        """``fn(*args)`` here, then ``then(ok, result or exception)`` on the loop: one loop wake-up
+        and no asyncio future (the path of every sync endpoint call)."""
+        self._jobs.put((fn, args, then))
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -75,27 +76,24 @@ class ActorThread:
             job = self._jobs.get()
             if job is None:
                 return
-            done, fn, args = job
+            fn, args, then = job
             try:
-                out = (True, fn(*args))
+                ok, value = True, fn(*args)
             except BaseException as e:  # noqa: BLE001 - handed to the loop, which decides
-                out = (False, e)
+                ok, value = False, e
             try:
-                if isinstance(done, asyncio.Future):
-                    self._loop.call_soon_threadsafe(_settle, done, out)
-                else:
-                    self._loop.call_soon_threadsafe(done, out[1])
+                self._loop.call_soon_threadsafe(then, ok, value)
             except RuntimeError:  # the loop is closed: the proc is ending
                 return
 
 
-def _settle(done: "asyncio.Future[Any]", out: Tuple[bool, Any]) -> None:
+def _settle(done: "asyncio.Future[Any]", ok: bool, value: Any) -> None:
     if done.cancelled():
         return
-    if out[0]:
-        done.set_result(out[1])
+    if ok:
+        done.set_result(value)
     else:
-        done.set_exception(out[1])
+        done.set_exception(value)
 
 
 @dataclass
@@ -511,7 +509,7 @@ class ProcServer:
         if not slot.busy and not ep.is_async:  # the common case: straight to the actor's thread
             slot.busy = True
             self._actor_thread(slot).run_then(self._run_sync, (slot, ep, args, kwargs),
-                                              lambda res: self._sync_done(slot, reply, res))
+                                              lambda ok, res: self._sync_done(slot, reply, res))
             return
         slot.queue.append((ep, args, kwargs, reply))
         if not slot.busy:
@@ -519,12 +517,15 @@ class ProcServer:
             assert self.loop is not None
             self.loop.create_task(self._drain(slot))
 
+    @staticmethod
+    def _answer(slot: ActorSlot, reply: Reply, res: Tuple[bool, Any]) -> None:
+        """Answers a call that ran; if the actor failed while it ran, Monarch's call fails too."""
+        reply(*((False, slot.refusal()) if slot.failed and res[0] else res))
+
     def _sync_done(self, slot: ActorSlot, reply: Reply, res: Tuple[bool, Any]) -> None:
         """On the loop: a sync endpoint that ran alone answered; the actor's queue goes on."""
-        if slot.failed and res[0]:  # it failed while this call ran (Monarch: the call fails too)
-            res = (False, slot.refusal())
         try:
-            reply(*res)
+            self._answer(slot, reply, res)
         finally:
             if slot.queue:
                 assert self.loop is not None
@@ -543,9 +544,7 @@ class ProcServer:
                     res = await self._run_async(slot, ep, args, kwargs)
                 else:
                     res = await self._actor_thread(slot).run(self._run_sync, slot, ep, args, kwargs)
-                if slot.failed and res[0]:  # it failed while this call ran (Monarch: the call fails too)
-                    res = (False, slot.refusal())
-                reply(*res)
+                self._answer(slot, reply, res)
         finally:
             slot.busy = False
 

@@ -93,12 +93,12 @@ def hub_for(pool: str, creds: Optional[PoolCredentials] = None) -> Hub:
 
 def controllers(pool: str) -> Any:
     """This controller's actors spawned by name (get_or_spawn_controller) for ``pool``."""
-    from .controllers import Registry
+    from .controllers import NamedActors
 
     with _lock:
         regs = _current.setdefault("controllers", {})
         if pool not in regs:
-            regs[pool] = Registry(pool)
+            regs[pool] = NamedActors(pool)
         return regs[pool]
 
 

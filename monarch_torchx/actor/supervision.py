@@ -1,13 +1,12 @@
 """What a controller does with a supervision event nobody handled: ``unhandled_fault_hook``.
 
-As in Monarch: an actor of a mesh the controller spawned failed (an endpoint called by
-``broadcast`` raised, with no caller to tell), and no owner's ``__supervise__`` took it. The
-default logs the report and ends the controller with exit code 1; assign
-``monarch_torchx.actor.unhandled_fault_hook`` to do something else (it is looked up there each
-time). The hook runs on the thread that reads the mesh's connections: the one waiting on a
-Future, and what it raises comes out of that ``get()``; or, while no call is waiting, the hub's idle
-reader or the thread that watches procs for their end, and what it raises ends the program as Monarch's does: a KeyboardInterrupt in the main
-thread (so atexit handlers and destructors still run there).
+As in Monarch: an actor of a mesh the controller spawned failed, or one of its procs died, and
+no owner's ``__supervise__`` took it. The default logs the report and ends the controller with
+exit code 1; assign ``monarch_torchx.actor.unhandled_fault_hook`` to do something else (it is
+looked up there each time). The hook runs on the thread that read the event: one waiting on a
+Future (what the hook raises comes out of that ``get()``), or, while no call waits, the hub's
+idle reader or the thread that watches procs; there what it raises ends the program as Monarch's
+does, with a KeyboardInterrupt in the main thread (so atexit handlers still run there).
 """
 
 from __future__ import annotations
