@@ -21,7 +21,8 @@ from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
 from tests.fixtures.actors import (Aborter, Bad, Blaster, Caller, Cleaner, Counter, Fatal, FlakyOwner, Gate,
-                                   MonarchCleaner, Owner, Responder, Spawner, Store, StoreUser, CleanupCounter, Wrapper, Forever, Talker)
+                                   MonarchCleaner, Owner, Responder, Spawner, Store, StoreUser, CleanupCounter, Wrapper, Forever, Talker,
+                                   KeepsAFinalizer)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -247,6 +248,19 @@ def test_cleanup_on_stop(pool, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clean.0", "clean.1"]
     with pytest.raises(SupervisionError, match="was stopped"):
         cl.ping.call().get()
+
+
+def test_module_globals_are_finalized_when_a_proc_stops(pool, tmp_path):
+    """As a real interpreter's exit does (Monarch's procs run Py_FinalizeEx): an object held in a
+    module global of the actor's code has its __del__ run when the proc stops."""
+    pm = attach(pool[0]).spawn_procs(per_host={"procs": 1})
+    keeper = pm.spawn("keeper", KeepsAFinalizer, str(tmp_path / "marker"))
+    pids = list(keeper.pid.call().get().values())
+    assert os.getpid() not in pids
+    pm.stop().get()
+    wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), what="the procs to exit")
+    assert sorted((p.name, p.read_text()) for p in tmp_path.iterdir()) == [
+        ("marker.0", "finalized"), ("marker.1", "finalized")]
 
 
 def test_stop_is_a_future_as_in_monarch(pool, tmp_path):
@@ -748,7 +762,31 @@ def test_logging_option_streams_proc_output_with_the_actor_prefix(procs, capsys)
         return out if out.count("printed hi") == 4 and out.count("logged hi") == 4 else None
     out = wait_for(printed, timeout=30, what="every proc's output")
     assert "[3] printed hi" in out and "hidden" not in out
-    assert "[actor=<tests.fixtures.actors.Talker talker{'hosts': 1/2, 'procs': 1/2}>] logged hi" in out
+    assert "[actor=<root>.<tests.fixtures.actors.Talker talker{'hosts': 1/2, 'procs': 1/2}>] logged hi" in out
+
+
+def test_actor_names_creators_and_the_log_prefix_switch(procs, caplog):
+    """As Monarch names an actor: its creator chain (`<root>.<module.Class name{point}>`), its
+    `creator` (the controller is `root`); the controller's own log records say `[actor=<root>]`
+    once it used `context()`, and `config.prefix_python_logs_with_actor = False` turns it off."""
+    import logging
+
+    from monarch_torchx.actor import config, context
+
+    t = procs.spawn("talker", Talker)
+    name, creator, nested = t.slice(hosts=0, procs=1).names.call_one().get(timeout=30)
+    assert name == "<root>.<tests.fixtures.actors.Talker talker{'hosts': 0/2, 'procs': 1/2}>"
+    assert (creator.name, creator.class_name, str(creator)) == ("root", None, "<root>")
+    assert nested == name + ".<tests.fixtures.actors.Talker inner{'procs': 0/1}>"
+    assert str(context().actor_instance) == "<root>"
+    with caplog.at_level(logging.INFO, logger="controller-test"):
+        logging.getLogger("controller-test").info("hello")
+        config.prefix_python_logs_with_actor = False
+        try:
+            logging.getLogger("controller-test").info("plain")
+        finally:
+            config.prefix_python_logs_with_actor = True
+    assert [r.getMessage() for r in caplog.records if r.name == "controller-test"] == ["[actor=<root>] hello", "plain"]
 
 
 def test_shutdown_context_stops_every_proc_this_process_owns(pool):

@@ -97,6 +97,31 @@ class Actor:
         return logging.getLogger(f"{type(self).__module__}.{type(self).__qualname__}")
 
 
+@dataclass(frozen=True)
+class CreatorInstance:
+    """Who spawned an actor (Monarch's ``actor_instance.creator``): its name, class and rank, and
+    who spawned it in turn; the controller is ``root``, with no class and an empty rank."""
+
+    name: str
+    class_name: Optional[str]
+    rank: Point
+    creator: Optional["CreatorInstance"] = None
+
+    def __str__(self) -> str:
+        return _qualified_name(self)
+
+
+def _qualified_name(ins: Any) -> str:
+    """``<root>.<module.Class name{'d': i/n}>``: the chain of creators, as Monarch names an actor."""
+    names = []
+    while ins is not None:
+        cls = "" if ins.class_name is None else f"{ins.class_name} "
+        point = repr(ins.rank) if ins.rank.coords else ""
+        names.append(f"<{cls}{ins.name}{point}>")
+        ins = ins.creator
+    return ".".join(reversed(names))
+
+
 @dataclass
 class ActorInstance:
     """Who is running: the actor's name and id, and its rank in the mesh it was spawned in."""
@@ -108,11 +133,22 @@ class ActorInstance:
     mesh_id: str
     host_index: int
     cls_path: str = ""  # module.Class of the actor
+    creator: Optional[CreatorInstance] = None  # who spawned it (None for the controller itself)
+
+    @property
+    def class_name(self) -> Optional[str]:
+        return None if self.actor_id == "client" else self.cls_path
+
+    def as_creator(self) -> CreatorInstance:
+        """This instance, as the actors it spawns see their creator."""
+        if self.actor_id == "client":
+            return CreatorInstance("root", None, self.rank)
+        return CreatorInstance(self.name, self.cls_path, self.rank, self.creator)
 
     def __str__(self) -> str:  # as Monarch prints an actor instance (and prefixes its logs with)
         if self.actor_id == "client":
             return "<root>"
-        return f"<{self.cls_path} {self.name}{self.rank!r}>"
+        return _qualified_name(self)
 
     @property
     def extent(self) -> Extent:
@@ -146,7 +182,10 @@ current_context: contextvars.ContextVar[Context] = contextvars.ContextVar("monar
 
 
 def context() -> Context:
-    """The running actor's context (in the controller: the client's, rank 0 of an empty mesh)."""
+    """The running actor's context (in the controller: the client's, rank 0 of an empty mesh).
+    As in Monarch, from the first call on, log records say who emitted them (``[actor=<root>]``
+    in the controller), unless ``config.prefix_python_logs_with_actor`` is False."""
+    prefix_logs_with_actor()
     return current_context.get()
 
 
@@ -165,15 +204,19 @@ def current_size() -> Dict[str, int]:
     return dict(current_context.get().actor_instance.rank.extent)
 
 
+@functools.lru_cache(maxsize=None)  # once per process: the record factory wraps itself otherwise
 def prefix_logs_with_actor() -> None:
-    """In a proc: a log record emitted by an actor's code starts ``[actor=<module.Class name{point}>]``,
-    as Monarch's do (an empty message, as torch's structured logging emits, is left alone)."""
+    """A log record starts ``[actor=<root>.<module.Class name{point}>]`` (the emitting actor, or
+    ``<root>`` in a controller), as Monarch's do; an empty message, as torch's structured logging
+    emits, is left alone. Set ``monarch_torchx.actor.config.prefix_python_logs_with_actor = False``
+    to turn it off. Installed in a proc at its start and in a controller at its first ``context()``."""
+    from . import config
+
     make = logging.getLogRecordFactory()
 
     def record(*args: Any, **kwargs: Any) -> logging.LogRecord:
         rec = make(*args, **kwargs)
-        ai = current_context.get().actor_instance
-        if ai.actor_id != "client" and isinstance(rec.msg, str) and rec.msg:
-            rec.msg = f"[actor={ai}] {rec.msg}"
+        if config.prefix_python_logs_with_actor and isinstance(rec.msg, str) and rec.msg:
+            rec.msg = f"[actor={current_context.get().actor_instance}] {rec.msg}"
         return rec
     logging.setLogRecordFactory(record)

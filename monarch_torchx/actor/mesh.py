@@ -26,7 +26,7 @@ from ..errors import MonarchError
 from ..registry import HostAddr, Registry
 from ..specs import TERMINAL
 from . import session
-from .actor import Actor, context, endpoint, endpoints_of
+from .actor import Actor, context, current_context, endpoint, endpoints_of
 from .errors import MeshFailure, ProcStopped, SupervisionError, point_text
 from .future import Future
 from .host import app_id
@@ -456,14 +456,16 @@ class ProcMesh(_MeshTrait):
         except Exception as e:
             raise TypeError(f"cannot send {actor_class.__name__} or its arguments to the procs: {e}") from None
         actor_id = f"{name}-{uuid.uuid4().hex[:8]}"
-        owner = context().actor_instance.actor_id if session.this_proc() is not None else ""  # who supervises it
+        spawner = current_context.get().actor_instance
+        owner = spawner.actor_id if session.this_proc() is not None else ""  # who supervises it
+        creator = spawner.as_creator()
         rid = hub.next_id()
         futs = []
         for point, base in zip(self._shape.points(), self._shape.ranks):
             ref = self._procs[base]
             fut: Future[Any] = Future(hub)
             header = ("spawn", rid, hub.sender, hub.next_seq(ref.addr), actor_id, name, point.coords,
-                      self._shape.labels, self._shape.sizes, owner)
+                      self._shape.labels, self._shape.sizes, owner, creator)
             _send(hub, ref.addr, encode(header, packed=packed), rid, fut)
             futs.append(fut)
             hub.actors_on.setdefault(ref.addr, []).append(f"{name}{point_text(point)}")

@@ -29,7 +29,7 @@ from .. import wire
 from ..credentials import PoolCredentials
 from ..wire_conn import AuthenticatedConnection, serve, write_frame
 from . import session
-from .actor import ActorInstance, Context, Endpoint, current_context, endpoints_of
+from .actor import ActorInstance, Context, CreatorInstance, Endpoint, current_context, endpoints_of
 from .errors import MeshFailure, error_payload, point_text
 from .future import Future, _waiters
 from .hub import LocalConn, ProcAddr, encode, unpack
@@ -349,9 +349,9 @@ class ProcServer:
         elif kind == "cast":
             self.cast(conn, *header[1:], bufs)
         elif kind == "spawn":
-            _, rid, sender, seq, actor_id, name, coords, labels, sizes, owner = header
+            _, rid, sender, seq, actor_id, name, coords, labels, sizes, owner, creator = header
             self.ordered(sender, seq, lambda: self.spawn(conn, rid, actor_id, name, Point(coords, Extent(labels, sizes)),
-                                                         bufs, owner))
+                                                         bufs, owner, creator))
         elif kind == "call_port":  # Monarch's send(..., port=): the answer goes to that port
             _, sender, seq, actor_id, ep, port = header
             self.ordered(sender, seq, lambda: self.call(self._port_replier(port), actor_id, ep, bufs))
@@ -644,13 +644,14 @@ class ProcServer:
         self._release_calls(actor_id)
 
     def spawn(self, conn: ProcConnection, rid: int, actor_id: str, name: str, point: Point,
-              bufs: List[bytearray], owner: str = "") -> None:
+              bufs: List[bytearray], owner: str = "", creator: Optional[CreatorInstance] = None) -> None:
         """Creates the actor; a failing constructor is answered to the spawner (its mesh's
         ``initialized``) and, as in Monarch, every call to the actor then fails with why."""
         if self.booting is not None:  # spawn_procs(bootstrap=...) runs before any other actor is made
-            self.booting.append(lambda: self.spawn(conn, rid, actor_id, name, point, bufs, owner))
+            self.booting.append(lambda: self.spawn(conn, rid, actor_id, name, point, bufs, owner, creator))
             return
-        inst_ctx = Context(ActorInstance(name, actor_id, point, self.rank, self.mesh_id, self.host_index))
+        inst_ctx = Context(ActorInstance(name, actor_id, point, self.rank, self.mesh_id, self.host_index,
+                                         creator=creator))
         slot = ActorSlot(actor_id, name, "?", None, inst_ctx, {})
         try:
             cls, args, kwargs = unpack(bufs)

@@ -137,6 +137,7 @@ def run_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> 
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = main
+    inherited = set(sys.modules) - {"__main__"}  # the fork server's: not the program's to finalize
     code = 0
     try:
         if inv.kind == "c":
@@ -182,12 +183,36 @@ def run_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> 
     except Exception:
         pass
     atexit._run_exitfuncs()
+    finalize_program_modules(inherited)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             code = code or 120
     return code
+
+
+def finalize_program_modules(inherited: Iterable[str]) -> None:
+    """What ``Py_FinalizeEx`` does before the process ends, for the modules the program imported
+    (and ``__main__``): their globals are dropped, newest module first, and garbage collected, so
+    a module global's ``__del__`` runs as under a real interpreter (``os._exit`` skips it). The
+    fork server's own modules stay: they are shared, warm state, not the program's. Daemon threads
+    still running meet a torn-down module as they would at a real exit, silently."""
+    import gc
+    import threading
+
+    threading.excepthook = lambda _args: None
+    keep = set(inherited)
+    for name in reversed(list(sys.modules)):
+        if name in keep or name.startswith("monarch_torchx"):
+            continue
+        module = sys.modules.get(name)
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict):
+            continue
+        for key in [k for k in names if not (k.startswith("__") and k.endswith("__"))]:
+            names[key] = None  # a __del__ that raises is reported and ignored, as by CPython
+    gc.collect()
 
 
 def detach_child(stdout_fd: int, stderr_fd: int, close: Iterable[int]) -> None:
