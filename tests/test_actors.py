@@ -22,7 +22,7 @@ from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
 from tests.fixtures.actors import (Aborter, Bad, Blaster, Caller, Cleaner, Counter, Fatal, FlakyOwner, Gate,
                                    MonarchCleaner, Owner, Responder, Spawner, Store, StoreUser, CleanupCounter, Wrapper, Forever, Talker,
-                                   KeepsAFinalizer)
+                                   KeepsAFinalizer, Placement)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -261,6 +261,34 @@ def test_module_globals_are_finalized_when_a_proc_stops(pool, tmp_path):
     wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), what="the procs to exit")
     assert sorted((p.name, p.read_text()) for p in tmp_path.iterdir()) == [
         ("marker.0", "finalized"), ("marker.1", "finalized")]
+
+
+def test_proc_bind_pins_each_proc_as_taskset_and_numactl_would(pool):
+    """Monarch's spawn_procs(proc_bind=[...]): one dict per proc of a host; the forked procs pin
+    themselves (CPU lists, NUMA nodes' CPUs); bad binds are refused before anything starts."""
+    host = attach(pool[0])
+    with pytest.raises(ValueError, match=r"proc_bind length \(1\) must equal procs_per_host \(2\)"):
+        host.spawn_procs(per_host={"gpus": 2}, proc_bind=[{"cpus": "0"}])
+    with pytest.raises(ValueError, match="unknown keys \\['cores'\\]"):
+        host.spawn_procs(per_host={"gpus": 1}, proc_bind=[{"cores": "0"}])
+    with pytest.raises(ValueError, match="bad CPU or node list 'zero'"):
+        host.spawn_procs(per_host={"gpus": 1}, proc_bind=[{"cpus": "zero"}])
+    available = sorted(os.sched_getaffinity(0))
+    if len(available) < 2:
+        pytest.skip("needs 2 CPUs")
+    a, b = available[:2]
+    pm = host.spawn_procs(per_host={"gpus": 2}, proc_bind=[{"cpus": str(a)}, {"cpus": str(b)}])
+    got = pm.spawn("where", Placement).cpus.call().get(timeout=30)
+    assert list(got.values()) == [[a], [b], [a], [b]]  # in rank order: host-major, then gpus
+    pm.stop().get()
+    if os.path.exists("/sys/devices/system/node/node0/cpulist"):
+        from monarch_torchx.actor.placement import node_cpus
+
+        pm = host.slice(hosts=0).spawn_procs(per_host={"gpus": 1}, proc_bind=[{"cpunodebind": "0", "membind": "0"}])
+        assert set(pm.spawn("where", Placement).cpus.call_one().get(timeout=30)) == node_cpus({0})
+        pm.stop().get()
+    with pytest.raises(Exception, match="NUMA node 999 does not exist"):
+        host.slice(hosts=0).spawn_procs(per_host={"gpus": 1}, proc_bind=[{"cpunodebind": "999"}])
 
 
 def test_stop_is_a_future_as_in_monarch(pool, tmp_path):

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from ..private import agent_temp_dir, node_temp_root, remove_empty_dirs
 from ..specs import TERMINAL, LaunchSpec
+from . import placement
 
 SPAWN_TIMEOUT_S = float(os.environ.get("MONARCH_TORCHX_PROC_START_TIMEOUT_S", "120"))
 
@@ -36,18 +37,25 @@ def setup(agent: Any) -> None:
 
     agent.on_stop(cleanup)
 
-    async def spawn(peer: Any, mesh_id: str, ranks: List[int], env: Optional[Dict[str, str]] = None) -> List[Dict[str, Any]]:
-        """Starts one proc per rank; returns their addresses once every one listens."""
+    async def spawn(peer: Any, mesh_id: str, ranks: List[int], env: Optional[Dict[str, str]] = None,
+                    binds: Optional[List[Dict[str, str]]] = None) -> List[Dict[str, Any]]:
+        """Starts one proc per rank; returns their addresses once every one listens. ``binds``:
+        each proc's CPU and NUMA placement (``spawn_procs(proc_bind=...)``), which it applies
+        to itself as it starts."""
         if agent.stopping.is_set():
             raise ValueError(f"agent {agent.index} is shutting down ({agent.stop_reason})")
         if not mesh_id.replace("-", "").isalnum():
             raise ValueError(f"bad mesh id {mesh_id!r}")
+        if binds is not None:
+            binds = placement.check(binds, len(ranks))
         advertise = agent.addr.host if agent.addr else "127.0.0.1"
         files = {}
-        for rank in ranks:
+        for i, rank in enumerate(ranks):
             path = os.path.join(rendezvous, f"{mesh_id}.{rank}.json")
             files[rank] = path
             proc_env = dict(env or {})
+            if binds is not None:
+                proc_env[placement.ENV] = json.dumps(binds[i])
             proc_env.update({
                 "MONARCH_TORCHX_STATE_DIR": str(agent.state_dir), "MONARCH_TORCHX_MESH_ID": mesh_id,
                 "MONARCH_TORCHX_PROC_RANK": str(rank), "MONARCH_TORCHX_PROC_BIND": agent.args.bind,

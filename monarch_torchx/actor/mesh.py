@@ -26,6 +26,7 @@ from ..errors import MonarchError
 from ..registry import HostAddr, Registry
 from ..specs import TERMINAL
 from . import session
+from . import placement
 from .actor import Actor, context, current_context, endpoint, endpoints_of
 from .errors import MeshFailure, ProcStopped, SupervisionError, point_text
 from .future import Future
@@ -168,14 +169,17 @@ class HostMesh(_MeshTrait):
         return done
 
     def spawn_procs(self, per_host: Optional[Dict[str, int]] = None, *, env: Optional[Dict[str, str]] = None,
-                    name: str = "procs", bootstrap: Optional[Callable[[], Any]] = None) -> "ProcMesh":
+                    name: str = "procs", bootstrap: Optional[Callable[[], Any]] = None,
+                    proc_bind: Optional[List[Dict[str, str]]] = None) -> "ProcMesh":
         """Starts ``per_host`` procs on every host of this mesh (from the agents' warm fork servers).
         ``bootstrap`` (Monarch's): a function every proc runs before it makes any other actor
         (picklable by value, like an actor's arguments); spawn_procs returns at once, and if it
-        raises, ``procs.initialized`` does and the procs stop."""
+        raises, ``procs.initialized`` does and the procs stop. ``proc_bind`` (Monarch's): one dict
+        per proc of a host, of ``cpus``/``physcpubind`` (CPU lists), ``cpunodebind`` and
+        ``membind`` (NUMA nodes), as numactl and taskset take them (see ``placement``)."""
         self._check_live()
         if bootstrap is not None:  # as Monarch's: returns at once; a failing bootstrap fails `initialized`
-            procs = self.spawn_procs(per_host, env=env, name=name)
+            procs = self.spawn_procs(per_host, env=env, name=name, proc_bind=proc_bind)
             booted = procs.spawn("bootstrap", _Bootstrap, bootstrap).initialized
             ready: Future[bool] = Future(session.hub_for(self.pool))
 
@@ -197,6 +201,7 @@ class HostMesh(_MeshTrait):
         local = 1
         for n in per_host.values():
             local *= n
+        binds = placement.check(proc_bind, local)
         hub = session.hub_for(self.pool)
         mesh_id = uuid.uuid4().hex[:12]
         hosts = [self._hosts[r] for r in self._shape.ranks]
@@ -211,7 +216,8 @@ class HostMesh(_MeshTrait):
         def start(h: int) -> List[Dict[str, Any]]:
             host = hosts[h]
             return _agent_call(hub, host, "mesh.spawn", timeout=180.0, mesh_id=mesh_id,
-                               ranks=list(range(h * local, (h + 1) * local)), env=proc_env)
+                               ranks=list(range(h * local, (h + 1) * local)), env=proc_env,
+                               **({"binds": binds} if binds is not None else {}))
 
         results: List[Optional[List[Dict[str, Any]]]] = [None] * len(hosts)
         errors: List[str] = []

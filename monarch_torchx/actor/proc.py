@@ -28,7 +28,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 from .. import wire
 from ..credentials import PoolCredentials
 from ..wire_conn import AuthenticatedConnection, serve, write_frame
-from . import session
+from . import placement, session
 from .actor import ActorInstance, Context, CreatorInstance, Endpoint, current_context, endpoints_of
 from .errors import MeshFailure, error_payload, point_text
 from .future import Future, _waiters
@@ -804,6 +804,13 @@ def main() -> None:
         pass
     from .actor import prefix_logs_with_actor
 
+    bind = os.environ.get(placement.ENV)
+    if bind:  # spawn_procs(proc_bind=...): before anything else runs (or starts a thread)
+        try:
+            placement.apply(json.loads(bind))
+        except (ValueError, OSError) as e:
+            print(f"proc {os.environ.get('MONARCH_TORCHX_PROC_RANK', '?')}: proc_bind {bind}: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
     prefix_logs_with_actor()
     server = ProcServer(dict(os.environ))
     asyncio.run(server.run())
