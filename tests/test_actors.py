@@ -22,7 +22,7 @@ from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
 from tests.fixtures.actors import (Aborter, Bad, Blaster, Caller, Cleaner, Counter, Fatal, FlakyOwner, Gate,
                                    MonarchCleaner, Owner, Responder, Spawner, Store, StoreUser, CleanupCounter, Wrapper, Forever, Talker,
-                                   KeepsAFinalizer, Placement)
+                                   KeepsAFinalizer, Placement, WrapperMarker)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -289,6 +289,28 @@ def test_proc_bind_pins_each_proc_as_taskset_and_numactl_would(pool):
         pm.stop().get()
     with pytest.raises(Exception, match="NUMA node 999 does not exist"):
         host.slice(hosts=0).spawn_procs(per_host={"gpus": 1}, proc_bind=[{"cpunodebind": "999"}])
+
+
+def test_with_python_executable_runs_procs_under_it_and_their_this_host_too(pool, tmp_path):
+    """Monarch's HostMesh.with_python_executable: the procs are exec'd under that interpreter
+    (here a wrapper script that stamps its pid), and so are the procs their actors spawn."""
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(f'#!/bin/sh\nexport WRAPPER_PID=$$\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o700)
+    host = attach(pool[0]).slice(hosts=0)
+    with pytest.raises(ValueError, match="needs the path of a Python executable"):
+        host.with_python_executable("")
+    wrapped = host.with_python_executable(str(wrapper)).spawn_procs(per_host={"procs": 1})
+    am = wrapped.spawn("marker", WrapperMarker)
+    outer = am.wrapper_pid.call_one().get(timeout=60)
+    inner = am.spawn_inner.call_one().get(timeout=60).wrapper_pid.call_one().get(timeout=60)
+    assert outer and inner and outer != inner
+    plain = host.spawn_procs(per_host={"procs": 1})
+    assert plain.spawn("plain", WrapperMarker).wrapper_pid.call_one().get(timeout=30) == ""  # still warm forks
+    wrapped.stop().get()
+    plain.stop().get()
+    with pytest.raises(MonarchError, match="no such executable on host 0"):
+        host.with_python_executable(str(tmp_path / "missing")).spawn_procs(per_host={"procs": 1})
 
 
 def test_stop_is_a_future_as_in_monarch(pool, tmp_path):

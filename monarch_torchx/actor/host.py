@@ -38,16 +38,22 @@ def setup(agent: Any) -> None:
     agent.on_stop(cleanup)
 
     async def spawn(peer: Any, mesh_id: str, ranks: List[int], env: Optional[Dict[str, str]] = None,
-                    binds: Optional[List[Dict[str, str]]] = None) -> List[Dict[str, Any]]:
+                    binds: Optional[List[Dict[str, str]]] = None, python: Optional[str] = None) -> List[Dict[str, Any]]:
         """Starts one proc per rank; returns their addresses once every one listens. ``binds``:
         each proc's CPU and NUMA placement (``spawn_procs(proc_bind=...)``), which it applies
-        to itself as it starts."""
+        to itself as it starts. ``python``: the interpreter to exec instead of forking a warm
+        proc (``HostMesh.with_python_executable``)."""
         if agent.stopping.is_set():
             raise ValueError(f"agent {agent.index} is shutting down ({agent.stop_reason})")
         if not mesh_id.replace("-", "").isalnum():
             raise ValueError(f"bad mesh id {mesh_id!r}")
         if binds is not None:
             binds = placement.check(binds, len(ranks))
+        exe = sys.executable
+        if python is not None:
+            exe = shutil.which(python) or ""
+            if not exe or not os.access(exe, os.X_OK):
+                raise ValueError(f"with_python_executable({python!r}): no such executable on host {agent.index}")
         advertise = agent.addr.host if agent.addr else "127.0.0.1"
         files = {}
         for i, rank in enumerate(ranks):
@@ -62,7 +68,7 @@ def setup(agent: Any) -> None:
                 "MONARCH_TORCHX_PROC_ADVERTISE": advertise, "MONARCH_TORCHX_PROC_ADDR_FILE": path,
             })
             await agent.procs.launch(LaunchSpec(app_id=app_id(mesh_id), role="proc", replica_id=rank,
-                                                argv=[sys.executable, "-m", "monarch_torchx.actor"],
+                                                argv=[exe, "-m", "monarch_torchx.actor"],
                                                 env=proc_env))
         out = []
         deadline = time.monotonic() + SPAWN_TIMEOUT_S

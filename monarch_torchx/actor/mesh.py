@@ -92,6 +92,9 @@ class _MeshTrait:
 # ---------------------------------------------------------------- hosts
 
 
+PYTHON_ENV = "MONARCH_TORCHX_PROC_PYTHON"  # a proc's with_python_executable(), for this_host() in it
+
+
 class HostMesh(_MeshTrait):
     """The hosts of a warm pool. Spawning procs on it is cheap: the hosts stay up."""
 
@@ -102,10 +105,23 @@ class HostMesh(_MeshTrait):
         self._shut_down = False
         self._received = False  # unpickled: a reference, which cannot end the hosts
         self._spawned: List["ProcMesh"] = []  # what stop() ends
+        self._python: Optional[str] = None  # with_python_executable(): procs exec it, not a warm fork
 
     def _with_shape(self, shape: Shape) -> "HostMesh":
         mesh = HostMesh(self.pool, self._hosts, shape)
         mesh._received = self._received  # a slice of a reference is a reference
+        mesh._python = self._python
+        return mesh
+
+    def with_python_executable(self, python_executable: str) -> "HostMesh":
+        """As Monarch's: this mesh, whose procs run under ``python_executable`` (a path on the
+        hosts, such as a wrapper script or another venv's interpreter), and so do the procs their
+        actors spawn with ``this_host()``. Such procs are started by exec, so they are not warm:
+        they import what they need themselves."""
+        if not isinstance(python_executable, str) or not python_executable:
+            raise ValueError(f"with_python_executable() needs the path of a Python executable, not {python_executable!r}")
+        mesh = self._with_shape(self._shape)
+        mesh._python = python_executable
         return mesh
 
     def __repr__(self) -> str:
@@ -117,7 +133,7 @@ class HostMesh(_MeshTrait):
         return Future.resolved(True)
 
     def __reduce__(self) -> Any:  # a HostMesh sent to an actor (or pickled) is a reference: it cannot end the hosts
-        return _received_host_mesh, (self.pool, self._hosts, self._shape)
+        return _received_host_mesh, (self.pool, self._hosts, self._shape, self._python)
 
     def _check_live(self) -> None:
         if self._shut_down:
@@ -206,6 +222,8 @@ class HostMesh(_MeshTrait):
         mesh_id = uuid.uuid4().hex[:12]
         hosts = [self._hosts[r] for r in self._shape.ranks]
         proc_env = {"MONARCH_TORCHX_PROC_PATH": os.pathsep.join(_controller_paths()), **(env or {})}
+        if self._python is not None:  # and this_host() in its actors keeps it
+            proc_env[PYTHON_ENV] = self._python
         from .controllers import ENV as CONTROLLERS
 
         if session.this_proc() is None:  # actors it starts can ask for its get_or_spawn_controller actors
@@ -217,7 +235,8 @@ class HostMesh(_MeshTrait):
             host = hosts[h]
             return _agent_call(hub, host, "mesh.spawn", timeout=180.0, mesh_id=mesh_id,
                                ranks=list(range(h * local, (h + 1) * local)), env=proc_env,
-                               **({"binds": binds} if binds is not None else {}))
+                               **({"binds": binds} if binds is not None else {}),
+                               **({"python": self._python} if self._python is not None else {}))
 
         results: List[Optional[List[Dict[str, Any]]]] = [None] * len(hosts)
         errors: List[str] = []
@@ -259,9 +278,10 @@ class HostMesh(_MeshTrait):
         return mesh
 
 
-def _received_host_mesh(pool: str, hosts: Sequence[HostAddr], shape: Shape) -> "HostMesh":
+def _received_host_mesh(pool: str, hosts: Sequence[HostAddr], shape: Shape, python: Optional[str] = None) -> "HostMesh":
     mesh = HostMesh(pool, hosts, shape)
     mesh._received = True
+    mesh._python = python
     return mesh
 
 
@@ -354,7 +374,9 @@ def this_host() -> HostMesh:
         h = Registry.read_host(state_dir, me.host_index) if state_dir else None
         if h is None:
             raise MonarchError("this proc's host agent address is unknown")
-        return HostMesh(me.pool, [h]).slice(hosts=0)
+        mesh = HostMesh(me.pool, [h]).slice(hosts=0)
+        mesh._python = os.environ.get(PYTHON_ENV) or None  # with_python_executable() of the mesh it came from
+        return mesh
     from ..pool import PoolRequest, ensure_pool
 
     name = os.environ.get("MONARCH_TORCHX_LOCAL_POOL", LOCAL_POOL)
