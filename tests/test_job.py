@@ -51,6 +51,14 @@ def test_process_job_meshes_reuse_replace_and_kill(home, tmp_path):
     assert bigger._pool()[1] == name and len(_agents(name)) == 4 and set(_agents(name)).isdisjoint(pids)
     bigger.kill()
     assert Registry().get(bigger._pool()[1]) is None and not bigger.active
+    # what this process asks of "its" pool afterwards goes to this host, not to the killed job's pool
+    from monarch_torchx.actor import get_or_spawn_controller
+
+    counter = get_or_spawn_controller("after-kill", Counter).get(timeout=60)
+    assert counter.incr.call_one(2).get(timeout=30) == 2
+    from monarch_torchx.pool import stop_pool
+
+    stop_pool("local")
 
 
 def test_local_job_is_this_host(home):

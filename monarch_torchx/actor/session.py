@@ -108,6 +108,10 @@ def pool_ending(pool: str) -> None:
     hub = _hubs.get(pool)
     if hub is not None:
         hub.ending_all()
+    if _current.get("pool") == pool:  # what this_proc() and get_or_spawn_controller() would use is gone
+        _current.pop("pool", None)
+        _current.pop("this_proc", None)
+    _current.get("controllers", {}).pop(pool, None)
 
 
 def end_all() -> None:
