@@ -22,7 +22,7 @@ from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
 from tests.fixtures.actors import (Aborter, Bad, Blaster, Caller, Cleaner, Counter, Fatal, FlakyOwner, Gate,
                                    MonarchCleaner, Owner, Responder, Spawner, Store, StoreUser, CleanupCounter, Wrapper, Forever, Talker,
-                                   KeepsAFinalizer, Placement, WrapperMarker)
+                                   KeepsAFinalizer, MeshMate, Placement, RemoteSpawner, WrapperMarker)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -408,20 +408,29 @@ def test_explicit_response_ports_and_port_exceptions(procs):
 
 def test_this_proc_in_an_actor_and_in_the_controller(procs):
     """this_proc() (Monarch's): in an actor, its own proc (a child spawned there runs in the
-    same process); in the controller, one proc of its own, kept for later calls; no dims."""
-    from monarch_torchx.actor import this_proc
+    same process); in the controller, the controller's own proc: its actors run in this very
+    process (sync endpoints on their own threads), and, spawned from there, on its pool."""
+    from monarch_torchx.actor import context, this_proc
 
     s = procs.spawn("sp", Spawner).slice(hosts=1, procs=0)
     value, child_pid, my_pid = s.child.call_one().get(timeout=60)
     assert value == 6 and child_pid == my_pid
     mine = this_proc()
-    try:
-        assert mine.sizes == {} and this_proc() is mine
-        c = mine.spawn("c", Counter, 1)
-        assert c.incr.call_one(1).get(timeout=30) == 2
-    finally:
-        mine.stop().get()
-        stop_pool("local")  # this_host()'s pool, made for the controller's proc
+    assert mine.sizes == {} and this_proc() is mine
+    c = mine.spawn("c", Counter, 1)
+    assert c.incr.call_one(1).get(timeout=30) == 2
+    assert c.pid.call_one().get(timeout=30) == os.getpid()
+    assert str(context().actor_instance) == "<root>"  # the controller's own code is not in an actor
+    inner = mine.spawn("sp", Spawner)
+    value, child_pid, my_pid = inner.child.call_one().get(timeout=60)
+    assert value == 6 and child_pid == my_pid == os.getpid()
+    remote = mine.spawn("rs", RemoteSpawner).pids.call_one(attach(procs.pool)).get(timeout=60)
+    assert len(remote) == 2 and os.getpid() not in remote
+    mine.stop().get()
+    with pytest.raises(SupervisionError, match="stopped"):
+        c.incr.call_one(1).get(timeout=30)
+    again = this_proc()  # a new one: the stopped one is not handed out
+    assert again is not mine and again.spawn("c", Counter, 3).incr.call_one(1).get(timeout=30) == 4
 
 
 def test_smaller_monarch_apis(procs, home, pool_name):
@@ -740,6 +749,7 @@ def test_get_or_spawn_controller_is_one_actor_per_name_for_the_whole_program(poo
     assert set(users.read.call("k").get(timeout=60).values()) == {42}
     assert set(users.aread.call("j").get(timeout=60).values()) == {1}
     assert users.slice(hosts=1, procs=0).read_from_a_child.call_one("k").get(timeout=120) == 42
+    assert store.pid.call_one().get(timeout=30) == os.getpid()  # as in Monarch: it runs in the controller
 
 
 def test_host_mesh_stop_context_manager_and_shutdown_as_in_monarch(home, pool_name):
@@ -813,6 +823,17 @@ def test_logging_option_streams_proc_output_with_the_actor_prefix(procs, capsys)
     out = wait_for(printed, timeout=30, what="every proc's output")
     assert "[3] printed hi" in out and "hidden" not in out
     assert "[actor=<root>.<tests.fixtures.actors.Talker talker{'hosts': 1/2, 'procs': 1/2}>] logged hi" in out
+
+
+def test_actor_instance_proc_mesh_is_the_mesh_it_was_spawned_on(procs):
+    """Monarch's context().actor_instance.proc_mesh: the (sliced) ProcMesh the actor was spawned
+    on; spawning on it places actors on those very procs."""
+    pids = sorted(procs.spawn("c", Counter).pid.call().get(timeout=30).values())
+    sizes, mates, mine = procs.spawn("m", MeshMate).slice(hosts=1, procs=1).mates.call_one().get(timeout=60)
+    assert sizes == {"hosts": 2, "procs": 2} and mates == pids and mine in pids
+    column = procs.slice(procs=0)
+    sizes, mates, _ = column.spawn("m2", MeshMate).slice(hosts=0).mates.call_one().get(timeout=60)
+    assert sizes == {"hosts": 2} and mates == sorted(column.spawn("c2", Counter).pid.call().get(timeout=30).values())
 
 
 def test_actor_names_creators_and_the_log_prefix_switch(procs, caplog):

@@ -6,7 +6,7 @@ import contextvars
 import functools
 import logging
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, TypeVar, overload
 
 from .shape import Extent, Point
@@ -134,6 +134,12 @@ class ActorInstance:
     host_index: int
     cls_path: str = ""  # module.Class of the actor
     creator: Optional[CreatorInstance] = None  # who spawned it (None for the controller itself)
+    proc_mesh: Any = field(default=None, repr=False, compare=False)  # the ProcMesh it was spawned on
+    # the controller's own proc, for an actor running in the controller's process (session.this_proc())
+    hosted_by: Any = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> Dict[str, Any]:  # sent elsewhere, it is a description, not a proc of theirs
+        return {**self.__dict__, "hosted_by": None}
 
     @property
     def class_name(self) -> Optional[str]:

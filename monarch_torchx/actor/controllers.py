@@ -1,14 +1,16 @@
 """Monarch's ``get_or_spawn_controller``: one actor per name, for the whole program.
 
-In Monarch the names live in the root client. Here too: the controller process keeps, per
-pool, the actors spawned by name (each on a proc of its own on the pool's host 0, started on first
-use). Actors reach it through a port of the controller's: the procs a controller spawns get that
-port in their environment (``MONARCH_TORCHX_CONTROLLERS``), and pass it on to the procs they spawn.
-Asking from an actor is one port message and one answer.
+In Monarch the names live in the root client, and the actors run there. Here too: the
+controller process keeps, per pool, the actors spawned by name, on its own proc (``this_proc()``
+of the controller: they run in the controller's OS process). Actors elsewhere reach the names
+through a port of the controller's: the procs a controller spawns get that port in their
+environment (``MONARCH_TORCHX_CONTROLLERS``), and pass it on to the procs they spawn. Asking
+from an actor is one port message and one answer.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import threading
@@ -30,18 +32,14 @@ class NamedActors:
         self.pool = pool
         self._lock = threading.RLock()  # spawning its procs asks for port_env() again
         self._meshes: Dict[str, Any] = {}
-        self._procs: Any = None
         self._port: Optional[Port[Any]] = None
 
     def get_or_spawn(self, name: str, cls: type, args: tuple, kwargs: dict) -> Any:
         with self._lock:
             mesh = self._meshes.get(name)
-            if mesh is None:
-                if self._procs is None:
-                    from .mesh import attach
-
-                    self._procs = attach(self.pool).slice(hosts=0).spawn_procs(name="controllers")
-                mesh = self._meshes[name] = self._procs.spawn(name, cls, *args, **kwargs)
+            if mesh is None:  # spawned by the program, not by whichever actor asked first (nor stopped with it)
+                spawn = session.client_proc(self.pool).mesh().spawn
+                mesh = self._meshes[name] = contextvars.Context().run(spawn, name, cls, *args, **kwargs)
             return mesh
 
     def port_env(self, toward: str) -> str:
@@ -82,10 +80,11 @@ def get_or_spawn_controller(name: str, cls: type, *args: Any, **kwargs: Any) -> 
     the first time it is asked for, as Monarch's. Later calls, from the controller or from any
     actor it started, get the same actor (the arguments of the first call count)."""
     me = session.this_proc()
-    if me is None:
+    if me is None or me.in_client:  # the controller, or one of the actors running in it
         fut: Future[Any] = Future()
         try:
-            fut.set_result(session.controllers(_controller_pool()).get_or_spawn(name, cls, args, kwargs))
+            fut.set_result(session.controllers(me.pool if me is not None else _controller_pool())
+                       .get_or_spawn(name, cls, args, kwargs))
         except Exception as e:
             fut.set_exception(e)
         return fut

@@ -146,7 +146,7 @@ class Conn:
             try:
                 if self.backlog is not None:  # a writer thread is still sending earlier frames: queue behind
                     self.backlog.append(_copy(parts))
-                elif self.hub.local is not None and self.hub.local.on_loop_thread():
+                elif self.hub.on_a_proc_loop():
                     rest = _send_now(self.sock, parts, self.io_lock)  # a proc's event loop must never block on a peer
                     if rest:
                         self.backlog = collections.deque([_copy(rest)])
@@ -226,7 +226,9 @@ class Hub:
         self._reading = False
         self._cond = threading.Condition()
         self.closing: Dict[ProcAddr, BaseException] = {}  # procs being stopped on purpose
-        self.local: Optional["LocalConn"] = None  # a proc's way to reach its own actors
+        # how a proc reaches actors of its own process (an actor proc's own; the controller's own proc)
+        self.locals: Dict[ProcAddr, "LocalConn"] = {}
+        self.mesh_refs_sent: set = set()  # (proc, mesh id): that proc has the mesh's procs (proc_mesh)
         self._waiters = 0
         self._ids = itertools.count(1)
         self._seqs: Dict[ProcAddr, "itertools.count[int]"] = {}
@@ -265,9 +267,10 @@ class Hub:
                 return c
             if addr in self.dead:
                 raise self.dead[addr]
-            if self.local is not None and addr == self.listen_addr:
-                return self.local  # type: ignore[return-value]
-            if self.local is not None and self.local.on_loop_thread():
+            local = self.locals.get(addr)
+            if local is not None:
+                return local  # type: ignore[return-value]
+            if self.on_a_proc_loop():
                 # a proc's event loop must not wait for a peer's handshake: that peer may be
                 # waiting for ours. Frames queue until a thread has connected.
                 c = Conn(self, addr, None)
@@ -284,6 +287,10 @@ class Hub:
             self.sel.register(sock, selectors.EVENT_READ, c)
             self._start_idle_reader()
             return c
+
+    def on_a_proc_loop(self) -> bool:
+        """Whether this thread runs a proc's event loop (which must never wait on a peer)."""
+        return any(local.on_loop_thread() for local in list(self.locals.values()))
 
     def _connect_later(self, c: Conn) -> None:
         try:
@@ -389,8 +396,8 @@ class Hub:
         except Exception as e:
             log.warning("dropped a malformed supervision event: %s", e)
             return
-        me = session.this_proc()
-        if me is not None and me.on_child_lost is not None and owner_actor:
+        me = session.proc_hosting(owner_actor) if owner_actor else None
+        if me is not None and me.on_child_lost is not None:
             me.on_child_lost(owner_actor, failure)
         else:
             supervision.dispatch(failure)

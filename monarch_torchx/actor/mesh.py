@@ -52,7 +52,7 @@ class ProcRef:
     rank: int
     host_index: int
     hostname: str
-    agent: ProcAddr
+    agent: Optional[ProcAddr]  # None: the controller's own proc (no agent started it)
 
 
 class _MeshTrait:
@@ -226,7 +226,8 @@ class HostMesh(_MeshTrait):
             proc_env[PYTHON_ENV] = self._python
         from .controllers import ENV as CONTROLLERS
 
-        if session.this_proc() is None:  # actors it starts can ask for its get_or_spawn_controller actors
+        me = session.this_proc()
+        if me is None or me.in_client:  # actors it starts can ask for its get_or_spawn_controller actors
             proc_env[CONTROLLERS] = session.controllers(self.pool).port_env(hosts[0].host)
         elif os.environ.get(CONTROLLERS):  # and so can the procs those actors start
             proc_env[CONTROLLERS] = os.environ[CONTROLLERS]
@@ -369,7 +370,7 @@ def this_host() -> HostMesh:
     elsewhere, the warm ``monarch_local`` pool ``local``. ``spawn_procs(per_host={...})`` on it
     gives exactly the per-host dims."""
     me = session.this_proc()
-    if me is not None:
+    if me is not None and not me.in_client:
         state_dir = os.environ.get("MONARCH_TORCHX_STATE_DIR", "")
         h = Registry.read_host(state_dir, me.host_index) if state_dir else None
         if h is None:
@@ -396,11 +397,10 @@ def shutdown_context() -> "Future[None]":
 
 def this_proc() -> "ProcMesh":
     """A proc to spawn actors on here, with no dims (as Monarch's ``this_proc()``). In an actor:
-    the actor's own proc. In a controller: one proc of its own on ``this_host()``, started on
-    first use and kept for the controller's life (not the controller's process: see the
-    differences in docs/actors.md)."""
+    the actor's own proc. In a controller (and in the actors running in it): the controller's
+    own proc, as in Monarch: the actors spawned on it run in the controller's process."""
     me = session.this_proc()
-    if me is not None:
+    if me is not None and not me.in_client:
         state_dir = os.environ.get("MONARCH_TORCHX_STATE_DIR", "")
         h = Registry.read_host(state_dir, me.host_index) if state_dir else None
         if h is None or me.addr is None:
@@ -410,13 +410,12 @@ def this_proc() -> "ProcMesh":
         agent = ProcAddr(h.host, h.port, h.identity(me.pool).decode())
         ref = ProcRef(me.addr, me.mesh_id, me.rank, me.host_index, socket.gethostname(), agent)
         return ProcMesh(me.pool, [ref], Shape((), (), (0,)), me.mesh_id)
-    mine = session.controller_proc()
-    if mine is not None and mine._procs[0].addr in session.hub_for(mine.pool).dead:
-        mine = None  # it died (or its pool was replaced): start another
-    if mine is None:
-        mine = this_host().spawn_procs(per_host={"procs": 1}).slice(procs=0)
-        session.set_controller_proc(mine)
-    return mine
+    pool = me.pool if me is not None else session.current_pool()
+    if pool is None:
+        this_host()  # the local pool, as the controller's this_host() is
+        pool = session.current_pool()
+    assert pool is not None
+    return session.client_proc(pool).mesh()
 
 
 # ---------------------------------------------------------------- procs
@@ -492,8 +491,12 @@ class ProcMesh(_MeshTrait):
         for point, base in zip(self._shape.points(), self._shape.ranks):
             ref = self._procs[base]
             fut: Future[Any] = Future(hub)
+            # the mesh it is spawned on (actor_instance.proc_mesh): its procs go to each proc once
+            first = (ref.addr, self.mesh_id) not in hub.mesh_refs_sent
+            hub.mesh_refs_sent.add((ref.addr, self.mesh_id))
             header = ("spawn", rid, hub.sender, hub.next_seq(ref.addr), actor_id, name, point.coords,
-                      self._shape.labels, self._shape.sizes, owner, creator)
+                      self._shape.labels, self._shape.sizes, owner, creator,
+                      (self.mesh_id, self._shape, self._procs if first else None))
             _send(hub, ref.addr, encode(header, packed=packed), rid, fut)
             futs.append(fut)
             hub.actors_on.setdefault(ref.addr, []).append(f"{name}{point_text(point)}")
@@ -517,6 +520,8 @@ class ProcMesh(_MeshTrait):
         if stream_to_client:
             hub = session.hub_for(self.pool)
             for b in self._shape.ranks:
+                if self._procs[b].agent is None:  # the controller's own proc: its output is already here
+                    continue
                 threading.Thread(target=_stream_output, args=(hub, self._procs[b]), daemon=True,
                                  name="monarch-torchx-proc-output").start()
         return Future.gather(session.hub_for(self.pool), [done], lambda _v: None)
@@ -575,7 +580,8 @@ def _await_exits(hub: Hub, refs: Sequence[ProcRef], within: float) -> None:
     """Waits (at most ``within`` s) until each proc's agent reports it ended."""
     by_agent: Dict[Tuple[str, int], List[ProcRef]] = {}
     for ref in refs:
-        by_agent.setdefault((ref.agent.host, ref.agent.port), []).append(ref)
+        if ref.agent is not None:  # the controller's own proc has ended once it answered
+            by_agent.setdefault((ref.agent.host, ref.agent.port), []).append(ref)
     deadline = time.monotonic() + within
     for group in by_agent.values():
         agent, want = group[0].agent, {r.rank for r in group}
@@ -634,8 +640,8 @@ def _on_proc_lost(hub: Hub, ref: ProcRef, owner_actor: Optional[str], addr: Proc
     failure = MeshFailure(ref.mesh_id, ref.rank, ref.host_index, ref.hostname,
                           reason.split(f"({ref.hostname}) ", 1)[-1], exit_code=code,
                           actors_on_proc=tuple(hub.actors_on.get(addr, ())))
-    me = session.this_proc()
-    if me is not None and me.on_child_lost is not None and owner_actor is not None:
+    me = session.proc_hosting(owner_actor) if owner_actor is not None else None
+    if me is not None and me.on_child_lost is not None:
         me.on_child_lost(owner_actor, failure)
     else:
         log.warning("supervision: %s", reason)

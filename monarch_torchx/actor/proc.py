@@ -187,16 +187,40 @@ class ProcConnection(AuthenticatedConnection):
         self.write(parts)
 
 
+@dataclass
+class ProcSettings:
+    """Who a proc is and where it listens: from its environment (a proc its agent started), or
+    given (the controller's own proc, in the controller's process)."""
+
+    pool: str
+    creds: PoolCredentials
+    mesh_id: str
+    rank: int
+    host_index: int = 0
+    bind: str = "127.0.0.1"
+    advertise: str = ""
+    addr_file: str = ""  # where it says it listens, for its agent (none for the controller's)
+    paths: Tuple[str, ...] = ()  # the controller's script dir and cwd, put on sys.path
+    in_client: bool = False
+
+    @staticmethod
+    def from_env(env: Dict[str, str]) -> "ProcSettings":
+        bind = env.get("MONARCH_TORCHX_PROC_BIND", "127.0.0.1")
+        return ProcSettings(env["MONARCH_TORCHX_POOL"], PoolCredentials.load(Path(env["MONARCH_TORCHX_STATE_DIR"])),
+                            env["MONARCH_TORCHX_MESH_ID"], int(env["MONARCH_TORCHX_PROC_RANK"]),
+                            int(env.get("MONARCH_TORCHX_HOST_INDEX", "0")), bind,
+                            env.get("MONARCH_TORCHX_PROC_ADVERTISE", bind), env["MONARCH_TORCHX_PROC_ADDR_FILE"],
+                            tuple(p for p in env.get("MONARCH_TORCHX_PROC_PATH", "").split(os.pathsep) if p))
+
+
 class ProcServer:
-    def __init__(self, env: Dict[str, str]):
-        self.pool = env["MONARCH_TORCHX_POOL"]
-        self.creds = PoolCredentials.load(Path(env["MONARCH_TORCHX_STATE_DIR"]))
-        self.host_index = int(env.get("MONARCH_TORCHX_HOST_INDEX", "0"))
-        self.mesh_id = env["MONARCH_TORCHX_MESH_ID"]
-        self.rank = int(env["MONARCH_TORCHX_PROC_RANK"])
-        self.bind = env.get("MONARCH_TORCHX_PROC_BIND", "127.0.0.1")
-        self.advertise = env.get("MONARCH_TORCHX_PROC_ADVERTISE", self.bind)
-        self.addr_file = env["MONARCH_TORCHX_PROC_ADDR_FILE"]
+    def __init__(self, settings: ProcSettings):
+        self.settings = settings
+        self.pool = settings.pool
+        self.creds = settings.creds
+        self.host_index = settings.host_index
+        self.mesh_id = settings.mesh_id
+        self.rank = settings.rank
         self.identity = f"{self.pool}/proc/{self.mesh_id}/{self.rank}"
         self.actors: Dict[str, ActorSlot] = {}
         self.expected: Dict[str, int] = {}
@@ -211,33 +235,48 @@ class ProcServer:
         self.gate = wire.HandshakeGate()
         self.stop_reason = ""
         self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.loop_thread: Optional[int] = None
         self.stopped: Optional[asyncio.Event] = None
-        for p in reversed([p for p in env.get("MONARCH_TORCHX_PROC_PATH", "").split(os.pathsep) if p]):
+        self.me: Optional[session.ProcIdentity] = None
+        self.mesh_refs: Dict[str, List[Any]] = {}  # mesh id -> its procs (ProcRefs), for actor_instance.proc_mesh
+        for p in reversed(settings.paths):
             if os.path.isdir(p) and p not in sys.path:
                 sys.path.insert(0, p)  # the controller's script dir and cwd, where they exist here
 
     # ------------------------------------------------------------ lifecycle
 
-    async def run(self) -> None:
+    async def run(self, on_ready: Optional[Callable[[ProcAddr], None]] = None) -> None:
         self.loop = asyncio.get_running_loop()
+        self.loop_thread = threading.get_ident()
         self.stopped = asyncio.Event()
-        server = await serve(lambda: ProcConnection(self), self.bind, 0)
+        cfg = self.settings
+        server = await serve(lambda: ProcConnection(self), cfg.bind, 0)
         port = server.sockets[0].getsockname()[1]
-        addr = ProcAddr(self.advertise, port, self.identity)
-        session.set_proc(session.ProcIdentity(self.pool, self.creds, self.host_index, self.mesh_id, self.rank, addr,
-                                              on_child_lost=self.child_lost, loop_thread=threading.get_ident(),
-                                              on_abort=self.abort_actor))
+        addr = ProcAddr(cfg.advertise or cfg.bind, port, self.identity)
+        self.me = session.ProcIdentity(self.pool, self.creds, self.host_index, self.mesh_id, self.rank, addr,
+                                       on_child_lost=self.child_lost, loop_thread=self.loop_thread,
+                                       on_abort=self.abort_actor, in_client=cfg.in_client,
+                                       hosts=lambda actor_id: actor_id in self.actors)
         hub = session.hub_for(self.pool)
-        hub.local = LocalConn(hub, addr, self.on_frame, self.loop, threading.get_ident())
-        tmp = self.addr_file + ".tmp"
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump({"host": self.advertise, "port": port, "pid": os.getpid()}, f)
-        os.replace(tmp, self.addr_file)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self.loop.add_signal_handler(sig, self.begin_stop, f"got {signal.Signals(sig).name}")
-        self.loop.call_later(OWNER_WAIT_S, self._check_owner)
-        await self.stopped.wait()
-        server.close()
+        hub.locals[addr] = LocalConn(hub, addr, self.on_frame, self.loop, self.loop_thread)
+        if cfg.in_client:  # the controller's process is not this proc's: no signals, no owner to wait for
+            if on_ready is not None:
+                on_ready(addr)
+        else:
+            session.set_proc(self.me)
+            hub.listen_addr = addr  # ports of this proc are served by its own server
+            tmp = cfg.addr_file + ".tmp"
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                json.dump({"host": addr.host, "port": port, "pid": os.getpid()}, f)
+            os.replace(tmp, cfg.addr_file)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.loop.add_signal_handler(sig, self.begin_stop, f"got {signal.Signals(sig).name}")
+            self.loop.call_later(OWNER_WAIT_S, self._check_owner)
+        try:
+            await self.stopped.wait()
+        finally:
+            hub.locals.pop(addr, None)
+            server.close()
 
     def _check_owner(self) -> None:
         if self.owner is None and not self.stop_reason:
@@ -320,8 +359,7 @@ class ProcServer:
     async def _stop_owned(self, actor_id: str) -> None:
         """As in Monarch, stopping an actor stops what it spawned: its actor meshes (wherever
         they run), then its proc meshes."""
-        me = session.this_proc()
-        owned = me.owned.pop(actor_id, []) if me is not None else []
+        owned = self.me.owned.pop(actor_id, []) if self.me is not None else []
         if not owned:
             return
         from .mesh import ProcMesh
@@ -349,9 +387,9 @@ class ProcServer:
         elif kind == "cast":
             self.cast(conn, *header[1:], bufs)
         elif kind == "spawn":
-            _, rid, sender, seq, actor_id, name, coords, labels, sizes, owner, creator = header
+            _, rid, sender, seq, actor_id, name, coords, labels, sizes, owner, creator, mesh = header
             self.ordered(sender, seq, lambda: self.spawn(conn, rid, actor_id, name, Point(coords, Extent(labels, sizes)),
-                                                         bufs, owner, creator))
+                                                         bufs, owner, creator, mesh))
         elif kind == "call_port":  # Monarch's send(..., port=): the answer goes to that port
             _, sender, seq, actor_id, ep, port = header
             self.ordered(sender, seq, lambda: self.call(self._port_replier(port), actor_id, ep, bufs))
@@ -435,7 +473,7 @@ class ProcServer:
 
     def abort_actor(self, actor_id: str, reason: str) -> None:
         """``context().actor_instance.abort(reason)``: the actor fails now, a supervision event for its owner."""
-        if self.loop is not None and threading.get_ident() != session.this_proc().loop_thread:  # type: ignore[union-attr]
+        if self.loop is not None and threading.get_ident() != self.loop_thread:
             self.loop.call_soon_threadsafe(functools.partial(self._actor_failed, actor_id, reason, aborted=True))
         else:
             self._actor_failed(actor_id, reason, aborted=True)
@@ -466,7 +504,12 @@ class ProcServer:
             if isinstance(conn, ProcConnection):
                 conn.write(parts)
             else:  # spawned from this same proc (this_proc()): no socket between them
-                session.hub_for(self.pool)._fault(owner_actor, [bytearray(memoryview(x).cast("B")) for x in parts[2:]])
+                payload = [bytearray(memoryview(x).cast("B")) for x in parts[2:]]
+                if self.settings.in_client:  # the controller's hook must not run (or raise) on this loop
+                    threading.Thread(target=_fault_off_loop, args=(session.hub_for(self.pool), owner_actor, payload),
+                                     daemon=True, name="monarch-torchx-fault").start()
+                else:
+                    session.hub_for(self.pool)._fault(owner_actor, payload)
         except Exception as e:  # the owner is gone: nobody to tell
             log.warning("could not report the failure of %s to its owner: %s", failure.get("actor"), e)
 
@@ -557,7 +600,7 @@ class ProcServer:
     def _on_loop(self, reply: Reply) -> Reply:
         """``reply`` made safe to call from an actor's thread (it writes to the loop's connections)."""
         def answer(ok: bool, value: Any) -> None:
-            if session.this_proc() is not None and threading.get_ident() == session.this_proc().loop_thread:  # type: ignore[union-attr]
+            if threading.get_ident() == self.loop_thread:
                 reply(ok, value)
             else:
                 assert self.loop is not None
@@ -644,14 +687,16 @@ class ProcServer:
         self._release_calls(actor_id)
 
     def spawn(self, conn: ProcConnection, rid: int, actor_id: str, name: str, point: Point,
-              bufs: List[bytearray], owner: str = "", creator: Optional[CreatorInstance] = None) -> None:
+              bufs: List[bytearray], owner: str = "", creator: Optional[CreatorInstance] = None,
+              mesh: Optional[Tuple[str, Any, Optional[List[Any]]]] = None) -> None:
         """Creates the actor; a failing constructor is answered to the spawner (its mesh's
         ``initialized``) and, as in Monarch, every call to the actor then fails with why."""
         if self.booting is not None:  # spawn_procs(bootstrap=...) runs before any other actor is made
-            self.booting.append(lambda: self.spawn(conn, rid, actor_id, name, point, bufs, owner, creator))
+            self.booting.append(lambda: self.spawn(conn, rid, actor_id, name, point, bufs, owner, creator, mesh))
             return
         inst_ctx = Context(ActorInstance(name, actor_id, point, self.rank, self.mesh_id, self.host_index,
-                                         creator=creator))
+                                         creator=creator, proc_mesh=self._proc_mesh(mesh),
+                                         hosted_by=self.me if self.settings.in_client else None))
         slot = ActorSlot(actor_id, name, "?", None, inst_ctx, {})
         try:
             cls, args, kwargs = unpack(bufs)
@@ -684,6 +729,18 @@ class ProcServer:
             self.booting = []
         done = self._actor_thread(slot).run(self._in_context, slot, init, ())
         done.add_done_callback(lambda d: self._constructed(conn, rid, slot, instance, owner, d))
+
+    def _proc_mesh(self, mesh: Optional[Tuple[str, Any, Optional[List[Any]]]]) -> Any:
+        """The ProcMesh an actor was spawned on (its procs come with the first spawn on each)."""
+        if mesh is None:
+            return None
+        from .mesh import ProcMesh
+
+        mesh_id, shape, refs = mesh
+        if refs is not None:
+            self.mesh_refs[mesh_id] = refs
+        procs = self.mesh_refs.get(mesh_id)
+        return ProcMesh(self.pool, procs, shape, mesh_id) if procs else None
 
     def _constructed(self, conn: ProcConnection, rid: int, slot: ActorSlot, instance: Any, owner: str,
                      done: "asyncio.Future[Any]") -> None:
@@ -789,6 +846,17 @@ class ProcServer:
             self._actor_failed(owner_actor_id, why, leaf=failure)
 
 
+def _fault_off_loop(hub: Any, owner_actor: str, payload: List[bytearray]) -> None:
+    """A supervision event of the controller's own proc, told on a thread of its own: what the
+    controller's ``unhandled_fault_hook`` raises there ends the program as from the proc watcher."""
+    from . import supervision
+
+    try:
+        hub._fault(owner_actor, payload)
+    except BaseException as e:  # noqa: BLE001 - the hook's verdict, passed to the main thread
+        supervision.unhandled_off_caller(e)
+
+
 def _subtree_ranks(rank: int, sub: list) -> List[int]:
     out = [rank]
     for r, _addr, s in sub:
@@ -812,7 +880,7 @@ def main() -> None:
             print(f"proc {os.environ.get('MONARCH_TORCHX_PROC_RANK', '?')}: proc_bind {bind}: {e}", file=sys.stderr)
             raise SystemExit(1) from None
     prefix_logs_with_actor()
-    server = ProcServer(dict(os.environ))
+    server = ProcServer(ProcSettings.from_env(dict(os.environ)))
     asyncio.run(server.run())
     if server.stop_reason and server.stop_reason != "stopped by its owner":
         print(f"proc {server.rank} of mesh {server.mesh_id} stopping: {server.stop_reason}", file=sys.stderr)

@@ -29,12 +29,15 @@ class ProcIdentity:
     on_abort: Optional[Callable[[str, str], None]] = None  # (actor id, reason): actor_instance.abort()
     # what each actor of this proc spawned (its ProcMeshes and ActorMeshes): stopped with it
     owned: Dict[str, List[Any]] = field(default_factory=dict)
+    in_client: bool = False  # the controller's own proc (its actors run in the controller's process)
+    hosts: Callable[[str], bool] = lambda _actor_id: False  # whether an actor runs in this proc
 
     def record_owned(self, actor_id: str, mesh: Any) -> None:
         self.owned.setdefault(actor_id, []).append(mesh)
 
 
 _lock = threading.Lock()
+_client_lock = threading.Lock()
 _hubs: Dict[str, Hub] = {}
 _proc: Dict[str, ProcIdentity] = {}
 _current: Dict[str, Any] = {}
@@ -45,16 +48,40 @@ def set_proc(ident: ProcIdentity) -> None:
 
 
 def this_proc() -> Optional[ProcIdentity]:
-    return _proc.get("self")
+    """The proc the running code is in: this process, if it is an actor proc; in a controller,
+    its own proc while one of that proc's actors runs (its identity rides on the actor's
+    context); else None (the controller's own code)."""
+    me = _proc.get("self")
+    if me is not None:
+        return me
+    from .actor import current_context
+
+    return current_context.get().actor_instance.hosted_by
 
 
-def controller_proc() -> Any:
-    """The controller's own proc (``this_proc()`` outside an actor), once started."""
-    return _current.get("this_proc")
+def proc_hosting(actor_id: str) -> Optional[ProcIdentity]:
+    """The proc of this process where actor ``actor_id`` runs (to tell it of what it owns),
+    from any thread: this actor proc, or the controller's own proc."""
+    me = _proc.get("self")
+    if me is not None:
+        return me
+    for proc in list(_current.get("client_procs", {}).values()):
+        if proc.identity.hosts(actor_id):
+            return proc.identity
+    return None
 
 
-def set_controller_proc(mesh: Any) -> None:
-    _current["this_proc"] = mesh
+def client_proc(pool: str) -> Any:
+    """The controller's own proc on ``pool`` (Monarch's ``this_proc()`` in the root client),
+    started on first use: actors spawned on it run in this process."""
+    from .client_proc import ClientProc
+
+    with _client_lock:  # not the session lock: the proc's own thread asks for its hub as it starts
+        procs = _current.setdefault("client_procs", {})
+        proc = procs.get(pool)
+        if proc is None or proc.ended:
+            proc = procs[pool] = ClientProc.start(pool, hub_for(pool))
+        return proc
 
 
 def set_current_pool(pool: str) -> None:
@@ -86,7 +113,7 @@ def hub_for(pool: str, creds: Optional[PoolCredentials] = None) -> Hub:
 
                 creds = Registry().require(pool).credentials
             hub = _hubs[pool] = Hub(creds, pool)
-            if me is not None and me.pool == pool and me.addr is not None:
+            if me is not None and not me.in_client and me.pool == pool and me.addr is not None:
                 hub.listen_addr = me.addr  # ports of this proc are served by its own server
         return hub
 
@@ -110,16 +137,19 @@ def pool_ending(pool: str) -> None:
         hub.ending_all()
     if _current.get("pool") == pool:  # what this_proc() and get_or_spawn_controller() would use is gone
         _current.pop("pool", None)
-        _current.pop("this_proc", None)
     _current.get("controllers", {}).pop(pool, None)
+    proc = _current.get("client_procs", {}).pop(pool, None)
+    if proc is not None:
+        proc.stop()
 
 
 def end_all() -> None:
     """Every proc this process owns, in every pool, is let go: they stop as if it had exited."""
     for hub in list(_hubs.values()):
         hub.ending_all()
-    _current.pop("this_proc", None)
     _current.pop("controllers", None)
+    for proc in list(_current.pop("client_procs", {}).values()):
+        proc.stop()  # its actors' __cleanup__ run, as when the process exits
 
 
 def forget_hubs_after_fork() -> None:
