@@ -435,7 +435,7 @@ def test_this_proc_in_an_actor_and_in_the_controller(procs):
 
 def test_smaller_monarch_apis(procs, home, pool_name):
     """current_actor_name(), Channel.open(once=True), ProcMesh.initialized, is_ibverbs_available(),
-    HostMesh.shutdown() (stops the pool) as in Monarch."""
+    HostMesh.stream_logs / is_fake_in_process, HostMesh.shutdown() (stops the pool) as in Monarch."""
     from monarch_torchx.actor import current_actor_name
     from monarch_torchx.rdma import is_ibverbs_available
 
@@ -450,6 +450,8 @@ def test_smaller_monarch_apis(procs, home, pool_name):
     with pytest.raises(TimeoutError):
         rx.recv().get(timeout=1)  # a once-port takes one value
     assert isinstance(is_ibverbs_available(), bool)
+    hosts = attach(procs.pool)
+    assert (hosts.stream_logs, hosts.is_fake_in_process) == (False, False)  # Monarch's HostMesh flags
     ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}))
     attach(pool_name).shutdown().get(timeout=60)
     assert Registry().get(pool_name) is None

@@ -4,9 +4,11 @@
 
 Nothing of Monarch's is committed here: the tests are read from the checkout given, rewritten
 (``rewrite.py``) into a scratch directory next to our stand-ins for Monarch's test helpers, and run
-with pytest. The report counts, per file, what passed, what failed (with the first line of why), and
-what was left out: tests that need Monarch's runtime internals (``Monarch-internal: NAME``) or a
-device this host lacks (CUDA, ibverbs). As Monarch's own OSS CI does, tests marked ``oss_skip``
+with pytest. The report counts, per file, what passed, what failed (with the first line of why), what
+failed only on reaching Monarch's internals through a public object ("reached": a private attribute
+of ours, a patched stand-in; see ``stand_ins/monarch_internal.py``), and what was left out: tests
+that need Monarch's runtime internals (``Monarch-internal: NAME``) or a device this host lacks
+(CUDA, ibverbs). As Monarch's own OSS CI does, tests marked ``oss_skip``
 are not run.
 """
 from __future__ import annotations
@@ -75,14 +77,18 @@ def classify(junit: Path) -> Dict[str, Dict]:
     for case in ET.parse(junit).getroot().iter("testcase"):
         file = case.get("classname", "").split(".")[0]
         name = case.get("name", "")
-        rec = out.setdefault(file, {"counts": Counter(), "failures": [], "left_out": Counter()})
+        rec = out.setdefault(file, {"counts": Counter(), "failures": [], "left_out": Counter(), "reached": []})
         fail = case.find("failure")
         if fail is None:
             fail = case.find("error")
         skip = case.find("skipped")
+        reached = next((p.get("value", "") for p in case.iter("property") if p.get("name") == "reached_internals"), None)
         if fail is not None and "Monarch-internal" in _why(fail):  # skipped from a fixture or a helper thread
             rec["counts"]["internal"] += 1
             rec["left_out"][_why(fail).split(":")[1].strip()] += 1
+        elif fail is not None and reached:  # ran on our public API, then reached Monarch's internals
+            rec["counts"]["reached"] += 1
+            rec["reached"].append((name, reached))
         elif fail is not None:
             rec["counts"]["failed"] += 1
             rec["failures"].append((name, _why(fail)))
@@ -124,22 +130,30 @@ def main() -> int:
         return 1
     report = classify(junit)
     total = Counter()
-    print(f"\n{'file':34} {'passed':>7} {'failed':>7} {'internal':>9} {'device':>7} {'other skip':>10}")
+    print(f"\n{'file':34} {'passed':>7} {'failed':>7} {'reached':>8} {'internal':>9} {'device':>7} {'other skip':>10}")
     for file, rec in sorted(report.items()):
         c = rec["counts"]
         total.update(c)
-        print(f"{file:34} {c['passed']:7} {c['failed']:7} {c['internal']:9} {c['device']:7} {c['skipped']:10}")
+        print(f"{file:34} {c['passed']:7} {c['failed']:7} {c['reached']:8} {c['internal']:9} {c['device']:7} "
+              f"{c['skipped']:10}")
+    print(f"{'total':34} {total['passed']:7} {total['failed']:7} {total['reached']:8} {total['internal']:9} "
+          f"{total['device']:7} {total['skipped']:10}")
+    ran = total["passed"] + total["failed"] + total["reached"]
     runnable = total["passed"] + total["failed"]
-    print(f"{'total':34} {total['passed']:7} {total['failed']:7} {total['internal']:9} {total['device']:7} "
-          f"{total['skipped']:10}")
-    print(f"\n{total['passed']} of {runnable} runnable items pass "
-          f"({100 * total['passed'] / max(1, runnable):.0f}%); left out: {total['internal']} Monarch-internal, "
-          f"{total['device']} for a device this host lacks, {total['skipped']} skipped by the tests themselves")
+    print(f"\n{total['passed']} of {ran} items that ran pass ({100 * total['passed'] / max(1, ran):.0f}%); "
+          f"{total['reached']} of them failed on reaching Monarch's internals through a public object "
+          f"(\"reached\"); without those, {total['passed']} of {runnable} pass "
+          f"({100 * total['passed'] / max(1, runnable):.0f}%).\nLeft out before running: {total['internal']} "
+          f"Monarch-internal, {total['device']} for a device this host lacks, {total['skipped']} skipped by the "
+          f"tests themselves")
+    for file, rec in sorted(report.items()):
+        for name, why in rec["reached"]:
+            print(f"REACHED {file}::{name}: {why}")
     for file, rec in sorted(report.items()):
         for name, why in rec["failures"]:
             print(f"FAILED {file}::{name}: {why}")
     if args.json:
-        args.json.write_text(json.dumps({f: {"counts": r["counts"], "failures": r["failures"],
+        args.json.write_text(json.dumps({f: {"counts": r["counts"], "failures": r["failures"], "reached": r["reached"],
                                              "left_out": r["left_out"]} for f, r in report.items()}, indent=1))
     return 0
 

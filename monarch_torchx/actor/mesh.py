@@ -132,6 +132,17 @@ class HostMesh(_MeshTrait):
         """As Monarch's: completes (True) once the hosts are up; a pool's agents are up already."""
         return Future.resolved(True)
 
+    @property
+    def stream_logs(self) -> bool:
+        """As Monarch's: whether procs' output streams to this process by default. Not here:
+        ``procs.logging_option(stream_to_client=True)`` asks for it per ProcMesh."""
+        return False
+
+    @property
+    def is_fake_in_process(self) -> bool:
+        """As Monarch's: False, always: every host is a real agent that starts real processes."""
+        return False
+
     def __reduce__(self) -> Any:  # a HostMesh sent to an actor (or pickled) is a reference: it cannot end the hosts
         return _received_host_mesh, (self.pool, self._hosts, self._shape, self._python)
 
@@ -548,6 +559,7 @@ class ProcMesh(_MeshTrait):
             hub.unwatch_all([r.addr for r in refs])
             for ref in refs:
                 hub.actors_on.pop(ref.addr, None)
+                hub.mesh_refs_sent.discard((ref.addr, self.mesh_id))
                 err = hub.closing.pop(ref.addr, None)
                 if err is not None:
                     hub.mark_dead(ref.addr, err)

@@ -16,7 +16,8 @@ from .hub import Hub, ProcAddr
 
 @dataclass
 class ProcIdentity:
-    """Set in an actor proc: its pool, host, mesh and rank, and its own listening address."""
+    """Who a proc is (set process-wide in an actor proc; carried by the context of the actors of the
+    controller's own proc): its pool, host, mesh and rank, and its own listening address."""
 
     pool: str
     creds: PoolCredentials

@@ -1,8 +1,29 @@
-"""The run's settings: a private home for the pools it makes, and those pools stopped at its end."""
+"""The run's settings: a private home for the pools it makes, and those pools stopped at its end;
+which failures reached Monarch's internals (``monarch_internal.reached_internals``), recorded on
+the test's report for ``run.py`` to count."""
 import os
 import tempfile
 
+import pytest
+
+import monarch_internal
+
 os.environ.setdefault("MONARCH_TORCHX_HOME", os.path.join(tempfile.mkdtemp(prefix="mtx-monarch-suite-"), "home"))
+os.environ[monarch_internal.TEST_PID_ENV] = str(os.getpid())
+
+
+def pytest_runtest_setup(item):
+    monarch_internal.touched.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "call" and report.failed and call.excinfo is not None:
+        why = monarch_internal.reached_internals(call.excinfo.value)
+        if why:
+            item.user_properties.append(("reached_internals", why))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -27,6 +27,9 @@ _run_child(int(sys.argv[1]), int(sys.argv[2]))
 
 
 def _run_child(fn_fd: int, result_fd: int) -> None:
+    import monarch_internal
+
+    os.environ[monarch_internal.TEST_PID_ENV] = str(os.getpid())  # this process runs the test now
     with os.fdopen(fn_fd, "rb") as f:
         fn, args, kwargs = pickle.load(f)
     try:
@@ -37,7 +40,8 @@ def _run_child(fn_fd: int, result_fd: int) -> None:
     except pytest.skip.Exception as e:
         result = ("skip", str(e))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        result = ("fail", "".join(traceback.format_exception(e)))
+        why = monarch_internal.reached_internals(e)
+        result = ("internal" if why else "fail", why or "".join(traceback.format_exception(e)))
     with os.fdopen(result_fd, "wb") as f:
         pickle.dump(result, f)
     os._exit(0)
@@ -70,6 +74,10 @@ def isolate_in_subprocess(test_fn=None, *, env=None):
         kind, text = pickle.loads(data)
         if kind == "skip":
             pytest.skip(text)
+        if kind == "internal":
+            from monarch_internal import ReachedInternals
+
+            raise ReachedInternals(text)
         if kind == "fail":
             pytest.fail(text, pytrace=False)
 

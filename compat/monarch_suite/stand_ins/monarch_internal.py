@@ -3,12 +3,43 @@
 Using it in any way (calling it, reading an attribute, entering it, an ``isinstance``) skips the
 running test as Monarch-internal: the suite's count then says which tests ran against our public
 API and which could not be run at all.
+
+A test can also reach Monarch's internals through an object it got from the public API (a private
+attribute such as ``ProcMesh._proc_mesh``), or touch a stand-in only to patch it and then fail on
+what the patch expected. ``reached_internals`` names those, by the failure's type and the names the
+test touched, so the report counts them apart from real failures.
 """
 from __future__ import annotations
 
 import os
+from typing import List, Optional
 
 import pytest
+
+TEST_PID_ENV = "MONARCH_SUITE_TEST_PID"  # the process that runs the tests (procs inherit it, with another pid)
+touched: List[str] = []  # stand-ins the running test used without being skipped (reset per test)
+
+
+def in_test_process() -> bool:
+    return os.environ.get(TEST_PID_ENV) == str(os.getpid())
+
+
+def reached_internals(exc: BaseException) -> Optional[str]:
+    """Why a failure is Monarch-internal, or None: an AttributeError for a private attribute of one
+    of our objects or classes, or any failure after the test touched a stand-in."""
+    if isinstance(exc, ReachedInternals):
+        return str(exc)
+    if isinstance(exc, AttributeError) and isinstance(exc.name, str) and exc.name.startswith("_"):
+        owner = exc.obj if isinstance(exc.obj, type) else type(exc.obj)
+        if getattr(owner, "__module__", "").startswith("monarch_torchx"):
+            return f"{owner.__name__}.{exc.name}"
+    if touched:
+        return f"touched {touched[0]}"
+    return None
+
+
+class ReachedInternals(AssertionError):
+    """Raised in the test process for a failure an isolated child classified as reaching internals."""
 
 
 class Internal:
@@ -16,7 +47,7 @@ class Internal:
         self._name = name
 
     def _skip(self, *_a, **_k):
-        if "PYTEST_CURRENT_TEST" not in os.environ:  # in an actor's proc: an error its caller sees
+        if not in_test_process():  # in an actor's proc: an error its caller sees
             raise RuntimeError(f"Monarch-internal: {self._name}")
         pytest.skip(f"Monarch-internal: {self._name}")
 
@@ -25,6 +56,7 @@ class Internal:
     def __getattr__(self, attr: str):
         if attr.startswith("__"):
             raise AttributeError(attr)
+        touched.append(f"{self._name}.{attr}")
         return Internal(f"{self._name}.{attr}")
 
     def __getitem__(self, _key):  # `Shared[int]` in an annotation: still the same name
