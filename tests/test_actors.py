@@ -450,9 +450,9 @@ def test_smaller_monarch_apis(procs, home, pool_name):
     with pytest.raises(TimeoutError):
         rx.recv().get(timeout=1)  # a once-port takes one value
     assert isinstance(is_ibverbs_available(), bool)
-    hosts = attach(procs.pool)
-    assert (hosts.stream_logs, hosts.is_fake_in_process) == (False, False)  # Monarch's HostMesh flags
     ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}))
+    hosts = attach(pool_name)
+    assert (hosts.stream_logs, hosts.is_fake_in_process) == (False, False)  # Monarch's HostMesh flags
     attach(pool_name).shutdown().get(timeout=60)
     assert Registry().get(pool_name) is None
 

@@ -117,6 +117,20 @@ def test_a_role_with_its_own_copy_of_a_preloaded_module_gets_its_own(warm_pool, 
     assert st.state == AppState.SUCCEEDED and out == "True\n"
 
 
+def test_the_programs_module_globals_are_finalized_at_exit(warm_pool, tmp_path):
+    """As under a real interpreter, a forked program's objects held in module globals (its
+    __main__'s and its own modules') are collected at exit, after atexit: their __del__ runs."""
+    runner, pool = warm_pool
+    (tmp_path / "helper.py").write_text("class Noisy:\n    def __init__(self, w):\n        self.w = w\n"
+                                        "    def __del__(self):\n        print('del', self.w, flush=True)\n"
+                                        "kept = Noisy('module')\n")
+    script = tmp_path / "main.py"
+    script.write_text("import atexit, helper\nmine = helper.Noisy('main')\natexit.register(print, 'atexit')\n")
+    st, out, _ = _run(runner, pool, _app("fin", "python", str(script)))
+    assert st.state == AppState.SUCCEEDED
+    assert out.splitlines()[0] == "atexit" and sorted(out.splitlines()[1:]) == ["del main", "del module"], out
+
+
 def test_script_main_outlives_the_script_for_atexit(warm_pool, tmp_path):
     runner, pool = warm_pool
     script = tmp_path / "s.py"

@@ -15,16 +15,19 @@ its agent over two inherited socketpairs (nothing listens), framed by ``wire``:
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import select
 import shutil
 import signal
 import socket
 import sys
+import sysconfig
+import threading
 import time
 import types
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, NoReturn, Optional, Sequence
+from typing import Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple
 
 PR_SET_PDEATHSIG = 1
 
@@ -193,26 +196,41 @@ def run_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> 
 
 
 def finalize_program_modules(inherited: Iterable[str]) -> None:
-    """What ``Py_FinalizeEx`` does before the process ends, for the modules the program imported
-    (and ``__main__``): their globals are dropped, newest module first, and garbage collected, so
-    a module global's ``__del__`` runs as under a real interpreter (``os._exit`` skips it). The
-    fork server's own modules stay: they are shared, warm state, not the program's. Daemon threads
-    still running meet a torn-down module as they would at a real exit, silently."""
-    import gc
-    import threading
-
-    threading.excepthook = lambda _args: None
+    """What ``Py_FinalizeEx`` does before the process ends, for the program's own code: the
+    globals of ``__main__`` and of the modules it imported from outside the standard library and
+    site-packages are dropped, newest module first, and garbage collected, so an object held in a
+    module global has its ``__del__`` run, as under a real interpreter (``os._exit`` skips it).
+    The fork server's modules (its shared, warm state) and libraries are left alone: clearing them
+    would make their own finalizers fail loudly at every exit. Daemon threads still running meet
+    a torn-down module as they would at a real exit, silently."""
     keep = set(inherited)
+    library = tuple(os.path.realpath(p) + os.sep for p in _library_dirs())
+    threading.excepthook = lambda _args: None
     for name in reversed(list(sys.modules)):
-        if name in keep or name.startswith("monarch_torchx"):
-            continue
         module = sys.modules.get(name)
+        if name != "__main__" and (name in keep or not _is_program_code(module, library)):
+            continue
         names = getattr(module, "__dict__", None)
         if not isinstance(names, dict):
             continue
         for key in [k for k in names if not (k.startswith("__") and k.endswith("__"))]:
             names[key] = None  # a __del__ that raises is reported and ignored, as by CPython
     gc.collect()
+
+
+def _library_dirs() -> List[str]:
+    paths = sysconfig.get_paths()
+    dirs = {paths.get(k, "") for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    dirs.update(p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages"))
+    return [d for d in dirs if d]
+
+
+def _is_program_code(module: object, library: Tuple[str, ...]) -> bool:
+    path = getattr(module, "__file__", None)
+    if not isinstance(path, str) or not path.endswith(".py"):  # built-in, frozen, namespace, extension
+        return False
+    return not os.path.realpath(path).startswith(library) and not getattr(module, "__name__", "").startswith(
+        "monarch_torchx")
 
 
 def detach_child(stdout_fd: int, stderr_fd: int, close: Iterable[int]) -> None:
