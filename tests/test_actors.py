@@ -62,6 +62,8 @@ def test_adverbs_values_and_ranks(procs):
     assert sorted(counters.incr.call(0).get().values()) == [115, 115, 115, 125]
     total = Accumulator(counters.incr, 0, lambda a, b: a + b).accumulate(0).get()
     assert total == 115 * 3 + 125
+    arrived = Accumulator(counters.incr, [], lambda acc, r: acc + [r]).accumulate(0).get()  # folded as they came
+    assert sorted(arrived) == [115, 115, 115, 125]
 
 
 def test_shapes(procs):

@@ -920,16 +920,9 @@ class Accumulator(Generic[T]):
         self._combine = combine
 
     def accumulate(self, *args: Any, **kwargs: Any) -> Future[T]:
-        fut = self._endpoint.call(*args, **kwargs)
-        out: Future[T] = Future(session.hub_for(self._endpoint._mesh.pool))
-
-        def done(f: Future[ValueMesh]) -> None:
-            if f._exc is not None:
-                out.set_exception(f._exc)
-                return
-            try:
-                out.set_result(functools.reduce(self._combine, f._value.values(), self._identity))
-            except Exception as e:
-                out.set_exception(e)
-        fut.add_done_callback(done)
-        return out
+        """As Monarch's: the endpoint's answers as they stream in (``endpoint.stream(*args,
+        **kwargs)``), folded with ``combine`` from ``identity`` in the order they arrived; the
+        first failure fails it; no actor at all gives ``identity``."""
+        parts = list(self._endpoint.stream(*args, **kwargs))
+        return Future.gather(parts[0]._hub if parts else None, parts,
+                             lambda values: functools.reduce(self._combine, values, self._identity))

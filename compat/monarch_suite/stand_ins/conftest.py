@@ -21,6 +21,9 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if call.when == "call" and report.failed and call.excinfo is not None:
+        if monarch_internal.used_inside_an_actor(call.excinfo.value):
+            item.user_properties.append(("monarch_internal", "used inside an actor"))
+            return
         why = monarch_internal.reached_internals(call.excinfo.value)
         if why:
             item.user_properties.append(("reached_internals", why))

@@ -40,8 +40,11 @@ def _run_child(fn_fd: int, result_fd: int) -> None:
     except pytest.skip.Exception as e:
         result = ("skip", str(e))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        why = monarch_internal.reached_internals(e)
-        result = ("internal" if why else "fail", why or "".join(traceback.format_exception(e)))
+        if monarch_internal.used_inside_an_actor(e):
+            result = ("skip", "Monarch-internal: used inside an actor")
+        else:
+            why = monarch_internal.reached_internals(e)
+            result = ("internal" if why else "fail", why or "".join(traceback.format_exception(e)))
     with os.fdopen(result_fd, "wb") as f:
         pickle.dump(result, f)
     os._exit(0)

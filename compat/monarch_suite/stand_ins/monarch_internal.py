@@ -24,6 +24,17 @@ def in_test_process() -> bool:
     return os.environ.get(TEST_PID_ENV) == str(os.getpid())
 
 
+class MonarchInternal(RuntimeError):
+    """A stand-in used inside an actor's proc, where the test cannot be skipped: its caller gets
+    an ActorError whose ``exception_type`` says this."""
+
+
+def used_inside_an_actor(exc: BaseException) -> bool:
+    from monarch_torchx.actor import ActorError
+
+    return isinstance(exc, ActorError) and exc.exception_type == MonarchInternal.__name__
+
+
 def reached_internals(exc: BaseException) -> Optional[str]:
     """Why a failure is Monarch-internal, or None: an AttributeError for a private attribute of one
     of our objects or classes, or any failure after the test touched a stand-in."""
@@ -48,7 +59,7 @@ class Internal:
 
     def _skip(self, *_a, **_k):
         if not in_test_process():  # in an actor's proc: an error its caller sees
-            raise RuntimeError(f"Monarch-internal: {self._name}")
+            raise MonarchInternal(f"Monarch-internal: {self._name}")
         pytest.skip(f"Monarch-internal: {self._name}")
 
     __call__ = __enter__ = __iter__ = __instancecheck__ = __subclasscheck__ = _skip
