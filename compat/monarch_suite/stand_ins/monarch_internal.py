@@ -62,7 +62,7 @@ class Internal:
             raise MonarchInternal(f"Monarch-internal: {self._name}")
         pytest.skip(f"Monarch-internal: {self._name}")
 
-    __call__ = __enter__ = __iter__ = __instancecheck__ = __subclasscheck__ = _skip
+    __call__ = __enter__ = __iter__ = __instancecheck__ = __subclasscheck__ = __setitem__ = __delitem__ = _skip
 
     def __getattr__(self, attr: str):
         if attr.startswith("__"):
