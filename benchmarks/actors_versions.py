@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-record", action="store_true", help="do not write benchmarks/RESULTS.md")
+    ap.add_argument("--section", default="actors-versions", help="the RESULTS.md section to write (one per baseline kept)")
     args = ap.parse_args()
     if not (args.baseline / "benchmarks" / "actors.py").exists():
         raise SystemExit(f"error: {args.baseline} is not a checkout of this project (no benchmarks/actors.py)")
@@ -73,8 +74,9 @@ def main() -> None:
     body = "\n".join(rows) + f"\n\nMedian of {args.rounds} alternating rounds, {args.calls} calls each for rtt."
     print(body)
     if not args.no_record:
-        record("actors-versions", f".venv/bin/python benchmarks/actors_versions.py --baseline <worktree of "
-               f"{base_rev.split()[0]}> --calls {args.calls} --rounds {args.rounds}", body)
+        section = "" if args.section == "actors-versions" else f" --section {args.section}"
+        record(args.section, f".venv/bin/python benchmarks/actors_versions.py --baseline <worktree of "
+               f"{base_rev.split()[0]}> --calls {args.calls} --rounds {args.rounds}{section}", body)
 
 
 if __name__ == "__main__":
