@@ -433,6 +433,12 @@ def test_this_proc_in_an_actor_and_in_the_controller(procs):
         c.incr.call_one(1).get(timeout=30)
     again = this_proc()  # a new one: the stopped one is not handed out
     assert again is not mine and again.spawn("c", Counter, 3).incr.call_one(1).get(timeout=30) == 4
+    slow = again.spawn("slow", Counter).sleep.call_one(2.0)  # in flight as the proc is let go:
+    from monarch_torchx.actor import shutdown_context
+
+    shutdown_context().get(timeout=60)
+    with pytest.raises(SupervisionError):  # it fails, it does not hang
+        slow.get(timeout=30)
 
 
 def test_smaller_monarch_apis(procs, home, pool_name):

@@ -6,6 +6,7 @@ import contextvars
 import functools
 import logging
 import inspect
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, TypeVar, overload
 
@@ -210,8 +211,17 @@ def current_size() -> Dict[str, int]:
     return dict(current_context.get().actor_instance.rank.extent)
 
 
-@functools.lru_cache(maxsize=None)  # once per process: the record factory wraps itself otherwise
 def prefix_logs_with_actor() -> None:
+    """Installs Monarch's actor prefix on log records, once per process (see ``_install_prefix``)."""
+    with _PREFIX_LOCK:  # two threads' first context() must not wrap the factory twice
+        _install_prefix()
+
+
+_PREFIX_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)  # once per process: the record factory wraps itself otherwise
+def _install_prefix() -> None:
     """A log record starts ``[actor=<root>.<module.Class name{point}>]`` (the emitting actor, or
     ``<root>`` in a controller), as Monarch's do; an empty message, as torch's structured logging
     emits, is left alone. Set ``monarch_torchx.actor.config.prefix_python_logs_with_actor = False``

@@ -52,7 +52,7 @@ class ClientProc:
         """Starts the proc's loop thread and waits until it listens, on the address this
         process's connections to the pool leave from (as its ports' inbox does)."""
         settings = ProcSettings(pool, hub.creds, mesh_id=f"client-{uuid.uuid4().hex[:8]}", rank=0, host_index=-1,
-                                bind=hub.local_address(), in_client=True)
+                                bind=hub.local_address(_first_host(pool)), in_client=True)
         server = ProcServer(settings)
         ready = threading.Event()
         got: dict = {}
@@ -98,7 +98,19 @@ class ClientProc:
             self._loop.call_soon_threadsafe(self.server.begin_stop, "the controller let it go", done.set)
         except RuntimeError:  # its loop is gone already
             return
+        from . import session
+
+        if threading.get_ident() == self.server.loop_thread or session.this_proc() is self.identity:
+            return  # asked by one of its own actors: its stop cannot wait for itself
         done.wait(timeout)
+
+
+def _first_host(pool: str) -> Optional[str]:
+    """Host 0's address: the proc listens where the route toward the pool's hosts leaves from."""
+    from ..registry import Registry
+
+    rec = Registry().get(pool)
+    return next((h.host for h in Registry.hosts(rec) if h is not None), None) if rec is not None else None
 
 
 def _no_dims() -> Any:

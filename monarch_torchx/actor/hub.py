@@ -228,7 +228,8 @@ class Hub:
         self.closing: Dict[ProcAddr, BaseException] = {}  # procs being stopped on purpose
         # how a proc reaches actors of its own process (an actor proc's own; the controller's own proc)
         self.locals: Dict[ProcAddr, "LocalConn"] = {}
-        self.mesh_refs_sent: set = set()  # (proc, mesh id): that proc has the mesh's procs (proc_mesh)
+        self.mesh_refs_sent: set = set()  # (proc, mesh id, procs): that proc has the mesh's procs (proc_mesh)
+        self.refs_lock = threading.Lock()
         self._waiters = 0
         self._ids = itertools.count(1)
         self._seqs: Dict[ProcAddr, "itertools.count[int]"] = {}
@@ -575,7 +576,20 @@ class LocalConn:
     def on_loop_thread(self) -> bool:
         return threading.get_ident() == self._loop_thread
 
+    def close(self, err: BaseException) -> None:
+        """The proc stopped (the controller's own, which outlives it): what waits fails with ``err``."""
+        self.error = err
+        pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            fut.set_exception(err)
+        self.hub.wake()
+
     def send(self, parts: List[Any], rid: int = 0, fut: Optional[Future[Any]] = None) -> None:
+        if self.error is not None:
+            if fut is None:
+                raise self.error
+            fut.set_exception(self.error)
+            return
         body = bytes(memoryview(parts[1]).cast("B"))
         bufs = [bytearray(memoryview(p).cast("B")) for p in parts[2:]]
         if fut is not None:

@@ -502,12 +502,16 @@ class ProcMesh(_MeshTrait):
         for point, base in zip(self._shape.points(), self._shape.ranks):
             ref = self._procs[base]
             fut: Future[Any] = Future(hub)
-            # the mesh it is spawned on (actor_instance.proc_mesh): its procs go to each proc once
-            first = (ref.addr, self.mesh_id) not in hub.mesh_refs_sent
-            hub.mesh_refs_sent.add((ref.addr, self.mesh_id))
-            header = ("spawn", rid, hub.sender, hub.next_seq(ref.addr), actor_id, name, point.coords,
+            # the mesh it is spawned on (actor_instance.proc_mesh): its procs go to each proc once,
+            # in the first frame the proc runs (the sequence number and the check are one step)
+            with hub.refs_lock:
+                seq = hub.next_seq(ref.addr)
+                key = (ref.addr, self.mesh_id, len(self._procs))
+                first = key not in hub.mesh_refs_sent
+                hub.mesh_refs_sent.add(key)
+            header = ("spawn", rid, hub.sender, seq, actor_id, name, point.coords,
                       self._shape.labels, self._shape.sizes, owner, creator,
-                      (self.mesh_id, self._shape, self._procs if first else None))
+                      (self.mesh_id, self._shape, len(self._procs), self._procs if first else None))
             _send(hub, ref.addr, encode(header, packed=packed), rid, fut)
             futs.append(fut)
             hub.actors_on.setdefault(ref.addr, []).append(f"{name}{point_text(point)}")
@@ -559,7 +563,7 @@ class ProcMesh(_MeshTrait):
             hub.unwatch_all([r.addr for r in refs])
             for ref in refs:
                 hub.actors_on.pop(ref.addr, None)
-                hub.mesh_refs_sent.discard((ref.addr, self.mesh_id))
+                hub.mesh_refs_sent.discard((ref.addr, self.mesh_id, len(self._procs)))
                 err = hub.closing.pop(ref.addr, None)
                 if err is not None:
                     hub.mark_dead(ref.addr, err)

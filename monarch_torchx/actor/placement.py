@@ -60,13 +60,19 @@ def parse_list(text: str) -> Set[int]:
 
 
 def node_cpus(nodes: Set[int], root: str = NODES) -> Set[int]:
+    """The CPUs of ``nodes`` (none for a memory-only node: HBM, CXL, a GPU's memory)."""
     cpus: Set[int] = set()
     for node in sorted(nodes):
+        where = os.path.join(root, f"node{node}")
+        if not os.path.isdir(where):
+            raise ValueError(f"NUMA node {node} does not exist on this host")
         try:
-            with open(os.path.join(root, f"node{node}", "cpulist")) as f:
-                cpus |= parse_list(f.read().strip())
+            with open(os.path.join(where, "cpulist")) as f:
+                text = f.read().strip()
         except FileNotFoundError:
-            raise ValueError(f"NUMA node {node} does not exist on this host") from None
+            text = ""
+        if text:
+            cpus |= parse_list(text)
     return cpus
 
 

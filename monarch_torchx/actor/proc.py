@@ -30,7 +30,7 @@ from ..credentials import PoolCredentials
 from ..wire_conn import AuthenticatedConnection, serve, write_frame
 from . import placement, session
 from .actor import ActorInstance, Context, CreatorInstance, Endpoint, current_context, endpoints_of
-from .errors import MeshFailure, error_payload, point_text
+from .errors import MeshFailure, ProcStopped, error_payload, point_text
 from .future import Future, _waiters
 from .hub import LocalConn, ProcAddr, encode, unpack
 from .shape import Extent, Point
@@ -166,9 +166,14 @@ class ProcConnection(AuthenticatedConnection):
     def __init__(self, server: "ProcServer"):
         super().__init__(server.gate, server.creds, server.identity.encode())
         self.server = server
+        server.conns.add(self)
 
     def on_frame(self, body: Any, bufs: List[Any]) -> None:
         self.server.on_frame(self, body, bufs)
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self.server.conns.discard(self)
+        super().connection_lost(exc)
 
     def on_lost(self) -> None:
         if self.server.owner is self:
@@ -238,7 +243,8 @@ class ProcServer:
         self.loop_thread: Optional[int] = None
         self.stopped: Optional[asyncio.Event] = None
         self.me: Optional[session.ProcIdentity] = None
-        self.mesh_refs: Dict[str, List[Any]] = {}  # mesh id -> its procs (ProcRefs), for actor_instance.proc_mesh
+        self.mesh_refs: Dict[Tuple[str, int], List[Any]] = {}  # (mesh id, procs): its ProcRefs, for proc_mesh
+        self.conns: set = set()  # accepted connections (closed when the controller's own proc stops)
         for p in reversed(settings.paths):
             if os.path.isdir(p) and p not in sys.path:
                 sys.path.insert(0, p)  # the controller's script dir and cwd, where they exist here
@@ -257,13 +263,14 @@ class ProcServer:
                                        on_child_lost=self.child_lost, loop_thread=self.loop_thread,
                                        on_abort=self.abort_actor, in_client=cfg.in_client,
                                        hosts=lambda actor_id: actor_id in self.actors)
-        hub = session.hub_for(self.pool)
-        hub.locals[addr] = LocalConn(hub, addr, self.on_frame, self.loop, self.loop_thread)
+        if not cfg.in_client:
+            session.set_proc(self.me)  # before its hub: a proc's hub takes this proc's credentials
+        hub = session.hub_for(self.pool, self.creds)
+        local = hub.locals[addr] = LocalConn(hub, addr, self.on_frame, self.loop, self.loop_thread)
         if cfg.in_client:  # the controller's process is not this proc's: no signals, no owner to wait for
             if on_ready is not None:
                 on_ready(addr)
         else:
-            session.set_proc(self.me)
             hub.listen_addr = addr  # ports of this proc are served by its own server
             tmp = cfg.addr_file + ".tmp"
             with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
@@ -277,6 +284,13 @@ class ProcServer:
         finally:
             hub.locals.pop(addr, None)
             server.close()
+            if cfg.in_client:  # the process goes on: what was in flight to this proc fails now, not never
+                gone = ProcStopped(f"the controller's own proc ({self.mesh_id}) was stopped: {self.stop_reason}")
+                local.close(gone)
+                hub.mark_dead(addr, gone)
+                for conn in list(self.conns):
+                    if conn.transport is not None:
+                        conn.transport.close()
 
     def _check_owner(self) -> None:
         if self.owner is None and not self.stop_reason:
@@ -688,7 +702,7 @@ class ProcServer:
 
     def spawn(self, conn: ProcConnection, rid: int, actor_id: str, name: str, point: Point,
               bufs: List[bytearray], owner: str = "", creator: Optional[CreatorInstance] = None,
-              mesh: Optional[Tuple[str, Any, Optional[List[Any]]]] = None) -> None:
+              mesh: Optional[Tuple[str, Any, int, Optional[List[Any]]]] = None) -> None:
         """Creates the actor; a failing constructor is answered to the spawner (its mesh's
         ``initialized``) and, as in Monarch, every call to the actor then fails with why."""
         if self.booting is not None:  # spawn_procs(bootstrap=...) runs before any other actor is made
@@ -730,16 +744,16 @@ class ProcServer:
         done = self._actor_thread(slot).run(self._in_context, slot, init, ())
         done.add_done_callback(lambda d: self._constructed(conn, rid, slot, instance, owner, d))
 
-    def _proc_mesh(self, mesh: Optional[Tuple[str, Any, Optional[List[Any]]]]) -> Any:
+    def _proc_mesh(self, mesh: Optional[Tuple[str, Any, int, Optional[List[Any]]]]) -> Any:
         """The ProcMesh an actor was spawned on (its procs come with the first spawn on each)."""
         if mesh is None:
             return None
         from .mesh import ProcMesh
 
-        mesh_id, shape, refs = mesh
-        if refs is not None:
-            self.mesh_refs[mesh_id] = refs
-        procs = self.mesh_refs.get(mesh_id)
+        mesh_id, shape, count, refs = mesh
+        if refs is not None:  # one mesh id has one list of procs per size (a proc's this_proc() is 1 of N)
+            self.mesh_refs.setdefault((mesh_id, count), refs)
+        procs = self.mesh_refs.get((mesh_id, count))
         return ProcMesh(self.pool, procs, shape, mesh_id) if procs else None
 
     def _constructed(self, conn: ProcConnection, rid: int, slot: ActorSlot, instance: Any, owner: str,

@@ -80,8 +80,11 @@ def client_proc(pool: str) -> Any:
     with _client_lock:  # not the session lock: the proc's own thread asks for its hub as it starts
         procs = _current.setdefault("client_procs", {})
         proc = procs.get(pool)
+        hub = hub_for(pool)
+        if proc is not None and not proc.ended and proc.server.creds != hub.creds:
+            proc.stop()  # the pool was replaced under its name: its procs speak a new secret
         if proc is None or proc.ended:
-            proc = procs[pool] = ClientProc.start(pool, hub_for(pool))
+            proc = procs[pool] = ClientProc.start(pool, hub)
         return proc
 
 

@@ -186,7 +186,15 @@ def run_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> 
     except Exception:
         pass
     atexit._run_exitfuncs()
-    finalize_program_modules(inherited)
+    for stream in (sys.stdout, sys.stderr):  # as Py_FinalizeEx: what was written goes out first
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - judged below, after finalization
+            pass
+    try:
+        finalize_program_modules(inherited)
+    except BaseException as e:  # noqa: BLE001 - the program ended already: its exit code stands
+        print(f"finalizing the program's modules failed: {type(e).__name__}: {e}", file=sys.__stderr__)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
