@@ -264,6 +264,15 @@ def test_actor_mesh_on_a_slurm_pool_across_network_namespaces(home, pool_name):
     port, rx = Channel.open()  # procs in the nodes' namespaces reach the controller's inbox
     counters.send_rank.broadcast(port)
     assert sorted(rx.recv().get(timeout=30) for _ in range(4)) == [0, 1, 2, 3]
+    # the controller's own proc (get_or_spawn_controller's actors run in this process) is reached
+    # from the nodes' namespaces too, on the pool's protocol
+    from monarch_torchx.actor import get_or_spawn_controller
+
+    from .fixtures.actors import Store, StoreUser
+
+    store = get_or_spawn_controller("store", Store).get(timeout=60)
+    assert store.put.call_one("k", 7).get(timeout=30) == "first" and store.pid.call_one().get() == os.getpid()
+    assert set(procs.spawn("users", StoreUser).read.call("k").get(timeout=60).values()) == {7}
     victim = counters.slice(hosts=1, procs=1)
     pid = victim.pid.call_one().get()
     node = victim.hostname.call_one().get()
