@@ -28,13 +28,11 @@ class ClientProc:
     """One pool's proc in this process, started on first use and kept for the process's life
     (or until the pool ends, or ``shutdown_context()``)."""
 
-    def __init__(self, pool: str, server: ProcServer, addr: ProcAddr, loop: asyncio.AbstractEventLoop,
-                 thread: threading.Thread):
+    def __init__(self, pool: str, server: ProcServer, addr: ProcAddr, loop: asyncio.AbstractEventLoop):
         self.pool = pool
         self.server = server
         self.addr = addr
         self._loop = loop
-        self._thread = thread
         self._let_go = False
         self._mesh: Optional[Any] = None
 
@@ -72,20 +70,20 @@ class ClientProc:
             finally:
                 loop.close()
 
-        thread = threading.Thread(target=serve, name=f"monarch-torchx-client-proc-{pool}", daemon=True)
-        thread.start()
+        threading.Thread(target=serve, name=f"monarch-torchx-client-proc-{pool}", daemon=True).start()
         if not ready.wait(START_TIMEOUT_S) or "addr" not in got:
             raise MonarchError(f"the controller's own proc on pool {pool!r} did not start: "
                                f"{got.get('error') or 'no answer within %.0f s' % START_TIMEOUT_S}")
-        return ClientProc(pool, server, got["addr"], got["loop"], thread)
+        return ClientProc(pool, server, got["addr"], got["loop"])
 
     def mesh(self) -> Any:
         """This proc as a ProcMesh with no dims (what ``this_proc()`` gives the controller)."""
         if self._mesh is None:
             from .mesh import ProcMesh, ProcRef
+            from .shape import Shape
 
             ref = ProcRef(self.addr, self.server.mesh_id, 0, -1, socket.gethostname(), None)
-            self._mesh = ProcMesh(self.pool, [ref], _no_dims(), self.server.mesh_id)
+            self._mesh = ProcMesh(self.pool, [ref], Shape((), (), (0,)), self.server.mesh_id)
         return self._mesh
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -111,9 +109,3 @@ def _first_host(pool: str) -> Optional[str]:
 
     rec = Registry().get(pool)
     return next((h.host for h in Registry.hosts(rec) if h is not None), None) if rec is not None else None
-
-
-def _no_dims() -> Any:
-    from .shape import Shape
-
-    return Shape((), (), (0,))

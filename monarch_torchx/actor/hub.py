@@ -291,7 +291,7 @@ class Hub:
 
     def on_a_proc_loop(self) -> bool:
         """Whether this thread runs a proc's event loop (which must never wait on a peer)."""
-        return any(local.on_loop_thread() for local in list(self.locals.values()))
+        return bool(self.locals) and any(local.on_loop_thread() for local in tuple(self.locals.values()))
 
     def _connect_later(self, c: Conn) -> None:
         try:

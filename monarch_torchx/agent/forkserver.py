@@ -15,7 +15,6 @@ its agent over two inherited socketpairs (nothing listens), framed by ``wire``:
 from __future__ import annotations
 
 import ctypes
-import gc
 import os
 import select
 import shutil
@@ -206,38 +205,40 @@ def run_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> 
 def finalize_program_modules(inherited: Iterable[str]) -> None:
     """What ``Py_FinalizeEx`` does before the process ends, for the program's own code: the
     globals of ``__main__`` and of the modules it imported from outside the standard library and
-    site-packages are dropped, newest module first, and garbage collected, so an object held in a
-    module global has its ``__del__`` run, as under a real interpreter (``os._exit`` skips it).
-    The fork server's modules (its shared, warm state) and libraries are left alone: clearing them
-    would make their own finalizers fail loudly at every exit. Daemon threads still running meet
-    a torn-down module as they would at a real exit, silently."""
+    site-packages are dropped, newest module first, so an object held in a module global has its
+    ``__del__`` run, as under a real interpreter (``os._exit`` skips it). What only a reference
+    cycle holds is not collected: a full collection costs tens of ms in a process that imported
+    torch, at every exit. The fork server's modules (its shared, warm state) and libraries are
+    left alone: clearing them would make their own finalizers fail loudly at every exit. Daemon
+    threads still running meet a torn-down module as they would at a real exit, silently."""
     keep = set(inherited)
-    library = tuple(os.path.realpath(p) + os.sep for p in _library_dirs())
     threading.excepthook = lambda _args: None
     for name in reversed(list(sys.modules)):
         module = sys.modules.get(name)
-        if name != "__main__" and (name in keep or not _is_program_code(module, library)):
+        if name != "__main__" and (name in keep or not _is_program_code(module)):
             continue
         names = getattr(module, "__dict__", None)
         if not isinstance(names, dict):
             continue
         for key in [k for k in names if not (k.startswith("__") and k.endswith("__"))]:
             names[key] = None  # a __del__ that raises is reported and ignored, as by CPython
-    gc.collect()
 
 
-def _library_dirs() -> List[str]:
+def _library_dirs() -> Tuple[str, ...]:
     paths = sysconfig.get_paths()
     dirs = {paths.get(k, "") for k in ("stdlib", "platstdlib", "purelib", "platlib")}
     dirs.update(p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages"))
-    return [d for d in dirs if d]
+    return tuple(os.path.realpath(d) + os.sep for d in dirs if d)
 
 
-def _is_program_code(module: object, library: Tuple[str, ...]) -> bool:
+LIBRARY_DIRS = _library_dirs()  # once, in the fork server: every fork inherits it
+
+
+def _is_program_code(module: object) -> bool:
     path = getattr(module, "__file__", None)
     if not isinstance(path, str) or not path.endswith(".py"):  # built-in, frozen, namespace, extension
         return False
-    return not os.path.realpath(path).startswith(library) and not getattr(module, "__name__", "").startswith(
+    return not os.path.realpath(path).startswith(LIBRARY_DIRS) and not getattr(module, "__name__", "").startswith(
         "monarch_torchx")
 
 
