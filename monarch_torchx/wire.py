@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAGIC = b"MTX1"
+UNIX = "unix:"  # a host of "unix:PATH" is a Unix socket on this machine (its port is 0)
 NONCE = 32
 MAC = 32
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -98,6 +99,12 @@ class PeerTimeout(WireError):
 
 class PeerClosed(WireError):
     """The connection ended in the middle of an exchange."""
+
+
+class ProofRejected(PeerClosed):
+    """The server closed the connection on our handshake answer: most often it holds another
+    secret or is another agent, but a server shedding handshakes under a flood does the same,
+    so a caller that must tell them apart asks again before concluding."""
 
 
 class MalformedFrame(WireError):
@@ -462,11 +469,12 @@ class Server:
         self.connections = 0  # authenticated ones
         self.gate = HandshakeGate()  # the ones in their handshake
 
-    async def start(self, host: str, port: int = 0) -> int:
+    async def start(self, host: str, port: int = 0, sock: Optional[socket.socket] = None) -> int:
         from .wire_conn import ServerConnection, serve
 
-        self._server = await serve(lambda: ServerConnection(self), host, port)
-        return self._server.sockets[0].getsockname()[1]
+        self._server = await serve(lambda: ServerConnection(self), host, port, sock=sock)
+        name = self._server.sockets[0].getsockname()
+        return 0 if isinstance(name, str) else name[1]
 
     async def close(self) -> None:
         if self._server:
@@ -531,7 +539,11 @@ def client_handshake(sock: socket.socket, key: bytes, identity: bytes, address: 
     try:
         answer, ns, nc = client_answer(key, bytes(_recv_into(sock, HELLO_LEN)), identity)
         sock.sendall(answer)
-        client_check(key, ns, nc, bytes(_recv_into(sock, MAC)), identity)
+        try:
+            proof = bytes(_recv_into(sock, MAC))
+        except PeerClosed:
+            raise ProofRejected("the peer closed the connection on our handshake answer") from None
+        client_check(key, ns, nc, proof, identity)
     except (OSError, WireError) as e:
         sock.close()
         if isinstance(e, socket.timeout):
@@ -549,13 +561,22 @@ def dial(host: str, port: int, creds: PoolCredentials, identity: bytes, timeout:
     ``sock``: an already connected stream to use instead (a tunnel: Kubernetes port-forward).
     Raises ConnectFailed, HandshakeRefused, PeerTimeout or PeerClosed, never a bare OSError.
     """
-    address = f"{host}:{port}"
+    address = host if host.startswith(UNIX) else f"{host}:{port}"
     if sock is None:
         try:
-            sock = socket.create_connection((host, port), timeout=timeout)
+            if host.startswith(UNIX):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(timeout)
+                try:
+                    sock.connect(host[len(UNIX):])
+                except OSError:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as e:
             raise ConnectFailed(f"cannot reach {address}: {e.strerror or e}",
-                                refused=isinstance(e, ConnectionRefusedError)) from None
+                                refused=isinstance(e, (ConnectionRefusedError, FileNotFoundError))) from None
     sock.settimeout(timeout)
     with contextlib.suppress(OSError):  # (a tunnel may not be TCP)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
 from typing import Any, Callable, Dict, List, Optional
 
@@ -22,9 +23,14 @@ HANDSHAKE_BUF = 4 << 10  # the answer is 80 bytes; the client sends nothing more
 
 
 async def serve(factory: Callable[[], "AuthenticatedConnection"], host: str, port: int,
-                backlog: int = 256) -> asyncio.base_events.Server:
+                backlog: int = 256, sock: Optional[socket.socket] = None) -> asyncio.base_events.Server:
     """Listens for a pool's connections on an asyncio loop; each is ``factory()``'s protocol,
-    which does TLS (where the pool uses it) and the handshake itself, under its gate."""
+    which does TLS (where the pool uses it) and the handshake itself, under its gate.
+    ``sock``: an already bound socket to listen on instead (one a launcher opened for us)."""
+    if sock is not None:
+        return await asyncio.get_running_loop().create_server(factory, sock=sock, backlog=backlog)
+    if host.startswith(wire.UNIX):
+        return await asyncio.get_running_loop().create_unix_server(factory, host[len(wire.UNIX):], backlog=backlog)
     return await asyncio.get_running_loop().create_server(factory, host, port, backlog=backlog)
 
 

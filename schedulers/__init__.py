@@ -20,10 +20,14 @@ PROVISIONERS = {
     "monarch_slurm": "monarch_torchx.schedulers.slurm:SlurmProvisioner",
     "monarch_kubernetes": "monarch_torchx.schedulers.kubernetes:KubernetesProvisioner",
 }
+# engines with no TorchX scheduler of their own (pools made from Python, not by `torchx run`)
+ENGINES = {
+    "monarch_workers": "monarch_torchx.schedulers.workers:WorkersProvisioner",  # attach_to_workers
+}
 
 
 def provisioner_for(scheduler: str) -> "Provisioner":
-    target = PROVISIONERS.get(scheduler)
+    target = PROVISIONERS.get(scheduler) or ENGINES.get(scheduler)
     if target is None:
         raise MonarchError(f"unknown scheduler {scheduler!r}: use one of {', '.join(PROVISIONERS)}")
     mod, _, cls = target.partition(":")

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -438,3 +439,48 @@ def test_pool_stop_ends_what_a_killed_node_agent_left(home, pool_name, tmp_path,
     assert f"host 1: sync store {store}" in res.stderr and f"host 1: mount {mount}" in res.stderr
     assert not store.exists() and mount not in _node_mounts(victim.hostname)
     assert not list(stores.glob(f"{pool_name}-*"))  # host 0's store: removed by its own agent
+
+
+def test_workers_started_by_the_users_own_sbatch_are_attached_over_tls(home, pool_name, tmp_path):
+    """Monarch's bootstrap: the user's own `sbatch` + `srun` start run_worker_loop_forever on two
+    nodes; the controller attaches with the shared secret file, and its shutdown ends the job."""
+    from monarch_torchx.actor import attach_to_workers
+
+    from .fixtures.actors import Counter
+
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    port = 29000 + os.getpid() % 2000
+    (tmp_path / "worker.py").write_text(textwrap.dedent(f"""
+        import os, socket
+        from monarch_torchx.actor import run_worker_loop_forever
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # this node's address toward the controller
+            s.connect(("10.77.0.1", 9))
+            addr = f"tcp://{{s.getsockname()[0]}}:{port}"
+        with open({str(tmp_path)!r} + "/addr-" + os.environ["SLURM_PROCID"], "w") as f:
+            f.write(addr)
+        run_worker_loop_forever(address=addr, ca={str(secret)!r})
+    """))
+    script = tmp_path / "workers.sh"
+    script.write_text(f"#!/bin/bash\n#SBATCH -J {pool_name} -N 2 -n 2 -p debug -t 00:10:00 -o {tmp_path}/workers.out\n"
+                      f"srun {BIN}/python {tmp_path}/worker.py\n")
+    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    try:
+        files = [tmp_path / f"addr-{i}" for i in range(2)]
+        wait_for(lambda: all(f.exists() and f.read_text() for f in files), timeout=60,
+                 what=f"the workers to start ({tmp_path}/workers.out)")
+        addrs = [f.read_text() for f in files]
+        hosts = attach_to_workers(ca=secret, workers=addrs, name=pool_name)
+        assert Registry(home).get(pool_name).tls_pem  # off loopback: TLS, derived from the secret
+        counters = hosts.spawn_procs(per_host={"procs": 2}).spawn("c", Counter)
+        names = counters.hostname.call().get(timeout=60)
+        assert len(set(names.values())) == 2 and set(names.values()) <= {"node1", "node2", "node3"}
+        assert list(counters.incr.call().get(timeout=30).values()) == [1, 1, 1, 1]
+        assert attach_to_workers(ca=secret, workers=addrs, name=pool_name).pool == pool_name  # reused
+        hosts.shutdown().get(timeout=60)
+        wait_for(lambda: not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip(),
+                 timeout=60, what="the workers' job to end once its hosts were shut down")
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)

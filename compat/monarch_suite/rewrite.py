@@ -9,6 +9,7 @@ test is counted as "Monarch-internal, left out" rather than as a failure of ours
 from __future__ import annotations
 
 import ast
+import re
 from typing import Dict, List, Sequence
 
 # where each of Monarch's public surfaces lives in ours
@@ -46,7 +47,23 @@ def rewrite(source: str) -> str:
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
     edits: List[tuple] = []  # (first line, last line, replacement lines, or a string literal's (start, end, text))
+    in_fstrings = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
     for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            # a program built with an f-string (python -c f"from monarch.actor import X; X({addr!r})"):
+            # its imports of public names, rewritten in the literal's source text
+            first_b, last_b = lines[node.lineno - 1].encode(), lines[node.end_lineno - 1].encode()
+            if node.lineno == node.end_lineno:
+                text = first_b[node.col_offset:node.end_col_offset].decode()
+            else:
+                text = (first_b[node.col_offset:].decode() + "".join(lines[node.lineno:node.end_lineno - 1])
+                        + last_b[:node.end_col_offset].decode())
+            new = _FSTRING_IMPORT.sub(_fstring_import, text)
+            if new != text:
+                edits.append((node.lineno, node.end_lineno, None, (node.col_offset, node.end_col_offset, new)))
+            continue
+        if id(node) in in_fstrings:
+            continue
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and "monarch" in node.value:
             inner = _rewrite_script(node.value)  # a program the test runs (python -c "..."): its imports too
             if inner is not None:
@@ -58,9 +75,10 @@ def rewrite(source: str) -> str:
         elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "monarch" for a in node.names):
             edits.append((node.lineno, node.end_lineno, _plain_import(node), None))
     for first, last, text, literal in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
-        if literal is not None:  # a string constant, replaced by the rewritten one's repr
-            start, end, new = literal
-            head, tail = lines[first - 1][:start], lines[last - 1][end:]
+        if literal is not None:  # a string constant, replaced by the rewritten one's repr (source text as is)
+            start, end, new = literal[:3]
+            first_b, last_b = lines[first - 1].encode(), lines[last - 1].encode()  # AST offsets are in bytes
+            head, tail = first_b[:start].decode(), last_b[end:].decode()
             lines[first - 1:last] = [head + new + tail]
             continue
         indent = lines[first - 1][: len(lines[first - 1]) - len(lines[first - 1].lstrip())]
@@ -80,6 +98,17 @@ def _rewrite_script(text: str):
             for n in ast.walk(tree)):
         return None
     return rewrite(text)
+
+
+_FSTRING_IMPORT = re.compile(r"from (monarch(?:\.\w+)*) import (\w+(?:, *\w+)*)")
+
+
+def _fstring_import(m: "re.Match[str]") -> str:
+    ours = _ours_for(m.group(1))
+    names = [n.strip() for n in m.group(2).split(",")]
+    if ours and all(n in _exports(ours) for n in names):
+        return f"from {ours} import {m.group(2)}"
+    return m.group(0)  # a name only Monarch has: left alone (the program fails as it would)
 
 
 def _from_import(node: ast.ImportFrom) -> Sequence[str]:

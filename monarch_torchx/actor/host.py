@@ -54,7 +54,7 @@ def setup(agent: Any) -> None:
             exe = shutil.which(python) or ""
             if not exe or not os.access(exe, os.X_OK):
                 raise ValueError(f"with_python_executable({python!r}): no such executable on host {agent.index}")
-        advertise = agent.addr.host if agent.addr else "127.0.0.1"
+        advertise = agent.tcp_advertise
         files = {}
         for i, rank in enumerate(ranks):
             path = os.path.join(rendezvous, f"{mesh_id}.{rank}.json")
@@ -64,7 +64,7 @@ def setup(agent: Any) -> None:
                 proc_env[placement.ENV] = json.dumps(binds[i])
             proc_env.update({
                 "MONARCH_TORCHX_STATE_DIR": str(agent.state_dir), "MONARCH_TORCHX_MESH_ID": mesh_id,
-                "MONARCH_TORCHX_PROC_RANK": str(rank), "MONARCH_TORCHX_PROC_BIND": agent.args.bind,
+                "MONARCH_TORCHX_PROC_RANK": str(rank), "MONARCH_TORCHX_PROC_BIND": agent.tcp_bind,
                 "MONARCH_TORCHX_PROC_ADVERTISE": advertise, "MONARCH_TORCHX_PROC_ADDR_FILE": path,
             })
             await agent.procs.launch(LaunchSpec(app_id=app_id(mesh_id), role="proc", replica_id=rank,

@@ -73,6 +73,18 @@ class Agent:
                                   identity=f"{self.pool}/{self.index}/{self.incarnation}".encode())
         self.addr: Optional[HostAddr] = None
 
+    @property
+    def tcp_bind(self) -> str:
+        """Where this host's other listeners (procs, stores) bind: the agent's own address, or
+        loopback for an agent on a Unix socket."""
+        return "127.0.0.1" if self.args.bind.startswith(wire.UNIX) else self.args.bind
+
+    @property
+    def tcp_advertise(self) -> str:
+        """The address others reach those listeners at (see tcp_bind)."""
+        host = self.addr.host if self.addr else "127.0.0.1"
+        return "127.0.0.1" if host.startswith(wire.UNIX) else host
+
     def on_stop(self, fn: Callable[[], None]) -> None:
         """For modules: run ``fn`` when the agent stops (after its processes were stopped)."""
         self._cleanups.append(fn)
@@ -153,9 +165,9 @@ class Agent:
     async def op_reserve_port(self, peer: wire.Peer) -> int:
         """A port that is free on this host's pool address, for a role's store (a warm torchrun's)."""
         assert self.addr is not None
-        family = socket.AF_INET6 if ":" in self.addr.host else socket.AF_INET
+        family = socket.AF_INET6 if ":" in self.tcp_advertise else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.bind((self.args.bind if self.args.bind not in ("", "0.0.0.0", "::") else "", 0))
+            s.bind((self.tcp_bind if self.tcp_bind not in ("", "0.0.0.0", "::") else "", 0))
             return s.getsockname()[1]
 
     async def op_describe(self, peer: wire.Peer, app_id: str) -> List[dict]:
@@ -274,7 +286,8 @@ class Agent:
             loop.add_signal_handler(sig, self.stop, f"signal {signal.Signals(sig).name}")
         self.load_modules()
         await self.launcher.start()
-        port = await self.server.start(self.args.bind, self.args.port)
+        listen = socket.socket(fileno=self.args.listen_fd) if self.args.listen_fd is not None else None
+        port = await self.server.start(self.args.bind, self.args.port, sock=listen)
         advertise = self.args.advertise or (self.args.bind if self.args.bind not in ("0.0.0.0", "") else socket.gethostname())
         self.addr = HostAddr(index=self.index, host=advertise, port=port, hostname=socket.gethostname(),
                              pid=os.getpid(), incarnation=self.incarnation, started=self.started,
@@ -312,6 +325,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--token-file", default=None, help="read the pool secret from here (default: STATE_DIR/token)")
     p.add_argument("--bind", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--listen-fd", type=int, default=None,
+                   help="listen on this inherited, already bound socket instead of --bind/--port")
     p.add_argument("--advertise", default=None, help="address clients use (default: bind address or hostname)")
     p.add_argument("--idle-timeout", type=float, default=1800.0, help="seconds; 0 disables")
     p.add_argument("--preload", action="append", default=None, help="module to pre-import for warm Python starts")
