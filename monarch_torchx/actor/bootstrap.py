@@ -226,6 +226,8 @@ def run_worker_loop_forever(*, ca: CA, address: str, private_key: Any = None) ->
     leaves the worker waiting for the next client. Ctrl-C or SIGTERM ends it."""
     if private_key is not None:
         raise ValueError("private_key: workers authenticate with the shared secret that ca names, not TLS keys")
+    if not logging.getLogger().handlers:  # a worker's log is what its launcher shows of it
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     addr = WorkerAddress.parse(address)
     if addr.fd is not None:  # clients dial the inherited socket's port
         with socket.socket(fileno=os.dup(addr.fd)) as s:
