@@ -30,9 +30,9 @@ log = logging.getLogger("monarch_torchx.pool")
 
 PING_TIMEOUT_S = 3.0
 SLOW_PING_TIMEOUT_S = 15.0
-# a host whose heartbeat (every MONARCH_TORCHX_HEARTBEAT_S, 5 s) is older than this, and that does
-# not answer a patient probe either, is lost
-HEARTBEAT_GRACE_S = 60.0
+# a host whose heartbeat (its host file, rewritten every MONARCH_TORCHX_HEARTBEAT_WRITE_S, 30 s) is
+# older than this, and that does not answer a patient probe either, is lost
+HEARTBEAT_GRACE_S = 90.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 
 
@@ -136,6 +136,15 @@ class Pool:
             self._hosts = self.registry.hosts(self.record)
         return self._hosts
 
+    def host(self, index: int) -> Optional[HostAddr]:
+        """Host ``index``'s address: from the pool's list if it was read, else from its own file
+        alone (a call to one host need not read the addresses of all)."""
+        if self._hosts is not None:
+            return self._hosts[index] if 0 <= index < len(self._hosts) else None
+        if not 0 <= index < self.record.num_hosts:
+            return None
+        return self.registry.read_host(self.record.path, index)
+
     def refresh(self) -> None:
         self._hosts = None
 
@@ -147,7 +156,7 @@ class Pool:
         return self._provisioner
 
     def connect(self, index: int, timeout: float = PING_TIMEOUT_S) -> wire.Client:
-        addr = self.hosts[index] if 0 <= index < len(self.hosts) else None
+        addr = self.host(index)
         if addr is None:
             raise MonarchError(f"host {index} of pool {self.name!r} has no agent address (not started yet?)")
         if addr.exited:

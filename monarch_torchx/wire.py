@@ -466,7 +466,8 @@ class Server:
         self._handlers = handlers
         self.on_activity = on_activity or (lambda _op: None)
         self._server: Optional[asyncio.base_events.Server] = None
-        self.connections = 0  # authenticated ones
+        self.connections = 0  # authenticated ones open now
+        self.accepted = 0  # authenticated ones ever (what a client's operation cost this server)
         self.gate = HandshakeGate()  # the ones in their handshake
 
     async def start(self, host: str, port: int = 0, sock: Optional[socket.socket] = None) -> int:

@@ -214,6 +214,7 @@ class ServerConnection(AuthenticatedConnection):
 
     def on_authenticated(self) -> None:
         self.server.connections += 1
+        self.server.accepted += 1
 
     def on_frame(self, body: Any, bufs: List[Any]) -> None:
         self._dispatch(wire.check_msg(wire.decode(body, bufs)))

@@ -10,6 +10,8 @@ import json
 import os
 import re
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
@@ -77,12 +79,40 @@ def split_app_id(app_id: str) -> Tuple[str, str]:
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
+DESCRIBE_SHARE_S = 0.5  # how long one describe's answer serves other threads asking for the same app
+
+
+class _SingleFlight:
+    """One computation per key at a time; callers that arrive while it runs, or within
+    ``share_s`` after, get its result instead of running it again."""
+
+    def __init__(self, share_s: float):
+        self.share_s = share_s
+        self._lock = threading.Lock()
+        self._keys: Dict[str, Tuple[threading.Lock, List[Any]]] = {}  # key -> (its lock, [when, value])
+
+    def get(self, key: str, compute: Any) -> Any:
+        with self._lock:
+            lock, slot = self._keys.setdefault(key, (threading.Lock(), []))
+        with lock:
+            if slot and time.monotonic() - slot[0] < self.share_s:
+                return slot[1]
+            value = compute()
+            slot[:] = [time.monotonic(), value]
+            return value
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._keys.pop(key, None)
+
+
 class MonarchScheduler(WorkspaceMixin[None], Scheduler):
     """One TorchX scheduler per pool engine; the engine is the provisioner behind ``backend``."""
 
     def __init__(self, session_name: str, backend: str, registry: Optional[Registry] = None):
         super().__init__(backend, session_name)
         self.registry = registry or Registry()
+        self._describes = _SingleFlight(DESCRIBE_SHARE_S)
 
     # ------------------------------------------------------------ options
 
@@ -220,6 +250,11 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         return (Pool(rec, self.registry), arec) if arec else None
 
     def describe(self, app_id: str) -> Optional[DescribeAppResponse]:
+        """The app's state, asked of its hosts. Threads that ask for one app at once share one
+        answer: ``torchx log`` of N replicas runs N threads that each begin with a describe."""
+        return self._describes.get(app_id, lambda: self._describe(app_id))
+
+    def _describe(self, app_id: str) -> Optional[DescribeAppResponse]:
         found = self._lookup(app_id)
         if found is None:
             return None
@@ -274,6 +309,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         found = self._lookup(app_id)
         if found:
             apps.kill(*found)
+        self._describes.forget(app_id)
 
     def log_iter(self, app_id: str, role_name: str, k: int = 0, regex: Optional[str] = None,
                  since: Optional[datetime] = None, until: Optional[datetime] = None,
@@ -287,7 +323,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             have = ", ".join(f"{p.role}/{p.replica_id}" for p in arec.placement)
             raise MonarchError(f"app {app_id!r} has no replica {role_name}/{k} (it has {have})")
         stream = streams.value if isinstance(streams, Stream) else (streams or "combined")
-        client = pool.connect(place.host_index)
+        client = pool.connect(place.host_index)  # (reads that one host's address, not the pool's)
         client.settimeout(None if should_tail else 60.0)
         return _lines(client.stream("logs", app_id=arec.app_id, role=role_name, replica_id=k, streams=stream,
                                     since=since.timestamp() if since else None,

@@ -32,6 +32,8 @@ log = logging.getLogger("monarch_torchx.agent")
 
 MODULES_GROUP = "monarch_torchx.modules"
 HEARTBEAT_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_S", "5"))
+# how often the host file is rewritten (1,024 hosts: ~2,000 writes a minute to the pool's dir)
+HEARTBEAT_WRITE_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_WRITE_S", str(6 * HEARTBEAT_S)))
 # asking about a pool must not keep it alive: only work (launches, module calls) resets idleness
 PASSIVE_OPS = frozenset({"info", "describe", "list", "logs", "kill", "shutdown", "wait", "telemetry.query",
                          "telemetry.stacks"})
@@ -152,7 +154,7 @@ class Agent:
             "incarnation": self.incarnation, "started": self.started, "now": time.time(),
             "running": self.procs.running, "idle_s": round(idle, 1),
             "idle_timeout": self.args.idle_timeout, "modules": self.modules, "warm": self.launcher.warm_info,
-            "connections": self.server.connections,
+            "connections": self.server.connections, "accepted": self.server.accepted,
         }
 
     async def op_launch(self, peer: wire.Peer, spec: dict) -> dict:
@@ -263,22 +265,34 @@ class Agent:
         return None
 
     async def _heartbeat(self) -> None:
+        """Every HEARTBEAT_S: the idle check. Every HEARTBEAT_WRITE_S (sooner with a short
+        idle_timeout, so a busy host's published ``last_work`` is never stale by more than a
+        quarter of it): the host file, on what may be a cluster's shared file system."""
+        limit = self.args.idle_timeout
+        write_every = min(HEARTBEAT_WRITE_S, limit / 4) if limit > 0 else HEARTBEAT_WRITE_S
+        last_write = time.monotonic()
+        next_pool_check = 0.0  # others' last_work only grows: no pool-wide idle before this
         while not self.stopping.is_set():
             await asyncio.sleep(HEARTBEAT_S)
             now = time.time()
-            why = self._superseded()
-            if why:
-                log.warning("%s: exiting", why)
-                self.stop(f"superseded: {why}")
-                return
-            try:
-                self._publish(heartbeat=now, last_work=now - self.idle_seconds())
-            except OSError as e:  # a full or flaky shared file system must not stop the idle check
-                log.warning("could not publish heartbeat: %s", e)
-            limit = self.args.idle_timeout
-            if limit > 0 and self.idle_seconds() > limit and self.pool_idle_seconds() > limit:
-                log.info("pool idle for %.0f s: shutting down", self.pool_idle_seconds())
-                self.stop(f"idle for more than {limit:.0f} s")
+            if time.monotonic() - last_write >= write_every:
+                last_write = time.monotonic()
+                why = self._superseded()
+                if why:
+                    log.warning("%s: exiting", why)
+                    self.stop(f"superseded: {why}")
+                    return
+                try:
+                    self._publish(heartbeat=now, last_work=now - self.idle_seconds())
+                except OSError as e:  # a full or flaky shared file system must not stop the idle check
+                    log.warning("could not publish heartbeat: %s", e)
+            if limit > 0 and self.idle_seconds() > limit and now >= next_pool_check:
+                pool_idle = self.pool_idle_seconds()  # reads every host's file: not every beat
+                if pool_idle > limit:
+                    log.info("pool idle for %.0f s: shutting down", pool_idle)
+                    self.stop(f"idle for more than {limit:.0f} s")
+                else:
+                    next_pool_check = now + (limit - pool_idle)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
