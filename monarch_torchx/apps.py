@@ -43,13 +43,8 @@ def launch(pool: Pool, app_id: str, name: str, roles: List[Dict[str, Any]],
     for i, spec in replicas:
         by_host.setdefault(i, []).append(spec)
 
-    def start(i: int) -> None:
-        with pool.connect(i) as c:
-            c.settimeout(30.0)
-            for spec in by_host[i]:
-                c.call("launch", spec=spec.__dict__)
-
-    errors = [(i, e) for i, _, e in pool.fan_out(start, sorted(by_host)) if e]
+    calls = {i: [{"spec": spec.__dict__} for spec in specs] for i, specs in by_host.items()}
+    errors = [(i, e) for i, _, e in pool.ask("launch", sorted(by_host), timeout=30.0, calls=calls) if e]
     if errors:
         kill(pool, arec)
         raise MonarchError(f"could not start {app_id} on pool {pool.name!r}: "
@@ -64,8 +59,7 @@ def replica_states(pool: Pool, arec: AppRecord) -> Dict[Tuple[str, int], Dict[st
     FAILED with the reason (and the engine's, e.g. "allocation 12 is CANCELLED").
     """
     indices = sorted({p.host_index for p in arec.placement})
-    answers = {i: (res, err) for i, res, err in pool.fan_out(
-        lambda i: pool.call(i, "describe", timeout=10.0, app_id=arec.app_id), indices)}
+    answers = {i: (res, err) for i, res, err in pool.ask("describe", indices, timeout=10.0, app_id=arec.app_id)}
     # a host that did not answer is lost only on evidence (see Pool.loss_evidence); else UNKNOWN
     evidence = {i: pool.loss_evidence(i, err) for i, (_, err) in answers.items()
                 if err is not None and not isinstance(err, AccessError)}
@@ -95,13 +89,13 @@ def replica_states(pool: Pool, arec: AppRecord) -> Dict[Tuple[str, int], Dict[st
 
 def kill(pool: Pool, arec: AppRecord) -> None:
     indices = sorted({p.host_index for p in arec.placement})
-    pool.fan_out(lambda i: pool.call(i, "kill", timeout=15.0, app_id=arec.app_id), indices)
+    pool.ask("kill", indices, timeout=15.0, app_id=arec.app_id)
 
 
 def list_states(pool: Pool) -> Dict[Tuple[str, str, int], str]:
     """(app_id, role, replica) -> state, for everything the pool's live agents know."""
     seen: Dict[Tuple[str, str, int], str] = {}
-    for _, res, _ in pool.fan_out(lambda i: pool.call(i, "list", timeout=10.0), range(pool.record.num_hosts)):
+    for _, res, _ in pool.ask("list", range(pool.record.num_hosts), timeout=10.0):
         for st in res or []:
             seen[(st["app_id"], st["role"], st["replica_id"])] = st["state"]
     return seen

@@ -241,8 +241,7 @@ def cmd_stacks(args: argparse.Namespace) -> None:
     pool = attach(args.pool)
     app = args.app.rstrip("/").rsplit("/", 1)[-1] if args.app else None  # a handle or POOL:APP or APP
     app = app.split(":", 1)[1] if app and ":" in app else app
-    results = pool.fan_out(lambda i: pool.call(i, "telemetry.stacks", timeout=60.0, app_id=app),
-                           range(pool.record.num_hosts))
+    results = pool.ask("telemetry.stacks", range(pool.record.num_hosts), timeout=60.0, app_id=app)
     for i, res, err in results:
         if err:
             print(f"host {i}: {err}", file=sys.stderr)

@@ -220,6 +220,71 @@ class Pool:
             self._engine_loss = (now, self.provisioner.loss_reason(self.record))
         return self._engine_loss[1]
 
+    def ask(self, op: str, indices: Sequence[int], timeout: float = 10.0, calls: Optional[Dict[int, List[dict]]] = None,
+            **args: Any) -> List[Tuple[int, Any, Optional[Exception]]]:
+        """Runs agent operation ``op`` on each host of ``indices`` (with ``args``, or with each of
+        ``calls[i]`` in turn, giving the list of their values); returns (index, value, error) in
+        order, the errors as a direct call would raise them (HostUnreachable when a host was not
+        reached). From MONARCH_TORCHX_TREE_MIN_HOSTS hosts on, through the agents' relay tree
+        (``agent/relay.py``): the client opens a few connections, not one per host; ``timeout``
+        then bounds the whole operation."""
+        indices = list(indices)
+        if len(indices) < tree_min_hosts():
+            def one(i: int) -> Any:
+                with self.connect(i) as c:
+                    c.settimeout(timeout)
+                    try:
+                        if calls is not None:
+                            return [c.call(op, **a) for a in calls.get(i, [])]
+                        return c.call(op, **args)
+                    except wire.WireError as e:
+                        raise HostUnreachable(f"host {i} of pool {self.name!r} is unreachable: {e}", i, e) from None
+            return self.fan_out(one, indices)
+        return self._ask_tree(op, indices, timeout, calls, args)
+
+    def _ask_tree(self, op: str, indices: List[int], timeout: float, calls: Optional[Dict[int, List[dict]]],
+                  args: Dict[str, Any]) -> List[Tuple[int, Any, Optional[Exception]]]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .agent.relay import FANOUT, Target, call_group, split
+
+        errors: Dict[int, Exception] = {}
+        targets: List[Target] = []
+        by_index: Dict[int, HostAddr] = {}
+        for i in indices:
+            h = self.host(i)
+            if h is None:
+                errors[i] = MonarchError(f"host {i} of pool {self.name!r} has no agent address (not started yet?)")
+            elif h.exited:
+                errors[i] = MonarchError(f"host {i} of pool {self.name!r} is stopped ({h.exit_reason})")
+            else:
+                by_index[i] = h
+                targets.append(Target(i, h.host, h.port, h.identity(self.name).decode()))
+
+        def tunnel(head: Target, t: float) -> Any:  # a group's first member behind a port-forward
+            h = by_index[head.index]
+            return self.provisioner.open_tunnel(self.record, h, t).sock if h.via else None
+
+        groups = split(targets, FANOUT)
+        outcomes: Dict[int, dict] = {}
+        if groups:
+            with ThreadPoolExecutor(max_workers=len(groups)) as ex:
+                for part in ex.map(lambda g: call_group(g, self.record.credentials, op, args or None, calls, FANOUT,
+                                                        timeout, tunnel), groups):
+                    outcomes.update(part)
+        out: List[Tuple[int, Any, Optional[Exception]]] = []
+        for i in indices:
+            o = outcomes.get(i)
+            if i in errors:
+                out.append((i, None, errors[i]))
+            elif o is None:
+                out.append((i, None, HostUnreachable(f"host {i} of pool {self.name!r} did not answer", i, None)))
+            elif o["ok"]:
+                out.append((i, o["value"], None))
+            else:
+                out.append((i, None, _outcome_error(self.name, i, o)))
+        return out
+
     def fan_out(self, fn: Callable[[int], Any], indices: Sequence[int]) -> List[Tuple[int, Any, Optional[Exception]]]:
         """Runs fn(index) for each index concurrently; returns (index, result, error) in order."""
         def one(i: int) -> Tuple[int, Any, Optional[Exception]]:
@@ -254,21 +319,20 @@ class Pool:
         """Pings every agent; ``touch`` counts as work on the pool (resets agents' idle clocks)."""
         hosts = self.hosts
 
-        def ping(i: int) -> Any:
-            try:
-                return self.call(i, "info", timeout=PING_TIMEOUT_S, touch=touch)
-            except HostUnreachable as e:
-                if self.loss_evidence(i, e):
-                    raise
-                # no evidence it is gone: ask once more, patiently (connecting included)
-                with self.connect(i, timeout=SLOW_PING_TIMEOUT_S) as c:
-                    c.settimeout(SLOW_PING_TIMEOUT_S)
-                    try:
-                        return c.call("info", touch=touch)
-                    except wire.WireError as e:
-                        raise HostUnreachable(f"host {i} of pool {self.name!r} is unreachable: {e}", i, e) from None
+        def patient_ping(i: int) -> Any:
+            with self.connect(i, timeout=SLOW_PING_TIMEOUT_S) as c:
+                c.settimeout(SLOW_PING_TIMEOUT_S)
+                try:
+                    return c.call("info", touch=touch)
+                except wire.WireError as e:
+                    raise HostUnreachable(f"host {i} of pool {self.name!r} is unreachable: {e}", i, e) from None
 
-        res = self.fan_out(ping, range(len(hosts)))
+        res = self.ask("info", range(len(hosts)), timeout=PING_TIMEOUT_S, touch=touch)
+        # no evidence it is gone: ask once more, patiently (connecting included)
+        again = [i for i, _, err in res if isinstance(err, HostUnreachable) and not self.loss_evidence(i, err)]
+        if again:
+            retried = {i: (v, e) for i, v, e in self.fan_out(patient_ping, again)}
+            res = [(i, *retried[i]) if i in retried else (i, v, e) for i, v, e in res]
         for _, _, err in res:
             if isinstance(err, AccessError):  # our access is broken, not the hosts: nothing to repair
                 raise err
@@ -287,6 +351,27 @@ class Pool:
         """One line for a host lost on ``evidence`` (with what the last connection said, if any)."""
         cause = err.cause if isinstance(err, HostUnreachable) else None
         return f"host {index} of pool {self.name!r} is lost: {evidence}" + (f" (last try: {cause})" if cause else "")
+
+
+def tree_min_hosts() -> int:
+    """From how many hosts on ``Pool.ask`` goes through the agents' relay tree."""
+    return int(os.environ.get("MONARCH_TORCHX_TREE_MIN_HOSTS", "32"))
+
+
+_WIRE_KINDS = {"ConnectFailed": wire.ConnectFailed, "PeerTimeout": wire.PeerTimeout, "PeerClosed": wire.PeerClosed,
+               "ProofRejected": wire.ProofRejected, "HandshakeRefused": wire.HandshakeRefused,
+               "MalformedFrame": wire.MalformedFrame}
+
+
+def _outcome_error(pool: str, index: int, o: Dict[str, Any]) -> Exception:
+    """A relayed host's failure as the exception a direct call would have raised."""
+    kind = _WIRE_KINDS.get(o.get("kind", ""))
+    via = f" (through host {o['via']})" if o.get("via") is not None else ""
+    if kind is not None:  # the host was not reached
+        cause = wire.ConnectFailed(o["error"], refused=bool(o.get("refused"))) if kind is wire.ConnectFailed \
+            else kind(o["error"])
+        return HostUnreachable(f"host {index} of pool {pool!r} is unreachable{via}: {o['error']}", index, cause)
+    return wire.RemoteError(o["error"], o.get("kind", ""))
 
 
 def _fingerprint_diff(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> List[str]:
@@ -424,7 +509,7 @@ def _stop(pool: Pool, prov: Provisioner, reason: str) -> List[str]:
     left = prov.end_leftovers(pool.record, lost) if lost else []
     for line in left:
         log.info("pool %s: ended what %s", pool.name, line)
-    pool.fan_out(lambda i: pool.call(i, "shutdown", timeout=5.0, reason=reason), [i for i in live if i not in lost])
+    pool.ask("shutdown", [i for i in live if i not in lost], timeout=5.0, reason=reason)
     prov.release(pool.record)
     pool.registry.delete(pool.record)
     return left

@@ -11,10 +11,10 @@ import os
 import re
 import sys
 import threading
-import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from torchx.schedulers.api import DescribeAppResponse, ListAppResponse, Scheduler, Stream
 from torchx.schedulers.ids import make_unique
@@ -79,31 +79,33 @@ def split_app_id(app_id: str) -> Tuple[str, str]:
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
-DESCRIBE_SHARE_S = 0.5  # how long one describe's answer serves other threads asking for the same app
-
-
 class _SingleFlight:
-    """One computation per key at a time; callers that arrive while it runs, or within
-    ``share_s`` after, get its result instead of running it again."""
+    """One computation per key at a time: callers that arrive while it runs wait for it and get
+    its result; a caller that arrives after it finished computes anew (never a stale answer)."""
 
-    def __init__(self, share_s: float):
-        self.share_s = share_s
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._keys: Dict[str, Tuple[threading.Lock, List[Any]]] = {}  # key -> (its lock, [when, value])
+        self._running: Dict[str, "Future[Any]"] = {}
 
-    def get(self, key: str, compute: Any) -> Any:
+    def get(self, key: str, compute: Callable[[], Any]) -> Any:
         with self._lock:
-            lock, slot = self._keys.setdefault(key, (threading.Lock(), []))
-        with lock:
-            if slot and time.monotonic() - slot[0] < self.share_s:
-                return slot[1]
+            fut = self._running.get(key)
+            mine = fut is None
+            if mine:
+                fut = self._running[key] = Future()
+        if not mine:
+            return fut.result()
+        try:
             value = compute()
-            slot[:] = [time.monotonic(), value]
+        except BaseException as e:
+            fut.set_exception(e)
+            raise
+        else:
+            fut.set_result(value)
             return value
-
-    def forget(self, key: str) -> None:
-        with self._lock:
-            self._keys.pop(key, None)
+        finally:
+            with self._lock:
+                self._running.pop(key, None)
 
 
 class MonarchScheduler(WorkspaceMixin[None], Scheduler):
@@ -112,7 +114,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
     def __init__(self, session_name: str, backend: str, registry: Optional[Registry] = None):
         super().__init__(backend, session_name)
         self.registry = registry or Registry()
-        self._describes = _SingleFlight(DESCRIBE_SHARE_S)
+        self._describes = _SingleFlight()
 
     # ------------------------------------------------------------ options
 
@@ -300,8 +302,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             return
         pool, arec = found
         indices = sorted({p.host_index for p in arec.placement})
-        pool.fan_out(lambda i: pool.call(i, "wait", timeout=timeout + 10.0, app_id=arec.app_id, within=timeout),
-                     indices)
+        pool.ask("wait", indices, timeout=timeout + 10.0, app_id=arec.app_id, within=timeout)
 
     # ------------------------------------------------------------ cancel and logs
 
@@ -309,7 +310,6 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         found = self._lookup(app_id)
         if found:
             apps.kill(*found)
-        self._describes.forget(app_id)
 
     def log_iter(self, app_id: str, role_name: str, k: int = 0, regex: Optional[str] = None,
                  since: Optional[datetime] = None, until: Optional[datetime] = None,

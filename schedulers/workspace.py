@@ -71,7 +71,7 @@ def sync_to_hosts(pool: Any, ws: Workspace, hosts: List[int], say: Callable[[str
 
 def workdirs(pool: Any, ws: Workspace, hosts: List[int]) -> Dict[int, str]:
     """Each host's writable working directory over its synced copy (outputs persist there)."""
-    res = pool.fan_out(lambda i: pool.call(i, "syncfs.workdir", timeout=120.0, target=ws.mount), hosts)
+    res = pool.ask("syncfs.workdir", hosts, timeout=120.0, target=ws.mount)
     failed = [(i, e) for i, _, e in res if e]
     if failed:
         why = "; ".join(f"host {i}: {e}" for i, e in failed)

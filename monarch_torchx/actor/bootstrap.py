@@ -354,8 +354,7 @@ def _forget(rec: Any, registry: Registry) -> None:
     from ..pool import Pool
 
     pool = Pool(rec, registry)
-    pool.fan_out(lambda i: pool.call(i, "shutdown", timeout=5.0, reason="attached again"),
-                 [i for i, h in enumerate(pool.hosts) if h is not None])
+    pool.ask("shutdown", [i for i, h in enumerate(pool.hosts) if h is not None], timeout=5.0, reason="attached again")
     registry.delete(rec)
 
 

@@ -27,6 +27,7 @@ from ..registry import HostAddr, Registry
 from ..specs import TERMINAL, LaunchSpec
 from .launcher import Launcher
 from .procs import ProcTable
+from .relay import Relay
 
 log = logging.getLogger("monarch_torchx.agent")
 
@@ -35,7 +36,7 @@ HEARTBEAT_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_S", "5"))
 # how often the host file is rewritten (1,024 hosts: ~2,000 writes a minute to the pool's dir)
 HEARTBEAT_WRITE_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_WRITE_S", str(6 * HEARTBEAT_S)))
 # asking about a pool must not keep it alive: only work (launches, module calls) resets idleness
-PASSIVE_OPS = frozenset({"info", "describe", "list", "logs", "kill", "shutdown", "wait", "telemetry.query",
+PASSIVE_OPS = frozenset({"relay", "info", "describe", "list", "logs", "kill", "shutdown", "wait", "telemetry.query",
                          "telemetry.stacks"})
 MAX_FINISHED_APPS = 500
 
@@ -63,6 +64,8 @@ class Agent:
             "list": self.op_list, "kill": self.op_kill, "logs": self.op_logs, "shutdown": self.op_shutdown,
             "reserve_port": self.op_reserve_port, "wait": self.op_wait,
         }
+        self.relay = Relay(self)
+        self.handlers["relay"] = self.relay.op_relay
         self.stopping = asyncio.Event()
         self.stop_reason = ""
         self.launcher = Launcher(args.preload, self._on_exit, self._on_launcher_death)
@@ -71,7 +74,7 @@ class Agent:
         base_env["PATH"] = python_dir + os.pathsep + base_env.get("PATH", os.defpath)
         base_env.update({"MONARCH_TORCHX_POOL": self.pool, "MONARCH_TORCHX_HOST_INDEX": str(self.index)})
         self.procs = ProcTable(self.launcher, self.state_dir / "logs" / f"host{self.index}", base_env)
-        self.server = wire.Server(self.creds, self.handlers, on_activity=self._touch,
+        self.server = wire.Server(self.creds, self.handlers, on_activity=self.touch,
                                   identity=f"{self.pool}/{self.index}/{self.incarnation}".encode())
         self.addr: Optional[HostAddr] = None
 
@@ -101,7 +104,8 @@ class Agent:
             raise ValueError(f"operation {op!r} is already served")
         self.handlers[op] = fn
 
-    def _touch(self, op: str) -> None:
+    def touch(self, op: str) -> None:
+        """A request for ``op`` arrived: work on the pool, unless ``op`` only looks."""
         if op not in PASSIVE_OPS:
             self.last_request = time.time()
 
@@ -317,6 +321,7 @@ class Agent:
         await self.server.close()
         await self.procs.kill(list(self.procs.replicas.values()), grace=3.0)
         self.launcher.close()
+        self.relay.close()
         for fn in self._cleanups:
             try:
                 fn()

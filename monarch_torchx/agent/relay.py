@@ -1,0 +1,182 @@
+"""Fan-out through the pool: one request to a few agents, who pass it on along a tree.
+
+A client that asks every host of a big pool (health, describe, kill, shutdown, launch) would
+otherwise open one connection per host. With ``relay`` it sends ``FANOUT`` requests; each agent
+that gets one runs the operation itself, splits the rest of its targets into ``FANOUT`` groups
+and sends each group to its first member, and answers with every outcome of its subtree. A group
+whose first member cannot be reached is led by the next one (that host's own outcome says why),
+and a subtree that does not answer within the request's deadline is reported, host by host, as
+not answered through the agent that led it: a dead or hung host costs its subtree a bounded wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+
+from .. import wire
+from ..errors import MonarchError
+
+if TYPE_CHECKING:
+    from .server import Agent
+
+FANOUT = 8
+LEVEL_MARGIN_S = 0.5  # each level answers this much before its parent's deadline
+DIAL_TIMEOUT_S = 3.0  # a group's first member that does not complete a handshake in this is passed over
+LOCAL_LAST = frozenset({"shutdown"})  # ops that end this agent: run after the subtrees were told
+
+
+@dataclass(frozen=True)
+class Target:
+    """One host a relayed request is for, with what it takes to dial it."""
+
+    index: int
+    host: str
+    port: int
+    identity: str
+
+
+@dataclass
+class Outcome:
+    """What one host's operation gave: its value, or the error and its type's name."""
+
+    ok: bool
+    value: Any = None
+    error: str = ""
+    kind: str = ""  # the exception's class name (a wire error: the host was not reached)
+    refused: bool = False  # a ConnectFailed whose connection was refused (nothing listens there)
+    via: Optional[int] = None  # the agent that reported it, when not the host itself
+
+
+def split(targets: Sequence[Target], fanout: int) -> List[List[Target]]:
+    """``targets`` in at most ``fanout`` contiguous groups of near-equal size."""
+    n = len(targets)
+    k = min(fanout, n)
+    if k <= 0:
+        return []
+    size, extra = divmod(n, k)
+    out, start = [], 0
+    for g in range(k):
+        end = start + size + (1 if g < extra else 0)
+        out.append(list(targets[start:end]))
+        start = end
+    return out
+
+
+def failure(e: BaseException, via: Optional[int] = None) -> Outcome:
+    return Outcome(False, error=str(e) or type(e).__name__, kind=getattr(e, "kind", "") or type(e).__name__,
+                   refused=isinstance(e, wire.ConnectFailed) and e.refused, via=via)
+
+
+def call_group(targets: List[Target], creds: Any, op: str, args: Optional[dict], calls: Optional[Dict[int, list]],
+               fanout: int, timeout: float, sock_for: Any = None) -> Dict[int, dict]:
+    """Blocking: sends one group to its first reachable member; returns its subtree's outcomes
+    (as dicts). Used by agents and by the client alike."""
+    out: Dict[int, dict] = {}
+    deadline = time.monotonic() + timeout
+    for pos, head in enumerate(targets):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            for t in targets[pos:]:
+                out.setdefault(t.index, asdict(Outcome(False, error="no time was left to reach it", kind="PeerTimeout")))
+            return out
+        group = targets[pos:]
+        dial = min(DIAL_TIMEOUT_S, left / 3)  # a hung first member leaves time for the next
+        try:
+            sock = sock_for(head, dial) if sock_for else None
+            c = wire.Client(head.host, head.port, creds, timeout=dial, identity=head.identity.encode(), sock=sock)
+        except (wire.WireError, OSError, MonarchError) as e:  # (MonarchError: a tunnel that did not open)
+            out[head.index] = asdict(failure(e))  # the next member leads the rest of the group
+            continue
+        try:
+            with c:
+                c.settimeout(max(0.1, deadline - time.monotonic()))
+                sub_calls = {t.index: calls[t.index] for t in group if t.index in calls} if calls else None
+                reply = c.call("relay", relayed=op, targets=[asdict(t) for t in group], args=args, calls=sub_calls,
+                               fanout=fanout, timeout=max(0.1, deadline - time.monotonic() - LEVEL_MARGIN_S))
+        except wire.RemoteError as e:  # it refused the relay itself (e.g. it is shutting down)
+            out[head.index] = asdict(failure(e))
+            continue
+        except (wire.WireError, OSError) as e:  # it took the request and did not answer: its subtree waited
+            for t in group:
+                out.setdefault(t.index, asdict(Outcome(False, kind=type(e).__name__, via=head.index,
+                                                       error=f"no answer through host {head.index} ({e})")))
+            return out
+        out.update({int(i): o for i, o in reply.items()})
+        return out
+    return out
+
+
+class Relay:
+    """The agent's ``relay`` op (see the module's docstring)."""
+
+    def __init__(self, agent: "Agent"):
+        self.agent = agent
+        self._threads: Optional[ThreadPoolExecutor] = None
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(max_workers=4 * FANOUT, thread_name_prefix="relay")
+        return self._threads
+
+    def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+
+    async def op_relay(self, peer: wire.Peer, relayed: str, targets: List[dict], args: Optional[dict] = None,
+                       calls: Optional[Dict[int, list]] = None, fanout: int = FANOUT,
+                       timeout: float = 10.0) -> Dict[int, dict]:
+        """Runs operation ``relayed`` here (with ``args``, or each of ``calls[my index]`` in
+        turn) and on every other target through the tree; returns each target's outcome by host
+        index."""
+        op = relayed
+        if op == "relay" or op not in self.agent.handlers:
+            raise wire.RemoteError(f"operation {op!r} cannot be relayed")
+        tree = [Target(**t) for t in targets]
+        if not tree or tree[0].index != self.agent.index:
+            raise ValueError("a relayed request's first target must be the agent it is sent to")
+        fanout = max(2, min(int(fanout), 64))
+        loop = asyncio.get_running_loop()
+        groups = split(tree[1:], fanout)
+        subtrees = [loop.run_in_executor(self._pool(), call_group, g, self.agent.creds, op, args, calls, fanout,
+                                         timeout) for g in groups]
+        out: Dict[int, dict] = {}
+        if op not in LOCAL_LAST:
+            out[self.agent.index] = asdict(await self._local(peer, op, args, (calls or {}).get(self.agent.index)))
+        for done in await asyncio.gather(*subtrees, return_exceptions=True):
+            if isinstance(done, BaseException):  # (call_group reports every failure it knows of)
+                continue
+            out.update(done)
+        for t in tree[1:]:
+            out.setdefault(t.index, asdict(Outcome(False, error=f"not reached through host {self.agent.index}",
+                                                   kind="PeerClosed", via=self.agent.index)))
+        if op in LOCAL_LAST:
+            out[self.agent.index] = asdict(await self._local(peer, op, args, (calls or {}).get(self.agent.index)))
+        return out
+
+    async def _local(self, peer: wire.Peer, op: str, args: Optional[dict], calls: Optional[list]) -> Outcome:
+        handler = self.agent.handlers[op]
+        self.agent.touch(op)
+        try:
+            if calls is not None:
+                values = []
+                for one in calls:
+                    values.append(await _run(handler, peer, one))
+                return Outcome(True, values)
+            return Outcome(True, await _run(handler, peer, args or {}))
+        except TypeError as e:
+            return Outcome(False, error=f"bad arguments for {op!r}: {e}", kind="TypeError")
+        except Exception as e:  # the host's answer, as a direct call would carry it
+            return failure(e)
+
+
+async def _run(handler: Any, peer: wire.Peer, args: dict) -> Any:
+    result = handler(peer, **args)
+    if asyncio.iscoroutine(result):
+        result = await result
+    if isinstance(result, wire.Stream):
+        raise wire.RemoteError("a streaming operation cannot be relayed")
+    return result

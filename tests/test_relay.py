@@ -1,0 +1,88 @@
+"""Fan-out through the pool's agents (agent/relay.py): answers, and faults of relaying hosts.
+
+A pool of 10 local agents, with the tree forced on (it starts at 32 hosts by default) and a
+fan-out of 2, so requests pass through several levels of agents.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+import monarch_torchx.agent.relay as relay
+from monarch_torchx.errors import HostUnreachable
+from monarch_torchx.pool import LOST, OK, PoolRequest, attach, ensure_pool, stop_pool
+from monarch_torchx.registry import Registry
+
+from .conftest import torchx, wait_for
+from .test_cli import _handle
+
+HOSTS = 10
+
+
+@pytest.fixture
+def tree_pool(home, pool_name, monkeypatch):
+    monkeypatch.setenv("MONARCH_TORCHX_TREE_MIN_HOSTS", "2")
+    monkeypatch.setattr(relay, "FANOUT", 2)
+    ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": HOSTS, "preload": "none"}))
+    yield attach(pool_name)
+
+
+def test_every_host_answers_through_the_tree_and_each_accepts_one_connection(tree_pool):
+    pool = tree_pool
+    before = {i: v["accepted"] for i, v, _ in pool.ask("info", range(HOSTS), timeout=10.0)}
+    res = pool.ask("info", range(HOSTS), timeout=10.0)
+    assert [(i, v["index"], e) for i, v, e in res] == [(i, i, None) for i in range(HOSTS)]
+    # each host got the request once, from its parent in the tree (the client dialled 2 of them)
+    assert all(v["accepted"] - before[i] == 1 for i, v, _ in res)
+    # per-host arguments, several calls each
+    lists = pool.ask("reserve_port", [1, 4, 7], calls={1: [{}, {}], 4: [{}], 7: []})
+    assert [(i, len(v)) for i, v, _ in lists] == [(1, 2), (4, 1), (7, 0)]
+    # a host's own failure comes back as the error a direct call gives
+    bad = pool.ask("describe", [0, 5], timeout=10.0, no_such_argument=1)
+    assert all("bad arguments for 'describe'" in str(e) for _, _, e in bad)
+
+
+def test_a_killed_relay_host_is_passed_over_and_named_as_lost(tree_pool):
+    pool = tree_pool
+    victim = 5  # the first host of the client's second group
+    os.kill(pool.hosts[victim].pid, signal.SIGKILL)
+    wait_for(lambda: not os.path.exists(f"/proc/{pool.hosts[victim].pid}/status") or
+             "zombie" in open(f"/proc/{pool.hosts[victim].pid}/status").read(), what="the agent to die")
+    res = pool.ask("info", range(HOSTS), timeout=10.0)
+    assert [i for i, _, e in res if e is None] == [i for i in range(HOSTS) if i != victim]
+    err = res[victim][2]
+    assert isinstance(err, HostUnreachable) and pool.loss_evidence(victim, err)
+    health = pool.health()
+    assert [h.state for h in health] == [LOST if h.index == victim else OK for h in health]
+    assert f"host {victim} of pool" in health[victim].error
+
+
+def test_a_hung_relay_host_costs_its_group_a_bounded_wait(tree_pool):
+    pool = tree_pool
+    victim = 0  # the first host of the client's first group
+    pid = pool.hosts[victim].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        res = pool.ask("info", range(HOSTS), timeout=6.0)
+        took = time.monotonic() - t
+        assert [i for i, _, e in res if e is not None] == [victim]
+        assert isinstance(res[victim][2], HostUnreachable)
+        assert took < 6.0 + 2.0, took  # (a bound of the operation's, not a speed check)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_torchx_run_status_and_stop_through_the_tree(home, pool_name, monkeypatch):
+    monkeypatch.setenv("MONARCH_TORCHX_TREE_MIN_HOSTS", "2")
+    torchx(home, "pool", "create", pool_name, "-cfg", f"hosts={HOSTS},preload=none")
+    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo",
+                       "--msg", "tree", "--num_replicas", str(HOSTS)))
+    wait_for(lambda: "SUCCEEDED" in torchx(home, "status", h).stdout, what="echo on every host")
+    assert torchx(home, "log", h).stdout.count("tree") == HOSTS
+    torchx(home, "pool", "stop", pool_name)
+    assert Registry(home).get(pool_name) is None
