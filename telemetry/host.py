@@ -2,7 +2,8 @@
 the part of a query the client pushes down (projection, filters, limit), run by DataFusion.
 
 Loaded into every agent through the ``monarch_torchx.modules`` entry point; DataFusion and
-pyarrow are imported at the first query, not at agent start.
+pyarrow are imported at the first query (or once a host has much output waiting to be indexed),
+not at agent start.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class LogIndex:
         self.max_spill_bytes = _env_int("MONARCH_TORCHX_TELEMETRY_MAX_SPILL_BYTES", 4 << 30)
         self.max_age_s = _env_int("MONARCH_TORCHX_TELEMETRY_MAX_AGE_S", 7 * 86400)
         self._lock = threading.Lock()  # the background refresh and queries run in worker threads
+        self.queried = False  # from the first query on, new output is indexed in the background
 
     def backlog(self) -> Tuple[int, int]:
         """(bytes written to the log files in all, bytes of them not indexed yet): a few stats."""
@@ -296,6 +298,7 @@ def run_query(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> List[b
     ctx = SessionContext()
     for name in tables:
         if name == "logs":
+            logs.queried = True
             batches, spilled = logs.refresh()
             if spilled:  # memory and Parquet on local disk, one table, filters pushed into both
                 import pyarrow.dataset as ds
@@ -334,6 +337,9 @@ BATCH_ROWS = 262_144  # rows per frame of a query's answer
 INDEX_INTERVAL_S = float(os.environ.get("MONARCH_TORCHX_TELEMETRY_INDEX_S", "1"))
 BUSY_BYTES_PER_INTERVAL = 1 << 20  # more new output than this per interval: wait for a pause
 MAX_BACKLOG_BYTES = 256 << 20  # ... unless this much is waiting
+# a host that was never queried leaves its logs in their files until this much output waits: an
+# agent that only runs short jobs never imports pyarrow (tens of MiB and ~0.2 s of CPU per host)
+LAZY_BYTES = _env_int("MONARCH_TORCHX_TELEMETRY_LAZY_BYTES", 8 << 20)
 _FORKSERVER = os.path.join("monarch_torchx", "agent", "forkserver.py")
 
 
@@ -425,7 +431,7 @@ def setup(agent: Any) -> None:
             total, pending = logs.backlog()
             busy = total - last_total > BUSY_BYTES_PER_INTERVAL
             last_total = total
-            if not pending or (busy and pending < MAX_BACKLOG_BYTES):
+            if not pending or (busy and pending < MAX_BACKLOG_BYTES) or (not logs.queried and pending < LAZY_BYTES):
                 continue
             try:
                 await loop.run_in_executor(None, logs.refresh)

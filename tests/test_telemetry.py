@@ -138,6 +138,7 @@ def test_retention_spills_to_parquet_stays_queryable_and_is_bounded(home, pool_n
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setenv("MONARCH_TORCHX_TELEMETRY_MAX_ROWS", "1000")
     monkeypatch.setenv("MONARCH_TORCHX_TELEMETRY_INDEX_S", "0.2")
+    monkeypatch.setenv("MONARCH_TORCHX_TELEMETRY_LAZY_BYTES", "0")  # index before any query
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
     for _ in range(3):
         _print_lines(home, pool_name, 2000)
