@@ -244,9 +244,7 @@ class Pool:
 
     def _ask_tree(self, op: str, indices: List[int], timeout: float, calls: Optional[Dict[int, List[dict]]],
                   args: Dict[str, Any]) -> List[Tuple[int, Any, Optional[Exception]]]:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from .agent.relay import FANOUT, Target, call_group, split
+        from .agent.relay import Target, ask_tree
 
         errors: Dict[int, Exception] = {}
         targets: List[Target] = []
@@ -265,13 +263,7 @@ class Pool:
             h = by_index[head.index]
             return self.provisioner.open_tunnel(self.record, h, t).sock if h.via else None
 
-        groups = split(targets, FANOUT)
-        outcomes: Dict[int, dict] = {}
-        if groups:
-            with ThreadPoolExecutor(max_workers=len(groups)) as ex:
-                for part in ex.map(lambda g: call_group(g, self.record.credentials, op, args or None, calls, FANOUT,
-                                                        timeout, tunnel), groups):
-                    outcomes.update(part)
+        outcomes = ask_tree(targets, self.record.credentials, op, args or None, calls, timeout, tunnel)
         out: List[Tuple[int, Any, Optional[Exception]]] = []
         for i in indices:
             o = outcomes.get(i)

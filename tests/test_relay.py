@@ -86,3 +86,34 @@ def test_torchx_run_status_and_stop_through_the_tree(home, pool_name, monkeypatc
     assert torchx(home, "log", h).stdout.count("tree") == HOSTS
     torchx(home, "pool", "stop", pool_name)
     assert Registry(home).get(pool_name) is None
+
+
+def test_actor_procs_are_spawned_through_the_tree(tree_pool):
+    from monarch_torchx import attach as attach_hosts
+
+    from .fixtures.actors import Counter
+
+    hosts = attach_hosts(tree_pool.name)
+    procs = hosts.spawn_procs(per_host={"procs": 1})
+    counters = procs.spawn("c", Counter)
+    assert list(counters.incr.call(2).get(timeout=60).values()) == [2] * HOSTS
+    assert len(set(counters.pid.call().get(timeout=60).values())) == HOSTS
+    procs.stop().get(timeout=60)
+
+
+def test_a_launch_with_dead_hosts_is_all_or_nothing_through_the_tree(tree_pool):
+    from monarch_torchx import apps
+    from monarch_torchx.specs import LaunchSpec
+
+    pool = tree_pool
+    dead = [2, 5, 8]
+    for i in dead:
+        os.kill(pool.hosts[i].pid, signal.SIGKILL)
+    time.sleep(0.5)
+    specs = [(i, LaunchSpec(app_id="aon", role="r", replica_id=i, argv=["sleep", "30"])) for i in range(HOSTS)]
+    with pytest.raises(Exception, match="could not start aon") as e:
+        apps.launch(pool, "aon", "aon", [{"name": "r"}], specs)
+    assert all(f"host {i}" in str(e.value) for i in dead)
+    # nothing of it runs anywhere: the hosts that started it were told to kill it
+    states = {i: v for i, v, err in pool.ask("describe", [i for i in range(HOSTS) if i not in dead], app_id="aon")}
+    assert all(s["state"] != "RUNNING" for v in states.values() for s in v), states

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
 import random
 import sys
 import threading
@@ -244,20 +245,34 @@ class HostMesh(_MeshTrait):
             proc_env[CONTROLLERS] = os.environ[CONTROLLERS]
 
         def start(h: int) -> List[Dict[str, Any]]:
-            host = hosts[h]
-            return _agent_call(hub, host, "mesh.spawn", timeout=180.0, mesh_id=mesh_id,
-                               ranks=list(range(h * local, (h + 1) * local)), env=proc_env,
-                               **({"binds": binds} if binds is not None else {}),
-                               **({"python": self._python} if self._python is not None else {}))
+            return _agent_call(hub, hosts[h], "mesh.spawn", timeout=180.0,
+                               **_spawn_args(mesh_id, list(range(h * local, (h + 1) * local)), proc_env, binds,
+                                             self._python))
 
         results: List[Optional[List[Dict[str, Any]]]] = [None] * len(hosts)
         errors: List[str] = []
-        with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as ex:
-            for h, fut in enumerate([ex.submit(start, h) for h in range(len(hosts))]):
-                try:
-                    results[h] = fut.result()
-                except Exception as e:
-                    errors.append(str(e))
+        from ..pool import tree_min_hosts
+
+        if len(hosts) >= tree_min_hosts():  # through the agents' relay tree: a few connections, not N
+            from ..agent.relay import Target, ask_tree
+
+            calls = {host.index: [_spawn_args(mesh_id, list(range(h * local, (h + 1) * local)), proc_env, binds,
+                                              self._python)] for h, host in enumerate(hosts)}
+            outcomes = ask_tree([Target(host.index, host.host, host.port, host.identity(self.pool).decode())
+                                 for host in hosts], hub.creds, "mesh.spawn", calls=calls, timeout=180.0)
+            for h, host in enumerate(hosts):
+                o = outcomes.get(host.index) or {"ok": False, "error": "no answer"}
+                if o["ok"]:
+                    results[h] = o["value"][0]
+                else:
+                    errors.append(f"host {host.index}: {o['error']}")
+        else:
+            with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as ex:
+                for h, fut in enumerate([ex.submit(start, h) for h in range(len(hosts))]):
+                    try:
+                        results[h] = fut.result()
+                    except Exception as e:
+                        errors.append(str(e))
         if errors:
             for h, host in enumerate(hosts):
                 if results[h] is not None:
@@ -288,6 +303,13 @@ class HostMesh(_MeshTrait):
         if me is not None:  # an actor's procs: stopped with it, as in Monarch
             me.record_owned(context().actor_instance.actor_id, mesh)
         return mesh
+
+
+def _spawn_args(mesh_id: str, ranks: List[int], env: Dict[str, str], binds: Optional[List[Dict[str, str]]],
+                python: Optional[str]) -> Dict[str, Any]:
+    """The agent's ``mesh.spawn`` arguments for one host."""
+    return {"mesh_id": mesh_id, "ranks": ranks, "env": env, **({"binds": binds} if binds is not None else {}),
+            **({"python": python} if python is not None else {})}
 
 
 def _received_host_mesh(pool: str, hosts: Sequence[HostAddr], shape: Shape, python: Optional[str] = None) -> "HostMesh":
@@ -473,10 +495,17 @@ class ProcMesh(_MeshTrait):
         """Connects to each proc and becomes its owner (it stops when this process goes)."""
         me = session.this_proc()
         owner_actor = context().actor_instance.actor_id if me is not None else None
-        for ref in self._procs:
-            hub.explain[ref.addr] = lambda ref=ref: _explain(hub, ref)[0]
+
+        def own(ref: ProcRef) -> None:
+            hub.explain[ref.addr] = lambda: _explain(hub, ref)[0]
             hub.watch(ref.addr, functools.partial(_on_proc_lost, hub, ref, owner_actor))
             hub.conn(ref.addr)
+        if len(self._procs) <= 2:
+            for ref in self._procs:
+                own(ref)
+            return
+        with ThreadPoolExecutor(max_workers=min(32, len(self._procs))) as ex:  # two handshakes per proc
+            list(ex.map(own, self._procs))
 
     def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> "ActorMesh[Any]":
         """Creates one ``actor_class(*args, **kwargs)`` per proc and returns at once, as Monarch's
@@ -499,6 +528,7 @@ class ProcMesh(_MeshTrait):
         creator = spawner.as_creator()
         rid = hub.next_id()
         futs = []
+        refs_blob: Optional[bytes] = None  # the mesh's procs, pickled once for every proc that needs them
         for point, base in zip(self._shape.points(), self._shape.ranks):
             ref = self._procs[base]
             fut: Future[Any] = Future(hub)
@@ -509,9 +539,11 @@ class ProcMesh(_MeshTrait):
                 key = (ref.addr, self.mesh_id, len(self._procs))
                 first = key not in hub.mesh_refs_sent
                 hub.mesh_refs_sent.add(key)
+            if first and refs_blob is None:
+                refs_blob = pickle.dumps(self._procs, protocol=5)
             header = ("spawn", rid, hub.sender, seq, actor_id, name, point.coords,
                       self._shape.labels, self._shape.sizes, owner, creator,
-                      (self.mesh_id, self._shape, len(self._procs), self._procs if first else None))
+                      (self.mesh_id, self._shape, len(self._procs), refs_blob if first else None))
             _send(hub, ref.addr, encode(header, packed=packed), rid, fut)
             futs.append(fut)
             hub.actors_on.setdefault(ref.addr, []).append(f"{name}{point_text(point)}")

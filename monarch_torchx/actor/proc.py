@@ -751,8 +751,10 @@ class ProcServer:
         from .mesh import ProcMesh
 
         mesh_id, shape, count, refs = mesh
-        if refs is not None:  # one mesh id has one list of procs per size (a proc's this_proc() is 1 of N)
-            self.mesh_refs.setdefault((mesh_id, count), refs)
+        if refs is not None and (mesh_id, count) not in self.mesh_refs:
+            # one mesh id has one list of procs per size (a proc's this_proc() is 1 of N); the
+            # client pickles the list once for all of them, so it comes as bytes
+            self.mesh_refs[(mesh_id, count)] = pickle.loads(refs) if isinstance(refs, bytes) else refs
         procs = self.mesh_refs.get((mesh_id, count))
         return ProcMesh(self.pool, procs, shape, mesh_id) if procs else None
 

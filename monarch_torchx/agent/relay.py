@@ -110,6 +110,23 @@ def call_group(targets: List[Target], creds: Any, op: str, args: Optional[dict],
     return out
 
 
+def ask_tree(targets: List[Target], creds: Any, op: str, args: Optional[dict] = None,
+             calls: Optional[Dict[int, list]] = None, timeout: float = 10.0, sock_for: Any = None,
+             fanout: Optional[int] = None) -> Dict[int, dict]:
+    """Blocking, for a client: ``op`` on every target through the tree (the client sends one
+    request per group, ``fanout`` groups); returns each target's outcome (as a dict) by index."""
+    from concurrent.futures import ThreadPoolExecutor as Threads
+
+    k = fanout or FANOUT
+    groups = split(targets, k)
+    out: Dict[int, dict] = {}
+    if groups:
+        with Threads(max_workers=len(groups)) as ex:
+            for part in ex.map(lambda g: call_group(g, creds, op, args, calls, k, timeout, sock_for), groups):
+                out.update(part)
+    return out
+
+
 class Relay:
     """The agent's ``relay`` op (see the module's docstring)."""
 
