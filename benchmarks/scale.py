@@ -54,6 +54,9 @@ OPS = ["create", "run", "status", "log", "pool status", "sql count", "sync 200 f
 
 ACTORS = textwrap.dedent('''
     import json, resource, sys, time
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[3])
+    from scale import _agent_sessions, _lo_bytes, _session_cpu
     from monarch_torchx import Actor, endpoint, attach
 
     class Echo(Actor):
@@ -66,24 +69,25 @@ ACTORS = textwrap.dedent('''
         return r.ru_utime + r.ru_stime
 
     hosts = attach(sys.argv[1])
+    sessions = _agent_sessions(Path(sys.argv[2]))
     out = {}
-    c0, t0 = cpu(), time.monotonic()
+    c0, t0, a0, b0 = cpu(), time.monotonic(), _session_cpu(sessions), _lo_bytes()
     procs = hosts.spawn_procs(per_host={"procs": 1})
     actors = procs.spawn("echo", Echo)
     actors.ping.call(0).get(timeout=300)
-    out["spawn 1 actor/host"] = (time.monotonic() - t0, cpu() - c0)
+    out["spawn 1 actor/host"] = (time.monotonic() - t0, cpu() - c0, _session_cpu(sessions) - a0, _lo_bytes() - b0)
     walls, cpus = [], []
     for _ in range(5):
         c0, t0 = cpu(), time.monotonic()
         actors.ping.call(1).get(timeout=120)
         walls.append(time.monotonic() - t0)
         cpus.append(cpu() - c0)
-    out["call all"] = (sorted(walls)[2], sorted(cpus)[2])
+    out["call all"] = (sorted(walls)[2], sorted(cpus)[2], float("nan"), float("nan"))
     c0, t0 = cpu(), time.monotonic()
     for _ in range(5):
         actors.ping.broadcast(2)
     actors.ping.call(3).get(timeout=120)  # in order after the broadcasts: all were delivered
-    out["broadcast"] = ((time.monotonic() - t0) / 6, (cpu() - c0) / 6)
+    out["broadcast"] = ((time.monotonic() - t0) / 6, (cpu() - c0) / 6, float("nan"), float("nan"))
     procs.stop().get(timeout=120)
     print(json.dumps(out))
 ''')
@@ -183,10 +187,11 @@ def measure(n: int) -> Dict[str, Dict[str, float]]:
         out["no-op resync"], _ = m.run(mtx + ["sync", "--pool", pool, "--to", "code", str(src)], env)
         script = home / "actors.py"
         script.write_text(ACTORS)
-        ops, stdout = m.run([sys.executable, str(script), pool], env, cwd=ROOT)
-        inner = json.loads(stdout.strip().splitlines()[-1])
-        for name, (wall, cpu) in inner.items():  # timed inside the controller: its own CPU for each
-            out[name] = {"wall": wall, "client_cpu": cpu, "agents_cpu": float("nan"), "bytes": float("nan")}
+        ops, stdout = m.run([sys.executable, str(script), pool, str(home), str(HERE)], env, cwd=ROOT)
+        inner = json.loads(stdout.strip().splitlines()[-1].replace("NaN", "null"))
+        for name, (wall, cpu, agents, moved) in inner.items():  # timed inside the controller
+            out[name] = {"wall": wall, "client_cpu": cpu, "agents_cpu": float("nan") if agents is None else agents,
+                         "bytes": float("nan") if moved is None else moved}
         out["pool stop"], _ = m.run(tx + ["pool", "stop", pool], env)
     finally:
         subprocess.run(tx + ["pool", "stop", "--force", pool], env=env, capture_output=True)
