@@ -121,14 +121,14 @@ def torchx(home: Path, *args: str, cwd: Path | None = None, timeout: float = 120
 
 
 @contextlib.contextmanager
-def module_pool(tmp_path_factory, name: str, hosts: int):
+def module_pool(tmp_path_factory, name: str, hosts: int, preload: str = "torch"):
     """A warm monarch_local pool in a private home for a whole test module (tests spawn procs on it);
     yields (name, home); at the end, the pool is stopped and nothing may be left running."""
     home = tmp_path_factory.mktemp(name) / "home"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MONARCH_TORCHX_HOME", str(home))
         mp.chdir(Path(__file__).resolve().parents[1])
-        ensure_pool(PoolRequest("monarch_local", name, {"hosts": hosts, "preload": "torch"}))
+        ensure_pool(PoolRequest("monarch_local", name, {"hosts": hosts, "preload": preload}))
         yield name, home
         stop_pool(name, Registry(home))
         deadline = time.time() + 10
