@@ -306,3 +306,25 @@ def test_threaded_acceptor_forgets_closed_tls_connections_and_evicts_silent_ones
         silent.close()
     finally:
         acc.close()
+
+
+def test_a_send_that_must_wait_works_on_descriptors_past_selects_limit():
+    """A controller of a big mesh holds more than 1,024 sockets; waiting for one to drain must not
+    depend on select()."""
+    import resource
+
+    from monarch_torchx.actor.hub import raise_open_files_limit, send_parts
+
+    raise_open_files_limit()
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1300:
+        pytest.skip("this process may not open 1,300 files")
+    held = [socket.socket() for _ in range(1100)]  # the next sockets get descriptors past 1,023
+    a, b = socket.socketpair()
+    try:
+        assert a.fileno() > 1024
+        a.setblocking(False)
+        with pytest.raises(TimeoutError, match="did not take data"):
+            send_parts(a, [b"x" * (64 << 20)], timeout=0.3)  # nobody reads the other end
+    finally:
+        for s in held + [a, b]:
+            s.close()

@@ -79,10 +79,32 @@ def send_parts(sock: socket.socket, parts: List[Any], timeout: float = SEND_TIME
         except (BlockingIOError, InterruptedError):
             deadline = deadline or time.monotonic() + timeout
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([], [sock], [], left)[1]:
+            if left <= 0 or not _writable(sock, left):
                 raise TimeoutError(f"peer did not take data for {timeout:.0f} s") from None
             continue
         wire.consume(views, sent)
+
+
+def _writable(sock: socket.socket, timeout: float) -> bool:
+    """Whether ``sock`` takes data within ``timeout`` s (poll, not select: a controller of a big
+    mesh holds more than select's 1,024 descriptors)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    return bool(poller.poll(max(0.0, timeout) * 1000))
+
+
+def raise_open_files_limit() -> None:
+    """Lifts this process's soft limit on open files to the hard one: a controller keeps two
+    sockets per proc of its meshes (the soft limit is often 1,024)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max(soft, 1 << 16) if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):  # not allowed here: the soft limit stays
+            pass
 
 
 def _send_now(sock: socket.socket, parts: List[Any], io_lock: threading.Lock) -> List[memoryview]:
@@ -210,6 +232,7 @@ class Hub:
     """All of one process's proc connections for one pool (keyed by the pool's credentials)."""
 
     def __init__(self, creds: PoolCredentials, pool: str):
+        raise_open_files_limit()
         self.creds = creds
         self.pool = pool
         self.sender = uuid.uuid4().hex[:16]
