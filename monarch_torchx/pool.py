@@ -177,10 +177,14 @@ class Pool:
             raise HostUnreachable(f"host {index} of pool {self.name!r} is unreachable: {why or e}", index, e) from None
 
     def call(self, index: int, op: str, timeout: float = 30.0, **args: Any) -> Any:
+        return self._calls(index, op, timeout, [args])[0]
+
+    def _calls(self, index: int, op: str, timeout: float, arg_list: List[Dict[str, Any]]) -> List[Any]:
+        """``op`` with each of ``arg_list`` in turn, on one connection to host ``index``."""
         with self.connect(index) as c:
             c.settimeout(timeout)
             try:
-                return c.call(op, **args)
+                return [c.call(op, **a) for a in arg_list]
             except wire.WireError as e:
                 raise HostUnreachable(f"host {index} of pool {self.name!r} is unreachable: {e}", index, e) from None
 
@@ -230,16 +234,9 @@ class Pool:
         then bounds the whole operation."""
         indices = list(indices)
         if len(indices) < tree_min_hosts():
-            def one(i: int) -> Any:
-                with self.connect(i) as c:
-                    c.settimeout(timeout)
-                    try:
-                        if calls is not None:
-                            return [c.call(op, **a) for a in calls.get(i, [])]
-                        return c.call(op, **args)
-                    except wire.WireError as e:
-                        raise HostUnreachable(f"host {i} of pool {self.name!r} is unreachable: {e}", i, e) from None
-            return self.fan_out(one, indices)
+            if calls is not None:
+                return self.fan_out(lambda i: self._calls(i, op, timeout, calls.get(i, [])), indices)
+            return self.fan_out(lambda i: self._calls(i, op, timeout, [args])[0], indices)
         return self._ask_tree(op, indices, timeout, calls, args)
 
     def _ask_tree(self, op: str, indices: List[int], timeout: float, calls: Optional[Dict[int, List[dict]]],

@@ -9,6 +9,7 @@ exists is used only if it is a real directory, ours, and closed to group and oth
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
@@ -31,11 +32,31 @@ def check_private_dir(path: Path) -> None:
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise PrivatePathError(f"{path} is not a directory (a symlink or a file is there); remove it")
+    _check_ours(path, st, "chmod 700 it, or remove it")
+
+
+def read_private_file(path: Path) -> bytes:
+    """The contents of ``path``, which must be a regular file of ours that only we can read (a
+    secret). Opened without following a symlink, and checked on the open file itself."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PrivatePathError(f"{path} is a symlink; put the file itself there") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise PrivatePathError(f"{path} is not a regular file; remove it")
+        _check_ours(path, st, "chmod 600 it")
+        return f.read()
+
+
+def _check_ours(path: Path, st: os.stat_result, fix: str) -> None:
     if st.st_uid != os.getuid():
         raise PrivatePathError(f"{path} belongs to uid {st.st_uid}, not you: remove it or choose another path")
     if st.st_mode & 0o077:
-        raise PrivatePathError(f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): "
-                               "chmod 700 it, or remove it")
+        raise PrivatePathError(f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): {fix}")
 
 
 def private_dir(path: Union[str, Path], check: bool = True, from_: Optional[Path] = None) -> Path:

@@ -189,3 +189,23 @@ def node_store(base: Path, pool: str, index: int) -> Path:
     from monarch_torchx.syncfs.host import pool_id
 
     return base / f"{pool}-{pool_id(Registry().require(pool).key)}-host{index}"
+
+
+def assert_launch_with_dead_hosts_is_all_or_nothing(pool, app: str, dead: List[int]) -> None:
+    """Kills the agents of ``dead``, launches one replica on every host of ``pool``: the launch
+    fails naming each dead host, and nothing of it runs on the live ones."""
+    from monarch_torchx import apps
+    from monarch_torchx.errors import MonarchError
+    from monarch_torchx.specs import LaunchSpec
+
+    n = pool.record.num_hosts
+    for i in dead:
+        os.kill(pool.hosts[i].pid, signal.SIGKILL)
+    time.sleep(0.5)
+    specs = [(i, LaunchSpec(app_id=app, role="r", replica_id=i, argv=["sleep", "30"])) for i in range(n)]
+    with pytest.raises(MonarchError, match=f"could not start {app}") as e:
+        apps.launch(pool, app, app, [{"name": "r"}], specs)
+    assert all(f"host {i}:" in str(e.value) for i in dead), e.value
+    answers = pool.ask("describe", [i for i in range(n) if i not in dead], app_id=app)
+    assert all(err is None for _, _, err in answers)
+    assert all(s["state"] != "RUNNING" for _, v, _ in answers for s in v), answers

@@ -14,10 +14,10 @@ import pytest
 
 import monarch_torchx.agent.relay as relay
 from monarch_torchx.errors import HostUnreachable
-from monarch_torchx.pool import LOST, OK, PoolRequest, attach, ensure_pool, stop_pool
+from monarch_torchx.pool import LOST, OK, PoolRequest, attach, ensure_pool
 from monarch_torchx.registry import Registry
 
-from .conftest import torchx, wait_for
+from .conftest import assert_launch_with_dead_hosts_is_all_or_nothing, torchx, wait_for
 from .test_cli import _handle
 
 HOSTS = 10
@@ -102,18 +102,4 @@ def test_actor_procs_are_spawned_through_the_tree(tree_pool):
 
 
 def test_a_launch_with_dead_hosts_is_all_or_nothing_through_the_tree(tree_pool):
-    from monarch_torchx import apps
-    from monarch_torchx.specs import LaunchSpec
-
-    pool = tree_pool
-    dead = [2, 5, 8]
-    for i in dead:
-        os.kill(pool.hosts[i].pid, signal.SIGKILL)
-    time.sleep(0.5)
-    specs = [(i, LaunchSpec(app_id="aon", role="r", replica_id=i, argv=["sleep", "30"])) for i in range(HOSTS)]
-    with pytest.raises(Exception, match="could not start aon") as e:
-        apps.launch(pool, "aon", "aon", [{"name": "r"}], specs)
-    assert all(f"host {i}" in str(e.value) for i in dead)
-    # nothing of it runs anywhere: the hosts that started it were told to kill it
-    states = {i: v for i, v, err in pool.ask("describe", [i for i in range(HOSTS) if i not in dead], app_id="aon")}
-    assert all(s["state"] != "RUNNING" for v in states.values() for s in v), states
+    assert_launch_with_dead_hosts_is_all_or_nothing(tree_pool, "aon", [2, 5, 8])

@@ -8,12 +8,9 @@ import time
 
 import pytest
 
-from monarch_torchx import apps
-from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import LOST, OK, UNREACHABLE, attach
-from monarch_torchx.specs import LaunchSpec
 
-from .conftest import module_pool, torchx, wait_for
+from .conftest import assert_launch_with_dead_hosts_is_all_or_nothing, module_pool, torchx, wait_for
 
 HOSTS = 64
 
@@ -48,17 +45,7 @@ def test_a_launch_on_64_with_3_dead_hosts_is_all_or_nothing(big):
     name, home = big
     pool = attach(name)
     dead = [5, 30, 63]
-    for i in dead:
-        os.kill(pool.hosts[i].pid, signal.SIGKILL)
-    time.sleep(0.5)
-    specs = [(i, LaunchSpec(app_id="aon64", role="r", replica_id=i, argv=["sleep", "30"])) for i in range(HOSTS)]
-    with pytest.raises(MonarchError, match="could not start aon64") as e:
-        apps.launch(pool, "aon64", "aon64", [{"name": "r"}], specs)
-    assert all(f"host {i}:" in str(e.value) for i in dead)
-    live = [i for i in range(HOSTS) if i not in dead]
-    answers = pool.ask("describe", live, app_id="aon64")
-    assert all(err is None for _, _, err in answers)
-    assert all(s["state"] != "RUNNING" for _, v, _ in answers for s in v)
+    assert_launch_with_dead_hosts_is_all_or_nothing(pool, "aon64", dead)
     health = pool.health()
     assert [h.index for h in health if h.state == LOST] == dead
     # the next run repairs the dead hosts and runs on all 64

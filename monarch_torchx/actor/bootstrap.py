@@ -31,7 +31,6 @@ import os
 import secrets
 import shutil
 import socket
-import stat
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -39,9 +38,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Union
 
 from .. import wire
-from ..credentials import PoolCredentials, check_tls_pem
+from ..credentials import PoolCredentials
 from ..errors import MonarchError
-from ..private import PrivatePathError, node_temp_root, private_dir, write_private_bytes
+from ..private import node_temp_root, private_dir, read_private_file
 from ..registry import HostAddr, Registry, check_pool_name, home
 
 log = logging.getLogger("monarch_torchx.actor")
@@ -125,19 +124,11 @@ def _host_port(part: str, text: str) -> tuple:
     return host, int(port), None
 
 
-def read_private_file(path: Path) -> bytes:
-    """The contents of a secret file, which must be a regular file of ours that only we can read."""
+def _read_secret(path: Path) -> bytes:
     try:
-        st = os.lstat(path)
+        return read_private_file(path).strip()
     except FileNotFoundError:
         raise MonarchError(f"no workers secret at {path}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise PrivatePathError(f"{path} is not a regular file; remove it")
-    if st.st_uid != os.getuid():
-        raise PrivatePathError(f"{path} belongs to uid {st.st_uid}, not you: remove it")
-    if st.st_mode & 0o077:
-        raise PrivatePathError(f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): chmod 600 it")
-    return path.read_bytes().strip()
 
 
 def worker_secret(ca: CA) -> bytes:
@@ -153,9 +144,9 @@ def worker_secret(ca: CA) -> bytes:
                     f.write(secrets.token_hex(32))
             except FileExistsError:  # another worker or client made it first
                 pass
-        secret = read_private_file(path)
+        secret = _read_secret(path)
     elif isinstance(ca, (str, Path)):
-        secret = read_private_file(Path(ca).expanduser())
+        secret = _read_secret(Path(ca).expanduser())
     else:
         raise ValueError(f"ca must be 'trust_all_connections', the workers' secret (bytes) or a file holding it, "
                          f"not {type(ca).__name__}")
@@ -333,7 +324,7 @@ def attach_to_workers(*, ca: CA, workers: Sequence[Any], name: Optional[str] = N
             rec.token, rec.tls_pem = pool_key(secret).hex(), worker_tls_pem(secret) if tls else ""
             registry.save(rec)
             try:
-                _adopt_all(rec, addrs, secret, Adoption(name, 0, "x", float(idle_timeout), preload))
+                _adopt_all(rec, addrs, float(idle_timeout), preload)
             except BaseException:
                 registry.delete(rec)
                 raise
@@ -358,16 +349,14 @@ def _forget(rec: Any, registry: Registry) -> None:
     registry.delete(rec)
 
 
-def _adopt_all(rec: Any, addrs: List[WorkerAddress], secret: bytes, template: Adoption) -> None:
+def _adopt_all(rec: Any, addrs: List[WorkerAddress], idle_timeout: float, preload: str) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    creds = PoolCredentials(pool_key(secret), str(Path(rec.state_dir) / "tls.pem") if rec.tls_pem else None)
-    if rec.tls_pem:
-        check_tls_pem(rec.tls_pem)
+    creds = rec.credentials  # the workers' key and certificate, installed in the pool's state dir
     deadline = time.monotonic() + attach_timeout()
 
     def one(i: int) -> None:
-        adoption = Adoption(rec.name, i, uuid.uuid4().hex[:12], template.idle_timeout, template.preload)
+        adoption = Adoption(rec.name, i, uuid.uuid4().hex[:12], idle_timeout, preload)
         reply = _adopt(addrs[i], creds, adoption, deadline)
         Registry.publish_host(Path(rec.state_dir), HostAddr(
             index=i, host=addrs[i].host, port=addrs[i].port, hostname=str(reply.get("hostname", "")),
