@@ -122,6 +122,15 @@ class RemoteError(RuntimeError):
         self.kind = kind
 
 
+class UnknownOperation(RemoteError):
+    """The peer serves no such operation (e.g. the module that provides it is not loaded there).
+
+    A client sees it as a RemoteError whose ``kind`` is "UnknownOperation"."""
+
+    def __init__(self, op: Any):
+        super().__init__(f"unknown operation {op!r}", "UnknownOperation")
+
+
 DROP_LOG_EVERY_S = 10.0
 
 
@@ -488,7 +497,7 @@ class Server:
         handler = self._handlers.get(op) if isinstance(op, str) else None
         try:
             if handler is None:
-                raise RemoteError(f"unknown operation {op!r}")
+                raise UnknownOperation(op)
             if not isinstance(args, dict):
                 raise RemoteError("arguments must be a dict")
             result = handler(peer, **args)

@@ -1,5 +1,6 @@
 """Agent side of telemetry: this host's tables, built from what the agent already keeps, and
-the part of a query the client pushes down (projection, filters, limit), run by DataFusion.
+the part of a query the client pushes down (projection, filters, limit, or partial aggregates
+that relays merge per subtree), run by DataFusion.
 
 Loaded into every agent through the ``monarch_torchx.modules`` entry point; DataFusion and
 pyarrow are imported at the first query (or once a host has much output waiting to be indexed),
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..private import private_dir
+from .arrow_ipc import from_ipc, to_ipc
+from .partial import merge
 from .query import read_only_options
 from .schema import TABLES, arrow_schema
 
@@ -289,9 +292,8 @@ def _storage(t: Any) -> Any:
     return pa.int64() if pa.types.is_timestamp(t) else t
 
 
-def run_query(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> List[bytes]:
-    """Runs a pushed-down query over this host's tables; returns Arrow IPC streams of at most
-    ``BATCH_ROWS`` rows each, which the agent sends back one frame at a time."""
+def query_tables(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> Any:
+    """Runs a pushed-down query (or a partial aggregate) over this host's tables -> pyarrow.Table."""
     import pyarrow as pa
     from datafusion import SessionContext
 
@@ -320,16 +322,18 @@ def run_query(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> List[b
             raise ValueError(f"unknown table {name!r}: tables are {', '.join(TABLES)}")
         ctx.register_record_batches(name, [batches or [pa.record_batch([pa.array([], f.type) for f in arrow_schema(name)],
                                                                         schema=arrow_schema(name))]])
-    table = ctx.sql_with_options(sql, read_only_options()).to_arrow_table()
-    chunks = []
-    for batch in table.to_batches(max_chunksize=BATCH_ROWS) or [pa.record_batch(
-            [pa.array([], f.type) for f in table.schema], schema=table.schema)]:
-        sink = pa.BufferOutputStream()
-        # lz4: repetitive telemetry columns (host, app_id, role...) shrink to almost nothing on the wire
-        with pa.ipc.new_stream(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="lz4")) as writer:
-            writer.write_batch(batch)
-        chunks.append(sink.getvalue().to_pybytes())
-    return chunks
+    return ctx.sql_with_options(sql, read_only_options()).to_arrow_table()
+
+
+def run_query(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> List[bytes]:
+    """A pushed-down query's rows as Arrow IPC streams of at most ``BATCH_ROWS`` rows each, which
+    the agent sends back one frame at a time."""
+    return to_ipc(query_tables(agent, logs, sql, tables), BATCH_ROWS)
+
+
+def merge_subtree(args: dict, values: List[Any]) -> Any:
+    """The relay's combiner for ``telemetry.partial``: its subtree's partials, merged into one."""
+    return to_ipc(merge([from_ipc([v]) for v in values], args["merge"]))[0]
 
 
 MAX_STACK_ROWS = 200_000
@@ -473,3 +477,12 @@ def setup(agent: Any) -> None:
         return Stream(batches())
 
     agent.add_handler("telemetry.query", query)
+
+    async def partial(peer: Any, sql: str, table: str, merge: str) -> bytes:
+        """This host's partial aggregates (``partial.py``); relays merge their subtree's with ``merge``."""
+        import asyncio
+
+        answer = await asyncio.get_running_loop().run_in_executor(None, query_tables, agent, logs, sql, [table])
+        return to_ipc(answer)[0]
+
+    agent.add_handler("telemetry.partial", partial, combine=merge_subtree)

@@ -49,6 +49,7 @@ class Outcome:
     kind: str = ""  # the exception's class name (a wire error: the host was not reached)
     refused: bool = False  # a ConnectFailed whose connection was refused (nothing listens there)
     via: Optional[int] = None  # the agent that reported it, when not the host itself
+    merged_into: Optional[int] = None  # for a combined op: its value is part of that host's value
 
 
 def split(targets: Sequence[Target], fanout: int) -> List[List[Target]]:
@@ -150,7 +151,7 @@ class Relay:
         turn) and on every other target through the tree; returns each target's outcome by host
         index."""
         op = relayed
-        if op == "relay" or op not in self.agent.handlers:
+        if op == "relay":
             raise wire.RemoteError(f"operation {op!r} cannot be relayed")
         tree = [Target(**t) for t in targets]
         if not tree or tree[0].index != self.agent.index:
@@ -172,10 +173,15 @@ class Relay:
                                                    kind="PeerClosed", via=self.agent.index)))
         if op in LOCAL_LAST:
             out[self.agent.index] = asdict(await self._local(peer, op, args, (calls or {}).get(self.agent.index)))
+        combine = self.agent.combiners.get(op)
+        if combine is not None:
+            out = await loop.run_in_executor(self._pool(), combined, out, combine, args or {})
         return out
 
     async def _local(self, peer: wire.Peer, op: str, args: Optional[dict], calls: Optional[list]) -> Outcome:
-        handler = self.agent.handlers[op]
+        handler = self.agent.handlers.get(op)
+        if handler is None:  # (e.g. its module is not loaded here): the subtree is asked all the same
+            return failure(wire.UnknownOperation(op))
         self.agent.touch(op)
         try:
             if calls is not None:
@@ -188,6 +194,32 @@ class Relay:
             return Outcome(False, error=f"bad arguments for {op!r}: {e}", kind="TypeError")
         except Exception as e:  # the host's answer, as a direct call would carry it
             return failure(e)
+
+
+def combined(out: Dict[int, dict], combine: Any, args: dict) -> Dict[int, dict]:
+    """A subtree's outcomes with every answered value combined into one, carried by the lowest
+    host that answered; the others say ``merged_into`` it. Failures stay as they are, so the
+    answer still names every host it lacks. If combining fails, the values travel as they came
+    (the client combines them): a bad merge loses nothing."""
+    answered = sorted(i for i, o in out.items() if o["ok"] and o.get("merged_into") is None and o["value"] is not None)
+    if len(answered) < 2:
+        return out
+    try:
+        value = combine(args, [out[i]["value"] for i in answered])
+    except Exception:  # noqa: BLE001 (the module's combiner: whatever it raises, the values survive)
+        import logging
+
+        logging.getLogger("monarch_torchx.agent").exception("combining %d answers failed", len(answered))
+        return out
+    carrier = answered[0]
+    out = dict(out)
+    out[carrier] = asdict(Outcome(True, value))
+    for i in answered[1:]:
+        out[i] = asdict(Outcome(True, None, merged_into=carrier))
+    for i, o in out.items():  # those merged into a host of ours are in the carrier's value now
+        if o["ok"] and o.get("merged_into") is not None and i not in answered:
+            out[i] = asdict(Outcome(True, None, merged_into=carrier))
+    return out
 
 
 async def _run(handler: Any, peer: wire.Peer, args: dict) -> Any:

@@ -64,6 +64,7 @@ class Agent:
             "list": self.op_list, "kill": self.op_kill, "logs": self.op_logs, "shutdown": self.op_shutdown,
             "reserve_port": self.op_reserve_port, "wait": self.op_wait,
         }
+        self.combiners: Dict[str, Callable[[dict, List[Any]], Any]] = {}
         self.relay = Relay(self)
         self.handlers["relay"] = self.relay.op_relay
         self.stopping = asyncio.Event()
@@ -98,11 +99,16 @@ class Agent:
         """For modules: run a coroutine for the agent's life (cancelled when it stops)."""
         self._background.append(asyncio.get_running_loop().create_task(coro))
 
-    def add_handler(self, op: str, fn: Callable[..., Any]) -> None:
-        """For modules: serve ``op`` on this agent's authenticated port."""
+    def add_handler(self, op: str, fn: Callable[..., Any],
+                    combine: Optional[Callable[[dict, List[Any]], Any]] = None) -> None:
+        """For modules: serve ``op`` on this agent's authenticated port. With ``combine``
+        (blocking: the request's args and the values of hosts that answered -> one value), a relay
+        answers for its whole subtree with one combined value instead of one per host."""
         if op in self.handlers:
             raise ValueError(f"operation {op!r} is already served")
         self.handlers[op] = fn
+        if combine is not None:
+            self.combiners[op] = combine
 
     def touch(self, op: str) -> None:
         """A request for ``op`` arrived: work on the pool, unless ``op`` only looks."""
