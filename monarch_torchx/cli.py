@@ -61,7 +61,7 @@ def pool_summary(pool: "Pool") -> Dict[str, Any]:
             "running": h.info.get("running"), "idle_s": h.info.get("idle_s"),
             "warm": h.info.get("warm", {}).get("preloaded") if h.ok else None,
             "warm_state": h.info.get("warm", {}).get("state") if h.ok else None,
-            "last_seen": a.heartbeat if a else None,
+            "last_seen": time.time() if h.ok else (a.heartbeat if a else None),  # (it just answered)
             "error": (a.exit_reason if a and a.exited else h.error) if not h.ok else "",
         })
     from .pool import get_provisioner

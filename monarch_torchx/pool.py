@@ -132,9 +132,29 @@ class Pool:
 
     @property
     def hosts(self) -> List[Optional[HostAddr]]:
+        """Every host's address: from the pool's view (one file), else from each host's file,
+        which then become the view. Heartbeats in it may be old: ``fresh_host`` reads one host's."""
         if self._hosts is None:
-            self._hosts = self.registry.hosts(self.record)
+            hosts = self.registry.read_view(self.record)
+            if hosts is None:
+                hosts = self.registry.hosts(self.record)
+                if all(h is not None and not h.exited for h in hosts):
+                    self.registry.write_view(self.record, [h for h in hosts if h is not None])
+            self._hosts = hosts
         return self._hosts
+
+    def fresh_host(self, index: int) -> Optional[HostAddr]:
+        """Host ``index`` as its own file says now (its heartbeat, whether it exited or moved). If
+        it moved, the address this handle and the pool's view had was stale: both are corrected."""
+        if not 0 <= index < self.record.num_hosts:
+            return None
+        fresh = self.registry.read_host(self.record.path, index)
+        if self._hosts is not None:
+            old = self._hosts[index]
+            self._hosts[index] = fresh
+            if fresh is None or not fresh.same_agent(old):
+                self.registry.drop_view(self.record.path)
+        return fresh
 
     def host(self, index: int) -> Optional[HostAddr]:
         """Host ``index``'s address: from the pool's list if it was read, else from its own file
@@ -196,7 +216,7 @@ class Pool:
         ``err``), or its heartbeat is older than HEARTBEAT_GRACE_S. A connection that timed out or
         was dropped is not evidence: a flooded, busy or briefly cut-off host looks the same.
         """
-        addr = self.hosts[index] if 0 <= index < len(self.hosts) else None
+        addr = self.fresh_host(index)
         why = self._engine_loss_reason()  # the engine's word first: it says why
         if why:
             return why
@@ -233,6 +253,8 @@ class Pool:
         (``agent/relay.py``): the client opens a few connections, not one per host; ``timeout``
         then bounds the whole operation."""
         indices = list(indices)
+        if len(indices) > 1:
+            self.hosts  # noqa: B018 (many hosts: one read of the pool's view, not one file each)
         if len(indices) < tree_min_hosts():
             if calls is not None:
                 return self.fan_out(lambda i: self._calls(i, op, timeout, calls.get(i, [])), indices)
@@ -316,9 +338,12 @@ class Pool:
                 except wire.WireError as e:
                     raise HostUnreachable(f"host {i} of pool {self.name!r} is unreachable: {e}", i, e) from None
 
+        cached = list(hosts)
         res = self.ask("info", range(len(hosts)), timeout=PING_TIMEOUT_S, touch=touch)
-        # no evidence it is gone: ask once more, patiently (connecting included)
-        again = [i for i, _, err in res if isinstance(err, HostUnreachable) and not self.loss_evidence(i, err)]
+        # no evidence it is gone, or it was asked at an address it had left: ask once more,
+        # patiently (connecting included); loss_evidence reads each failed host's own file
+        again = [i for i, _, err in res if isinstance(err, HostUnreachable) and
+                 (not self.loss_evidence(i, err) or not self.hosts[i] or not self.hosts[i].same_agent(cached[i]))]
         if again:
             retried = {i: (v, e) for i, v, e in self.fan_out(patient_ping, again)}
             res = [(i, *retried[i]) if i in retried else (i, v, e) for i, v, e in res]
@@ -326,6 +351,7 @@ class Pool:
             if isinstance(err, AccessError):  # our access is broken, not the hosts: nothing to repair
                 raise err
         out = []
+        hosts = self.hosts
         for i, info, err in res:
             if err is None:
                 out.append(HostHealth(i, hosts[i], True, info or {}, "", OK))

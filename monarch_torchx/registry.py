@@ -32,6 +32,7 @@ from .credentials import TLS_FILE, TOKEN_FILE, PoolCredentials, check_tls_pem, n
 from .errors import MonarchError, PoolNotFound
 from .private import PrivatePathError, private_dir, write_private_bytes
 
+VIEW_FILE = "hosts/view.json"  # every host's address in one file (see Registry.read_view)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -85,6 +86,11 @@ class HostAddr:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def same_agent(self, other: Optional["HostAddr"]) -> bool:
+        """Whether ``other`` is this very agent, reached the same way (heartbeats aside)."""
+        return other is not None and (self.host, self.port, self.incarnation, self.pid, self.via, bool(self.exited)) == \
+            (other.host, other.port, other.incarnation, other.pid, other.via, bool(other.exited))
 
     def identity(self, pool: str) -> bytes:
         """What both handshake MACs cover: this agent and no other."""
@@ -270,12 +276,48 @@ class Registry:
 
     @staticmethod
     def hosts(rec: PoolRecord) -> List[Optional[HostAddr]]:
-        """The agents' published addresses by index; None where one has not published (yet)."""
+        """The agents' published addresses by index, each from its own file (fresh heartbeats
+        included); None where one has not published (yet). A client reads ``read_view`` first."""
         return [Registry.read_host(Path(rec.state_dir), i) for i in range(rec.num_hosts)]
 
     @staticmethod
-    def publish_host(state_dir: Path, addr: HostAddr) -> None:
+    def publish_host(state_dir: Path, addr: HostAddr, moved: bool = True) -> None:
+        """Writes host ``addr.index``'s file. ``moved`` (a new agent, a new address, an exit, not a
+        heartbeat): the pool's view of addresses is dropped first, so that whoever sees the new
+        file can no longer read the old view."""
+        if moved:
+            Registry.drop_view(state_dir)
         write_private(Path(state_dir) / "hosts" / f"{addr.index}.json", json.dumps(asdict(addr)))
+
+    # A pool's view: every host's address in one file, so a client on a shared file system makes
+    # one read per operation, not one per host. Written by a client that read every host's file
+    # and found them all live; dropped whenever an address changes (publish_host, clear_host).
+    # A view written from files read just before an agent moved can be stale: a call to such a
+    # host fails its handshake (the identity names the incarnation), and the client then reads
+    # that host's own file (Pool.fresh_host), which drops the view.
+
+    @staticmethod
+    def read_view(rec: PoolRecord) -> Optional[List[Optional[HostAddr]]]:
+        """The pool's view of addresses, or None if there is none (or it is not this pool's size)."""
+        path = Path(rec.state_dir) / VIEW_FILE
+        try:
+            data = _read_json(path)
+            hosts = [HostAddr(**h) for h in data["hosts"]] if data else None
+        except (MonarchError, TypeError, KeyError):  # damaged: the host files are the truth
+            return None
+        if hosts is None or len(hosts) != rec.num_hosts or [h.index for h in hosts] != list(range(rec.num_hosts)):
+            return None
+        return list(hosts)
+
+    @staticmethod
+    def write_view(rec: PoolRecord, hosts: List[HostAddr]) -> None:
+        with contextlib.suppress(OSError):  # a view is an optimisation: without one, files are read
+            write_private(Path(rec.state_dir) / VIEW_FILE, json.dumps({"hosts": [asdict(h) for h in hosts]}))
+
+    @staticmethod
+    def drop_view(state_dir: Path) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (Path(state_dir) / VIEW_FILE).unlink()
 
     @staticmethod
     def install_credentials(state_dir: Path, token: str, tls_pem: str = "") -> None:
@@ -288,6 +330,7 @@ class Registry:
 
     @staticmethod
     def clear_host(rec: PoolRecord, index: int) -> None:
+        Registry.drop_view(Path(rec.state_dir))
         with contextlib.suppress(FileNotFoundError):
             (Path(rec.state_dir) / "hosts" / f"{index}.json").unlink()
 

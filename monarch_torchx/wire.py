@@ -563,6 +563,16 @@ def client_handshake(sock: socket.socket, key: bytes, identity: bytes, address: 
         raise PeerClosed(f"{address}: {e.strerror or e}") from None
 
 
+def _self_connected(sock: socket.socket) -> bool:
+    """Linux may give a connection to a local port nobody listens on that same port as its own
+    source port: the socket then talks to itself (TCP simultaneous open) and keeps the port
+    bound, so the agent meant to listen there (a worker reopening its port) cannot."""
+    try:
+        return sock.getsockname() == sock.getpeername()
+    except OSError:
+        return False
+
+
 def dial(host: str, port: int, creds: PoolCredentials, identity: bytes, timeout: float,
          sock: Optional[socket.socket] = None) -> socket.socket:
     """The one way to open a connection to a member of a pool: connect, TLS where the pool uses
@@ -584,6 +594,9 @@ def dial(host: str, port: int, creds: PoolCredentials, identity: bytes, timeout:
                     raise
             else:
                 sock = socket.create_connection((host, port), timeout=timeout)
+                if _self_connected(sock):
+                    sock.close()  # at once: it holds the very port the peer is about to listen on
+                    raise ConnectionRefusedError(111, "nothing listens there (the connection met itself)")
         except OSError as e:
             raise ConnectFailed(f"cannot reach {address}: {e.strerror or e}",
                                 refused=isinstance(e, (ConnectionRefusedError, FileNotFoundError))) from None

@@ -380,9 +380,11 @@ def _agent_call(hub: Hub, host: HostAddr, op: str, timeout: float, **args: Any) 
 
 def attach(pool: str) -> HostMesh:
     """The HostMesh of warm pool ``pool`` (created earlier by torchx run / pool create)."""
+    from ..pool import Pool
+
     registry = Registry()
     rec = registry.require(pool)
-    hosts = Registry.hosts(rec)
+    hosts = Pool(rec, registry).hosts
     for i, h in enumerate(hosts):
         if h is None:
             raise MonarchError(f"host {i} of pool {pool!r} has not started (see `monarch-torchx pool status {pool}`)")

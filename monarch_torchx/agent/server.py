@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -37,7 +38,9 @@ HEARTBEAT_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_S", "5"))
 HEARTBEAT_WRITE_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_WRITE_S", str(6 * HEARTBEAT_S)))
 # asking about a pool must not keep it alive: only work (launches, module calls) resets idleness
 PASSIVE_OPS = frozenset({"relay", "info", "describe", "list", "logs", "kill", "shutdown", "wait", "telemetry.query",
-                         "telemetry.stacks"})
+                         "telemetry.partial", "telemetry.stacks"})
+BIND_RETRY_S = 3.0
+HEARTBEAT_FIELDS = frozenset({"heartbeat", "last_work"})  # a publish of only these: the agent did not move
 MAX_FINISHED_APPS = 500
 
 
@@ -236,6 +239,8 @@ class Agent:
         now = time.time()
         latest = now - self.idle_seconds()
         for p in (self.state_dir / "hosts").glob("*.json"):
+            if not p.stem.isdigit():  # (the pool's view of addresses)
+                continue
             try:
                 h = Registry.read_host(self.state_dir, int(p.stem))
             except (ValueError, OSError, MonarchError):
@@ -257,7 +262,7 @@ class Agent:
         assert self.addr is not None
         for k, v in extra.items():
             setattr(self.addr, k, v)
-        Registry.publish_host(self.state_dir, self.addr)
+        Registry.publish_host(self.state_dir, self.addr, moved=not set(extra) <= HEARTBEAT_FIELDS)
 
     def _superseded(self) -> Optional[str]:
         """Why another agent (or nobody) now owns this host's address file, or None if we do.
@@ -304,6 +309,20 @@ class Agent:
                 else:
                     next_pool_check = now + (limit - pool_idle)
 
+    async def _listen(self, sock: Optional[socket.socket]) -> int:
+        """Starts the server; returns its port. A given port that is briefly in use (a worker
+        reopening the port its adoption listener just closed, while a stray connection still
+        holds it) is tried again for up to BIND_RETRY_S."""
+        deadline = time.monotonic() + BIND_RETRY_S
+        while True:
+            try:
+                return await self.server.start(self.args.bind, self.args.port, sock=sock)
+            except OSError as e:
+                if sock is not None or not self.args.port or e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                log.info("port %d is in use; trying again", self.args.port)
+                await asyncio.sleep(0.1)
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -311,7 +330,7 @@ class Agent:
         self.load_modules()
         await self.launcher.start()
         listen = socket.socket(fileno=self.args.listen_fd) if self.args.listen_fd is not None else None
-        port = await self.server.start(self.args.bind, self.args.port, sock=listen)
+        port = await self._listen(listen)
         advertise = self.args.advertise or (self.args.bind if self.args.bind not in ("0.0.0.0", "") else socket.gethostname())
         self.addr = HostAddr(index=self.index, host=advertise, port=port, hostname=socket.gethostname(),
                              pid=os.getpid(), incarnation=self.incarnation, started=self.started,
