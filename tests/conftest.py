@@ -209,3 +209,32 @@ def assert_launch_with_dead_hosts_is_all_or_nothing(pool, app: str, dead: List[i
     answers = pool.ask("describe", [i for i in range(n) if i not in dead], app_id=app)
     assert all(err is None for _, _, err in answers)
     assert all(s["state"] != "RUNNING" for _, v, _ in answers for s in v), answers
+
+
+def assert_a_relay_killed_mid_wait_is_passed_over(pool, app: str, victim: int) -> None:
+    """Runs one sleeping replica per host, asks every host to ``wait`` for it through the tree,
+    and kills relay ``victim``'s agent while it is waiting: ``victim`` is named, and every other
+    host still answers (the rest of its group is asked again through the next member)."""
+    import threading
+
+    from monarch_torchx import apps
+    from monarch_torchx.errors import HostUnreachable
+    from monarch_torchx.specs import LaunchSpec
+
+    n = pool.record.num_hosts
+    apps.launch(pool, app, app, [{"name": "r"}],
+                [(i, LaunchSpec(app_id=app, role="r", replica_id=i, argv=["sleep", "60"])) for i in range(n)])
+    got: Dict[str, list] = {}
+    asking = threading.Thread(target=lambda: got.setdefault("res", pool.ask("wait", range(n), timeout=20.0, app_id=app,
+                                                                             within=4.0)))
+    pid = pool.hosts[victim].pid
+    asking.start()
+    time.sleep(1.5)  # every host is waiting now (its answer comes at 4 s)
+    os.kill(pid, signal.SIGKILL)
+    asking.join(30)
+    assert not asking.is_alive()
+    res = got["res"]
+    assert [i for i, _, e in res if e is not None] == [victim], [(i, e) for i, _, e in res if e is not None]
+    assert isinstance(res[victim][2], HostUnreachable)
+    assert all(s["state"] == "RUNNING" for i, v, e in res if e is None for s in v)
+    pool.ask("kill", [i for i in range(n) if i != victim], app_id=app)

@@ -17,7 +17,8 @@ from monarch_torchx.errors import HostUnreachable
 from monarch_torchx.pool import LOST, OK, PoolRequest, attach, ensure_pool
 from monarch_torchx.registry import Registry
 
-from .conftest import assert_launch_with_dead_hosts_is_all_or_nothing, torchx, wait_for
+from .conftest import (assert_a_relay_killed_mid_wait_is_passed_over, assert_launch_with_dead_hosts_is_all_or_nothing,
+                       torchx, wait_for)
 from .test_cli import _handle
 
 HOSTS = 10
@@ -59,6 +60,10 @@ def test_a_killed_relay_host_is_passed_over_and_named_as_lost(tree_pool):
     health = pool.health()
     assert [h.state for h in health] == [LOST if h.index == victim else OK for h in health]
     assert f"host {victim} of pool" in health[victim].error
+
+
+def test_a_relay_host_killed_mid_operation_is_passed_over(tree_pool):
+    assert_a_relay_killed_mid_wait_is_passed_over(tree_pool, "midwait", victim=5)  # leads the client's 2nd group
 
 
 def test_a_hung_relay_host_costs_its_group_a_bounded_wait(tree_pool):

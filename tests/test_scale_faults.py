@@ -10,7 +10,8 @@ import pytest
 
 from monarch_torchx.pool import LOST, OK, UNREACHABLE, attach
 
-from .conftest import assert_launch_with_dead_hosts_is_all_or_nothing, module_pool, torchx, wait_for
+from .conftest import (assert_a_relay_killed_mid_wait_is_passed_over, assert_launch_with_dead_hosts_is_all_or_nothing,
+                       module_pool, torchx, wait_for)
 
 HOSTS = 64
 
@@ -52,3 +53,8 @@ def test_a_launch_on_64_with_3_dead_hosts_is_all_or_nothing(big):
     h = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={name}", "utils.echo", "--msg", "back",
                "--num_replicas", str(HOSTS)).stdout.strip().splitlines()[-1]
     wait_for(lambda: "SUCCEEDED" in torchx(home, "status", h).stdout, timeout=120, what="echo on 64 hosts")
+
+
+def test_a_relay_of_64_killed_mid_operation_is_passed_over(big):  # (last: it leaves host 8 dead)
+    name, _ = big
+    assert_a_relay_killed_mid_wait_is_passed_over(attach(name), "midwait64", victim=8)  # leads 8 of the 64

@@ -5,8 +5,10 @@ otherwise open one connection per host. With ``relay`` it sends ``FANOUT`` reque
 that gets one runs the operation itself, splits the rest of its targets into ``FANOUT`` groups
 and sends each group to its first member, and answers with every outcome of its subtree. A group
 whose first member cannot be reached is led by the next one (that host's own outcome says why),
-and a subtree that does not answer within the request's deadline is reported, host by host, as
-not answered through the agent that led it: a dead or hung host costs its subtree a bounded wait.
+as is the rest of a group whose first member died while relaying an operation that may run twice
+(``REPEATABLE``). A subtree that does not answer within the request's deadline is reported, host
+by host, as not answered through the agent that led it: a dead or hung host costs its subtree a
+bounded wait.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ FANOUT = 8
 LEVEL_MARGIN_S = 0.5  # each level answers this much before its parent's deadline
 DIAL_TIMEOUT_S = 3.0  # a group's first member that does not complete a handshake in this is passed over
 LOCAL_LAST = frozenset({"shutdown"})  # ops that end this agent: run after the subtrees were told
+# ops a host may run twice without harm: when a relay dies holding one, the rest of its group is
+# asked again through the next member (others, e.g. launch, report the group as not answered)
+REPEATABLE = frozenset({"info", "describe", "list", "wait", "kill", "shutdown", "telemetry.partial"})
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,11 @@ def call_group(targets: List[Target], creds: Any, op: str, args: Optional[dict],
             out[head.index] = asdict(failure(e))
             continue
         except (wire.WireError, OSError) as e:  # it took the request and did not answer: its subtree waited
+            if op in REPEATABLE and len(group) > 1 and isinstance(e, (wire.PeerClosed, ConnectionError)):
+                # it died mid-operation (a hung one times out instead): the rest is led by the next member
+                out[head.index] = asdict(Outcome(False, kind="PeerClosed",
+                                                 error=f"closed the connection while relaying ({e})"))
+                continue
             for t in group:
                 out.setdefault(t.index, asdict(Outcome(False, kind=type(e).__name__, via=head.index,
                                                        error=f"no answer through host {head.index} ({e})")))
