@@ -153,12 +153,70 @@ class Meter:
                 "agents_cpu": max(0.0, a1 - a0), "bytes": _lo_bytes() - b0}, res.stdout
 
 
+MIN_AVAILABLE_MIB = 1536  # below this, the run is ended before the kernel's OOM killer picks a victim
+
+
+def _available_mib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1024
+    return float("inf")
+
+
+class MemoryGuard:
+    """Ends every agent of the run (SIGKILL by session) when the machine runs out of memory, so
+    the OOM killer does not pick another victim (it once took the SLURM lab's database). The
+    lowest MemAvailable seen is reported with the results."""
+
+    def __init__(self, home: Path):
+        import threading
+
+        self.home, self.tripped, self.lowest = home, False, float("inf")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> "MemoryGuard":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        import signal
+
+        while not self._stop.wait(0.25):
+            avail = _available_mib()
+            self.lowest = min(self.lowest, avail)
+            if avail < MIN_AVAILABLE_MIB and not self.tripped:
+                self.tripped = True
+                print(f"memory: {avail:.0f} MiB available; ending the pool's agents", file=sys.stderr, flush=True)
+                for sid in _agent_sessions(self.home):
+                    try:
+                        os.killpg(os.getpgid(sid), signal.SIGKILL)
+                    except OSError:
+                        pass
+
+
 def measure(n: int) -> Dict[str, Dict[str, float]]:
     home = Path(tempfile.mkdtemp(prefix=f"scale{n}-"))
+    out: Dict[str, Dict[str, float]] = {}
+    with MemoryGuard(home) as guard:
+        try:
+            _measure(n, home, out)
+        except (SystemExit, subprocess.SubprocessError, ValueError, KeyError) as e:
+            if not guard.tripped:
+                raise
+            print(f"{n} hosts: ended for memory after {', '.join(out) or 'nothing'} ({str(e)[:200]})", file=sys.stderr)
+    print(f"{n} hosts: lowest MemAvailable {guard.lowest:.0f} MiB", file=sys.stderr, flush=True)
+    return out
+
+
+def _measure(n: int, home: Path, out: Dict[str, Dict[str, float]]) -> None:
     env = dict(os.environ, MONARCH_TORCHX_HOME=str(home), PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     m = Meter(home)
     pool = f"scale{n}"
-    out: Dict[str, Dict[str, float]] = {}
     tx, mtx = [str(BIN / "torchx")], [str(BIN / "monarch-torchx")]
     try:
         out["create"], _ = m.run(tx + ["pool", "create", pool, "-cfg", f"hosts={n},preload=none"], env)
@@ -176,9 +234,6 @@ def measure(n: int) -> Dict[str, Dict[str, float]]:
         if logs.count("hello") != n:
             raise SystemExit(f"torchx log printed {logs.count('hello')} of {n} replicas' lines")
         out["pool status"], _ = m.run(tx + ["pool", "status", pool], env)
-        time.sleep(1.5)  # the telemetry indexers pick the replicas' output up
-        out["sql count"], _ = m.run(mtx + ["sql", "--pool", pool, "select count(*) from logs"], env)
-        out["sql again"], _ = m.run(mtx + ["sql", "--pool", pool, "select count(*) from logs"], env)  # warm
         src = home / "src"
         for i in range(200):
             d = src / f"d{i % 10}"
@@ -193,11 +248,14 @@ def measure(n: int) -> Dict[str, Dict[str, float]]:
         for name, (wall, cpu, agents, moved) in inner.items():  # timed inside the controller
             out[name] = {"wall": wall, "client_cpu": cpu, "agents_cpu": float("nan") if agents is None else agents,
                          "bytes": float("nan") if moved is None else moved}
+        # after the actor procs have ended: every agent imports DataFusion at its first query, and
+        # at 256 hosts here both at once do not fit in memory
+        out["sql count"], _ = m.run(mtx + ["sql", "--pool", pool, "select count(*) from logs"], env)
+        out["sql again"], _ = m.run(mtx + ["sql", "--pool", pool, "select count(*) from logs"], env)  # warm
         out["pool stop"], _ = m.run(tx + ["pool", "stop", pool], env)
     finally:
         subprocess.run(tx + ["pool", "stop", "--force", pool], env=env, capture_output=True)
         shutil.rmtree(home, ignore_errors=True)
-    return out
 
 
 def fit(xs: List[float], ys: List[float]) -> Tuple[float, float]:

@@ -14,6 +14,7 @@ bounded wait.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -25,7 +26,7 @@ from ..errors import MonarchError
 if TYPE_CHECKING:
     from .server import Agent
 
-FANOUT = 8
+FANOUT = int(os.environ.get("MONARCH_TORCHX_TREE_FANOUT", "8"))  # requests each level sends on
 LEVEL_MARGIN_S = 0.5  # each level answers this much before its parent's deadline
 DIAL_TIMEOUT_S = 3.0  # a group's first member that does not complete a handshake in this is passed over
 LOCAL_LAST = frozenset({"shutdown"})  # ops that end this agent: run after the subtrees were told
@@ -144,6 +145,7 @@ class Relay:
     def __init__(self, agent: "Agent"):
         self.agent = agent
         self._threads: Optional[ThreadPoolExecutor] = None
+        self.relayed = 0  # requests this agent passed on to a subtree (shown in its info)
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._threads is None:
@@ -169,6 +171,7 @@ class Relay:
         fanout = max(2, min(int(fanout), 64))
         loop = asyncio.get_running_loop()
         groups = split(tree[1:], fanout)
+        self.relayed += len(groups)
         subtrees = [loop.run_in_executor(self._pool(), call_group, g, self.agent.creds, op, args, calls, fanout,
                                          timeout) for g in groups]
         out: Dict[int, dict] = {}

@@ -168,6 +168,7 @@ class Agent:
             "running": self.procs.running, "idle_s": round(idle, 1),
             "idle_timeout": self.args.idle_timeout, "modules": self.modules, "warm": self.launcher.warm_info,
             "connections": self.server.connections, "accepted": self.server.accepted,
+            "relayed": self.relay.relayed,
         }
 
     async def op_launch(self, peer: wire.Peer, spec: dict) -> dict:
