@@ -30,8 +30,7 @@ BATCH_BYTES = 8 << 20
 STREAMS = 4  # parallel connections to a host while sending
 QUEUED_BATCHES = 8  # batches read ahead of the senders (about 64 MiB)
 RETRIES = 3
-# hosts in one chain: past this, several chains (each chunk leaves the client once per chain)
-CHAIN_LENGTH = 16
+CHAIN_LENGTH = transfer.CHAIN_LENGTH
 
 
 @dataclass
@@ -134,9 +133,10 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
     ``fanout="chain"``: the client sends each missing chunk once, to the first host, which
     stores it and passes it on down a pipelined chain, so N hosts take about as long as one;
     hosts a broken chain did not reach are then fed directly. More than ``chain_length`` hosts
-    are split into that many chains of equal length, fed at once: the client sends each chunk
-    once per chain, and a chain's fill time and a failure's reach stay bounded. ``"star"``: the client feeds every
-    host itself. Paths matching ``src/.torchxignore`` (TorchX's workspace rules) or
+    are split in two halves, and so is any half that is still longer, at the client and at each
+    host that feeds one (``transfer.downstream_groups``): no machine sends a chunk more than
+    twice, and a chain's fill time and a failure's reach stay bounded. ``"star"``: the client
+    feeds every host itself. Paths matching ``src/.torchxignore`` (TorchX's workspace rules) or
     ``exclude`` (the same ``fnmatch`` syntax) are left out.
     """
     t0 = time.time()
@@ -223,13 +223,13 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             how["bind"] = conns[live[0]].local_address
             how["mode"] = transfer.choose(how["bind"])
         chained = fanout == "chain" and len(live) > 1
-        chains = _split(live, chain_length) if chained else [[i] for i in live]
+        chains = transfer.downstream_groups(live, chain_length) if chained else [[i] for i in live]
         session = uuid.uuid4().hex
         for i in live:
             meter.update(i, state="chain" if chained else "sending")
         addrs = pool.hosts
         # one sender per chain head (or per host fed directly), each with STREAMS connections of its own
-        senders = {c[0]: sender(c[0], session=session, chain=[
+        senders = {c[0]: sender(c[0], session=session, chain_length=chain_length, chain=[
             {"index": i, "host": addrs[i].host, "port": addrs[i].port, "identity": addrs[i].identity(pool.name).decode()}
             for i in c[1:]]) if chained else sender(c[0]) for c in chains}
         recent: List[List[str]] = []
@@ -359,12 +359,6 @@ def _prefetch(groups: Any, depth: int = 2) -> Any:
             yield item
     finally:
         stop.set()
-
-
-def _split(hosts: List[int], length: int) -> List[List[int]]:
-    """``hosts`` in the fewest chains of at most ``length``, as equal as can be."""
-    n = -(-len(hosts) // max(1, length))
-    return [hosts[k::n] for k in range(n)] if n > 1 else [hosts]
 
 
 def _batches(todo: List[str], sizes: Dict[str, int]) -> List[List[str]]:

@@ -33,32 +33,30 @@ PIPELINE_DEPTH = 4  # batches a host holds for the next one before it slows its 
 log = logging.getLogger("monarch_torchx.agent.syncfs")
 
 
-class Forwarder:
-    """Passes every batch this host received on to the next host of the chain, from threads of
-    its own (parallel streams, as from the client): the sender is answered as soon as a batch is
-    stored here and queued, so each hop of the chain works on different batches at once."""
+class _Link:
+    """One group below this host: batches go to its first host, which passes them on to the rest."""
 
-    def __init__(self, pool: str, creds: Any, session: str, chain: List[Dict[str, Any]], mode: str, streams: int = 4):
-        self.pool, self.creds, self.session, self.next, self.rest = pool, creds, session, chain[0], chain[1:]
-        self.mode = mode  # socket or rdma: as the batches came here
-        self.pump = transfer.Pump(self._connect, self._send, PIPELINE_DEPTH, streams, f"syncfs-forward-{session[:8]}")
+    def __init__(self, fw: "Forwarder", group: List[Dict[str, Any]], streams: int):
+        self.fw, self.next, self.rest = fw, group[0], group[1:]
+        self.pump = transfer.Pump(self._connect, self._send, PIPELINE_DEPTH, streams,
+                                  f"syncfs-forward-{fw.session[:8]}")
         self.failed: Dict[int, str] = {}  # host index -> why; hosts after a failed one are not reached
         self.unreached: List[int] = []
-        self.last_used = time.monotonic()
 
     def _connect(self) -> Any:
         from .. import wire
 
-        c = wire.Client(self.next["host"], self.next["port"], self.creds, timeout=10.0,
+        c = wire.Client(self.next["host"], self.next["port"], self.fw.creds, timeout=10.0,
                         identity=self.next["identity"].encode())
         c.settimeout(600.0)
         return c
 
     def _send(self, client: Any, batch: Tuple[List[Tuple[str, int]], Any]) -> None:
         index, data = batch
-        args, release = transfer.outgoing(self.mode, self.pool, client.local_address, data)
+        args, release = transfer.outgoing(self.fw.mode, self.fw.pool, client.local_address, data)
         try:
-            client.call("syncfs.put", chunks=index, session=self.session, chain=self.rest, **args)
+            client.call("syncfs.put", chunks=index, session=self.fw.session, chain=self.rest,
+                        chain_length=self.fw.chain_length, **args)
         finally:
             release()
 
@@ -66,20 +64,58 @@ class Forwarder:
         if not self.failed:
             self.failed[self.next["index"]] = why
             self.unreached = [h["index"] for h in self.rest]
-            log.warning("sync %s: host %d failed: %s", self.session[:8], self.next["index"], why)
+            log.warning("sync %s: host %d failed: %s", self.fw.session[:8], self.next["index"], why)
 
-    def finish(self) -> Dict[str, Any]:
+    def finish(self) -> None:
         if self.pump.finish():
             self._fail(self.pump.error)
         if not self.failed and self.rest:
             try:
                 with self._connect() as c:
-                    down = c.call("syncfs.flush", session=self.session)
+                    down = c.call("syncfs.flush", session=self.fw.session)
                 self.failed.update({int(k): v for k, v in down["failed"].items()})
                 self.unreached = down["unreached"]
             except Exception as e:
                 self._fail(str(e) or type(e).__name__)
-        return {"failed": self.failed, "unreached": self.unreached}
+
+
+class Forwarder:
+    """Passes every batch this host received on to the hosts below it (``transfer.downstream_groups``:
+    a chain, or two halves of a big group), from threads of its own (parallel streams, as from the
+    client): the sender is answered as soon as a batch is stored here and queued, so each hop
+    works on different batches at once."""
+
+    def __init__(self, pool: str, creds: Any, session: str, chain: List[Dict[str, Any]], mode: str,
+                 chain_length: int, streams: int = 4):
+        self.pool, self.creds, self.session, self.chain_length = pool, creds, session, chain_length
+        self.mode = mode  # socket or rdma: as the batches came here
+        self.links = [_Link(self, g, streams) for g in transfer.downstream_groups(chain, chain_length)]
+        self.last_used = time.monotonic()
+
+    @property
+    def next_hosts(self) -> List[int]:
+        return [link.next["index"] for link in self.links]
+
+    def put(self, batch: Tuple[List[Tuple[str, int]], Any]) -> None:
+        for link in self.links:  # the same buffer to each: it is only read
+            link.pump.put(batch)
+
+    def abort(self, why: str) -> None:
+        for link in self.links:
+            link.pump.abort(why)
+
+    def drain(self) -> None:
+        for link in self.links:
+            link.pump.finish()
+
+    def finish(self) -> Dict[str, Any]:
+        failed: Dict[int, str] = {}
+        unreached: List[int] = []
+        for link in self.links:
+            link.finish()
+            failed.update(link.failed)
+            unreached += link.unreached
+        return {"failed": failed, "unreached": unreached}
 
 
 SESSION_IDLE_S = float(os.environ.get("MONARCH_TORCHX_SYNC_SESSION_IDLE_S", "300"))
@@ -255,17 +291,17 @@ def setup(agent: Any) -> None:
             now = time.monotonic()
             for sid in [sid for sid, fw in sessions.items() if now - fw.last_used > SESSION_IDLE_S]:
                 fw = sessions.pop(sid)
-                fw.pump.abort("abandoned")
-                abandoned[sid] = fw.next["index"]
+                fw.abort("abandoned")
+                abandoned[sid] = fw.next_hosts[0]
                 while len(abandoned) > 256:
                     abandoned.popitem(last=False)
                 log.warning("sync %s: no batch for %.0f s: dropped its forwarding", sid[:8], now - fw.last_used)
-                await run(fw.pump.finish)  # its threads drain the queue and close their connections
+                await run(fw.drain)  # its threads drain the queues and close their connections
 
     async def open_sessions(peer: Any) -> List[Dict[str, Any]]:
         """The chained syncs this host is forwarding now (session, next host, seconds idle)."""
         now = time.monotonic()
-        return [{"session": sid, "next": fw.next["index"], "idle_s": round(now - fw.last_used, 1)}
+        return [{"session": sid, "next": fw.next_hosts, "idle_s": round(now - fw.last_used, 1)}
                 for sid, fw in sessions.items()]
     prepared: "OrderedDict[Tuple[Path, str], Tuple[Manifest, bytes]]" = OrderedDict()
 
@@ -279,17 +315,18 @@ def setup(agent: Any) -> None:
         return await run(store.missing, hashes)
 
     async def put(peer: Any, chunks: List[Tuple[str, int]], data: Any = None, rdma: Any = None, session: str = "",
-                  chain: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
+                  chain: Optional[List[Dict[str, Any]]] = None, chain_length: int = transfer.CHAIN_LENGTH) -> Dict[str, Any]:
         """Stores a batch (``data``, or what ``rdma`` points at: the ``chunks``, (name, size) each,
-        end to end); with a ``chain``, also passes it on to the next host of it."""
+        end to end); with a ``chain`` (every host below this one), also passes it on to them."""
         data, via = await run(transfer.incoming, agent.pool, agent.creds, data, rdma)
         stored = await run(store.put, chunks, data)
         if chain:
             fw = sessions.get(session)
             if fw is None:  # no await between the check and the insert: parallel streams share one
-                fw = sessions[session] = Forwarder(agent.pool, agent.creds, session, chain, transfer.forwarding(via))
+                fw = sessions[session] = Forwarder(agent.pool, agent.creds, session, chain, transfer.forwarding(via),
+                                                   max(1, int(chain_length)))
             fw.last_used = time.monotonic()
-            await run(fw.pump.put, (chunks, data))
+            await run(fw.put, (chunks, data))
         return {"stored": stored, "via": via}
 
     async def flush(peer: Any, session: str) -> Dict[str, Any]:

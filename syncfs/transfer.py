@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Tuple
 from ..errors import MonarchError
 
 MODES = ("auto", "socket", "rdma")
+CHAIN_LENGTH = 16  # hosts fed as one chain; a bigger group is fed as two halves (downstream_groups)
 log = logging.getLogger("monarch_torchx.syncfs")
 ENV = "MONARCH_TORCHX_SYNC_TRANSFER"
 
@@ -144,6 +145,18 @@ class Pump:
         for t in self.threads:
             t.join()
         return self.error
+
+
+def downstream_groups(hosts: List[Any], chain_length: int) -> List[List[Any]]:
+    """How one sender (the client, or a host passing batches on) feeds the hosts below it: up
+    to ``chain_length`` of them, as one chain; more, as two halves, each fed the same way by its
+    first host. No machine sends a byte more than twice, however many hosts (the client no longer
+    feeds one chain per ``chain_length`` hosts); a chain bounds how far one failure reaches, and
+    the halving bounds the depth to about log2(N / chain_length) + chain_length hops."""
+    if len(hosts) <= max(1, chain_length):
+        return [list(hosts)] if hosts else []
+    half = (len(hosts) + 1) // 2
+    return [list(hosts[:half]), list(hosts[half:])]
 
 
 def forwarding(via: str) -> str:

@@ -267,6 +267,42 @@ def test_chain_reaches_every_host_and_routes_around_a_dead_one(home, pool_name, 
         assert_same_tree(src, Path(by[i].path))
 
 
+def test_a_big_group_is_fed_as_halves_and_a_dead_inner_host_is_routed_around(home, pool_name, tmp_path,
+                                                                             monkeypatch):
+    from monarch_torchx.syncfs import client, transfer
+
+    # 9 hosts, chains of at most 2: the client feeds hosts 0 and 5; host 0 feeds 1 (then 2) and
+    # 3 (then 4); host 5 feeds 6 (then 7) and 8
+    assert transfer.downstream_groups(list(range(9)), 2) == [[0, 1, 2, 3, 4], [5, 6, 7, 8]]
+    assert transfer.downstream_groups([1, 2, 3, 4], 2) == [[1, 2], [3, 4]]
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))
+    p = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 9, "preload": ""}))
+    src = make_tree(tmp_path / "src")
+    size = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+    report = client.sync(p, str(src), "ws", chain_length=2)
+    assert report.ok and len(report.hosts) == 9
+    assert size <= report.bytes_sent <= 2 * size + (1 << 20)  # twice (two halves), not once per chain of 2
+    for h in report.hosts:
+        assert_same_tree(src, Path(h.path))
+    # host 3 feeds host 4: killed while the tree is being fed, it is named and host 4 is fed directly
+    (src / "more.bin").write_bytes(os.urandom(20 << 20))
+    real, calls = client._send, []
+
+    def kill_host3_after_first_batch(*a, **kw):
+        real(*a, **kw)
+        calls.append(1)
+        if len(calls) == 1:
+            os.kill(p.hosts[3].pid, signal.SIGKILL)
+
+    monkeypatch.setattr(client, "_send", kill_host3_after_first_batch)
+    report = client.sync(p, str(src), "ws", chain_length=2)
+    by = {h.index: h for h in report.hosts}
+    assert not by[3].ok and "host 3" in by[3].error
+    assert all(by[i].ok for i in range(9) if i != 3), [(h.index, h.error) for h in report.hosts if not h.ok]
+    for i in (0, 1, 2, 4, 5, 8):
+        assert_same_tree(src, Path(by[i].path))
+
+
 def test_a_client_killed_mid_sync_switches_no_host(pool, home, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
