@@ -186,9 +186,29 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         c.settimeout(timeout)
         return c
 
-    def open_host(i: int) -> None:  # and does it accept the target at all? (before a byte moves)
-        conns[i] = connect(i)
-        conns[i].call("syncfs.missing", hashes=[], target=target)
+    def ask(op: str, which: List[int], **args: Any) -> Dict[int, Any]:
+        """``op`` on each host of ``which``, through the pool's relay tree from 32 hosts on (the
+        client opens a few connections, not one per host); the values by host. A host's failure
+        is recorded, naming it; the others carry on."""
+        out: Dict[int, Any] = {}
+        for i, value, err in pool.ask(op, which, timeout=timeout, **args) if which else []:
+            if err is not None:
+                fail(i, str(err) or type(err).__name__)
+                meter.update(i, state="FAILED")
+            else:
+                out[i] = value
+        return out
+
+    def lacking(group: List[int], hashes: List[str]) -> set:
+        """The chunks some host of ``group`` lacks (a relay answers with its subtree's union)."""
+        got = ask("syncfs.missing", ok(group), hashes=hashes)
+        return set().union(*(v for v in got.values() if v is not None))  # None: in another host's answer
+
+    def head(i: int) -> Any:
+        """The client's own connection to host ``i`` (a chain's head): for its flush."""
+        if i not in conns:
+            conns[i] = connect(i)
+        return conns[i]
 
     vias: List[str] = []
     how = {"mode": "socket", "pool": pool.name, "bind": "", "vias": vias}
@@ -217,10 +237,10 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         return {i: meter.sent[i] for i in senders}
 
     try:
-        each(open_host, indices)
+        ask("syncfs.missing", indices, hashes=[], target=target)  # does each accept the target? (before a byte moves)
         live = ok(indices)
         if live:
-            how["bind"] = conns[live[0]].local_address
+            how["bind"] = head(live[0]).local_address
             how["mode"] = transfer.choose(how["bind"])
         chained = fanout == "chain" and len(live) > 1
         chains = transfer.downstream_groups(live, chain_length) if chained else [[i] for i in live]
@@ -245,10 +265,9 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
                     sources[h] = found[h]
                 if not new:
                     continue
-                lacking = each(lambda i: conns[i].call("syncfs.missing", hashes=new), ok(live))
                 for c in chains:
                     if not results[c[0]].error and not senders[c[0]].error:
-                        wanted = set().union(*(lacking.get(i, ()) for i in c))
+                        wanted = lacking(c, new)
                         submit(senders[c[0]], [h for h in new if h in wanted])
                 recent.append(new)
                 if len(recent) > 2:  # long since read by the senders: a later resend reads the files
@@ -258,9 +277,9 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             # the manifest and starts the target's FUSE server, so the commit after them is short
             data = Manifest(entries).dumps()
             digest = manifest_digest(data)
-            ready = each(lambda i: conns[i].call("syncfs.prepare", target=target, digest=digest), ok(live))
-            each(lambda i: conns[i].call("syncfs.prepare", target=target, digest=digest, manifest=data),
-                 [i for i, r in ready.items() if not r["unchanged"] and not r["prepared"]])
+            ready = ask("syncfs.prepare", ok(live), target=target, digest=digest)
+            ask("syncfs.prepare", [i for i, r in ready.items() if not r["unchanged"] and not r["prepared"]],
+                target=target, digest=digest, manifest=data)
         except BaseException:
             for pump in senders.values():  # the sync is over: drop what is queued
                 pump.abort("cancelled")
@@ -269,38 +288,39 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             sent = finish(senders)
         feed: List[int] = []
         for c in chains:
-            head, rest = c[0], c[1:]
+            first, rest = c[0], c[1:]
             down = {"failed": {}, "unreached": rest}
-            if chained and not results[head].error:
+            if chained and not results[first].error:
                 try:
-                    down = conns[head].call("syncfs.flush", session=session)
+                    down = head(first).call("syncfs.flush", session=session)
                 except Exception as e:
-                    fail(head, str(e) or type(e).__name__)
+                    fail(first, str(e) or type(e).__name__)
             for k, why in down["failed"].items():
                 fail(int(k), why)
             for i in c:
                 if i not in down["unreached"] and not results[i].error:
-                    results[i].bytes_sent = sent[head]
+                    results[i].bytes_sent = sent[first]
             feed += [i for i in down["unreached"] if not results[i].error]  # a broken chain: fed directly
         if feed:  # each host the chain did not reach is fed what it lacks of the whole tree
-            lacking = each(lambda i: conns[i].call("syncfs.missing", hashes=list(sizes)), feed)
-            direct = {i: sender(i) for i in lacking}
+            own = each(lambda i: pool.call(i, "syncfs.missing", timeout=timeout, hashes=list(sizes)), feed)
+            direct = {i: sender(i) for i in own}
             for i, pump in direct.items():
-                submit(pump, lacking[i])
+                submit(pump, own[i])
             for i, n in finish(direct).items():
                 results[i].bytes_sent = n
         cache.save()
 
-        def commit(i: int) -> None:
+        for i in ok(live):
             meter.update(i, state="committing")
-            out = conns[i].call("syncfs.commit", target=target, digest=digest)
-            if not out["committed"]:  # nothing prepared (the host was restarted?): send the manifest
-                out = conns[i].call("syncfs.commit", target=target, manifest=data)
+        done = ask("syncfs.commit", ok(live), target=target, digest=digest)
+        again = [i for i, out in done.items() if not out["committed"]]  # nothing prepared (restarted?)
+        for i in again:
+            del done[i]
+        done.update(ask("syncfs.commit", again, target=target, manifest=data))  # so: with the manifest
+        for i, out in done.items():
             results[i].ok, results[i].generation, results[i].path = True, out["generation"], out["path"]
             results[i].served_by = out.get("served_by", "")
             meter.update(i, state=f"gen {out['generation']}")
-
-        each(commit, ok(live))
     finally:
         for c in conns.values():
             c.close()

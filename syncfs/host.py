@@ -454,7 +454,8 @@ def setup(agent: Any) -> None:
         # the user's syncfs directory (and temp root), once no pool of theirs uses it
         remove_empty_dirs(store.root.parent, store.private_from)
 
-    for op, fn in (("syncfs.missing", missing), ("syncfs.put", put), ("syncfs.flush", flush),
+    agent.add_handler("syncfs.missing", missing, combine=lambda _args, lists: sorted(set().union(*lists)))
+    for op, fn in (("syncfs.put", put), ("syncfs.flush", flush),
                    ("syncfs.prepare", prepare), ("syncfs.commit", commit), ("syncfs.where", where),
                    ("syncfs.workdir", workdir), ("syncfs.sessions", open_sessions)):
         agent.add_handler(op, fn)

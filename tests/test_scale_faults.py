@@ -55,6 +55,29 @@ def test_a_launch_on_64_with_3_dead_hosts_is_all_or_nothing(big):
     wait_for(lambda: "SUCCEEDED" in torchx(home, "status", h).stdout, timeout=120, what="echo on 64 hosts")
 
 
+def test_a_sync_to_64_hosts_is_asked_through_the_relay_tree_and_sent_down_a_tree_of_chains(big, tmp_path):
+    name, _ = big
+    pool = attach(name)
+    src = tmp_path / "src"
+    for i in range(50):
+        (src / f"d{i % 5}").mkdir(parents=True, exist_ok=True)
+        (src / f"d{i % 5}" / f"f{i}.py").write_text(f"x = {i}\n" * 200)
+    (src / "blob.bin").write_bytes(os.urandom(3 << 20))
+    size = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+    def relayed() -> int:  # (each ask counts its own relaying too)
+        return sum(v["relayed"] for _, v, _ in pool.ask("info", range(HOSTS)))
+
+    r0 = relayed()
+    per_ask = relayed() - r0
+    r1 = r0 + per_ask
+    report = pool.sync(str(src), "code")
+    assert report.ok and len(report.hosts) == HOSTS and len({h.generation for h in report.hosts}) == 1
+    assert report.bytes_sent <= 2 * size + (1 << 20)  # two halves of 32, not 4 chains of 16
+    # the target check, what lacks, prepare and commit went through the relays, as an info does
+    assert per_ask > 0 and relayed() - r1 - per_ask >= 3 * per_ask
+    assert pool.ask("syncfs.where", [0, 63], target="code")[1][1]["generation"] == report.generation
+
+
 def test_a_relay_of_64_killed_mid_operation_is_passed_over(big):  # (last: it leaves host 8 dead)
     name, _ = big
     assert_a_relay_killed_mid_wait_is_passed_over(attach(name), "midwait64", victim=8)  # leads 8 of the 64
