@@ -108,7 +108,7 @@ def call_group(targets: List[Target], creds: Any, op: str, args: Optional[dict],
             out[head.index] = asdict(failure(e))
             continue
         except (wire.WireError, OSError) as e:  # it took the request and did not answer: its subtree waited
-            if op in REPEATABLE and len(group) > 1 and isinstance(e, (wire.PeerClosed, ConnectionError)):
+            if op in REPEATABLE and len(group) > 1 and _closed(e):
                 # it died mid-operation (a hung one times out instead): the rest is led by the next member
                 out[head.index] = asdict(Outcome(False, kind="PeerClosed",
                                                  error=f"closed the connection while relaying ({e})"))
@@ -120,6 +120,12 @@ def call_group(targets: List[Target], creds: Any, op: str, args: Optional[dict],
         out.update({int(i): o for i, o in reply.items()})
         return out
     return out
+
+
+def _closed(e: BaseException) -> bool:
+    """The peer's end went away (it died): not a timeout, whose wait has used the time up.
+    (Every wire error is a ConnectionError; a raw one is a reset socket.)"""
+    return isinstance(e, wire.PeerClosed) or (isinstance(e, ConnectionError) and not isinstance(e, wire.WireError))
 
 
 def ask_tree(targets: List[Target], creds: Any, op: str, args: Optional[dict] = None,
