@@ -32,19 +32,25 @@ def tree_pool(home, pool_name, monkeypatch):
     yield attach(pool_name)
 
 
-def test_every_host_answers_through_the_tree_and_each_accepts_one_connection(tree_pool):
+def test_every_host_answers_through_the_tree_over_connections_the_relays_keep(tree_pool):
     pool = tree_pool
     before = {i: v["accepted"] for i, v, _ in pool.ask("info", range(HOSTS), timeout=10.0)}
     res = pool.ask("info", range(HOSTS), timeout=10.0)
     assert [(i, v["index"], e) for i, v, e in res] == [(i, i, None) for i in range(HOSTS)]
-    # each host got the request once, from its parent in the tree (the client dialled 2 of them)
-    assert all(v["accepted"] - before[i] == 1 for i, v, _ in res)
+    # again: the client dials the heads of its 2 groups; the relays reuse the connections they kept
+    assert {i: v["accepted"] - before[i] for i, v, _ in res} == {i: int(i in (0, 5)) for i in range(HOSTS)}
     # per-host arguments, several calls each
     lists = pool.ask("reserve_port", [1, 4, 7], calls={1: [{}, {}], 4: [{}], 7: []})
     assert [(i, len(v)) for i, v, _ in lists] == [(1, 2), (4, 1), (7, 0)]
     # a host's own failure comes back as the error a direct call gives
     bad = pool.ask("describe", [0, 5], timeout=10.0, no_such_argument=1)
     assert all("bad arguments for 'describe'" in str(e) for _, _, e in bad)
+    # a relay's kept connection to a host that was restarted since is replaced, and the host answers
+    victim = 7
+    os.kill(pool.hosts[victim].pid, signal.SIGKILL)
+    wait_for(lambda: LOST in [h.state for h in pool.health()], what="the host to be lost")
+    torchx_run_repairs = ensure_pool(PoolRequest("monarch_local", pool.name, {}))
+    assert all(err is None for _, _, err in torchx_run_repairs.ask("info", range(HOSTS), timeout=10.0))
 
 
 def test_a_killed_relay_host_is_passed_over_and_named_as_lost(tree_pool):

@@ -18,7 +18,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import wire
 from ..errors import MonarchError
@@ -32,7 +32,8 @@ DIAL_TIMEOUT_S = 3.0  # a group's first member that does not complete a handshak
 LOCAL_LAST = frozenset({"shutdown"})  # ops that end this agent: run after the subtrees were told
 # ops a host may run twice without harm: when a relay dies holding one, the rest of its group is
 # asked again through the next member (others, e.g. launch, report the group as not answered)
-REPEATABLE = frozenset({"info", "describe", "list", "wait", "kill", "shutdown", "telemetry.partial"})
+REPEATABLE = frozenset({"info", "describe", "list", "wait", "kill", "shutdown", "telemetry.partial", "syncfs.missing",
+                        "syncfs.prepare"})
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,61 @@ def failure(e: BaseException, via: Optional[int] = None) -> Outcome:
                    refused=isinstance(e, wire.ConnectFailed) and e.refused, via=via)
 
 
+class ConnectionCache:
+    """An agent's open connections to other agents, kept between relayed requests for operations
+    that may run twice (``REPEATABLE``): a relay asked again and again (a sync's steps, health
+    checks, describes) does not pay a handshake each time. A kept connection whose peer has
+    closed it since is replaced by a fresh one and the request sent again, which is safe only
+    because those operations may run twice."""
+
+    IDLE_S = 30.0
+    PER_PEER = 4
+
+    def __init__(self) -> None:
+        import threading
+
+        self._idle: Dict[Target, List[Tuple[float, wire.Client]]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, peer: Target) -> Optional[wire.Client]:
+        now = time.monotonic()
+        with self._lock:
+            kept = self._idle.get(peer, [])
+            while kept:
+                since, c = kept.pop()
+                if now - since < self.IDLE_S:
+                    return c
+                c.close()
+        return None
+
+    def give(self, peer: Target, c: wire.Client) -> None:
+        with self._lock:
+            if len(self._idle) > 4 * FANOUT:  # peers that moved (a restarted agent is a new Target)
+                now = time.monotonic()
+                for gone in [p for p, kept in self._idle.items() if all(now - t >= self.IDLE_S for t, _ in kept)]:
+                    for _, old in self._idle.pop(gone):
+                        old.close()
+            kept = self._idle.setdefault(peer, [])
+            kept.append((time.monotonic(), c))
+            while len(kept) > self.PER_PEER:
+                kept.pop(0)[1].close()
+
+    def close(self) -> None:
+        with self._lock:
+            for kept in self._idle.values():
+                for _, c in kept:
+                    c.close()
+            self._idle.clear()
+
+
 def call_group(targets: List[Target], creds: Any, op: str, args: Optional[dict], calls: Optional[Dict[int, list]],
-               fanout: int, timeout: float, sock_for: Any = None) -> Dict[int, dict]:
+               fanout: int, timeout: float, sock_for: Any = None,
+               cache: Optional[ConnectionCache] = None) -> Dict[int, dict]:
     """Blocking: sends one group to its first reachable member; returns its subtree's outcomes
     (as dicts). Used by agents and by the client alike."""
     out: Dict[int, dict] = {}
     deadline = time.monotonic() + timeout
+    keep = cache if op in REPEATABLE else None
     for pos, head in enumerate(targets):
         left = deadline - time.monotonic()
         if left <= 0:
@@ -92,33 +142,58 @@ def call_group(targets: List[Target], creds: Any, op: str, args: Optional[dict],
             return out
         group = targets[pos:]
         dial = min(DIAL_TIMEOUT_S, left / 3)  # a hung first member leaves time for the next
-        try:
-            sock = sock_for(head, dial) if sock_for else None
-            c = wire.Client(head.host, head.port, creds, timeout=dial, identity=head.identity.encode(), sock=sock)
-        except (wire.WireError, OSError, MonarchError) as e:  # (MonarchError: a tunnel that did not open)
-            out[head.index] = asdict(failure(e))  # the next member leads the rest of the group
-            continue
-        try:
-            with c:
+        reused = keep.take(head) if keep is not None else None
+        while True:
+            if reused is not None:  # alive and answering? (a fresh dial's handshake would have told)
+                c, tunnelled = reused, False
+                try:
+                    c.settimeout(dial)
+                    c.call("ping")
+                except (wire.WireError, OSError) as e:
+                    c.close()
+                    reused = None
+                    if _closed(e):  # it had closed this connection since (restarted?): dial it afresh
+                        continue
+                    out[head.index] = asdict(failure(e))  # hung: the next member leads the rest
+                    break
+            else:
+                try:
+                    sock = sock_for(head, dial) if sock_for else None
+                    c = wire.Client(head.host, head.port, creds, timeout=dial, identity=head.identity.encode(),
+                                    sock=sock)
+                    tunnelled = sock is not None
+                except (wire.WireError, OSError, MonarchError) as e:  # (MonarchError: a tunnel that did not open)
+                    out[head.index] = asdict(failure(e))  # the next member leads the rest of the group
+                    break
+            try:
                 c.settimeout(max(0.1, deadline - time.monotonic()))
                 sub_calls = {t.index: calls[t.index] for t in group if t.index in calls} if calls else None
                 reply = c.call("relay", relayed=op, targets=[asdict(t) for t in group], args=args, calls=sub_calls,
                                fanout=fanout, timeout=max(0.1, deadline - time.monotonic() - LEVEL_MARGIN_S))
-        except wire.RemoteError as e:  # it refused the relay itself (e.g. it is shutting down)
-            out[head.index] = asdict(failure(e))
-            continue
-        except (wire.WireError, OSError) as e:  # it took the request and did not answer: its subtree waited
-            if op in REPEATABLE and len(group) > 1 and _closed(e):
-                # it died mid-operation (a hung one times out instead): the rest is led by the next member
-                out[head.index] = asdict(Outcome(False, kind="PeerClosed",
-                                                 error=f"closed the connection while relaying ({e})"))
-                continue
-            for t in group:
-                out.setdefault(t.index, asdict(Outcome(False, kind=type(e).__name__, via=head.index,
-                                                       error=f"no answer through host {head.index} ({e})")))
+            except wire.RemoteError as e:  # it refused the relay itself (e.g. it is shutting down)
+                c.close()
+                out[head.index] = asdict(failure(e))
+                break
+            except (wire.WireError, OSError) as e:  # it took the request and did not answer: its subtree waited
+                c.close()
+                if reused is not None and _closed(e):  # a kept connection it had closed since: once more, fresh
+                    reused = None
+                    continue
+                if op in REPEATABLE and len(group) > 1 and _closed(e):
+                    # it died mid-operation (a hung one times out instead): the rest is led by the next member
+                    out[head.index] = asdict(Outcome(False, kind="PeerClosed",
+                                                     error=f"closed the connection while relaying ({e})"))
+                    break
+                for t in group:
+                    out.setdefault(t.index, asdict(Outcome(False, kind=type(e).__name__, via=head.index,
+                                                           error=f"no answer through host {head.index} ({e})")))
+                return out
+            if keep is not None and not tunnelled:
+                keep.give(head, c)
+            else:
+                c.close()
+            out.update({int(i): o for i, o in reply.items()})
             return out
-        out.update({int(i): o for i, o in reply.items()})
-        return out
     return out
 
 
@@ -152,6 +227,7 @@ class Relay:
         self.agent = agent
         self._threads: Optional[ThreadPoolExecutor] = None
         self.relayed = 0  # requests this agent passed on to a subtree (shown in its info)
+        self.connections = ConnectionCache()
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._threads is None:
@@ -161,6 +237,7 @@ class Relay:
     def close(self) -> None:
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
+        self.connections.close()
 
     async def op_relay(self, peer: wire.Peer, relayed: str, targets: List[dict], args: Optional[dict] = None,
                        calls: Optional[Dict[int, list]] = None, fanout: int = FANOUT,
@@ -179,7 +256,7 @@ class Relay:
         groups = split(tree[1:], fanout)
         self.relayed += len(groups)
         subtrees = [loop.run_in_executor(self._pool(), call_group, g, self.agent.creds, op, args, calls, fanout,
-                                         timeout) for g in groups]
+                                         timeout, None, self.connections) for g in groups]
         out: Dict[int, dict] = {}
         if op not in LOCAL_LAST:
             out[self.agent.index] = asdict(await self._local(peer, op, args, (calls or {}).get(self.agent.index)))

@@ -37,7 +37,7 @@ HEARTBEAT_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_S", "5"))
 # how often the host file is rewritten (1,024 hosts: ~2,000 writes a minute to the pool's dir)
 HEARTBEAT_WRITE_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_WRITE_S", str(6 * HEARTBEAT_S)))
 # asking about a pool must not keep it alive: only work (launches, module calls) resets idleness
-PASSIVE_OPS = frozenset({"relay", "info", "describe", "list", "logs", "kill", "shutdown", "wait", "telemetry.query",
+PASSIVE_OPS = frozenset({"relay", "ping", "info", "describe", "list", "logs", "kill", "shutdown", "wait", "telemetry.query",
                          "telemetry.partial", "telemetry.stacks"})
 BIND_RETRY_S = 3.0
 HEARTBEAT_FIELDS = frozenset({"heartbeat", "last_work"})  # a publish of only these: the agent did not move
@@ -65,7 +65,7 @@ class Agent:
         self.handlers: Dict[str, Callable[..., Any]] = {
             "info": self.op_info, "launch": self.op_launch, "describe": self.op_describe,
             "list": self.op_list, "kill": self.op_kill, "logs": self.op_logs, "shutdown": self.op_shutdown,
-            "reserve_port": self.op_reserve_port, "wait": self.op_wait,
+            "reserve_port": self.op_reserve_port, "wait": self.op_wait, "ping": self.op_ping,
         }
         self.combiners: Dict[str, Callable[[dict, List[Any]], Any]] = {}
         self.relay = Relay(self)
@@ -155,6 +155,10 @@ class Agent:
                 log.error("module %s failed to load: %s", name, e)
 
     # ------------------------------------------------------------ operations
+
+    async def op_ping(self, peer: wire.Peer) -> bool:
+        """The cheapest answer: a relay asks it on a connection it kept, before reusing it."""
+        return True
 
     async def op_info(self, peer: wire.Peer, touch: bool = False) -> dict:
         if self.stopping.is_set():  # so a health check counts this host as gone, not as usable
