@@ -223,6 +223,21 @@ def test_a_dead_host_is_named_and_the_others_complete(pool, home, tmp_path):
     assert report.ok and (old / "a.txt").read_text() == "two\n"
 
 
+def _kill_after_the_first_batch(monkeypatch, pool, victim: int) -> None:
+    """The client's next sync kills host ``victim``'s agent once its first batch has been sent."""
+    from monarch_torchx.syncfs import client
+
+    real, calls = client._send, []
+
+    def send_then_kill(*a, **kw):
+        real(*a, **kw)
+        calls.append(1)
+        if len(calls) == 1:
+            os.kill(pool.hosts[victim].pid, signal.SIGKILL)
+
+    monkeypatch.setattr(client, "_send", send_then_kill)
+
+
 def test_chain_reaches_every_host_and_routes_around_a_dead_one(home, pool_name, tmp_path, monkeypatch):
     monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))
     p = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 4, "preload": ""}))
@@ -247,18 +262,7 @@ def test_chain_reaches_every_host_and_routes_around_a_dead_one(home, pool_name, 
     # a host in the middle of the chain dies while the chain is being fed: the hosts after it get
     # the data directly, the dead one is named
     (src / "more.bin").write_bytes(os.urandom(20 << 20))
-    from monarch_torchx.syncfs import client
-
-    real = client._send
-    calls = []
-
-    def kill_host1_after_first_batch(*a, **kw):
-        real(*a, **kw)
-        calls.append(1)
-        if len(calls) == 1:
-            os.kill(p.hosts[1].pid, signal.SIGKILL)
-
-    monkeypatch.setattr(client, "_send", kill_host1_after_first_batch)
+    _kill_after_the_first_batch(monkeypatch, p, 1)
     report = p.sync(str(src), "ws")
     by = {h.index: h for h in report.hosts}
     assert not by[1].ok and "host 1" in by[1].error
@@ -286,15 +290,7 @@ def test_a_big_group_is_fed_as_halves_and_a_dead_inner_host_is_routed_around(hom
         assert_same_tree(src, Path(h.path))
     # host 3 feeds host 4: killed while the tree is being fed, it is named and host 4 is fed directly
     (src / "more.bin").write_bytes(os.urandom(20 << 20))
-    real, calls = client._send, []
-
-    def kill_host3_after_first_batch(*a, **kw):
-        real(*a, **kw)
-        calls.append(1)
-        if len(calls) == 1:
-            os.kill(p.hosts[3].pid, signal.SIGKILL)
-
-    monkeypatch.setattr(client, "_send", kill_host3_after_first_batch)
+    _kill_after_the_first_batch(monkeypatch, p, 3)
     report = client.sync(p, str(src), "ws", chain_length=2)
     by = {h.index: h for h in report.hosts}
     assert not by[3].ok and "host 3" in by[3].error
