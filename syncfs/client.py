@@ -310,9 +310,12 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
                 results[i].bytes_sent = n
         cache.save()
 
+        # a host whose target already serves this tree said so at prepare, with what a commit answers
+        done = {i: {**r, "committed": True} for i, r in ready.items() if r["unchanged"] and "generation" in r
+                and not results[i].error}
         for i in ok(live):
             meter.update(i, state="committing")
-        done = ask("syncfs.commit", ok(live), target=target, digest=digest)
+        done.update(ask("syncfs.commit", [i for i in ok(live) if i not in done], target=target, digest=digest))
         again = [i for i, out in done.items() if not out["committed"]]  # nothing prepared (restarted?)
         for i in again:
             del done[i]

@@ -391,8 +391,10 @@ def setup(agent: Any) -> None:
         ``manifest``, says whether one is needed: not when the target already serves that tree
         (``unchanged``) or one with that digest is ready."""
         path = resolve_target(store, target)
-        if unchanged(path, digest) is not None:
-            return {"unchanged": True, "prepared": False}
+        n = unchanged(path, digest)
+        if n is not None:  # what a commit would answer: the client need not ask for it
+            return {"unchanged": True, "prepared": False, "generation": n, "path": str(path),
+                    "served_by": "fuse" if fuse_for(path) else f"symlink ({no_fuse})"}
         if (path, digest) not in prepared:
             if manifest is None:
                 return {"unchanged": False, "prepared": False}
