@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import MonarchError
+from ..errors import HostUnreachable, MonarchError
 from ..registry import home
 from . import transfer
 from .ignore import IgnoreRules
@@ -191,12 +191,20 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         client opens a few connections, not one per host); the values by host. A host's failure
         is recorded, naming it; the others carry on."""
         out: Dict[int, Any] = {}
+        again: List[int] = []
         for i, value, err in pool.ask(op, which, timeout=timeout, **args) if which else []:
-            if err is not None:
+            if isinstance(err, HostUnreachable):  # not reached (a relay could not, in its dial time)
+                again.append(i)
+            elif err is not None:
                 fail(i, str(err) or type(err).__name__)
                 meter.update(i, state="FAILED")
             else:
                 out[i] = value
+
+        def patiently(i: int) -> Any:  # every step may run twice: a commit done already says unchanged
+            with connect(i) as c:
+                return c.call(op, **args)
+        out.update(each(patiently, again))
         return out
 
     def lacking(group: List[int], hashes: List[str]) -> set:
