@@ -72,6 +72,18 @@ def test_a_relay_host_killed_mid_operation_is_passed_over(tree_pool):
     assert_a_relay_killed_mid_wait_is_passed_over(tree_pool, "midwait", victim=5)  # leads the client's 2nd group
 
 
+def test_a_relay_host_too_busy_to_answer_in_the_dial_time_is_asked_again(tree_pool):
+    import threading
+
+    pool = tree_pool
+    slow = 5  # leads the client's 2nd group: passed over after the dial time (3 s), then asked again
+    pid = pool.hosts[slow].pid
+    os.kill(pid, signal.SIGSTOP)
+    threading.Timer(4.0, os.kill, (pid, signal.SIGCONT)).start()
+    res = pool.ask("info", range(HOSTS), timeout=15.0)
+    assert [(i, e) for i, _, e in res if e is not None] == []
+
+
 def test_a_hung_relay_host_costs_its_group_a_bounded_wait(tree_pool):
     pool = tree_pool
     victim = 0  # the first host of the client's first group

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 FANOUT = int(os.environ.get("MONARCH_TORCHX_TREE_FANOUT", "8"))  # requests each level sends on
 LEVEL_MARGIN_S = 0.5  # each level answers this much before its parent's deadline
 DIAL_TIMEOUT_S = 3.0  # a group's first member that does not complete a handshake in this is passed over
+PATIENT_DIAL_S = 10.0  # ... and asked again alone, once the rest answered, with at most this long to connect
 LOCAL_LAST = frozenset({"shutdown"})  # ops that end this agent: run after the subtrees were told
 # ops a host may run twice without harm: when a relay dies holding one, the rest of its group is
 # asked again through the next member (others, e.g. launch, report the group as not answered)
@@ -130,9 +131,24 @@ def call_group(targets: List[Target], creds: Any, op: str, args: Optional[dict],
                fanout: int, timeout: float, sock_for: Any = None,
                cache: Optional[ConnectionCache] = None) -> Dict[int, dict]:
     """Blocking: sends one group to its first reachable member; returns its subtree's outcomes
-    (as dicts). Used by agents and by the client alike."""
-    out: Dict[int, dict] = {}
+    (as dicts). Used by agents and by the client alike. A member passed over because it did not
+    finish its handshake in the dial time (busy, or hung) never got the request: once the rest
+    has answered, it is asked once more, alone and patiently, with the time that is left."""
     deadline = time.monotonic() + timeout
+    slow: List[Target] = []
+    out = _lead_group(targets, creds, op, args, calls, fanout, deadline, sock_for, cache, slow)
+    for head in slow:
+        left = deadline - time.monotonic()
+        if left > 0.5:
+            out.update(_lead_group([head], creds, op, args, calls, fanout, deadline, sock_for, cache, [],
+                                   dial_s=min(left / 2, PATIENT_DIAL_S)))
+    return out
+
+
+def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict], calls: Optional[Dict[int, list]],
+                fanout: int, deadline: float, sock_for: Any, cache: Optional[ConnectionCache], slow: List[Target],
+                dial_s: float = DIAL_TIMEOUT_S) -> Dict[int, dict]:
+    out: Dict[int, dict] = {}
     keep = cache if op in REPEATABLE else None
     for pos, head in enumerate(targets):
         left = deadline - time.monotonic()
@@ -141,7 +157,8 @@ def call_group(targets: List[Target], creds: Any, op: str, args: Optional[dict],
                 out.setdefault(t.index, asdict(Outcome(False, error="no time was left to reach it", kind="PeerTimeout")))
             return out
         group = targets[pos:]
-        dial = min(DIAL_TIMEOUT_S, left / 3)  # a hung first member leaves time for the next
+        # a hung first member leaves time for the next; a member alone in its group waits patiently
+        dial = min(dial_s, left / 3) if len(group) > 1 else min(max(dial_s, PATIENT_DIAL_S), left / 2)
         reused = keep.take(head) if keep is not None else None
         while True:
             if reused is not None:  # alive and answering? (a fresh dial's handshake would have told)
@@ -155,6 +172,8 @@ def call_group(targets: List[Target], creds: Any, op: str, args: Optional[dict],
                     if _closed(e):  # it had closed this connection since (restarted?): dial it afresh
                         continue
                     out[head.index] = asdict(failure(e))  # hung: the next member leads the rest
+                    if isinstance(e, wire.PeerTimeout) and len(group) > 1:
+                        slow.append(head)
                     break
             else:
                 try:
@@ -164,6 +183,8 @@ def call_group(targets: List[Target], creds: Any, op: str, args: Optional[dict],
                     tunnelled = sock is not None
                 except (wire.WireError, OSError, MonarchError) as e:  # (MonarchError: a tunnel that did not open)
                     out[head.index] = asdict(failure(e))  # the next member leads the rest of the group
+                    if isinstance(e, wire.PeerTimeout) and len(group) > 1:
+                        slow.append(head)
                     break
             try:
                 c.settimeout(max(0.1, deadline - time.monotonic()))
