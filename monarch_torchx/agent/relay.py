@@ -140,14 +140,15 @@ def call_group(targets: List[Target], creds: Any, op: str, args: Optional[dict],
     for head in slow:
         left = deadline - time.monotonic()
         if left > 0.5:
-            out.update(_lead_group([head], creds, op, args, calls, fanout, deadline, sock_for, cache, [],
-                                   dial_s=min(left / 2, PATIENT_DIAL_S)))
+            out.update(_lead_group([head], creds, op, args, calls, fanout, deadline, sock_for, cache, []))
     return out
 
 
 def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict], calls: Optional[Dict[int, list]],
-                fanout: int, deadline: float, sock_for: Any, cache: Optional[ConnectionCache], slow: List[Target],
-                dial_s: float = DIAL_TIMEOUT_S) -> Dict[int, dict]:
+                fanout: int, deadline: float, sock_for: Any, cache: Optional[ConnectionCache],
+                slow: List[Target]) -> Dict[int, dict]:
+    """``call_group``'s one pass over the group; members passed over for a slow handshake are
+    added to ``slow``."""
     out: Dict[int, dict] = {}
     keep = cache if op in REPEATABLE else None
     for pos, head in enumerate(targets):
@@ -158,7 +159,7 @@ def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict]
             return out
         group = targets[pos:]
         # a hung first member leaves time for the next; a member alone in its group waits patiently
-        dial = min(dial_s, left / 3) if len(group) > 1 else min(max(dial_s, PATIENT_DIAL_S), left / 2)
+        dial = min(DIAL_TIMEOUT_S, left / 3) if len(group) > 1 else min(PATIENT_DIAL_S, left / 2)
         reused = keep.take(head) if keep is not None else None
         while True:
             if reused is not None:  # alive and answering? (a fresh dial's handshake would have told)
