@@ -1,6 +1,7 @@
 # The two commands a newcomer needs:  `make demo`  and  `make test`.
 PY ?= python3
 VENV ?= .venv
+TORCHX_LINE ?= nightly
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -8,8 +9,8 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup.sh
-	PY=$(PY) VENV=$(VENV) bash scripts/setup.sh
+$(STAMP): pyproject.toml compat/torchx07/pyproject.toml scripts/setup.sh
+	PY=$(PY) VENV=$(VENV) TORCHX_LINE=$(TORCHX_LINE) bash scripts/setup.sh
 	touch $(STAMP)
 
 demo: setup

@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # Creates the project venv: the CPU build of torch first (so nothing pulls a CUDA build), then
-# this package with its test extras. Idempotent; used by `make setup|demo|test`.
+# this package with its test extras and one TorchX line: TORCHX_LINE=nightly (default: torchx-nightly,
+# what Monarch depends on) or TORCHX_LINE=0.7.0 (torchx 0.7.0 and compat/torchx07, which registers
+# our schedulers there). Idempotent; used by `make setup|demo|test` and `make test-torchx07`.
 set -euo pipefail
 PY=${PY:-python3}
 VENV=${VENV:-.venv}
 TORCH=${TORCH_VERSION:-2.13.0}
+LINE=${TORCHX_LINE:-nightly}
+case "$LINE" in
+    nightly) EXTRAS="test,nightly"; COMPAT=""; OTHER="torchx monarch-torchx-torchx07" ;;
+    0.7.0) EXTRAS="test,torchx07"; COMPAT="-e compat/torchx07"; OTHER="torchx-nightly" ;;
+    *) echo "error: TORCHX_LINE=$LINE: use nightly or 0.7.0" >&2; exit 1 ;;
+esac
 
 if ! "$PY" -m venv --help >/dev/null 2>&1 || ! "$PY" -c "import ensurepip" >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -31,6 +39,14 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     echo "installing torch==$TORCH (CPU build where available)" >&2
     $PIP install -q "torch==$TORCH" 2>&1 | grep -v "^WARNING: Location" || true
 fi
-echo "installing monarch-torchx (editable) with test extras" >&2
-$PIP install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+# both TorchX lines write one `torchx/` package: the other line goes first, never on top
+for dist in $OTHER; do
+    if $PIP show -q "$dist" >/dev/null 2>&1; then
+        echo "removing $dist (this venv is for the torchx $LINE line)" >&2
+        $PIP uninstall -q -y "$dist" torchx torchx-nightly 2>/dev/null || true
+    fi
+done
+echo "installing monarch-torchx (editable) with test extras, torchx $LINE" >&2
+# shellcheck disable=SC2086  # COMPAT is two words or none
+$PIP install -q -e ".[$EXTRAS]" $COMPAT 2>&1 | grep -v "^WARNING: Location" || true
 "$VENV/bin/python" -c "import torch, torchx, monarch_torchx" || { echo "error: install failed" >&2; exit 1; }

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 from datetime import datetime, timedelta
 
 import pytest
@@ -34,13 +37,31 @@ def runner(home):
         yield r
 
 
-def test_builtin_schedulers_and_components_survive_the_plugin():
-    names = set(get_scheduler_factories())
-    assert {"monarch_local", "local_cwd", "local_docker", "slurm", "kubernetes", "aws_batch", "ray", "lsf"} <= names
-    from torchx.specs.finder import _load_components
+def test_the_schedulers_are_ours_and_exactly_the_installed_torchxs_builtins():
+    from torchx.schedulers import DEFAULT_SCHEDULER_MODULES
 
-    comps = _load_components()
+    names = list(get_scheduler_factories())
+    assert names[0] == "monarch_local"  # TorchX's default scheduler
+    assert set(names) == {"monarch_local", "monarch_slurm", "monarch_kubernetes", *DEFAULT_SCHEDULER_MODULES}
+    from torchx.specs.finder import get_components
+
+    comps = get_components()
     assert {"utils.echo", "utils.python", "dist.ddp", "monarch.hostinfo"} <= set(comps)
+
+
+def test_torchx_runopts_prints_no_error_for_any_scheduler():
+    res = subprocess.run([str(Path(sys.executable).with_name("torchx")), "runopts"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    headers = [line for line in res.stdout.splitlines() if line and not line[0].isspace()]
+    assert len(headers) == len(get_scheduler_factories()), res.stdout
+    assert all(h.rstrip().endswith(":") for h in headers), headers  # `name: <error>` is an import error
+
+
+def test_one_distribution_provides_the_torchx_package():
+    from importlib.metadata import packages_distributions
+
+    assert len(packages_distributions()["torchx"]) == 1, packages_distributions()["torchx"]
 
 
 def test_first_run_creates_the_pool_and_later_runs_reuse_it(runner, home, pool_name):
