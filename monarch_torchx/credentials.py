@@ -105,3 +105,41 @@ class PoolCredentials:
         ctx.load_cert_chain(self.tls_file)
         ctx.load_verify_locations(cadata=text.split(_CERT_END, 1)[0] + _CERT_END + "\n")
         return ctx
+
+
+def new_monarch_tls(job: str, names: "list[str]") -> str:
+    """A CA and one certificate it signed, for every process of one real-Monarch job, with the key:
+    one PEM text (CA certificate, certificate, key). Monarch's TLS (rustls) wants a CA apart from
+    the certificate it checks, and the addresses its peers dial (``names``: IPs and host names) in
+    the certificate; each peer presents this certificate and accepts only peers signed by the CA."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def build(subject: str, issuer: "x509.Name | None", signer: "ec.EllipticCurvePrivateKey | None", ca: bool):
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject[:64])])
+        b = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer or name).public_key(key.public_key())
+             .serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=365))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True))
+        if not ca:
+            alt = []
+            for n in dict.fromkeys(names):
+                try:
+                    alt.append(x509.IPAddress(ipaddress.ip_address(n)))
+                except ValueError:
+                    alt.append(x509.DNSName(n))
+            b = b.add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        return key, b.sign(signer or key, hashes.SHA256())
+
+    ca_key, ca_cert = build(f"monarch-torchx job {job} CA", None, None, True)
+    key, cert = build(f"monarch-torchx job {job}", ca_cert.subject, ca_key, False)
+    pem = serialization.Encoding.PEM
+    return (ca_cert.public_bytes(pem).decode() + cert.public_bytes(pem).decode()
+            + key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode())

@@ -149,19 +149,8 @@ class JobTrait:
             return False
 
     def _ensure(self) -> Any:
-        from .pool import ensure_pool
-        from .schedulers.base import MonarchScheduler
-
         scheduler, name, cfg = self._pool()
-        hosts = sum(self._meshes().values())
-        sched = MonarchScheduler("monarch_torchx.job", scheduler)
-        opts = sched.run_opts()
-        resolved = opts.resolve({k: v for k, v in cfg.items() if v is not None})
-        resolved["pool"] = name
-        req = sched._pool_request(dict(resolved), hosts)
-        req.spec["hosts"] = hosts
-        req.replace = True  # a job whose spec changed replaces its allocation, as Monarch's does
-        return ensure_pool(req, defaults={"preload": "torch"})
+        return ensure_job_pool(scheduler, name, cfg, sum(self._meshes().values()))
 
     def _connect(self) -> JobState:
         from .actor.mesh import attach
@@ -172,6 +161,21 @@ class JobTrait:
             meshes[name] = hosts.slice(hosts=slice(start, start + n))
             start += n
         return JobState(meshes)
+
+
+def ensure_job_pool(scheduler: str, name: str, cfg: Dict[str, Any], hosts: int) -> Any:
+    """The running pool of a job: ``hosts`` hosts, made with ``cfg`` (run options, as for
+    ``torchx run -cfg``). A pool that differs is replaced, as Monarch replaces a job's allocation."""
+    from .pool import ensure_pool
+    from .schedulers.base import MonarchScheduler
+
+    sched = MonarchScheduler("monarch_torchx.job", scheduler)
+    resolved = sched.run_opts().resolve({k: v for k, v in cfg.items() if v is not None})
+    resolved["pool"] = name
+    req = sched._pool_request(dict(resolved), hosts)
+    req.spec["hosts"] = hosts
+    req.replace = True
+    return ensure_pool(req, defaults={"preload": "torch"})
 
 
 def _check_meshes(meshes: Dict[str, int]) -> Dict[str, int]:

@@ -17,6 +17,7 @@ nodes publish their addresses through it.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import fcntl
 import functools
 import json
@@ -33,6 +34,7 @@ from .errors import MonarchError, PoolNotFound
 from .private import PrivatePathError, private_dir, write_private_bytes
 
 VIEW_FILE = "hosts/view.json"  # every host's address in one file (see Registry.read_view)
+MONARCH_JOBS_DIR = "monarch_jobs"  # the TLS files of real-Monarch jobs on the pool (monarch_backend.py)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -262,6 +264,7 @@ class Registry:
         for name in (TOKEN_FILE, TLS_FILE):
             with contextlib.suppress(FileNotFoundError):
                 (Path(rec.state_dir) / name).unlink()
+        shutil.rmtree(Path(rec.state_dir) / MONARCH_JOBS_DIR, ignore_errors=True)  # their keys, with the pool
 
     # ------------------------------------------------------------ hosts
 

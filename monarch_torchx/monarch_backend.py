@@ -1,0 +1,208 @@
+"""Real Monarch (``torchmonarch``) on a warm pool: a ``monarch.job.JobTrait`` whose hosts are a pool's.
+
+A program written for Monarch's own runtime changes only its job object:
+
+    from monarch_torchx.monarch_backend import WarmPoolJob    # was: from monarch.job import SlurmJob
+    job = WarmPoolJob({"trainers": 2}, scheduler="monarch_slurm", pool="dev", cfg={"partition": "debug"})
+    trainers = job.state().trainers                          # Monarch's own HostMesh
+    procs = trainers.spawn_procs(per_host={"gpus": 8})
+
+``apply()`` (through ``state()``) makes sure the pool runs (created with ``cfg``, the run options
+of ``torchx run -cfg``; an existing pool that matches is reused as it is), then starts Monarch's
+worker loop on each host as an app of the pool (``monarch_worker.py``), and ``state()`` attaches
+to the workers with Monarch's ``attach_to_workers``. Monarch caches the job
+(``.monarch/job_state.pkl``); the next run of the program finds it, ``can_run`` says the workers
+still run, and it attaches again: no allocation, no worker start. ``kill()`` ends the workers and
+leaves the pool warm, unless the job was made with ``stop_pool_on_kill=True``.
+
+Every worker and the client speak Monarch's ``tls`` transport with a CA and certificate made for
+the job, kept in the pool's private state dir: a peer that does not hold them is refused.
+Not exercised here: Kubernetes pools (the client must reach the pods' IPs: run it in the cluster).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from monarch._src.job.job import JobState, JobTrait
+from monarch._src.job.service_identity import allocate_service_proc_ids, service_proc_addr
+from torchx.schedulers.ids import make_unique
+
+from .errors import MonarchError
+from .registry import MONARCH_JOBS_DIR
+
+__all__ = ["WarmPoolJob"]
+
+WORKER_ROLE = "monarch_worker"
+
+
+
+class WarmPoolJob(JobTrait):
+    """Monarch's job contract over one warm pool: mesh name -> hosts, laid out on the pool in order.
+
+    Args:
+        meshes: mesh name -> number of hosts (each name is an attribute of ``state()``).
+        scheduler: the pool's engine: ``monarch_local``, ``monarch_slurm`` (or ``monarch_kubernetes``).
+        pool: the pool's name (default: ``monarch-<mesh names>``).
+        cfg: run options for a pool this job creates (``torchx runopts SCHEDULER``).
+        stop_pool_on_kill: ``kill()`` also stops the pool (default: the pool stays warm).
+    """
+
+    def __init__(self, meshes: Dict[str, int], scheduler: str = "monarch_local", pool: Optional[str] = None,
+                 cfg: Optional[Dict[str, Any]] = None, stop_pool_on_kill: bool = False):
+        from .job import _check_meshes
+        from .schedulers import PROVISIONERS
+
+        super().__init__()
+        if scheduler not in PROVISIONERS:
+            raise ValueError(f"scheduler {scheduler!r}: use one of {', '.join(PROVISIONERS)}")
+        self.meshes = _check_meshes(meshes)
+        self.scheduler = scheduler
+        self.pool = pool or "monarch-" + "-".join(self.meshes)
+        self.cfg = dict(cfg or {})
+        self.stop_pool_on_kill = stop_pool_on_kill
+        self._app_id: Optional[str] = None
+        self._workers: List[str] = []  # one proc address per host, in mesh order
+        self._client_ip = "127.0.0.1"
+
+    # ------------------------------------------------------------ Monarch's contract
+
+    def _create(self, client_script: Optional[str]) -> None:
+        if client_script is not None:
+            raise MonarchError("WarmPoolJob runs no batch client (apply(client_script=...)): run the script "
+                               "where the client runs; it reaches the pool from there")
+        from . import apps
+        from .credentials import new_monarch_tls
+        from .job import ensure_job_pool
+        from .specs import LaunchSpec
+
+        total = sum(self.meshes.values())
+        pool = ensure_job_pool(self.scheduler, self.pool, self.cfg, total)
+        hosts = pool.hosts[:total]
+        if any(h is None for h in hosts):
+            raise MonarchError(f"pool {self.pool!r} has hosts without an agent: `torchx pool status {self.pool}`")
+        self._client_ip = _route_to(hosts[0].host)
+        ports = {i: port for i, port, err in pool.ask("reserve_port", range(total), timeout=15.0) if err is None}
+        if len(ports) < total:
+            raise MonarchError(f"hosts {sorted(set(range(total)) - set(ports))} of pool {self.pool!r} did not "
+                               "answer: `torchx pool status` says why")
+        app_id = make_unique("monarch-workers")
+        names = [self._client_ip, "127.0.0.1", "localhost", *(h.host for h in hosts), *(h.hostname for h in hosts)]
+        bundle = new_monarch_tls(app_id, [n for n in names if n])
+        _write_tls(pool.registry.state_dir(self.pool) / MONARCH_JOBS_DIR / app_id, bundle)
+        ids = allocate_service_proc_ids(total)
+        workers = [service_proc_addr(f"tls://{_url_host(h.host)}:{ports[i]}", ids[i]) for i, h in enumerate(hosts)]
+        from .monarch_worker import TLS_ENV
+
+        specs = [(i, LaunchSpec(app_id=app_id, role=WORKER_ROLE, replica_id=i,
+                                argv=["python", "-m", "monarch_torchx.monarch_worker", "--address", addr],
+                                env={TLS_ENV: bundle}))
+                 for i, addr in enumerate(workers)]
+        apps.launch(pool, app_id, "monarch-workers", [{"name": WORKER_ROLE, "image": "", "entrypoint": "python",
+                                                       "args": ["-m", "monarch_torchx.monarch_worker"],
+                                                       "num_replicas": total}], specs)
+        self._app_id, self._workers = app_id, workers
+
+    def _state(self) -> JobState:
+        """Monarch's HostMeshes of the running workers (``self`` is the job that started them, or
+        its cached copy)."""
+        if not self._workers:
+            raise MonarchError("the job has no workers: apply() it first")
+        from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env
+        from monarch.actor import attach_to_workers, enable_transport
+
+        os.environ.update(_client_tls_env(self))  # Monarch reads its TLS files from these,
+        reload_config_from_env()  # and had read its environment when it was imported
+        enable_transport(f"tls://{_url_host(self._client_ip)}:0")
+        meshes, start = {}, 0
+        for name, n in self.meshes.items():
+            meshes[name] = attach_to_workers(name=name, ca="trust_all_connections",
+                                             workers=self._workers[start:start + n])
+            start += n
+        return JobState(meshes)
+
+    def can_run(self, spec: JobTrait) -> bool:
+        """A cached job serves ``spec`` while it asks for the same meshes of the same pool and every
+        one of its workers still runs there."""
+        return (isinstance(spec, WarmPoolJob) and spec.meshes == self.meshes and spec.scheduler == self.scheduler
+                and spec.pool == self.pool and spec.cfg == self.cfg and self._workers_running())
+
+    def _kill(self) -> None:
+        from . import apps
+        from .pool import attach, stop_pool
+        from .registry import Registry
+
+        reg = Registry()
+        rec = reg.get(self.pool)
+        if rec is not None and self._app_id:
+            arec = Registry.get_app(rec, self._app_id)
+            if arec is not None:
+                apps.kill(attach(self.pool, reg), arec)
+            _remove_tls(reg.state_dir(self.pool) / MONARCH_JOBS_DIR / self._app_id)
+        if rec is not None and self.stop_pool_on_kill:
+            stop_pool(self.pool, reg)
+        self._workers = []
+
+    # ------------------------------------------------------------ ours
+
+    def _workers_running(self) -> bool:
+        from . import apps
+        from .pool import attach
+        from .registry import Registry
+        from .specs import RUNNING
+
+        if not self._app_id:
+            return False
+        try:
+            rec = Registry().get(self.pool)
+            arec = Registry.get_app(rec, self._app_id) if rec else None
+            if arec is None:
+                return False
+            states = apps.replica_states(attach(self.pool), arec)
+        except MonarchError:
+            return False
+        return len(states) == len(self._workers) and all(s["state"] == RUNNING for s in states.values())
+
+
+def _route_to(host: str) -> str:
+    """This machine's address on the way to ``host`` (the address the workers dial back to)."""
+    if host.startswith("unix:") or host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # a datagram socket's connect sends nothing: it only picks the route
+        return s.getsockname()[0]
+
+
+def _url_host(host: str) -> str:
+    if host.startswith("unix:"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def _write_tls(directory: Path, bundle: str) -> None:
+    from .monarch_worker import install_tls
+    from .private import private_dir
+
+    install_tls(bundle, private_dir(directory, from_=directory.parent))
+
+
+def _client_tls_env(job: WarmPoolJob) -> Dict[str, str]:
+    from .registry import Registry
+
+    directory = Registry().state_dir(job.pool) / MONARCH_JOBS_DIR / str(job._app_id)
+    env = {"HYPERACTOR_TLS_CA": directory / "ca.pem", "HYPERACTOR_TLS_CERT": directory / "cert.pem",
+           "HYPERACTOR_TLS_KEY": directory / "key.pem"}
+    missing = [str(p) for p in env.values() if not p.exists()]
+    if missing:
+        raise MonarchError(f"the job's TLS files are gone ({missing[0]}): kill the job and apply it again")
+    return {k: str(v) for k, v in env.items()}
+
+
+def _remove_tls(directory: Path) -> None:
+    import shutil
+
+    shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,94 @@
+"""One host of a real Monarch job on a warm pool: Monarch's own worker loop, over mutual TLS.
+
+``WarmPoolJob`` (``monarch_backend.py``) launches this on every host of its pool, as an app of
+the pool, so the worker stays warm between client runs as long as the pool does:
+
+    python -m monarch_torchx.monarch_worker --address service<...>@tls://10.0.0.5:40123
+
+The job's TLS files (CA, certificate, key: ``MONARCH_TORCHX_MONARCH_TLS``, one PEM text) are
+written to a private directory of this user's node temp root before Monarch starts, and Monarch
+reads them from ``HYPERACTOR_TLS_*``. Monarch's plain ``tcp`` transport accepts any peer, and a
+worker evaluates what its peers send it, so a worker here only ever listens on ``tls``: a peer
+without a certificate of this job's CA is refused. ``TMPDIR`` points to the same private
+directory, since Monarch keeps its internal log under ``$TMPDIR/$USER``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+from typing import Dict
+
+TLS_ENV = "MONARCH_TORCHX_MONARCH_TLS"
+_BLOCKS = ("ca", "cert", "key")
+
+
+def split_bundle(text: str) -> Dict[str, str]:
+    """The bundle's three PEM blocks, in order: the CA certificate, our certificate, its key."""
+    blocks, current = [], []
+    for line in text.strip().splitlines():
+        current.append(line)
+        if line.startswith("-----END "):
+            blocks.append("\n".join(current) + "\n")
+            current = []
+    if len(blocks) != 3 or "PRIVATE KEY" not in blocks[2]:
+        raise ValueError("the job's TLS bundle must hold a CA certificate, a certificate and its key")
+    return dict(zip(_BLOCKS, blocks))
+
+
+def install_tls(bundle: str, directory: Path) -> Dict[str, str]:
+    """Writes the bundle's files (0600) into ``directory`` and returns the HYPERACTOR_TLS_* env."""
+    from .private import write_private_bytes
+
+    paths = {}
+    for name, block in split_bundle(bundle).items():
+        path = directory / f"{name}.pem"
+        write_private_bytes(path, block.encode())
+        paths[name] = str(path)
+    return {"HYPERACTOR_TLS_CA": paths["ca"], "HYPERACTOR_TLS_CERT": paths["cert"],
+            "HYPERACTOR_TLS_KEY": paths["key"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--address", required=True, help="this worker's Monarch address (a tls:// proc address)")
+    a = p.parse_args()
+    if "tls://" not in a.address:
+        sys.exit(f"monarch_worker: {a.address!r} is not a tls:// address; workers here listen only on TLS")
+    bundle = os.environ.pop(TLS_ENV, "")
+    if not bundle:
+        sys.exit(f"monarch_worker: {TLS_ENV} is not set (the job passes its TLS files there)")
+
+    from .private import agent_temp_dir
+
+    workdir = agent_temp_dir("monarch", os.environ.get("MONARCH_TORCHX_POOL", "pool"),
+                             int(os.environ.get("MONARCH_TORCHX_HOST_INDEX", "0")))
+    os.environ.update(install_tls(bundle, workdir))
+    os.environ["TMPDIR"] = str(workdir)
+    import tempfile
+
+    tempfile.tempdir = None  # gettempdir() cached the old TMPDIR above: Monarch's own log goes here
+
+    def _end(signum: int, _frame: object) -> None:
+        shutil.rmtree(workdir, ignore_errors=True)
+        os._exit(128 + signum)  # Monarch's runtime threads do not unwind: leave at once
+
+    signal.signal(signal.SIGTERM, _end)
+    signal.signal(signal.SIGINT, _end)
+
+    from monarch.actor import enable_transport, run_worker_loop_forever
+
+    enable_transport(a.address.rsplit("@", 1)[-1].rsplit(":", 1)[0] + ":0")
+    print(f"monarch worker serving at {a.address}", flush=True)
+    try:
+        run_worker_loop_forever(address=a.address, ca="trust_all_connections")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
