@@ -88,6 +88,9 @@ class Provisioner(Protocol):
     def describe(self, rec: PoolRecord) -> Dict[str, Any]:
         """Engine facts for `pool status` (allocation id, state, walltime left, ...)."""
 
+    def submission(self, rec: PoolRecord) -> "Submission":
+        """What ``create(rec)`` would send (for dry-runs): built by the code ``create`` uses, making nothing."""
+
     # optional: ``resize(rec, hosts) -> (indices to wait for, their old incarnations)`` and
     # ``open_tunnel(rec, addr, timeout)`` for hosts whose address has ``via`` set
 
@@ -404,6 +407,31 @@ def get_provisioner(scheduler: str) -> Provisioner:
     from .schedulers import provisioner_for
 
     return provisioner_for(scheduler)
+
+
+def plan_pool(req: PoolRequest, registry: Optional[Registry] = None,
+              defaults: Optional[Dict[str, Any]] = None) -> "PoolPlan":
+    """What ``ensure_pool(req)`` would do, decided the same way, with nothing made or changed:
+    for a pool it would create (or replace), what its engine would submit."""
+    from .submission import PoolPlan, draft_record
+
+    registry = registry or Registry()
+    check_pool_name(req.name)
+    prov = get_provisioner(req.scheduler)
+    rec = registry.get(req.name)
+    if rec is not None and rec.scheduler != req.scheduler:
+        return PoolPlan("refused", f"pool {req.name!r} runs on {rec.scheduler}, not {req.scheduler}")
+    action, reason = "create", ""
+    if rec is not None:
+        diffs = _fingerprint_diff(rec, req, prov)
+        if not diffs:
+            return PoolPlan("reuse", f"pool {req.name!r} exists with {rec.num_hosts} host(s): nothing is submitted")
+        if not req.replace:
+            return PoolPlan("refused", f"pool {req.name!r} has {', '.join(diffs)}; use -cfg replace=True")
+        action, reason = "replace", ", ".join(diffs)
+    spec = {"tls": prov.tls_default, **(defaults or {}), **{k: v for k, v in req.spec.items() if v is not None}}
+    draft = draft_record(req.name, req.scheduler, spec, dict(req.options), registry)
+    return PoolPlan(action, reason, prov.submission(draft))
 
 
 def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults: Optional[Dict[str, Any]] = None,

@@ -23,9 +23,10 @@ from torchx.workspace.api import WorkspaceMixin
 
 from .. import apps
 from ..errors import MonarchError
-from ..pool import Pool, PoolRequest, ensure_pool, get_provisioner, parse_duration
+from ..pool import Pool, PoolRequest, ensure_pool, get_provisioner, parse_duration, plan_pool
 from ..registry import AppRecord, Registry, check_pool_name
 from ..specs import FAILED, SUCCEEDED, LaunchSpec
+from ..submission import PoolPlan
 from ..torchrun import PLAN_ENV, TorchrunPlan, plan_role
 from . import workspace as ws
 
@@ -49,10 +50,12 @@ class MonarchRequest:
     replicas: List[ReplicaLaunch] = field(default_factory=list)
     workspace: Optional[ws.Workspace] = None  # synced to the hosts of role 0 before it starts
     torchrun: Dict[str, TorchrunPlan] = field(default_factory=dict)  # by role name, torchrun roles only
+    pool_plan: Optional[PoolPlan] = None  # what the run does to the pool, and what it would submit
 
     def __repr__(self) -> str:
         spec = ", ".join(f"{k}={v}" for k, v in self.pool.spec.items() if v is not None) or "existing spec"
         lines = [f"pool {self.pool.name!r} on {self.pool.scheduler} ({spec}; replace={self.pool.replace})",
+                 *([self.pool_plan.render()] if self.pool_plan else []),
                  f"app {self.app_id}:"]
         if self.workspace:
             lines.append(f"workspace {self.workspace.src} synced to {self.workspace.mount} "
@@ -208,6 +211,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                                   env=env, cwd=ws.MOUNT_TOKEN if workspace else cwd,
                                   max_retries=int(role.max_retries or 0))
                 req.replicas.append(ReplicaLaunch(host_index=i, spec=spec))
+        req.pool_plan = plan_pool(pool_req, self.registry, defaults={"hosts": want_hosts, "preload": "torch"})
         return AppDryRunInfo(req, repr)
 
     def schedule(self, dryrun_info: AppDryRunInfo) -> str:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ..errors import MonarchError
 from ..pool import parse_duration
 from ..registry import HostAddr, PoolRecord, Registry
+from ..submission import Submission, redact_secrets
 from . import k8s_manifests as mf
 from .base import MonarchScheduler
 from .k8s_api import KubeApi, Tunnel, open_portforward
@@ -282,6 +283,37 @@ class KubernetesProvisioner:
         return {"resource": resource, **{verb: getattr(client, f"{verb}_namespaced_{suffix}")
                                          for verb in ("create", "read", "patch", "delete")}}
 
+    @staticmethod
+    def _manifests(rec: PoolRecord, spec: mf.KubePoolSpec) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+        """The owner object and its dependents, checked against the official client's models."""
+        owner_body = mf.monarch_mesh(spec) if spec.kind == mf.MESH_KIND else mf.statefulset(spec)
+        deps = [mf.token_secret(spec, rec.token, rec.tls_pem)]
+        if spec.kind != mf.MESH_KIND:  # the operator makes a mesh's Service
+            deps.append(mf.headless_service(spec))
+        if not spec.service_account:
+            deps += mf.agent_rbac(spec)
+        for body in [owner_body, *deps]:
+            mf.check(body)
+        return owner_body, deps
+
+    def submission(self, rec: PoolRecord) -> Submission:
+        """The objects ``create`` makes, in its order, with the owner references it patches in."""
+        spec = kube_spec(rec)
+        try:
+            api = self._api(rec)
+            spec.kind = mf.MESH_KIND if self.has_monarch_mesh(api) else "StatefulSet"
+            notes = [f"on the API server {api.server} (kubeconfig context {api.context!r})"]
+        except MonarchError as e:
+            spec.kind = "StatefulSet"
+            notes = [f"the cluster was not reached ({e}); shown as on a cluster without the MonarchMesh CRD "
+                     "(one that has it gets a MonarchMesh instead of the StatefulSet and Service)"]
+        owner_body, deps = self._manifests(rec, spec)
+        owner = {**owner_body, "metadata": {**owner_body["metadata"], "uid": "<set by the API server>"}}
+        ref = [mf.owner_reference(owner)]
+        objects = [redact_secrets({**d, "metadata": {**d["metadata"], "ownerReferences": ref}}) for d in deps]
+        return Submission("kubernetes", objects=[*objects, owner_body], notes=notes + [
+            "created in this order; the owner references are patched in once the owner exists"])
+
     def create(self, rec: PoolRecord) -> None:
         """Dependents first (the secret and service account must exist before any pod), then the
         owner, then owner references on the dependents. Nothing is left behind on failure."""
@@ -295,14 +327,7 @@ class KubernetesProvisioner:
             raise MonarchError("idle_action=scale_to_zero: this cluster has the MonarchMesh CRD, whose replicas "
                                "cannot be 0; use idle_action=delete")
         ns = spec.namespace
-        owner_body = mf.monarch_mesh(spec) if spec.kind == mf.MESH_KIND else mf.statefulset(spec)
-        deps = [mf.token_secret(spec, rec.token, rec.tls_pem)]
-        if spec.kind != mf.MESH_KIND:  # the operator makes a mesh's Service
-            deps.append(mf.headless_service(spec))
-        if not spec.service_account:
-            deps += mf.agent_rbac(spec)
-        for body in [owner_body, *deps]:
-            mf.check(body)
+        owner_body, deps = self._manifests(rec, spec)
         rec.allocation = {"kind": spec.kind, "name": spec.name, "namespace": ns, "server": api.server,
                           "created": time.time()}
         made: List[Dict[str, Any]] = []

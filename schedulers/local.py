@@ -17,6 +17,7 @@ from .. import procfs
 from ..agent import agent_argv
 from ..pool import wait_for_hosts
 from ..registry import HostAddr, PoolRecord, Registry
+from ..submission import Submission
 from .base import MonarchScheduler
 
 
@@ -60,6 +61,14 @@ class LocalProvisioner:
     def create(self, rec: PoolRecord) -> None:
         self._start(rec, list(range(rec.num_hosts)))
 
+    def submission(self, rec: PoolRecord) -> Submission:
+        return Submission("processes", commands=[self._argv(rec, i) for i in range(rec.num_hosts)],
+                          notes=[f"one agent per host on this machine; logs in {rec.state_dir}/logs"])
+
+    @staticmethod
+    def _argv(rec: PoolRecord, index: int) -> List[str]:
+        return agent_argv(rec, index, "127.0.0.1")
+
     def repair(self, rec: PoolRecord, indices: List[int]) -> List[int]:
         for i in indices:
             pid = rec.allocation.get("pids", {}).get(str(i))
@@ -88,7 +97,7 @@ class LocalProvisioner:
             Registry.clear_host(rec, i)
             log_path = Path(rec.state_dir) / "logs" / f"agent{i}.log"
             with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as logf:
-                proc = subprocess.Popen(agent_argv(rec, i, "127.0.0.1"), stdin=subprocess.DEVNULL, stdout=logf,
+                proc = subprocess.Popen(self._argv(rec, i), stdin=subprocess.DEVNULL, stdout=logf,
                                         stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
             pids[str(i)] = proc.pid
 

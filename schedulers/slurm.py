@@ -22,6 +22,7 @@ from ..agent import agent_argv
 from ..errors import MonarchError, StartTimeout
 from ..pool import parse_duration, wait_for_hosts
 from ..registry import PoolRecord, Registry, write_private
+from ..submission import Submission
 from .base import MonarchScheduler
 
 # spec keys (must match for reuse) and plain options, by TorchX slurm run-option name
@@ -159,15 +160,24 @@ class SlurmProvisioner:
                 argv += [flag, str(opt[k])]
         return argv + [str(script)]
 
+    @staticmethod
+    def batch_script(rec: PoolRecord) -> str:
+        """The batch script: one ``srun`` step with one agent per node."""
+        agent = " ".join(shlex.quote(a) for a in agent_argv(rec, index=None, bind="0.0.0.0"))
+        return ("#!/bin/bash\n"
+                f"# monarch-torchx pool {rec.name}: one agent per node; agents exit when idle or told to stop\n"
+                f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {agent}\n")
+
+    def submission(self, rec: PoolRecord) -> Submission:
+        script = Path(rec.state_dir) / "pool.sbatch"
+        return Submission("sbatch", commands=[self._sbatch_argv(rec, script)], script=self.batch_script(rec),
+                          notes=[f"the batch script is written to {script} (0700) before sbatch runs"])
+
     def _submit(self, rec: PoolRecord) -> None:
         for i in range(rec.num_hosts):  # an address left from an earlier allocation is not this one's
             Registry.clear_host(rec, i)
         script = Path(rec.state_dir) / "pool.sbatch"
-        agent = " ".join(shlex.quote(a) for a in agent_argv(rec, index=None, bind="0.0.0.0"))
-        write_private(script,  # a new file renamed into place: a planted symlink is replaced, never followed
-                      "#!/bin/bash\n"
-                      f"# monarch-torchx pool {rec.name}: one agent per node; agents exit when idle or told to stop\n"
-                      f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {agent}\n")
+        write_private(script, self.batch_script(rec))  # a new file renamed into place: a planted symlink is replaced
         script.chmod(0o700)
         rc, out, err = _run(self._sbatch_argv(rec, script))
         if rc != 0:

@@ -30,6 +30,9 @@ class WorkersProvisioner:
         raise MonarchError(f"pool {rec.name!r} is made of attached workers: attach_to_workers() makes it, "
                            "from workers that run run_worker_loop_forever")
 
+    def submission(self, rec: PoolRecord) -> Any:
+        self.create(rec)  # nothing is ever submitted for attached workers: says so
+
     def repair(self, rec: PoolRecord, indices: List[int]) -> List[int]:
         workers = [rec.spec["workers"][i] for i in indices if i < len(rec.spec.get("workers", []))]
         raise MonarchError(f"worker(s) {', '.join(workers)} of pool {rec.name!r} are lost: start "
