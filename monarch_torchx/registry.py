@@ -42,6 +42,18 @@ def home() -> Path:
     return Path(os.environ.get("MONARCH_TORCHX_HOME") or Path.home() / ".monarch_torchx")
 
 
+# how each engine's pool is sized, with the option a first pool most often needs
+_CREATE_EXAMPLES = {"monarch_local": "hosts=2", "monarch_slurm": "nodes=2,partition=PARTITION,time=01:00:00",
+                    "monarch_kubernetes": "replicas=2,image=IMAGE,namespace=NAMESPACE"}
+
+
+def create_hint(name: str, scheduler: Optional[str] = None) -> str:
+    """The command that creates pool ``name``: for ``scheduler``, else for each engine."""
+    engines = [scheduler] if scheduler in _CREATE_EXAMPLES else list(_CREATE_EXAMPLES)
+    cmds = [f"`torchx pool create {name} -s {s} -cfg {_CREATE_EXAMPLES[s]}`" for s in engines]
+    return cmds[0] if len(cmds) == 1 else f"{cmds[0]} (or on SLURM {cmds[1]}, on Kubernetes {cmds[2]})"
+
+
 def check_pool_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME.match(name):
         raise MonarchError(
@@ -237,7 +249,8 @@ class Registry:
         if rec is None or (scheduler and rec.scheduler != scheduler):
             known = ", ".join(r.name for r in self.list(scheduler)) or "none"
             where = f" on {scheduler}" if scheduler else ""
-            raise PoolNotFound(f"no pool named {name!r}{where} (known: {known}); create it with `torchx pool create {name}`")
+            raise PoolNotFound(f"no pool named {name!r}{where} (known: {known}); create it with "
+                               f"{create_hint(name, scheduler)}")
         return rec
 
     def list(self, scheduler: Optional[str] = None) -> List[PoolRecord]:

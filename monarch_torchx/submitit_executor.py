@@ -85,6 +85,16 @@ class MonarchJob(core.Job[core.R]):
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
+    def __del__(self) -> None:
+        """``job.cancel_at_deletion()`` then ``del job`` cancels a job still running. (submitit's own
+        ``__del__`` asks a class-level squeue watcher, which a pool's job has no use for.)"""
+        if getattr(self, "_cancel_at_deletion", False) and not self._sub_jobs:
+            try:
+                if not self.done():
+                    self.cancel(check=False)
+            except (MonarchError, OSError, ValueError, ImportError):
+                pass  # the pool is gone (or the interpreter is ending): nothing left to cancel
+
     def cancel(self, check: bool = True) -> None:  # pylint: disable=unused-argument
         from . import apps
 

@@ -29,6 +29,7 @@ from ..specs import FAILED, SUCCEEDED, LaunchSpec
 from ..submission import PoolPlan
 from ..torchrun import PLAN_ENV, TorchrunPlan, plan_role
 from . import workspace as ws
+from .role_record import role_from_record, role_to_record
 
 RANK0_ENV = "TORCHX_RANK0_HOST"
 
@@ -193,8 +194,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         for n, role in enumerate(app.roles):
             workspace = ws.attached(role.image, cfg) if n == 0 else None
             req.workspace = req.workspace or workspace
-            req.roles.append({"name": role.name, "image": role.image, "entrypoint": role.entrypoint,
-                              "args": list(role.args), "num_replicas": role.num_replicas})
+            req.roles.append(role_to_record(role))
             for i in range(role.num_replicas):
                 root = ws.MOUNT_TOKEN if workspace else role.image if os.path.isdir(role.image) else (cwd or "")
                 values = macros.Values(img_root=root,
@@ -273,8 +273,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         msgs = [f"{role}/{i}: {s['msg']}" for (role, i), s in states.items() if s.get("msg") and s["state"] != SUCCEEDED]
         resp.msg = "; ".join(msgs)
         for r in arec.roles:
-            resp.roles.append(Role(name=r["name"], image=r["image"], entrypoint=r["entrypoint"], args=r["args"],
-                                   num_replicas=r["num_replicas"]))
+            resp.roles.append(role_from_record(r))
             replicas = [ReplicaStatus(id=i, state=AppState[states[(r["name"], i)]["state"]], role=r["name"],
                                       hostname=states[(r["name"], i)]["hostname"])
                         for i in range(r["num_replicas"]) if (r["name"], i) in states]

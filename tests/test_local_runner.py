@@ -184,3 +184,26 @@ def test_pool_that_cannot_serve_the_request_is_refused_or_replaced(runner, home,
     assert _wait_done(runner, h).state == AppState.SUCCEEDED
     new = Registry.hosts(Registry(home).get(pool_name))
     assert len(new) == 2 and not set(old) & {a.pid for a in new}
+
+
+def test_describe_returns_the_app_as_submitted(runner, home, pool_name, tmp_path):
+    from torchx.specs import Resource, RetryPolicy
+
+    role = Role(name="trainer", image=str(tmp_path), entrypoint="python", args=["-c", "print('ok')"],
+                num_replicas=2, env={"LR": "0.1", "MODE": "warm"}, max_retries=2,
+                retry_policy=RetryPolicy.REPLICA, port_map={"tensorboard": 6006},
+                resource=Resource(cpu=2, gpu=0, memMB=1024, capabilities={"arch": "x86"}))
+    h = runner.run(AppDef(name="described", roles=[role]), "monarch_local", {"pool": pool_name, "preload": ""})
+    _wait_done(runner, h)
+    (got,) = runner.describe(h).roles
+    assert (got.name, got.image, got.entrypoint, got.args, got.num_replicas) == \
+        ("trainer", str(tmp_path), "python", ["-c", "print('ok')"], 2)
+    assert {"LR": "0.1", "MODE": "warm"}.items() <= got.env.items()
+    assert (got.max_retries, got.retry_policy, got.port_map) == (2, RetryPolicy.REPLICA, {"tensorboard": 6006})
+    assert (got.resource.cpu, got.resource.gpu, got.resource.memMB, got.resource.capabilities) == \
+        (2, 0, 1024, {"arch": "x86"})
+    # and the CLI, from another process
+    from .conftest import torchx
+
+    out = torchx(home, "describe", h).stdout
+    assert "'LR': '0.1'" in out and "'max_retries': 2" in out and "'tensorboard': 6006" in out, out

@@ -106,6 +106,28 @@ def test_cancel(local_pool, tmp_path):
         job.result()
 
 
+def test_cancel_at_deletion_cancels_the_job_when_it_is_deleted(local_pool, tmp_path):
+    import gc
+
+    job = _executor(tmp_path, local_pool).submit(sleepy, 600).cancel_at_deletion()
+    wait_for(lambda: job.state == "RUNNING", what="running")
+    app_id = f"submitit-{job.job_id}"
+    del job
+    gc.collect()
+    from monarch_torchx import apps
+    from monarch_torchx.pool import attach
+
+    pool = attach(local_pool)
+    wait_for(lambda: apps.replica_states(pool, Registry.get_app(pool.record, app_id))[("task", 0)]["state"]
+             == "CANCELLED", timeout=20, what="the deleted job to be cancelled")
+    kept = _executor(tmp_path, local_pool).submit(sleepy, 0)  # without it: deleting the handle leaves the job be
+    kept_id = f"submitit-{kept.job_id}"
+    del kept
+    gc.collect()
+    wait_for(lambda: apps.replica_states(pool, Registry.get_app(pool.record, kept_id))[("task", 0)]["state"]
+             == "SUCCEEDED", timeout=20, what="the job kept running")
+
+
 def test_timeout_signals_then_a_checkpointable_job_is_requeued_into_the_pool(local_pool, tmp_path):
     # timeout_min=1 with signal_delay_s=57: SIGUSR2 after 3 s
     ex = _executor(tmp_path, local_pool, timeout_min=1, monarch_signal_delay_s=57)
@@ -129,8 +151,10 @@ def test_timeout_signals_then_a_checkpointable_job_is_requeued_into_the_pool(loc
 
 
 def test_bad_pool_and_parameters_are_refused(home, tmp_path, local_pool):
-    with pytest.raises(MonarchError, match="no pool named 'nope'"):
+    with pytest.raises(MonarchError, match="no pool named 'nope'") as e:
         _executor(tmp_path, "nope").submit(where, 1)
+    assert "torchx pool create nope -s monarch_local -cfg hosts=2" in str(e.value)  # the scheduler and its size
+    assert "-s monarch_slurm -cfg nodes=2,partition=" in str(e.value)
     with pytest.raises(ValueError, match="unknown parameter"):
         submitit.AutoExecutor(folder=str(tmp_path), cluster="monarch")._executor.update_parameters(bogus=1)
     with pytest.raises(MonarchError, match="nodes=3 but pool"):
