@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import Any, Dict
 
 from torchx.cli.cmd_base import SubCommand
 from torchx.cli.cmd_cancel import CmdCancel as _Cancel
@@ -70,11 +70,37 @@ class _PromptWaitRunner:
             scheduler.wait_until_done(app_id, timeout=max(wait_interval, 30.0))
 
 
+def dryrun_json(info: Any, scheduler: str) -> Dict[str, Any]:
+    """``torchx run --dryrun --json``'s object, as torchx-nightly writes it (scheduler, cfg, app, request)."""
+    from dataclasses import asdict, is_dataclass
+
+    request = info.request
+    app = getattr(info, "app", None) or getattr(info, "_app", None)
+    cfg = getattr(info, "cfg", None) or getattr(info, "_cfg", None) or {}
+    return {"scheduler": scheduler, "cfg": dict(cfg), "app": asdict(app) if app is not None else None,
+            "request": asdict(request) if is_dataclass(request) else str(info)}
+
+
+class _CaptureDryrun:
+    """A Runner that keeps the dry-run it computes (torchx 0.7.0 prints it only as text)."""
+
+    def __init__(self, runner: Any):
+        self._runner, self.info = runner, None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    def dryrun_component(self, *args: Any, **kwargs: Any) -> Any:
+        self.info = self._runner.dryrun_component(*args, **kwargs)
+        return self.info
+
+
 class CmdRun(_OneLineErrors, _Run):
     def add_arguments(self, subparser: argparse.ArgumentParser) -> None:
         """As TorchX's, but ``monarch_local`` is the default scheduler unless .torchxconfig names one.
 
         (TorchX takes the first registered entry point as default, and entry points are sorted.)
+        torchx 0.7.0 also gets torchx-nightly's ``--json`` for dry-runs.
         """
         from torchx.schedulers import get_default_scheduler_name
 
@@ -82,6 +108,25 @@ class CmdRun(_OneLineErrors, _Run):
         for action in subparser._actions:
             if action.dest == "scheduler" and action.default == get_default_scheduler_name():
                 action.default = "monarch_local"
+        self._own_json = not any("--json" in a.option_strings for a in subparser._actions)
+        if self._own_json:
+            subparser.add_argument("--json", action="store_true", default=False,
+                                   help="with --dryrun: print the dry-run as one JSON object")
+
+    def _run(self, runner: Any, args: argparse.Namespace) -> None:
+        if not (getattr(self, "_own_json", False) and args.json):
+            return super()._run(runner, args)
+        if not args.dryrun:
+            print("torchx: error: --json goes with --dryrun on this torchx (0.7.0)", file=sys.stderr)
+            sys.exit(1)
+        import contextlib
+        import io
+        import json
+
+        capture = _CaptureDryrun(runner)
+        with contextlib.redirect_stdout(io.StringIO()):
+            super()._run(capture, args)
+        print(json.dumps(dryrun_json(capture.info, args.scheduler), default=str))
 
     def _wait_and_exit(self, runner: Any, app_handle: str, log: bool) -> None:
         """TorchX's, with a wait that returns when the app ends rather than at the next 1 s poll."""
@@ -115,7 +160,47 @@ class CmdList(_OneLineErrors, _List):
     pass
 
 
+def log_time(text: str) -> "datetime":
+    """A ``--since``/``--until`` value: a duration ago (90s, 10m, 2h, 1d) or an ISO 8601 time."""
+    from datetime import datetime, timedelta
+
+    from .pool import parse_duration
+
+    try:
+        return datetime.now() - timedelta(seconds=parse_duration(text, "time"))
+    except MonarchError:
+        pass
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a time: use a duration ago (90s, 10m, 2h) or an "
+                                         "ISO time (2026-12-02T10:30)") from None
+
+
+class _TimeWindow:
+    """A Runner whose ``log_lines`` keeps only the lines logged between ``since`` and ``until``
+    (TorchX's ``torchx log`` passes neither; its Runner and our schedulers take both)."""
+
+    def __init__(self, runner: Any, since: Any, until: Any):
+        self._runner, self._since, self._until = runner, since, until
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    def log_lines(self, app_handle: str, role_name: str, k: int = 0, regex: Any = None, since: Any = None,
+                  until: Any = None, should_tail: bool = False, streams: Any = None) -> Any:
+        return self._runner.log_lines(app_handle, role_name, k, regex, since=since or self._since,
+                                      until=until or self._until, should_tail=should_tail, streams=streams)
+
+
 class CmdLog(_OneLineErrors, _Log):
+    def add_arguments(self, subparser: argparse.ArgumentParser) -> None:
+        super().add_arguments(subparser)
+        subparser.add_argument("--since", type=log_time, default=None, metavar="WHEN",
+                               help="only lines logged at or after WHEN: a duration ago (10m) or an ISO time")
+        subparser.add_argument("--until", type=log_time, default=None, metavar="WHEN",
+                               help="only lines logged before WHEN: a duration ago (10m) or an ISO time")
+
     def run(self, args: argparse.Namespace) -> None:
         import threading
 
@@ -137,7 +222,48 @@ class CmdLog(_OneLineErrors, _Log):
                     print(f"torchx: error: no app {parts[1]!r} on {scheduler}; see `torchx list -s {scheduler}`",
                           file=sys.stderr)
                     sys.exit(1)
-        super().run(args)
+        if args.since is None and args.until is None:
+            return super().run(args)
+        from torchx.cli.cmd_log import get_logs
+        from torchx.runner import get_runner
+
+        try:
+            with get_runner() as runner:
+                get_logs(sys.stdout, args.identifier, args.regex, args.tail,
+                         runner=_TimeWindow(runner, args.since, args.until), streams=args.streams)
+        except MonarchError as e:
+            print(f"torchx: error: {e}", file=sys.stderr)
+            sys.exit(1)
+
+
+class CmdRunopts(SubCommand):
+    """``torchx runopts [SCHEDULER]``: as TorchX's, but a built-in scheduler whose own dependency is
+    not installed (torchx 0.7.0's ``aws_sagemaker`` needs boto3, ``ray`` needs ray) is one line
+    saying so, instead of an error line or a traceback that ends the listing."""
+
+    def add_arguments(self, subparser: argparse.ArgumentParser) -> None:
+        subparser.add_argument("scheduler", type=str, nargs="?",
+                               help="scheduler to print the run options of (default: every scheduler)")
+
+    def run(self, args: argparse.Namespace) -> None:
+        from torchx.schedulers import get_scheduler_factories
+
+        factories = get_scheduler_factories()
+        if args.scheduler and args.scheduler not in factories:
+            print(f"torchx: error: no scheduler {args.scheduler!r}: use one of {', '.join(factories)}",
+                  file=sys.stderr)
+            sys.exit(1)
+        for name, factory in factories.items():
+            if args.scheduler and name != args.scheduler:
+                continue
+            try:
+                opts = factory("default").run_opts()
+            except Exception as e:  # noqa: BLE001 (another package's scheduler: any failure is its own)
+                missing = getattr(e, "name", None) if isinstance(e, ImportError) else None
+                why = f"needs {missing} (pip install {missing})" if missing else f"{type(e).__name__}: {e}"
+                print(f"{name} (not available here: {why})\n")
+                continue
+            print(f"{name}:\n{opts!r}\n")
 
 
 class CmdPool(SubCommand):
