@@ -146,6 +146,29 @@ class WarmPoolJob(JobTrait):
             stop_pool(self.pool, reg)
         self._workers = []
 
+    # ------------------------------------------------------------ the cache, kept private
+
+    def _load_cached(self, cached_path: Optional[str]) -> Optional[JobTrait]:
+        """Monarch's, after a check: loading a pickle runs code, so a cache that is not ours, or
+        that others could have written, is refused."""
+        if cached_path is not None:
+            try:
+                st = os.stat(cached_path)
+            except OSError:
+                st = None
+            if st is not None and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+                raise MonarchError(f"refusing to load the cached job {cached_path}: it is not yours or others can "
+                                   "write it (remove it, or pass cached_path=None)")
+        return super()._load_cached(cached_path)
+
+    def dump(self, filename: str) -> None:
+        """Monarch's, written 0600 (the cache names the pool's workers)."""
+        from .private import write_private_bytes
+
+        path = Path(os.path.realpath(filename))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_private_bytes(path, self.dumps())
+
     # ------------------------------------------------------------ ours
 
     def _workers_running(self) -> bool:

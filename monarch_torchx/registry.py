@@ -364,6 +364,13 @@ class Registry:
         return AppRecord.from_json(data) if data else None
 
     @staticmethod
+    def delete_app(rec: PoolRecord, app_id: str) -> None:
+        """Forgets an app's record (``torchx delete``): it no longer lists or describes. Logs are kept."""
+        if _NAME.match(app_id):
+            with contextlib.suppress(FileNotFoundError):
+                (Path(rec.state_dir) / "apps" / f"{app_id}.json").unlink()
+
+    @staticmethod
     def list_apps(rec: PoolRecord) -> List[AppRecord]:
         d = Path(rec.state_dir) / "apps"
         out = []

@@ -148,6 +148,29 @@ class CmdStatus(_OneLineErrors, _Status):
     pass
 
 
+class CmdDelete(_OneLineErrors, SubCommand):
+    """``torchx delete APP_HANDLE``: cancels the app if it runs, then forgets it. torchx-nightly
+    has this command; on torchx 0.7.0 it is ours, for our schedulers (0.7.0's have no delete)."""
+
+    def add_arguments(self, subparser: argparse.ArgumentParser) -> None:
+        subparser.add_argument("app_handle", type=str, help="torchx app handle (e.g. monarch_local://torchx/dev:app)")
+
+    def run(self, args: argparse.Namespace) -> None:
+        from torchx.runner import get_runner
+        from torchx.specs import parse_app_handle
+
+        with get_runner() as runner:
+            if hasattr(runner, "delete"):
+                return runner.delete(args.app_handle)
+            handle = parse_app_handle(args.app_handle)
+            sched = runner._scheduler(handle.scheduler_backend)
+            if not hasattr(sched, "delete"):
+                print(f"torchx: error: {handle.scheduler_backend} cannot delete apps on torchx 0.7.0; use "
+                      "`torchx cancel`", file=sys.stderr)
+                sys.exit(1)
+            sched.delete(handle.app_id)
+
+
 class CmdDescribe(_OneLineErrors, _Describe):
     pass
 

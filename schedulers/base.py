@@ -314,6 +314,19 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         if found:
             apps.kill(*found)
 
+    def delete(self, app_id: str) -> None:
+        """Cancels the app if it runs, then forgets it (``torchx delete``; torchx 0.7.0 has no
+        ``Scheduler.delete``, torchx-nightly's is this one)."""
+        if self.exists(app_id):
+            self._delete_existing(app_id)
+
+    def _delete_existing(self, app_id: str) -> None:
+        found = self._lookup(app_id)
+        if found is not None:
+            pool, arec = found
+            apps.kill(pool, arec)
+            Registry.delete_app(pool.record, arec.app_id)
+
     def log_iter(self, app_id: str, role_name: str, k: int = 0, regex: Optional[str] = None,
                  since: Optional[datetime] = None, until: Optional[datetime] = None,
                  should_tail: bool = False, streams: Optional[Stream] = None) -> Iterable[str]:

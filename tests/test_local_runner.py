@@ -215,3 +215,24 @@ def test_describe_returns_the_app_as_submitted(runner, home, pool_name, tmp_path
 
     out = torchx(home, "describe", h).stdout
     assert "'LR': '0.1'" in out and "'max_retries': 2" in out and "'tensorboard': 6006" in out, out
+
+
+def test_torchx_delete_cancels_the_app_and_forgets_it(home, pool_name, tmp_path):
+    from .conftest import torchx
+
+    res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=1,preload=none", "utils.sh",
+                 "sleep", "600", cwd=tmp_path)
+    h = res.stdout.strip().splitlines()[-1]
+    app = h.rsplit(":", 1)[1]
+    assert app in torchx(home, "list", "-s", "monarch_local").stdout
+    rec = Registry(home).require(pool_name)
+    (arec,) = Registry.list_apps(rec)
+    from monarch_torchx import apps, procfs
+    from monarch_torchx.pool import attach
+
+    (pid,) = [s["pid"] for s in apps.replica_states(attach(pool_name, Registry(home)), arec).values()]
+    torchx(home, "delete", h)
+    assert app not in torchx(home, "list", "-s", "monarch_local").stdout
+    assert Registry.list_apps(Registry(home).require(pool_name)) == []
+    wait_for(lambda: not procfs.alive(pid), timeout=15, what="the deleted app's process to end")
+    assert get_scheduler_factories()["monarch_local"]("torchx").describe(h.rsplit("/", 1)[1]) is None

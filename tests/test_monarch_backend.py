@@ -65,6 +65,14 @@ def test_monarchs_pingpong_runs_twice_on_a_local_pool_and_the_second_run_reuses_
     assert {p.name for p in job_dir.iterdir()} == {"ca.pem", "cert.pem", "key.pem"}
     assert all(p.stat().st_mode & 0o077 == 0 for p in [tls, job_dir, *job_dir.iterdir()])
 
+    cache = tmp_path / ".monarch" / "job_state.pkl"
+    assert cache.stat().st_mode & 0o777 == 0o600
+    cache.chmod(0o666)  # a cache others could have written is never loaded (a pickle runs code)
+    res = subprocess.run([sys.executable, "-u", str(PINGPONG), "--pool", pool_name], env=cli_env(home), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "refusing to load the cached job" in res.stderr
+    cache.chmod(0o600)
+
     # kill(): the workers end, their keys go, the pool stays warm for the next job
     (arec,) = _worker_apps(home, pool_name)
     pids = [s["pid"] for s in apps.replica_states(attach(pool_name), arec).values()]
