@@ -92,7 +92,8 @@ class WarmPoolJob(JobTrait):
         app_id = make_unique("monarch-workers")
         names = [self._client_ip, "127.0.0.1", "localhost", *(h.host for h in hosts), *(h.hostname for h in hosts)]
         bundle = new_monarch_tls(app_id, [n for n in names if n])
-        _write_tls(pool.registry.state_dir(self.pool) / MONARCH_JOBS_DIR / app_id, bundle)
+        tls_dir = pool.registry.state_dir(self.pool) / MONARCH_JOBS_DIR / app_id
+        _write_tls(tls_dir, bundle)
         ids = allocate_service_proc_ids(total)
         workers = [service_proc_addr(f"tls://{_url_host(h.host)}:{ports[i]}", ids[i]) for i, h in enumerate(hosts)]
         from .monarch_worker import TLS_ENV
@@ -101,9 +102,13 @@ class WarmPoolJob(JobTrait):
                                 argv=["python", "-m", "monarch_torchx.monarch_worker", "--address", addr],
                                 env={TLS_ENV: bundle}))
                  for i, addr in enumerate(workers)]
-        apps.launch(pool, app_id, "monarch-workers", [{"name": WORKER_ROLE, "image": "", "entrypoint": "python",
-                                                       "args": ["-m", "monarch_torchx.monarch_worker"],
-                                                       "num_replicas": total}], specs)
+        try:
+            apps.launch(pool, app_id, "monarch-workers", [{"name": WORKER_ROLE, "image": "", "entrypoint": "python",
+                                                           "args": ["-m", "monarch_torchx.monarch_worker"],
+                                                           "num_replicas": total}], specs)
+        except BaseException:
+            _remove_tls(tls_dir)  # all or nothing, as the launch: no keys of workers that never ran
+            raise
         self._app_id, self._workers = app_id, workers
 
     def _state(self) -> JobState:
