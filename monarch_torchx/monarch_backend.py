@@ -8,7 +8,7 @@ A program written for Monarch's own runtime changes only its job object:
     procs = trainers.spawn_procs(per_host={"gpus": 8})
 
 ``apply()`` (through ``state()``) makes sure the pool runs (created with ``cfg``, the run options
-of ``torchx run -cfg``; an existing pool that matches is reused as it is), then starts Monarch's
+of ``torchx run -cfg``; an existing pool is used as it is, never replaced), then starts Monarch's
 worker loop on each host as an app of the pool (``monarch_worker.py``), and ``state()`` attaches
 to the workers with Monarch's ``attach_to_workers``. Monarch caches the job
 (``.monarch/job_state.pkl``); the next run of the program finds it, ``can_run`` says the workers
@@ -76,11 +76,10 @@ class WarmPoolJob(JobTrait):
                                "where the client runs; it reaches the pool from there")
         from . import apps
         from .credentials import new_monarch_tls
-        from .job import ensure_job_pool
         from .specs import LaunchSpec
 
         total = sum(self.meshes.values())
-        pool = ensure_job_pool(self.scheduler, self.pool, self.cfg, total)
+        pool = self._ensure_pool(total)
         hosts = pool.hosts[:total]
         if any(h is None for h in hosts):
             raise MonarchError(f"pool {self.pool!r} has hosts without an agent: `torchx pool status {self.pool}`")
@@ -92,7 +91,7 @@ class WarmPoolJob(JobTrait):
         app_id = make_unique("monarch-workers")
         names = [self._client_ip, "127.0.0.1", "localhost", *(h.host for h in hosts), *(h.hostname for h in hosts)]
         bundle = new_monarch_tls(app_id, [n for n in names if n])
-        tls_dir = pool.registry.state_dir(self.pool) / MONARCH_JOBS_DIR / app_id
+        tls_dir = Path(pool.record.state_dir) / MONARCH_JOBS_DIR / app_id
         _write_tls(tls_dir, bundle)
         ids = allocate_service_proc_ids(total)
         workers = [service_proc_addr(f"tls://{_url_host(h.host)}:{ports[i]}", ids[i]) for i, h in enumerate(hosts)]
@@ -146,7 +145,7 @@ class WarmPoolJob(JobTrait):
             arec = Registry.get_app(rec, self._app_id)
             if arec is not None:
                 apps.kill(attach(self.pool, reg), arec)
-            _remove_tls(reg.state_dir(self.pool) / MONARCH_JOBS_DIR / self._app_id)
+            _remove_tls(Path(rec.state_dir) / MONARCH_JOBS_DIR / self._app_id)
         if rec is not None and self.stop_pool_on_kill:
             stop_pool(self.pool, reg)
         self._workers = []
@@ -175,6 +174,25 @@ class WarmPoolJob(JobTrait):
         write_private_bytes(path, self.dumps())
 
     # ------------------------------------------------------------ ours
+
+    def _ensure_pool(self, hosts: int) -> Any:
+        """The job's pool, running: created with ``cfg`` when it does not exist. An existing pool is
+        used as it is (it may serve other apps: it is never replaced for a job), if it has the hosts."""
+        from .job import ensure_job_pool
+        from .pool import PoolRequest, ensure_pool
+        from .registry import Registry, create_hint
+
+        rec = Registry().get(self.pool)
+        if rec is None:
+            return ensure_job_pool(self.scheduler, self.pool, self.cfg, hosts)
+        if rec.scheduler != self.scheduler:
+            raise MonarchError(f"pool {self.pool!r} runs on {rec.scheduler}, not {self.scheduler}: pass "
+                               f"scheduler={rec.scheduler!r}, or another pool name")
+        if rec.num_hosts < hosts:
+            raise MonarchError(f"pool {self.pool!r} has {rec.num_hosts} host(s) and the job's meshes need {hosts}: "
+                               f"use another pool name (it is created with them), or {create_hint(self.pool)} "
+                               "after `torchx pool stop`")
+        return ensure_pool(PoolRequest(rec.scheduler, self.pool, spec={}))
 
     def _workers_running(self) -> bool:
         from . import apps
@@ -221,7 +239,7 @@ def _write_tls(directory: Path, bundle: str) -> None:
 def _client_tls_env(job: WarmPoolJob) -> Dict[str, str]:
     from .registry import Registry
 
-    directory = Registry().state_dir(job.pool) / MONARCH_JOBS_DIR / str(job._app_id)
+    directory = Path(Registry().require(job.pool).state_dir) / MONARCH_JOBS_DIR / str(job._app_id)
     env = {"HYPERACTOR_TLS_CA": directory / "ca.pem", "HYPERACTOR_TLS_CERT": directory / "cert.pem",
            "HYPERACTOR_TLS_KEY": directory / "key.pem"}
     missing = [str(p) for p in env.values() if not p.exists()]

@@ -126,3 +126,21 @@ def test_monarchs_pingpong_runs_across_two_slurm_nodes_twice_with_one_allocation
                                "--cfg", "partition=debug,time=00:20:00,preload=none")
     assert len({a[2] for a in first}) == 2  # two nodes
     assert {a[2] for a in second} == {a[2] for a in first}
+
+
+def test_an_existing_pool_is_used_as_it_is_and_one_too_small_is_refused(home, pool_name, tmp_path):
+    from .conftest import torchx
+
+    torchx(home, "pool", "create", pool_name, "-s", "monarch_local", "-cfg", "hosts=3,preload=none")
+    agents = [(h.pid, h.incarnation) for h in Registry.hosts(Registry(home).require(pool_name))]
+    assert len(_answers(_pingpong(home, tmp_path, "--pool", pool_name))) == 4  # on hosts 0 and 1 of the 3
+    assert [(h.pid, h.incarnation) for h in Registry.hosts(Registry(home).require(pool_name))] == agents
+
+    small = f"{pool_name}s"
+    torchx(home, "pool", "create", small, "-s", "monarch_local", "-cfg", "hosts=1,preload=none")
+    other = tmp_path / "other"  # no cached job here
+    other.mkdir()
+    res = subprocess.run([sys.executable, "-u", str(PINGPONG), "--pool", small], env=cli_env(home), cwd=other,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and f"pool {small!r} has 1 host(s) and the job's meshes need 2" in res.stderr
+    assert len(Registry.hosts(Registry(home).require(small))) == 1  # not replaced
