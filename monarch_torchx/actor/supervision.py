@@ -11,6 +11,7 @@ does, with a KeyboardInterrupt in the main thread (so atexit handlers still run 
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -32,9 +33,17 @@ def dispatch(failure: MeshFailure) -> None:
 
 def unhandled_off_caller(exc: BaseException) -> None:
     """The hook raised on a thread no call waits on (the idle reader, the proc watcher): the main
-    thread is interrupted."""
+    thread is interrupted. Where SIGINT does not reach Python (a controller started in the
+    background by a non-interactive shell, or under nohup, inherits it ignored), the process
+    ends at once with the hook's exit code instead: what raised must still end the program."""
     print(f"monarch-torchx: the unhandled fault hook raised {exc!r}; interrupting the main thread",
           file=sys.stderr, flush=True)
     main = threading.main_thread()
-    if main.is_alive() and main.ident is not None:
-        signal.pthread_kill(main.ident, signal.SIGINT)
+    if not main.is_alive() or main.ident is None:
+        return
+    if not callable(signal.getsignal(signal.SIGINT)):  # SIG_IGN or SIG_DFL: no KeyboardInterrupt would come
+        code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    signal.pthread_kill(main.ident, signal.SIGINT)
