@@ -726,9 +726,11 @@ def test_a_dead_proc_of_the_controller_and_an_idle_controller_get_the_fault(proc
     assert seen[1].exit_code == -signal.SIGKILL and not seen[1].actor
 
 
-def test_the_default_fault_hook_ends_the_controller(pool, tmp_path):
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_the_default_fault_hook_ends_the_controller(pool, tmp_path, sigint):
     """Unhandled, a supervision event ends the controller (Monarch's default: exit, after the
-    report), even while its main thread waits on something else."""
+    report), even while its main thread waits on something else, and even where the controller
+    inherited SIGINT ignored (started in the background by a non-interactive shell)."""
     script = tmp_path / "controller.py"
     script.write_text(textwrap.dedent(f"""
         import time
@@ -740,8 +742,13 @@ def test_the_default_fault_hook_ends_the_controller(pool, tmp_path):
         print("still running")
     """))
     root = str(Path(__file__).resolve().parent.parent)
+    import signal
+
+    def start() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN if sigint == "ignored" else signal.SIG_DFL)
+
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, cwd=root,
-                         env={**os.environ, "PYTHONPATH": root})
+                         env={**os.environ, "PYTHONPATH": root}, preexec_fn=start)
     assert res.returncode != 0 and "still running" not in res.stdout
     assert "unhandled supervision event: The actor tests.fixtures.actors.Counter doomed" in res.stderr, res.stderr
 
