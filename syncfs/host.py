@@ -274,72 +274,90 @@ def _end_orphans(target: str) -> None:
         subprocess.run(["umount", "-l", target], capture_output=True)
 
 
-def setup(agent: Any) -> None:
-    store = ChunkStore(store_root(agent), private_from=store_base()[1])
-    mounts: Dict[Path, Mount] = {}
-    no_fuse = fuse_available()
-    locks: Dict[Path, asyncio.Lock] = {}
-    made: List[Path] = []
-    sessions: Dict[str, Forwarder] = {}
-    abandoned: "OrderedDict[str, int]" = OrderedDict()  # session -> the next host, for a late flush
+class SyncfsModule:
+    """This host's side of syncfs, plugged into its agent (``AgentModule``): the ``syncfs.*``
+    operations (chunks in, chains on, manifests prepared and committed, targets served), two
+    background sweeps, and at stop no mount, synced tree or chunk left on the node."""
 
-    async def reap_abandoned() -> None:
+    def __init__(self, agent: Any):
+        self.agent = agent
+        self.store = ChunkStore(store_root(self.agent), private_from=store_base()[1])
+        self.mounts: Dict[Path, Mount] = {}
+        self.no_fuse = fuse_available()
+        self.locks: Dict[Path, asyncio.Lock] = {}
+        self.made: List[Path] = []
+        self.sessions: Dict[str, Forwarder] = {}
+        self.abandoned: "OrderedDict[str, int]" = OrderedDict()  # session -> the next host, for a late flush
+        self.prepared: "OrderedDict[Tuple[Path, str], Tuple[Manifest, bytes]]" = OrderedDict()
+
+    def operations(self) -> Dict[str, Any]:
+        return {"syncfs.missing": (self.missing, lambda _args, lists: sorted(set().union(*lists))),
+                "syncfs.put": (self.put, None), "syncfs.flush": (self.flush, None),
+                "syncfs.prepare": (self.prepare, None), "syncfs.commit": (self.commit, None),
+                "syncfs.where": (self.where, None), "syncfs.workdir": (self.workdir, None),
+                "syncfs.sessions": (self.open_sessions, None)}
+
+    def background_tasks(self) -> List[Any]:
+        return [self.reap_abandoned(), self.sweep_store()]
+
+    def stop(self) -> None:
+        self.cleanup()
+
+    async def reap_abandoned(self) -> None:
         """Drops the forwarders of syncs whose client went away without a flush (killed,
         interrupted): their threads and connections would otherwise live as long as the agent."""
         while True:
             await asyncio.sleep(max(0.2, SESSION_IDLE_S / 4))
             now = time.monotonic()
-            for sid in [sid for sid, fw in sessions.items() if now - fw.last_used > SESSION_IDLE_S]:
-                fw = sessions.pop(sid)
+            for sid in [sid for sid, fw in self.sessions.items() if now - fw.last_used > SESSION_IDLE_S]:
+                fw = self.sessions.pop(sid)
                 fw.abort("abandoned")
-                abandoned[sid] = fw.next_hosts[0]
-                while len(abandoned) > 256:
-                    abandoned.popitem(last=False)
+                self.abandoned[sid] = fw.next_hosts[0]
+                while len(self.abandoned) > 256:
+                    self.abandoned.popitem(last=False)
                 log.warning("sync %s: no batch for %.0f s: dropped its forwarding", sid[:8], now - fw.last_used)
-                await run(fw.drain)  # its threads drain the queues and close their connections
+                await self.run(fw.drain)  # its threads drain the queues and close their connections
 
-    async def open_sessions(peer: Any) -> List[Dict[str, Any]]:
+    async def open_sessions(self, peer: Any) -> List[Dict[str, Any]]:
         """The chained syncs this host is forwarding now (session, next host, seconds idle)."""
         now = time.monotonic()
         return [{"session": sid, "next": fw.next_hosts, "idle_s": round(now - fw.last_used, 1)}
-                for sid, fw in sessions.items()]
-    prepared: "OrderedDict[Tuple[Path, str], Tuple[Manifest, bytes]]" = OrderedDict()
-
-    async def run(fn: Any, *args: Any) -> Any:  # a StoreError's type reaches the client, which names the host
+                for sid, fw in self.sessions.items()]
+    async def run(self, fn: Any, *args: Any) -> Any:  # a StoreError's type reaches the client, which names the host
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
-    async def missing(peer: Any, hashes: List[str], target: str = "") -> List[str]:
+    async def missing(self, peer: Any, hashes: List[str], target: str = "") -> List[str]:
         """The chunks this host lacks; the target is checked first, before any byte is sent."""
         if target:
-            resolve_target(store, target)
-        return await run(store.missing, hashes)
+            resolve_target(self.store, target)
+        return await self.run(self.store.missing, hashes)
 
-    async def put(peer: Any, chunks: List[Tuple[str, int]], data: Any = None, rdma: Any = None, session: str = "",
+    async def put(self, peer: Any, chunks: List[Tuple[str, int]], data: Any = None, rdma: Any = None, session: str = "",
                   chain: Optional[List[Dict[str, Any]]] = None, chain_length: int = transfer.CHAIN_LENGTH) -> Dict[str, Any]:
         """Stores a batch (``data``, or what ``rdma`` points at: the ``chunks``, (name, size) each,
         end to end); with a ``chain`` (every host below this one), also passes it on to them."""
-        data, via = await run(transfer.incoming, agent.pool, agent.creds, data, rdma)
-        stored = await run(store.put, chunks, data)
+        data, via = await self.run(transfer.incoming, self.agent.pool, self.agent.creds, data, rdma)
+        stored = await self.run(self.store.put, chunks, data)
         if chain:
-            fw = sessions.get(session)
+            fw = self.sessions.get(session)
             if fw is None:  # no await between the check and the insert: parallel streams share one
-                fw = sessions[session] = Forwarder(agent.pool, agent.creds, session, chain, transfer.forwarding(via),
+                fw = self.sessions[session] = Forwarder(self.agent.pool, self.agent.creds, session, chain, transfer.forwarding(via),
                                                    max(1, int(chain_length)))
             fw.last_used = time.monotonic()
-            await run(fw.put, (chunks, data))
+            await self.run(fw.put, (chunks, data))
         return {"stored": stored, "via": via}
 
-    async def flush(peer: Any, session: str) -> Dict[str, Any]:
+    async def flush(self, peer: Any, session: str) -> Dict[str, Any]:
         """Waits until every batch of the session went down the chain; who failed, who was not reached."""
-        fw = sessions.pop(session, None)
-        if fw is None and session in abandoned:
+        fw = self.sessions.pop(session, None)
+        if fw is None and session in self.abandoned:
             why = f"the sync stalled for more than {SESSION_IDLE_S:.0f} s and this host dropped its forwarding"
-            return {"failed": {abandoned[session]: why}, "unreached": []}
+            return {"failed": {self.abandoned[session]: why}, "unreached": []}
         if fw is None:
             return {"failed": {}, "unreached": []}
-        return await run(fw.finish)
+        return await self.run(fw.finish)
 
-    def parse(data: Any) -> Manifest:
+    def parse(self, data: Any) -> Manifest:
         if not isinstance(data, bytes):
             raise ValueError("manifest must be the bytes of Manifest.dumps()")
         try:
@@ -347,128 +365,123 @@ def setup(agent: Any) -> None:
         except (ValueError, EOFError, TypeError) as e:
             raise ValueError(f"malformed manifest: {e}") from None
 
-    def fuse_for(path: Path) -> bool:
-        return not no_fuse and not os.path.islink(path)  # a target first served materialized stays so
+    def fuse_for(self, path: Path) -> bool:
+        return not self.no_fuse and not os.path.islink(path)  # a target first served materialized stays so
 
-    def serving(path: Path) -> bool:
+    def serving(self, path: Path) -> bool:
         """Whether the target shows its current generation: a FUSE target only while its server
         runs (after a failed mount, or under a new agent, the same tree is committed again)."""
-        if not fuse_for(path):
+        if not self.fuse_for(path):
             return True
-        m = mounts.get(path)
+        m = self.mounts.get(path)
         return m is not None and m.started and m.alive()
 
-    def unchanged(path: Path, digest: str) -> Optional[int]:
-        return store.unchanged(path, digest) if serving(path) else None
+    def unchanged(self, path: Path, digest: str) -> Optional[int]:
+        return self.store.unchanged(path, digest) if self.serving(path) else None
 
-    def standby(path: Path) -> None:
+    def standby(self, path: Path) -> None:
         """A FUSE server for a target that has none yet, started ahead of its first commit."""
-        m = mounts.get(path)
-        if fuse_for(path) and (m is None or not m.alive()):
+        m = self.mounts.get(path)
+        if self.fuse_for(path) and (m is None or not m.alive()):
             if m is not None:
                 m.stop()
-            mounts[path] = Mount(store, path)
+            self.mounts[path] = Mount(self.store, path)
 
-    def commit_blocking(path: Path, manifest: Manifest, data: bytes) -> Dict[str, Any]:
-        fuse = fuse_for(path)
+    def commit_blocking(self, path: Path, manifest: Manifest, data: bytes) -> Dict[str, Any]:
+        fuse = self.fuse_for(path)
         if fuse:
-            standby(path)  # started first: a target that cannot be mounted (not empty) is refused here
-        n = store.commit(path, manifest, fuse, data)
+            self.standby(path)  # started first: a target that cannot be mounted (not empty) is refused here
+        n = self.store.commit(path, manifest, fuse, data)
         if fuse:
-            m = mounts[path]
+            m = self.mounts[path]
             if not m.started:
                 m.start()  # serves ``current``: generation n
             else:
                 m.switch(n)
         for h in manifest.chunk_sizes():  # committed: a kept generation now protects them
-            store.pins.pop(h, None)
-        store.collect(path)
-        return {"generation": n, "path": str(path), "served_by": "fuse" if fuse else f"symlink ({no_fuse})"}
+            self.store.pins.pop(h, None)
+        self.store.collect(path)
+        return {"generation": n, "path": str(path), "served_by": "fuse" if fuse else f"symlink ({self.no_fuse})"}
 
-    async def prepare(peer: Any, target: str, digest: str, manifest: Optional[bytes] = None) -> Dict[str, Any]:
+    async def prepare(self, peer: Any, target: str, digest: str, manifest: Optional[bytes] = None) -> Dict[str, Any]:
         """Gets a commit ready while the sync's last chunks are still on their way: the manifest
         checked and kept (by its digest), the target's FUSE server started. Without a
         ``manifest``, says whether one is needed: not when the target already serves that tree
         (``unchanged``) or one with that digest is ready."""
-        path = resolve_target(store, target)
-        n = unchanged(path, digest)
+        path = resolve_target(self.store, target)
+        n = self.unchanged(path, digest)
         if n is not None:  # what a commit would answer: the client need not ask for it
             return {"unchanged": True, "prepared": False, "generation": n, "path": str(path),
-                    "served_by": "fuse" if fuse_for(path) else f"symlink ({no_fuse})"}
-        if (path, digest) not in prepared:
+                    "served_by": "fuse" if self.fuse_for(path) else f"symlink ({self.no_fuse})"}
+        if (path, digest) not in self.prepared:
             if manifest is None:
                 return {"unchanged": False, "prepared": False}
             if not isinstance(manifest, bytes) or manifest_digest(manifest) != digest:
                 raise ValueError("the manifest does not match its digest")
-            prepared[(path, digest)] = (await run(parse, manifest), manifest)
-            while len(prepared) > 4:  # abandoned syncs' manifests
-                prepared.popitem(last=False)
-        async with locks.setdefault(path, asyncio.Lock()):  # one server per target, even for two syncs
-            await run(standby, path)
+            self.prepared[(path, digest)] = (await self.run(self.parse, manifest), manifest)
+            while len(self.prepared) > 4:  # abandoned syncs' manifests
+                self.prepared.popitem(last=False)
+        async with self.locks.setdefault(path, asyncio.Lock()):  # one server per target, even for two syncs
+            await self.run(self.standby, path)
         return {"unchanged": False, "prepared": True}
 
-    async def commit(peer: Any, target: str, manifest: Optional[bytes] = None, digest: str = "") -> Dict[str, Any]:
+    async def commit(self, peer: Any, target: str, manifest: Optional[bytes] = None, digest: str = "") -> Dict[str, Any]:
         """Commits a generation: the one ``prepare`` made ready under ``digest``, or ``manifest``
         (its ``Manifest.dumps()``). ``committed`` is False when neither is at hand (then send the
         manifest); a target that already serves that tree changes nothing (``unchanged``)."""
-        path = resolve_target(store, target)
-        lock = locks.setdefault(path, asyncio.Lock())
+        path = resolve_target(self.store, target)
+        lock = self.locks.setdefault(path, asyncio.Lock())
         async with lock:  # two syncs to one target: one after the other, each whole
             if manifest is None:
-                n = unchanged(path, digest)
-                ready = prepared.pop((path, digest), None) if n is None else None
+                n = self.unchanged(path, digest)
+                ready = self.prepared.pop((path, digest), None) if n is None else None
                 if ready is None:
                     return {"committed": n is not None, "unchanged": n is not None, "generation": n,
-                            "path": str(path), "served_by": "fuse" if fuse_for(path) else f"symlink ({no_fuse})"}
-                out = await run(commit_blocking, path, *ready)  # off the event loop
+                            "path": str(path), "served_by": "fuse" if self.fuse_for(path) else f"symlink ({self.no_fuse})"}
+                out = await self.run(self.commit_blocking, path, *ready)  # off the event loop
             else:
-                out = await run(lambda: commit_blocking(path, parse(manifest), manifest))
-        if path not in made:
-            made.append(path)
+                out = await self.run(lambda: self.commit_blocking(path, self.parse(manifest), manifest))
+        if path not in self.made:
+            self.made.append(path)
         return {**out, "committed": True, "unchanged": False}
 
-    async def workdir(peer: Any, target: str) -> Dict[str, Any]:
+    async def workdir(self, peer: Any, target: str) -> Dict[str, Any]:
         """The writable working directory over this host's copy of ``target`` (see workdir.py)."""
-        path = resolve_target(store, target)
-        gen = store.current(path)
+        path = resolve_target(self.store, target)
+        gen = self.store.current(path)
         if gen is None:
-            raise LookupError(f"nothing is synced to {target} on host {agent.index}")
-        wd = workdir_root(registry_home(), agent.pool, target, agent.index)
-        return {"path": str(await run(refresh_workdir, path, wd, gen)), "generation": gen}
+            raise LookupError(f"nothing is synced to {target} on host {self.agent.index}")
+        wd = workdir_root(registry_home(), self.agent.pool, target, self.agent.index)
+        return {"path": str(await self.run(refresh_workdir, path, wd, gen)), "generation": gen}
 
-    async def where(peer: Any, target: str) -> Dict[str, Any]:
-        path = resolve_target(store, target)
-        return {"path": str(path), "generation": store.current(path)}
+    async def where(self, peer: Any, target: str) -> Dict[str, Any]:
+        path = resolve_target(self.store, target)
+        return {"path": str(path), "generation": self.store.current(path)}
 
-    def cleanup() -> None:  # a stopped pool leaves no mounts, synced trees or chunks on the node
-        for fw in sessions.values():
+    def cleanup(self) -> None:  # a stopped pool leaves no mounts, synced trees or chunks on the node
+        for fw in self.sessions.values():
             fw.pump.abort("the pool is stopping")  # its threads drain what is queued and end
-        for m in mounts.values():
+        for m in self.mounts.values():
             m.stop()
-        for p in made:
-            if os.path.islink(p) and str(os.readlink(p)).startswith(str(store.root)):
+        for p in self.made:
+            if os.path.islink(p) and str(os.readlink(p)).startswith(str(self.store.root)):
                 os.unlink(p)
         from .store import _rmtree
 
-        for d in store.targets.glob("*/gen-*"):
+        for d in self.store.targets.glob("*/gen-*"):
             _rmtree(d)
-        shutil.rmtree(store.root, ignore_errors=True)
+        shutil.rmtree(self.store.root, ignore_errors=True)
         # the user's syncfs directory (and temp root), once no pool of theirs uses it
-        remove_empty_dirs(store.root.parent, store.private_from)
+        remove_empty_dirs(self.store.root.parent, self.store.private_from)
 
-    agent.add_handler("syncfs.missing", missing, combine=lambda _args, lists: sorted(set().union(*lists)))
-    for op, fn in (("syncfs.put", put), ("syncfs.flush", flush),
-                   ("syncfs.prepare", prepare), ("syncfs.commit", commit), ("syncfs.where", where),
-                   ("syncfs.workdir", workdir), ("syncfs.sessions", open_sessions)):
-        agent.add_handler(op, fn)
-    async def sweep_store() -> None:  # chunks of syncs that never committed (aborted, or to new targets)
+    async def sweep_store(self) -> None:  # chunks of syncs that never committed (aborted, or to new targets)
         while True:
             await asyncio.sleep(SWEEP_EVERY_S)
             try:
-                await asyncio.get_running_loop().run_in_executor(None, store.sweep)
+                await asyncio.get_running_loop().run_in_executor(None, self.store.sweep)
             except OSError as e:
                 log.warning("syncfs: sweeping the chunk store failed: %s", e)
 
-    agent.on_stop(cleanup)
-    agent.background(reap_abandoned())
-    agent.background(sweep_store())
+
+def setup(agent: Any) -> None:
+    agent.install(SyncfsModule(agent))

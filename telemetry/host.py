@@ -292,7 +292,8 @@ def _storage(t: Any) -> Any:
     return pa.int64() if pa.types.is_timestamp(t) else t
 
 
-def query_tables(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> Any:
+def query_tables(agent: Any, logs: LogIndex, stacks: "Stacks", metrics: "Metrics", sql: str,
+                 tables: List[str]) -> Any:
     """Runs a pushed-down query (or a partial aggregate) over this host's tables -> pyarrow.Table."""
     import pyarrow as pa
     from datafusion import SessionContext
@@ -315,9 +316,9 @@ def query_tables(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> Any
         elif name == "events":
             batches = [events_batch(agent)]
         elif name == "stacks":
-            batches = [agent.telemetry_stacks.batch()]
+            batches = [stacks.batch()]
         elif name == "metrics":
-            batches = [agent.telemetry_metrics.batch()]
+            batches = [metrics.batch()]
         else:
             raise ValueError(f"unknown table {name!r}: tables are {', '.join(TABLES)}")
         ctx.register_record_batches(name, [batches or [pa.record_batch([pa.array([], f.type) for f in arrow_schema(name)],
@@ -325,10 +326,6 @@ def query_tables(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> Any
     return ctx.sql_with_options(sql, read_only_options()).to_arrow_table()
 
 
-def run_query(agent: Any, logs: LogIndex, sql: str, tables: List[str]) -> List[bytes]:
-    """A pushed-down query's rows as Arrow IPC streams of at most ``BATCH_ROWS`` rows each, which
-    the agent sends back one frame at a time."""
-    return to_ipc(query_tables(agent, logs, sql, tables), BATCH_ROWS)
 
 
 def merge_subtree(args: dict, values: List[Any]) -> Any:
@@ -408,22 +405,70 @@ class Stacks:
                                 for f in schema], schema=schema)
 
 
-def setup(agent: Any) -> None:
-    """Entry point (group ``monarch_torchx.modules``): serve ``telemetry.*`` on this agent."""
-    from ..private import agent_temp_dir, node_temp_root, remove_empty_dirs
+class TelemetryModule:
+    """This host's telemetry, plugged into its agent (``AgentModule``): the ``telemetry.*``
+    operations, log indexing and metrics sampling in the background, the spill dropped at stop."""
 
-    root = node_temp_root()
-    spill = agent_temp_dir("telemetry", agent.pool, agent.index)
-    logs = LogIndex(agent, spill)
-    stacks = Stacks(agent)
+    def __init__(self, agent: Any):
+        from ..private import agent_temp_dir, node_temp_root
 
-    def drop_spill() -> None:  # the data lives as long as the pool
-        shutil.rmtree(spill, ignore_errors=True)
-        remove_empty_dirs(spill.parent, root)
+        self.agent = agent
+        self.root = node_temp_root()
+        self.spill = agent_temp_dir("telemetry", agent.pool, agent.index)
+        self.logs = LogIndex(agent, self.spill)
+        self.stacks = Stacks(agent)
+        self.metrics = Metrics(agent)
 
-    agent.on_stop(drop_spill)
+    # ------------------------------------------------------------ the seam
 
-    async def index_in_background() -> None:
+    def operations(self) -> Dict[str, Any]:
+        return {"telemetry.stacks": (self.op_stacks, None), "telemetry.query": (self.op_query, None),
+                "telemetry.partial": (self.op_partial, merge_subtree)}
+
+    def background_tasks(self) -> List[Any]:
+        return [self.index_in_background(), self.sample_metrics()]
+
+    def stop(self) -> None:
+        """The data lives as long as the pool: its spill goes with the agent."""
+        from ..private import remove_empty_dirs
+
+        shutil.rmtree(self.spill, ignore_errors=True)
+        remove_empty_dirs(self.spill.parent, self.root)
+
+    # ------------------------------------------------------------ operations
+
+    async def op_stacks(self, peer: Any, app_id: Optional[str] = None) -> dict:
+        return await self.stacks.dump(app_id)
+
+    async def op_query(self, peer: Any, sql: str, tables: List[str]) -> Any:
+        """A pushed-down query's rows, as Arrow IPC streams of at most ``BATCH_ROWS`` rows each,
+        sent back one frame at a time."""
+        import asyncio
+
+        from ..wire import Stream
+
+        table = await asyncio.get_running_loop().run_in_executor(None, self.query, sql, tables)
+        chunks = to_ipc(table, BATCH_ROWS)
+
+        async def batches() -> Any:
+            for chunk in chunks:
+                yield chunk
+
+        return Stream(batches())
+
+    async def op_partial(self, peer: Any, sql: str, table: str, merge: str) -> bytes:
+        """This host's partial aggregates (``partial.py``); relays merge their subtree's with ``merge``."""
+        import asyncio
+
+        answer = await asyncio.get_running_loop().run_in_executor(None, self.query, sql, [table])
+        return to_ipc(answer)[0]
+
+    def query(self, sql: str, tables: List[str]) -> Any:
+        return query_tables(self.agent, self.logs, self.stacks, self.metrics, sql, tables)
+
+    # ------------------------------------------------------------ background
+
+    async def index_in_background(self) -> None:
         """Indexes when output pauses (or the backlog grows large), so that a chatty process is not
         competing with its own indexing for CPU; a query indexes whatever is pending anyway."""
         import asyncio
@@ -432,57 +477,27 @@ def setup(agent: Any) -> None:
         last_total = 0
         while True:
             await asyncio.sleep(INDEX_INTERVAL_S)
-            total, pending = logs.backlog()
+            total, pending = self.logs.backlog()
             busy = total - last_total > BUSY_BYTES_PER_INTERVAL
             last_total = total
-            if not pending or (busy and pending < MAX_BACKLOG_BYTES) or (not logs.queried and pending < LAZY_BYTES):
+            if not pending or (busy and pending < MAX_BACKLOG_BYTES) or (
+                    not self.logs.queried and pending < LAZY_BYTES):
                 continue
             try:
-                await loop.run_in_executor(None, logs.refresh)
+                await loop.run_in_executor(None, self.logs.refresh)
             except Exception as e:  # a bad file must not stop indexing the others
                 import logging
 
                 logging.getLogger("monarch_torchx.telemetry").warning("indexing logs: %s", e)
 
-    agent.background(index_in_background())
-    agent.telemetry_stacks = stacks
-    metrics = Metrics(agent)
-    agent.telemetry_metrics = metrics
-
-    async def sample_metrics() -> None:
+    async def sample_metrics(self) -> None:
         import asyncio
 
         while True:
-            metrics.sample()
+            self.metrics.sample()
             await asyncio.sleep(METRICS_INTERVAL_S)
 
-    agent.background(sample_metrics())
 
-    async def dump_stacks(peer: Any, app_id: Optional[str] = None) -> dict:
-        return await stacks.dump(app_id)
-
-    agent.add_handler("telemetry.stacks", dump_stacks)
-
-    async def query(peer: Any, sql: str, tables: List[str]) -> Any:
-        import asyncio
-
-        from ..wire import Stream
-
-        chunks = await asyncio.get_running_loop().run_in_executor(None, run_query, agent, logs, sql, tables)
-
-        async def batches() -> Any:
-            for chunk in chunks:
-                yield chunk
-
-        return Stream(batches())
-
-    agent.add_handler("telemetry.query", query)
-
-    async def partial(peer: Any, sql: str, table: str, merge: str) -> bytes:
-        """This host's partial aggregates (``partial.py``); relays merge their subtree's with ``merge``."""
-        import asyncio
-
-        answer = await asyncio.get_running_loop().run_in_executor(None, query_tables, agent, logs, sql, [table])
-        return to_ipc(answer)[0]
-
-    agent.add_handler("telemetry.partial", partial, combine=merge_subtree)
+def setup(agent: Any) -> None:
+    """Entry point (group ``monarch_torchx.modules``): serve ``telemetry.*`` on this agent."""
+    agent.install(TelemetryModule(agent))

@@ -27,24 +27,33 @@ def app_id(mesh_id: str) -> str:
     return f"mesh-{mesh_id}"
 
 
-def setup(agent: Any) -> None:
-    root = node_temp_root()
-    rendezvous = str(agent_temp_dir("procs", agent.pool, agent.index))  # where procs say they listen
+class MeshModule:
+    """The ``mesh`` module, plugged into its agent (``AgentModule``): ``mesh.spawn``, and the
+    procs' rendezvous directory removed at stop."""
 
-    def cleanup() -> None:
-        shutil.rmtree(rendezvous, ignore_errors=True)
-        remove_empty_dirs(Path(rendezvous).parent, root)
+    def __init__(self, agent: Any):
+        self.agent = agent
+        self.root = node_temp_root()
+        self.rendezvous = str(agent_temp_dir("procs", agent.pool, agent.index))  # where procs say they listen
 
-    agent.on_stop(cleanup)
+    def operations(self) -> Dict[str, Any]:
+        return {"mesh.spawn": (self.op_spawn, None)}
 
-    async def spawn(peer: Any, mesh_id: str, ranks: List[int], env: Optional[Dict[str, str]] = None,
+    def background_tasks(self) -> List[Any]:
+        return []
+
+    def stop(self) -> None:
+        shutil.rmtree(self.rendezvous, ignore_errors=True)
+        remove_empty_dirs(Path(self.rendezvous).parent, self.root)
+
+    async def op_spawn(self, peer: Any, mesh_id: str, ranks: List[int], env: Optional[Dict[str, str]] = None,
                     binds: Optional[List[Dict[str, str]]] = None, python: Optional[str] = None) -> List[Dict[str, Any]]:
         """Starts one proc per rank; returns their addresses once every one listens. ``binds``:
         each proc's CPU and NUMA placement (``spawn_procs(proc_bind=...)``), which it applies
         to itself as it starts. ``python``: the interpreter to exec instead of forking a warm
         proc (``HostMesh.with_python_executable``)."""
-        if agent.stopping.is_set():
-            raise ValueError(f"agent {agent.index} is shutting down ({agent.stop_reason})")
+        if self.agent.stopping.is_set():
+            raise ValueError(f"agent {self.agent.index} is shutting down ({self.agent.stop_reason})")
         if not mesh_id.replace("-", "").isalnum():
             raise ValueError(f"bad mesh id {mesh_id!r}")
         if binds is not None:
@@ -53,21 +62,21 @@ def setup(agent: Any) -> None:
         if python is not None:
             exe = shutil.which(python) or ""
             if not exe or not os.access(exe, os.X_OK):
-                raise ValueError(f"with_python_executable({python!r}): no such executable on host {agent.index}")
-        advertise = agent.tcp_advertise
+                raise ValueError(f"with_python_executable({python!r}): no such executable on host {self.agent.index}")
+        advertise = self.agent.tcp_advertise
         files = {}
         for i, rank in enumerate(ranks):
-            path = os.path.join(rendezvous, f"{mesh_id}.{rank}.json")
+            path = os.path.join(self.rendezvous, f"{mesh_id}.{rank}.json")
             files[rank] = path
             proc_env = dict(env or {})
             if binds is not None:
                 proc_env[placement.ENV] = json.dumps(binds[i])
             proc_env.update({
-                "MONARCH_TORCHX_STATE_DIR": str(agent.state_dir), "MONARCH_TORCHX_MESH_ID": mesh_id,
-                "MONARCH_TORCHX_PROC_RANK": str(rank), "MONARCH_TORCHX_PROC_BIND": agent.tcp_bind,
+                "MONARCH_TORCHX_STATE_DIR": str(self.agent.state_dir), "MONARCH_TORCHX_MESH_ID": mesh_id,
+                "MONARCH_TORCHX_PROC_RANK": str(rank), "MONARCH_TORCHX_PROC_BIND": self.agent.tcp_bind,
                 "MONARCH_TORCHX_PROC_ADVERTISE": advertise, "MONARCH_TORCHX_PROC_ADDR_FILE": path,
             })
-            await agent.procs.launch(LaunchSpec(app_id=app_id(mesh_id), role="proc", replica_id=rank,
+            await self.agent.procs.launch(LaunchSpec(app_id=app_id(mesh_id), role="proc", replica_id=rank,
                                                 argv=[exe, "-m", "monarch_torchx.actor"],
                                                 env=proc_env))
         out = []
@@ -85,27 +94,29 @@ def setup(agent: Any) -> None:
                     continue
                 except (FileNotFoundError, ValueError):
                     pass
-                rep = agent.procs.replicas.get((app_id(mesh_id), "proc", rank))
+                rep = self.agent.procs.replicas.get((app_id(mesh_id), "proc", rank))
                 if rep is not None and rep.state in TERMINAL:
-                    await agent.procs.kill(agent.procs.select(app_id(mesh_id)), grace=1.0)
+                    await self.agent.procs.kill(self.agent.procs.select(app_id(mesh_id)), grace=1.0)
                     tail = _stderr_tail(rep.log_dir)
-                    raise RuntimeError(f"proc {rank} on host {agent.index} {rep.msg or 'exited'} before it listened"
+                    raise RuntimeError(f"proc {rank} on host {self.agent.index} {rep.msg or 'exited'} before it listened"
                                        + (f": {tail}" if tail else ""))
             if not pending:
                 break
             if time.monotonic() > deadline:
-                await agent.procs.kill(agent.procs.select(app_id(mesh_id)), grace=1.0)
-                raise RuntimeError(f"procs {sorted(pending)} on host {agent.index} did not start within "
+                await self.agent.procs.kill(self.agent.procs.select(app_id(mesh_id)), grace=1.0)
+                raise RuntimeError(f"procs {sorted(pending)} on host {self.agent.index} did not start within "
                                    f"{SPAWN_TIMEOUT_S:.0f} s")
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.02)
         for rank in ranks:
             info = found[rank]
             out.append({"rank": rank, "host": info["host"], "port": info["port"], "pid": info["pid"],
-                        "host_index": agent.index, "hostname": os.uname().nodename})
+                        "host_index": self.agent.index, "hostname": os.uname().nodename})
         return out
 
-    agent.add_handler("mesh.spawn", spawn)
+
+def setup(agent: Any) -> None:
+    agent.install(MeshModule(agent))
 
 
 def _stderr_tail(log_dir: Any, lines: int = 3) -> str:

@@ -19,7 +19,7 @@ import time
 import uuid
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Coroutine, Dict, List, Optional, Protocol, Tuple
 
 from .. import wire
 from ..credentials import TLS_FILE, PoolCredentials
@@ -42,6 +42,25 @@ PASSIVE_OPS = frozenset({"relay", "ping", "info", "describe", "list", "logs", "k
 BIND_RETRY_S = 3.0
 HEARTBEAT_FIELDS = frozenset({"heartbeat", "last_work"})  # a publish of only these: the agent did not move
 MAX_FINISHED_APPS = 500
+
+
+Operation = Tuple[Callable[..., Any], Optional[Callable[[dict, List[Any]], Any]]]
+
+
+class AgentModule(Protocol):
+    """What a module (``monarch_torchx.modules``) plugs into an agent, in one typed seam.
+
+    ``operations``: op name -> (handler, combine). A handler is ``async (peer, **args)`` and is
+    served on the agent's authenticated port; ``combine`` (or None) merges a relay subtree's
+    answers into one (``add_handler``). ``background_tasks``: coroutines that run as long as the
+    agent. ``stop``: runs once when the agent stops, after its processes were stopped.
+    """
+
+    def operations(self) -> Dict[str, Operation]: ...
+
+    def background_tasks(self) -> List[Coroutine[Any, Any, None]]: ...
+
+    def stop(self) -> None: ...
 
 
 class Agent:
@@ -101,6 +120,15 @@ class Agent:
     def background(self, coro: Any) -> None:
         """For modules: run a coroutine for the agent's life (cancelled when it stops)."""
         self._background.append(asyncio.get_running_loop().create_task(coro))
+
+    def install(self, module: "AgentModule") -> None:
+        """For modules: plug one in through its typed seam (``AgentModule``): each of its
+        operations served, its background tasks started, its ``stop`` run when the agent stops."""
+        for op, (fn, combine) in module.operations().items():
+            self.add_handler(op, fn, combine=combine)
+        for coro in module.background_tasks():
+            self.background(coro)
+        self.on_stop(module.stop)
 
     def add_handler(self, op: str, fn: Callable[..., Any],
                     combine: Optional[Callable[[dict, List[Any]], Any]] = None) -> None:
