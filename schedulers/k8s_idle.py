@@ -13,11 +13,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 log = logging.getLogger("monarch_torchx.agent.k8s_idle")
 
 CHECK_EVERY_S = float(os.environ.get("MONARCH_TORCHX_K8S_IDLE_CHECK_S", "5"))
+
+
+class IdleWatch:
+    """Agent 0's watch of a Kubernetes pool's idle time (``AgentModule``: one background task)."""
+
+    def __init__(self, agent: Any, owner: str, limit: float, action: str):
+        self.agent, self.owner, self.limit, self.action = agent, owner, limit, action
+
+    def operations(self) -> Dict[str, Any]:
+        return {}
+
+    def background_tasks(self) -> List[Any]:
+        return [_watch(self.agent, self.owner, self.limit, self.action)]
+
+    def stop(self) -> None:
+        pass
 
 
 def setup(agent: Any) -> None:
@@ -25,7 +41,7 @@ def setup(agent: Any) -> None:
     limit = float(os.environ.get("MONARCH_TORCHX_K8S_IDLE_TIMEOUT", "0") or 0)
     if not owner or limit <= 0 or agent.index != 0:
         return  # only agent 0 of a Kubernetes pool with an idle timeout acts
-    agent.background(_watch(agent, owner, limit, os.environ.get("MONARCH_TORCHX_K8S_IDLE_ACTION", "delete")))
+    agent.install(IdleWatch(agent, owner, limit, os.environ.get("MONARCH_TORCHX_K8S_IDLE_ACTION", "delete")))
 
 
 async def _watch(agent: Any, owner: str, limit: float, action: str) -> None:
