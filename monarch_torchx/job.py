@@ -364,16 +364,23 @@ def job_load(filename: str = DEFAULT_JOB_PATH) -> JobTrait:
         return job_loads(f.read())
 
 
-def _load_cached(path: str) -> Optional[JobTrait]:
-    """The cached job, or None (no file, or one that does not load: it is replaced). A pickle
-    runs code when loaded: one that is not ours, or that others could have written, is refused."""
+def check_cache_file(path: str) -> bool:
+    """Whether a cached job is at ``path``; raises unless it is ours and closed to writers: a
+    pickle runs code when loaded, so one that others could have written is refused."""
     try:
         st = os.stat(path)
     except OSError:
-        return None
+        return False
     if st.st_uid != os.getuid() or st.st_mode & 0o022:
         raise MonarchError(f"refusing to load the cached job {path}: it is not yours or others can write it "
                            "(remove it, or pass cached_path=None)")
+    return True
+
+
+def _load_cached(path: str) -> Optional[JobTrait]:
+    """The cached job, or None (no file, or one that does not load: it is replaced)."""
+    if not check_cache_file(path):
+        return None
     try:
         job = job_load(path)
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, MonarchError, ImportError):

@@ -23,6 +23,7 @@ Not exercised here: Kubernetes pools (the client must reach the pods' IPs: run i
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -106,7 +107,7 @@ class WarmPoolJob(JobTrait):
                                                            "args": ["-m", "monarch_torchx.monarch_worker"],
                                                            "num_replicas": total}], specs)
         except BaseException:
-            _remove_tls(tls_dir)  # all or nothing, as the launch: no keys of workers that never ran
+            shutil.rmtree(tls_dir, ignore_errors=True)  # all or nothing, as the launch: no keys of workers that never ran
             raise
         self._app_id, self._workers = app_id, workers
 
@@ -145,7 +146,7 @@ class WarmPoolJob(JobTrait):
             arec = Registry.get_app(rec, self._app_id)
             if arec is not None:
                 apps.kill(attach(self.pool, reg), arec)
-            _remove_tls(Path(rec.state_dir) / MONARCH_JOBS_DIR / self._app_id)
+            shutil.rmtree(Path(rec.state_dir) / MONARCH_JOBS_DIR / self._app_id, ignore_errors=True)
         if rec is not None and self.stop_pool_on_kill:
             stop_pool(self.pool, reg)
         self._workers = []
@@ -155,14 +156,10 @@ class WarmPoolJob(JobTrait):
     def _load_cached(self, cached_path: Optional[str]) -> Optional[JobTrait]:
         """Monarch's, after a check: loading a pickle runs code, so a cache that is not ours, or
         that others could have written, is refused."""
+        from .job import check_cache_file
+
         if cached_path is not None:
-            try:
-                st = os.stat(cached_path)
-            except OSError:
-                st = None
-            if st is not None and (st.st_uid != os.getuid() or st.st_mode & 0o022):
-                raise MonarchError(f"refusing to load the cached job {cached_path}: it is not yours or others can "
-                                   "write it (remove it, or pass cached_path=None)")
+            check_cache_file(cached_path)
         return super()._load_cached(cached_path)
 
     def dump(self, filename: str) -> None:
@@ -190,7 +187,7 @@ class WarmPoolJob(JobTrait):
                                f"scheduler={rec.scheduler!r}, or another pool name")
         if rec.num_hosts < hosts:
             raise MonarchError(f"pool {self.pool!r} has {rec.num_hosts} host(s) and the job's meshes need {hosts}: "
-                               f"use another pool name (it is created with them), or {create_hint(self.pool)} "
+                               f"use another pool name (it is created with them), or {create_hint(self.pool, self.scheduler)} "
                                "after `torchx pool stop`")
         return ensure_pool(PoolRequest(rec.scheduler, self.pool, spec={}))
 
@@ -237,18 +234,11 @@ def _write_tls(directory: Path, bundle: str) -> None:
 
 
 def _client_tls_env(job: WarmPoolJob) -> Dict[str, str]:
+    from .monarch_worker import tls_env
     from .registry import Registry
 
-    directory = Path(Registry().require(job.pool).state_dir) / MONARCH_JOBS_DIR / str(job._app_id)
-    env = {"HYPERACTOR_TLS_CA": directory / "ca.pem", "HYPERACTOR_TLS_CERT": directory / "cert.pem",
-           "HYPERACTOR_TLS_KEY": directory / "key.pem"}
-    missing = [str(p) for p in env.values() if not p.exists()]
+    env = tls_env(Path(Registry().require(job.pool).state_dir) / MONARCH_JOBS_DIR / str(job._app_id))
+    missing = [p for p in env.values() if not os.path.exists(p)]
     if missing:
         raise MonarchError(f"the job's TLS files are gone ({missing[0]}): kill the job and apply it again")
-    return {k: str(v) for k, v in env.items()}
-
-
-def _remove_tls(directory: Path) -> None:
-    import shutil
-
-    shutil.rmtree(directory, ignore_errors=True)
+    return env

@@ -40,17 +40,18 @@ def split_bundle(text: str) -> Dict[str, str]:
     return dict(zip(_BLOCKS, blocks))
 
 
+def tls_env(directory: Path) -> Dict[str, str]:
+    """The HYPERACTOR_TLS_* env that points Monarch at the job's files in ``directory``."""
+    return {f"HYPERACTOR_TLS_{name.upper()}": str(directory / f"{name}.pem") for name in _BLOCKS}
+
+
 def install_tls(bundle: str, directory: Path) -> Dict[str, str]:
     """Writes the bundle's files (0600) into ``directory`` and returns the HYPERACTOR_TLS_* env."""
     from .private import write_private_bytes
 
-    paths = {}
     for name, block in split_bundle(bundle).items():
-        path = directory / f"{name}.pem"
-        write_private_bytes(path, block.encode())
-        paths[name] = str(path)
-    return {"HYPERACTOR_TLS_CA": paths["ca"], "HYPERACTOR_TLS_CERT": paths["cert"],
-            "HYPERACTOR_TLS_KEY": paths["key"]}
+        write_private_bytes(directory / f"{name}.pem", block.encode())
+    return tls_env(directory)
 
 
 def main() -> None:

@@ -19,12 +19,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from . import wire
 from .credentials import TLS_FILE, TOKEN_FILE
 from .errors import AccessError, HostUnreachable, MonarchError, StartTimeout
 from .registry import HostAddr, PoolRecord, Registry, check_pool_name
+
+if TYPE_CHECKING:
+    from .submission import PoolPlan, Submission
 
 log = logging.getLogger("monarch_torchx.pool")
 
@@ -409,6 +412,11 @@ def get_provisioner(scheduler: str) -> Provisioner:
     return provisioner_for(scheduler)
 
 
+def _new_spec(req: PoolRequest, prov: Provisioner, defaults: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """A new pool's spec: the engine's TLS default, then the caller's defaults, then what was asked."""
+    return {"tls": prov.tls_default, **(defaults or {}), **{k: v for k, v in req.spec.items() if v is not None}}
+
+
 def plan_pool(req: PoolRequest, registry: Optional[Registry] = None,
               defaults: Optional[Dict[str, Any]] = None) -> "PoolPlan":
     """What ``ensure_pool(req)`` would do, decided the same way, with nothing made or changed:
@@ -429,7 +437,7 @@ def plan_pool(req: PoolRequest, registry: Optional[Registry] = None,
         if not req.replace:
             return PoolPlan("refused", f"pool {req.name!r} has {', '.join(diffs)}; use -cfg replace=True")
         action, reason = "replace", ", ".join(diffs)
-    spec = {"tls": prov.tls_default, **(defaults or {}), **{k: v for k, v in req.spec.items() if v is not None}}
+    spec = _new_spec(req, prov, defaults)
     draft = draft_record(req.name, req.scheduler, spec, dict(req.options), registry)
     return PoolPlan(action, reason, prov.submission(draft))
 
@@ -458,7 +466,7 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
                 _stop(Pool(rec, registry), prov, "replaced")
                 rec = None
         if rec is None:
-            spec = {"tls": prov.tls_default, **(defaults or {}), **{k: v for k, v in req.spec.items() if v is not None}}
+            spec = _new_spec(req, prov, defaults)
             rec = registry.new_record(req.name, req.scheduler, spec, req.options)
             registry.save(rec)
             progress(f"creating pool {req.name!r} with {rec.num_hosts} host(s) on {req.scheduler}")

@@ -17,13 +17,13 @@ nodes publish their addresses through it.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import fcntl
 import functools
 import json
 import os
 import re
 import secrets
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

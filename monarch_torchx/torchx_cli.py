@@ -74,13 +74,12 @@ class _PromptWaitRunner:
 
 
 def dryrun_json(info: Any, scheduler: str) -> Dict[str, Any]:
-    """``torchx run --dryrun --json``'s object, as torchx-nightly writes it (scheduler, cfg, app, request)."""
+    """``torchx run --dryrun --json``'s object on torchx 0.7.0 (whose AppDryRunInfo keeps ``_app``
+    and ``_cfg``), in torchx-nightly's schema: scheduler, cfg, app, request."""
     from dataclasses import asdict, is_dataclass
 
     request = info.request
-    app = getattr(info, "app", None) or getattr(info, "_app", None)
-    cfg = getattr(info, "cfg", None) or getattr(info, "_cfg", None) or {}
-    return {"scheduler": scheduler, "cfg": dict(cfg), "app": asdict(app) if app is not None else None,
+    return {"scheduler": scheduler, "cfg": dict(info._cfg or {}), "app": asdict(info._app) if info._app else None,
             "request": asdict(request) if is_dataclass(request) else str(info)}
 
 
