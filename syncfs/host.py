@@ -300,9 +300,6 @@ class SyncfsModule:
     def background_tasks(self) -> List[Any]:
         return [self.reap_abandoned(), self.sweep_store()]
 
-    def stop(self) -> None:
-        self.cleanup()
-
     async def reap_abandoned(self) -> None:
         """Drops the forwarders of syncs whose client went away without a flush (killed,
         interrupted): their threads and connections would otherwise live as long as the agent."""
@@ -458,7 +455,7 @@ class SyncfsModule:
         path = resolve_target(self.store, target)
         return {"path": str(path), "generation": self.store.current(path)}
 
-    def cleanup(self) -> None:  # a stopped pool leaves no mounts, synced trees or chunks on the node
+    def stop(self) -> None:  # a stopped pool leaves no mounts, synced trees or chunks on the node
         for fw in self.sessions.values():
             fw.pump.abort("the pool is stopping")  # its threads drain what is queued and end
         for m in self.mounts.values():
