@@ -108,6 +108,18 @@ class PoolRequest:
     options: Dict[str, Any] = field(default_factory=dict)
     replace: bool = False
 
+    def __post_init__(self) -> None:
+        preload = self.spec.get("preload")
+        if isinstance(preload, str):  # as in -cfg preload=...: "none" means no preloads, not a module
+            self.spec = {**self.spec, "preload": preload_list(preload)}
+
+
+def preload_list(text: str) -> str:
+    """A preload option as the pool keeps it: module names, comma-separated; "" for none."""
+    if text.strip().lower() in ("", "none"):
+        return ""
+    return ",".join(m.strip() for m in text.split(",") if m.strip())
+
 
 OK, LOST, UNREACHABLE = "ok", "lost", "unreachable"  # a host's health: only "lost" is ever repaired
 

@@ -23,7 +23,7 @@ from torchx.workspace.api import WorkspaceMixin
 
 from .. import apps
 from ..errors import MonarchError
-from ..pool import Pool, PoolRequest, ensure_pool, get_provisioner, parse_duration, plan_pool
+from ..pool import Pool, PoolRequest, ensure_pool, get_provisioner, parse_duration, plan_pool, preload_list
 from ..registry import AppRecord, Registry, check_pool_name
 from ..specs import FAILED, SUCCEEDED, LaunchSpec
 from ..submission import PoolPlan
@@ -175,8 +175,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                 raise MonarchError(f"the app needs {want_hosts} hosts (one per replica) but {opt}={hosts}")
         preload = cfg.get("preload")
         if preload is not None:
-            preload = "" if str(preload).strip().lower() in ("", "none") else ",".join(
-                m.strip() for m in str(preload).split(",") if m.strip())
+            preload = preload_list(str(preload))
         tls = cfg.get("tls")
         spec: Dict[str, Any] = {"hosts": hosts, "preload": preload, "tls": None if tls is None else bool(tls)}
         options = {"idle_timeout": parse_duration(cfg.get("idle_timeout", "30m"))}

@@ -138,3 +138,28 @@ def test_script_main_outlives_the_script_for_atexit(warm_pool, tmp_path):
                       "atexit.register(lambda: print(len(pickle.dumps(C())) > 0, __file__ == sys.argv[0] or __file__))\n")
     st, out, _ = _run(runner, pool, _app("s", "python", str(script)))
     assert st.state == AppState.SUCCEEDED and out.startswith("True"), out
+
+
+def test_a_pool_without_preloads_imports_the_actor_runtime_once_per_host(home, pool_name):
+    """Its first actor proc starts the host's actors fork server, which imports the runtime; every
+    later proc, of this mesh and the next, is forked from that same server, and roles still start
+    from the plain one (a clean interpreter: no monarch_torchx.actor in sys.modules)."""
+    from monarch_torchx.agent.launcher import ACTOR_RUNTIME
+    from monarch_torchx import attach as attach_hosts
+    from monarch_torchx.pool import PoolRequest, ensure_pool
+
+    from .fixtures.actors import Origin
+
+    ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": "none"}))
+    hosts = attach_hosts(pool_name)
+    parents = []
+    for _ in range(2):
+        procs = hosts.spawn_procs(per_host={"procs": 2})
+        parents += list(procs.spawn("origin", Origin).parent.call().get(timeout=60).values())
+        procs.stop().get(timeout=60)
+    assert len({p["ppid"] for p in parents}) == 1, parents
+    assert parents[0]["argv"][-1] == ACTOR_RUNTIME and "monarch_torchx.agent.forkserver" in parents[0]["argv"]
+    with get_runner() as runner:
+        st, out, _ = _run(runner, pool_name, _app("clean", sys.executable, "-c",
+                                                   "import sys; print('actor' in str(sorted(sys.modules)))"))
+    assert st.state == AppState.SUCCEEDED and out.strip().endswith("False"), out

@@ -3,6 +3,9 @@
 Two fork servers run per agent: a *plain* one (no preloads, ready in milliseconds) and a *warm*
 one that imports the pool's preloads (default ``torch``). Python entrypoints go to the warm one
 once it is ready; everything else, and Python while it is still importing, goes to the plain one.
+The warm server also holds the actor runtime. A pool without preloads gets a third, *actors*
+server at its first actor proc: it imports the runtime once per host, not once per proc, and
+keeps it for every later ``spawn_procs`` (the plain one stays a clean interpreter for roles).
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ log = logging.getLogger(__name__)
 
 ExitCallback = Callable[[int, int], None]
 DeathCallback = Callable[[str, List[int], bool], None]  # reason, pids it took down, fatal to the agent
+
+ACTOR_MODULE = "monarch_torchx.actor"  # an actor proc's entrypoint: python -m ACTOR_MODULE
+ACTOR_RUNTIME = "monarch_torchx.actor.proc"
+ACTORS_START_TIMEOUT_S = 60.0
 
 
 class SpawnError(OSError):
@@ -148,6 +155,8 @@ class Launcher:
     def __init__(self, preloads: List[str], on_exit: ExitCallback, on_death: DeathCallback):
         self._plain = _Server("plain", [], on_exit, on_death)
         self._warm = _Server("warm", preloads, on_exit, on_death) if preloads else None
+        self._on_exit, self._on_death = on_exit, on_death
+        self._actors: Optional["asyncio.Future[Optional[_Server]]"] = None
         self._init_env = {k: os.environ.get(k) for k in INIT_ENV}
         self._preloads = [m.split(".")[0] for m in preloads]
         self._python_dir = os.path.dirname(os.path.abspath(sys.executable))
@@ -204,9 +213,49 @@ class Launcher:
         if (mode == "python" and self._warm and self._warm.ready.is_set() and not self._warm.dead.is_set()
                 and not self._shadows_preload(env)):
             server = self._warm
+        elif mode == "python" and self._warm is None and list(argv[1:3]) == ["-m", ACTOR_MODULE]:
+            server = await self._actor_server() or self._plain
         return await server.spawn({"mode": mode, "argv": list(argv), "env": env, "cwd": cwd}, [stdout_fd, stderr_fd])
 
+    async def _actor_server(self) -> Optional[_Server]:
+        """The actors server, started by the first actor proc that asks (the others wait for the
+        same start). None when it could not start or has died: procs then start from the plain one."""
+        if self._actors is None:
+            self._actors = asyncio.ensure_future(self._start_actors())
+        server = await asyncio.shield(self._actors)
+        return server if server is not None and not server.dead.is_set() else None
+
+    async def _start_actors(self) -> Optional[_Server]:
+        server = _Server("actors", [ACTOR_RUNTIME], self._on_exit, self._on_death)
+        try:
+            await server.start()
+        except OSError as e:
+            log.warning("fork server actors could not start: %s; actor procs start from the plain one", e)
+            return None
+        ready = asyncio.ensure_future(server.ready.wait())
+        dead = asyncio.ensure_future(server.dead.wait())
+        try:
+            await asyncio.wait([ready, dead], timeout=ACTORS_START_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the agent is stopping
+            server.close()
+            raise
+        finally:
+            ready.cancel()
+            dead.cancel()
+        if not server.ready.is_set() or server.dead.is_set():
+            log.warning("fork server actors was not ready within %.0f s; actor procs start from the plain one",
+                        ACTORS_START_TIMEOUT_S)
+            server.close()
+            return None
+        return server
+
     def close(self) -> None:
-        for s in (self._warm, self._plain):
+        actors = None
+        if self._actors is not None:
+            if not self._actors.done():
+                self._actors.cancel()
+            elif not self._actors.cancelled() and self._actors.exception() is None:
+                actors = self._actors.result()
+        for s in (self._warm, actors, self._plain):
             if s:
                 s.close()
