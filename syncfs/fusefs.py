@@ -303,6 +303,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         trio.run(_serve, fs, agent_pid)
     finally:
         pyfuse3.close(unmount=True)
+    # unmounted: nothing is left to finalize, and CPython's collection of trio's and pyfuse3's heap
+    # would be most of this server's CPU at pool stop, paid once per target per host
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import blake3
-import fastcdc
 
 from .ignore import IgnoreRules
 
@@ -107,6 +106,8 @@ def read_and_chunk(path: str, size: int) -> Tuple[List[Tuple[str, int, int]], Op
         if size <= SMALL_FILE:
             data = f.read()
             return [(blake3.blake3(data).hexdigest(), 0, len(data))], data
+        import fastcdc  # here, not at the top: a host's FUSE server reads manifests and never chunks
+
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             view = memoryview(m)
             try:
