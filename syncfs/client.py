@@ -23,7 +23,7 @@ from ..errors import HostUnreachable, MonarchError
 from ..registry import home
 from . import transfer
 from .ignore import IgnoreRules
-from .manifest import ChunkSource, HashCache, Manifest, scan_groups
+from .manifest import CDC, ChunkSource, HashCache, Manifest, scan_groups
 from .store import manifest_digest
 
 BATCH_BYTES = 8 << 20
@@ -65,12 +65,37 @@ class SyncReport:
         return json.dumps(asdict(self), indent=1)
 
 
-def read_batch(batch: List[str], sources: Dict[str, ChunkSource]) -> Tuple[List[Tuple[str, int]], bytearray]:
+class BatchBuffers:
+    """Memory for batches on their way, reused from one batch to the next: a fresh 8 MiB buffer
+    per batch costs a page fault and a zeroing per page, about what reading the bytes into it
+    costs. At most one buffer per batch in flight is kept."""
+
+    def __init__(self, keep: int = QUEUED_BATCHES + STREAMS):
+        self._free: List[bytearray] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bytearray:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if len(buf) >= n:
+                    return self._free.pop(i)
+        return bytearray(max(n, BATCH_BYTES + CDC["max_size"]))  # any batch fits: it ends past BATCH_BYTES by < 1 chunk
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(buf)
+
+
+def read_batch(batch: List[str], sources: Dict[str, ChunkSource],
+               buffers: Optional[BatchBuffers] = None) -> Tuple[List[Tuple[str, int]], memoryview]:
     """A batch's chunks read straight into one buffer, which travels out of band: neither side
-    copies it into or out of a pickle, and a host forwards the very buffer it received."""
+    copies it into or out of a pickle, and a host forwards the very buffer it received. The
+    buffer comes from ``buffers`` (give it back once the batch is sent) or is new."""
     index = [(h, sources[h].size) for h in batch]
-    blob = bytearray(sum(n for _, n in index))
-    view, off = memoryview(blob), 0
+    total = sum(n for _, n in index)
+    view, off = memoryview(buffers.take(total) if buffers else bytearray(total))[:total], 0
     for h, n in index:
         src = sources[h]
         data = src.data  # once: the scan loop may drop it meanwhile
@@ -89,7 +114,7 @@ def read_batch(batch: List[str], sources: Dict[str, ChunkSource]) -> Tuple[List[
         finally:
             os.close(fd)
         off += n
-    return index, blob
+    return index, view
 
 
 class _Progress:
@@ -219,7 +244,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         return conns[i]
 
     vias: List[str] = []
-    how = {"mode": "socket", "pool": pool.name, "bind": "", "vias": vias}
+    how = {"mode": "socket", "pool": pool.name, "bind": "", "vias": vias, "buffers": BatchBuffers()}
 
     def ok(which: List[int]) -> List[int]:
         return [i for i in which if not results[i].error]
@@ -407,8 +432,9 @@ def _batches(todo: List[str], sizes: Dict[str, int]) -> List[List[str]]:
 def _send(client: Any, batch: List[str], sources: Dict[str, ChunkSource], how: Dict[str, Any], **extra: Any) -> None:
     from ..wire import RemoteError
 
+    buffers: BatchBuffers = how["buffers"]
     for attempt in range(RETRIES):
-        index, blob = read_batch(batch, sources)
+        index, blob = read_batch(batch, sources, buffers)
         args, release = transfer.outgoing(how["mode"], how["pool"], how["bind"], blob)
         try:
             out = client.call("syncfs.put", chunks=index, **args, **extra)
@@ -420,3 +446,4 @@ def _send(client: Any, batch: List[str], sources: Dict[str, ChunkSource], how: D
                 raise
         finally:
             release()
+            buffers.give(blob.obj)  # the put returned: the host holds its own copy

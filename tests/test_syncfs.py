@@ -168,8 +168,8 @@ def test_a_corrupted_chunk_is_refused_and_sent_again(pool, tmp_path, monkeypatch
     real = client.read_batch
     corrupted = []
 
-    def flaky(batch, sources):  # the wire flips a byte, once
-        index, data = real(batch, sources)
+    def flaky(batch, sources, buffers=None):  # the wire flips a byte, once
+        index, data = real(batch, sources, buffers)
         if not corrupted:
             corrupted.append(1)
             data[0] ^= 0xFF

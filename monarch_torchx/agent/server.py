@@ -433,8 +433,29 @@ def _index_from_environment() -> int:
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent{args.index} %(levelname)s %(message)s")
+    _keep_freed_buffers()
     asyncio.run(Agent(args).run())
     _exit_without_finalizing()
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEPT_HEAP_BYTES = 64 << 20
+
+
+def _keep_freed_buffers() -> None:
+    """Received batches (a sync's 8 MiB buffers, a relay's answers) come from the heap and their
+    pages stay with the agent when freed, up to KEPT_HEAP_BYTES: glibc would otherwise map and
+    unmap each one, and every fresh page costs a fault and a zeroing on every batch a host
+    receives. Only this process: the fork servers and what they start keep glibc's defaults."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest
+        libc.mallopt(M_TRIM_THRESHOLD, KEPT_HEAP_BYTES)
+    except (OSError, AttributeError):  # not glibc: its defaults
+        pass
 
 
 def _exit_without_finalizing() -> None:
