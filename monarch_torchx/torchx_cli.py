@@ -240,13 +240,25 @@ class CmdLog(_OneLineErrors, _Log):
         if sep and scheduler.startswith("monarch_"):
             parts = path.split("/")
             if len(parts) >= 2 and parts[1]:
+                from torchx.cli.cmd_log import validate
                 from torchx.schedulers import get_scheduler_factories
 
+                validate(args.identifier)
                 sched = get_scheduler_factories()[scheduler](parts[0] or "default")
+                if not args.tail:
+                    try:
+                        _print_app_logs(sched, scheduler, parts, args)
+                    except MonarchError as e:
+                        print(f"torchx: error: {e}", file=sys.stderr)
+                        sys.exit(1)
+                    except BrokenPipeError:  # `torchx log ... | head`: the reader has what it wanted
+                        import os
+
+                        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                        sys.exit(1)
+                    return
                 if sched.describe(parts[1]) is None:
-                    print(f"torchx: error: no app {parts[1]!r} on {scheduler}; see `torchx list -s {scheduler}`",
-                          file=sys.stderr)
-                    sys.exit(1)
+                    _no_such_app(parts[1], scheduler)
         if args.since is None and args.until is None:
             return super().run(args)
         from torchx.cli.cmd_log import get_logs
@@ -259,6 +271,54 @@ class CmdLog(_OneLineErrors, _Log):
         except MonarchError as e:
             print(f"torchx: error: {e}", file=sys.stderr)
             sys.exit(1)
+
+
+def _no_such_app(app_id: str, scheduler: str) -> None:
+    print(f"torchx: error: no app {app_id!r} on {scheduler}; see `torchx list -s {scheduler}`", file=sys.stderr)
+    sys.exit(1)
+
+
+def _print_app_logs(sched: Any, scheduler: str, parts: "list[str]", args: argparse.Namespace) -> None:
+    """``torchx log`` of an app on a pool, without ``--tail``: TorchX's output (each line prefixed
+    with its ``role/replica``, in TorchX's colours), but asked of the pool once per host through its
+    relay tree (``MonarchScheduler.app_logs``), not by one thread and one stream per replica, so
+    the client's cost grows with the bytes, not with the replicas. Replica by replica, in order."""
+    import time
+
+    from torchx.cli import cmd_log
+    from torchx.specs import AppState
+
+    app_id, role = parts[1], (parts[2] if len(parts) > 2 and parts[2] else None)
+    resp = sched.describe(app_id)
+    waiting = True
+    # not yet started; an app whose state is UNKNOWN (a host did not answer) has its other logs printed now
+    while resp is not None and resp.state in (AppState.UNSUBMITTED, AppState.SUBMITTED, AppState.PENDING):
+        if waiting:
+            print("Waiting for app state response before fetching logs...", file=sys.stderr)
+            waiting = False
+        time.sleep(1)
+        resp = sched.describe(app_id)
+    if resp is None:
+        _no_such_app(app_id, scheduler)
+    if len(parts) == 4:
+        replicas = [(role, int(i)) for i in parts[3].split(",") if i]
+    else:
+        replicas = [(r.name, i) for r in resp.roles if role is None or r.name == role for i in range(r.num_replicas)]
+    if not replicas:
+        names = ", ".join(r.name for r in resp.roles)
+        raise MonarchError(f"app {app_id!r} has no role {role!r}; its roles: {names}")
+    failures = []
+    for name, k, lines in sched.app_logs(app_id, replicas, args.regex, args.since, args.until, args.streams):
+        prefix = f"{cmd_log.GREEN}{name}/{k}{cmd_log.ENDC} "
+        try:
+            sys.stdout.writelines(cmd_log._prefix_line(prefix, line) for line in lines)
+        except MonarchError as e:  # that replica's host: the others are still printed
+            failures.append(str(e))
+        sys.stdout.flush()
+    for why in failures:
+        print(f"torchx: error: {why}", file=sys.stderr)
+    if failures:
+        sys.exit(1)
 
 
 class CmdRunopts(SubCommand):

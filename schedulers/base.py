@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from torchx.schedulers.api import DescribeAppResponse, ListAppResponse, Scheduler, Stream
 from torchx.schedulers.ids import make_unique
@@ -32,6 +32,7 @@ from . import workspace as ws
 from .role_record import role_from_record, role_to_record
 
 RANK0_ENV = "TORCHX_RANK0_HOST"
+APP_LOGS_TIMEOUT_S = 15.0  # a host's logs so far, up to the agent's budget: a bounded wait for a hung host
 
 
 @dataclass
@@ -344,6 +345,53 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                                     since=since.timestamp() if since else None,
                                     until=until.timestamp() if until else None, regex=regex, follow=should_tail),
                       client)
+
+
+    def app_logs(self, app_id: str, replicas: List[Tuple[str, int]], regex: Optional[str] = None,
+                 since: Optional[datetime] = None, until: Optional[datetime] = None,
+                 streams: Optional[Stream] = None) -> Iterator[Tuple[str, int, Iterable[str]]]:
+        """The lines so far of each of ``replicas``, in that order: one ``app_logs`` request per
+        host, through the relay tree from 32 hosts on, instead of one stream per replica. A
+        replica whose host holds more than the agent's per-request budget (or an agent without
+        the op) is streamed directly, as ``log_iter`` does. A host that does not answer fails
+        only its replicas: iterating their lines raises MonarchError, naming the host."""
+        from ..wire import RemoteError, UnknownOperation
+
+        found = self._lookup(app_id)
+        if found is None:
+            raise MonarchError(f"no app {app_id!r} on {self.backend}; see `torchx list -s {self.backend}`")
+        pool, arec = found
+        where = {(p.role, p.replica_id): p.host_index for p in arec.placement}
+        missing = [f"{r}/{k}" for r, k in replicas if (r, k) not in where]
+        if missing:
+            have = ", ".join(f"{p.role}/{p.replica_id}" for p in arec.placement)
+            raise MonarchError(f"app {app_id!r} has no replica {', '.join(missing)} (it has {have})")
+        roles = {r for r, _ in replicas}
+        ids = sorted({k for _, k in replicas})
+        every = len(replicas) == sum(1 for p in arec.placement if p.role in roles)
+        stream = streams.value if isinstance(streams, Stream) else (streams or "combined")
+        hosts = sorted({where[r] for r in replicas})
+        outcomes = {i: (value, err) for i, value, err in pool.ask(
+            "app_logs", hosts, timeout=APP_LOGS_TIMEOUT_S, app_id=arec.app_id, role=next(iter(roles)) if len(roles) == 1 else None,
+            replica_ids=None if every else ids, streams=stream, since=since.timestamp() if since else None,
+            until=until.timestamp() if until else None, regex=regex)}
+        for role, k in replicas:
+            host = where[(role, k)]
+            value, err = outcomes[host]
+            if err is not None and not (isinstance(err, RemoteError) and err.kind == UnknownOperation.__name__):
+                yield role, k, _failed(MonarchError(f"logs of {role}/{k} (host {host}) unavailable: {err}"))
+                continue
+            entry = next((e for e in value or [] if e["role"] == role and e["replica_id"] == k), None)
+            if err is not None or entry is None or entry["more"]:
+                yield role, k, self.log_iter(app_id, role, k, regex, since, until, False, streams)
+            else:
+                yield role, k, entry["lines"]
+
+
+def _failed(error: Exception) -> Iterator[str]:
+    """Lines that raise ``error`` when they are read, not before (a generator)."""
+    yield from ()
+    raise error
 
 
 def _place_torchrun(pool: Pool, role: str, plan: TorchrunPlan, replicas: List[ReplicaLaunch]) -> None:

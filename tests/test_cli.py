@@ -158,9 +158,10 @@ def test_idle_timeout_is_pool_wide_a_busy_host_keeps_its_idle_peers(home, pool_n
     wait_for(lambda: not agent_pids(home), timeout=20, what="both agents to leave together")
 
 
-def test_log_of_many_replicas_costs_each_host_a_few_connections_not_one_per_replica(home, pool_name):
-    """torchx log of N replicas runs N threads, each of which begins with a describe of the app:
-    the ones that ask at once share one, so the agents see O(N) connections in all, not O(N^2)."""
+def test_log_of_many_replicas_is_one_request_per_host_not_a_stream_per_replica(home, pool_name):
+    """torchx log of an app (no --tail) asks each host once for all of its replicas' lines
+    (``app_logs``; through the relay tree on big pools) and prints them as TorchX does, replica by
+    replica: the agents see one describe and one log request each, not one stream per replica."""
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=6,preload=none")
     h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo",
                        "--msg", "hello", "--num_replicas", "6"))
@@ -170,8 +171,58 @@ def test_log_of_many_replicas_costs_each_host_a_few_connections_not_one_per_repl
     pool = attach(pool_name)
     before = sum(pool.call(i, "info")["accepted"] for i in range(6))
     out = torchx(home, "log", h).stdout
-    assert out.count("hello") == 6
     after = sum(pool.call(i, "info")["accepted"] for i in range(6))
-    # 6 log streams + the 6 info calls above + the CLI's own describes (3) and the threads' shared
-    # one, of 6 hosts each: 36 (66 when every thread made its own)
-    assert after - before <= 6 + 6 + 5 * 6, after - before
+    assert _plain(out).splitlines() == [f"echo/{k} hello" for k in range(6)]
+    assert after - before <= 6 + 2 * 6, after - before  # the 6 info calls above, a describe and app_logs per host
+    assert _plain(torchx(home, "log", f"{h}/echo/4,1").stdout).splitlines() == ["echo/4 hello", "echo/1 hello"]
+    assert _plain(torchx(home, "log", "--regex", "nothing", h).stdout) == ""
+    res = torchx(home, "log", f"{h}/nope", check=False)
+    assert res.returncode == 1 and "has no role 'nope'" in res.stderr and "Traceback" not in res.stderr
+
+
+def _plain(text: str) -> str:
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def test_log_prints_the_hosts_that_answer_and_names_one_that_does_not(home, pool_name):
+    """One SIGSTOPped host of 3: the other replicas' lines are printed, and one line names the
+    host whose replica's logs are unavailable (exit code 1), after a bounded wait."""
+    import os
+    import signal
+
+    from monarch_torchx.pool import attach
+
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=3,preload=none")
+    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo",
+                       "--msg", "hello", "--num_replicas", "3"))
+    wait_for(lambda: _state(home, h) == "SUCCEEDED", what="echo to finish")
+    pid = attach(pool_name).hosts[1].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        res = torchx(home, "log", h, check=False, timeout=60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert _plain(res.stdout).splitlines() == ["echo/0 hello", "echo/2 hello"]
+    assert "logs of echo/1 (host 1) unavailable" in res.stderr, res.stderr
+
+
+def test_log_of_a_replica_past_the_hosts_budget_is_streamed_whole(home, pool_name, monkeypatch):
+    """A host answers app_logs with at most its budget of bytes; a replica past it comes whole
+    from its own stream, in its place among the others."""
+    from monarch_torchx.agent import server
+
+    monkeypatch.setenv("MONARCH_TORCHX_APP_LOGS_MAX_BYTES", "2000")
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2,preload=none")
+    assert server.APP_LOGS_MAX_BYTES > 2000  # the agents read the variable, not this process
+    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "--num_replicas", "2",
+                       "python3", "-c", "[print(f'line {i} ' + 'x' * 60) for i in range(100)]"))
+    wait_for(lambda: _state(home, h) == "SUCCEEDED", what="the role to finish")
+    from monarch_torchx.pool import attach
+
+    [entry] = attach(pool_name).call(0, "app_logs", app_id=h.rsplit(":", 1)[1])
+    assert entry["more"] and entry["lines"] == []  # past the budget: left to the direct stream
+    lines = _plain(torchx(home, "log", h).stdout).splitlines()
+    assert lines == [f"sh/{k} line {i} " + "x" * 60 for k in range(2) for i in range(100)]

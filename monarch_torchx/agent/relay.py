@@ -33,7 +33,7 @@ PATIENT_DIAL_S = 10.0  # ... and asked again alone, once the rest answered, with
 LOCAL_LAST = frozenset({"shutdown"})  # ops that end this agent: run after the subtrees were told
 # ops a host may run twice without harm: when a relay dies holding one, the rest of its group is
 # asked again through the next member (others, e.g. launch, report the group as not answered)
-REPEATABLE = frozenset({"info", "describe", "list", "wait", "kill", "shutdown", "telemetry.partial", "syncfs.missing",
+REPEATABLE = frozenset({"info", "describe", "list", "app_logs", "wait", "kill", "shutdown", "telemetry.partial", "syncfs.missing",
                         "syncfs.prepare"})
 
 

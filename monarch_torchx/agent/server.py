@@ -37,9 +37,12 @@ HEARTBEAT_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_S", "5"))
 # how often the host file is rewritten (1,024 hosts: ~2,000 writes a minute to the pool's dir)
 HEARTBEAT_WRITE_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_WRITE_S", str(6 * HEARTBEAT_S)))
 # asking about a pool must not keep it alive: only work (launches, module calls) resets idleness
-PASSIVE_OPS = frozenset({"relay", "ping", "info", "describe", "list", "logs", "kill", "shutdown", "wait", "telemetry.query",
+PASSIVE_OPS = frozenset({"relay", "ping", "info", "describe", "list", "logs", "app_logs", "kill", "shutdown", "wait",
+                         "telemetry.query",
                          "telemetry.partial", "telemetry.stacks"})
 BIND_RETRY_S = 3.0
+# per host and request: a relay holds its subtree's answers; a replica past it is streamed directly
+APP_LOGS_MAX_BYTES = int(os.environ.get("MONARCH_TORCHX_APP_LOGS_MAX_BYTES", str(1 << 20)))
 HEARTBEAT_FIELDS = frozenset({"heartbeat", "last_work"})  # a publish of only these: the agent did not move
 MAX_FINISHED_APPS = 500
 
@@ -83,7 +86,8 @@ class Agent:
         self._background: List[Any] = []
         self.handlers: Dict[str, Callable[..., Any]] = {
             "info": self.op_info, "launch": self.op_launch, "describe": self.op_describe,
-            "list": self.op_list, "kill": self.op_kill, "logs": self.op_logs, "shutdown": self.op_shutdown,
+            "list": self.op_list, "kill": self.op_kill, "logs": self.op_logs, "app_logs": self.op_app_logs,
+            "shutdown": self.op_shutdown,
             "reserve_port": self.op_reserve_port, "wait": self.op_wait, "ping": self.op_ping,
         }
         self.combiners: Dict[str, Callable[[dict, List[Any]], Any]] = {}
@@ -251,6 +255,33 @@ class Agent:
         if not reps:
             raise LookupError(f"no replica {role}/{replica_id} of app {app_id} on host {self.index}")
         return wire.Stream(self.procs.logs(reps[0], streams, since, until, regex, follow))
+
+    async def op_app_logs(self, peer: wire.Peer, app_id: str, role: Optional[str] = None,
+                          replica_ids: Optional[List[int]] = None, streams: str = "combined",
+                          since: Optional[float] = None, until: Optional[float] = None, regex: Optional[str] = None,
+                          max_bytes: int = APP_LOGS_MAX_BYTES) -> List[Dict[str, Any]]:
+        """The logged lines so far of every replica of ``app_id`` on this host (of ``role``, of
+        ``replica_ids``), one answer for the whole host, so that ``torchx log`` of N replicas is one
+        request through the relay tree, not N streams. Past ``max_bytes`` in all, a replica's
+        lines are left out and it says ``"more": True``: the client streams that one directly."""
+        wanted = None if replica_ids is None else {int(i) for i in replica_ids}
+        reps = sorted((r for r in self.procs.select(app_id, role) if wanted is None or r.spec.replica_id in wanted),
+                      key=lambda r: (r.spec.role, r.spec.replica_id))
+        out: List[Dict[str, Any]] = []
+        budget = max_bytes
+        for rep in reps:
+            lines: List[str] = []
+            more = budget <= 0
+            if not more:
+                async for batch in self.procs.logs(rep, streams, since, until, regex, follow=False):
+                    lines += batch
+                    budget -= sum(len(line) for line in batch)
+                    if budget < 0:
+                        more = True
+                        break
+            out.append({"role": rep.spec.role, "replica_id": rep.spec.replica_id,
+                        "lines": [] if more else lines, "more": more})
+        return out
 
     async def op_shutdown(self, peer: wire.Peer, reason: str = "pool stopped") -> bool:
         self.stop(reason)
