@@ -421,6 +421,7 @@ def main(argv: List[str]) -> None:
     if preloads:  # the warm server also starts actor procs: their runtime is imported once, here
         try:
             __import__("monarch_torchx.actor.proc")
+            sys.modules["monarch_torchx.actor"].load_all()
         except Exception:
             pass
     if "torch" in sys.modules:  # a torchrun role's node process starts here: its part of torch too
