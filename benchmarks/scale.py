@@ -48,6 +48,7 @@ from _results import record  # noqa: E402
 
 BIN = Path(sys.executable).parent
 HOP_S = 0.001
+ACTORS_IDLE_S = 2
 TREE_FANOUT, TREE_MIN = 8, 32
 OPS = ["create", "run", "status", "log", "pool status", "sql count", "sql again", "sync 200 files", "no-op resync",
        "spawn 1 actor/host", "respawn", "call all", "broadcast", "pool stop"]
@@ -220,7 +221,10 @@ def measure(n: int) -> Dict[str, Dict[str, float]]:
 
 
 def _measure(n: int, home: Path, out: Dict[str, Dict[str, float]]) -> None:
-    env = dict(os.environ, MONARCH_TORCHX_HOME=str(home), PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    # the hosts' actors fork servers end 2 s after their last proc (default 300 s): at 256 hosts here
+    # their memory and every agent's DataFusion (the sql step, after the actors) do not both fit
+    env = dict(os.environ, MONARCH_TORCHX_HOME=str(home), PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+               MONARCH_TORCHX_ACTORS_IDLE_S=str(ACTORS_IDLE_S))
     m = Meter(home)
     pool = f"scale{n}"
     tx, mtx = [str(BIN / "torchx")], [str(BIN / "monarch-torchx")]
@@ -254,6 +258,7 @@ def _measure(n: int, home: Path, out: Dict[str, Dict[str, float]]) -> None:
         for name, (wall, cpu, agents, moved) in inner.items():  # timed inside the controller
             out[name] = {"wall": wall, "client_cpu": cpu, "agents_cpu": float("nan") if agents is None else agents,
                          "bytes": float("nan") if moved is None else moved}
+        time.sleep(ACTORS_IDLE_S + 3)  # the actors servers have ended
         # after the actor procs have ended: every agent imports DataFusion at its first query, and
         # at 256 hosts here both at once do not fit in memory
         # (--timeout: here every agent imports DataFusion at once on 2 cores, 28 s at 256 hosts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -163,3 +164,24 @@ def test_a_pool_without_preloads_imports_the_actor_runtime_once_per_host(home, p
         st, out, _ = _run(runner, pool_name, _app("clean", sys.executable, "-c",
                                                    "import sys; print('actor' in str(sorted(sys.modules)))"))
     assert st.state == AppState.SUCCEEDED and out.strip().endswith("False"), out
+
+
+def test_the_actors_fork_server_ends_when_idle_and_the_next_spawn_starts_one(home, pool_name, monkeypatch):
+    """Its memory is held while procs come and go, not for the pool's life: once its last proc
+    has ended for MONARCH_TORCHX_ACTORS_IDLE_S, it exits; the next spawn_procs starts another."""
+    from monarch_torchx import attach as attach_hosts
+    from monarch_torchx.pool import PoolRequest, ensure_pool
+
+    from .fixtures.actors import Origin
+
+    monkeypatch.setenv("MONARCH_TORCHX_ACTORS_IDLE_S", "1")
+    ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": "none"}))
+    hosts = attach_hosts(pool_name)
+    procs = hosts.spawn_procs(per_host={"procs": 1})
+    first = procs.spawn("origin", Origin).parent.call_one().get(timeout=60)["ppid"]
+    procs.stop().get(timeout=60)
+    wait_for(lambda: not os.path.exists(f"/proc/{first}"), timeout=30, what="the idle actors server to exit")
+    procs = hosts.spawn_procs(per_host={"procs": 1})
+    second = procs.spawn("origin", Origin).parent.call_one().get(timeout=60)["ppid"]
+    procs.stop().get(timeout=60)
+    assert second != first

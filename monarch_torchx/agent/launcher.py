@@ -33,6 +33,9 @@ DeathCallback = Callable[[str, List[int], bool], None]  # reason, pids it took d
 ACTOR_MODULE = "monarch_torchx.actor"  # an actor proc's entrypoint: python -m ACTOR_MODULE
 ACTOR_RUNTIME = "monarch_torchx.actor.proc"
 ACTORS_START_TIMEOUT_S = 60.0
+# the actors server ends this long after its last proc did (its memory goes back), and the next
+# spawn_procs starts a new one: warm while a user iterates, not for the pool's whole life
+ACTORS_IDLE_S = float(os.environ.get("MONARCH_TORCHX_ACTORS_IDLE_S", "300"))
 
 
 class SpawnError(OSError):
@@ -53,6 +56,7 @@ class _Server:
         self.info: dict = {}
         self.proc: Optional[subprocess.Popen] = None
         self.pids: set = set()
+        self.spawned = 0  # processes it was asked to start, ever
 
     async def start(self) -> None:
         ctl_parent, ctl_child = socket.socketpair()
@@ -111,6 +115,7 @@ class _Server:
         if self.dead.is_set():
             raise SpawnError(f"fork server '{self.name}' is not running")
         token = next(self._tokens)
+        self.spawned += 1
         fut = asyncio.get_running_loop().create_future()
         self._pending[token] = fut
         frame = b"".join(bytes(p) for p in wire.encode({"id": token, "token": token, **req}))
@@ -226,7 +231,8 @@ class Launcher:
         return server if server is not None and not server.dead.is_set() else None
 
     async def _start_actors(self) -> Optional[_Server]:
-        server = _Server("actors", [ACTOR_RUNTIME], self._on_exit, self._on_death)
+        server = _Server("actors", [ACTOR_RUNTIME], lambda pid, code: self._actor_exited(server, pid, code),
+                         self._on_death)
         try:
             await server.start()
         except OSError as e:
@@ -248,6 +254,21 @@ class Launcher:
             server.close()
             return None
         return server
+
+    def _actor_exited(self, server: _Server, pid: int, code: int) -> None:
+        self._on_exit(pid, code)
+        if not server.pids:
+            asyncio.get_running_loop().call_later(ACTORS_IDLE_S, self._retire_if_idle, server, server.spawned)
+
+    def _retire_if_idle(self, server: _Server, spawned: int) -> None:
+        """Ends the actors server if it started no proc since it became idle and none runs."""
+        current = self._actors.result() if self._actors is not None and self._actors.done() \
+            and not self._actors.cancelled() and self._actors.exception() is None else None
+        if current is not server or server.pids or server.spawned != spawned or server._pending:
+            return
+        log.info("fork server actors idle for %.0f s: ending it (the next actor proc starts a new one)", ACTORS_IDLE_S)
+        self._actors = None
+        asyncio.get_running_loop().run_in_executor(None, server.close)
 
     def close(self) -> None:
         actors = None
