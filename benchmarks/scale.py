@@ -48,7 +48,7 @@ from _results import record  # noqa: E402
 
 BIN = Path(sys.executable).parent
 HOP_S = 0.001
-ACTORS_IDLE_S = 2
+ACTORS_IDLE_S = 10
 TREE_FANOUT, TREE_MIN = 8, 32
 OPS = ["create", "run", "status", "log", "pool status", "sql count", "sql again", "sync 200 files", "no-op resync",
        "spawn 1 actor/host", "respawn", "call all", "broadcast", "pool stop"]
@@ -221,7 +221,7 @@ def measure(n: int) -> Dict[str, Dict[str, float]]:
 
 
 def _measure(n: int, home: Path, out: Dict[str, Dict[str, float]]) -> None:
-    # the hosts' actors fork servers end 2 s after their last proc (default 300 s): at 256 hosts here
+    # the hosts' actors fork servers end 10 s after their last proc (default 300 s): at 256 hosts here
     # their memory and every agent's DataFusion (the sql step, after the actors) do not both fit
     env = dict(os.environ, MONARCH_TORCHX_HOME=str(home), PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
                MONARCH_TORCHX_ACTORS_IDLE_S=str(ACTORS_IDLE_S))
