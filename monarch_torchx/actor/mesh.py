@@ -598,9 +598,10 @@ class ProcMesh(_MeshTrait):
             for ref in refs:
                 hub.actors_on.pop(ref.addr, None)
                 hub.mesh_refs_sent.discard((ref.addr, self.mesh_id, len(self._procs)))
-                err = hub.closing.pop(ref.addr, None)
-                if err is not None:
+                err = hub.closing.get(ref.addr)
+                if err is not None:  # dead before no longer closing: the owner watch may be reporting its end now
                     hub.mark_dead(ref.addr, err)
+                hub.closing.pop(ref.addr, None)
             # the procs answered; done once their agents saw them exit (Monarch's stop() means gone)
             def exited() -> None:
                 _await_exits(hub, refs, EXIT_WAIT_S)
@@ -679,7 +680,7 @@ def _on_proc_lost(hub: Hub, ref: ProcRef, owner_actor: Optional[str], addr: Proc
     """A proc this process spawned died: calls to it fail from now on, and (as in Monarch) its
     owner gets a supervision event: the spawning actor's ``__supervise__``, or in a controller
     ``unhandled_fault_hook``."""
-    if addr in hub.closing:  # being stopped on purpose
+    if addr in hub.closing or isinstance(hub.dead.get(addr), ProcStopped):  # stopped on purpose
         return
     code: Optional[int] = None
     try:
