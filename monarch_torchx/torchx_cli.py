@@ -251,11 +251,11 @@ class CmdLog(_OneLineErrors, _Log):
                     except MonarchError as e:
                         print(f"torchx: error: {e}", file=sys.stderr)
                         sys.exit(1)
-                    except BrokenPipeError:  # `torchx log ... | head`: the reader has what it wanted
+                    except BrokenPipeError:  # `torchx log ... | head`: the reader has what it wanted (as TorchX: quietly)
                         import os
 
                         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-                        sys.exit(1)
+                        sys.exit(0)
                     return
                 if sched.describe(parts[1]) is None:
                     _no_such_app(parts[1], scheduler)

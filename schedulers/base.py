@@ -33,6 +33,9 @@ from .role_record import role_from_record, role_to_record
 
 RANK0_ENV = "TORCHX_RANK0_HOST"
 APP_LOGS_TIMEOUT_S = 15.0  # a host's logs so far, up to the agent's budget: a bounded wait for a hung host
+# what one `torchx log` asks all hosts for at most (every host at least the minimum): the client and
+# each relay hold their subtree's answers; the rest of a longer log comes on its replica's own stream
+APP_LOGS_TOTAL, APP_LOGS_HOST_MIN, APP_LOGS_HOST_MAX = 64 << 20, 16 << 10, 1 << 20
 
 
 @dataclass
@@ -374,18 +377,27 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         outcomes = {i: (value, err) for i, value, err in pool.ask(
             "app_logs", hosts, timeout=APP_LOGS_TIMEOUT_S, app_id=arec.app_id, role=next(iter(roles)) if len(roles) == 1 else None,
             replica_ids=None if every else ids, streams=stream, since=since.timestamp() if since else None,
-            until=until.timestamp() if until else None, regex=regex)}
+            until=until.timestamp() if until else None, regex=regex,
+            max_bytes=max(APP_LOGS_HOST_MIN, min(APP_LOGS_HOST_MAX, APP_LOGS_TOTAL // len(hosts))))}
         for role, k in replicas:
             host = where[(role, k)]
             value, err = outcomes[host]
-            if err is not None and not (isinstance(err, RemoteError) and err.kind == UnknownOperation.__name__):
+            if isinstance(err, RemoteError) and err.kind != UnknownOperation.__name__:  # it ran there, and failed
                 yield role, k, _failed(MonarchError(f"logs of {role}/{k} (host {host}) unavailable: {err}"))
                 continue
             entry = next((e for e in value or [] if e["role"] == role and e["replica_id"] == k), None)
-            if err is not None or entry is None or entry["more"]:
-                yield role, k, self.log_iter(app_id, role, k, regex, since, until, False, streams)
+            if err is not None or entry is None or entry["more"]:  # too long, not reached in time, or an old agent
+                yield role, k, self._direct_logs(app_id, role, k, host, regex, since, until, streams)
             else:
                 yield role, k, entry["lines"]
+
+    def _direct_logs(self, app_id: str, role: str, k: int, host: int, regex: Optional[str],
+                     since: Optional[datetime], until: Optional[datetime], streams: Optional[Stream]) -> Iterator[str]:
+        """``log_iter``'s own stream, opened when it is read (not before), its failure naming the replica."""
+        try:
+            yield from self.log_iter(app_id, role, k, regex, since, until, False, streams)
+        except MonarchError as e:
+            raise MonarchError(f"logs of {role}/{k} (host {host}) unavailable: {e}") from None
 
 
 def _failed(error: Exception) -> Iterator[str]:

@@ -220,7 +220,12 @@ class Launcher:
             server = self._warm
         elif mode == "python" and self._warm is None and list(argv[1:3]) == ["-m", ACTOR_MODULE]:
             server = await self._actor_server() or self._plain
-        return await server.spawn({"mode": mode, "argv": list(argv), "env": env, "cwd": cwd}, [stdout_fd, stderr_fd])
+        try:
+            return await server.spawn({"mode": mode, "argv": list(argv), "env": env, "cwd": cwd}, [stdout_fd, stderr_fd])
+        except SpawnError:
+            if server.name == "actors" and not server.pids:  # its idle clock starts at a failed start too
+                asyncio.get_running_loop().call_later(ACTORS_IDLE_S, self._retire_if_idle, server, server.spawned)
+            raise
 
     async def _actor_server(self) -> Optional[_Server]:
         """The actors server, started by the first actor proc that asks (the others wait for the

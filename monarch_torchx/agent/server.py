@@ -43,6 +43,7 @@ PASSIVE_OPS = frozenset({"relay", "ping", "info", "describe", "list", "logs", "a
 BIND_RETRY_S = 3.0
 # per host and request: a relay holds its subtree's answers; a replica past it is streamed directly
 APP_LOGS_MAX_BYTES = int(os.environ.get("MONARCH_TORCHX_APP_LOGS_MAX_BYTES", str(1 << 20)))
+APP_LOGS_MAX_S = 2.0
 HEARTBEAT_FIELDS = frozenset({"heartbeat", "last_work"})  # a publish of only these: the agent did not move
 MAX_FINISHED_APPS = 500
 
@@ -262,23 +263,27 @@ class Agent:
                           max_bytes: int = APP_LOGS_MAX_BYTES) -> List[Dict[str, Any]]:
         """The logged lines so far of every replica of ``app_id`` on this host (of ``role``, of
         ``replica_ids``), one answer for the whole host, so that ``torchx log`` of N replicas is one
-        request through the relay tree, not N streams. Past ``max_bytes`` in all, a replica's
-        lines are left out and it says ``"more": True``: the client streams that one directly."""
+        request through the relay tree, not N streams. Past ``max_bytes`` characters in all (at
+        most this agent's APP_LOGS_MAX_BYTES), or APP_LOGS_MAX_S of reading (a filter that keeps
+        little of long logs), a replica's lines are left out and it says ``"more": True``: the
+        client streams that one directly."""
         wanted = None if replica_ids is None else {int(i) for i in replica_ids}
         reps = sorted((r for r in self.procs.select(app_id, role) if wanted is None or r.spec.replica_id in wanted),
                       key=lambda r: (r.spec.role, r.spec.replica_id))
         out: List[Dict[str, Any]] = []
-        budget = max_bytes
+        budget = min(int(max_bytes), APP_LOGS_MAX_BYTES)
+        deadline = time.monotonic() + APP_LOGS_MAX_S
         for rep in reps:
             lines: List[str] = []
-            more = budget <= 0
+            more = budget <= 0 or time.monotonic() > deadline
             if not more:
                 async for batch in self.procs.logs(rep, streams, since, until, regex, follow=False):
                     lines += batch
                     budget -= sum(len(line) for line in batch)
-                    if budget < 0:
+                    if budget < 0 or time.monotonic() > deadline:
                         more = True
                         break
+                    await asyncio.sleep(0)  # reading a long log must not hold up heartbeats and other requests
             out.append({"role": rep.spec.role, "replica_id": rep.spec.replica_id,
                         "lines": [] if more else lines, "more": more})
         return out
@@ -464,29 +469,8 @@ def _index_from_environment() -> int:
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent{args.index} %(levelname)s %(message)s")
-    _keep_freed_buffers()
     asyncio.run(Agent(args).run())
     _exit_without_finalizing()
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-KEPT_HEAP_BYTES = 64 << 20
-
-
-def _keep_freed_buffers() -> None:
-    """Received batches (a sync's 8 MiB buffers, a relay's answers) come from the heap and their
-    pages stay with the agent when freed, up to KEPT_HEAP_BYTES: glibc would otherwise map and
-    unmap each one, and every fresh page costs a fault and a zeroing on every batch a host
-    receives. Only this process: the fork servers and what they start keep glibc's defaults."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest
-        libc.mallopt(M_TRIM_THRESHOLD, KEPT_HEAP_BYTES)
-    except (OSError, AttributeError):  # not glibc: its defaults
-        pass
 
 
 def _exit_without_finalizing() -> None:
