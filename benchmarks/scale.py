@@ -253,7 +253,7 @@ def _measure(n: int, home: Path, out: Dict[str, Dict[str, float]]) -> None:
         out["no-op resync"], _ = m.run(mtx + ["sync", "--pool", pool, "--to", "code", str(src)], env)
         script = home / "actors.py"
         script.write_text(ACTORS)
-        ops, stdout = m.run([sys.executable, str(script), pool, str(home), str(HERE)], env, cwd=ROOT)
+        ops, stdout = m.run([sys.executable, str(script), pool, str(home), str(HERE)], env, cwd=Path.cwd())  # the caller's checkout (see scale_versions.py)
         inner = json.loads(stdout.strip().splitlines()[-1].replace("NaN", "null"))
         for name, (wall, cpu, agents, moved) in inner.items():  # timed inside the controller
             out[name] = {"wall": wall, "client_cpu": cpu, "agents_cpu": float("nan") if agents is None else agents,

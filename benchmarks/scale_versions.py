@@ -26,9 +26,11 @@ from _results import record  # noqa: E402
 from scale import OPS, _fmt  # noqa: E402
 
 
-def run_once(python: Path, hosts: int) -> Dict[str, Dict[str, float]]:
+def run_once(python: Path, root: Path, hosts: int) -> Dict[str, Dict[str, float]]:
+    """``cwd=root``: the agents inherit it, and a forked ``python -m`` child (an actor proc) puts its
+    cwd first on sys.path, as Python does: from another checkout it would import that one's code."""
     res = subprocess.run([str(python), str(HERE / "scale.py"), "--sizes", str(hosts), "--no-record"],
-                         capture_output=True, text=True, timeout=3000)
+                         capture_output=True, text=True, timeout=3000, cwd=root)
     for line in reversed(res.stderr.splitlines()):
         if line.startswith("{"):
             return json.loads(line.replace("NaN", "null"))[str(hosts)]
@@ -51,8 +53,8 @@ def main() -> None:
     base_py = args.baseline / ".venv" / "bin" / "python"
     runs: Dict[str, List[Dict[str, Dict[str, float]]]] = {"baseline": [], "this": []}
     for _ in range(args.rounds):
-        runs["baseline"].append(run_once(base_py, args.hosts))
-        runs["this"].append(run_once(Path(sys.executable), args.hosts))
+        runs["baseline"].append(run_once(base_py, args.baseline, args.hosts))
+        runs["this"].append(run_once(Path(sys.executable), HERE.parent, args.hosts))
 
     def med(which: str, op: str, key: str) -> float:
         vals = [r[op][key] for r in runs[which] if op in r and r[op][key] is not None]
