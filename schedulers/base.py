@@ -349,15 +349,14 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                                     until=until.timestamp() if until else None, regex=regex, follow=should_tail),
                       client)
 
-
     def app_logs(self, app_id: str, replicas: List[Tuple[str, int]], regex: Optional[str] = None,
                  since: Optional[datetime] = None, until: Optional[datetime] = None,
                  streams: Optional[Stream] = None) -> Iterator[Tuple[str, int, Iterable[str]]]:
         """The lines so far of each of ``replicas``, in that order: one ``app_logs`` request per
         host, through the relay tree from 32 hosts on, instead of one stream per replica. A
-        replica whose host holds more than the agent's per-request budget (or an agent without
-        the op) is streamed directly, as ``log_iter`` does. A host that does not answer fails
-        only its replicas: iterating their lines raises MonarchError, naming the host."""
+        replica past its host's share of the request's budget, on a host not reached in time, or
+        on an agent without the op, is streamed directly, as ``log_iter`` does. A replica that
+        cannot be read fails alone: iterating its lines raises MonarchError, naming it and its host."""
         from ..wire import RemoteError, UnknownOperation
 
         found = self._lookup(app_id)

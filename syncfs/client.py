@@ -436,14 +436,18 @@ def _send(client: Any, batch: List[str], sources: Dict[str, ChunkSource], how: D
     for attempt in range(RETRIES):
         index, blob = read_batch(batch, sources, buffers)
         args, release = transfer.outgoing(how["mode"], how["pool"], how["bind"], blob)
+        answered = False
         try:
             out = client.call("syncfs.put", chunks=index, **args, **extra)
+            answered = True
             if not how["vias"]:
                 how["vias"].append(out["via"])
             return
         except RemoteError as e:
+            answered = True
             if e.kind != "ChunkCorrupt" or attempt == RETRIES - 1:
                 raise
         finally:
             release()
-            buffers.give(blob.obj)  # the put returned: the host holds its own copy
+            if answered:  # the host has its own copy; after a timeout it might still be pulling from this one
+                buffers.give(blob.obj)

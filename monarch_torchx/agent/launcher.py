@@ -4,8 +4,9 @@ Two fork servers run per agent: a *plain* one (no preloads, ready in millisecond
 one that imports the pool's preloads (default ``torch``). Python entrypoints go to the warm one
 once it is ready; everything else, and Python while it is still importing, goes to the plain one.
 The warm server also holds the actor runtime. A pool without preloads gets a third, *actors*
-server at its first actor proc: it imports the runtime once per host, not once per proc, and
-keeps it for every later ``spawn_procs`` (the plain one stays a clean interpreter for roles).
+server at its first actor proc: it imports the runtime once per host, not once per proc, serves
+every later ``spawn_procs`` until it has been idle for ACTORS_IDLE_S, and then ends (the plain one
+stays a clean interpreter for roles).
 """
 
 from __future__ import annotations
@@ -223,8 +224,8 @@ class Launcher:
         try:
             return await server.spawn({"mode": mode, "argv": list(argv), "env": env, "cwd": cwd}, [stdout_fd, stderr_fd])
         except SpawnError:
-            if server.name == "actors" and not server.pids:  # its idle clock starts at a failed start too
-                asyncio.get_running_loop().call_later(ACTORS_IDLE_S, self._retire_if_idle, server, server.spawned)
+            if server.name == "actors":  # its idle clock starts at a failed start too
+                self._arm_retire(server)
             raise
 
     async def _actor_server(self) -> Optional[_Server]:
@@ -260,28 +261,32 @@ class Launcher:
             return None
         return server
 
+    def _started_actors(self) -> Optional[_Server]:
+        """The actors server once its start has finished well; None before, or after a failed one."""
+        f = self._actors
+        if f is None or not f.done() or f.cancelled() or f.exception() is not None:
+            return None
+        return f.result()
+
     def _actor_exited(self, server: _Server, pid: int, code: int) -> None:
         self._on_exit(pid, code)
+        self._arm_retire(server)
+
+    def _arm_retire(self, server: _Server) -> None:
         if not server.pids:
             asyncio.get_running_loop().call_later(ACTORS_IDLE_S, self._retire_if_idle, server, server.spawned)
 
     def _retire_if_idle(self, server: _Server, spawned: int) -> None:
         """Ends the actors server if it started no proc since it became idle and none runs."""
-        current = self._actors.result() if self._actors is not None and self._actors.done() \
-            and not self._actors.cancelled() and self._actors.exception() is None else None
-        if current is not server or server.pids or server.spawned != spawned or server._pending:
+        if self._started_actors() is not server or server.pids or server.spawned != spawned or server._pending:
             return
         log.info("fork server actors idle for %.0f s: ending it (the next actor proc starts a new one)", ACTORS_IDLE_S)
         self._actors = None
         asyncio.get_running_loop().run_in_executor(None, server.close)
 
     def close(self) -> None:
-        actors = None
-        if self._actors is not None:
-            if not self._actors.done():
-                self._actors.cancel()
-            elif not self._actors.cancelled() and self._actors.exception() is None:
-                actors = self._actors.result()
-        for s in (self._warm, actors, self._plain):
+        if self._actors is not None and not self._actors.done():
+            self._actors.cancel()
+        for s in (self._warm, self._started_actors(), self._plain):
             if s:
                 s.close()
