@@ -10,6 +10,7 @@ hash to their names) is sent again.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import threading
@@ -17,7 +18,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import HostUnreachable, MonarchError
 from ..registry import home
@@ -179,6 +180,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
     bad = [i for i in indices if not 0 <= i < len(pool.hosts)]
     if bad:
         raise MonarchError(f"pool {pool.name!r} has no host(s) {bad} (it has {len(pool.hosts)})")
+    transfer.requested_mode()  # a bad setting is an error even when nothing needs sending
     cache = _cache_for(src)
     ignore = IgnoreRules.for_tree(src, list(exclude))
     meter = _Progress(progress, 0, indices)
@@ -270,8 +272,19 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         return {i: meter.sent[i] for i in senders}
 
     try:
-        ask("syncfs.missing", indices, hashes=[], target=target)  # does each accept the target? (before a byte moves)
-        live = ok(indices)
+        groups = _read_errors_are_one_line(src, _prefetch(scan_groups(src, cache, ignore=ignore)))
+        known, whole = _read_while_cached(groups, cache)
+        settled: Dict[int, Any] = {}
+        if whole:
+            # the hash cache knew the whole tree, so its digest is at hand before any host is asked:
+            # one request settles each host whose target already serves it (a no-op resync), and
+            # checks the target of the others
+            digest = manifest_digest(Manifest([e for g, _ in known for e in g]).dumps())
+            answers = ask("syncfs.prepare", indices, target=target, digest=digest)
+            settled = {i: {**r, "committed": True} for i, r in answers.items() if r["unchanged"] and "generation" in r}
+        else:
+            ask("syncfs.missing", indices, hashes=[], target=target)  # does each accept the target? (before a byte moves)
+        live = [i for i in ok(indices) if i not in settled]
         if live:
             how["bind"] = head(live[0]).local_address
             how["mode"] = transfer.choose(how["bind"])
@@ -289,7 +302,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         try:
             # the tree is read and hashed group by group in a thread; each group's batches are queued
             # to the senders and the loop moves on, so the links stay busy from one group to the next
-            for group, found in _read_errors_are_one_line(src, _prefetch(scan_groups(src, cache, ignore=ignore))):
+            for group, found in itertools.chain(known, groups):
                 entries += group
                 meter.files += len(group)
                 new = [h for h in found if h not in sizes]
@@ -346,6 +359,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         # a host whose target already serves this tree said so at prepare, with what a commit answers
         done = {i: {**r, "committed": True} for i, r in ready.items() if r["unchanged"] and "generation" in r
                 and not results[i].error}
+        done.update(settled)
         for i in ok(live):
             meter.update(i, state="committing")
         done.update(ask("syncfs.commit", [i for i in ok(live) if i not in done], target=target, digest=digest))
@@ -369,6 +383,19 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
                       bytes_sent=meter.client_bytes, bytes_skipped=max(0, total * len(indices) - delivered),
                       seconds=round(time.time() - t0, 3), generation=max(gens) if gens else None, hosts=out,
                       transfer=vias[0] if vias else how["mode"])
+
+
+def _read_while_cached(groups: Iterator[Tuple[List[Any], Dict[str, ChunkSource]]],
+                       cache: HashCache) -> Tuple[List[Tuple[List[Any], Dict[str, ChunkSource]]], bool]:
+    """The tree's first groups, taken while every file in them came from the hash cache (nothing
+    read, so nothing held), and whether they are the whole tree. The first group with a file to
+    read ends it: that one is taken too, and the sync goes on pipelined from there."""
+    taken = []
+    for item in groups:
+        taken.append(item)
+        if cache.misses:
+            return taken, False
+    return taken, True
 
 
 def _read_errors_are_one_line(src: str, groups: Any) -> Any:

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import pyfuse3
 import trio
 
+from ..quick_exit import exit_without_finalizing
 from .manifest import Entry, Manifest
 from .store import SMALL_CHUNK, PackIndex
 
@@ -303,11 +304,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         trio.run(_serve, fs, agent_pid)
     finally:
         pyfuse3.close(unmount=True)
-    # unmounted: nothing is left to finalize, and CPython's collection of trio's and pyfuse3's heap
-    # would be most of this server's CPU at pool stop, paid once per target per host
-    logging.shutdown()
-    sys.stdout.flush()
-    os._exit(0)
+    exit_without_finalizing()  # unmounted: nothing is left but the heap
 
 
 if __name__ == "__main__":

@@ -129,12 +129,14 @@ class HashCache:
         except (OSError, ValueError, EOFError, TypeError):
             self.data = {}
         self.used: Dict[str, list] = {}
+        self.misses = 0  # files looked up and not found fresh: they are read and hashed
 
     def get(self, rel: str, st: os.stat_result) -> Optional[List[Tuple[str, int, int]]]:
         hit = self.data.get(rel)
         if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns and hit[2] == st.st_ino:
             self.used[rel] = hit
             return hit[3]
+        self.misses += 1
         return None
 
     def put(self, rel: str, st: os.stat_result, chunks: List[Tuple[str, int, int]]) -> None:

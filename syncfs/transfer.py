@@ -27,11 +27,17 @@ log = logging.getLogger("monarch_torchx.syncfs")
 ENV = "MONARCH_TORCHX_SYNC_TRANSFER"
 
 
-def choose(local_address: str) -> str:
-    """The way this sync sends; ``local_address``: where the hosts reach this machine ("" through a tunnel)."""
+def requested_mode() -> str:
+    """What ``MONARCH_TORCHX_SYNC_TRANSFER`` asks for, checked (before any host is asked anything)."""
     mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise MonarchError(f"{ENV}={mode!r}: use auto, socket or rdma")
+    return mode
+
+
+def choose(local_address: str) -> str:
+    """The way this sync sends; ``local_address``: where the hosts reach this machine ("" through a tunnel)."""
+    mode = requested_mode()
     if mode == "rdma" and not local_address:
         raise MonarchError(f"{ENV}=rdma, but the hosts are reached through a tunnel and cannot pull from this "
                            "machine; unset it")

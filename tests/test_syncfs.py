@@ -126,6 +126,22 @@ def test_sync_a_tree_to_every_host(pool, home, tmp_path):
     assert gens == ["gen-2.manifest", "gen-3.manifest"]
 
 
+def test_a_known_tree_settles_hosts_that_serve_it_and_feeds_the_others(pool, tmp_path):
+    # the hash cache knows the whole tree after the first sync, so the second asks every host by
+    # the tree's digest first: host 0 already serves it, host 1 has nothing and is fed in full
+    src = make_tree(tmp_path / "src")
+    first = pool.sync(str(src), "known", hosts=[0])
+    assert first.ok and first.generation == 1
+    both = pool.sync(str(src), "known", hosts=[0, 1])
+    assert both.ok and [h.generation for h in both.hosts] == [1, 1]
+    assert both.hosts[0].bytes_sent == 0 and both.hosts[1].bytes_sent >= 5 << 20
+    for h in both.hosts:
+        assert_same_tree(src, Path(h.path))
+    refused = pool.sync(str(src), "/etc/monarch-known", hosts=[0, 1])  # still checked before a byte moves
+    assert not refused.ok and refused.bytes_sent == 0
+    assert all("outside what this agent allows" in h.error for h in refused.hosts), refused.hosts
+
+
 def test_an_edit_in_a_large_file_resends_only_nearby_chunks(pool, tmp_path):
     src = tmp_path / "src"
     src.mkdir()

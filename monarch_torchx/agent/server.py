@@ -24,6 +24,7 @@ from typing import Any, Callable, Coroutine, Dict, List, Optional, Protocol, Tup
 from .. import wire
 from ..credentials import TLS_FILE, PoolCredentials
 from ..errors import MonarchError
+from ..quick_exit import exit_without_finalizing
 from ..registry import HostAddr, Registry
 from ..specs import TERMINAL, LaunchSpec
 from .launcher import Launcher
@@ -470,14 +471,4 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent{args.index} %(levelname)s %(message)s")
     asyncio.run(Agent(args).run())
-    _exit_without_finalizing()
-
-
-def _exit_without_finalizing() -> None:
-    """Ends a stopped agent at once. Everything it owns was ended and cleaned up by ``run``; what
-    CPython's own finalization would add is garbage collection of the whole heap, the largest part
-    of an agent's CPU at ``pool stop``, and on shared cores that is paid once per host."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalizing()  # everything it owns was ended and cleaned up by run()
