@@ -279,9 +279,9 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             # the hash cache knew the whole tree, so its digest is at hand before any host is asked:
             # one request settles each host whose target already serves it (a no-op resync), and
             # checks the target of the others
-            digest = manifest_digest(Manifest([e for g, _ in known for e in g]).dumps())
-            answers = ask("syncfs.prepare", indices, target=target, digest=digest)
-            settled = {i: {**r, "committed": True} for i, r in answers.items() if r["unchanged"] and "generation" in r}
+            data = Manifest([e for g, _ in known for e in g]).dumps()
+            digest = manifest_digest(data)
+            settled = _already_serving(ask("syncfs.prepare", indices, target=target, digest=digest))
         else:
             ask("syncfs.missing", indices, hashes=[], target=target)  # does each accept the target? (before a byte moves)
         live = [i for i in ok(indices) if i not in settled]
@@ -321,8 +321,9 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
                         sources[h].data = None
             # the whole tree is read: while its last batches are still on the way, each host checks
             # the manifest and starts the target's FUSE server, so the commit after them is short
-            data = Manifest(entries).dumps()
-            digest = manifest_digest(data)
+            if not whole:
+                data = Manifest(entries).dumps()
+                digest = manifest_digest(data)
             ready = ask("syncfs.prepare", ok(live), target=target, digest=digest)
             ask("syncfs.prepare", [i for i, r in ready.items() if not r["unchanged"] and not r["prepared"]],
                 target=target, digest=digest, manifest=data)
@@ -357,8 +358,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         cache.save()
 
         # a host whose target already serves this tree said so at prepare, with what a commit answers
-        done = {i: {**r, "committed": True} for i, r in ready.items() if r["unchanged"] and "generation" in r
-                and not results[i].error}
+        done = {i: r for i, r in _already_serving(ready).items() if not results[i].error}
         done.update(settled)
         for i in ok(live):
             meter.update(i, state="committing")
@@ -389,13 +389,20 @@ def _read_while_cached(groups: Iterator[Tuple[List[Any], Dict[str, ChunkSource]]
                        cache: HashCache) -> Tuple[List[Tuple[List[Any], Dict[str, ChunkSource]]], bool]:
     """The tree's first groups, taken while every file in them came from the hash cache (nothing
     read, so nothing held), and whether they are the whole tree. The first group with a file to
-    read ends it: that one is taken too, and the sync goes on pipelined from there."""
+    read ends it (the scan runs a group or two ahead, so it may end one group early): that one is
+    taken too, and the sync goes on pipelined from there."""
     taken = []
     for item in groups:
         taken.append(item)
         if cache.misses:
             return taken, False
     return taken, True
+
+
+def _already_serving(answers: Dict[int, Dict[str, Any]]) -> Dict[int, Dict[str, Any]]:
+    """The hosts whose ``syncfs.prepare`` said their target already serves the tree, each with
+    what a commit would have answered."""
+    return {i: {**r, "committed": True} for i, r in answers.items() if r["unchanged"] and "generation" in r}
 
 
 def _read_errors_are_one_line(src: str, groups: Any) -> Any:
