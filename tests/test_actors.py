@@ -892,3 +892,36 @@ def test_shutdown_context_stops_every_proc_this_process_owns(pool):
         assert len(fresh.spawn("d", Counter).incr.call().get(timeout=30)) == 2
     finally:
         fresh.stop().get()
+
+
+def _our_connections_to(ports: set) -> int:
+    """This process's established TCP connections to those local ports (from /proc: no peer asked)."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "01" and f[9] in inodes and int(f[2].rsplit(":", 1)[1], 16) in ports:  # 01: ESTABLISHED
+                count += 1
+    return count
+
+
+def test_the_controller_owns_and_calls_each_proc_over_one_connection(procs):
+    """One socket per proc, not two: at 1,024 hosts a controller's descriptors and handshakes
+    are what grows. Ownership still rides on it: letting go of the procs stops them."""
+    from monarch_torchx.actor import shutdown_context
+
+    ports = {r.addr.port for r in procs._procs}
+    assert procs.spawn("c", Counter).incr.call().get(timeout=30)
+    assert _our_connections_to(ports) == len(ports) == 4
+    pids = list(procs.spawn("p", Counter).pid.call().get(timeout=30).values())
+    shutdown_context().get(timeout=5)
+    wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), timeout=30, what="the procs to stop")
+    assert _our_connections_to(ports) == 0

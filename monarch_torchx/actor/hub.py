@@ -3,8 +3,9 @@
 Controllers and actors talk to procs directly over the wire protocol (same handshake, same
 frames as the agent). There is no reader thread: a thread that waits on a future takes the
 reader role, pumps every connection until its future is done, then hands the role to the
-next waiter. A round trip therefore costs two syscalls and no thread switch. A second,
-idle thread watches the *owner* connections only: it wakes when a proc dies, not per call.
+next waiter. A round trip therefore costs two syscalls and no thread switch. When no caller
+reads, an idle reader does, so a proc's death (its connection's end) is seen while the program
+computes; a third thread runs the supervision handlers.
 
 Each message is a small plain-pickled header plus a payload pickled once (cloudpickle,
 out-of-band buffers) and carried as the frame's buffers: a call to N procs pickles its
@@ -94,8 +95,8 @@ def _writable(sock: socket.socket, timeout: float) -> bool:
 
 
 def raise_open_files_limit() -> None:
-    """Lifts this process's soft limit on open files to the hard one: a controller keeps two
-    sockets per proc of its meshes (the soft limit is often 1,024)."""
+    """Lifts this process's soft limit on open files to the hard one: a controller keeps one
+    socket per proc of its meshes (the soft limit is often 1,024)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -148,6 +149,7 @@ class Conn:
         self.error: Optional[BaseException] = None
         self.inbound = False  # a peer's connection to our inbox: it only brings port messages
         self.backlog: Optional[Deque[bytes]] = None  # frames a proc's loop handed to a writer thread
+        self.on_lost: Optional[Callable[[ProcAddr], None]] = None  # we own the proc: told if this breaks
 
     @staticmethod
     def open(hub: "Hub", addr: ProcAddr) -> socket.socket:
@@ -259,7 +261,7 @@ class Hub:
         self.ports: Dict[str, Callable[[Any], None]] = {}  # port id -> deliver(value)
         self.actors_on: Dict[ProcAddr, List[str]] = {}  # what a supervision report says ran on a proc
         self.listen_addr: Optional[ProcAddr] = None
-        self._watcher: Optional["Watcher"] = None
+        self._losses: Optional["queue.SimpleQueue[Tuple[ProcAddr, Callable[[ProcAddr], None]]]"] = None
         # the idle reader: reads when no caller has for IDLE_READ_S, so a supervision event
         # reaches its hook while the program waits on something else (as Monarch's runtime does)
         self._idle_reader = False
@@ -356,6 +358,7 @@ class Hub:
                 return
             conn.error = err
             pending, conn.pending = conn.pending, {}
+            on_lost, conn.on_lost = conn.on_lost, None
         if remember:
             self.dead[conn.addr] = err
         with self._lock:
@@ -365,6 +368,8 @@ class Hub:
             _close_selected(self.sel, conn.sock)
         for fut in pending.values():
             fut.set_exception(err)
+        if on_lost is not None:
+            self._report_lost(conn.addr, on_lost)
         self.wake()
 
     def mark_dead(self, addr: ProcAddr, err: BaseException) -> None:
@@ -559,24 +564,53 @@ class Hub:
     # ------------------------------------------------------------ ownership
 
     def watch(self, addr: ProcAddr, on_lost: Callable[[ProcAddr], None]) -> None:
-        """Becomes ``addr``'s owner: it stops when this process goes; ``on_lost`` if it dies."""
-        sock = Conn.open(self, addr)
-        send_parts(sock, encode(("own",)))
-        with self._lock:
-            if self._watcher is None:
-                self._watcher = Watcher()
-        self._watcher.add(sock, addr, on_lost)
+        """Becomes ``addr``'s owner over the connection calls use (one handshake per proc): the
+        proc stops when that connection goes; ``on_lost`` runs if it breaks while owned."""
+        c = self.conn(addr)
+        c.send(encode(("own",)))
+        with c.send_lock:
+            broken = c.error is not None
+            if not broken:
+                c.on_lost = on_lost
+        if broken:  # it broke between the send and now: lost() found nobody to tell
+            self._report_lost(addr, on_lost)
 
     def ending_all(self) -> None:
-        """Every proc of this pool is being ended on purpose (the pool is stopping)."""
+        """Every proc this process owns in this pool is let go on purpose (the pool is stopping,
+        or shutdown_context()): their connections close, so they stop as if it had exited."""
         addrs = list(self.explain)
         for addr in addrs:
             self.closing.setdefault(addr, ProcStopped(f"proc {addr.identity} ended: its pool was stopped"))
         self.unwatch_all(addrs)
+        for addr in addrs:
+            self.mark_dead(addr, self.closing[addr])
 
     def unwatch_all(self, addrs: List[ProcAddr]) -> None:
-        if self._watcher is not None:
-            self._watcher.remove(addrs)
+        """These procs are being stopped on purpose: their connections' end is not a failure."""
+        for a in addrs:
+            c = self._conns.get(a)
+            if c is not None:
+                with c.send_lock:
+                    c.on_lost = None
+
+    def _report_lost(self, addr: ProcAddr, on_lost: Callable[[ProcAddr], None]) -> None:
+        """Runs ``on_lost`` on one supervision thread, in the order the losses were seen: it asks
+        the proc's agent why and may run user hooks, so never on the thread that reads."""
+        with self._lock:
+            if self._losses is None:
+                self._losses = queue.SimpleQueue()
+                threading.Thread(target=_report_losses, args=(self._losses,), name="monarch-torchx-supervision",
+                                 daemon=True).start()
+            self._losses.put((addr, on_lost))
+
+
+def _report_losses(losses: "queue.SimpleQueue[Tuple[ProcAddr, Callable[[ProcAddr], None]]]") -> None:
+    while True:
+        addr, on_lost = losses.get()
+        try:
+            on_lost(addr)
+        except Exception:
+            log.exception("supervision handler failed")
 
 
 class LocalConn:
@@ -689,59 +723,3 @@ class Inbox:
             _close_selected(self.sel, conn.sock)
             self.acceptor.forget(conn.sock)
 
-
-class Watcher:
-    """A thread that sleeps on owner connections and wakes only when one of them drops."""
-
-    def __init__(self) -> None:
-        self._sel = selectors.DefaultSelector()
-        self._r, self._w = os.pipe()
-        self._sel.register(self._r, selectors.EVENT_READ, None)
-        self._by_addr: Dict[ProcAddr, socket.socket] = {}
-        self._lock = threading.Lock()
-        threading.Thread(target=self._run, name="monarch-torchx-watcher", daemon=True).start()
-
-    def add(self, sock: socket.socket, addr: ProcAddr, on_lost: Callable[[ProcAddr], None]) -> None:
-        with self._lock:
-            self._by_addr[addr] = sock
-            self._sel.register(sock, selectors.EVENT_READ, (addr, on_lost))
-
-    def remove(self, addrs: List[ProcAddr]) -> None:
-        """Forget procs that are being stopped on purpose (their exit is not a failure)."""
-        with self._lock:
-            for a in addrs:
-                sock = self._by_addr.pop(a, None)
-                if sock is not None:
-                    try:
-                        self._sel.unregister(sock)
-                    except (KeyError, ValueError):
-                        pass
-                    sock.close()
-
-    def _run(self) -> None:
-        scratch = bytearray(4096)
-        while True:
-            for key, _ in self._sel.select():
-                if key.data is None:
-                    continue
-                addr, on_lost = key.data
-                try:
-                    n = wire.recv_some(key.fileobj, memoryview(scratch))  # type: ignore[arg-type]
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:
-                    n = 0
-                if n:
-                    continue
-                with self._lock:
-                    if self._by_addr.pop(addr, None) is None:
-                        continue
-                    try:
-                        self._sel.unregister(key.fileobj)
-                    except (KeyError, ValueError):
-                        pass
-                key.fileobj.close()  # type: ignore[union-attr]
-                try:
-                    on_lost(addr)
-                except Exception:
-                    log.exception("supervision handler failed")

@@ -501,12 +501,11 @@ class ProcMesh(_MeshTrait):
         def own(ref: ProcRef) -> None:
             hub.explain[ref.addr] = lambda: _explain(hub, ref)[0]
             hub.watch(ref.addr, functools.partial(_on_proc_lost, hub, ref, owner_actor))
-            hub.conn(ref.addr)
         if len(self._procs) <= 2:
             for ref in self._procs:
                 own(ref)
             return
-        with ThreadPoolExecutor(max_workers=min(32, len(self._procs))) as ex:  # two handshakes per proc
+        with ThreadPoolExecutor(max_workers=min(32, len(self._procs))) as ex:  # a handshake per proc
             list(ex.map(own, self._procs))
 
     def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> "ActorMesh[Any]":
@@ -581,7 +580,7 @@ class ProcMesh(_MeshTrait):
         each has stopped (or ``timeout`` passed): ``pm.stop().get()`` or ``await pm.stop()``."""
         hub = session.hub_for(self.pool)
         refs = [self._procs[b] for b in self._shape.ranks]
-        for ref in refs:  # what the connections' ends (and the owner watch) will report
+        for ref in refs:  # what the connections' ends will report (not as failures)
             hub.closing[ref.addr] = ProcStopped(f"proc {ref.rank} of mesh {ref.mesh_id} was stopped")
         rid = hub.next_id()
         futs: List[Future[Any]] = []
@@ -599,7 +598,7 @@ class ProcMesh(_MeshTrait):
                 hub.actors_on.pop(ref.addr, None)
                 hub.mesh_refs_sent.discard((ref.addr, self.mesh_id, len(self._procs)))
                 err = hub.closing.get(ref.addr)
-                if err is not None:  # dead before no longer closing: the owner watch may be reporting its end now
+                if err is not None:  # dead before no longer closing: its supervision report may be on its way now
                     hub.mark_dead(ref.addr, err)
                 hub.closing.pop(ref.addr, None)
             # the procs answered; done once their agents saw them exit (Monarch's stop() means gone)
@@ -700,7 +699,7 @@ def _on_proc_lost(hub: Hub, ref: ProcRef, owner_actor: Optional[str], addr: Proc
 
         try:
             supervision.dispatch(failure)
-        except BaseException as e:  # noqa: BLE001 - the hook raised on the watcher's thread
+        except BaseException as e:  # noqa: BLE001 - the hook raised on the supervision thread
             supervision.unhandled_off_caller(e)
 
 

@@ -833,7 +833,7 @@ class ProcServer:
     # ------------------------------------------------------------ supervision of meshes we own
 
     def child_lost(self, owner_actor_id: str, failure: MeshFailure) -> None:
-        """Called from the watcher thread when a proc of a mesh an actor here spawned dies."""
+        """Called from the supervision thread when a proc of a mesh an actor here spawned dies."""
         assert self.loop is not None
         self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._supervise(owner_actor_id, failure)))  # type: ignore[union-attr]
 
@@ -864,7 +864,7 @@ class ProcServer:
 
 def _fault_off_loop(hub: Any, owner_actor: str, payload: List[bytearray]) -> None:
     """A supervision event of the controller's own proc, told on a thread of its own: what the
-    controller's ``unhandled_fault_hook`` raises there ends the program as from the proc watcher."""
+    controller's ``unhandled_fault_hook`` raises there ends the program as from the supervision thread."""
     from . import supervision
 
     try:

@@ -32,7 +32,7 @@ def dispatch(failure: MeshFailure) -> None:
 
 
 def unhandled_off_caller(exc: BaseException) -> None:
-    """The hook raised on a thread no call waits on (the idle reader, the proc watcher): the main
+    """The hook raised on a thread no call waits on (the idle reader, the supervision thread): the main
     thread is interrupted. Where SIGINT does not reach Python (a controller started in the
     background by a non-interactive shell, or under nohup, inherits it ignored), the process
     ends at once with the hook's exit code instead: what raised must still end the program."""
