@@ -1,6 +1,6 @@
 """What grows with the size of a pool: each client operation at N hosts, for several N.
 
-    .venv/bin/python benchmarks/scale.py [--sizes 8,16,32,64,128] [--no-record]
+    .venv/bin/python benchmarks/scale.py [--sizes 8,16,32,64,128] [--skip actors,sql] [--no-record]
 
 One ``monarch_local`` pool of N agents (``preload=none``) per size, all on this machine. Each
 operation is run the way a user runs it (the real ``torchx`` and ``monarch-torchx`` CLIs, and a
@@ -11,6 +11,11 @@ controller script for the actor mesh) and measured for:
 - the agents' CPU time, summed over every process of every agent's session (their fork servers
   and replicas included);
 - bytes moved over loopback (``/sys/class/net/lo`` tx), all traffic of the operation.
+
+Each size also reports the memory an idle host costs once the pool is up: the proportional set
+size (PSS: shared pages split among their users) of its agent and fork server, and the machine's
+MemAvailable drop per host. ``--skip actors,sql`` leaves those steps out, for sizes where every
+host's actor procs or DataFusion would not fit in this machine's memory.
 
 Here every agent shares the same 2 cores, so wall time at large N is mostly the agents' summed
 CPU. On a real cluster each host has its own cores: what grows there is the client's own CPU and
@@ -52,6 +57,8 @@ ACTORS_IDLE_S = 10
 TREE_FANOUT, TREE_MIN = 8, 32
 OPS = ["create", "run", "status", "log", "pool status", "sql count", "sql again", "sync 200 files", "no-op resync",
        "spawn 1 actor/host", "respawn", "call all", "broadcast", "pool stop"]
+
+SKIPPABLE = ("actors", "sql")  # step groups --skip can leave out
 
 ACTORS = textwrap.dedent('''
     import json, resource, sys, time
@@ -137,6 +144,31 @@ def _session_cpu(sessions: List[int]) -> float:
     return total
 
 
+def _pss_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def host_memory(home: Path, n: int, available_before: float) -> Dict[str, float]:
+    """MiB per host of an idle pool: its agents' and fork servers' PSS, and MemAvailable's drop."""
+    sessions, pss = set(_agent_sessions(home)), 0
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            sid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[3])
+        except (OSError, IndexError, ValueError):
+            continue
+        if sid in sessions:
+            pss += _pss_kib(int(p.name))
+    return {"pss_mib": pss / 1024 / n, "available_drop_mib": (available_before - _available_mib()) / n}
+
+
 class Meter:
     """Wall, client CPU, agents' CPU and loopback bytes of one operation."""
 
@@ -206,12 +238,12 @@ class MemoryGuard:
                         pass
 
 
-def measure(n: int) -> Dict[str, Dict[str, float]]:
+def measure(n: int, skip: frozenset = frozenset()) -> Dict[str, Dict[str, float]]:
     home = Path(tempfile.mkdtemp(prefix=f"scale{n}-"))
     out: Dict[str, Dict[str, float]] = {}
     with MemoryGuard(home) as guard:
         try:
-            _measure(n, home, out)
+            _measure(n, home, out, skip)
         except (SystemExit, subprocess.SubprocessError, ValueError, KeyError) as e:
             if not guard.tripped:
                 raise
@@ -220,7 +252,7 @@ def measure(n: int) -> Dict[str, Dict[str, float]]:
     return out
 
 
-def _measure(n: int, home: Path, out: Dict[str, Dict[str, float]]) -> None:
+def _measure(n: int, home: Path, out: Dict[str, Dict[str, float]], skip: frozenset) -> None:
     # the hosts' actors fork servers end 10 s after their last proc (default 300 s): at 256 hosts here
     # their memory and every agent's DataFusion (the sql step, after the actors) do not both fit
     env = dict(os.environ, MONARCH_TORCHX_HOME=str(home), PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -229,7 +261,10 @@ def _measure(n: int, home: Path, out: Dict[str, Dict[str, float]]) -> None:
     pool = f"scale{n}"
     tx, mtx = [str(BIN / "torchx")], [str(BIN / "monarch-torchx")]
     try:
+        available = _available_mib()
         out["create"], _ = m.run(tx + ["pool", "create", pool, "-cfg", f"hosts={n},preload=none"], env)
+        time.sleep(2)  # the agents' first heartbeat and imports are done
+        out["memory per host"] = host_memory(home, n, available)
         out["run"], stdout = m.run(tx + ["run", "-s", "monarch_local", "-cfg", f"pool={pool}", "utils.echo",
                                          "--msg", "hello", "--num_replicas", str(n)], env)
         handle = stdout.strip().splitlines()[-1]
@@ -251,23 +286,29 @@ def _measure(n: int, home: Path, out: Dict[str, Dict[str, float]]) -> None:
             (d / f"f{i}.py").write_text(f"x = {i}\n" * 20)
         out["sync 200 files"], _ = m.run(mtx + ["sync", "--pool", pool, "--to", "code", str(src)], env)
         out["no-op resync"], _ = m.run(mtx + ["sync", "--pool", pool, "--to", "code", str(src)], env)
-        script = home / "actors.py"
-        script.write_text(ACTORS)
-        ops, stdout = m.run([sys.executable, str(script), pool, str(home), str(HERE)], env, cwd=Path.cwd())  # the caller's checkout (see scale_versions.py)
-        inner = json.loads(stdout.strip().splitlines()[-1].replace("NaN", "null"))
-        for name, (wall, cpu, agents, moved) in inner.items():  # timed inside the controller
-            out[name] = {"wall": wall, "client_cpu": cpu, "agents_cpu": float("nan") if agents is None else agents,
-                         "bytes": float("nan") if moved is None else moved}
-        time.sleep(ACTORS_IDLE_S + 3)  # the actors servers have ended
-        # after the actor procs have ended: every agent imports DataFusion at its first query, and
-        # at 256 hosts here both at once do not fit in memory
-        # (--timeout: here every agent imports DataFusion at once on 2 cores, 28 s at 256 hosts)
-        out["sql count"], _ = m.run(mtx + ["sql", "--pool", pool, "--timeout", "300", "select count(*) from logs"], env)
-        out["sql again"], _ = m.run(mtx + ["sql", "--pool", pool, "select count(*) from logs"], env)  # warm
+        if "actors" not in skip:
+            _measure_actors(m, pool, home, env, out)
+        if "sql" not in skip:
+            # after the actor procs have ended: every agent imports DataFusion at its first query, and
+            # at 256 hosts here both at once do not fit in memory
+            # (--timeout: here every agent imports DataFusion at once on 2 cores, 28 s at 256 hosts)
+            out["sql count"], _ = m.run(mtx + ["sql", "--pool", pool, "--timeout", "300", "select count(*) from logs"], env)
+            out["sql again"], _ = m.run(mtx + ["sql", "--pool", pool, "select count(*) from logs"], env)  # warm
         out["pool stop"], _ = m.run(tx + ["pool", "stop", pool], env)
     finally:
         subprocess.run(tx + ["pool", "stop", "--force", pool], env=env, capture_output=True)
         shutil.rmtree(home, ignore_errors=True)
+
+
+def _measure_actors(m: "Meter", pool: str, home: Path, env: Dict[str, str], out: Dict[str, Dict[str, float]]) -> None:
+    script = home / "actors.py"
+    script.write_text(ACTORS)
+    _, stdout = m.run([sys.executable, str(script), pool, str(home), str(HERE)], env, cwd=Path.cwd())  # the caller's checkout (see scale_versions.py)
+    inner = json.loads(stdout.strip().splitlines()[-1].replace("NaN", "null"))
+    for name, (wall, cpu, agents, moved) in inner.items():  # timed inside the controller
+        out[name] = {"wall": wall, "client_cpu": cpu, "agents_cpu": float("nan") if agents is None else agents,
+                     "bytes": float("nan") if moved is None else moved}
+    time.sleep(ACTORS_IDLE_S + 3)  # the actors servers have ended
 
 
 def fit(xs: List[float], ys: List[float]) -> Tuple[float, float]:
@@ -301,6 +342,13 @@ def report(results: Dict[int, Dict[str, Dict[str, float]]]) -> str:
             lines.append(f"| {n} | " + " | ".join(_fmt(results[n].get(op, {}).get(key, float('nan')), unit)
                                                   for op in OPS) + " |")
         lines.append("")
+    mem = [n for n in sizes if "memory per host" in results[n]]
+    if mem:
+        lines += ["**memory per idle host** (its agent and fork server, once the pool is up)", "",
+                  "| hosts | PSS per host | MemAvailable drop per host |", "|---:|---:|---:|"]
+        lines += [f"| {n} | {results[n]['memory per host']['pss_mib']:.1f} MiB | "
+                  f"{results[n]['memory per host']['available_drop_mib']:.1f} MiB |" for n in mem]
+        lines.append("")
     lines += ["**Model for a real cluster** (each host its own cores): client CPU and agents' CPU per host fitted "
               "as a + b*N over the sizes above; wall ~ client CPU + depth x 1 ms + agent CPU per host "
               f"(depth: ceil(log_{TREE_FANOUT} N) from {TREE_MIN} hosts).", "",
@@ -322,13 +370,17 @@ def report(results: Dict[int, Dict[str, Dict[str, float]]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="8,16,32,64,128", help="pool sizes, comma-separated")
+    ap.add_argument("--skip", default="", help=f"steps to leave out, comma-separated: {', '.join(SKIPPABLE)}")
     ap.add_argument("--no-record", action="store_true", help="do not write benchmarks/RESULTS.md")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    skip = frozenset(s for s in args.skip.split(",") if s)
+    if skip - set(SKIPPABLE):
+        ap.error(f"--skip: unknown step {', '.join(sorted(skip - set(SKIPPABLE)))} (known: {', '.join(SKIPPABLE)})")
     results: Dict[int, Dict[str, Dict[str, float]]] = {}
     for n in sizes:
         print(f"{n} hosts ...", file=sys.stderr, flush=True)
-        results[n] = measure(n)
+        results[n] = measure(n, skip)
         print(json.dumps({n: results[n]}), file=sys.stderr, flush=True)
     text = report(results)
     print(text)
