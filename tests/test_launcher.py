@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -185,3 +186,26 @@ def test_the_actors_fork_server_ends_when_idle_and_the_next_spawn_starts_one(hom
     second = procs.spawn("origin", Origin).parent.call_one().get(timeout=60)["ppid"]
     procs.stop().get(timeout=60)
     assert second != first
+
+
+def test_a_dead_actors_fork_server_is_replaced_at_the_next_spawn(home, pool_name):
+    """Killed (by hand, by the OOM killer): the next spawn_procs starts a new actors server,
+    rather than every later proc paying for its own import of the runtime from the plain one."""
+    from monarch_torchx import attach as attach_hosts
+    from monarch_torchx.agent.launcher import ACTOR_RUNTIME
+    from monarch_torchx.pool import PoolRequest, ensure_pool
+
+    from .fixtures.actors import Origin
+
+    ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": "none"}))
+    hosts = attach_hosts(pool_name)
+    procs = hosts.spawn_procs(per_host={"procs": 1})
+    first = procs.spawn("origin", Origin).parent.call_one().get(timeout=60)
+    procs.stop().get(timeout=60)
+    assert first["argv"][-1] == ACTOR_RUNTIME
+    os.kill(first["ppid"], signal.SIGKILL)
+    wait_for(lambda: not os.path.exists(f"/proc/{first['ppid']}"), timeout=30, what="the actors server to die")
+    procs = hosts.spawn_procs(per_host={"procs": 1})
+    second = procs.spawn("origin", Origin).parent.call_one().get(timeout=60)
+    procs.stop().get(timeout=60)
+    assert second["ppid"] != first["ppid"] and second["argv"][-1] == ACTOR_RUNTIME, second

@@ -6,7 +6,7 @@ once it is ready; everything else, and Python while it is still importing, goes 
 The warm server also holds the actor runtime. A pool without preloads gets a third, *actors*
 server at its first actor proc: it imports the runtime once per host, not once per proc, serves
 every later ``spawn_procs`` until it has been idle for ACTORS_IDLE_S, and then ends (the plain one
-stays a clean interpreter for roles).
+stays a clean interpreter for roles); one that dies is started again at the next actor proc.
 """
 
 from __future__ import annotations
@@ -230,7 +230,12 @@ class Launcher:
 
     async def _actor_server(self) -> Optional[_Server]:
         """The actors server, started by the first actor proc that asks (the others wait for the
-        same start). None when it could not start or has died: procs then start from the plain one."""
+        same start). One that served and has died since (killed, out of memory) is replaced by
+        the next proc that asks. None when it could not start: procs then start from the plain one."""
+        started = self._started_actors()
+        if started is not None and started.dead.is_set():
+            log.warning("fork server actors has died; the next actor proc starts a new one")
+            self._actors = None
         if self._actors is None:
             self._actors = asyncio.ensure_future(self._start_actors())
         server = await asyncio.shield(self._actors)
