@@ -245,20 +245,18 @@ class CmdLog(_OneLineErrors, _Log):
 
                 validate(args.identifier)
                 sched = get_scheduler_factories()[scheduler](parts[0] or "default")
-                if not args.tail:
-                    try:
-                        _print_app_logs(sched, scheduler, parts, args)
-                    except MonarchError as e:
-                        print(f"torchx: error: {e}", file=sys.stderr)
-                        sys.exit(1)
-                    except BrokenPipeError:  # `torchx log ... | head`: the reader has what it wanted (as TorchX: quietly)
-                        import os
+                show = _follow_app_logs if args.tail else _print_app_logs
+                try:
+                    show(sched, scheduler, parts, args)
+                except MonarchError as e:
+                    print(f"torchx: error: {e}", file=sys.stderr)
+                    sys.exit(1)
+                except BrokenPipeError:  # `torchx log ... | head`: the reader has what it wanted (as TorchX: quietly)
+                    import os
 
-                        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-                        sys.exit(0)
-                    return
-                if sched.describe(parts[1]) is None:
-                    _no_such_app(parts[1], scheduler)
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                    sys.exit(0)
+                return
         if args.since is None and args.until is None:
             return super().run(args)
         from torchx.cli.cmd_log import get_logs
@@ -283,9 +281,51 @@ def _print_app_logs(sched: Any, scheduler: str, parts: "list[str]", args: argpar
     with its ``role/replica``, in TorchX's colours), but asked of the pool once per host through its
     relay tree (``MonarchScheduler.app_logs``), not by one thread and one stream per replica, so
     the client's cost grows with the bytes, not with the replicas. Replica by replica, in order."""
+    from torchx.cli import cmd_log
+
+    app_id, replicas = _replicas_to_show(sched, scheduler, parts)
+    failures = []
+    for name, k, lines in sched.app_logs(app_id, replicas, args.regex, args.since, args.until, args.streams):
+        prefix = f"{cmd_log.GREEN}{name}/{k}{cmd_log.ENDC} "
+        try:
+            sys.stdout.writelines(cmd_log._prefix_line(prefix, line) for line in lines)
+        except MonarchError as e:  # that replica's host: the others are still printed
+            failures.append(str(e))
+        sys.stdout.flush()
+    for why in failures:
+        print(f"torchx: error: {why}", file=sys.stderr)
+    if failures:
+        sys.exit(1)
+
+
+def _follow_app_logs(sched: Any, scheduler: str, parts: "list[str]", args: argparse.Namespace) -> None:
+    """``torchx log --tail`` of an app on a pool: TorchX's output (lines as they are written, each
+    prefixed with its ``role/replica``), through the relay tree (``MonarchScheduler.follow_logs``):
+    the client holds a few streams, not one thread and one stream per replica. A host that cannot
+    be followed is named on stderr as soon as that is known, the others go on, and the exit
+    status is 1 at the end."""
+    from torchx.cli import cmd_log
+
+    app_id, replicas = _replicas_to_show(sched, scheduler, parts)
+    failed = 0
+    for ev in sched.follow_logs(app_id, replicas, args.regex, args.since, args.until, args.streams):
+        if ev.get("lines"):
+            prefix = f"{cmd_log.GREEN}{ev['role']}/{ev['replica_id']}{cmd_log.ENDC} "
+            sys.stdout.writelines(cmd_log._prefix_line(prefix, line) for line in ev["lines"])
+            sys.stdout.flush()
+        elif ev.get("error"):
+            failed += 1
+            where = f"{ev['role']}/{ev['replica_id']}" if ev.get("role") else f"host {ev['host']}"
+            print(f"torchx: error: logs of {where} not followed: {ev['error']}", file=sys.stderr, flush=True)
+    if failed:
+        sys.exit(1)
+
+
+def _replicas_to_show(sched: Any, scheduler: str, parts: "list[str]") -> "tuple[str, list[tuple[str, int]]]":
+    """The app id and the (role, replica) pairs a ``torchx log`` identifier names, once the app
+    has started (as TorchX: it waits for a submitted app, saying so)."""
     import time
 
-    from torchx.cli import cmd_log
     from torchx.specs import AppState
 
     app_id, role = parts[1], (parts[2] if len(parts) > 2 and parts[2] else None)
@@ -307,18 +347,7 @@ def _print_app_logs(sched: Any, scheduler: str, parts: "list[str]", args: argpar
     if not replicas:
         names = ", ".join(r.name for r in resp.roles)
         raise MonarchError(f"app {app_id!r} has no role {role!r}; its roles: {names}")
-    failures = []
-    for name, k, lines in sched.app_logs(app_id, replicas, args.regex, args.since, args.until, args.streams):
-        prefix = f"{cmd_log.GREEN}{name}/{k}{cmd_log.ENDC} "
-        try:
-            sys.stdout.writelines(cmd_log._prefix_line(prefix, line) for line in lines)
-        except MonarchError as e:  # that replica's host: the others are still printed
-            failures.append(str(e))
-        sys.stdout.flush()
-    for why in failures:
-        print(f"torchx: error: {why}", file=sys.stderr)
-    if failures:
-        sys.exit(1)
+    return app_id, replicas
 
 
 class CmdRunopts(SubCommand):

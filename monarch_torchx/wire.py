@@ -838,6 +838,10 @@ class Client:
     def close(self) -> None:
         self._sock.close()
 
+    def abort(self) -> None:
+        """From another thread: ends the request in flight here (its read raises PeerClosed)."""
+        shutdown_quietly(self._sock)
+
     @property
     def local_address(self) -> str:
         """The address this connection leaves from ("" through a tunnel): where the peer can reach us."""

@@ -390,6 +390,81 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             else:
                 yield role, k, entry["lines"]
 
+    def follow_logs(self, app_id: str, replicas: List[Tuple[str, int]], regex: Optional[str] = None,
+                    since: Optional[datetime] = None, until: Optional[datetime] = None,
+                    streams: Optional[Stream] = None) -> Iterator[Dict[str, Any]]:
+        """``torchx log --tail`` of ``replicas``: their lines as they are written, as LogEvent dicts
+        (``agent/log_follow.py``), until every replica ended. One stream per group of the relay
+        tree's first level, not one per replica; a host that cannot be followed is an ``error``
+        event naming it, and the others go on."""
+        import queue
+
+        from ..agent import relay
+        from ..agent.log_follow import check_filters, follow_group
+
+        found = self._lookup(app_id)
+        if found is None:
+            raise MonarchError(f"no app {app_id!r} on {self.backend}; see `torchx list -s {self.backend}`")
+        pool, arec = found
+        where = {(p.role, p.replica_id): p.host_index for p in arec.placement}
+        missing = [f"{r}/{k}" for r, k in replicas if (r, k) not in where]
+        if missing:
+            have = ", ".join(f"{p.role}/{p.replica_id}" for p in arec.placement)
+            raise MonarchError(f"app {app_id!r} has no replica {', '.join(missing)} (it has {have})")
+        stream = streams.value if isinstance(streams, Stream) else (streams or "combined")
+        try:
+            check_filters(stream, regex)
+        except ValueError as e:
+            raise MonarchError(str(e)) from None
+        roles = {r for r, _ in replicas}
+        every = len(replicas) == sum(1 for p in arec.placement if p.role in roles)
+        args = {"app_id": arec.app_id, "role": next(iter(roles)) if len(roles) == 1 else None,
+                "replica_ids": None if every else sorted({k for _, k in replicas}), "streams": stream,
+                "since": since.timestamp() if since else None, "until": until.timestamp() if until else None,
+                "regex": regex}
+        events: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue(1024)  # full: the followers wait
+        unreachable: List[Dict[str, Any]] = []
+        targets, by_index = [], {}
+        if len(set(where[r] for r in replicas)) > 1:
+            pool.hosts  # noqa: B018 (many hosts: one read of the pool's view, not one file each)
+        for i in sorted({where[r] for r in replicas}):
+            h = pool.host(i)
+            if h is None or h.exited:
+                why = "has no agent address" if h is None else f"is stopped ({h.exit_reason})"
+                unreachable.append({"host": i, "error": f"host {i} of pool {pool.name!r} {why}", "kind": "HostUnreachable"})
+                continue
+            by_index[i] = h
+            targets.append(relay.Target(i, h.host, h.port, h.identity(pool.name).decode()))
+
+        def tunnel(head: Any, t: float) -> Any:  # a group's first member behind a port-forward
+            h = by_index[head.index]
+            return pool.provisioner.open_tunnel(pool.record, h, t).sock if h.via else None
+
+        groups = relay.split(targets, relay.FANOUT)
+        stop = threading.Event()
+        clients: List[Any] = []
+
+        def run(group: List[Any]) -> None:
+            try:
+                follow_group(group, pool.record.credentials, args, relay.FANOUT, events.put, stop, clients.append, tunnel)
+            finally:
+                events.put(None)
+        for g in groups:
+            threading.Thread(target=run, args=(g,), daemon=True, name="monarch-torchx-log-follow").start()
+        left = len(groups)
+        try:
+            yield from unreachable
+            while left or not events.empty():
+                ev = events.get()
+                if ev is None:
+                    left -= 1
+                else:
+                    yield ev
+        finally:
+            stop.set()
+            for c in list(clients):
+                c.abort()
+
     def _direct_logs(self, app_id: str, role: str, k: int, host: int, regex: Optional[str],
                      since: Optional[datetime], until: Optional[datetime], streams: Optional[Stream]) -> Iterator[str]:
         """``log_iter``'s own stream, opened when it is read (not before), its failure naming the replica."""

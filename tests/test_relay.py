@@ -126,3 +126,59 @@ def test_actor_procs_are_spawned_through_the_tree(tree_pool):
 
 def test_a_launch_with_dead_hosts_is_all_or_nothing_through_the_tree(tree_pool):
     assert_launch_with_dead_hosts_is_all_or_nothing(tree_pool, "aon", [2, 5, 8])
+
+
+SLOW_COUNT = "import time\nfor i in range(4):\n    print(i, flush=True)\n    time.sleep(0.3)"
+
+
+def _relayed(pool) -> int:
+    return sum(v["relayed"] for _, v, _ in pool.ask("info", range(HOSTS), timeout=10.0))
+
+
+def test_torchx_log_tail_follows_every_replica_through_the_tree(tree_pool, home, monkeypatch):
+    """``torchx log --tail`` of 10 replicas while they print: every line, in each replica's order,
+    with TorchX's prefix, through one stream per group of the tree (fan-out 2: the client holds
+    2 streams, and every agent that leads a subgroup relays it), ending when the replicas end."""
+    from .test_cli import _plain
+
+    monkeypatch.setenv("MONARCH_TORCHX_TREE_FANOUT", "2")  # the CLI's fan-out (this process's is patched)
+    pool = tree_pool
+    base = _relayed(pool)
+    per_ask = _relayed(pool) - base  # what one relayed info adds to the counters
+    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool.name}", "utils.python",
+                       "--num_replicas", str(HOSTS), "-c", SLOW_COUNT))
+    before = _relayed(pool)
+    res = torchx(home, "log", "--tail", h, timeout=60)
+    relays = _relayed(pool) - before - per_ask
+    lines = _plain(res.stdout).splitlines()
+    assert sorted(lines) == sorted(f"python/{k} {i}" for k in range(HOSTS) for i in range(4)), res.stdout
+    for k in range(HOSTS):
+        assert [ln for ln in lines if ln.startswith(f"python/{k} ")] == [f"python/{k} {i}" for i in range(4)]
+    assert per_ask == 8 and relays == 2 * per_ask, (relays, per_ask)  # the CLI's describe, then the follow: same tree
+    assert "SUCCEEDED" in torchx(home, "status", h).stdout
+    one = torchx(home, "log", "--tail", f"{h}/python/3,7", timeout=60)
+    assert sorted(_plain(one.stdout).splitlines()) == sorted(f"python/{k} {i}" for k in (3, 7) for i in range(4))
+    bad = torchx(home, "log", "--tail", "--regex", "(", h, check=False)
+    assert bad.returncode == 1 and "bad --regex" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_torchx_log_tail_names_a_hung_host_and_follows_the_others(tree_pool, home, monkeypatch):
+    """A SIGSTOPped host that leads a subgroup: after the dial time it is named on stderr, the next
+    member leads the rest, every other replica's lines are printed, and the exit status is 1."""
+    from .test_cli import _plain
+
+    monkeypatch.setenv("MONARCH_TORCHX_TREE_FANOUT", "2")
+    pool = tree_pool
+    victim = 8  # host 5 splits 6..9 into [6, 7] and [8, 9]: 8 leads a group of two
+    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool.name}", "utils.python",
+                       "--num_replicas", str(HOSTS), "-c", SLOW_COUNT))
+    pid = pool.hosts[victim].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        res = torchx(home, "log", "--tail", h, timeout=60, check=False)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    lines = _plain(res.stdout).splitlines()
+    assert sorted(lines) == sorted(f"python/{k} {i}" for k in range(HOSTS) if k != victim for i in range(4)), res.stdout
+    assert res.returncode == 1 and f"logs of host {victim} not followed: not reached" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr

@@ -29,6 +29,7 @@ from ..registry import HostAddr, Registry
 from ..specs import TERMINAL, LaunchSpec
 from .launcher import Launcher
 from .procs import ProcTable
+from .log_follow import OP as LOG_FOLLOW_OP, LogFollow
 from .relay import Relay
 
 log = logging.getLogger("monarch_torchx.agent")
@@ -38,7 +39,8 @@ HEARTBEAT_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_S", "5"))
 # how often the host file is rewritten (1,024 hosts: ~2,000 writes a minute to the pool's dir)
 HEARTBEAT_WRITE_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_WRITE_S", str(6 * HEARTBEAT_S)))
 # asking about a pool must not keep it alive: only work (launches, module calls) resets idleness
-PASSIVE_OPS = frozenset({"relay", "ping", "info", "describe", "list", "logs", "app_logs", "kill", "shutdown", "wait",
+PASSIVE_OPS = frozenset({"relay", "ping", "info", "describe", "list", "logs", "app_logs", "app_logs_follow", "kill",
+                         "shutdown", "wait",
                          "telemetry.query",
                          "telemetry.partial", "telemetry.stacks"})
 BIND_RETRY_S = 3.0
@@ -95,6 +97,8 @@ class Agent:
         self.combiners: Dict[str, Callable[[dict, List[Any]], Any]] = {}
         self.relay = Relay(self)
         self.handlers["relay"] = self.relay.op_relay
+        self.log_follow = LogFollow(self)
+        self.handlers[LOG_FOLLOW_OP] = self.log_follow.op_app_logs_follow
         self.stopping = asyncio.Event()
         self.stop_reason = ""
         self.launcher = Launcher(args.preload, self._on_exit, self._on_launcher_death)

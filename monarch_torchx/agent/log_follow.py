@@ -1,0 +1,211 @@
+"""``torchx log --tail`` of N replicas as one stream through the relay tree, not N streams.
+
+The client splits the hosts into ``FANOUT`` groups and streams ``app_logs_follow`` from each
+group's first member. That agent follows its own replicas' logs, splits the rest of its group the
+same way, streams from each subgroup's first member, and passes every event up as it comes: the
+client holds a few connections whatever N is, and each agent passes on what its subtree prints.
+
+Events are ``LogEvent``s: lines of one replica, that replica's end, a host's end (all of its
+replicas ended), or a host that could not be followed (not reached, or lost with the relay that
+led it), named with why. A group's first member that cannot be reached is passed over: the next
+member leads the rest. A relay that dies mid-stream takes its subtree's stream with it (its lines
+so far were printed; a follow started again would print them twice): the hosts of that subtree
+that had not ended are reported as lost through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Optional, Sequence
+
+from .. import wire
+from ..errors import MonarchError
+from .relay import DIAL_TIMEOUT_S, PATIENT_DIAL_S, Target, split
+
+if TYPE_CHECKING:
+    from .server import Agent
+
+OP = "app_logs_follow"
+QUEUE_EVENTS = 1024  # events an agent holds for a slow reader before its sources wait
+BATCH_EVENTS = 256  # events sent up in one frame
+# a refusal every member of the group would give too: an agent older than the client, bad arguments
+GROUP_REFUSALS = frozenset({wire.UnknownOperation.__name__, "ValueError", "TypeError"})
+
+
+@dataclass
+class LogEvent:
+    """One thing a followed subtree reports (on the wire: its dict)."""
+
+    host: int
+    role: str = ""
+    replica_id: int = -1
+    lines: List[str] = field(default_factory=list)
+    replica_ended: bool = False  # this replica's output is complete
+    host_ended: bool = False  # every followed replica of this host has ended
+    error: str = ""  # this host is not followed: why
+    kind: str = ""  # the error's type name (UnknownOperation: an agent older than the client)
+
+
+def check_filters(streams: str, regex: Optional[str]) -> None:
+    """Raises ValueError, naming the bad one, before anything is followed."""
+    import re
+
+    from .procs import STREAMS
+
+    if streams != "combined" and streams not in STREAMS:
+        raise ValueError(f"unknown stream {streams!r}: use stdout, stderr or combined")
+    if regex:
+        try:
+            re.compile(regex)
+        except re.error as e:
+            raise ValueError(f"bad --regex {regex!r}: {e}") from None
+
+
+def follow_group(targets: Sequence[Target], creds: Any, args: Dict[str, Any], fanout: int,
+                 emit: Callable[[Dict[str, Any]], None], stop: threading.Event,
+                 opened: Callable[[wire.Client], None], sock_for: Any = None) -> None:
+    """Blocking: follows one group through its first reachable member, passing each event (a
+    dict) to ``emit``, until every host of the group ended or could not be followed; every host
+    of the group ends with a ``host_ended`` or an ``error`` event. ``opened`` gets each client,
+    so that another thread can ``abort()`` it once ``stop`` is set."""
+    for pos, head in enumerate(targets):
+        group = list(targets[pos:])
+        if stop.is_set():
+            return
+        dial = DIAL_TIMEOUT_S if len(group) > 1 else PATIENT_DIAL_S
+        try:
+            sock = sock_for(head, dial) if sock_for else None
+            c = wire.Client(head.host, head.port, creds, timeout=dial, identity=head.identity.encode(), sock=sock)
+        except (wire.WireError, OSError, MonarchError) as e:  # (MonarchError: a tunnel that did not open)
+            emit(asdict(LogEvent(head.index, error=f"not reached: {e}", kind=type(e).__name__)))
+            continue  # the next member leads the rest
+        opened(c)
+        ended: set = set()
+        try:
+            with c:
+                if stop.is_set():
+                    return
+                c.settimeout(None)  # a follow lasts as long as the replicas
+                for batch in c.stream(OP, targets=[asdict(t) for t in group], fanout=fanout, **args):
+                    for ev in batch:
+                        if ev.get("host_ended") or (ev.get("error") and not ev.get("role")):
+                            ended.add(ev.get("host"))
+                        emit(ev)
+        except wire.RemoteError as e:  # it refused the follow itself
+            emit(asdict(LogEvent(head.index, error=str(e), kind=e.kind or type(e).__name__)))
+            if e.kind in GROUP_REFUSALS:  # the others would refuse it alike: said for each, asked of none
+                for t in group[1:]:
+                    emit(asdict(LogEvent(t.index, error=str(e), kind=e.kind)))
+                return
+            continue  # (e.g. it is shutting down): the next member leads the rest
+        except (wire.WireError, OSError) as e:
+            if stop.is_set():
+                return
+            for t in group:
+                if t.index not in ended:
+                    emit(asdict(LogEvent(t.index, error=f"lost through host {head.index} ({e})", kind=type(e).__name__)))
+        return
+
+
+class LogFollow:
+    """The agent's ``app_logs_follow`` op (see the module's docstring)."""
+
+    def __init__(self, agent: "Agent"):
+        self.agent = agent
+
+    async def op_app_logs_follow(self, peer: wire.Peer, targets: List[dict], fanout: int, app_id: str,
+                                 role: Optional[str] = None, replica_ids: Optional[List[int]] = None,
+                                 streams: str = "combined", since: Optional[float] = None,
+                                 until: Optional[float] = None, regex: Optional[str] = None) -> wire.Stream:
+        """Follows the logs of ``app_id``'s replicas (of ``role``, of ``replica_ids``) on this
+        host and, through the tree, on every other host of ``targets``; streams LogEvents in
+        batches until all of them ended."""
+        tree = [Target(**t) for t in targets]
+        if not tree or tree[0].index != self.agent.index:
+            raise ValueError("a followed group's first target must be the agent it is sent to")
+        check_filters(streams, regex)
+        fanout = max(2, min(int(fanout), 64))
+        args = {"app_id": app_id, "role": role, "replica_ids": replica_ids, "streams": streams, "since": since,
+                "until": until, "regex": regex}
+        wanted = None if replica_ids is None else {int(i) for i in replica_ids}
+        reps = [r for r in self.agent.procs.select(app_id, role) if wanted is None or r.spec.replica_id in wanted]
+        groups = split(tree[1:], fanout)
+        self.agent.relay.relayed += len(groups)
+        return wire.Stream(self._events(reps, groups, args, fanout))
+
+    async def _events(self, reps: List[Any], groups: List[List[Target]], args: Dict[str, Any],
+                      fanout: int) -> AsyncIterator[List[Dict[str, Any]]]:
+        loop = asyncio.get_running_loop()
+        queue: "asyncio.Queue[Dict[str, Any]]" = asyncio.Queue(QUEUE_EVENTS)
+        stop = threading.Event()
+        clients: List[wire.Client] = []
+        lock = threading.Lock()
+
+        def opened(c: wire.Client) -> None:
+            with lock:
+                clients.append(c)
+            if stop.is_set():
+                c.abort()
+
+        def emit(ev: Dict[str, Any]) -> None:  # from a subtree's thread: waits while the queue is full
+            while not stop.is_set():
+                fut = asyncio.run_coroutine_threadsafe(queue.put(ev), loop)
+                try:
+                    fut.result(timeout=1.0)
+                    return
+                except TimeoutError:
+                    fut.cancel()
+
+        sources: List["asyncio.Future[Any]"] = [asyncio.ensure_future(self._local(reps, args, queue))]
+        for g in groups:
+            done: "asyncio.Future[None]" = loop.create_future()
+            sources.append(done)
+            threading.Thread(target=_run_group, name="log-follow", daemon=True,
+                             args=(loop, done, g, self.agent.creds, args, fanout, emit, stop, opened)).start()
+        pending = set(sources)
+        try:
+            while pending or not queue.empty():
+                if queue.empty():
+                    get = asyncio.ensure_future(queue.get())
+                    finished, _ = await asyncio.wait(pending | {get}, return_when=asyncio.FIRST_COMPLETED)
+                    pending -= finished
+                    if not get.done():
+                        get.cancel()
+                        continue
+                    batch = [get.result()]
+                else:
+                    batch = []
+                while len(batch) < BATCH_EVENTS and not queue.empty():
+                    batch.append(queue.get_nowait())
+                yield batch
+        finally:
+            stop.set()
+            for s in sources:
+                s.cancel()
+            with lock:
+                for c in clients:
+                    c.abort()
+
+    async def _local(self, reps: List[Any], args: Dict[str, Any], queue: "asyncio.Queue[Dict[str, Any]]") -> None:
+        index = self.agent.index
+
+        async def one(rep: Any) -> None:
+            role, k = rep.spec.role, rep.spec.replica_id
+            try:
+                async for lines in self.agent.procs.logs(rep, args["streams"], args["since"], args["until"],
+                                                         args["regex"], follow=True):
+                    await queue.put(asdict(LogEvent(index, role, k, lines)))
+            except (OSError, ValueError) as e:  # its log is unreadable, or a bad filter: said once, per replica
+                await queue.put(asdict(LogEvent(index, role, k, error=f"logs of {role}/{k}: {e}", kind=type(e).__name__)))
+            await queue.put(asdict(LogEvent(index, role, k, replica_ended=True)))
+        await asyncio.gather(*(one(r) for r in reps))
+        await queue.put(asdict(LogEvent(index, host_ended=True)))
+
+
+def _run_group(loop: asyncio.AbstractEventLoop, done: "asyncio.Future[None]", *args: Any) -> None:
+    try:
+        follow_group(*args)
+    finally:
+        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
