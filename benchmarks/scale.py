@@ -1,6 +1,6 @@
 """What grows with the size of a pool: each client operation at N hosts, for several N.
 
-    .venv/bin/python benchmarks/scale.py [--sizes 8,16,32,64,128] [--skip actors,sql] [--no-record]
+    .venv/bin/python benchmarks/scale.py [--sizes 8,16,32,64,128] [--skip sync,actors,sql] [--no-record]
 
 One ``monarch_local`` pool of N agents (``preload=none``) per size, all on this machine. Each
 operation is run the way a user runs it (the real ``torchx`` and ``monarch-torchx`` CLIs, and a
@@ -14,8 +14,8 @@ controller script for the actor mesh) and measured for:
 
 Each size also reports the memory an idle host costs once the pool is up: the proportional set
 size (PSS: shared pages split among their users) of its agent and fork server, and the machine's
-MemAvailable drop per host. ``--skip actors,sql`` leaves those steps out, for sizes where every
-host's actor procs or DataFusion would not fit in this machine's memory.
+MemAvailable drop per host. ``--skip sync,actors,sql`` leaves those steps out, for sizes where
+every host's FUSE server, actor procs or DataFusion would not fit in this machine's memory.
 
 Here every agent shares the same 2 cores, so wall time at large N is mostly the agents' summed
 CPU. On a real cluster each host has its own cores: what grows there is the client's own CPU and
@@ -58,7 +58,7 @@ TREE_FANOUT, TREE_MIN = 8, 32
 OPS = ["create", "run", "status", "log", "pool status", "sql count", "sql again", "sync 200 files", "no-op resync",
        "spawn 1 actor/host", "respawn", "call all", "broadcast", "pool stop"]
 
-SKIPPABLE = ("actors", "sql")  # step groups --skip can leave out
+SKIPPABLE = ("sync", "actors", "sql")  # step groups --skip can leave out
 
 ACTORS = textwrap.dedent('''
     import json, resource, sys, time
@@ -279,13 +279,14 @@ def _measure(n: int, home: Path, out: Dict[str, Dict[str, float]], skip: frozens
         if logs.count("hello") != n:
             raise SystemExit(f"torchx log printed {logs.count('hello')} of {n} replicas' lines")
         out["pool status"], _ = m.run(tx + ["pool", "status", pool], env)
-        src = home / "src"
-        for i in range(200):
-            d = src / f"d{i % 10}"
-            d.mkdir(parents=True, exist_ok=True)
-            (d / f"f{i}.py").write_text(f"x = {i}\n" * 20)
-        out["sync 200 files"], _ = m.run(mtx + ["sync", "--pool", pool, "--to", "code", str(src)], env)
-        out["no-op resync"], _ = m.run(mtx + ["sync", "--pool", pool, "--to", "code", str(src)], env)
+        if "sync" not in skip:  # (every host then runs a FUSE server too)
+            src = home / "src"
+            for i in range(200):
+                d = src / f"d{i % 10}"
+                d.mkdir(parents=True, exist_ok=True)
+                (d / f"f{i}.py").write_text(f"x = {i}\n" * 20)
+            out["sync 200 files"], _ = m.run(mtx + ["sync", "--pool", pool, "--to", "code", str(src)], env)
+            out["no-op resync"], _ = m.run(mtx + ["sync", "--pool", pool, "--to", "code", str(src)], env)
         if "actors" not in skip:
             _measure_actors(m, pool, home, env, out)
         if "sql" not in skip:
