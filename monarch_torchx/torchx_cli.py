@@ -309,14 +309,14 @@ def _follow_app_logs(sched: Any, scheduler: str, parts: "list[str]", args: argpa
     app_id, replicas = _replicas_to_show(sched, scheduler, parts)
     failed = 0
     for ev in sched.follow_logs(app_id, replicas, args.regex, args.since, args.until, args.streams):
-        if ev.get("lines"):
-            prefix = f"{cmd_log.GREEN}{ev['role']}/{ev['replica_id']}{cmd_log.ENDC} "
-            sys.stdout.writelines(cmd_log._prefix_line(prefix, line) for line in ev["lines"])
+        if ev.lines:
+            prefix = f"{cmd_log.GREEN}{ev.role}/{ev.replica_id}{cmd_log.ENDC} "
+            sys.stdout.writelines(cmd_log._prefix_line(prefix, line) for line in ev.lines)
             sys.stdout.flush()
-        elif ev.get("error"):
+        elif ev.error:
             failed += 1
-            where = f"{ev['role']}/{ev['replica_id']}" if ev.get("role") else f"host {ev['host']}"
-            print(f"torchx: error: logs of {where} not followed: {ev['error']}", file=sys.stderr, flush=True)
+            where = f"{ev.role}/{ev.replica_id}" if ev.role else f"host {ev.host}"
+            print(f"torchx: error: logs of {where} not followed: {ev.error}", file=sys.stderr, flush=True)
     if failed:
         sys.exit(1)
 

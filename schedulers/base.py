@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from torchx.schedulers.api import DescribeAppResponse, ListAppResponse, Scheduler, Stream
 from torchx.schedulers.ids import make_unique
@@ -30,6 +30,9 @@ from ..submission import PoolPlan
 from ..torchrun import PLAN_ENV, TorchrunPlan, plan_role
 from . import workspace as ws
 from .role_record import role_from_record, role_to_record
+
+if TYPE_CHECKING:
+    from ..agent.log_follow import LogEvent
 
 RANK0_ENV = "TORCHX_RANK0_HOST"
 APP_LOGS_TIMEOUT_S = 15.0  # a host's logs so far, up to the agent's budget: a bounded wait for a hung host
@@ -392,15 +395,15 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
 
     def follow_logs(self, app_id: str, replicas: List[Tuple[str, int]], regex: Optional[str] = None,
                     since: Optional[datetime] = None, until: Optional[datetime] = None,
-                    streams: Optional[Stream] = None) -> Iterator[Dict[str, Any]]:
-        """``torchx log --tail`` of ``replicas``: their lines as they are written, as LogEvent dicts
+                    streams: Optional[Stream] = None) -> Iterator["LogEvent"]:
+        """``torchx log --tail`` of ``replicas``: their lines as they are written, as LogEvents
         (``agent/log_follow.py``), until every replica ended. One stream per group of the relay
         tree's first level, not one per replica; a host that cannot be followed is an ``error``
         event naming it, and the others go on."""
         import queue
 
         from ..agent import relay
-        from ..agent.log_follow import check_filters, follow_group
+        from ..agent.log_follow import LogEvent, check_filters, follow_group
 
         found = self._lookup(app_id)
         if found is None:
@@ -453,13 +456,13 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             threading.Thread(target=run, args=(g,), daemon=True, name="monarch-torchx-log-follow").start()
         left = len(groups)
         try:
-            yield from unreachable
+            yield from (LogEvent.from_wire(ev) for ev in unreachable)
             while left or not events.empty():
                 ev = events.get()
                 if ev is None:
                     left -= 1
                 else:
-                    yield ev
+                    yield LogEvent.from_wire(ev)
         finally:
             stop.set()
             for c in list(clients):

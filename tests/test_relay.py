@@ -182,3 +182,35 @@ def test_torchx_log_tail_names_a_hung_host_and_follows_the_others(tree_pool, hom
     assert sorted(lines) == sorted(f"python/{k} {i}" for k in range(HOSTS) if k != victim for i in range(4)), res.stdout
     assert res.returncode == 1 and f"logs of host {victim} not followed: not reached" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_torchx_log_tail_names_the_subtree_of_a_relay_killed_mid_follow(tree_pool, home, monkeypatch):
+    """Host 5 leads the client's second group and dies while its subtree still prints: the first
+    group's replicas are followed to their end, every host of the second group that had not ended
+    is named as lost through host 5 (not followed again: its lines would be printed twice), and
+    the exit status is 1."""
+    import subprocess
+
+    from .conftest import TORCHX, cli_env
+    from .test_cli import _plain
+
+    monkeypatch.setenv("MONARCH_TORCHX_TREE_FANOUT", "2")
+    pool = tree_pool
+    victim = 5
+    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool.name}", "utils.python",
+                       "--num_replicas", str(HOSTS), "-c", SLOW_COUNT.replace("range(4)", "range(12)")))
+    follow = subprocess.Popen([TORCHX, "log", "--tail", h], env=cli_env(home), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: follow.stdout.readline().strip() != "", what="a first line")
+        os.kill(pool.hosts[victim].pid, signal.SIGKILL)
+        out, err = follow.communicate(timeout=60)
+    finally:
+        follow.kill()
+    lines = _plain(out).splitlines()
+    for k in range(victim):  # the first group: every line after the first one read above
+        assert [ln for ln in lines if ln.startswith(f"python/{k} ")][-1] == f"python/{k} 11", out
+    assert follow.returncode == 1, err
+    named = {int(line.split("logs of host ")[1].split()[0]) for line in err.splitlines() if "logs of host " in line}
+    assert named == set(range(victim, HOSTS)) and "lost through host 5" in err, err
+    assert "Traceback" not in err

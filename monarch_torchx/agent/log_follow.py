@@ -44,8 +44,13 @@ class LogEvent:
     lines: List[str] = field(default_factory=list)
     replica_ended: bool = False  # this replica's output is complete
     host_ended: bool = False  # every followed replica of this host has ended
-    error: str = ""  # this host is not followed: why
+    error: str = ""  # this host (or, with a role, this replica) is not followed: why
     kind: str = ""  # the error's type name (UnknownOperation: an agent older than the client)
+
+    @staticmethod
+    def from_wire(d: Dict[str, Any]) -> "LogEvent":
+        """From its dict; fields a newer agent added are left out."""
+        return LogEvent(**{k: v for k, v in d.items() if k in LogEvent.__dataclass_fields__})
 
 
 def check_filters(streams: str, regex: Optional[str]) -> None:
