@@ -175,6 +175,8 @@ def test_log_of_many_replicas_is_one_request_per_host_not_a_stream_per_replica(h
     assert _plain(out).splitlines() == [f"echo/{k} hello" for k in range(6)]
     assert after - before <= 6 + 2 * 6, after - before  # the 6 info calls above, a describe and app_logs per host
     assert _plain(torchx(home, "log", f"{h}/echo/4,1").stdout).splitlines() == ["echo/4 hello", "echo/1 hello"]
+    # --tail: one stream per group of the tree (here one per host), TorchX's prefixes, ended when the replicas are
+    assert sorted(_plain(torchx(home, "log", "--tail", h).stdout).splitlines()) == [f"echo/{k} hello" for k in range(6)]
     assert _plain(torchx(home, "log", "--regex", "nothing", h).stdout) == ""
     res = torchx(home, "log", f"{h}/nope", check=False)
     assert res.returncode == 1 and "has no role 'nope'" in res.stderr and "Traceback" not in res.stderr
