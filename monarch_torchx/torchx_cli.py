@@ -251,6 +251,8 @@ class CmdLog(_OneLineErrors, _Log):
                 except MonarchError as e:
                     print(f"torchx: error: {e}", file=sys.stderr)
                     sys.exit(1)
+                except KeyboardInterrupt:  # Ctrl-C ends a follow: no traceback
+                    sys.exit(130)
                 except BrokenPipeError:  # `torchx log ... | head`: the reader has what it wanted (as TorchX: quietly)
                     import os
 

@@ -517,7 +517,7 @@ class Server:
         except asyncio.CancelledError:
             reply = {"id": rid, "ok": False, "error": "cancelled"}
         except TypeError as e:
-            reply = {"id": rid, "ok": False, "error": f"bad arguments for {op!r}: {e}"}
+            reply = {"id": rid, "ok": False, "error": f"bad arguments for {op!r}: {e}", "kind": "TypeError"}
         except Exception as e:
             if not isinstance(e, (RemoteError, ValueError, LookupError, OSError)):
                 log.exception("handler %s failed", op)

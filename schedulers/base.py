@@ -404,6 +404,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
 
         from ..agent import relay
         from ..agent.log_follow import LogEvent, check_filters, follow_group
+        from ..wire import UnknownOperation
 
         found = self._lookup(app_id)
         if found is None:
@@ -447,22 +448,60 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         stop = threading.Event()
         clients: List[Any] = []
 
+        def put(ev: Optional[Dict[str, Any]]) -> None:  # never blocks a follower once the reader has gone
+            while not stop.is_set():
+                try:
+                    events.put(ev, timeout=0.5)
+                    return
+                except queue.Full:
+                    continue
+
         def run(group: List[Any]) -> None:
             try:
-                follow_group(group, pool.record.credentials, args, relay.FANOUT, events.put, stop, clients.append, tunnel)
+                follow_group(group, pool.record.credentials, args, relay.FANOUT, put, stop, clients.append, tunnel)
             finally:
-                events.put(None)
+                put(None)
+
+        def old_agent(role: str, k: int) -> None:  # a host whose agent predates app_logs_follow: its own stream
+            try:
+                for line in self.log_iter(app_id, role, k, regex, since, until, True, streams):
+                    put({"host": where[(role, k)], "role": role, "replica_id": k, "lines": [line]})
+                put({"host": where[(role, k)], "role": role, "replica_id": k, "replica_ended": True})
+            except MonarchError as e:
+                put({"host": where[(role, k)], "role": role, "replica_id": k, "error": str(e), "kind": "MonarchError"})
+            finally:
+                put(None)
         for g in groups:
             threading.Thread(target=run, args=(g,), daemon=True, name="monarch-torchx-log-follow").start()
         left = len(groups)
+        ended = set()  # (role, k) whose end, or whose host's failure, was reported
+        failed_hosts = set()
         try:
-            yield from (LogEvent.from_wire(ev) for ev in unreachable)
+            for ev in unreachable:
+                failed_hosts.add(ev["host"])
+                yield LogEvent.from_wire(ev)
             while left or not events.empty():
-                ev = events.get()
-                if ev is None:
+                raw = events.get()
+                if raw is None:
                     left -= 1
-                else:
-                    yield LogEvent.from_wire(ev)
+                    continue
+                ev = LogEvent.from_wire(raw)
+                if ev.error and not ev.role and ev.kind == UnknownOperation.__name__:
+                    mine = [(r, k) for r, k in replicas if where[(r, k)] == ev.host]
+                    for r, k in mine:
+                        left += 1
+                        threading.Thread(target=old_agent, args=(r, k), daemon=True,
+                                         name="monarch-torchx-log-follow").start()
+                    continue
+                if ev.replica_ended or (ev.error and ev.role):
+                    ended.add((ev.role, ev.replica_id))
+                elif ev.error and not ev.role:
+                    failed_hosts.add(ev.host)
+                yield ev
+            for r, k in replicas:  # each replica ends with its end or its host's failure: anything else is a gap
+                if (r, k) not in ended and where[(r, k)] not in failed_hosts:
+                    yield LogEvent(where[(r, k)], r, k, error=f"its host {where[(r, k)]} stopped following it before "
+                                                              "it ended", kind="LookupError")
         finally:
             stop.set()
             for c in list(clients):

@@ -324,7 +324,13 @@ class Hub:
         except wire.WireError as e:
             self.lost(c, e, remember=False)
             return
-        c.sock = sock
+        with c.send_lock:
+            broken = c.error is not None  # lost (let go, stopped) while connecting: nothing to read here
+            if not broken:
+                c.sock = sock
+        if broken:
+            sock.close()
+            return
         self.sel.register(sock, selectors.EVENT_READ, c)
         self._start_idle_reader()
         self.wake()
@@ -581,9 +587,10 @@ class Hub:
         addrs = list(self.explain)
         for addr in addrs:
             self.closing.setdefault(addr, ProcStopped(f"proc {addr.identity} ended: its pool was stopped"))
+        gone = {addr: self.closing.get(addr) or ProcStopped(f"proc {addr.identity} ended: let go") for addr in addrs}
         self.unwatch_all(addrs)
-        for addr in addrs:
-            self.mark_dead(addr, self.closing[addr])
+        for addr, err in gone.items():  # (a stop() finishing meanwhile may have dropped its closing entry)
+            self.mark_dead(addr, err)
 
     def unwatch_all(self, addrs: List[ProcAddr]) -> None:
         """These procs are being stopped on purpose: their connections' end is not a failure."""

@@ -292,6 +292,9 @@ class HostMesh(_MeshTrait):
         try:
             mesh._own(hub)
         except Exception as e:
+            for ref in procs:  # their ends are this failure's, not supervision events
+                hub.closing[ref.addr] = ProcStopped(f"proc {ref.rank} of mesh {mesh_id}: spawn_procs failed")
+            hub.unwatch_all([ref.addr for ref in procs])
             for host in hosts:  # nothing half-owned stays behind
                 try:
                     _agent_call(hub, host, "kill", timeout=10.0, app_id=app_id(mesh_id), grace=1.0)

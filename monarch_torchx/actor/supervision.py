@@ -5,7 +5,7 @@ no owner's ``__supervise__`` took it. The default logs the report and ends the c
 exit code 1; assign ``monarch_torchx.actor.unhandled_fault_hook`` to do something else (it is
 looked up there each time). The hook runs on the thread that read the event: one waiting on a
 Future (what the hook raises comes out of that ``get()``), or, while no call waits, the hub's
-idle reader or the thread that watches procs; there what it raises ends the program as Monarch's
+idle reader or its supervision thread (a proc's death); there what it raises ends the program as Monarch's
 does, with a KeyboardInterrupt in the main thread (so atexit handlers still run there).
 """
 

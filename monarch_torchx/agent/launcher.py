@@ -236,6 +236,7 @@ class Launcher:
         if started is not None and started.dead.is_set():
             log.warning("fork server actors has died; the next actor proc starts a new one")
             self._actors = None
+            started.close()  # its sockets
         if self._actors is None:
             self._actors = asyncio.ensure_future(self._start_actors())
         server = await asyncio.shield(self._actors)

@@ -16,9 +16,10 @@ that had not ended are reported as lost through it.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence
 
 from .. import wire
 from ..errors import MonarchError
@@ -88,29 +89,36 @@ def follow_group(targets: Sequence[Target], creds: Any, args: Dict[str, Any], fa
             continue  # the next member leads the rest
         opened(c)
         ended: set = set()
+        streamed = False  # once a line came, following the group again would print it twice
+        why = ""
         try:
             with c:
                 if stop.is_set():
                     return
                 c.settimeout(None)  # a follow lasts as long as the replicas
                 for batch in c.stream(OP, targets=[asdict(t) for t in group], fanout=fanout, **args):
+                    streamed = True
                     for ev in batch:
                         if ev.get("host_ended") or (ev.get("error") and not ev.get("role")):
                             ended.add(ev.get("host"))
                         emit(ev)
-        except wire.RemoteError as e:  # it refused the follow itself
-            emit(asdict(LogEvent(head.index, error=str(e), kind=e.kind or type(e).__name__)))
-            if e.kind in GROUP_REFUSALS:  # the others would refuse it alike: said for each, asked of none
-                for t in group[1:]:
-                    emit(asdict(LogEvent(t.index, error=str(e), kind=e.kind)))
-                return
-            continue  # (e.g. it is shutting down): the next member leads the rest
+        except wire.RemoteError as e:  # it refused the follow, or failed while following
+            if not streamed:
+                emit(asdict(LogEvent(head.index, error=str(e), kind=e.kind or type(e).__name__)))
+                if e.kind in GROUP_REFUSALS:  # the others would refuse it alike: said for each, asked of none
+                    for t in group[1:]:
+                        emit(asdict(LogEvent(t.index, error=str(e), kind=e.kind)))
+                    return
+                continue  # (e.g. it is shutting down): the next member leads the rest
+            why = f"the follow failed on host {head.index} ({e})"
         except (wire.WireError, OSError) as e:
             if stop.is_set():
                 return
-            for t in group:
-                if t.index not in ended:
-                    emit(asdict(LogEvent(t.index, error=f"lost through host {head.index} ({e})", kind=type(e).__name__)))
+            why = f"lost through host {head.index} ({e})"
+        for t in group:  # (after a normal end too: a host that never said it ended is not complete)
+            if t.index not in ended and not stop.is_set():
+                emit(asdict(LogEvent(t.index, error=why or f"its follow through host {head.index} ended early",
+                                     kind="PeerClosed")))
         return
 
 
@@ -143,7 +151,10 @@ class LogFollow:
     async def _events(self, reps: List[Any], groups: List[List[Target]], args: Dict[str, Any],
                       fanout: int) -> AsyncIterator[List[Dict[str, Any]]]:
         loop = asyncio.get_running_loop()
-        queue: "asyncio.Queue[Dict[str, Any]]" = asyncio.Queue(QUEUE_EVENTS)
+        # one bounded queue for every source: a subtree's thread waits on it (never twice for one
+        # event), this host's own replicas poll it; `ready` wakes the loop below
+        items: "queue.Queue[Dict[str, Any]]" = queue.Queue(QUEUE_EVENTS)
+        ready = asyncio.Event()
         stop = threading.Event()
         clients: List[wire.Client] = []
         lock = threading.Lock()
@@ -154,59 +165,95 @@ class LogFollow:
             if stop.is_set():
                 c.abort()
 
-        def emit(ev: Dict[str, Any]) -> None:  # from a subtree's thread: waits while the queue is full
+        def emit(ev: Dict[str, Any]) -> None:  # from a subtree's thread
             while not stop.is_set():
-                fut = asyncio.run_coroutine_threadsafe(queue.put(ev), loop)
                 try:
-                    fut.result(timeout=1.0)
-                    return
-                except TimeoutError:
-                    fut.cancel()
+                    items.put(ev, timeout=0.5)
+                except queue.Full:
+                    continue
+                try:
+                    loop.call_soon_threadsafe(ready.set)
+                except RuntimeError:  # the loop has closed: the agent is stopping
+                    pass
+                return
 
-        sources: List["asyncio.Future[Any]"] = [asyncio.ensure_future(self._local(reps, args, queue))]
+        async def put(ev: Dict[str, Any]) -> None:  # from this host's own replicas
+            while True:
+                try:
+                    items.put_nowait(ev)
+                    ready.set()
+                    return
+                except queue.Full:
+                    await asyncio.sleep(0.01)
+
+        local = asyncio.ensure_future(self._local(reps, args, put))
+        sources: List["asyncio.Future[Any]"] = [local]
         for g in groups:
             done: "asyncio.Future[None]" = loop.create_future()
             sources.append(done)
             threading.Thread(target=_run_group, name="log-follow", daemon=True,
                              args=(loop, done, g, self.agent.creds, args, fanout, emit, stop, opened)).start()
         pending = set(sources)
+        waiter: Optional["asyncio.Future[Any]"] = None
         try:
-            while pending or not queue.empty():
-                if queue.empty():
-                    get = asyncio.ensure_future(queue.get())
-                    finished, _ = await asyncio.wait(pending | {get}, return_when=asyncio.FIRST_COMPLETED)
-                    pending -= finished
-                    if not get.done():
-                        get.cancel()
-                        continue
-                    batch = [get.result()]
-                else:
-                    batch = []
-                while len(batch) < BATCH_EVENTS and not queue.empty():
-                    batch.append(queue.get_nowait())
-                yield batch
+            while True:
+                batch: List[Dict[str, Any]] = []
+                while len(batch) < BATCH_EVENTS:
+                    try:
+                        batch.append(items.get_nowait())
+                    except queue.Empty:
+                        break
+                if batch:
+                    yield batch
+                    continue
+                if not pending:
+                    return
+                ready.clear()
+                if not items.empty():
+                    continue
+                waiter = asyncio.ensure_future(ready.wait())
+                finished, _ = await asyncio.wait(pending | {waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                pending -= finished
+                if local in finished and not local.cancelled() and local.exception() is not None:
+                    e = local.exception()
+                    await put(asdict(LogEvent(self.agent.index, error=f"following its replicas failed: {e}",
+                                              kind=type(e).__name__)))
         finally:
             stop.set()
+            if waiter is not None:
+                waiter.cancel()
             for s in sources:
                 s.cancel()
             with lock:
                 for c in clients:
                     c.abort()
 
-    async def _local(self, reps: List[Any], args: Dict[str, Any], queue: "asyncio.Queue[Dict[str, Any]]") -> None:
+    async def _local(self, reps: List[Any], args: Dict[str, Any],
+                     put: Callable[[Dict[str, Any]], Awaitable[None]]) -> None:
         index = self.agent.index
+        if not reps:  # the client saw a replica here: this agent was restarted or replaced since
+            await put(asdict(LogEvent(index, error=f"host {index} has no replica of app {args['app_id']} "
+                                                   "(its agent was restarted since the launch?)",
+                                      kind="LookupError")))
+            return
 
         async def one(rep: Any) -> None:
             role, k = rep.spec.role, rep.spec.replica_id
             try:
                 async for lines in self.agent.procs.logs(rep, args["streams"], args["since"], args["until"],
                                                          args["regex"], follow=True):
-                    await queue.put(asdict(LogEvent(index, role, k, lines)))
+                    await put(asdict(LogEvent(index, role, k, lines)))
             except (OSError, ValueError) as e:  # its log is unreadable, or a bad filter: said once, per replica
-                await queue.put(asdict(LogEvent(index, role, k, error=f"logs of {role}/{k}: {e}", kind=type(e).__name__)))
-            await queue.put(asdict(LogEvent(index, role, k, replica_ended=True)))
-        await asyncio.gather(*(one(r) for r in reps))
-        await queue.put(asdict(LogEvent(index, host_ended=True)))
+                await put(asdict(LogEvent(index, role, k, error=f"logs of {role}/{k}: {e}", kind=type(e).__name__)))
+            await put(asdict(LogEvent(index, role, k, replica_ended=True)))
+        tasks = [asyncio.ensure_future(one(r)) for r in reps]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:  # one failed (or the follow ended): the others stop too
+                t.cancel()
+        await put(asdict(LogEvent(index, host_ended=True)))
 
 
 def _run_group(loop: asyncio.AbstractEventLoop, done: "asyncio.Future[None]", *args: Any) -> None:

@@ -162,7 +162,8 @@ class Agent:
     def _on_launcher_death(self, reason: str, pids: List[int], fatal: bool) -> None:
         self.procs.on_launcher_death(reason, pids)
         if not fatal:  # the warm server: Python entrypoints now start cold from the plain one
-            log.error("%s; continuing without warm starts", reason)
+            log.error("%s; its starts now come from the plain fork server (an actors server is started again "
+                      "at the next actor proc)", reason)
             return
         if not self.stopping.is_set():
             log.error("%s; stopping the agent", reason)
