@@ -75,7 +75,20 @@ def follow_group(targets: Sequence[Target], creds: Any, args: Dict[str, Any], fa
     """Blocking: follows one group through its first reachable member, passing each event (a
     dict) to ``emit``, until every host of the group ended or could not be followed; every host
     of the group ends with a ``host_ended`` or an ``error`` event. ``opened`` gets each client,
-    so that another thread can ``abort()`` it once ``stop`` is set."""
+    so that another thread can ``abort()`` it once ``stop`` is set. A leader too slow to finish
+    its handshake in the dial time (busy, or hung) is asked again alone, patiently, on a thread
+    of its own, while the next member leads the rest; this returns once both have ended."""
+    retries: List[threading.Thread] = []
+    try:
+        _follow_group(targets, creds, args, fanout, emit, stop, opened, sock_for, retries)
+    finally:
+        for t in retries:
+            t.join()
+
+
+def _follow_group(targets: Sequence[Target], creds: Any, args: Dict[str, Any], fanout: int,
+                  emit: Callable[[Dict[str, Any]], None], stop: threading.Event,
+                  opened: Callable[[wire.Client], None], sock_for: Any, retries: List[threading.Thread]) -> None:
     for pos, head in enumerate(targets):
         group = list(targets[pos:])
         if stop.is_set():
@@ -85,7 +98,13 @@ def follow_group(targets: Sequence[Target], creds: Any, args: Dict[str, Any], fa
             sock = sock_for(head, dial) if sock_for else None
             c = wire.Client(head.host, head.port, creds, timeout=dial, identity=head.identity.encode(), sock=sock)
         except (wire.WireError, OSError, MonarchError) as e:  # (MonarchError: a tunnel that did not open)
-            emit(asdict(LogEvent(head.index, error=f"not reached: {e}", kind=type(e).__name__)))
+            if isinstance(e, wire.PeerTimeout) and len(group) > 1:
+                t = threading.Thread(target=follow_group, args=([head], creds, args, fanout, emit, stop, opened, sock_for),
+                                     name="log-follow", daemon=True)
+                t.start()
+                retries.append(t)
+            else:
+                emit(asdict(LogEvent(head.index, error=f"not reached: {e}", kind=type(e).__name__)))
             continue  # the next member leads the rest
         opened(c)
         ended: set = set()
