@@ -29,6 +29,7 @@ from typing import Dict, List
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _results import record  # noqa: E402
+from scale_versions import git_line  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
@@ -75,11 +76,6 @@ def run_controller(python: Path, root: Path, pool: str, rounds: int, env: Dict[s
     if res.returncode != 0:
         raise SystemExit(f"{python}: controller failed ({res.returncode}):\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
-
-
-def git_line(root: Path) -> str:
-    return subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%h %s"], capture_output=True,
-                          text=True).stdout.strip()[:60]
 
 
 def main() -> None:

@@ -362,24 +362,10 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         cannot be read fails alone: iterating its lines raises MonarchError, naming it and its host."""
         from ..wire import RemoteError, UnknownOperation
 
-        found = self._lookup(app_id)
-        if found is None:
-            raise MonarchError(f"no app {app_id!r} on {self.backend}; see `torchx list -s {self.backend}`")
-        pool, arec = found
-        where = {(p.role, p.replica_id): p.host_index for p in arec.placement}
-        missing = [f"{r}/{k}" for r, k in replicas if (r, k) not in where]
-        if missing:
-            have = ", ".join(f"{p.role}/{p.replica_id}" for p in arec.placement)
-            raise MonarchError(f"app {app_id!r} has no replica {', '.join(missing)} (it has {have})")
-        roles = {r for r, _ in replicas}
-        ids = sorted({k for _, k in replicas})
-        every = len(replicas) == sum(1 for p in arec.placement if p.role in roles)
-        stream = streams.value if isinstance(streams, Stream) else (streams or "combined")
+        pool, arec, where = self._placed(app_id, replicas)
         hosts = sorted({where[r] for r in replicas})
         outcomes = {i: (value, err) for i, value, err in pool.ask(
-            "app_logs", hosts, timeout=APP_LOGS_TIMEOUT_S, app_id=arec.app_id, role=next(iter(roles)) if len(roles) == 1 else None,
-            replica_ids=None if every else ids, streams=stream, since=since.timestamp() if since else None,
-            until=until.timestamp() if until else None, regex=regex,
+            "app_logs", hosts, timeout=APP_LOGS_TIMEOUT_S, **_log_selection(arec, replicas, regex, since, until, streams),
             max_bytes=max(APP_LOGS_HOST_MIN, min(APP_LOGS_HOST_MAX, APP_LOGS_TOTAL // len(hosts))))}
         for role, k in replicas:
             host = where[(role, k)]
@@ -392,6 +378,19 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                 yield role, k, self._direct_logs(app_id, role, k, host, regex, since, until, streams)
             else:
                 yield role, k, entry["lines"]
+
+    def _placed(self, app_id: str, replicas: List[Tuple[str, int]]) -> Tuple[Pool, AppRecord, Dict[Tuple[str, int], int]]:
+        """The app's pool and record, and each of its replicas' host; MonarchError naming what is not there."""
+        found = self._lookup(app_id)
+        if found is None:
+            raise MonarchError(f"no app {app_id!r} on {self.backend}; see `torchx list -s {self.backend}`")
+        pool, arec = found
+        where = {(p.role, p.replica_id): p.host_index for p in arec.placement}
+        missing = [f"{r}/{k}" for r, k in replicas if (r, k) not in where]
+        if missing:
+            have = ", ".join(f"{p.role}/{p.replica_id}" for p in arec.placement)
+            raise MonarchError(f"app {app_id!r} has no replica {', '.join(missing)} (it has {have})")
+        return pool, arec, where
 
     def follow_logs(self, app_id: str, replicas: List[Tuple[str, int]], regex: Optional[str] = None,
                     since: Optional[datetime] = None, until: Optional[datetime] = None,
@@ -406,26 +405,12 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         from ..agent.log_follow import LogEvent, check_filters, follow_group
         from ..wire import UnknownOperation
 
-        found = self._lookup(app_id)
-        if found is None:
-            raise MonarchError(f"no app {app_id!r} on {self.backend}; see `torchx list -s {self.backend}`")
-        pool, arec = found
-        where = {(p.role, p.replica_id): p.host_index for p in arec.placement}
-        missing = [f"{r}/{k}" for r, k in replicas if (r, k) not in where]
-        if missing:
-            have = ", ".join(f"{p.role}/{p.replica_id}" for p in arec.placement)
-            raise MonarchError(f"app {app_id!r} has no replica {', '.join(missing)} (it has {have})")
-        stream = streams.value if isinstance(streams, Stream) else (streams or "combined")
+        pool, arec, where = self._placed(app_id, replicas)
+        args = _log_selection(arec, replicas, regex, since, until, streams)
         try:
-            check_filters(stream, regex)
+            check_filters(args["streams"], regex)
         except ValueError as e:
             raise MonarchError(str(e)) from None
-        roles = {r for r, _ in replicas}
-        every = len(replicas) == sum(1 for p in arec.placement if p.role in roles)
-        args = {"app_id": arec.app_id, "role": next(iter(roles)) if len(roles) == 1 else None,
-                "replica_ids": None if every else sorted({k for _, k in replicas}), "streams": stream,
-                "since": since.timestamp() if since else None, "until": until.timestamp() if until else None,
-                "regex": regex}
         events: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue(1024)  # full: the followers wait
         unreachable: List[Dict[str, Any]] = []
         targets, by_index = [], {}
@@ -514,6 +499,19 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             yield from self.log_iter(app_id, role, k, regex, since, until, False, streams)
         except MonarchError as e:
             raise MonarchError(f"logs of {role}/{k} (host {host}) unavailable: {e}") from None
+
+
+def _log_selection(arec: AppRecord, replicas: List[Tuple[str, int]], regex: Optional[str],
+                   since: Optional[datetime], until: Optional[datetime], streams: Optional[Stream]) -> Dict[str, Any]:
+    """What an agent's ``app_logs`` and ``app_logs_follow`` take to pick ``replicas``' lines: a role
+    and replica ids (None: all of them), the stream, the time window and the filter."""
+    roles = {r for r, _ in replicas}
+    every = len(replicas) == sum(1 for p in arec.placement if p.role in roles)
+    return {"app_id": arec.app_id, "role": next(iter(roles)) if len(roles) == 1 else None,
+            "replica_ids": None if every else sorted({k for _, k in replicas}),
+            "streams": streams.value if isinstance(streams, Stream) else (streams or "combined"),
+            "since": since.timestamp() if since else None, "until": until.timestamp() if until else None,
+            "regex": regex}
 
 
 def _failed(error: Exception) -> Iterator[str]:
