@@ -599,6 +599,7 @@ class ProcMesh(_MeshTrait):
             hub.unwatch_all([r.addr for r in refs])
             for ref in refs:
                 hub.actors_on.pop(ref.addr, None)
+                hub.explain.pop(ref.addr, None)  # (a long-lived controller spawns and stops many meshes)
                 hub.mesh_refs_sent.discard((ref.addr, self.mesh_id, len(self._procs)))
                 err = hub.closing.get(ref.addr)
                 if err is not None:  # dead before no longer closing: its supervision report may be on its way now
