@@ -281,7 +281,28 @@ class Pool:
 
     def _ask_tree(self, op: str, indices: List[int], timeout: float, calls: Optional[Dict[int, List[dict]]],
                   args: Dict[str, Any]) -> List[Tuple[int, Any, Optional[Exception]]]:
-        from .agent.relay import Target, ask_tree
+        from .agent.relay import ask_tree
+
+        targets, errors, tunnel = self.tree_targets(indices)
+        outcomes = ask_tree(targets, self.record.credentials, op, args or None, calls, timeout, tunnel)
+        out: List[Tuple[int, Any, Optional[Exception]]] = []
+        for i in indices:
+            o = outcomes.get(i)
+            if i in errors:
+                out.append((i, None, errors[i]))
+            elif o is None:
+                out.append((i, None, HostUnreachable(f"host {i} of pool {self.name!r} did not answer", i, None)))
+            elif o["ok"]:
+                out.append((i, o["value"], None))
+            else:
+                out.append((i, None, _outcome_error(self.name, i, o)))
+        return out
+
+    def tree_targets(self, indices: Sequence[int]) -> Tuple[List[Any], Dict[int, Exception], Callable[[Any, float], Any]]:
+        """What a request through the relay tree needs for hosts ``indices``: a Target for each
+        host with a live address, the error of each other one, and the dialer of a group's first
+        member behind a port-forward (None: dial it directly)."""
+        from .agent.relay import Target
 
         errors: Dict[int, Exception] = {}
         targets: List[Target] = []
@@ -296,23 +317,10 @@ class Pool:
                 by_index[i] = h
                 targets.append(Target(i, h.host, h.port, h.identity(self.name).decode()))
 
-        def tunnel(head: Target, t: float) -> Any:  # a group's first member behind a port-forward
+        def tunnel(head: Target, t: float) -> Any:
             h = by_index[head.index]
             return self.provisioner.open_tunnel(self.record, h, t).sock if h.via else None
-
-        outcomes = ask_tree(targets, self.record.credentials, op, args or None, calls, timeout, tunnel)
-        out: List[Tuple[int, Any, Optional[Exception]]] = []
-        for i in indices:
-            o = outcomes.get(i)
-            if i in errors:
-                out.append((i, None, errors[i]))
-            elif o is None:
-                out.append((i, None, HostUnreachable(f"host {i} of pool {self.name!r} did not answer", i, None)))
-            elif o["ok"]:
-                out.append((i, o["value"], None))
-            else:
-                out.append((i, None, _outcome_error(self.name, i, o)))
-        return out
+        return targets, errors, tunnel
 
     def fan_out(self, fn: Callable[[int], Any], indices: Sequence[int]) -> List[Tuple[int, Any, Optional[Exception]]]:
         """Runs fn(index) for each index concurrently; returns (index, result, error) in order."""

@@ -412,23 +412,10 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         except ValueError as e:
             raise MonarchError(str(e)) from None
         events: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue(1024)  # full: the followers wait
-        unreachable: List[Dict[str, Any]] = []
-        targets, by_index = [], {}
-        if len(set(where[r] for r in replicas)) > 1:
+        hosts = sorted({where[r] for r in replicas})
+        if len(hosts) > 1:
             pool.hosts  # noqa: B018 (many hosts: one read of the pool's view, not one file each)
-        for i in sorted({where[r] for r in replicas}):
-            h = pool.host(i)
-            if h is None or h.exited:
-                why = "has no agent address" if h is None else f"is stopped ({h.exit_reason})"
-                unreachable.append({"host": i, "error": f"host {i} of pool {pool.name!r} {why}", "kind": "HostUnreachable"})
-                continue
-            by_index[i] = h
-            targets.append(relay.Target(i, h.host, h.port, h.identity(pool.name).decode()))
-
-        def tunnel(head: Any, t: float) -> Any:  # a group's first member behind a port-forward
-            h = by_index[head.index]
-            return pool.provisioner.open_tunnel(pool.record, h, t).sock if h.via else None
-
+        targets, errors, tunnel = pool.tree_targets(hosts)
         groups = relay.split(targets, relay.FANOUT)
         stop = threading.Event()
         clients: List[Any] = []
@@ -462,9 +449,9 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         ended = set()  # (role, k) whose end, or whose host's failure, was reported
         failed_hosts = set()
         try:
-            for ev in unreachable:
-                failed_hosts.add(ev["host"])
-                yield LogEvent.from_wire(ev)
+            for i, e in sorted(errors.items()):
+                failed_hosts.add(i)
+                yield LogEvent(i, error=str(e), kind=type(e).__name__)
             while left or not events.empty():
                 raw = events.get()
                 if raw is None:

@@ -584,12 +584,10 @@ class Hub:
     def ending_all(self) -> None:
         """Every proc this process owns in this pool is let go on purpose (the pool is stopping,
         or shutdown_context()): their connections close, so they stop as if it had exited."""
-        addrs = list(self.explain)
-        for addr in addrs:
-            self.closing.setdefault(addr, ProcStopped(f"proc {addr.identity} ended: its pool was stopped"))
-        gone = {addr: self.closing.get(addr) or ProcStopped(f"proc {addr.identity} ended: let go") for addr in addrs}
-        self.unwatch_all(addrs)
-        for addr, err in gone.items():  # (a stop() finishing meanwhile may have dropped its closing entry)
+        gone = {addr: self.closing.setdefault(addr, ProcStopped(f"proc {addr.identity} ended: its pool was stopped"))
+                for addr in list(self.explain)}  # (kept here: a stop() finishing meanwhile drops its closing entry)
+        self.unwatch_all(list(gone))
+        for addr, err in gone.items():
             self.mark_dead(addr, err)
 
     def unwatch_all(self, addrs: List[ProcAddr]) -> None:
