@@ -925,3 +925,27 @@ def test_the_controller_owns_and_calls_each_proc_over_one_connection(procs):
     shutdown_context().get(timeout=5)
     wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), timeout=30, what="the procs to stop")
     assert _our_connections_to(ports) == 0
+
+
+@pytest.mark.parametrize("header", [("call", 1, None, None, "a0", "incr"), b"not a pickle"],
+                         ids=["an-unnamed-tuple", "no-pickle"])
+def test_a_proc_drops_a_connection_whose_header_is_not_a_named_message(procs, header):
+    """The actor protocol's headers are named types: a peer that sends anything else (an old
+    positional tuple, garbage) loses that one connection; the proc and its actors go on."""
+    import pickle
+
+    from monarch_torchx import wire
+    from monarch_torchx.actor import session
+
+    counter = procs.spawn("c", Counter)
+    assert counter.incr.call().get(timeout=30)
+    ref = procs._procs[0]
+    sock = wire.dial(ref.addr.host, ref.addr.port, session.hub_for(procs.pool).creds, ref.addr.identity.encode(), 10)
+    try:
+        body = header if isinstance(header, bytes) else pickle.dumps(header)
+        sock.sendall(b"".join(bytes(memoryview(p).cast("B")) for p in wire.frame_parts(body, [pickle.dumps(None)])))
+        sock.settimeout(10)
+        assert sock.recv(1) == b""  # dropped, not answered
+    finally:
+        sock.close()
+    assert counter.incr.call().get(timeout=30)  # the owner's connection and the actor are intact

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Deque, Generic, Optional, Tuple, TypeVar
 
 from ..errors import MonarchError
-from . import session
+from . import messages, session
 from .future import Future
 from .hub import Hub, ProcAddr, encode
 
@@ -47,7 +47,7 @@ class Port(Generic[T]):
             if deliver is not None:
                 deliver(value)
             return
-        hub.conn(self.addr).send(encode(("port", self.port_id), value))
+        hub.conn(self.addr).send(encode(messages.PortValue(self.port_id), value))
 
 
 @dataclass(frozen=True)

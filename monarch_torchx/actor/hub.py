@@ -31,7 +31,7 @@ from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 from .. import wire
 from ..credentials import PoolCredentials
-from . import pickling
+from . import messages, pickling
 from .errors import ProcStopped, SupervisionError
 from .future import Future
 
@@ -48,12 +48,12 @@ class ProcAddr(NamedTuple):
     identity: str
 
 
-def encode(header: tuple, payload: Any = None, packed: Optional[List[Any]] = None) -> List[Any]:
+def encode(header: "messages.Message", payload: Any = None, packed: Optional[List[Any]] = None) -> List[Any]:
     """Frame parts for ``header`` + ``payload`` (or an already packed payload: [body, *bufs])."""
     if packed is None:
         body, bufs = pickling.dumps(payload)
         packed = [pickle.PickleBuffer(body), *bufs]
-    return wire.frame_parts(pickle.dumps(header, protocol=5), packed)
+    return wire.frame_parts(messages.dumps(header), packed)
 
 
 def pack(payload: Any) -> List[Any]:
@@ -388,37 +388,43 @@ class Hub:
 
     def dispatch(self, conn: Conn, body: Any, bufs: List[bytearray]) -> None:
         try:
-            header = pickle.loads(body)
-            kind = header[0]
-        except Exception as e:
-            self.lost(conn, wire.MalformedFrame(f"malformed message: {e}"))
+            header = messages.decode(body, messages.TO_CALLER)
+        except wire.MalformedFrame as e:
+            self.lost(conn, e)
             return
-        if kind == "r":
-            fut = conn.pending.pop(header[1], None)
-            if fut is None:
-                return
-            try:
-                value = unpack(bufs)
-            except Exception as e:
-                fut.set_exception(RuntimeError(f"could not unpickle the answer from {conn.addr.identity}: {e}"))
-            else:
-                if header[2]:
-                    fut.set_result(value)
-                else:
-                    from .errors import remote_error
-
-                    fut.set_exception(remote_error(value))
-        elif kind == "fault":  # an actor we spawned failed with nobody to tell (a broadcast raised)
-            self._fault(header[1], bufs)
-        elif kind == "port":
-            deliver = self.ports.get(header[1])
-            if deliver is not None:
-                try:
-                    deliver(unpack(bufs))
-                except Exception as e:
-                    log.warning("dropped a message for port %s: %s", header[1], e)
+        if type(header) is messages.Answer:
+            self._answer(conn, header, bufs)
+        elif type(header) is messages.Fault:  # an actor we spawned failed with nobody to tell (a broadcast raised)
+            self._fault(header.owner_actor, bufs)
+        else:
+            self.deliver_to_port(header, bufs)
         if self._waiters:
             self.notify()
+
+    def _answer(self, conn: Conn, header: messages.Answer, bufs: List[bytearray]) -> None:
+        fut = conn.pending.pop(header.rid, None)
+        if fut is None:
+            return
+        try:
+            value = unpack(bufs)
+        except Exception as e:
+            fut.set_exception(RuntimeError(f"could not unpickle the answer from {conn.addr.identity}: {e}"))
+            return
+        if header.ok:
+            fut.set_result(value)
+        else:
+            from .errors import remote_error
+
+            fut.set_exception(remote_error(value))
+
+    def deliver_to_port(self, header: messages.PortValue, bufs: List[bytearray]) -> None:
+        """A port's value, to the receiver this process opened (dropped when it is closed)."""
+        deliver = self.ports.get(header.port_id)
+        if deliver is not None:
+            try:
+                deliver(unpack(bufs))
+            except Exception as e:
+                log.warning("dropped a message for port %s: %s", header.port_id, e)
 
     def _fault(self, owner_actor: str, bufs: List[bytearray]) -> None:
         """An actor this process spawned failed: to the spawning actor's ``__supervise__`` in a
@@ -573,7 +579,7 @@ class Hub:
         """Becomes ``addr``'s owner over the connection calls use (one handshake per proc): the
         proc stops when that connection goes; ``on_lost`` runs if it breaks while owned."""
         c = self.conn(addr)
-        c.send(encode(("own",)))
+        c.send(encode(messages.Own()))
         with c.send_lock:
             broken = c.error is not None
             if not broken:

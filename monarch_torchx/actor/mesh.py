@@ -26,8 +26,7 @@ from .. import wire
 from ..errors import MonarchError
 from ..registry import HostAddr, Registry
 from ..specs import TERMINAL
-from . import session
-from . import placement
+from . import messages, placement, session
 from .actor import Actor, context, current_context, endpoint, endpoints_of
 from .errors import MeshFailure, ProcStopped, SupervisionError, point_text
 from .future import Future
@@ -545,9 +544,9 @@ class ProcMesh(_MeshTrait):
                 hub.mesh_refs_sent.add(key)
             if first and refs_blob is None:
                 refs_blob = pickle.dumps(self._procs, protocol=5)
-            header = ("spawn", rid, hub.sender, seq, actor_id, name, point.coords,
-                      self._shape.labels, self._shape.sizes, owner, creator,
-                      (self.mesh_id, self._shape, len(self._procs), refs_blob if first else None))
+            header = messages.Spawn(rid, hub.sender, seq, actor_id, name, point.coords,
+                                    self._shape.labels, self._shape.sizes, owner, creator,
+                                    (self.mesh_id, self._shape, len(self._procs), refs_blob if first else None))
             _send(hub, ref.addr, encode(header, packed=packed), rid, fut)
             futs.append(fut)
             hub.actors_on.setdefault(ref.addr, []).append(f"{name}{point_text(point)}")
@@ -589,7 +588,7 @@ class ProcMesh(_MeshTrait):
         futs: List[Future[Any]] = []
         for ref in refs:
             fut: Future[Any] = Future(hub)
-            _send(hub, ref.addr, encode(("stop", rid)), rid, fut)
+            _send(hub, ref.addr, encode(messages.Stop(rid)), rid, fut)
             futs.append(fut)
         done: Future[None] = Future(hub)
         left = [len(futs)]
@@ -755,7 +754,7 @@ class ActorMesh(_MeshTrait, Generic[T]):
         for base in self._shape.ranks:
             ref = self._procs[base]
             fut: Future[Any] = Future(hub)
-            _send(hub, ref.addr, encode(("stop_actor", rid, hub.sender, hub.next_seq(ref.addr), self._actor_id)), rid, fut)
+            _send(hub, ref.addr, encode(messages.StopActor(rid, hub.sender, hub.next_seq(ref.addr), self._actor_id)), rid, fut)
             futs.append(fut)
         return Future.gather(hub, futs, lambda _v: None)
 
@@ -810,7 +809,7 @@ class EndpointMesh:
         frames = []
         for p, ref in zip(positions, refs):  # build every frame first, so the sends go out back to back
             fut: Optional[Future[Any]] = Future(hub) if reply else None
-            header = ("call", rid, hub.sender, hub.next_seq(ref.addr), m._actor_id, self._name)
+            header = messages.Call(rid, hub.sender, hub.next_seq(ref.addr), m._actor_id, self._name)
             frames.append((ref.addr, encode(header, packed=packed), fut))
             if fut is not None:
                 fut.translate = functools.partial(_in_monarchs_words, self, p)
@@ -829,8 +828,8 @@ class EndpointMesh:
         for root, sub in _tree(refs):
             ranks = [root.rank] + [r.rank for r in _flatten(sub)]
             fut: Future[Any] = Future(hub)
-            header = ("cast", rid, hub.sender, {r: seqs[r] for r in ranks}, self._mesh._actor_id, self._name,
-                      _wire_tree(sub))
+            header = messages.Cast(rid, hub.sender, {r: seqs[r] for r in ranks}, self._mesh._actor_id, self._name,
+                                   _wire_tree(sub))
             _send(hub, root.addr, encode(header, packed=packed), rid, fut if reply else None)
             if reply:
                 fut.add_done_callback(functools.partial(_fan_in, per_rank, ranks))
@@ -892,7 +891,7 @@ class EndpointMesh:
         packed = self._pack(args, kwargs)
         for p in positions:
             ref = m._procs[m._shape.ranks[p]]
-            header = ("call_port", hub.sender, hub.next_seq(ref.addr), m._actor_id, self._name, port)
+            header = messages.CallPort(hub.sender, hub.next_seq(ref.addr), m._actor_id, self._name, port)
             _send(hub, ref.addr, encode(header, packed=packed), 0, None)
 
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 from .. import wire
 from ..credentials import PoolCredentials
 from ..wire_conn import AuthenticatedConnection, serve, write_frame
-from . import placement, session
+from . import messages, placement, session
 from .actor import ActorInstance, Context, CreatorInstance, Endpoint, current_context, endpoints_of
 from .errors import MeshFailure, ProcStopped, error_payload, point_text
 from .future import Future, _waiters
@@ -185,9 +185,9 @@ class ProcConnection(AuthenticatedConnection):
 
     def reply(self, rid: int, ok: bool, value: Any) -> None:
         try:
-            parts = encode(("r", rid, ok), value)
+            parts = encode(messages.Answer(rid, ok), value)
         except Exception as e:
-            parts = encode(("r", rid, False), error_payload(
+            parts = encode(messages.Answer(rid, False), error_payload(
                 "actor", f"could not send the answer back: {type(e).__name__}: {e}", "", type(e).__name__))
         self.write(parts)
 
@@ -245,6 +245,11 @@ class ProcServer:
         self.me: Optional[session.ProcIdentity] = None
         self.mesh_refs: Dict[Tuple[str, int], List[Any]] = {}  # (mesh id, procs): its ProcRefs, for proc_mesh
         self.conns: set = set()  # accepted connections (closed when the controller's own proc stops)
+        self._handlers: Dict[type, Callable[[ProcConnection, Any, List[bytearray]], None]] = {
+            messages.Call: self._on_call, messages.Cast: self.cast, messages.Spawn: self._on_spawn,
+            messages.CallPort: self._on_call_port, messages.StopActor: self._on_stop_actor,
+            messages.Own: self._on_own, messages.Stop: self._on_stop, messages.PortValue: self._on_port_value,
+        }
         for p in reversed(settings.paths):
             if os.path.isdir(p) and p not in sys.path:
                 sys.path.insert(0, p)  # the controller's script dir and cwd, where they exist here
@@ -390,39 +395,33 @@ class ProcServer:
     # ------------------------------------------------------------ messages
 
     def on_frame(self, conn: ProcConnection, body: Any, bufs: List[bytearray]) -> None:
-        try:
-            header = pickle.loads(body)
-            kind = header[0]
-        except Exception as e:
-            raise wire.MalformedFrame(f"malformed message: {e}") from None
-        if kind == "call":
-            _, rid, sender, seq, actor_id, ep = header
-            self.ordered(sender, seq, lambda: self.call(self._replier(conn, rid, actor_id, ep), actor_id, ep, bufs))
-        elif kind == "cast":
-            self.cast(conn, *header[1:], bufs)
-        elif kind == "spawn":
-            _, rid, sender, seq, actor_id, name, coords, labels, sizes, owner, creator, mesh = header
-            self.ordered(sender, seq, lambda: self.spawn(conn, rid, actor_id, name, Point(coords, Extent(labels, sizes)),
-                                                         bufs, owner, creator, mesh))
-        elif kind == "call_port":  # Monarch's send(..., port=): the answer goes to that port
-            _, sender, seq, actor_id, ep, port = header
-            self.ordered(sender, seq, lambda: self.call(self._port_replier(port), actor_id, ep, bufs))
-        elif kind == "stop_actor":
-            _, rid, sender, seq, actor_id = header
-            self.ordered(sender, seq, lambda: self._begin_actor_stop(self._replier(conn, rid, actor_id, "stop"), actor_id))
-        elif kind == "own":
-            self.owner = conn
-        elif kind == "stop":
-            self.begin_stop("stopped by its owner", lambda: conn.reply(header[1], True, None))
-        elif kind == "port":
-            deliver = session.hub_for(self.pool).ports.get(header[1])
-            if deliver is not None:
-                try:
-                    deliver(unpack(bufs))
-                except Exception as e:
-                    log.warning("dropped a message for port %s: %s", header[1], e)
-        else:
-            raise wire.MalformedFrame(f"unknown message kind {kind!r}")
+        header = messages.decode(body, messages.TO_PROC)
+        self._handlers[type(header)](conn, header, bufs)
+
+    def _on_call(self, conn: ProcConnection, m: messages.Call, bufs: List[bytearray]) -> None:
+        self.ordered(m.sender, m.seq,
+                     lambda: self.call(self._replier(conn, m.rid, m.actor_id, m.endpoint), m.actor_id, m.endpoint, bufs))
+
+    def _on_spawn(self, conn: ProcConnection, m: messages.Spawn, bufs: List[bytearray]) -> None:
+        point = Point(m.coords, Extent(m.labels, m.sizes))
+        self.ordered(m.sender, m.seq, lambda: self.spawn(conn, m.rid, m.actor_id, m.name, point, bufs,
+                                                         m.owner, m.creator, m.mesh))
+
+    def _on_call_port(self, conn: ProcConnection, m: messages.CallPort, bufs: List[bytearray]) -> None:
+        self.ordered(m.sender, m.seq, lambda: self.call(self._port_replier(m.port), m.actor_id, m.endpoint, bufs))
+
+    def _on_stop_actor(self, conn: ProcConnection, m: messages.StopActor, bufs: List[bytearray]) -> None:
+        self.ordered(m.sender, m.seq,
+                     lambda: self._begin_actor_stop(self._replier(conn, m.rid, m.actor_id, "stop"), m.actor_id))
+
+    def _on_own(self, conn: ProcConnection, m: messages.Own, bufs: List[bytearray]) -> None:
+        self.owner = conn
+
+    def _on_stop(self, conn: ProcConnection, m: messages.Stop, bufs: List[bytearray]) -> None:
+        self.begin_stop("stopped by its owner", lambda: conn.reply(m.rid, True, None))
+
+    def _on_port_value(self, conn: ProcConnection, m: messages.PortValue, bufs: List[bytearray]) -> None:
+        session.hub_for(self.pool).deliver_to_port(m, bufs)
 
     def ordered(self, sender: Optional[str], seq: Optional[int], fn: Callable[[], None]) -> None:
         """Runs each sender's messages in the order it sent them (multicasts take other paths)."""
@@ -514,7 +513,7 @@ class ProcServer:
 
     def _tell_owner(self, conn: Any, owner_actor: str, failure: Dict[str, Any]) -> None:
         try:
-            parts = encode(("fault", owner_actor), failure)
+            parts = encode(messages.Fault(owner_actor), failure)
             if isinstance(conn, ProcConnection):
                 conn.write(parts)
             else:  # spawned from this same proc (this_proc()): no socket between them
@@ -787,18 +786,18 @@ class ProcServer:
 
     # ------------------------------------------------------------ multicast through a tree
 
-    def cast(self, conn: ProcConnection, rid: int, sender: str, seqs: Dict[int, int], actor_id: str, ep: str,
-             tree: List[Tuple[int, tuple, list]], bufs: List[bytearray]) -> None:
+    def cast(self, conn: ProcConnection, m: messages.Cast, bufs: List[bytearray]) -> None:
         """Forwards to each child subtree at once, runs locally in order, answers for the subtree."""
         hub = session.hub_for(self.pool)
+        rid, sender, seqs, actor_id, ep = m.rid, m.sender, m.seqs, m.actor_id, m.endpoint
         child_futs: List[Tuple[List[int], Future[Any]]] = []
-        for rank, addr, sub in tree:
+        for rank, addr, sub in m.tree:
             ranks = _subtree_ranks(rank, sub)
             fut: Future[Any] = Future(hub)
-            header = ("cast", hub.next_id() if rid else 0, sender, {r: seqs[r] for r in ranks if r in seqs},
-                      actor_id, ep, sub)
+            header = messages.Cast(hub.next_id() if rid else 0, sender, {r: seqs[r] for r in ranks if r in seqs},
+                                   actor_id, ep, sub)
             try:
-                hub.conn(ProcAddr(*addr)).send(encode(header, packed=bufs), header[1], fut if rid else None)
+                hub.conn(ProcAddr(*addr)).send(encode(header, packed=bufs), header.rid, fut if rid else None)
             except Exception as e:
                 if not rid:
                     log.warning("broadcast could not reach proc %d: %s", rank, e)

@@ -1,0 +1,132 @@
+"""The messages a controller, its actors and their procs send each other, as named types.
+
+Each frame of the actor protocol is a header (one of these, plainly pickled) plus a payload
+pickled once and carried as the frame's buffers (see ``hub``). Naming the headers keeps the
+sender in ``mesh`` and the receivers in ``proc`` and ``hub`` agreeing on one field list, and
+lets each receiver pick its handler by the header's type. They are NamedTuples: as cheap to
+pickle and compare as the plain tuples they replace, which matters on the call path.
+
+Headers only come from authenticated peers of the same pool (the handshake is checked before
+any frame is read); ``decode`` still refuses a frame whose header is not one of these.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+
+from .. import wire
+
+
+class Call(NamedTuple):
+    """Run ``endpoint`` of actor ``actor_id`` with the payload's arguments; answer ``rid`` (0: nobody
+    waits). ``sender``/``seq`` order one sender's messages to one proc."""
+
+    rid: int
+    sender: Optional[str]
+    seq: Optional[int]
+    actor_id: str
+    endpoint: str
+
+
+class Cast(NamedTuple):
+    """A multicast down a tree of procs: run locally, forward to each subtree of ``tree`` (a list of
+    ``(rank, addr, subtree)``), answer for the whole subtree when ``rid`` is set. ``seqs`` holds
+    each rank's sequence number from the original sender."""
+
+    rid: int
+    sender: Optional[str]
+    seqs: Dict[int, int]
+    actor_id: str
+    endpoint: str
+    tree: List[Tuple[int, tuple, list]]
+
+
+class Spawn(NamedTuple):
+    """Construct actor ``actor_id`` (class and arguments in the payload) at ``coords`` of a mesh with
+    these ``labels``/``sizes``. ``mesh`` is ``(mesh_id, shape, n_procs, refs or None)``: the refs
+    travel in the first spawn a proc sees for that mesh only."""
+
+    rid: int
+    sender: Optional[str]
+    seq: Optional[int]
+    actor_id: str
+    name: str
+    coords: Tuple[int, ...]
+    labels: Tuple[str, ...]
+    sizes: Tuple[int, ...]
+    owner: str
+    creator: Any
+    mesh: Optional[Tuple[str, Any, int, Optional[bytes]]]
+
+
+class CallPort(NamedTuple):
+    """Monarch's ``send(..., port=)``: run ``endpoint`` and send its value to ``port``."""
+
+    sender: Optional[str]
+    seq: Optional[int]
+    actor_id: str
+    endpoint: str
+    port: Any
+
+
+class StopActor(NamedTuple):
+    """``ActorMesh.stop()`` on one proc: the queued calls run, then ``__cleanup__``."""
+
+    rid: int
+    sender: Optional[str]
+    seq: Optional[int]
+    actor_id: str
+
+
+class Own(NamedTuple):
+    """This connection's end stops the proc (sent by the controller that spawned it)."""
+
+
+class Stop(NamedTuple):
+    """Stop the proc (every actor's cleanup runs), then answer ``rid``."""
+
+    rid: int
+
+
+class PortValue(NamedTuple):
+    """A value (the payload) for the port ``port_id`` opened by the receiving process."""
+
+    port_id: str
+
+
+class Answer(NamedTuple):
+    """The answer to request ``rid``: its value (``ok``) or an error payload."""
+
+    rid: int
+    ok: bool
+
+
+class Fault(NamedTuple):
+    """An actor that ``owner_actor`` spawned failed with nobody to tell (a broadcast raised); the
+    payload is the failure's fields."""
+
+    owner_actor: str
+
+
+ToProc = Union[Call, Cast, Spawn, CallPort, StopActor, Own, Stop, PortValue]
+ToCaller = Union[Answer, Fault, PortValue]
+Message = Union[ToProc, ToCaller]
+
+TO_PROC = (Call, Cast, Spawn, CallPort, StopActor, Own, Stop, PortValue)
+TO_CALLER = (Answer, Fault, PortValue)
+
+
+def dumps(header: Message) -> bytes:
+    return pickle.dumps(header, protocol=5)
+
+
+def decode(body: Any, expected: Tuple[type, ...]) -> Message:
+    """The header of a frame; raises ``wire.MalformedFrame`` when it is not one of ``expected``."""
+    try:
+        header = pickle.loads(body)
+    except Exception as e:
+        raise wire.MalformedFrame(f"malformed message: {e}") from None
+    if type(header) not in expected:
+        raise wire.MalformedFrame(f"unexpected message {type(header).__name__}")
+    return header
