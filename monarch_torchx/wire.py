@@ -107,6 +107,11 @@ class ProofRejected(PeerClosed):
     so a caller that must tell them apart asks again before concluding."""
 
 
+class FileRegionError(WireError):
+    """A file sent by region could not be read whole (gone, unreadable, or it shrank while it was
+    sent): the frame it belonged to cannot be finished, so the connection is closed."""
+
+
 class MalformedFrame(WireError):
     """A frame or message that does not follow the protocol."""
 
@@ -245,10 +250,57 @@ def encode(msg: Any) -> List[Any]:
 
 
 def frame_parts(body: bytes, bufs: List[Any]) -> List[Any]:
-    """The frame for an already pickled body and its out-of-band buffers (PickleBuffers or bytes-like), not joined."""
-    raws = [b.raw() if isinstance(b, pickle.PickleBuffer) else memoryview(b) for b in bufs]
-    head = _HEAD.pack(len(body), len(raws)) + b"".join(_BUFLEN.pack(r.nbytes) for r in raws)
+    """The frame for an already pickled body and its out-of-band buffers (PickleBuffers or bytes-like), not joined.
+    A ``Gathered`` buffer is one buffer on the wire, written from its parts."""
+    raws: List[Any] = []
+    lens: List[int] = []
+    for b in bufs:
+        raw = b.raw() if isinstance(b, pickle.PickleBuffer) else memoryview(b)
+        if isinstance(raw.obj, _GatheredToken):
+            lens.append(raw.obj.total)
+            raws += raw.obj.parts
+        else:
+            lens.append(raw.nbytes)
+            raws.append(raw)
+    head = _HEAD.pack(len(body), len(lens)) + b"".join(_BUFLEN.pack(n) for n in lens)
     return [head, body, *raws]
+
+
+@dataclass(frozen=True)
+class FileRegion:
+    """``size`` bytes of the file at ``path`` from ``offset``: a part of a ``Gathered`` buffer. A
+    plain socket sends it with sendfile, straight from the page cache, so the bytes are never
+    copied through this process (a sync's client sends whole trees this way)."""
+
+    path: str
+    offset: int
+    size: int
+
+
+class _GatheredToken(bytearray):
+    """Stands in for a ``Gathered`` buffer while its message is pickled; ``frame_parts`` writes
+    its parts in its place."""
+
+    def __init__(self, parts: List[Any], total: int):
+        super().__init__()
+        self.parts, self.total = parts, total
+
+
+class Gathered:
+    """Parts that travel as one out-of-band buffer and are never joined by the sender: the
+    receiver gets a memoryview of the one buffer they arrived in, end to end. A part is
+    bytes-like or a ``FileRegion``. Only the blocking transport (``send_msg``, so ``Client``)
+    sends one, and only ``encode`` pickles one."""
+
+    def __init__(self, parts: List[Any]):
+        self.parts = [p if isinstance(p, FileRegion) else memoryview(p).cast("B") for p in parts]
+        self.nbytes = sum(p.size if isinstance(p, FileRegion) else p.nbytes for p in self.parts)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if protocol < 5:
+            raise pickle.PicklingError("a Gathered buffer travels out of band (pickle protocol 5)")
+        # a builtin, so that an agent of any version loads it: a memoryview of the one buffer it arrived in
+        return memoryview, (pickle.PickleBuffer(_GatheredToken(self.parts, self.nbytes)),)
 
 
 HUGE = 2 << 20
@@ -523,7 +575,12 @@ class Server:
                 log.exception("handler %s failed", op)
             reply = {"id": rid, "ok": False, "error": str(e) or type(e).__name__, "kind": type(e).__name__}
         try:
-            conn.write(encode(reply))
+            try:
+                parts = encode(reply)
+            except Exception as e:  # a value that cannot be pickled: the caller still gets an answer
+                parts = encode({"id": rid, "ok": False, "error": f"the result of {op!r} cannot be sent: {e}",
+                                "kind": "TypeError"})
+            conn.write(parts)
             await conn.drain()
         except (ConnectionError, OSError, RuntimeError):
             pass
@@ -791,11 +848,47 @@ def more_buffered(sock: socket.socket) -> bool:
 
 
 def send_msg(sock: socket.socket, msg: Any) -> None:
-    """Blocking write of one frame: the parts are gathered, not joined (see ``send_some``)."""
-    parts = [memoryview(p).cast("B") for p in encode(msg)]
-    parts = [v for v in parts if v.nbytes]
-    while parts:
-        consume(parts, send_some(sock, parts))
+    """Blocking write of one frame: the parts are gathered, not joined (see ``send_some``); a
+    ``FileRegion`` goes by ``send_region``."""
+    parts = [p if isinstance(p, FileRegion) else memoryview(p).cast("B") for p in encode(msg)]
+    views: List[Any] = []
+    for p in parts:
+        if not isinstance(p, FileRegion):
+            if p.nbytes:
+                views.append(p)
+            continue
+        while views:
+            consume(views, send_some(sock, views))
+        send_region(sock, p)
+    while views:
+        consume(views, send_some(sock, views))
+
+
+def send_region(sock: socket.socket, region: FileRegion) -> None:
+    """Blocking write of a file's bytes. A plain socket gets them by sendfile (the kernel hands
+    the page-cache pages to the socket); TLS encrypts from memory, so they are read in slices.
+    A file that is gone or shorter than the region raises ``FileRegionError`` (the frame cannot
+    be finished)."""
+    sent = 0
+    try:
+        f = open(region.path, "rb")
+    except OSError as e:
+        raise FileRegionError(f"{region.path}: {e.strerror or e}") from None
+    with f:
+        if not isinstance(sock, ssl.SSLSocket):
+            sent = sock.sendfile(f, region.offset, region.size) if region.size else 0
+        else:
+            while sent < region.size:
+                data = os.pread(f.fileno(), min(TLS_WRITE * 16, region.size - sent), region.offset + sent)
+                if not data:
+                    break
+                views = [memoryview(data)]
+                while views:
+                    consume(views, send_some(sock, views))
+                sent += len(data)
+    if sent < region.size:
+        raise FileRegionError(f"{region.path} ended {region.size - sent} byte(s) before the part being sent "
+                              "(it shrank meanwhile)")
 
 
 class FrameReader:

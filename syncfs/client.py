@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from ..errors import HostUnreachable, MonarchError
 from ..registry import home
+from ..wire import FileRegion, FileRegionError, Gathered
 from . import transfer
 from .ignore import IgnoreRules
 from .manifest import CDC, ChunkSource, HashCache, Manifest, scan_groups
@@ -89,11 +90,34 @@ class BatchBuffers:
                 self._free.append(buf)
 
 
+def batch_parts(batch: List[str], sources: Dict[str, ChunkSource]) -> Tuple[List[Tuple[str, int]], Gathered]:
+    """A batch's chunks as the parts of one buffer that is never assembled here: a small file's
+    bytes kept from hashing it, and each run of adjacent chunks of one file as a region of that
+    file, which a plain socket sends from the page cache (``wire.send_region``). The host gets
+    one buffer, as from ``read_batch``; this side copies nothing."""
+    index: List[Tuple[str, int]] = []
+    parts: List[Any] = []
+    for h in batch:
+        src = sources[h]
+        index.append((h, src.size))
+        data = src.data  # once: the scan loop may drop it meanwhile
+        if data is not None and len(data) == src.size:
+            parts.append(data)
+            continue
+        last = parts[-1] if parts else None
+        if isinstance(last, FileRegion) and last.path == src.path and last.offset + last.size == src.offset:
+            parts[-1] = FileRegion(src.path, last.offset, last.size + src.size)
+        else:
+            parts.append(FileRegion(src.path, src.offset, src.size))
+    return index, Gathered(parts)
+
+
 def read_batch(batch: List[str], sources: Dict[str, ChunkSource],
                buffers: Optional[BatchBuffers] = None) -> Tuple[List[Tuple[str, int]], memoryview]:
-    """A batch's chunks read straight into one buffer, which travels out of band: neither side
-    copies it into or out of a pickle, and a host forwards the very buffer it received. The
-    buffer comes from ``buffers`` (give it back once the batch is sent) or is new."""
+    """A batch's chunks read straight into one buffer (for rdma, which reads from registered
+    memory), which travels out of band: neither side copies it into or out of a pickle, and a
+    host forwards the very buffer it received. The buffer comes from ``buffers`` (give it back
+    once the batch is sent) or is new."""
     index = [(h, sources[h].size) for h in batch]
     total = sum(n for _, n in index)
     view, off = memoryview(buffers.take(total) if buffers else bytearray(total))[:total], 0
@@ -468,8 +492,14 @@ def _send(client: Any, batch: List[str], sources: Dict[str, ChunkSource], how: D
 
     buffers: BatchBuffers = how["buffers"]
     for attempt in range(RETRIES):
-        index, blob = read_batch(batch, sources, buffers)
-        args, release = transfer.outgoing(how["mode"], how["pool"], how["bind"], blob)
+        blob: Optional[memoryview] = None
+        if how["mode"] == "socket":  # sent from the files themselves
+            index, parts = batch_parts(batch, sources)
+            args: Dict[str, Any] = {"data": parts}
+            release: Callable[[], None] = lambda: None
+        else:  # rdma reads from one registered buffer
+            index, blob = read_batch(batch, sources, buffers)
+            args, release = transfer.outgoing(how["mode"], how["pool"], how["bind"], blob)
         answered = False
         try:
             out = client.call("syncfs.put", chunks=index, **args, **extra)
@@ -477,11 +507,13 @@ def _send(client: Any, batch: List[str], sources: Dict[str, ChunkSource], how: D
             if not how["vias"]:
                 how["vias"].append(out["via"])
             return
+        except FileRegionError as e:
+            raise MonarchError(f"{e}; nothing was committed: sync again") from None
         except RemoteError as e:
             answered = True
             if e.kind != "ChunkCorrupt" or attempt == RETRIES - 1:
                 raise
         finally:
             release()
-            if answered:  # the host has its own copy; after a timeout it might still be pulling from this one
+            if answered and blob is not None:  # the host has its own copy; after a timeout it might still be pulling from this one
                 buffers.give(blob.obj)

@@ -181,17 +181,23 @@ def test_a_corrupted_chunk_is_refused_and_sent_again(pool, tmp_path, monkeypatch
 
     from monarch_torchx.syncfs import client
 
-    real = client.read_batch
+    real = client.batch_parts
     corrupted = []
 
-    def flaky(batch, sources, buffers=None):  # the wire flips a byte, once
-        index, data = real(batch, sources, buffers)
+    def flaky(batch, sources):  # the wire flips a byte, once
+        index, data = real(batch, sources)
         if not corrupted:
             corrupted.append(1)
-            data[0] ^= 0xFF
+            first = data.parts[0]
+            if isinstance(first, wire.FileRegion):
+                with open(first.path, "rb") as f:
+                    first = os.pread(f.fileno(), first.size, first.offset)
+            flipped = bytearray(first)
+            flipped[0] ^= 0xFF
+            data = wire.Gathered([flipped, *data.parts[1:]])
         return index, data
 
-    monkeypatch.setattr(client, "read_batch", flaky)
+    monkeypatch.setattr(client, "batch_parts", flaky)
     src = make_tree(tmp_path / "src")
     report = pool.sync(str(src), "fixed", hosts=[0])
     assert report.ok and corrupted

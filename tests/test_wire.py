@@ -69,7 +69,13 @@ def server(creds):
         return wire.Stream(items())
 
     loop = asyncio.new_event_loop()
-    srv = wire.Server(key, {"echo": echo, "boom": boom, "count": count})
+    async def unsendable(peer):
+        return threading.Lock()
+
+    async def as_bytes(peer, values):
+        return [bytes(v) for v in values]
+
+    srv = wire.Server(key, {"echo": echo, "boom": boom, "count": count, "unsendable": unsendable, "as_bytes": as_bytes})
     port = loop.run_until_complete(srv.start("127.0.0.1", 0))
     t = threading.Thread(target=loop.run_forever, daemon=True)
     t.start()
@@ -99,6 +105,8 @@ def test_call_stream_and_remote_error(server):
             c.call("nope")
         with pytest.raises(wire.RemoteError, match="bad arguments"):
             c.call("echo", wrong=1)
+        with pytest.raises(wire.RemoteError, match="result of 'unsendable' cannot be sent"):
+            c.call("unsendable")  # answered, not left waiting
         assert c.call("echo", value=3) == 3  # still usable after errors
 
 
@@ -110,6 +118,37 @@ def test_out_of_band_buffers_roundtrip(server):
     assert bytes(back) == bytes(data)
     parts = wire.encode({"x": pickle.PickleBuffer(data)})
     assert len(parts) == 3 and memoryview(parts[2]).nbytes == len(data)  # sent from its own memory
+
+
+def test_a_gathered_buffer_of_bytes_and_file_regions_arrives_as_one_buffer(server, tmp_path):
+    key, port, _ = server
+    big = os.urandom(3 << 20)
+    (tmp_path / "big").write_bytes(big)
+    (tmp_path / "empty").write_bytes(b"")
+    small = b"small file bytes"
+    parts = [small, wire.FileRegion(str(tmp_path / "big"), 1000, 2 << 20), bytearray(b"x" * 70000),
+             wire.FileRegion(str(tmp_path / "empty"), 0, 0), wire.FileRegion(str(tmp_path / "big"), 0, 10)]
+    expected = small + big[1000:1000 + (2 << 20)] + b"x" * 70000 + big[:10]
+    with wire.Client("127.0.0.1", port, key) as c:
+        back = c.call("as_bytes", values=[wire.Gathered(parts), pickle.PickleBuffer(bytearray(b"after"))])
+        assert back == [expected, b"after"]  # one buffer each, in order
+        assert c.call("echo", value=1) == 1
+    frame = wire.encode({"v": wire.Gathered(parts)})
+    assert struct.unpack("!Q", frame[0][6:14])[0] == len(expected)  # one buffer's length on the wire
+    assert frame[2:] == wire.Gathered(parts).parts  # written from the parts, never joined
+
+
+def test_a_file_region_that_shrank_fails_its_call_and_closes_only_that_connection(server, tmp_path):
+    key, port, _ = server
+    (tmp_path / "f").write_bytes(b"0123456789")
+    with wire.Client("127.0.0.1", port, key) as c:
+        with pytest.raises(wire.FileRegionError, match="ended 90 byte"):
+            c.call("echo", value=wire.Gathered([wire.FileRegion(str(tmp_path / "f"), 0, 100)]))
+    with wire.Client("127.0.0.1", port, key) as c:
+        with pytest.raises(wire.FileRegionError, match="No such file"):
+            c.call("echo", value=wire.Gathered([b"a", wire.FileRegion(str(tmp_path / "gone"), 0, 1)]))
+    with wire.Client("127.0.0.1", port, key) as c:  # the server serves on
+        assert c.call("echo", value=2) == 2
 
 
 def test_frames_with_more_buffers_than_one_sendmsg_takes(server):
