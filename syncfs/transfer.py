@@ -1,7 +1,8 @@
 """How a batch's bytes get from one machine to the next: one interface, two ways.
 
 ``socket``: the bytes ride in the ``syncfs.put`` request itself, as one out-of-band buffer on the
-pool's authenticated connection (never copied through pickle). ``rdma``: the request carries an
+pool's authenticated connection (never copied through pickle; the client writes it from its files,
+``client.batch_parts``). ``rdma``: the request carries an
 ``RDMABuffer`` handle on the sender's memory, and the receiver pulls the bytes with the rdma
 module's best backend for that pair: ibverbs between hosts with RDMA devices, cma on one host,
 its TCP data plane otherwise. The sender chooses per sync and every hop of a chain forwards the

@@ -204,6 +204,26 @@ def test_a_corrupted_chunk_is_refused_and_sent_again(pool, tmp_path, monkeypatch
     assert_same_tree(src, Path(report.hosts[0].path))
 
 
+def test_a_file_that_shrinks_while_it_is_sent_fails_the_sync_in_one_line_and_commits_nothing(pool, tmp_path,
+                                                                                            monkeypatch):
+    from monarch_torchx.syncfs import client
+
+    real = client.batch_parts
+    (tmp_path / "short").write_bytes(b"x")
+
+    def shrunk(batch, sources):  # every batch is sent from a file that is now 1 byte long
+        index, data = real(batch, sources)
+        return index, wire.Gathered([wire.FileRegion(str(tmp_path / "short"), 0, data.nbytes)])
+
+    monkeypatch.setattr(client, "batch_parts", shrunk)
+    report = pool.sync(str(make_tree(tmp_path / "src")), "shrinking", hosts=[0])
+    assert not report.ok
+    error = report.hosts[0].error
+    assert error.startswith("host 0: ") and "byte(s) before the part being sent" in error
+    assert "nothing was committed: sync again" in error and "\n" not in error
+    assert pool.call(0, "syncfs.where", target="shrinking")["generation"] is None
+
+
 def test_without_fuse_generations_are_trees_behind_a_symlink(home, pool_name, tmp_path, monkeypatch):
     monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))
     monkeypatch.setenv("MONARCH_TORCHX_SYNC_FUSE", "0")
