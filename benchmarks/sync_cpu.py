@@ -166,6 +166,9 @@ def main() -> None:
         lines.append(row(f"cold sync, this (`{git_line(HERE.parent)}`)", colds["this"]))
         ratio = [med(colds["this"], k) / med(colds["baseline"], k) for k in ("wall", "client_cpu", "agents_cpu")]
         lines.append(f"| this / baseline | {ratio[0]:.2f}x | {ratio[1]:.2f}x | {ratio[2]:.2f}x |")
+        spread = {k: ", ".join(f"{b[k] / gb / (1 if k == 'client_cpu' else args.hosts):.2f} / "
+                               f"{t[k] / gb / (1 if k == 'client_cpu' else args.hosts):.2f}"
+                               for b, t in zip(colds["baseline"], colds["this"])) for k in ("client_cpu", "agents_cpu")}
     else:
         lines.append(row("cold sync", colds["this"]))
     lines += [
@@ -176,6 +179,8 @@ def main() -> None:
         f"writing new files {floor['write new files']:.2f}) |",
         f"| cold sync less a no-op resync (the bytes' own cost) | | {client_marginal:.2f} s | |",
         f"| above the floor | | {client_marginal - floor['chunk + hash']:.2f} s | {host_cold - host_floor:.2f} s |", "",
+        *([f"Each round, baseline / this, CPU s per GB: client {spread['client_cpu']}; host {spread['agents_cpu']}.", ""]
+          if args.baseline else []),
         f"A target's first sync (a one-file tree; mostly each host starting the target's FUSE server) costs once: "
         f"client {statistics.median(f['client_cpu'] for f in first):.2f} s, hosts "
         f"{statistics.median(f['agents_cpu'] for f in first) / args.hosts:.2f} s each (CPU seconds, not per GB).", "",

@@ -107,9 +107,10 @@ class ProofRejected(PeerClosed):
     so a caller that must tell them apart asks again before concluding."""
 
 
-class FileRegionError(WireError):
-    """A file sent by region could not be read whole (gone, unreadable, or it shrank while it was
-    sent): the frame it belonged to cannot be finished, so the connection is closed."""
+class FileRegionError(Exception):
+    """A file sent by region could not be read whole (gone, unreadable, or shorter than the
+    region): the frame it belonged to cannot be finished, so the connection is closed. A local
+    file's fault, not the peer's: not a ``WireError``, so nothing takes it for a lost host."""
 
 
 class MalformedFrame(WireError):
@@ -242,10 +243,16 @@ HELLO_LEN = len(MAGIC) + NONCE
 # ---------------------------------------------------------------- framing (pure)
 
 
-def encode(msg: Any) -> List[Any]:
-    """Returns the frame as a list of byte-like parts (header, body, out-of-band buffers)."""
+def encode(msg: Any, gathered: bool = False) -> List[Any]:
+    """Returns the frame as a list of byte-like parts (header, body, out-of-band buffers), not
+    joined. ``gathered``: the message may hold ``Gathered`` buffers, whose parts (``FileRegion``s
+    among them) only ``send_msg`` can write; anywhere else one is refused."""
     bufs: List[pickle.PickleBuffer] = []
-    body = pickle.dumps(msg, protocol=5, buffer_callback=bufs.append)
+    _gathering.on = gathered
+    try:
+        body = pickle.dumps(msg, protocol=5, buffer_callback=bufs.append)
+    finally:
+        _gathering.on = False
     return frame_parts(body, bufs)
 
 
@@ -286,6 +293,9 @@ class _GatheredToken(bytearray):
         self.parts, self.total = parts, total
 
 
+_gathering = threading.local()  # set by encode(gathered=True) while it pickles: where a Gathered may be
+
+
 class Gathered:
     """Parts that travel as one out-of-band buffer and are never joined by the sender: the
     receiver gets a memoryview of the one buffer they arrived in, end to end. A part is
@@ -297,8 +307,8 @@ class Gathered:
         self.nbytes = sum(p.size if isinstance(p, FileRegion) else p.nbytes for p in self.parts)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        if protocol < 5:
-            raise pickle.PicklingError("a Gathered buffer travels out of band (pickle protocol 5)")
+        if protocol < 5 or not getattr(_gathering, "on", False):  # elsewhere its bytes would be lost or misframed
+            raise pickle.PicklingError("a Gathered buffer is sent only by the blocking transport (wire.send_msg)")
         # a builtin, so that an agent of any version loads it: a memoryview of the one buffer it arrived in
         return memoryview, (pickle.PickleBuffer(_GatheredToken(self.parts, self.nbytes)),)
 
@@ -579,7 +589,7 @@ class Server:
                 parts = encode(reply)
             except Exception as e:  # a value that cannot be pickled: the caller still gets an answer
                 parts = encode({"id": rid, "ok": False, "error": f"the result of {op!r} cannot be sent: {e}",
-                                "kind": "TypeError"})
+                                "kind": type(e).__name__})
             conn.write(parts)
             await conn.drain()
         except (ConnectionError, OSError, RuntimeError):
@@ -850,7 +860,7 @@ def more_buffered(sock: socket.socket) -> bool:
 def send_msg(sock: socket.socket, msg: Any) -> None:
     """Blocking write of one frame: the parts are gathered, not joined (see ``send_some``); a
     ``FileRegion`` goes by ``send_region``."""
-    parts = [p if isinstance(p, FileRegion) else memoryview(p).cast("B") for p in encode(msg)]
+    parts = [p if isinstance(p, FileRegion) else memoryview(p).cast("B") for p in encode(msg, gathered=True)]
     views: List[Any] = []
     for p in parts:
         if not isinstance(p, FileRegion):
@@ -865,10 +875,11 @@ def send_msg(sock: socket.socket, msg: Any) -> None:
 
 
 def send_region(sock: socket.socket, region: FileRegion) -> None:
-    """Blocking write of a file's bytes. A plain socket gets them by sendfile (the kernel hands
-    the page-cache pages to the socket); TLS encrypts from memory, so they are read in slices.
-    A file that is gone or shorter than the region raises ``FileRegionError`` (the frame cannot
-    be finished)."""
+    """Blocking write of a file's bytes (a blocking socket, or one with a timeout). A plain
+    socket gets them by sendfile (the kernel hands the page-cache pages to the socket); TLS
+    encrypts from memory, so they are read in slices into one buffer. A file that is gone,
+    unreadable or shorter than the region raises ``FileRegionError`` (the frame cannot be
+    finished)."""
     sent = 0
     try:
         f = open(region.path, "rb")
@@ -878,14 +889,18 @@ def send_region(sock: socket.socket, region: FileRegion) -> None:
         if not isinstance(sock, ssl.SSLSocket):
             sent = sock.sendfile(f, region.offset, region.size) if region.size else 0
         else:
+            slice_ = memoryview(bytearray(min(TLS_WRITE * 16, region.size)))
             while sent < region.size:
-                data = os.pread(f.fileno(), min(TLS_WRITE * 16, region.size - sent), region.offset + sent)
-                if not data:
+                try:
+                    n = os.preadv(f.fileno(), [slice_[:region.size - sent]], region.offset + sent)
+                except OSError as e:
+                    raise FileRegionError(f"reading {region.path}: {e.strerror or e}") from None
+                if not n:
                     break
-                views = [memoryview(data)]
+                views = [slice_[:n]]
                 while views:
                     consume(views, send_some(sock, views))
-                sent += len(data)
+                sent += n
     if sent < region.size:
         raise FileRegionError(f"{region.path} ended {region.size - sent} byte(s) before the part being sent "
                               "(it shrank meanwhile)")
@@ -962,7 +977,12 @@ class Client:
     def _exchange(self, op: str, args: dict) -> Iterator[dict]:
         rid = next(self._ids)
         try:
-            self._send({"id": rid, "op": op, "args": args})
+            try:
+                self._send({"id": rid, "op": op, "args": args})
+            except BaseException as e:
+                if not isinstance(e, OSError):  # (those are answered below)
+                    self.close()  # a frame cut short (a file region's fault, an interrupt): out of step
+                raise
             while True:
                 msg = self._recv()
                 if msg["id"] == rid:

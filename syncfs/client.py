@@ -93,8 +93,8 @@ class BatchBuffers:
 def batch_parts(batch: List[str], sources: Dict[str, ChunkSource]) -> Tuple[List[Tuple[str, int]], Gathered]:
     """A batch's chunks as the parts of one buffer that is never assembled here: a small file's
     bytes kept from hashing it, and each run of adjacent chunks of one file as a region of that
-    file, which a plain socket sends from the page cache (``wire.send_region``). The host gets
-    one buffer, as from ``read_batch``; this side copies nothing."""
+    file, which a plain socket sends from the page cache (``wire.send_region``; over TLS it is
+    read in slices, to be encrypted). The host gets one buffer, as from ``read_batch``."""
     index: List[Tuple[str, int]] = []
     parts: List[Any] = []
     for h in batch:
@@ -515,5 +515,5 @@ def _send(client: Any, batch: List[str], sources: Dict[str, ChunkSource], how: D
                 raise
         finally:
             release()
-            if answered and blob is not None:  # the host has its own copy; after a timeout it might still be pulling from this one
-                buffers.give(blob.obj)
+            if answered and blob is not None:  # the host has its own copy; after a timeout it
+                buffers.give(blob.obj)  # might still be pulling from this one

@@ -181,6 +181,7 @@ def test_a_corrupted_chunk_is_refused_and_sent_again(pool, tmp_path, monkeypatch
 
     from monarch_torchx.syncfs import client
 
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_TRANSFER", "socket")  # batch_parts' path (rdma reads read_batch)
     real = client.batch_parts
     corrupted = []
 
@@ -204,14 +205,15 @@ def test_a_corrupted_chunk_is_refused_and_sent_again(pool, tmp_path, monkeypatch
     assert_same_tree(src, Path(report.hosts[0].path))
 
 
-def test_a_file_that_shrinks_while_it_is_sent_fails_the_sync_in_one_line_and_commits_nothing(pool, tmp_path,
-                                                                                            monkeypatch):
+def test_a_file_shorter_than_its_chunks_when_sent_fails_the_sync_in_one_line_and_commits_nothing(pool, tmp_path,
+                                                                                               monkeypatch):
     from monarch_torchx.syncfs import client
 
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_TRANSFER", "socket")
     real = client.batch_parts
     (tmp_path / "short").write_bytes(b"x")
 
-    def shrunk(batch, sources):  # every batch is sent from a file that is now 1 byte long
+    def shrunk(batch, sources):  # as if every file had shrunk to 1 byte after it was hashed
         index, data = real(batch, sources)
         return index, wire.Gathered([wire.FileRegion(str(tmp_path / "short"), 0, data.nbytes)])
 

@@ -75,7 +75,11 @@ def server(creds):
     async def as_bytes(peer, values):
         return [bytes(v) for v in values]
 
-    srv = wire.Server(key, {"echo": echo, "boom": boom, "count": count, "unsendable": unsendable, "as_bytes": as_bytes})
+    async def gathered(peer):
+        return wire.Gathered([b"only the blocking transport sends these"])
+
+    srv = wire.Server(key, {"echo": echo, "boom": boom, "count": count, "unsendable": unsendable, "as_bytes": as_bytes,
+                            "gathered": gathered})
     port = loop.run_until_complete(srv.start("127.0.0.1", 0))
     t = threading.Thread(target=loop.run_forever, daemon=True)
     t.start()
@@ -122,20 +126,26 @@ def test_out_of_band_buffers_roundtrip(server):
 
 def test_a_gathered_buffer_of_bytes_and_file_regions_arrives_as_one_buffer(server, tmp_path):
     key, port, _ = server
-    big = os.urandom(3 << 20)
+    big = os.urandom(10 << 20)
     (tmp_path / "big").write_bytes(big)
     (tmp_path / "empty").write_bytes(b"")
     small = b"small file bytes"
-    parts = [small, wire.FileRegion(str(tmp_path / "big"), 1000, 2 << 20), bytearray(b"x" * 70000),
+    n = (9 << 20) + 12345  # over TLS: several slices, the last one partial
+    parts = [small, wire.FileRegion(str(tmp_path / "big"), 1001, n), bytearray(b"x" * 70000),
              wire.FileRegion(str(tmp_path / "empty"), 0, 0), wire.FileRegion(str(tmp_path / "big"), 0, 10)]
-    expected = small + big[1000:1000 + (2 << 20)] + b"x" * 70000 + big[:10]
+    expected = small + big[1001:1001 + n] + b"x" * 70000 + big[:10]
     with wire.Client("127.0.0.1", port, key) as c:
         back = c.call("as_bytes", values=[wire.Gathered(parts), pickle.PickleBuffer(bytearray(b"after"))])
         assert back == [expected, b"after"]  # one buffer each, in order
         assert c.call("echo", value=1) == 1
-    frame = wire.encode({"v": wire.Gathered(parts)})
+    frame = wire.encode({"v": wire.Gathered(parts)}, gathered=True)
     assert struct.unpack("!Q", frame[0][6:14])[0] == len(expected)  # one buffer's length on the wire
     assert frame[2:] == wire.Gathered(parts).parts  # written from the parts, never joined
+    with pytest.raises(pickle.PicklingError):  # anywhere but the blocking transport its bytes would be lost
+        pickle.dumps(wire.Gathered([b"abc"]), protocol=5)
+    with wire.Client("127.0.0.1", port, key) as c:
+        with pytest.raises(wire.RemoteError, match="cannot be sent"):  # an agent's reply cannot carry one
+            c.call("gathered")
 
 
 def test_a_file_region_that_shrank_fails_its_call_and_closes_only_that_connection(server, tmp_path):
@@ -144,6 +154,8 @@ def test_a_file_region_that_shrank_fails_its_call_and_closes_only_that_connectio
     with wire.Client("127.0.0.1", port, key) as c:
         with pytest.raises(wire.FileRegionError, match="ended 90 byte"):
             c.call("echo", value=wire.Gathered([wire.FileRegion(str(tmp_path / "f"), 0, 100)]))
+        with pytest.raises(wire.PeerClosed):  # closed: the frame it cut short can never be followed
+            c.call("echo", value=1)
     with wire.Client("127.0.0.1", port, key) as c:
         with pytest.raises(wire.FileRegionError, match="No such file"):
             c.call("echo", value=wire.Gathered([b"a", wire.FileRegion(str(tmp_path / "gone"), 0, 1)]))
