@@ -15,10 +15,12 @@ import shutil
 import socket
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..private import private_dir
+from ..specs import TERMINAL
 from .arrow_ipc import from_ipc, to_ipc
 from .partial import merge
 from .query import read_only_options
@@ -54,17 +56,35 @@ class LogIndex:
         self.max_age_s = _env_int("MONARCH_TORCHX_TELEMETRY_MAX_AGE_S", 7 * 86400)
         self._lock = threading.Lock()  # the background refresh and queries run in worker threads
         self.queried = False  # from the first query on, new output is indexed in the background
+        # the final sizes of the log files of replicas that have ended and closed them: a warm pool
+        # keeps hundreds of ended apps, whose files no longer grow, and the loop is not to stat
+        # them all every second (a replica dropped from the agent's history drops out of here)
+        self._final: "weakref.WeakKeyDictionary[Any, List[Tuple[Path, int]]]" = weakref.WeakKeyDictionary()
+
+    def log_sizes(self, rep: Any) -> List[Tuple[Path, int]]:
+        """(path, size) of a replica's log files that exist: stat'ed while it may still write
+        them, remembered once it has ended and closed them."""
+        final = self._final.get(rep)
+        if final is not None:
+            return final
+        settled = rep.state in TERMINAL and all(c.closed.done() for c in rep.captures)  # stat'ed after the close
+        out = []
+        for stream in ("stdout", "stderr"):
+            path = rep.log_dir / f"{stream}.log"
+            try:
+                out.append((path, path.stat().st_size))
+            except FileNotFoundError:
+                continue
+        if settled:
+            self._final[rep] = out
+        return out
 
     def backlog(self) -> Tuple[int, int]:
-        """(bytes written to the log files in all, bytes of them not indexed yet): a few stats."""
+        """(bytes written to the log files in all, bytes of them not indexed yet): stats of the
+        files that may still grow only."""
         total = pending = 0
         for rep in list(self.agent.procs.replicas.values()):
-            for stream in ("stdout", "stderr"):
-                path = rep.log_dir / f"{stream}.log"
-                try:
-                    size = path.stat().st_size
-                except FileNotFoundError:
-                    continue
+            for path, size in self.log_sizes(rep):
                 total += size
                 pending += size - self.offsets.get(path, 0)
         return total, pending
@@ -106,13 +126,9 @@ class LogIndex:
     def _append_new(self) -> None:
         hostname = socket.gethostname()
         for (app_id, role, replica), rep in list(self.agent.procs.replicas.items()):
-            for stream in ("stdout", "stderr"):
-                path = rep.log_dir / f"{stream}.log"
+            for path, size in self.log_sizes(rep):
+                stream = path.stem
                 off = self.offsets.get(path, 0)
-                try:
-                    size = path.stat().st_size
-                except FileNotFoundError:
-                    continue
                 while off < size:
                     with open(path, "rb") as f:
                         f.seek(off)

@@ -76,6 +76,33 @@ def test_quick_start_through_the_torchx_cli(home, pool_name, tmp_path):
     assert pool_name not in torchx(home, "pool", "list").stdout
 
 
+def test_a_run_finds_components_with_one_entry_point_scan_and_one_parse_per_source(monkeypatch):
+    """TorchX's finder scans every distribution's entry points and parses a module's source once
+    per component; inside our ``torchx run`` each happens once, the same components are found,
+    and both functions are TorchX's own again afterwards."""
+    import ast
+    from importlib import metadata
+
+    from torchx.specs import finder
+
+    from monarch_torchx.torchx_cli import _components_found_once
+
+    scans, parses = [], []
+    real_scan, real_parse = metadata.entry_points, ast.parse
+    monkeypatch.setattr(metadata, "entry_points", lambda **kw: scans.append(kw) or real_scan(**kw))
+    monkeypatch.setattr(ast, "parse", lambda src, *a, **kw: parses.append(src) or real_parse(src, *a, **kw))
+    plain = finder._load_components(None)
+    plain_scans, plain_parses = len(scans), len(parses)
+    scans.clear(), parses.clear()
+    counting_scan, counting_parse = metadata.entry_points, ast.parse
+    with _components_found_once():
+        once = finder._load_components(None)
+    assert sorted(once) == sorted(plain) and "utils.echo" in once and "monarch.hostinfo" in once
+    assert [kw for kw in scans if not kw] == [{}] and plain_scans > 10  # one full scan, not one per component
+    assert len(parses) == len(set(parses)) < plain_parses  # each source once
+    assert (metadata.entry_points, ast.parse) == (counting_scan, counting_parse)
+
+
 def test_pool_create_explicitly_then_run(home, pool_name):
     out = torchx(home, "pool", "create", pool_name, "-s", "monarch_local", "-cfg", "hosts=3,preload=none")
     assert "ready: 3 host(s)" in out.stdout

@@ -163,6 +163,34 @@ def test_retention_spills_to_parquet_stays_queryable_and_is_bounded(home, pool_n
     assert newest == [{"l": "line 4999"}]
 
 
+def test_background_indexing_keeps_every_attempt_of_a_retried_replica_and_every_ended_app(home, pool_name,
+                                                                                         monkeypatch, tmp_path):
+    """An ended replica's log files are not stat'ed again (their final sizes are remembered); a
+    replica that fails and is retried writes to the same files again, and both attempts' lines,
+    and those of apps that ended before, are indexed in the background."""
+    monkeypatch.setenv("MONARCH_TORCHX_TELEMETRY_INDEX_S", "0.2")
+    monkeypatch.setenv("MONARCH_TORCHX_TELEMETRY_LAZY_BYTES", "0")  # index in the background, before any query
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    for _ in range(3):
+        _print_lines(home, pool_name, 10)
+    flag = tmp_path / "second-attempt"
+    retried = (f"import pathlib, sys\nf = pathlib.Path({str(flag)!r})\n"
+               "if f.exists():\n    print('attempt two')\nelse:\n    f.touch(); print('attempt one'); sys.exit(3)\n")
+    with get_runner() as runner:
+        app = AppDef("retried", roles=[Role(name="r", image=".", entrypoint="python", args=["-c", retried],
+                                            max_retries=1)])
+        h = runner.run(app, "monarch_local", {"pool": pool_name})
+        wait_for(lambda: runner.status(h).is_terminal(), what="the retried app")
+        assert runner.status(h).state.name == "SUCCEEDED"
+    pool = attach(pool_name)
+    indexed = "SELECT line, count(*) AS n FROM logs WHERE line IN ('line 9', 'attempt one', 'attempt two') GROUP BY line"
+    wait_for(lambda: sorted(map(tuple, (r.values() for r in pool.sql(indexed).to_pylist()))) ==
+             [("attempt one", 1), ("attempt two", 1), ("line 9", 3)], what="every attempt's lines indexed")
+    _print_lines(home, pool_name, 10)  # an app after those: its lines come in too
+    wait_for(lambda: pool.sql("SELECT count(*) AS n FROM logs WHERE line = 'line 9'").to_pylist() == [{"n": 4}],
+             what="a later app's lines indexed")
+
+
 def test_metrics_are_sampled_for_hosts_and_running_replicas(home, pool_name, monkeypatch):
     monkeypatch.setenv("MONARCH_TORCHX_METRICS_S", "0.2")
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2,preload=none")
