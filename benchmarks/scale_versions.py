@@ -26,10 +26,11 @@ from _results import record  # noqa: E402
 from scale import OPS, _fmt  # noqa: E402
 
 
-def run_once(python: Path, root: Path, hosts: int) -> Dict[str, Dict[str, float]]:
+def run_once(python: Path, root: Path, hosts: int, skip: str = "") -> Dict[str, Dict[str, float]]:
     """``cwd=root``: the agents inherit it, and a forked ``python -m`` child (an actor proc) puts its
     cwd first on sys.path, as Python does: from another checkout it would import that one's code."""
-    res = subprocess.run([str(python), str(HERE / "scale.py"), "--sizes", str(hosts), "--no-record"],
+    res = subprocess.run([str(python), str(HERE / "scale.py"), "--sizes", str(hosts), "--no-record",
+                          *(["--skip", skip] if skip else [])],
                          capture_output=True, text=True, timeout=3000, cwd=root)
     for line in reversed(res.stderr.splitlines()):
         if line.startswith("{"):
@@ -47,14 +48,15 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, required=True, help="a checkout of the earlier commit, with its .venv")
     ap.add_argument("--hosts", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--skip", default="", help="passed to scale.py: steps to leave out (sync,actors,sql)")
     ap.add_argument("--section", default="scale-versions")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     base_py = args.baseline / ".venv" / "bin" / "python"
     runs: Dict[str, List[Dict[str, Dict[str, float]]]] = {"baseline": [], "this": []}
     for _ in range(args.rounds):
-        runs["baseline"].append(run_once(base_py, args.baseline, args.hosts))
-        runs["this"].append(run_once(Path(sys.executable), HERE.parent, args.hosts))
+        runs["baseline"].append(run_once(base_py, args.baseline, args.hosts, args.skip))
+        runs["this"].append(run_once(Path(sys.executable), HERE.parent, args.hosts, args.skip))
 
     def med(which: str, op: str, key: str) -> float:
         vals = [r[op][key] for r in runs[which] if op in r and r[op][key] is not None]
@@ -62,13 +64,15 @@ def main() -> None:
 
     lines = [f"One monarch_local pool of {args.hosts} agents (preload=none), median of {args.rounds} alternating "
              f"round(s); baseline `{git_line(args.baseline)}`, this `{git_line(HERE.parent)}`.", "",
-             "| operation | wall, baseline | wall, this | this / baseline | client CPU, baseline | client CPU, this |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for op in OPS:
+             "| operation | wall, baseline | wall, this | this / baseline | client CPU, baseline | client CPU, this | "
+             "agents' CPU, baseline | agents' CPU, this |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for op in [op for op in OPS if any(op in r for r in runs["this"])]:  # the steps that ran
         wb, wt = med("baseline", op, "wall"), med("this", op, "wall")
         ratio = f"{wt / wb:.2f}x" if wb == wb and wt == wt and wb > 0 else "-"
         lines.append(f"| {op} | {_fmt(wb, 's')} | {_fmt(wt, 's')} | {ratio} | "
-                     f"{_fmt(med('baseline', op, 'client_cpu'), 's')} | {_fmt(med('this', op, 'client_cpu'), 's')} |")
+                     f"{_fmt(med('baseline', op, 'client_cpu'), 's')} | {_fmt(med('this', op, 'client_cpu'), 's')} | "
+                     f"{_fmt(med('baseline', op, 'agents_cpu'), 's')} | {_fmt(med('this', op, 'agents_cpu'), 's')} |")
     text = "\n".join(lines)
     print(text)
     if not args.no_record:
