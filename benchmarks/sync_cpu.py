@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _results import record  # noqa: E402
 from scale import BIN, Meter  # noqa: E402
+from scale_versions import git_line  # noqa: E402
 
 from monarch_torchx.private import node_temp_root  # noqa: E402
 
@@ -197,10 +198,6 @@ def main() -> None:
     if not args.no_record:
         record(args.section, ".venv/bin/python benchmarks/sync_cpu.py " + " ".join(sys.argv[1:]), body)
 
-
-def git_line(root: Path) -> str:
-    return subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%h %s"], capture_output=True,
-                          text=True).stdout.strip()[:60]
 
 
 if __name__ == "__main__":

@@ -34,11 +34,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _results import record  # noqa: E402
 from scale import BIN, Meter, _agent_sessions, _session_cpu  # noqa: E402
+from scale_versions import git_line  # noqa: E402
 
-
-def git_line(root: Path) -> str:
-    return subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%h %s"], capture_output=True,
-                          text=True).stdout.strip()[:60]
 
 
 def measure(bin_dir: Path, hosts: int, apps: int, idle_s: float) -> Dict[str, float]:
@@ -53,6 +50,7 @@ def measure(bin_dir: Path, hosts: int, apps: int, idle_s: float) -> Dict[str, fl
             runs.append(m.run(tx + ["run", "-s", "monarch_local", "-cfg", "pool=warmiter", "utils.echo",
                                     "--num_replicas", str(hosts), "--msg", f"iteration {k}"], env)[0])
             print(f"{bin_dir.parent.parent.name}: run {k + 1}/{apps}", file=sys.stderr, end="\r")
+        print(file=sys.stderr)
         time.sleep(2)  # the last app's replicas have ended and been reaped
         sessions = _agent_sessions(home)
         c0 = _session_cpu(sessions)
