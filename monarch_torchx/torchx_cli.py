@@ -37,8 +37,10 @@ def _components_found_once() -> Iterator[None]:
     for its length the full scan is made once and each source parsed once (a call that asks for
     a group or a name, or a parse with other options, still goes through as it is)."""
     import ast
-    from importlib import metadata
 
+    from torchx.util import entrypoints
+
+    metadata = entrypoints.metadata  # importlib.metadata, or the importlib_metadata backport (torchx 0.7.0)
     real_scan, real_parse = metadata.entry_points, ast.parse
     scanned: List[Any] = []
     parsed: Dict[str, Any] = {}

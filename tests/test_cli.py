@@ -81,22 +81,26 @@ def test_a_run_finds_components_with_one_entry_point_scan_and_one_parse_per_sour
     per component; inside our ``torchx run`` each happens once, the same components are found,
     and both functions are TorchX's own again afterwards."""
     import ast
-    from importlib import metadata
 
     from torchx.specs import finder
+    from torchx.util import entrypoints
 
     from monarch_torchx.torchx_cli import _components_found_once
 
+    metadata = entrypoints.metadata  # what TorchX scans with (importlib_metadata on torchx 0.7.0)
     scans, parses = [], []
     real_scan, real_parse = metadata.entry_points, ast.parse
     monkeypatch.setattr(metadata, "entry_points", lambda **kw: scans.append(kw) or real_scan(**kw))
     monkeypatch.setattr(ast, "parse", lambda src, *a, **kw: parses.append(src) or real_parse(src, *a, **kw))
-    plain = finder._load_components(None)
+    import inspect
+
+    args = [None] * len(inspect.signature(finder._load_components).parameters)  # validators: torchx-nightly only
+    plain = finder._load_components(*args)
     plain_scans, plain_parses = len(scans), len(parses)
     scans.clear(), parses.clear()
     counting_scan, counting_parse = metadata.entry_points, ast.parse
     with _components_found_once():
-        once = finder._load_components(None)
+        once = finder._load_components(*args)
     assert sorted(once) == sorted(plain) and "utils.echo" in once and "monarch.hostinfo" in once
     assert [kw for kw in scans if not kw] == [{}] and plain_scans > 10  # one full scan, not one per component
     assert len(parses) == len(set(parses)) < plain_parses  # each source once
