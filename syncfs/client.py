@@ -515,5 +515,6 @@ def _send(client: Any, batch: List[str], sources: Dict[str, ChunkSource], how: D
                 raise
         finally:
             release()
-            if answered and blob is not None:  # the host has its own copy; after a timeout it
-                buffers.give(blob.obj)  # might still be pulling from this one
+            # the host has its own copy; after a timeout it might still be pulling from this one
+            if answered and blob is not None:
+                buffers.give(blob.obj)
