@@ -209,3 +209,57 @@ def test_a_dead_actors_fork_server_is_replaced_at_the_next_spawn(home, pool_name
     second = procs.spawn("origin", Origin).parent.call_one().get(timeout=60)
     procs.stop().get(timeout=60)
     assert second["ppid"] != first["ppid"] and second["argv"][-1] == ACTOR_RUNTIME, second
+
+
+EXEC_PROBE = """
+import json, os, signal, sys
+fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))[:-1]  # the last: listdir's own
+print(json.dumps({"cwd": os.getcwd(), "fds": fds, "stdin": sys.stdin.read(), "x": os.environ.get("X"),
+                  "pgid_is_pid": os.getpgid(0) == os.getpid(), "sid_is_pid": os.getsid(0) == os.getpid(),
+                  "int_handled": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                  "defaults": [signal.getsignal(s) == signal.SIG_DFL for s in
+                               (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGCHLD)]}))
+"""
+
+
+def test_an_execd_entrypoint_starts_as_a_fresh_process(home, pool_name, tmp_path, monkeypatch):
+    """Not this interpreter (``-E`` cannot be honoured by a fork): exec'd, and it inherits
+    nothing of the fork server but the requested cwd, env and stdio."""
+    monkeypatch.chdir(tmp_path)
+    with get_runner() as runner:
+        h = runner.run(_app("x", "python", "-E", "-c", EXEC_PROBE, env={"X": "role-env"}), "monarch_local",
+                       {"pool": pool_name, "hosts": 1, "preload": "none"})
+        st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal() and s, timeout=60, what="app")
+        out = "".join(runner.log_lines(h, "r", 0, streams=_stream("stdout")))
+    assert st.state == AppState.SUCCEEDED, st
+    assert json.loads(out) == {"cwd": str(tmp_path), "fds": [0, 1, 2], "stdin": "", "x": "role-env",
+                               "pgid_is_pid": True, "sid_is_pid": True, "int_handled": True,
+                               "defaults": [True] * 5}
+    st, out, _ = _run(runner, pool_name, _app("missing", "/nonexistent/prog"))
+    assert st.state == AppState.FAILED and "No such file or directory: '/nonexistent/prog'" in st.msg, st
+
+
+def test_what_a_dead_fork_server_started_ends_with_it(home, pool_name):
+    """A program the plain fork server exec'd has no parent-death signal: when that server is
+    killed, its agent ends the program's process group (and stops, as it cannot start any more)."""
+    with get_runner() as runner:
+        h = runner.run(_app("s", "sh", "-c", "sleep 600 & sleep 600"), "monarch_local",
+                       {"pool": pool_name, "hosts": 1, "preload": "none"})
+        pool = attach(pool_name)
+        app = h.rsplit(":", 1)[1]
+        pid = wait_for(lambda: [r["pid"] for r in pool.call(0, "describe", app_id=app) if r["state"] == "RUNNING"],
+                       what="the replica")[0]
+        server = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        assert "monarch_torchx.agent.forkserver" in open(f"/proc/{server}/cmdline").read()
+        group = [p for p in os.listdir("/proc") if p.isdigit() and _pgid(p) == pid]
+        assert len(group) >= 2, group  # the shell and its background sleep
+        os.kill(server, signal.SIGKILL)
+        wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and _pgid(p) == pid for p in group), timeout=20,
+                 what="the replica's process group to end")
+
+
+def _pgid(pid: str) -> int:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[2])
+    except (OSError, IndexError, ValueError):
+        return -1

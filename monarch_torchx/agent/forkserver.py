@@ -1,10 +1,12 @@
 """The agent's process launcher: a fork server that may hold pre-imported modules (torch).
 
-Every process a host runs is forked from here. A program is either exec'd (any entrypoint)
-or, when the entrypoint is this very interpreter, run in the forked child itself so that a
-role starting ``python train.py`` does not pay for ``import torch`` again. The child looks as
-if exec'd: its own session and process group, fresh stdio on the given fds, the requested env,
-cwd, argv and sys.path, default signal handlers, Python's exit-code rules.
+Every process a host runs is started from here. When the entrypoint is this very interpreter,
+the program runs in a forked child itself, so that a role starting ``python train.py`` does not
+pay for ``import torch`` again. Any other entrypoint is exec'd with ``posix_spawn``: it needs
+nothing of this interpreter, and a fork would first copy the page tables of a server that may
+hold torch, then have the child fault in pages only to exec. Either child looks as if exec'd:
+its own session and process group, fresh stdio on the given fds, the requested env, cwd, argv
+(and sys.path), default signal handlers, Python's exit-code rules.
 
 Runs as ``python -m monarch_torchx.agent.forkserver CTL_FD EVT_FD [preload ...]``; it talks to
 its agent over two inherited socketpairs (nothing listens), framed by ``wire``:
@@ -14,8 +16,11 @@ its agent over two inherited socketpairs (nothing listens), framed by ``wire``:
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import gc
 import os
+import runpy
 import select
 import shutil
 import signal
@@ -24,9 +29,11 @@ import sys
 import sysconfig
 import threading
 import time
+import traceback
 import types
+import zipfile
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple
 
 PR_SET_PDEATHSIG = 1
 
@@ -80,6 +87,12 @@ def set_pdeathsig(sig: int) -> None:
         pass
 
 
+# Python ignores SIGPIPE and SIGXFSZ, and a role may have been started with others ignored: an
+# exec'd program gets every disposition a fresh process has (handled ones reset at exec anyway)
+EXEC_DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP,
+                        signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
 # ---------------------------------------------------------------- in the child
 
 
@@ -125,12 +138,6 @@ def _user_frames(tb: Optional[types.TracebackType]) -> Optional[types.TracebackT
 
 def run_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> int:
     """Runs the invocation as ``__main__`` in this (forked) process; returns the exit code."""
-    import atexit
-    import runpy
-    import threading
-    import traceback
-    import zipfile
-
     os.environ.clear()
     os.environ.update(env)
     _std_streams(inv.unbuffered or bool(env.get("PYTHONUNBUFFERED")))
@@ -278,10 +285,6 @@ def _child(req: dict, fds: List[int], errw: int, keep_closed: List[int], base_pa
         detach_child(fds[0], fds[1], keep_closed)
         if req.get("cwd"):
             os.chdir(req["cwd"])
-        if req["mode"] == "exec":
-            for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGXFSZ):  # Python's own dispositions
-                signal.signal(sig, signal.SIG_DFL)
-            os.execve(req["exe"], req["argv"], req["env"])
         os.close(errw)
         errw = -1
         inv = parse_python_argv(req["argv"][1:])
@@ -289,10 +292,15 @@ def _child(req: dict, fds: List[int], errw: int, keep_closed: List[int], base_pa
         exit_as_python(inv, req["env"], base_path)
     except BaseException as e:
         if errw >= 0:
-            msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            target = getattr(e, "filename", None)
-            os.write(errw, (f"{msg}: {target!r}" if target else f"{type(e).__name__}: {msg}").encode())
+            os.write(errw, start_error(e).encode())
         os._exit(127)
+
+
+def start_error(e: BaseException) -> str:
+    """Why a program did not start, as the OS says it ("No such file or directory: '/bin/x'")."""
+    msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    target = getattr(e, "filename", None)
+    return f"{msg}: {target!r}" if target else f"{type(e).__name__}: {msg}"
 
 
 # ---------------------------------------------------------------- the server loop
@@ -304,6 +312,9 @@ class ForkServer:
         self.evt = evt
         self.base_path = base_path
         self.children: Dict[int, float] = {}
+        for sock in (ctl, evt):  # inherited from the agent, and no program's business
+            os.set_inheritable(sock.fileno(), False)
+        self.home = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # cwd, between exec starts
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
@@ -323,7 +334,8 @@ class ForkServer:
                     os.close(fd)
                 self.send({"token": token, "error": f"No such file or directory: {prog!r} (not found on PATH)"})
                 return
-            req["exe"] = exe
+            self.send(self.spawn_exec(token, exe, req, fds))
+            return
         errr, errw = os.pipe2(os.O_CLOEXEC)
         for s in (sys.stdout, sys.stderr):
             s.flush()
@@ -347,6 +359,33 @@ class ForkServer:
         else:
             self.children[pid] = time.time()
             self.send({"token": token, "pid": pid})
+
+    def spawn_exec(self, token: Any, exe: str, req: dict, fds: List[int]) -> Dict[str, Any]:
+        """Starts a program that is not this interpreter; the answer for the agent. Unlike a
+        fork, ``posix_spawn`` cannot set a parent-death signal: the agent ends these children's
+        process groups itself when this server dies (``launcher._Server``). The server is
+        single-threaded, so its own cwd can be the child's for the length of the call."""
+        stdout_fd, stderr_fd = fds[0], fds[1]
+        for fd in fds:  # received without close-on-exec: the child keeps only its 1 and 2
+            os.set_inheritable(fd, False)
+        actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                   (os.POSIX_SPAWN_DUP2, stdout_fd, 1), (os.POSIX_SPAWN_DUP2, stderr_fd, 2)]
+        try:
+            if req.get("cwd"):
+                os.chdir(req["cwd"])
+            try:
+                pid = os.posix_spawn(exe, req["argv"], req["env"], file_actions=actions, setsid=True,
+                                     setsigmask=(), setsigdef=EXEC_DEFAULT_SIGNALS)
+            finally:
+                if req.get("cwd"):
+                    os.fchdir(self.home)
+        except OSError as e:
+            return {"token": token, "error": start_error(e)}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.children[pid] = time.time()
+        return {"token": token, "pid": pid}
 
     def reap(self) -> None:
         while self.children:
@@ -434,6 +473,7 @@ def main(argv: List[str]) -> None:
                 pass
     server.send({"ready": True, "preloaded": [m for m in preloads if m not in failed], "failed": failed,
                  "seconds": round(time.time() - t0, 3)})
+    gc.freeze()  # what the server imported stays out of every child's collections: fewer pages copied
     server.serve()
 
 

@@ -17,10 +17,11 @@ import itertools
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 from .. import wire
 from ..torchrun import NODE_MODULE, THREAD_ENV
@@ -41,6 +42,16 @@ ACTORS_IDLE_S = float(os.environ.get("MONARCH_TORCHX_ACTORS_IDLE_S", "300"))
 
 class SpawnError(OSError):
     """The program could not be started (not found, not executable, bad cwd)."""
+
+
+def end_process_groups(pids: Iterable[int]) -> None:
+    """Kills what a dead fork server started. Its forked children die with it (their parent-death
+    signal), but the programs it exec'd with ``posix_spawn`` have none; each leads its own group."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:  # gone already
+            pass
 
 
 class _Server:
@@ -110,6 +121,7 @@ class _Server:
                 fut.set_exception(SpawnError(reason))
         self.dead.set()
         if not self.closing:
+            end_process_groups(self.pids)
             self._on_death(reason, sorted(self.pids), self.name == "plain")
 
     async def spawn(self, req: dict, fds: List[int]) -> int:
