@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, TypeVar, overload
 
+from . import config
 from .shape import Extent, Point
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -226,8 +227,6 @@ def _install_prefix() -> None:
     ``<root>`` in a controller), as Monarch's do; an empty message, as torch's structured logging
     emits, is left alone. Set ``monarch_torchx.actor.config.prefix_python_logs_with_actor = False``
     to turn it off. Installed in a proc at its start and in a controller at its first ``context()``."""
-    from . import config
-
     make = logging.getLogRecordFactory()
 
     def record(*args: Any, **kwargs: Any) -> logging.LogRecord:

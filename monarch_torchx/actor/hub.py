@@ -21,6 +21,7 @@ import logging
 import os
 import pickle
 import queue
+import resource
 import select
 import selectors
 import socket
@@ -97,8 +98,6 @@ def _writable(sock: socket.socket, timeout: float) -> bool:
 def raise_open_files_limit() -> None:
     """Lifts this process's soft limit on open files to the hard one: a controller keeps one
     socket per proc of its meshes (the soft limit is often 1,024)."""
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = max(soft, 1 << 16) if hard == resource.RLIM_INFINITY else hard
     if soft != resource.RLIM_INFINITY and soft < want:

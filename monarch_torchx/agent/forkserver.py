@@ -473,7 +473,10 @@ def main(argv: List[str]) -> None:
                 pass
     server.send({"ready": True, "preloaded": [m for m in preloads if m not in failed], "failed": failed,
                  "seconds": round(time.time() - t0, 3)})
-    gc.freeze()  # what the server imported stays out of every child's collections: fewer pages copied
+    # what the server imported stays out of every child's collections: a child's full collection
+    # would otherwise write to (and so copy) every page of the server's objects
+    gc.collect()
+    gc.freeze()
     server.serve()
 
 
