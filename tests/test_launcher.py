@@ -24,7 +24,8 @@ threading.Thread(target=late).start()
 atexit.register(lambda: print("atexit ran"))
 print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "x": os.environ.get("X"),
                   "pp": [p for p in sys.path if p.endswith("extra_pp")], "stdin": sys.stdin.read(),
-                  "pgid_is_pid": os.getpgid(0) == os.getpid(), "name": __name__}))
+                  "pgid_is_pid": os.getpgid(0) == os.getpid(), "name": __name__,
+                  "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd"))}))
 sys.stdout.write("no newline at the end")
 sys.exit(int(os.environ.get("CODE", "0")))
 """
@@ -213,30 +214,65 @@ def test_a_dead_actors_fork_server_is_replaced_at_the_next_spawn(home, pool_name
 
 EXEC_PROBE = """
 import json, os, signal, sys
-fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))[:-1]  # the last: listdir's own
-print(json.dumps({"cwd": os.getcwd(), "fds": fds, "stdin": sys.stdin.read(), "x": os.environ.get("X"),
-                  "pgid_is_pid": os.getpgid(0) == os.getpid(), "sid_is_pid": os.getsid(0) == os.getpid(),
-                  "int_handled": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
-                  "defaults": [signal.getsignal(s) == signal.SIG_DFL for s in
-                               (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGCHLD)]}))
+print(json.dumps({"cwd": os.getcwd(), "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+                  "stdin": sys.stdin.read(), "x": os.environ.get("X"),
+                  "pgid_is_pid": os.getpgid(0) == os.getpid(), "sid_is_pid": os.getsid(0) == os.getpid()}))
 """
+# glibc's posix_spawn leaves its two internal signals (32, 33) ignored; every other one is default
+GLIBC_INTERNAL = 0b11 << 31
 
 
 def test_an_execd_entrypoint_starts_as_a_fresh_process(home, pool_name, tmp_path, monkeypatch):
     """Not this interpreter (``-E`` cannot be honoured by a fork): exec'd, and it inherits
-    nothing of the fork server but the requested cwd, env and stdio."""
-    monkeypatch.chdir(tmp_path)
+    nothing of the fork server but the requested cwd, env and stdio; the server keeps its own
+    cwd; a start in a missing directory fails with the OS's reason, and the next one works."""
     with get_runner() as runner:
-        h = runner.run(_app("x", "python", "-E", "-c", EXEC_PROBE, env={"X": "role-env"}), "monarch_local",
-                       {"pool": pool_name, "hosts": 1, "preload": "none"})
-        st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal() and s, timeout=60, what="app")
-        out = "".join(runner.log_lines(h, "r", 0, streams=_stream("stdout")))
-    assert st.state == AppState.SUCCEEDED, st
-    assert json.loads(out) == {"cwd": str(tmp_path), "fds": [0, 1, 2], "stdin": "", "x": "role-env",
-                               "pgid_is_pid": True, "sid_is_pid": True, "int_handled": True,
-                               "defaults": [True] * 5}
-    st, out, _ = _run(runner, pool_name, _app("missing", "/nonexistent/prog"))
-    assert st.state == AppState.FAILED and "No such file or directory: '/nonexistent/prog'" in st.msg, st
+        _run_in(runner, pool_name, _app("warm", "true"), {"pool": pool_name, "hosts": 1, "preload": "none"})
+        pool = attach(pool_name)
+        server = _plain_fork_server(pool.hosts[0].pid)
+        server_cwd = os.readlink(f"/proc/{server}/cwd")
+        work = tmp_path / "work"
+        work.mkdir()
+        monkeypatch.chdir(work)  # the role's cwd (monarch_local's is the client's), not the server's
+        st, out = _run_in(runner, pool_name, _app("x", "python", "-E", "-c", EXEC_PROBE, env={"X": "role-env"}))
+        assert st.state == AppState.SUCCEEDED, st
+        # listdir's own fd is the lowest free one: 3, when nothing else was inherited
+        assert json.loads(out) == {"cwd": str(work), "fds": [0, 1, 2, 3], "stdin": "", "x": "role-env",
+                                   "pgid_is_pid": True, "sid_is_pid": True}
+        st, out = _run_in(runner, pool_name, _app("sig", "cat", "/proc/self/status"))
+        status = dict(line.split(":\t", 1) for line in out.splitlines() if ":\t" in line)
+        assert int(status["SigBlk"], 16) == 0 and int(status["SigIgn"], 16) & ~GLIBC_INTERNAL == 0, status
+        assert os.readlink(f"/proc/{server}/cwd") == server_cwd
+    from monarch_torchx import apps
+    from monarch_torchx.specs import LaunchSpec
+
+    for cwd, fails in ((str(tmp_path / "gone"), True), (str(work), False)):
+        spec = LaunchSpec(app_id=f"cwd{int(fails)}", role="r", replica_id=0, argv=["true"], cwd=cwd)
+        apps.launch(pool, spec.app_id, "cwd", [{"name": "r", "num_replicas": 1}], [(0, spec)])
+        (rep,) = pool.call(0, "wait", app_id=spec.app_id)
+        if fails:  # a start that failed is the replica's failure, with the OS's reason
+            assert rep["state"] == "FAILED" and rep["msg"] == f"No such file or directory: '{cwd}'", rep
+        else:
+            assert rep["state"] == "SUCCEEDED", rep
+    assert os.readlink(f"/proc/{server}/cwd") == server_cwd
+
+
+def _run_in(runner, pool_name, app, cfg=None):
+    h = runner.run(app, "monarch_local", cfg or {"pool": pool_name})
+    st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal() and s, timeout=60, what="app")
+    return st, "".join(runner.log_lines(h, "r", 0, streams=_stream("stdout")))
+
+
+def _plain_fork_server(agent_pid: int) -> int:
+    """The agent's fork server without preloads: ``-m monarch_torchx.agent.forkserver CTL EVT``."""
+    for p in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            argv = open(f"/proc/{p}/cmdline").read().split("\0")[:-1]
+            if _stat(p)[1] == agent_pid and argv[-3:-2] == ["monarch_torchx.agent.forkserver"]:
+                return int(p)
+        except (OSError, IndexError):
+            continue
+    raise AssertionError(f"no plain fork server under agent {agent_pid}")
 
 
 def test_what_a_dead_fork_server_started_ends_with_it(home, pool_name):
@@ -249,10 +285,10 @@ def test_what_a_dead_fork_server_started_ends_with_it(home, pool_name):
         app = h.rsplit(":", 1)[1]
         pid = wait_for(lambda: [r["pid"] for r in pool.call(0, "describe", app_id=app) if r["state"] == "RUNNING"],
                        what="the replica")[0]
-        server = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        server = _stat(str(pid))[1]
         assert "monarch_torchx.agent.forkserver" in open(f"/proc/{server}/cmdline").read()
-        group = [p for p in os.listdir("/proc") if p.isdigit() and _pgid(p) == pid]
-        assert len(group) >= 2, group  # the shell and its background sleep
+        group = wait_for(lambda: (g := [p for p in os.listdir("/proc") if p.isdigit() and _pgid(p) == pid])
+                         and len(g) >= 2 and g, what="the shell and its background sleep")
         os.kill(server, signal.SIGKILL)
         wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and _pgid(p) == pid for p in group), timeout=20,
                  what="the replica's process group to end")
@@ -260,6 +296,11 @@ def test_what_a_dead_fork_server_started_ends_with_it(home, pool_name):
 
 def _pgid(pid: str) -> int:
     try:
-        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[2])
+        return _stat(pid)[2]
     except (OSError, IndexError, ValueError):
         return -1
+
+
+def _stat(pid: str) -> list:
+    """/proc/PID/stat's fields after the command: [state, ppid, pgrp, session, ...], numbers as ints."""
+    return [int(f) if f.lstrip("-").isdigit() else f for f in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()]

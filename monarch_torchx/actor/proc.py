@@ -281,10 +281,8 @@ class ProcServer:
             with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
                 json.dump({"host": addr.host, "port": port, "pid": os.getpid()}, f)
             os.replace(tmp, cfg.addr_file)
-            # signal.signal, not loop.add_signal_handler: that one lists every valid signal as an
-            # enum at each add and remove, a cost every proc start paid twice over
             for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, self._on_signal)
+                self.loop.add_signal_handler(sig, self.begin_stop, f"got {signal.Signals(sig).name}")
             self.loop.call_later(OWNER_WAIT_S, self._check_owner)
         try:
             await self.stopped.wait()
@@ -298,11 +296,6 @@ class ProcServer:
                 for conn in list(self.conns):
                     if conn.transport is not None:
                         conn.transport.close()
-
-    def _on_signal(self, signum: int, _frame: Any) -> None:
-        """In the main thread, between two of its steps (the loop's wait ends on EINTR)."""
-        assert self.loop is not None
-        self.loop.call_soon_threadsafe(self.begin_stop, f"got {signal.Signals(signum).name}")
 
     def _check_owner(self) -> None:
         if self.owner is None and not self.stop_reason:

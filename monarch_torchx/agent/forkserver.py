@@ -87,10 +87,9 @@ def set_pdeathsig(sig: int) -> None:
         pass
 
 
-# Python ignores SIGPIPE and SIGXFSZ, and a role may have been started with others ignored: an
-# exec'd program gets every disposition a fresh process has (handled ones reset at exec anyway)
-EXEC_DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP,
-                        signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+# the server's dispositions are not the program's (Python ignores SIGPIPE and SIGXFSZ, and an agent
+# started with a signal ignored passes that on): an exec'd program starts with every one default
+EXEC_DEFAULT_SIGNALS = frozenset(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
 
 
 # ---------------------------------------------------------------- in the child
@@ -285,6 +284,10 @@ def _child(req: dict, fds: List[int], errw: int, keep_closed: List[int], base_pa
         detach_child(fds[0], fds[1], keep_closed)
         if req.get("cwd"):
             os.chdir(req["cwd"])
+        if req["mode"] == "exec":  # (only where this Python cannot posix_spawn: see spawn_exec)
+            for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGXFSZ):  # Python's own dispositions
+                signal.signal(sig, signal.SIG_DFL)
+            os.execve(req["exe"], req["argv"], req["env"])
         os.close(errw)
         errw = -1
         inv = parse_python_argv(req["argv"][1:])
@@ -294,6 +297,15 @@ def _child(req: dict, fds: List[int], errw: int, keep_closed: List[int], base_pa
         if errw >= 0:
             os.write(errw, start_error(e).encode())
         os._exit(127)
+
+
+def _close_all(fds: List[int]) -> None:
+    """Closes the fds and empties the list, so that nothing closes them twice."""
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:
+            pass
 
 
 def start_error(e: BaseException) -> str:
@@ -314,7 +326,10 @@ class ForkServer:
         self.children: Dict[int, float] = {}
         for sock in (ctl, evt):  # inherited from the agent, and no program's business
             os.set_inheritable(sock.fileno(), False)
-        self.home = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # cwd, between exec starts
+        # the server's own cwd, gone back to after an exec start that moved it (O_PATH: a cwd it
+        # may search but not read will do)
+        self.home = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.posix_spawn = True  # False once this Python turned out to lack posix_spawn's setsid
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
@@ -330,22 +345,24 @@ class ForkServer:
             prog = req["argv"][0]
             exe = prog if "/" in prog else shutil.which(prog, path=req["env"].get("PATH", os.defpath))
             if exe is None:
-                for fd in fds:
-                    os.close(fd)
+                _close_all(fds)
                 self.send({"token": token, "error": f"No such file or directory: {prog!r} (not found on PATH)"})
                 return
-            self.send(self.spawn_exec(token, exe, req, fds))
-            return
+            req["exe"] = exe
+            answer = self.spawn_exec(token, exe, req, fds) if self.posix_spawn else None
+            if answer is not None:
+                self.send(answer)
+                return
         errr, errw = os.pipe2(os.O_CLOEXEC)
         for s in (sys.stdout, sys.stderr):
             s.flush()
         pid = os.fork()
         if pid == 0:
             os.close(errr)
-            _child(req, fds, errw, [self.ctl.fileno(), self.evt.fileno(), self.wake_r, self.wake_w], self.base_path)
+            _child(req, fds, errw, [self.ctl.fileno(), self.evt.fileno(), self.wake_r, self.wake_w, self.home],
+                   self.base_path)
         os.close(errw)
-        for fd in fds:
-            os.close(fd)
+        _close_all(fds)
         err = b""
         while True:
             chunk = os.read(errr, 4096)
@@ -360,32 +377,44 @@ class ForkServer:
             self.children[pid] = time.time()
             self.send({"token": token, "pid": pid})
 
-    def spawn_exec(self, token: Any, exe: str, req: dict, fds: List[int]) -> Dict[str, Any]:
-        """Starts a program that is not this interpreter; the answer for the agent. Unlike a
-        fork, ``posix_spawn`` cannot set a parent-death signal: the agent ends these children's
-        process groups itself when this server dies (``launcher._Server``). The server is
-        single-threaded, so its own cwd can be the child's for the length of the call."""
-        stdout_fd, stderr_fd = fds[0], fds[1]
+    def spawn_exec(self, token: Any, exe: str, req: dict, fds: List[int]) -> Optional[Dict[str, Any]]:
+        """Starts a program that is not this interpreter; returns the answer for the agent, or
+        None (the fds untouched) where this Python's ``posix_spawn`` cannot start a session,
+        which then forks as before. Unlike a fork, ``posix_spawn`` cannot set a parent-death
+        signal: the agent ends these children's process groups itself when this server dies
+        (``launcher._Server``). The server is single-threaded, so its own cwd can be the child's
+        for the length of the call. SIGTERM (``kill_all``) waits until the child is on record."""
         for fd in fds:  # received without close-on-exec: the child keeps only its 1 and 2
             os.set_inheritable(fd, False)
         actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                   (os.POSIX_SPAWN_DUP2, stdout_fd, 1), (os.POSIX_SPAWN_DUP2, stderr_fd, 2)]
+                   (os.POSIX_SPAWN_DUP2, fds[0], 1), (os.POSIX_SPAWN_DUP2, fds[1], 2)]
+        cwd = req.get("cwd")
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
-            if req.get("cwd"):
-                os.chdir(req["cwd"])
-            try:
-                pid = os.posix_spawn(exe, req["argv"], req["env"], file_actions=actions, setsid=True,
-                                     setsigmask=(), setsigdef=EXEC_DEFAULT_SIGNALS)
-            finally:
-                if req.get("cwd"):
-                    os.fchdir(self.home)
+            if cwd:
+                os.chdir(cwd)
+            pid = os.posix_spawn(exe, req["argv"], req["env"], file_actions=actions, setsid=True,
+                                 setsigmask=(), setsigdef=EXEC_DEFAULT_SIGNALS)
+        except NotImplementedError:  # built against a C library without POSIX_SPAWN_SETSID
+            self.posix_spawn = False
+            return None
         except OSError as e:
+            _close_all(fds)
             return {"token": token, "error": start_error(e)}
+        else:
+            self.children[pid] = time.time()
+            _close_all(fds)
+            return {"token": token, "pid": pid}
         finally:
-            for fd in fds:
-                os.close(fd)
-        self.children[pid] = time.time()
-        return {"token": token, "pid": pid}
+            if cwd:
+                self.go_home()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+    def go_home(self) -> None:
+        try:
+            os.fchdir(self.home)
+        except OSError:  # every later start would run in a role's directory: end, and the agent says so
+            self.kill_all()
 
     def reap(self) -> None:
         while self.children:
@@ -429,14 +458,11 @@ class ForkServer:
                     req = requests.recv()
                 except (OSError, WireError, EOFError):
                     self.kill_all()
+                fds = list(fds)  # (emptied by whoever closes them)
                 try:
-                    self.spawn(req, list(fds))
+                    self.spawn(req, fds)
                 except Exception as e:  # fork/pipe failing (ENOMEM, EAGAIN, EMFILE) fails this start only
-                    for fd in fds:
-                        try:
-                            os.close(fd)
-                        except OSError:
-                            pass
+                    _close_all(fds)
                     self.send({"token": req.get("token"), "error": f"could not start: {type(e).__name__}: {e}"})
 
 
@@ -471,12 +497,12 @@ def main(argv: List[str]) -> None:
                 __import__(mod)
             except Exception:
                 pass
-    server.send({"ready": True, "preloaded": [m for m in preloads if m not in failed], "failed": failed,
-                 "seconds": round(time.time() - t0, 3)})
     # what the server imported stays out of every child's collections: a child's full collection
     # would otherwise write to (and so copy) every page of the server's objects
     gc.collect()
     gc.freeze()
+    server.send({"ready": True, "preloaded": [m for m in preloads if m not in failed], "failed": failed,
+                 "seconds": round(time.time() - t0, 3)})
     server.serve()
 
 

@@ -165,6 +165,8 @@ class _Server:
                 self.proc.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
+                end_process_groups(self.pids)  # it was killed before it could end what it exec'd
 
 
 class Launcher:
