@@ -304,3 +304,36 @@ def _pgid(pid: str) -> int:
 def _stat(pid: str) -> list:
     """/proc/PID/stat's fields after the command: [state, ppid, pgrp, session, ...], numbers as ints."""
     return [int(f) if f.lstrip("-").isdigit() else f for f in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()]
+
+
+def test_an_exec_start_forks_where_posix_spawn_cannot_start_a_session(monkeypatch, tmp_path):
+    """A Python built against a C library without POSIX_SPAWN_SETSID raises NotImplementedError
+    for ``posix_spawn(setsid=True)``: the fork server then forks and execs, as it did before.
+    (This machine's Python has it, so the fork server runs here in this process, with that
+    call refusing.)"""
+    import socket
+
+    from monarch_torchx import wire
+    from monarch_torchx.agent import forkserver
+
+    ctl, ctl_server = socket.socketpair()
+    evt, evt_server = socket.socketpair()
+    server = forkserver.ForkServer(ctl_server, evt_server, [])
+
+    def no_session(*_a, **_k):
+        raise NotImplementedError("setsid is not supported")
+
+    monkeypatch.setattr(forkserver.os, "posix_spawn", no_session)
+    out = tmp_path / "out"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT, 0o600)
+    server.spawn({"token": 7, "mode": "exec", "argv": ["sh", "-c", "echo $X $(pwd); echo err >&2"],
+                  "env": {"X": "forked", "PATH": os.defpath}, "cwd": str(tmp_path)}, [fd, os.dup(fd)])
+    reply = wire.FrameReader(evt, exact=True).recv()
+    assert reply["token"] == 7 and reply["pid"] > 0 and not server.posix_spawn, reply
+    _, status = os.waitpid(reply["pid"], 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and out.read_text() == f"forked {tmp_path}\nerr\n"
+    assert os.getcwd() != str(tmp_path)  # the server's own cwd was never the role's
+    for s in (ctl, evt, ctl_server, evt_server):
+        s.close()
+    for fd in (server.home, server.wake_r, server.wake_w):
+        os.close(fd)
