@@ -115,7 +115,7 @@ def _follow_group(targets: Sequence[Target], creds: Any, args: Dict[str, Any], f
                 if stop.is_set():
                     return
                 c.settimeout(None)  # a follow lasts as long as the replicas
-                for batch in c.stream(OP, targets=[asdict(t) for t in group], fanout=fanout, **args):
+                for batch in c.stream(OP, targets=[t.as_dict() for t in group], fanout=fanout, **args):
                     streamed = True
                     for ev in batch:
                         if ev.get("host_ended") or (ev.get("error") and not ev.get("role")):

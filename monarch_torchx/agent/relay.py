@@ -17,7 +17,7 @@ import asyncio
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import wire
@@ -46,6 +46,9 @@ class Target:
     port: int
     identity: str
 
+    def as_dict(self) -> Dict[str, Any]:
+        return dict(vars(self))
+
 
 @dataclass
 class Outcome:
@@ -58,6 +61,11 @@ class Outcome:
     refused: bool = False  # a ConnectFailed whose connection was refused (nothing listens there)
     via: Optional[int] = None  # the agent that reported it, when not the host itself
     merged_into: Optional[int] = None  # for a combined op: its value is part of that host's value
+
+    def as_dict(self) -> Dict[str, Any]:
+        """Its wire form, shallow: ``dataclasses.asdict`` would deep-copy the value (a host's
+        whole answer) again at every level of the tree."""
+        return dict(vars(self))
 
 
 def split(targets: Sequence[Target], fanout: int) -> List[List[Target]]:
@@ -155,7 +163,7 @@ def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict]
         left = deadline - time.monotonic()
         if left <= 0:
             for t in targets[pos:]:
-                out.setdefault(t.index, asdict(Outcome(False, error="no time was left to reach it", kind="PeerTimeout")))
+                out.setdefault(t.index, Outcome(False, error="no time was left to reach it", kind="PeerTimeout").as_dict())
             return out
         group = targets[pos:]
         # a hung first member leaves time for the next; a member alone in its group waits patiently
@@ -172,7 +180,7 @@ def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict]
                     reused = None
                     if _closed(e):  # it had closed this connection since (restarted?): dial it afresh
                         continue
-                    out[head.index] = asdict(failure(e))  # hung: the next member leads the rest
+                    out[head.index] = failure(e).as_dict()  # hung: the next member leads the rest
                     if isinstance(e, wire.PeerTimeout) and len(group) > 1:
                         slow.append(head)
                     break
@@ -183,18 +191,18 @@ def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict]
                                     sock=sock)
                     tunnelled = sock is not None
                 except (wire.WireError, OSError, MonarchError) as e:  # (MonarchError: a tunnel that did not open)
-                    out[head.index] = asdict(failure(e))  # the next member leads the rest of the group
+                    out[head.index] = failure(e).as_dict()  # the next member leads the rest of the group
                     if isinstance(e, wire.PeerTimeout) and len(group) > 1:
                         slow.append(head)
                     break
             try:
                 c.settimeout(max(0.1, deadline - time.monotonic()))
                 sub_calls = {t.index: calls[t.index] for t in group if t.index in calls} if calls else None
-                reply = c.call("relay", relayed=op, targets=[asdict(t) for t in group], args=args, calls=sub_calls,
+                reply = c.call("relay", relayed=op, targets=[t.as_dict() for t in group], args=args, calls=sub_calls,
                                fanout=fanout, timeout=max(0.1, deadline - time.monotonic() - LEVEL_MARGIN_S))
             except wire.RemoteError as e:  # it refused the relay itself (e.g. it is shutting down)
                 c.close()
-                out[head.index] = asdict(failure(e))
+                out[head.index] = failure(e).as_dict()
                 break
             except (wire.WireError, OSError) as e:  # it took the request and did not answer: its subtree waited
                 c.close()
@@ -203,12 +211,12 @@ def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict]
                     continue
                 if op in REPEATABLE and len(group) > 1 and _closed(e):
                     # it died mid-operation (a hung one times out instead): the rest is led by the next member
-                    out[head.index] = asdict(Outcome(False, kind="PeerClosed",
-                                                     error=f"closed the connection while relaying ({e})"))
+                    out[head.index] = Outcome(False, kind="PeerClosed",
+                                              error=f"closed the connection while relaying ({e})").as_dict()
                     break
                 for t in group:
-                    out.setdefault(t.index, asdict(Outcome(False, kind=type(e).__name__, via=head.index,
-                                                           error=f"no answer through host {head.index} ({e})")))
+                    out.setdefault(t.index, Outcome(False, kind=type(e).__name__, via=head.index,
+                                                    error=f"no answer through host {head.index} ({e})").as_dict())
                 return out
             if keep is not None and not tunnelled:
                 keep.give(head, c)
@@ -281,16 +289,16 @@ class Relay:
                                          timeout, None, self.connections) for g in groups]
         out: Dict[int, dict] = {}
         if op not in LOCAL_LAST:
-            out[self.agent.index] = asdict(await self._local(peer, op, args, (calls or {}).get(self.agent.index)))
+            out[self.agent.index] = (await self._local(peer, op, args, (calls or {}).get(self.agent.index))).as_dict()
         for done in await asyncio.gather(*subtrees, return_exceptions=True):
             if isinstance(done, BaseException):  # (call_group reports every failure it knows of)
                 continue
             out.update(done)
         for t in tree[1:]:
-            out.setdefault(t.index, asdict(Outcome(False, error=f"not reached through host {self.agent.index}",
-                                                   kind="PeerClosed", via=self.agent.index)))
+            out.setdefault(t.index, Outcome(False, error=f"not reached through host {self.agent.index}",
+                                            kind="PeerClosed", via=self.agent.index).as_dict())
         if op in LOCAL_LAST:
-            out[self.agent.index] = asdict(await self._local(peer, op, args, (calls or {}).get(self.agent.index)))
+            out[self.agent.index] = (await self._local(peer, op, args, (calls or {}).get(self.agent.index))).as_dict()
         combine = self.agent.combiners.get(op)
         if combine is not None:
             out = await loop.run_in_executor(self._pool(), combined, out, combine, args or {})
@@ -331,12 +339,12 @@ def combined(out: Dict[int, dict], combine: Any, args: dict) -> Dict[int, dict]:
         return out
     carrier = answered[0]
     out = dict(out)
-    out[carrier] = asdict(Outcome(True, value))
+    out[carrier] = Outcome(True, value).as_dict()
     for i in answered[1:]:
-        out[i] = asdict(Outcome(True, None, merged_into=carrier))
+        out[i] = Outcome(True, None, merged_into=carrier).as_dict()
     for i, o in out.items():  # those merged into a host of ours are in the carrier's value now
         if o["ok"] and o.get("merged_into") is not None and i not in answered:
-            out[i] = asdict(Outcome(True, None, merged_into=carrier))
+            out[i] = Outcome(True, None, merged_into=carrier).as_dict()
     return out
 
 
