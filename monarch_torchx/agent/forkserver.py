@@ -498,8 +498,8 @@ def main(argv: List[str]) -> None:
             except Exception:
                 pass
     # what the server imported stays out of every child's collections: a child's full collection
-    # would otherwise write to (and so copy) every page of the server's objects
-    gc.collect()
+    # would otherwise write to (and so copy) every page of the server's objects. No collection
+    # first: the holes it would free are where a child's new objects would go, copying those pages.
     gc.freeze()
     server.send({"ready": True, "preloaded": [m for m in preloads if m not in failed], "failed": failed,
                  "seconds": round(time.time() - t0, 3)})
