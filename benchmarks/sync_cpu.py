@@ -199,6 +199,5 @@ def main() -> None:
         record(args.section, ".venv/bin/python benchmarks/sync_cpu.py " + " ".join(sys.argv[1:]), body)
 
 
-
 if __name__ == "__main__":
     main()

@@ -37,7 +37,6 @@ from scale import BIN, Meter, _agent_sessions, _session_cpu  # noqa: E402
 from scale_versions import git_line  # noqa: E402
 
 
-
 def measure(bin_dir: Path, hosts: int, apps: int, idle_s: float) -> Dict[str, float]:
     home = Path(tempfile.mkdtemp(prefix="warm-iter-"))
     env = dict(os.environ, MONARCH_TORCHX_HOME=str(home), PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")

@@ -32,9 +32,10 @@ def _components_found_once() -> Iterator[None]:
     """TorchX's component finder validates every component of every registered module on each
     ``torchx run``, and for each one it scans every installed distribution's entry points again
     (``torchx.util.io.read_conf_file``) and parses its module's source again (``file_linter``):
-    19 of each for ``torchx run utils.echo`` (the cost: RESULTS.md ``warm-iterations``). Neither the installed distributions nor a module's source change while one command runs, so
-    for its length the full scan is made once and each source parsed once (a call that asks for
-    a group or a name, or a parse with other options, still goes through as it is)."""
+    19 of each for ``torchx run utils.echo`` (the cost: RESULTS.md ``warm-iterations``). Neither
+    the installed distributions nor a module's source change while one command runs, so for its
+    length the full scan is made once and each source parsed once (a call that asks for a group
+    or a name, or a parse with other options, still goes through as it is)."""
     import ast
 
     from torchx.util import entrypoints

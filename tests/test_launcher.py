@@ -46,8 +46,8 @@ def _app(name, entrypoint, *args, env=None, cwd_image="."):
     return AppDef(name=name, roles=[Role(name="r", image=cwd_image, entrypoint=entrypoint, args=list(args), env=env or {})])
 
 
-def _run(runner, pool_name, app):
-    h = runner.run(app, "monarch_local", {"pool": pool_name})
+def _run(runner, pool_name, app, cfg=None):
+    h = runner.run(app, "monarch_local", cfg or {"pool": pool_name})
     st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal() and s, timeout=60, what="app")
     out = "".join(runner.log_lines(h, "r", 0, streams=None))
     return st, out, "".join(runner.log_lines(h, "r", 0, streams=_stream("stdout")))
@@ -227,19 +227,19 @@ def test_an_execd_entrypoint_starts_as_a_fresh_process(home, pool_name, tmp_path
     nothing of the fork server but the requested cwd, env and stdio; the server keeps its own
     cwd; a start in a missing directory fails with the OS's reason, and the next one works."""
     with get_runner() as runner:
-        _run_in(runner, pool_name, _app("warm", "true"), {"pool": pool_name, "hosts": 1, "preload": "none"})
+        _run(runner, pool_name, _app("warm", "true"), {"pool": pool_name, "hosts": 1, "preload": "none"})
         pool = attach(pool_name)
         server = _plain_fork_server(pool.hosts[0].pid)
         server_cwd = os.readlink(f"/proc/{server}/cwd")
         work = tmp_path / "work"
         work.mkdir()
         monkeypatch.chdir(work)  # the role's cwd (monarch_local's is the client's), not the server's
-        st, out = _run_in(runner, pool_name, _app("x", "python", "-E", "-c", EXEC_PROBE, env={"X": "role-env"}))
+        st, _, out = _run(runner, pool_name, _app("x", "python", "-E", "-c", EXEC_PROBE, env={"X": "role-env"}))
         assert st.state == AppState.SUCCEEDED, st
         # listdir's own fd is the lowest free one: 3, when nothing else was inherited
         assert json.loads(out) == {"cwd": str(work), "fds": [0, 1, 2, 3], "stdin": "", "x": "role-env",
                                    "pgid_is_pid": True, "sid_is_pid": True}
-        st, out = _run_in(runner, pool_name, _app("sig", "cat", "/proc/self/status"))
+        st, _, out = _run(runner, pool_name, _app("sig", "cat", "/proc/self/status"))
         status = dict(line.split(":\t", 1) for line in out.splitlines() if ":\t" in line)
         assert int(status["SigBlk"], 16) == 0 and int(status["SigIgn"], 16) & ~GLIBC_INTERNAL == 0, status
         assert os.readlink(f"/proc/{server}/cwd") == server_cwd
@@ -255,12 +255,6 @@ def test_an_execd_entrypoint_starts_as_a_fresh_process(home, pool_name, tmp_path
         else:
             assert rep["state"] == "SUCCEEDED", rep
     assert os.readlink(f"/proc/{server}/cwd") == server_cwd
-
-
-def _run_in(runner, pool_name, app, cfg=None):
-    h = runner.run(app, "monarch_local", cfg or {"pool": pool_name})
-    st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal() and s, timeout=60, what="app")
-    return st, "".join(runner.log_lines(h, "r", 0, streams=_stream("stdout")))
 
 
 def _plain_fork_server(agent_pid: int) -> int:

@@ -349,7 +349,7 @@ class ForkServer:
                 self.send({"token": token, "error": f"No such file or directory: {prog!r} (not found on PATH)"})
                 return
             req["exe"] = exe
-            answer = self.spawn_exec(token, exe, req, fds) if self.posix_spawn else None
+            answer = self.spawn_exec(token, req, fds) if self.posix_spawn else None
             if answer is not None:
                 self.send(answer)
                 return
@@ -377,7 +377,7 @@ class ForkServer:
             self.children[pid] = time.time()
             self.send({"token": token, "pid": pid})
 
-    def spawn_exec(self, token: Any, exe: str, req: dict, fds: List[int]) -> Optional[Dict[str, Any]]:
+    def spawn_exec(self, token: Any, req: dict, fds: List[int]) -> Optional[Dict[str, Any]]:
         """Starts a program that is not this interpreter; returns the answer for the agent, or
         None (the fds untouched) where this Python's ``posix_spawn`` cannot start a session,
         which then forks as before. Unlike a fork, ``posix_spawn`` cannot set a parent-death
@@ -393,7 +393,7 @@ class ForkServer:
         try:
             if cwd:
                 os.chdir(cwd)
-            pid = os.posix_spawn(exe, req["argv"], req["env"], file_actions=actions, setsid=True,
+            pid = os.posix_spawn(req["exe"], req["argv"], req["env"], file_actions=actions, setsid=True,
                                  setsigmask=(), setsigdef=EXEC_DEFAULT_SIGNALS)
         except NotImplementedError:  # built against a C library without POSIX_SPAWN_SETSID
             self.posix_spawn = False
