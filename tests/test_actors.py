@@ -853,6 +853,28 @@ def test_actor_instance_proc_mesh_is_the_mesh_it_was_spawned_on(procs):
     assert sizes == {"hosts": 2} and mates == sorted(column.spawn("c2", Counter).pid.call().get(timeout=30).values())
 
 
+def test_proc_mesh_is_made_once_when_asked_and_travels_made():
+    """A proc keeps a mesh's procs packed until an actor asks for ``proc_mesh`` (spawning N
+    actors would otherwise unpack N addresses in each of N procs); the instance asks once, and a
+    pickled instance carries the mesh itself, not the proc's maker."""
+    import pickle
+
+    from monarch_torchx.actor.actor import ActorInstance
+    from monarch_torchx.actor.shape import Extent, Point
+
+    made = []
+
+    def source():
+        made.append(1)
+        return {"a mesh": len(made)}
+    inst = ActorInstance("a", "a-1", Point((0,), Extent(("procs",), (1,))), 0, "m", 0, proc_mesh_source=source)
+    assert made == []
+    assert inst.proc_mesh == {"a mesh": 1} and inst.proc_mesh is inst.proc_mesh and made == [1]
+    copy = pickle.loads(pickle.dumps(inst))
+    assert copy.proc_mesh == {"a mesh": 1} and copy.proc_mesh_source is None and made == [1]
+    assert ActorInstance("b", "b-1", inst.rank, 0, "m", 0).proc_mesh is None
+
+
 def test_actor_names_creators_and_the_log_prefix_switch(procs, caplog):
     """As Monarch names an actor: its creator chain (`<root>.<module.Class name{point}>`), its
     `creator` (the controller is `root`); the controller's own log records say `[actor=<root>]`

@@ -136,12 +136,22 @@ class ActorInstance:
     host_index: int
     cls_path: str = ""  # module.Class of the actor
     creator: Optional[CreatorInstance] = None  # who spawned it (None for the controller itself)
-    proc_mesh: Any = field(default=None, repr=False, compare=False)  # the ProcMesh it was spawned on
+    # makes the ProcMesh it was spawned on (``proc_mesh``), on first use
+    proc_mesh_source: Optional[Callable[[], Any]] = field(default=None, repr=False, compare=False)
     # the controller's own proc, for an actor running in the controller's process (session.this_proc())
     hosted_by: Any = field(default=None, repr=False, compare=False)
 
+    @property
+    def proc_mesh(self) -> Any:
+        """The ProcMesh it was spawned on (Monarch's ``actor_instance.proc_mesh``), made when first
+        asked for: it names every proc of the mesh, and most actors never ask."""
+        if "_proc_mesh" not in self.__dict__:
+            source = self.proc_mesh_source
+            self.__dict__["_proc_mesh"] = source() if source is not None else None
+        return self.__dict__["_proc_mesh"]
+
     def __getstate__(self) -> Dict[str, Any]:  # sent elsewhere, it is a description, not a proc of theirs
-        return {**self.__dict__, "hosted_by": None}
+        return {**self.__dict__, "hosted_by": None, "proc_mesh_source": None, "_proc_mesh": self.proc_mesh}
 
     @property
     def class_name(self) -> Optional[str]:

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Sequence, Tuple, TypeVar
@@ -542,8 +543,8 @@ class ProcMesh(_MeshTrait):
                 key = (ref.addr, self.mesh_id, len(self._procs))
                 first = key not in hub.mesh_refs_sent
                 hub.mesh_refs_sent.add(key)
-            if first and refs_blob is None:
-                refs_blob = pickle.dumps(self._procs, protocol=5)
+            if first and refs_blob is None:  # N procs each get all N addresses, which repeat: compressed
+                refs_blob = zlib.compress(pickle.dumps(self._procs, protocol=5), 1)
             header = messages.Spawn(rid, hub.sender, seq, actor_id, name, point.coords,
                                     self._shape.labels, self._shape.sizes, owner, creator,
                                     (self.mesh_id, self._shape, len(self._procs), refs_blob if first else None))

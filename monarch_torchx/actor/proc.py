@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import traceback
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
@@ -63,10 +64,12 @@ class ActorThread:
         self.run_then(fn, args, lambda ok, value: _settle(done, ok, value))
         return done
 
-    def run_then(self, fn: Callable[..., Any], args: tuple, then: Callable[[bool, Any], None]) -> None:
+    def run_then(self, fn: Callable[..., Any], args: tuple, then: Callable[[bool, Any], None],
+                 on_loop: bool = True) -> None:
         """``fn(*args)`` here, then ``then(ok, result or exception)`` on the loop: one loop wake-up
-        and no asyncio future (the path of every sync endpoint call)."""
-        self._jobs.put((fn, args, then))
+        and no asyncio future. ``on_loop=False``: ``then`` runs here, right after, and wakes the
+        loop only for what needs it (the path of every sync endpoint call)."""
+        self._jobs.put((fn, args, then, on_loop))
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -76,13 +79,16 @@ class ActorThread:
             job = self._jobs.get()
             if job is None:
                 return
-            fn, args, then = job
+            fn, args, then, on_loop = job
             try:
                 ok, value = True, fn(*args)
             except BaseException as e:  # noqa: BLE001 - handed to the loop, which decides
                 ok, value = False, e
             try:
-                self._loop.call_soon_threadsafe(then, ok, value)
+                if on_loop:
+                    self._loop.call_soon_threadsafe(then, ok, value)
+                else:
+                    then(ok, value)
             except RuntimeError:  # the loop is closed: the proc is ending
                 return
 
@@ -105,7 +111,9 @@ class ActorSlot:
     ctx: Context
     endpoints: Dict[str, Endpoint]
     queue: Deque[Tuple[Endpoint, tuple, dict, Reply]] = field(default_factory=collections.deque)
-    busy: bool = False
+    busy: bool = False  # a call of it runs or waits (queue, busy and on_thread change under lock)
+    on_thread: int = 0  # sync calls handed straight to its thread, not yet done
+    lock: threading.Lock = field(default_factory=threading.Lock)
     failed: Optional[str] = None
     failed_kind: str = "supervision"  # the error kind later calls get: "aborted" after abort()
     owner: Optional[Tuple[Any, str]] = None  # (connection of the process that spawned it, its actor id or "")
@@ -158,6 +166,20 @@ def _takes_an_argument(fn: Callable[..., Any]) -> bool:
         return False
     return bool(params) and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD,
                                                params[0].VAR_POSITIONAL)
+
+
+class BroadcastReport:
+    """The reply of a call nobody waits for (a broadcast). A failure fails the actor, as in
+    Monarch; a success needs nothing done, so an actor's thread does not wake the loop for it."""
+
+    def __init__(self, server: "ProcServer", actor_id: str, endpoint: str):
+        self.server, self.actor_id, self.endpoint = server, actor_id, endpoint
+
+    def __call__(self, ok: bool, value: Any) -> None:
+        if not ok:
+            print(f"broadcast to {self.actor_id}.{self.endpoint} failed: {value[1]}\n{value[2]}", file=sys.stderr)
+            if value[0] == "actor":
+                self.server._actor_failed(self.actor_id, value[1])
 
 
 class ProcConnection(AuthenticatedConnection):
@@ -243,7 +265,7 @@ class ProcServer:
         self.loop_thread: Optional[int] = None
         self.stopped: Optional[asyncio.Event] = None
         self.me: Optional[session.ProcIdentity] = None
-        self.mesh_refs: Dict[Tuple[str, int], List[Any]] = {}  # (mesh id, procs): its ProcRefs, for proc_mesh
+        self.mesh_refs: Dict[Tuple[str, int], Any] = {}  # (mesh id, procs): its ProcRefs (packed until asked for)
         self.conns: set = set()  # accepted connections (closed when the controller's own proc stops)
         self._handlers: Dict[type, Callable[[ProcConnection, Any, List[bytearray]], None]] = {
             messages.Call: self._on_call, messages.Cast: self.cast, messages.Spawn: self._on_spawn,
@@ -462,13 +484,7 @@ class ProcServer:
     def _replier(self, conn: Optional[ProcConnection], rid: int, actor_id: str, ep: str) -> Reply:
         if rid and conn is not None:
             return lambda ok, value: conn.reply(rid, ok, value)
-
-        def report(ok: bool, value: Any) -> None:  # a broadcast has nobody to tell: it fails the actor
-            if not ok:
-                print(f"broadcast to {actor_id}.{ep} failed: {value[1]}\n{value[2]}", file=sys.stderr)
-                if value[0] == "actor":
-                    self._actor_failed(actor_id, value[1])
-        return report
+        return BroadcastReport(self, actor_id, ep)
 
     def _escaped_port(self, slot: ActorSlot, err: Any) -> Any:
         self._actor_failed(slot.actor_id, f"{err[1]} (instead of answering through its response port)")
@@ -562,14 +578,20 @@ class ProcServer:
             slot.tasks.add(task)
             task.add_done_callback(slot.tasks.discard)
             return
-        if not slot.busy and not ep.is_async:  # the common case: straight to the actor's thread
+        with slot.lock:
+            # the common case, straight to the actor's thread, which runs its calls in order: when
+            # nothing runs, or only such calls do and none waits here behind them
+            direct = not ep.is_async and (not slot.busy or (slot.on_thread > 0 and not slot.queue))
+            if direct:
+                slot.on_thread += 1
+            else:
+                slot.queue.append((ep, args, kwargs, reply))
+            start = not slot.busy and not direct
             slot.busy = True
+        if direct:
             self._actor_thread(slot).run_then(self._run_sync, (slot, ep, args, kwargs),
-                                              lambda ok, res: self._sync_done(slot, reply, res))
-            return
-        slot.queue.append((ep, args, kwargs, reply))
-        if not slot.busy:
-            slot.busy = True
+                                              functools.partial(self._sync_ran, slot, reply), on_loop=False)
+        elif start:
             assert self.loop is not None
             self.loop.create_task(self._drain(slot))
 
@@ -578,16 +600,22 @@ class ProcServer:
         """Answers a call that ran; if the actor failed while it ran, Monarch's call fails too."""
         reply(*((False, slot.refusal()) if slot.failed and res[0] else res))
 
-    def _sync_done(self, slot: ActorSlot, reply: Reply, res: Tuple[bool, Any]) -> None:
-        """On the loop: a sync endpoint that ran alone answered; the actor's queue goes on."""
-        try:
-            self._answer(slot, reply, res)
-        finally:
-            if slot.queue:
-                assert self.loop is not None
-                self.loop.create_task(self._drain(slot))
-            else:
+    def _sync_ran(self, slot: ActorSlot, reply: Reply, ok: bool, res: Tuple[bool, Any]) -> None:
+        """On the actor's thread, after a sync endpoint it got straight: the answer goes through
+        the loop (which owns the connections), except a broadcast's success, which tells nobody
+        (no loop wake-up); then the calls that waited behind it start."""
+        assert self.loop is not None
+        if not ok:  # _run_sync itself raised (it answers every endpoint's error): say so, never hang
+            res = (False, error_payload("actor", f"{type(res).__name__}: {res}"))
+        if not (isinstance(reply, BroadcastReport) and res[0] and not slot.failed):
+            self.loop.call_soon_threadsafe(self._answer, slot, reply, res)
+        with slot.lock:
+            slot.on_thread -= 1
+            drain = slot.on_thread == 0 and bool(slot.queue)
+            if slot.on_thread == 0 and not drain:
                 slot.busy = False
+        if drain:
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain(slot)))  # type: ignore[union-attr]
 
     async def _drain(self, slot: ActorSlot) -> None:
         try:
@@ -602,7 +630,8 @@ class ProcServer:
                     res = await self._actor_thread(slot).run(self._run_sync, slot, ep, args, kwargs)
                 self._answer(slot, reply, res)
         finally:
-            slot.busy = False
+            with slot.lock:
+                slot.busy = False
 
     def _actor_thread(self, slot: ActorSlot) -> ActorThread:
         if slot.thread is None:
@@ -708,7 +737,7 @@ class ProcServer:
             self.booting.append(lambda: self.spawn(conn, rid, actor_id, name, point, bufs, owner, creator, mesh))
             return
         inst_ctx = Context(ActorInstance(name, actor_id, point, self.rank, self.mesh_id, self.host_index,
-                                         creator=creator, proc_mesh=self._proc_mesh(mesh),
+                                         creator=creator, proc_mesh_source=self._proc_mesh(mesh),
                                          hosted_by=self.me if self.settings.in_client else None))
         slot = ActorSlot(actor_id, name, "?", None, inst_ctx, {})
         try:
@@ -743,19 +772,25 @@ class ProcServer:
         done = self._actor_thread(slot).run(self._in_context, slot, init, ())
         done.add_done_callback(lambda d: self._constructed(conn, rid, slot, instance, owner, d))
 
-    def _proc_mesh(self, mesh: Optional[Tuple[str, Any, int, Optional[List[Any]]]]) -> Any:
-        """The ProcMesh an actor was spawned on (its procs come with the first spawn on each)."""
+    def _proc_mesh(self, mesh: Optional[Tuple[str, Any, int, Optional[bytes]]]) -> Optional[Callable[[], Any]]:
+        """Makes the ProcMesh an actor was spawned on, when it asks (its procs come with the first
+        spawn on each proc, compressed; they are unpacked once, at the first ask on this proc)."""
         if mesh is None:
             return None
-        from .mesh import ProcMesh
-
         mesh_id, shape, count, refs = mesh
-        if refs is not None and (mesh_id, count) not in self.mesh_refs:
-            # one mesh id has one list of procs per size (a proc's this_proc() is 1 of N); the
-            # client pickles the list once for all of them, so it comes as bytes
-            self.mesh_refs[(mesh_id, count)] = pickle.loads(refs) if isinstance(refs, bytes) else refs
-        procs = self.mesh_refs.get((mesh_id, count))
-        return ProcMesh(self.pool, procs, shape, mesh_id) if procs else None
+        key = (mesh_id, count)
+        if refs is not None and key not in self.mesh_refs:
+            # one mesh id has one list of procs per size (a proc's this_proc() is 1 of N)
+            self.mesh_refs[key] = refs
+
+        def make() -> Any:
+            from .mesh import ProcMesh
+
+            procs = self.mesh_refs.get(key)
+            if isinstance(procs, bytes):
+                procs = self.mesh_refs[key] = pickle.loads(zlib.decompress(procs))
+            return ProcMesh(self.pool, procs, shape, mesh_id) if procs else None
+        return make
 
     def _constructed(self, conn: ProcConnection, rid: int, slot: ActorSlot, instance: Any, owner: str,
                      done: "asyncio.Future[Any]") -> None:
