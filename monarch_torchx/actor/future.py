@@ -124,7 +124,8 @@ class Future(Generic[T]):
 
         if not self.done():
             loop = asyncio.get_running_loop()
-            if self._hub is not None:  # someone must read the sockets: a worker thread does it
+            # someone must read the sockets: a worker thread, unless this loop is the hub's reader
+            if self._hub is not None and not self._hub.reads_on(loop):
                 stop = threading.Event()
 
                 def wait() -> None:
@@ -136,9 +137,13 @@ class Future(Generic[T]):
                     stop.set()  # a cancelled await frees its thread within half a second
             else:
                 waiter = loop.create_future()
+                on_loop = threading.get_ident()
 
                 def wake(_f: "Future[T]") -> None:
-                    loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+                    if threading.get_ident() == on_loop:  # completed by the loop's own reading
+                        waiter.done() or waiter.set_result(None)
+                    else:
+                        loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
 
                 self.add_done_callback(wake)
                 yield from waiter.__await__()

@@ -5,7 +5,9 @@ frames as the agent). There is no reader thread: a thread that waits on a future
 reader role, pumps every connection until its future is done, then hands the role to the
 next waiter. A round trip therefore costs two syscalls and no thread switch. When no caller
 reads, an idle reader does, so a proc's death (its connection's end) is seen while the program
-computes; a third thread runs the supervision handlers.
+computes; a third thread runs the supervision handlers. In an actor proc the idle reader is the
+proc's event loop: what the loop awaits (a multicast's answers from its subtree, an ``await``ed
+call) is read and completed there, with no thread between.
 
 Each message is a small plain-pickled header plus a payload pickled once (cloudpickle,
 out-of-band buffers) and carried as the frame's buffers: a call to N procs pickles its
@@ -267,6 +269,9 @@ class Hub:
         self._idle_leads = False  # the idle reader holds the reader role
         self._want_lead = False  # a caller asked the idle reader to hand the role over
         self._last_caller = time.monotonic()
+        # an actor proc's event loop, reading when no thread does (read_on_loop)
+        self._loop: Optional[Any] = None
+        self._loop_watching = False  # its reader is registered (taken off while a thread reads)
 
     # ------------------------------------------------------------ connections
 
@@ -488,12 +493,67 @@ class Hub:
                     with self._cond:
                         self._reading = False
                         self._last_caller = time.monotonic()
+                        self._loop_reads_again()
                         self._cond.notify_all()
         return True
 
+    def read_on_loop(self, loop: Any) -> None:
+        """Makes ``loop`` (an actor proc's, called on its thread) the reader whenever no thread
+        is: it reads what is there, dispatches, and lets go at once. A thread that waits on a
+        future still takes the role and reads for itself; the loop resumes when it lets go."""
+        self._loop = loop
+        self._loop_watching = True
+        loop.add_reader(self.sel.fileno(), self._read_on_loop)
+
+    def reads_on(self, loop: Any) -> bool:
+        """Whether ``loop`` reads this hub's connections (its awaits need no thread)."""
+        return self._loop is not None and self._loop is loop
+
+    def _read_on_loop(self) -> None:
+        with self._cond:
+            if self._reading:  # a thread reads: the loop stands aside until it lets go (no spinning)
+                self._loop.remove_reader(self.sel.fileno())
+                self._loop_watching = False
+                return
+            self._reading = True
+        try:
+            self._read_ready()
+        finally:
+            with self._cond:
+                self._reading = False
+                self._cond.notify_all()
+
+    def _loop_reads_again(self) -> None:
+        """Under ``_cond``, as a thread lets the role go: the loop watches again if it stood aside."""
+        if self._loop is None or self._loop_watching:
+            return
+        self._loop_watching = True
+
+        def watch() -> None:
+            self._loop.add_reader(self.sel.fileno(), self._read_on_loop)
+        try:
+            self._loop.call_soon_threadsafe(watch)
+        except RuntimeError:  # the loop is closed: the proc is ending
+            pass
+
+    def _read_ready(self) -> None:
+        """One pass over what is readable now, never waiting (the loop's turn as reader)."""
+        for key, _ in self.sel.select(0):
+            if key.data is None:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+                continue
+            try:
+                key.data.on_readable()
+            except Exception:  # noqa: BLE001 - one connection's failure must not stop the loop's reading
+                log.exception("reading a proc connection on the event loop failed")
+
     def _start_idle_reader(self) -> None:
         with self._lock:
-            if self._idle_reader:
+            if self._idle_reader or self._loop is not None:  # a proc's loop is its idle reader
                 return
             self._idle_reader = True
         threading.Thread(target=self._read_when_idle, name="monarch-torchx-idle-reader", daemon=True).start()

@@ -533,6 +533,8 @@ class ProcMesh(_MeshTrait):
         rid = hub.next_id()
         futs = []
         refs_blob: Optional[bytes] = None  # the mesh's procs, pickled once for every proc that needs them
+        in_order = [self._procs[b] for b in self._shape.ranks]
+        links = _links(_tree(in_order)) if len(in_order) >= TREE_MIN else {}
         for point, base in zip(self._shape.points(), self._shape.ranks):
             ref = self._procs[base]
             fut: Future[Any] = Future(hub)
@@ -547,7 +549,8 @@ class ProcMesh(_MeshTrait):
                 refs_blob = zlib.compress(pickle.dumps(self._procs, protocol=5), 1)
             header = messages.Spawn(rid, hub.sender, seq, actor_id, name, point.coords,
                                     self._shape.labels, self._shape.sizes, owner, creator,
-                                    (self.mesh_id, self._shape, len(self._procs), refs_blob if first else None))
+                                    (self.mesh_id, self._shape, len(self._procs), refs_blob if first else None),
+                                    links.get(ref.rank, ()) if first else ())
             _send(hub, ref.addr, encode(header, packed=packed), rid, fut)
             futs.append(fut)
             hub.actors_on.setdefault(ref.addr, []).append(f"{name}{point_text(point)}")
@@ -939,6 +942,16 @@ def _tree(refs: List[ProcRef]) -> List[Tuple[ProcRef, list]]:
     for i in range(0, len(refs), step):
         groups.append(refs[i:i + step])
     return [(g[0], _tree(g[1:])) for g in groups]
+
+
+def _links(tree: List[Tuple[ProcRef, list]]) -> Dict[int, Tuple[Tuple[str, int, str], ...]]:
+    """For each proc of a multicast tree, the addresses of the procs it forwards to (by rank)."""
+    out: Dict[int, Tuple[Tuple[str, int, str], ...]] = {}
+    for ref, sub in tree:
+        if sub:
+            out[ref.rank] = tuple(tuple(child.addr) for child, _ in sub)
+            out.update(_links(sub))
+    return out
 
 
 def _flatten(sub: list) -> List[ProcRef]:

@@ -45,7 +45,8 @@ class Cast(NamedTuple):
 class Spawn(NamedTuple):
     """Construct actor ``actor_id`` (class and arguments in the payload) at ``coords`` of a mesh with
     these ``labels``/``sizes``. ``mesh`` is ``(mesh_id, shape, n_procs, refs or None)``: the refs
-    travel in the first spawn a proc sees for that mesh only."""
+    travel in the first spawn a proc sees for that mesh only, and so do ``links``: the procs this
+    one forwards a multicast of the whole mesh to, which it connects to at once."""
 
     rid: int
     sender: Optional[str]
@@ -58,6 +59,7 @@ class Spawn(NamedTuple):
     owner: str
     creator: Any
     mesh: Optional[Tuple[str, Any, int, Optional[bytes]]]
+    links: Tuple[Tuple[str, int, str], ...] = ()
 
 
 class CallPort(NamedTuple):

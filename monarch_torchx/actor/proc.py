@@ -293,6 +293,8 @@ class ProcServer:
         if not cfg.in_client:
             session.set_proc(self.me)  # before its hub: a proc's hub takes this proc's credentials
         hub = session.hub_for(self.pool, self.creds)
+        if not cfg.in_client:  # (the controller's process reads its connections as a controller does)
+            hub.read_on_loop(self.loop)
         local = hub.locals[addr] = LocalConn(hub, addr, self.on_frame, self.loop, self.loop_thread)
         if cfg.in_client:  # the controller's process is not this proc's: no signals, no owner to wait for
             if on_ready is not None:
@@ -425,6 +427,13 @@ class ProcServer:
                      lambda: self.call(self._replier(conn, m.rid, m.actor_id, m.endpoint), m.actor_id, m.endpoint, bufs))
 
     def _on_spawn(self, conn: ProcConnection, m: messages.Spawn, bufs: List[bytearray]) -> None:
+        if m.links:  # this proc's part of the mesh's multicast tree: connected while the actors start
+            hub = session.hub_for(self.pool)
+            for link in m.links:
+                try:
+                    hub.conn(ProcAddr(*link))  # (on this loop: it connects from a thread, never waits)
+                except Exception as e:  # a multicast that needs it says so; nothing to do here
+                    log.info("could not connect to proc %s ahead of a multicast: %s", link[2], e)
         point = Point(m.coords, Extent(m.labels, m.sizes))
         self.ordered(m.sender, m.seq, lambda: self.spawn(conn, m.rid, m.actor_id, m.name, point, bufs,
                                                          m.owner, m.creator, m.mesh))
@@ -848,17 +857,13 @@ class ProcServer:
         self.ordered(sender, seqs.get(self.rank),
                      lambda: self.call(lambda ok, v: local.done() or local.set_result((ok, v)), actor_id, ep, bufs))
 
-        def gather_children() -> List[Tuple[int, bool, Any]]:
-            out: List[Tuple[int, bool, Any]] = []
-            for ranks, fut in child_futs:
-                try:
-                    out += fut.get()
-                except Exception as e:
-                    out += [(r, False, error_payload("supervision", str(e))) for r in ranks]
-            return out
-
         async def finish() -> None:
-            children = await loop.run_in_executor(_waiters(), gather_children) if child_futs else []
+            children: List[Tuple[int, bool, Any]] = []
+            for ranks, fut in child_futs:  # answered on this loop, which reads the subtree's connections
+                try:
+                    children += await fut
+                except Exception as e:
+                    children += [(r, False, error_payload("supervision", str(e))) for r in ranks]
             ok, value = await local
             conn.reply(rid, True, [(self.rank, ok, value)] + children)
 
