@@ -338,15 +338,21 @@ class FrameParser:
     Small frames are parsed out of one reusable chunk; a large body or buffer gets its own
     bytearray and the socket is read straight into it (``get_buffer`` hands out a view of it),
     so a 64 MiB tensor crosses from the kernel into its final memory in one copy.
+
+    The chunk starts small and grows (to ``max_chunk``) only while reads fill it: most
+    connections carry a few small frames, and a controller of a thousand procs, or an agent
+    answering a stream of short requests, would otherwise zero and hold the full chunk for each.
     """
 
     BIG = 64 * 1024  # segments at least this large are received in place
 
-    def __init__(self, chunk: int = 256 * 1024, alloc: Callable[[int], Any] = big_buffer):
+    def __init__(self, chunk: int = 16 * 1024, alloc: Callable[[int], Any] = big_buffer,
+                 max_chunk: int = 256 * 1024):
         """``alloc(n)``: the memory a large segment is received into (``big_buffer``: huge-page
         maps for tensors; ``bytearray`` where handlers expect ordinary picklable bytes)."""
         self._alloc = alloc
         self._buf = bytearray(chunk)
+        self._max_chunk = max(chunk, max_chunk)
         self._start = 0
         self._end = 0
         self._big: Optional[Any] = None
@@ -398,6 +404,10 @@ class FrameParser:
                 self._big[:avail] = self._buf[self._start:self._end]
                 self._bigpos = avail
                 self._start = self._end = 0
+            elif need > len(self._buf):  # a segment under BIG, larger than the chunk so far
+                self._grow(max(need, min(4 * len(self._buf), self._max_chunk)))
+            elif self._end == len(self._buf) and len(self._buf) < self._max_chunk:  # a read filled it: a busy stream
+                self._grow(min(4 * len(self._buf), self._max_chunk))
             elif need > len(self._buf) - self._start:
                 self._compact()
             return frames
@@ -431,6 +441,14 @@ class FrameParser:
         rest = self._end - self._start
         self._buf[:rest] = self._buf[self._start:self._end]
         self._start, self._end = 0, rest
+
+    def _grow(self, size: int) -> None:
+        """A new, larger chunk with the unparsed bytes at its start (not resized in place: the
+        caller may still hold a view of the old one from ``get_buffer``)."""
+        rest = self._end - self._start
+        new = bytearray(max(size, rest))
+        new[:rest] = self._buf[self._start:self._end]
+        self._buf, self._start, self._end = new, 0, rest
 
     def _need(self) -> int:
         if self._stage == 0:

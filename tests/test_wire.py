@@ -270,6 +270,39 @@ def test_frame_parser_reassembles_frames_from_any_split(chunk):
     assert bytes(decoded[6]["mid"]) == b"m" * 100_000 and bytes(decoded[6]["empty"]) == b""
 
 
+def test_frame_parser_starts_small_and_grows_only_as_the_stream_needs():
+    """A connection of small frames holds a small chunk; a header of many buffers or a body
+    larger than the chunk (under the in-place size) makes it grow, and a stream that fills each
+    read grows it to the full chunk; every frame still comes out whole, in order."""
+    offered = []  # how much each read could take
+
+    def feed_all(parser, stream, step):
+        frames, pos = [], 0
+        offered.clear()
+        while pos < len(stream):
+            view = parser.get_buffer()
+            offered.append(len(view))
+            n = min(len(view), step, len(stream) - pos)
+            view[:n] = stream[pos:pos + n]
+            pos += n
+            frames += parser.feed(n)
+        return [wire.decode(body, bufs) for body, bufs in frames]
+
+    parser = wire.FrameParser()
+    small = b"".join(bytes(memoryview(p).cast("B")) for i in range(50) for p in wire.encode({"i": i}))
+    assert [m["i"] for m in feed_all(parser, small, 100)] == list(range(50))
+    assert max(offered) <= 16 * 1024  # trickled small frames: it stayed small
+    many = {"bufs": [pickle.PickleBuffer(bytearray([i % 256])) for i in range(4000)]}  # 32 KB of buffer lengths
+    wide = {"body": "y" * 40_000}  # a 40 KB body, received in the chunk (under BIG)
+    stream = b"".join(bytes(memoryview(p).cast("B")) for m in (many, wide) for p in wire.encode(m))
+    got = feed_all(parser, stream, 1 << 20)
+    assert [bytes(b) for b in got[0]["bufs"]] == [bytes([i % 256]) for i in range(4000)]
+    assert got[1]["body"] == "y" * 40_000
+    burst = b"".join(bytes(memoryview(p).cast("B")) for i in range(5000) for p in wire.encode({"i": i}))
+    assert [m["i"] for m in feed_all(wire.FrameParser(), burst, 1 << 20)] == list(range(5000))
+    assert offered[0] == 16 * 1024 and max(offered) > 64 * 1024  # reads that filled it made it grow
+
+
 def test_frame_parser_refuses_oversized_headers():
     parser = wire.FrameParser()
     view = parser.get_buffer()
