@@ -52,9 +52,9 @@ DRIVER = textwrap.dedent('''
     def stat(p):
         return open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
 
-    def procs_cpu():
-        """CPU seconds of this pool's actor procs (children of its agents' fork servers)."""
-        parents, total = {}, 0.0
+    def proc_pids():
+        """This pool's actor procs: children of its agents' fork servers."""
+        parents = {}
         for p in os.listdir("/proc"):
             if p.isdigit():
                 try:
@@ -62,14 +62,23 @@ DRIVER = textwrap.dedent('''
                 except (OSError, IndexError):
                     pass
         servers = {p for p, pp in parents.items() if pp in agents}
-        for p, pp in parents.items():
-            if pp in servers:
-                try:
-                    f = stat(p)
-                    total += (int(f[11]) + int(f[12])) / tick
-                except (OSError, IndexError):
-                    pass
+        return [p for p, pp in parents.items() if pp in servers]
+
+    def procs_cpu():
+        total = 0.0
+        for p in proc_pids():
+            try:
+                f = stat(p)
+                total += (int(f[11]) + int(f[12])) / tick
+            except (OSError, IndexError):
+                pass
         return total
+
+    def kib(path, field):
+        for line in open(path):
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+        return 0
 
     hosts = attach(name)
     out = {}
@@ -97,12 +106,15 @@ DRIVER = textwrap.dedent('''
     actors.ping.call(3).get(timeout=120)
     out["broadcast"] = (time.monotonic() - t - out["call all"]) / 20
     out["broadcast: procs' CPU per proc"] = (procs_cpu() - c0 - out["call: procs' CPU per proc"] * n) / 20 / n
+    out["controller RSS"] = kib("/proc/self/status", "VmRSS") * 1024
+    pss = [kib(f"/proc/{p}/smaps_rollup", "Pss") for p in proc_pids()]
+    out["proc PSS, mean"] = sum(pss) / max(1, len(pss)) * 1024
     procs.stop().get(timeout=120)
     print(json.dumps(out))
 ''')
 
 ROWS = ["spawn_procs", "spawn actors", "first call", "spawn to first answer", "call all", "broadcast",
-        "call: procs' CPU per proc", "broadcast: procs' CPU per proc"]
+        "call: procs' CPU per proc", "broadcast: procs' CPU per proc", "controller RSS", "proc PSS, mean"]
 
 
 def main() -> None:
@@ -140,6 +152,8 @@ def main() -> None:
         return statistics.median(x[key] for x in runs[v])
 
     def fmt(key: str, x: float) -> str:
+        if "RSS" in key or "PSS" in key:
+            return f"{x / (1 << 20):.1f} MiB"
         if "CPU" in key:
             return f"{x * 1e6:.0f} us"
         return f"{x:.2f} s" if x >= 1 else f"{x * 1000:.1f} ms"
