@@ -465,6 +465,40 @@ def test_smaller_monarch_apis(procs, home, pool_name):
     assert Registry().get(pool_name) is None
 
 
+def test_answers_written_by_the_actors_thread_and_the_loop_stay_whole_and_matched(procs, monkeypatch):
+    """A sync endpoint's answer is written by its actor's thread, straight to the socket when
+    nothing waits ahead of it, else queued for the loop; an async endpoint's by the loop. Far
+    more answers than the socket holds, from both, while this caller does not read for a while:
+    every frame arrives whole, each answer to its own call."""
+    from monarch_torchx.actor import hub as hub_mod
+
+    read = hub_mod.Conn.on_readable
+    stalled = []
+
+    def slow_reader(conn):  # the first read waits: the proc's socket fills meanwhile
+        if not stalled:
+            stalled.append(1)
+            time.sleep(1.0)
+        read(conn)
+    sync_one = procs.spawn("echoes", Counter).slice(hosts=0, procs=1)  # only its sync endpoint is called
+    async_one = procs.spawn("agets", Counter).slice(hosts=0, procs=1)  # the same proc: one connection
+    sync_one.blob.call_one(0, 1).get(timeout=30)
+    async_one.aget.call_one().get(timeout=30)
+    monkeypatch.setattr(hub_mod.Conn, "on_readable", slow_reader)
+    futs = []
+    for i in range(1500):
+        if i % 10 == 0:
+            futs.append(("aget", async_one.aget.call_one()))
+        else:
+            futs.append((i, sync_one.blob.call_one(i, 60_000)))  # small calls, answers of 60 kB
+    for key, fut in futs:
+        got = fut.get(timeout=120)
+        if key == "aget":
+            assert got[0] == 0
+        else:
+            assert got == (key, bytes([key % 251]) * 60_000)
+
+
 def test_a_failing_broadcast_is_a_supervision_event(procs, monkeypatch):
     """As in Monarch: an endpoint called by broadcast that raises fails the actor (later calls
     get SupervisionError). Its owner hears of it: a controller through unhandled_fault_hook (the

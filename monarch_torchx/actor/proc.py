@@ -42,6 +42,7 @@ OWNER_WAIT_S = float(os.environ.get("MONARCH_TORCHX_OWNER_WAIT_S", "60"))
 GAP_S = 5.0  # an out-of-order message waits this long for the ones before it (a dead forwarder)
 SPAWN_WAIT_S = 30.0  # a call that arrives before its actor's spawn waits this long for it
 CONSTRUCTOR_WAIT_AT_STOP_S = 5.0  # a stopping proc waits this long for constructors still running
+DIRECT_WRITE_MAX = 64 << 10  # an actor's thread writes answers smaller than this to the socket itself
 MAX_ENDED = 10000  # why actors are not here (failed constructors, stopped), remembered for their callers
 Reply = Callable[[bool, Any], None]
 
@@ -168,9 +169,25 @@ def _takes_an_argument(fn: Callable[..., Any]) -> bool:
                                                params[0].VAR_POSITIONAL)
 
 
+class CallerReply:
+    """The reply of a call: an Answer to the connection it came on (for a multicast's leaf,
+    ``rank``: its subtree's answer list, of one). Written from an actor's thread as well as from
+    the loop (``ProcConnection.write``)."""
+
+    def __init__(self, conn: ProcConnection, rid: int, rank: Optional[int] = None):
+        self.conn, self.rid, self.rank = conn, rid, rank
+
+    def __call__(self, ok: bool, value: Any) -> None:
+        if self.rank is None:
+            self.conn.reply(self.rid, ok, value)
+        else:
+            self.conn.reply(self.rid, True, [(self.rank, ok, value)])
+
+
 class BroadcastReport:
     """The reply of a call nobody waits for (a broadcast). A failure fails the actor, as in
-    Monarch; a success needs nothing done, so an actor's thread does not wake the loop for it."""
+    Monarch; a success needs nothing done, so an actor's thread does not wake the loop for it.
+    Called on the loop or on the actor's thread (as ``_fatal`` is)."""
 
     def __init__(self, server: "ProcServer", actor_id: str, endpoint: str):
         self.server, self.actor_id, self.endpoint = server, actor_id, endpoint
@@ -189,11 +206,23 @@ class ProcConnection(AuthenticatedConnection):
         super().__init__(server.gate, server.creds, server.identity.encode())
         self.server = server
         server.conns.add(self)
+        # an actor's thread writes its answers itself (see write); these keep frames whole and in order
+        self._write_lock = threading.Lock()
+        self._queued: List[List[Any]] = []  # frames a thread left for the loop to write, in order
+        self._fd = -1  # the plain TCP socket's descriptor (-1: TLS, or not connected)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None and self.tls is None else -1
+        super().connection_made(transport)
 
     def on_frame(self, body: Any, bufs: List[Any]) -> None:
         self.server.on_frame(self, body, bufs)
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
+        with self._write_lock:  # asyncio closes the socket right after: its number may be reused
+            self._fd = -1
+            self._queued.clear()
         self.server.conns.discard(self)
         super().connection_lost(exc)
 
@@ -202,8 +231,52 @@ class ProcConnection(AuthenticatedConnection):
             self.server.begin_stop("its owner disconnected")
 
     def write(self, parts: List[Any]) -> None:
+        """Writes one frame. From an actor's thread (a sync endpoint's answer), a small frame
+        goes straight to the socket when nothing waits ahead of it, so the loop is not woken
+        for it; anything else waits for the loop, behind what came before."""
+        if threading.get_ident() != self.server.loop_thread:
+            self._write_off_loop(parts)
+            return
+        with self._write_lock:
+            self._write_queued()
+            if self.transport is not None and not self.transport.is_closing():
+                write_frame(self.transport, parts)
+
+    def _write_off_loop(self, parts: List[Any]) -> None:
+        with self._write_lock:
+            t = self.transport
+            if t is None or t.is_closing():
+                return
+            if (not self._queued and self._fd >= 0 and t.get_write_buffer_size() == 0
+                    and sum(memoryview(p).nbytes for p in parts) < DIRECT_WRITE_MAX):
+                data = b"".join(parts)
+                try:
+                    sent = os.write(self._fd, data)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError:  # the connection broke: the loop sees it end
+                    return
+                if sent == len(data):
+                    return
+                parts = [memoryview(data)[sent:]]
+            self._queued.append(parts)
+            first = len(self._queued) == 1
+        if first:
+            try:
+                self.server.loop.call_soon_threadsafe(self._write_later)  # type: ignore[union-attr]
+            except RuntimeError:  # the loop is closed: the proc is ending
+                pass
+
+    def _write_later(self) -> None:
+        with self._write_lock:
+            self._write_queued()
+
+    def _write_queued(self) -> None:
+        """(Under the write lock, on the loop.)"""
+        queued, self._queued = self._queued, []
         if self.transport is not None and not self.transport.is_closing():
-            write_frame(self.transport, parts)
+            for parts in queued:
+                write_frame(self.transport, parts)
 
     def reply(self, rid: int, ok: bool, value: Any) -> None:
         try:
@@ -491,6 +564,8 @@ class ProcServer:
                 self.loop.call_later(GAP_S, self._skip_gap, sender, self.expected[sender])
 
     def _replier(self, conn: Optional[ProcConnection], rid: int, actor_id: str, ep: str) -> Reply:
+        if rid and isinstance(conn, ProcConnection):
+            return CallerReply(conn, rid)
         if rid and conn is not None:
             return lambda ok, value: conn.reply(rid, ok, value)
         return BroadcastReport(self, actor_id, ep)
@@ -610,13 +685,17 @@ class ProcServer:
         reply(*((False, slot.refusal()) if slot.failed and res[0] else res))
 
     def _sync_ran(self, slot: ActorSlot, reply: Reply, ok: bool, res: Tuple[bool, Any]) -> None:
-        """On the actor's thread, after a sync endpoint it got straight: the answer goes through
-        the loop (which owns the connections), except a broadcast's success, which tells nobody
-        (no loop wake-up); then the calls that waited behind it start."""
+        """On the actor's thread, after a sync endpoint it got straight: a caller's answer is
+        written from here and a broadcast's success tells nobody (neither wakes the loop); a
+        port's answer goes through the loop. Then the calls that waited behind it start."""
         assert self.loop is not None
         if not ok:  # _run_sync itself raised (it answers every endpoint's error): say so, never hang
             res = (False, error_payload("actor", f"{type(res).__name__}: {res}"))
-        if not (isinstance(reply, BroadcastReport) and res[0] and not slot.failed):
+        if isinstance(reply, (CallerReply, BroadcastReport)):
+            # here, before the next call runs: an answer is written from this thread (see
+            # ProcConnection.write), and a broadcast that raised fails the actor first
+            self._answer(slot, reply, res)
+        else:
             self.loop.call_soon_threadsafe(self._answer, slot, reply, res)
         with slot.lock:
             slot.on_thread -= 1
@@ -850,6 +929,10 @@ class ProcServer:
         if not rid:
             self.ordered(sender, seqs.get(self.rank), lambda: self.call(self._replier(None, 0, actor_id, ep),
                                                                         actor_id, ep, bufs))
+            return
+        if not child_futs and isinstance(conn, ProcConnection):  # a leaf answers for itself alone
+            self.ordered(sender, seqs.get(self.rank),
+                         lambda: self.call(CallerReply(conn, rid, self.rank), actor_id, ep, bufs))
             return
         assert self.loop is not None
         loop = self.loop
