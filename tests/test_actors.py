@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -620,6 +621,36 @@ def test_actor_mesh_on_a_tls_pool(home, pool_name):
         assert torch.equal(c.slice(hosts=1, procs=1).echo.call_one(t).get(timeout=30), t)  # large frames over TLS
     finally:
         pm.stop().get()
+
+
+def test_procs_ring_their_agent_and_are_found_by_looking_where_no_bell_fits(home, tmp_path, monkeypatch):
+    """A proc that listens rings its agent's bell, a private socket in the agent's private
+    directory, so the spawn wakes at once; where that socket's path would not fit a Unix
+    address (a long temp directory), the agent looks for the procs' files instead."""
+    import glob
+    import stat
+
+    for name, tmp in (("short", None), ("long", tmp_path / ("t" * 60) / ("m" * 40))):
+        if tmp is not None:
+            tmp.mkdir(parents=True, mode=0o700)
+            monkeypatch.setenv("TMPDIR", str(tmp))
+        pool = f"bell{name}{os.getpid()}"
+        ensure_pool(PoolRequest("monarch_local", pool, {"hosts": 1, "preload": ""}))
+        pm = attach(pool).spawn_procs(per_host={"procs": 3})
+        try:
+            assert sorted(pm.spawn("c", Counter).incr.call(1).get(timeout=30).values()) == [1, 1, 1]
+        finally:
+            pm.stop().get()
+        rendezvous = glob.glob(os.path.join(str(tmp or tempfile.gettempdir()), f"monarch_torchx-{os.getuid()}",
+                                            "procs", f"{pool}-*"))
+        assert len(rendezvous) == 1  # the agent's own directory, in that temp directory
+        bells = glob.glob(os.path.join(rendezvous[0], "bell"))
+        if tmp is None:
+            assert len(bells) == 1 and stat.S_ISSOCK(os.stat(bells[0]).st_mode)
+            assert stat.S_IMODE(os.stat(bells[0]).st_mode) == 0o600
+        else:
+            assert bells == []  # no bell: the spawn above found its procs by looking
+        stop_pool(pool)
 
 
 def test_tree_multicast_keeps_order(procs, monkeypatch):

@@ -11,16 +11,30 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..private import agent_temp_dir, node_temp_root, remove_empty_dirs
 from ..specs import TERMINAL, LaunchSpec
 from . import placement
 
 SPAWN_TIMEOUT_S = float(os.environ.get("MONARCH_TORCHX_PROC_START_TIMEOUT_S", "120"))
+BELL_ENV = "MONARCH_TORCHX_PROC_BELL"  # where a proc rings once it listens (a datagram socket)
+CHECK_S = 0.1  # with the bell, how often a spawn still looks for a proc that died before listening
+MAX_UNIX_PATH = 100  # a longer socket path does not fit sockaddr_un: no bell, only polling
+
+
+def ring(bell: str, mesh_id: str, rank: int) -> None:
+    """A proc's "I listen" to its agent: its mesh id and rank, one datagram, nothing waited for.
+    The agent then reads that proc's address file, as it would have found it by polling."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(f"{mesh_id} {rank}".encode(), bell)
+    except OSError:  # no bell (the agent is gone, or polls): it finds the file anyway
+        pass
 
 
 def app_id(mesh_id: str) -> str:
@@ -35,6 +49,9 @@ class MeshModule:
         self.agent = agent
         self.root = node_temp_root()
         self.rendezvous = str(agent_temp_dir("procs", agent.pool, agent.index))  # where procs say they listen
+        self._bell: Optional[socket.socket] = None
+        # mesh id -> its spawn's wake-up and the ranks that rang since it last looked
+        self._waiting: Dict[str, Tuple[asyncio.Event, Set[int]]] = {}
 
     def operations(self) -> Dict[str, Any]:
         return {"mesh.spawn": (self.op_spawn, None)}
@@ -43,8 +60,45 @@ class MeshModule:
         return []
 
     def stop(self) -> None:
+        if self._bell is not None:
+            self._bell.close()
         shutil.rmtree(self.rendezvous, ignore_errors=True)
         remove_empty_dirs(Path(self.rendezvous).parent, self.root)
+
+    def _bell_path(self) -> Optional[str]:
+        """The socket procs ring once they listen (made at the first spawn), so a spawn wakes as
+        each proc is ready instead of polling for its file while hundreds of procs start."""
+        path = os.path.join(self.rendezvous, "bell")
+        if self._bell is not None:
+            return path
+        if len(path) > MAX_UNIX_PATH:
+            return None
+        bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            bell.bind(path)  # in the agent's private directory: only its own user can ring
+            os.chmod(path, 0o600)
+            bell.setblocking(False)
+            asyncio.get_running_loop().add_reader(bell.fileno(), self._rung)
+        except OSError:
+            bell.close()
+            return None
+        self._bell = bell
+        return path
+
+    def _rung(self) -> None:
+        assert self._bell is not None
+        while True:
+            try:
+                data = self._bell.recv(256)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            mesh_id, _, rank = data.decode("ascii", "replace").partition(" ")
+            waiting = self._waiting.get(mesh_id)
+            if waiting is not None and rank.isdigit():  # anything else (a spawn that gave up) is dropped
+                waiting[1].add(int(rank))
+                waiting[0].set()
 
     async def op_spawn(self, peer: Any, mesh_id: str, ranks: List[int], env: Optional[Dict[str, str]] = None,
                     binds: Optional[List[Dict[str, str]]] = None, python: Optional[str] = None) -> List[Dict[str, Any]]:
@@ -64,6 +118,16 @@ class MeshModule:
             if not exe or not os.access(exe, os.X_OK):
                 raise ValueError(f"with_python_executable({python!r}): no such executable on host {self.agent.index}")
         advertise = self.agent.tcp_advertise
+        bell = self._bell_path()
+        rung = self._waiting[mesh_id] = (asyncio.Event(), set())
+        try:
+            return await self._start(mesh_id, ranks, env, binds, exe, advertise, bell, rung)
+        finally:
+            self._waiting.pop(mesh_id, None)
+
+    async def _start(self, mesh_id: str, ranks: List[int], env: Optional[Dict[str, str]],
+                     binds: Optional[List[Dict[str, str]]], exe: str, advertise: str, bell: Optional[str],
+                     rung: Tuple[asyncio.Event, Set[int]]) -> List[Dict[str, Any]]:
         files = {}
         for i, rank in enumerate(ranks):
             path = os.path.join(self.rendezvous, f"{mesh_id}.{rank}.json")
@@ -75,6 +139,7 @@ class MeshModule:
                 "MONARCH_TORCHX_STATE_DIR": str(self.agent.state_dir), "MONARCH_TORCHX_MESH_ID": mesh_id,
                 "MONARCH_TORCHX_PROC_RANK": str(rank), "MONARCH_TORCHX_PROC_BIND": self.agent.tcp_bind,
                 "MONARCH_TORCHX_PROC_ADVERTISE": advertise, "MONARCH_TORCHX_PROC_ADDR_FILE": path,
+                **({BELL_ENV: bell} if bell else {}),
             })
             await self.agent.procs.launch(LaunchSpec(app_id=app_id(mesh_id), role="proc", replica_id=rank,
                                                 argv=[exe, "-m", "monarch_torchx.actor"],
@@ -84,8 +149,12 @@ class MeshModule:
         delay = 0.001
         pending = dict(files)
         found: Dict[int, Dict[str, Any]] = {}
+        look = list(pending)  # every proc at first; then those that rang (all, now and then, without a bell)
         while pending:
-            for rank, path in list(pending.items()):
+            for rank in look:
+                path = pending.get(rank)
+                if path is None:
+                    continue
                 try:
                     with open(path) as f:
                         found[rank] = json.load(f)
@@ -106,8 +175,21 @@ class MeshModule:
                 await self.agent.procs.kill(self.agent.procs.select(app_id(mesh_id)), grace=1.0)
                 raise RuntimeError(f"procs {sorted(pending)} on host {self.agent.index} did not start within "
                                    f"{SPAWN_TIMEOUT_S:.0f} s")
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 0.02)
+            if bell is None:
+                await asyncio.sleep(delay)
+                delay = min(delay * 1.5, 0.02)
+                look = list(pending)
+                continue
+            woken, ready = rung
+            if not ready:
+                try:
+                    await asyncio.wait_for(woken.wait(), CHECK_S)
+                except asyncio.TimeoutError:  # nobody rang: look at every proc (one may have died)
+                    look = list(pending)
+                    continue
+            woken.clear()
+            look = sorted(ready)
+            ready.clear()
         for rank in ranks:
             info = found[rank]
             out.append({"rank": rank, "host": info["host"], "port": info["port"], "pid": info["pid"],

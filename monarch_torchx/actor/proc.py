@@ -33,6 +33,7 @@ from . import messages, placement, session
 from .actor import ActorInstance, Context, CreatorInstance, Endpoint, current_context, endpoints_of
 from .errors import MeshFailure, ProcStopped, error_payload, point_text
 from .future import Future, _waiters
+from .host import BELL_ENV, ring
 from .hub import LocalConn, ProcAddr, encode, unpack
 from .shape import Extent, Point
 
@@ -92,6 +93,8 @@ class ActorThread:
                     then(ok, value)
             except RuntimeError:  # the loop is closed: the proc is ending
                 return
+            except Exception:  # noqa: BLE001 - never the thread's end: the actor's next calls wait on it
+                log.exception("answering a call of this actor failed")
 
 
 def _settle(done: "asyncio.Future[Any]", ok: bool, value: Any) -> None:
@@ -378,6 +381,9 @@ class ProcServer:
             with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
                 json.dump({"host": addr.host, "port": port, "pid": os.getpid()}, f)
             os.replace(tmp, cfg.addr_file)
+            bell = os.environ.get(BELL_ENV)
+            if bell:
+                ring(bell, self.mesh_id, self.rank)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self.loop.add_signal_handler(sig, self.begin_stop, f"got {signal.Signals(sig).name}")
             self.loop.call_later(OWNER_WAIT_S, self._check_owner)
