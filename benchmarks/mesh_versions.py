@@ -24,7 +24,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 from typing import Dict, List
@@ -33,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _results import record  # noqa: E402
 from scale_versions import git_line  # noqa: E402
-from start_versions import _cli, _env  # noqa: E402
+from start_versions import _cli, _env, driver_run  # noqa: E402
 
 DRIVER = textwrap.dedent('''
     import json, os, statistics, sys, time
@@ -125,10 +124,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="meshv-"))
-    script = home / "driver.py"
-    script.write_text(DRIVER)
-    versions = {"baseline": args.baseline.resolve(), "this": HERE.parent}
+    home, script, versions = driver_run("meshv-", DRIVER, args.baseline)
     runs: Dict[str, List[Dict[str, float]]] = {v: [] for v in versions}
     try:
         for v, root in versions.items():

@@ -373,6 +373,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="8,16,32,64,128", help="pool sizes, comma-separated")
     ap.add_argument("--skip", default="", help=f"steps to leave out, comma-separated: {', '.join(SKIPPABLE)}")
     ap.add_argument("--no-record", action="store_true", help="do not write benchmarks/RESULTS.md")
+    ap.add_argument("--section", default="scale", help="the RESULTS.md section to write (one size alone: its own)")
+    ap.add_argument("--note", default="", help="a paragraph written above the tables (what this run leaves out, and why)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     skip = frozenset(s for s in args.skip.split(",") if s)
@@ -384,9 +386,15 @@ def main() -> None:
         results[n] = measure(n, skip)
         print(json.dumps({n: results[n]}), file=sys.stderr, flush=True)
     text = report(results)
+    if args.note:
+        text = f"{args.note}\n\n{text}"
     print(text)
     if not args.no_record:
-        record("scale", ".venv/bin/python benchmarks/scale.py " + " ".join(sys.argv[1:]), text)
+        argv = sys.argv[1:]
+        if "--note" in argv:  # (the note is written above the tables, not repeated in the command)
+            i = argv.index("--note")
+            argv = argv[:i] + ["--note", "..."] + argv[i + 2:]
+        record(args.section, ".venv/bin/python benchmarks/scale.py " + " ".join(argv), text)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -88,10 +88,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="startv-"))
-    script = home / "driver.py"
-    script.write_text(DRIVER)
-    versions = {"baseline": args.baseline.resolve(), "this": HERE.parent}
+    home, script, versions = driver_run("startv-", DRIVER, args.baseline)
     runs: Dict[str, Dict[str, List[dict]]] = {v: {m: [] for m in MODES} for v in versions}
     try:
         for v, root in versions.items():
@@ -127,6 +124,14 @@ def main() -> None:
     print(text)
     if not args.no_record:
         record("start-versions", ".venv/bin/python benchmarks/start_versions.py " + " ".join(sys.argv[1:]), text)
+
+
+def driver_run(prefix: str, driver: str, baseline: Path) -> Tuple[Path, Path, Dict[str, Path]]:
+    """A fresh home (the pools' registry) with the driver script in it, and each version's checkout."""
+    home = Path(tempfile.mkdtemp(prefix=prefix))
+    script = home / "driver.py"
+    script.write_text(driver)
+    return home, script, {"baseline": baseline.resolve(), "this": HERE.parent}
 
 
 def _env(root: Path, home: Path) -> Dict[str, str]:

@@ -540,16 +540,19 @@ class Hub:
         """One pass over what is readable now, never waiting (the loop's turn as reader)."""
         for key, _ in self.sel.select(0):
             if key.data is None:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
+                self._drain_wake()
                 continue
             try:
                 key.data.on_readable()
             except Exception:  # noqa: BLE001 - one connection's failure must not stop the loop's reading
                 log.exception("reading a proc connection on the event loop failed")
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def _start_idle_reader(self) -> None:
         with self._lock:
@@ -584,11 +587,7 @@ class Hub:
                 return
             for key, _ in self.sel.select(left):
                 if key.data is None:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
+                    self._drain_wake()
                 elif idle:
                     try:
                         key.data.on_readable()
