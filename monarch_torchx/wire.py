@@ -339,9 +339,10 @@ class FrameParser:
     bytearray and the socket is read straight into it (``get_buffer`` hands out a view of it),
     so a 64 MiB tensor crosses from the kernel into its final memory in one copy.
 
-    The chunk starts small and grows (to ``max_chunk``) only while reads fill it: most
-    connections carry a few small frames, and a controller of a thousand procs, or an agent
-    answering a stream of short requests, would otherwise zero and hold the full chunk for each.
+    The chunk starts small and grows (to ``max_chunk``) only when one read fills most of it, or
+    a segment needs it: most connections carry small frames one or a few at a time, and a
+    controller of a thousand procs, or an agent answering a stream of short requests, would
+    otherwise zero and hold the full chunk for each.
     """
 
     BIG = 64 * 1024  # segments at least this large are received in place
@@ -391,6 +392,8 @@ class FrameParser:
             frames = []
             if self._stage == 0:
                 self._whole_frames(frames)
+        # a read of half the chunk or more that filled it: a busy stream, worth a larger chunk
+        busy = self._big is None and self._end == len(self._buf) and 2 * n >= len(self._buf)
         while True:
             need = self._need()
             avail = self._end - self._start
@@ -406,8 +409,10 @@ class FrameParser:
                 self._start = self._end = 0
             elif need > len(self._buf):  # a segment under BIG, larger than the chunk so far
                 self._grow(max(need, min(4 * len(self._buf), self._max_chunk)))
-            elif self._end == len(self._buf) and len(self._buf) < self._max_chunk:  # a read filled it: a busy stream
+            elif busy and len(self._buf) < self._max_chunk:
                 self._grow(min(4 * len(self._buf), self._max_chunk))
+            elif avail == 0:  # everything parsed: the next read starts at the chunk's start
+                self._start = self._end = 0
             elif need > len(self._buf) - self._start:
                 self._compact()
             return frames

@@ -292,6 +292,13 @@ def test_frame_parser_starts_small_and_grows_only_as_the_stream_needs():
     small = b"".join(bytes(memoryview(p).cast("B")) for i in range(50) for p in wire.encode({"i": i}))
     assert [m["i"] for m in feed_all(parser, small, 100)] == list(range(50))
     assert max(offered) <= 16 * 1024  # trickled small frames: it stayed small
+    requests = [b"".join(bytes(memoryview(p).cast("B")) for p in wire.encode({"i": i, "pad": "x" * 150}))
+                for i in range(500)]  # 100 kB in all, one frame per read, as a request stream arrives
+    got = []
+    for frame in requests:
+        got += feed_all(parser, frame, len(frame))
+        assert max(offered) <= 16 * 1024
+    assert [m["i"] for m in got] == list(range(500))
     many = {"bufs": [pickle.PickleBuffer(bytearray([i % 256])) for i in range(4000)]}  # 32 KB of buffer lengths
     wide = {"body": "y" * 40_000}  # a 40 KB body, received in the chunk (under BIG)
     stream = b"".join(bytes(memoryview(p).cast("B")) for m in (many, wide) for p in wire.encode(m))

@@ -32,8 +32,9 @@ def ring(bell: str, mesh_id: str, rank: int) -> None:
     The agent then reads that proc's address file, as it would have found it by polling."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.setblocking(False)  # a full queue (hundreds ringing at once) never holds the proc
             s.sendto(f"{mesh_id} {rank}".encode(), bell)
-    except OSError:  # no bell (the agent is gone, or polls): it finds the file anyway
+    except OSError:  # no bell, a full one, or the agent is gone: the agent finds the file anyway
         pass
 
 
@@ -50,6 +51,7 @@ class MeshModule:
         self.root = node_temp_root()
         self.rendezvous = str(agent_temp_dir("procs", agent.pool, agent.index))  # where procs say they listen
         self._bell: Optional[socket.socket] = None
+        self._bell_loop: Optional[asyncio.AbstractEventLoop] = None
         # mesh id -> its spawn's wake-up and the ranks that rang since it last looked
         self._waiting: Dict[str, Tuple[asyncio.Event, Set[int]]] = {}
 
@@ -61,6 +63,8 @@ class MeshModule:
 
     def stop(self) -> None:
         if self._bell is not None:
+            if self._bell_loop is not None and not self._bell_loop.is_closed():
+                self._bell_loop.remove_reader(self._bell.fileno())
             self._bell.close()
         shutil.rmtree(self.rendezvous, ignore_errors=True)
         remove_empty_dirs(Path(self.rendezvous).parent, self.root)
@@ -74,15 +78,16 @@ class MeshModule:
         if len(path) > MAX_UNIX_PATH:
             return None
         bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        loop = asyncio.get_running_loop()
         try:
             bell.bind(path)  # in the agent's private directory: only its own user can ring
             os.chmod(path, 0o600)
             bell.setblocking(False)
-            asyncio.get_running_loop().add_reader(bell.fileno(), self._rung)
+            loop.add_reader(bell.fileno(), self._rung)
         except OSError:
             bell.close()
             return None
-        self._bell = bell
+        self._bell, self._bell_loop = bell, loop
         return path
 
     def _rung(self) -> None:
@@ -150,6 +155,7 @@ class MeshModule:
         pending = dict(files)
         found: Dict[int, Dict[str, Any]] = {}
         look = list(pending)  # every proc at first; then those that rang (all, now and then, without a bell)
+        looked_at_all = time.monotonic()
         while pending:
             for rank in look:
                 path = pending.get(rank)
@@ -184,12 +190,13 @@ class MeshModule:
             if not ready:
                 try:
                     await asyncio.wait_for(woken.wait(), CHECK_S)
-                except asyncio.TimeoutError:  # nobody rang: look at every proc (one may have died)
-                    look = list(pending)
-                    continue
+                except asyncio.TimeoutError:
+                    pass
             woken.clear()
             look = sorted(ready)
             ready.clear()
+            if time.monotonic() - looked_at_all >= CHECK_S:  # every proc, now and then: one may have died
+                look, looked_at_all = list(pending), time.monotonic()
         for rank in ranks:
             info = found[rank]
             out.append({"rank": rank, "host": info["host"], "port": info["port"], "pid": info["pid"],

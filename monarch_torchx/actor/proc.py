@@ -91,9 +91,9 @@ class ActorThread:
                     self._loop.call_soon_threadsafe(then, ok, value)
                 else:
                     then(ok, value)
-            except RuntimeError:  # the loop is closed: the proc is ending
-                return
-            except Exception:  # noqa: BLE001 - never the thread's end: the actor's next calls wait on it
+            except Exception:  # noqa: BLE001 - never the thread's end while the proc goes on: calls wait on it
+                if self._loop.is_closed():  # the proc is ending
+                    return
                 log.exception("answering a call of this actor failed")
 
 
@@ -115,7 +115,9 @@ class ActorSlot:
     ctx: Context
     endpoints: Dict[str, Endpoint]
     queue: Deque[Tuple[Endpoint, tuple, dict, Reply]] = field(default_factory=collections.deque)
-    busy: bool = False  # a call of it runs or waits (queue, busy and on_thread change under lock)
+    # busy: a call of it runs or waits. busy, on_thread and appends to queue change under lock;
+    # _drain pops the queue without it, as it never runs while on_thread > 0
+    busy: bool = False
     on_thread: int = 0  # sync calls handed straight to its thread, not yet done
     lock: threading.Lock = field(default_factory=threading.Lock)
     failed: Optional[str] = None
@@ -591,23 +593,25 @@ class ProcServer:
         return answer
 
     def abort_actor(self, actor_id: str, reason: str) -> None:
-        """``context().actor_instance.abort(reason)``: the actor fails now, a supervision event for its owner."""
-        if self.loop is not None and threading.get_ident() != self.loop_thread:
-            self.loop.call_soon_threadsafe(functools.partial(self._actor_failed, actor_id, reason, aborted=True))
-        else:
-            self._actor_failed(actor_id, reason, aborted=True)
+        """``context().actor_instance.abort(reason)``: the actor fails now, a supervision event
+        for its owner. From any thread (the actor's own, mostly): its calls already waiting on
+        that thread are refused from here on."""
+        self._actor_failed(actor_id, reason, aborted=True)
 
     def _actor_failed(self, actor_id: str, why: str, leaf: Optional[MeshFailure] = None, aborted: bool = False) -> None:
         """As in Monarch, an actor whose endpoint raised with no caller to tell has failed: later
         calls are refused, and its owner (the process that spawned it) gets a supervision event:
         about this actor, or (``leaf``) the unhandled event of one of its own meshes, passed up."""
         slot = self.actors.get(actor_id)
-        if slot is None or slot.failed:
+        if slot is None:
             return
-        slot.failed = why if leaf is not None or aborted else \
-            f"{why}: the actor has failed (an endpoint called by broadcast raised)"
-        if aborted:
-            slot.failed_kind = "aborted"
+        with slot.lock:  # (from the loop or the actor's thread: the owner hears of it once)
+            if slot.failed:
+                return
+            if aborted:
+                slot.failed_kind = "aborted"
+            slot.failed = why if leaf is not None or aborted else \
+                f"{why}: the actor has failed (an endpoint called by broadcast raised)"
         if slot.owner is not None:
             self._tell_owner(slot.owner[0], slot.owner[1], dataclasses.asdict(leaf) if leaf else self._failure(slot, why))
 
@@ -697,17 +701,19 @@ class ProcServer:
         assert self.loop is not None
         if not ok:  # _run_sync itself raised (it answers every endpoint's error): say so, never hang
             res = (False, error_payload("actor", f"{type(res).__name__}: {res}"))
-        if isinstance(reply, (CallerReply, BroadcastReport)):
-            # here, before the next call runs: an answer is written from this thread (see
-            # ProcConnection.write), and a broadcast that raised fails the actor first
-            self._answer(slot, reply, res)
-        else:
-            self.loop.call_soon_threadsafe(self._answer, slot, reply, res)
-        with slot.lock:
-            slot.on_thread -= 1
-            drain = slot.on_thread == 0 and bool(slot.queue)
-            if slot.on_thread == 0 and not drain:
-                slot.busy = False
+        try:
+            if isinstance(reply, (CallerReply, BroadcastReport)):
+                # here, before the next call runs: an answer is written from this thread (see
+                # ProcConnection.write), and a broadcast that raised fails the actor first
+                self._answer(slot, reply, res)
+            else:
+                self.loop.call_soon_threadsafe(self._answer, slot, reply, res)
+        finally:  # whatever the answer did, the actor's next calls are let in
+            with slot.lock:
+                slot.on_thread -= 1
+                drain = slot.on_thread == 0 and bool(slot.queue)
+                if slot.on_thread == 0 and not drain:
+                    slot.busy = False
         if drain:
             self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain(slot)))  # type: ignore[union-attr]
 
@@ -766,6 +772,8 @@ class ProcServer:
             current_context.reset(token)
 
     def _run_sync(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict) -> Tuple[bool, Any]:
+        if slot.failed:  # it failed (a broadcast raised, abort()) while this call waited on its thread
+            return False, slot.refusal()
         token = current_context.set(slot.ctx)
         try:
             return True, ep.fn(slot.instance, *args, **kwargs)
