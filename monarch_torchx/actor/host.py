@@ -95,9 +95,7 @@ class MeshModule:
         while True:
             try:
                 data = self._bell.recv(256)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
+            except OSError:  # nothing more waiting (BlockingIOError), or the bell is closed
                 return
             mesh_id, _, rank = data.decode("ascii", "replace").partition(" ")
             waiting = self._waiting.get(mesh_id)
