@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -434,6 +435,13 @@ class TelemetryModule:
         self.logs = LogIndex(agent, self.spill)
         self.stacks = Stacks(agent)
         self.metrics = Metrics(agent)
+        # The first query a thread runs makes DataFusion's native code fault in fresh memory for
+        # that thread (a profile shows the kernel zeroing huge pages), which costs many times a
+        # warm query. On the agent's shared executor a query landed on whichever thread was free,
+        # often a new one. One thread of our own stays warm; queries on a host take turns on it
+        # (log queries already took turns on the index's lock), and DataFusion still spreads each
+        # one over its own workers.
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="telemetry")
 
     # ------------------------------------------------------------ the seam
 
@@ -448,6 +456,7 @@ class TelemetryModule:
         """The data lives as long as the pool: its spill goes with the agent."""
         from ..private import remove_empty_dirs
 
+        self.worker.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self.spill, ignore_errors=True)
         remove_empty_dirs(self.spill.parent, self.root)
 
@@ -463,7 +472,7 @@ class TelemetryModule:
 
         from ..wire import Stream
 
-        table = await asyncio.get_running_loop().run_in_executor(None, self.query, sql, tables)
+        table = await asyncio.get_running_loop().run_in_executor(self.worker, self.query, sql, tables)
         chunks = to_ipc(table, BATCH_ROWS)
 
         async def batches() -> Any:
@@ -476,7 +485,7 @@ class TelemetryModule:
         """This host's partial aggregates (``partial.py``); relays merge their subtree's with ``merge``."""
         import asyncio
 
-        answer = await asyncio.get_running_loop().run_in_executor(None, self.query, sql, [table])
+        answer = await asyncio.get_running_loop().run_in_executor(self.worker, self.query, sql, [table])
         return to_ipc(answer)[0]
 
     def query(self, sql: str, tables: List[str]) -> Any:
@@ -500,7 +509,7 @@ class TelemetryModule:
                     not self.logs.queried and pending < LAZY_BYTES):
                 continue
             try:
-                await loop.run_in_executor(None, self.logs.refresh)
+                await loop.run_in_executor(self.worker, self.logs.refresh)
             except Exception as e:  # a bad file must not stop indexing the others
                 import logging
 
