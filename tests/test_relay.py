@@ -53,6 +53,31 @@ def test_every_host_answers_through_the_tree_over_connections_the_relays_keep(tr
     assert all(err is None for _, _, err in torchx_run_repairs.ask("info", range(HOSTS), timeout=10.0))
 
 
+def test_operations_that_must_not_run_twice_use_the_relays_kept_connections_too(tree_pool):
+    """An operation not marked ``REPEATABLE`` (``reserve_port`` here; a launch in use) is relayed
+    over kept connections too: each is pinged before it carries the request, and one whose host
+    restarted since is replaced by a fresh dial before the request is sent."""
+    assert "reserve_port" not in relay.REPEATABLE
+    pool = tree_pool
+    every = {i: [{}] for i in range(HOSTS)}
+
+    def accepted() -> dict:
+        return {i: v["accepted"] for i, v, _ in pool.ask("info", range(HOSTS), timeout=10.0)}
+
+    pool.ask("reserve_port", range(HOSTS), calls=every)
+    before = accepted()
+    res = pool.ask("reserve_port", range(HOSTS), calls=every)
+    assert [(i, len(v), e) for i, v, e in res] == [(i, 1, None) for i in range(HOSTS)]
+    # the client dialled the heads of its 2 groups twice (this and the info after it); no relay dialled
+    assert {i: n - before[i] for i, n in accepted().items()} == {i: 2 * int(i in (0, 5)) for i in range(HOSTS)}
+    victim = 7
+    os.kill(pool.hosts[victim].pid, signal.SIGKILL)
+    wait_for(lambda: LOST in [h.state for h in pool.health()], what="the host to be lost")
+    repaired = ensure_pool(PoolRequest("monarch_local", pool.name, {}))
+    res = repaired.ask("reserve_port", range(HOSTS), calls=every)
+    assert [(i, len(v), e) for i, v, e in res] == [(i, 1, None) for i in range(HOSTS)]
+
+
 def test_a_killed_relay_host_is_passed_over_and_named_as_lost(tree_pool):
     pool = tree_pool
     victim = 5  # the first host of the client's second group

@@ -89,11 +89,14 @@ def failure(e: BaseException, via: Optional[int] = None) -> Outcome:
 
 
 class ConnectionCache:
-    """An agent's open connections to other agents, kept between relayed requests for operations
-    that may run twice (``REPEATABLE``): a relay asked again and again (a sync's steps, health
-    checks, describes) does not pay a handshake each time. A kept connection whose peer has
-    closed it since is replaced by a fresh one and the request sent again, which is safe only
-    because those operations may run twice."""
+    """An agent's open connections to other agents, kept between relayed requests: a relay asked
+    again and again (launches, a sync's steps, health checks, describes) does not pay a handshake
+    each time. A kept connection is pinged before it carries a request, which tells what a fresh
+    dial's handshake would have: the peer is there and answering (a hung one is passed over as
+    a slow dial is), or it has closed this connection since (it restarted), and then it is dialled
+    afresh, the request not sent yet. Only once a request was sent does its kind matter: one that
+    may run twice (``REPEATABLE``) is sent again on a fresh connection if the kept one closed under
+    it; any other is reported as not answered, as on a fresh connection that closed."""
 
     IDLE_S = 30.0
     PER_PEER = 4
@@ -158,7 +161,6 @@ def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict]
     """``call_group``'s one pass over the group; members passed over for a slow handshake are
     added to ``slow``."""
     out: Dict[int, dict] = {}
-    keep = cache if op in REPEATABLE else None
     for pos, head in enumerate(targets):
         left = deadline - time.monotonic()
         if left <= 0:
@@ -168,7 +170,7 @@ def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict]
         group = targets[pos:]
         # a hung first member leaves time for the next; a member alone in its group waits patiently
         dial = min(DIAL_TIMEOUT_S, left / 3) if len(group) > 1 else min(PATIENT_DIAL_S, left / 2)
-        reused = keep.take(head) if keep is not None else None
+        reused = cache.take(head) if cache is not None else None
         while True:
             if reused is not None:  # alive and answering? (a fresh dial's handshake would have told)
                 c, tunnelled = reused, False
@@ -206,7 +208,7 @@ def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict]
                 break
             except (wire.WireError, OSError) as e:  # it took the request and did not answer: its subtree waited
                 c.close()
-                if reused is not None and _closed(e):  # a kept connection it had closed since: once more, fresh
+                if reused is not None and op in REPEATABLE and _closed(e):  # closed under a kept one: once more, fresh
                     reused = None
                     continue
                 if op in REPEATABLE and len(group) > 1 and _closed(e):
@@ -218,8 +220,8 @@ def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict]
                     out.setdefault(t.index, Outcome(False, kind=type(e).__name__, via=head.index,
                                                     error=f"no answer through host {head.index} ({e})").as_dict())
                 return out
-            if keep is not None and not tunnelled:
-                keep.give(head, c)
+            if cache is not None and not tunnelled:
+                cache.give(head, c)
             else:
                 c.close()
             out.update({int(i): o for i, o in reply.items()})
