@@ -97,6 +97,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20, help="relayed requests counted")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
+    from monarch_torchx.pool import tree_min_hosts
+
+    if args.hosts < tree_min_hosts():  # below it the client asks every host itself: no relay hops to count
+        ap.error(f"--hosts must be at least {tree_min_hosts()} (MONARCH_TORCHX_TREE_MIN_HOSTS), where the tree starts")
     home = Path(tempfile.mkdtemp(prefix="relay-dial-"))
     os.environ["MONARCH_TORCHX_HOME"] = str(home)
     from monarch_torchx.pool import PoolRequest, attach, ensure_pool, stop_pool

@@ -438,10 +438,10 @@ class TelemetryModule:
         # The first query a thread runs makes DataFusion's native code fault in fresh memory for
         # that thread (a profile shows the kernel zeroing huge pages), which costs many times a
         # warm query. On the agent's shared executor a query landed on whichever thread was free,
-        # often a new one. One thread of our own stays warm; queries on a host take turns on it
-        # (log queries already took turns on the index's lock), and DataFusion still spreads each
-        # one over its own workers.
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="telemetry")
+        # often a new one. Two threads of our own stay warm (one query after another uses the
+        # same one); a second lets a query answer while a slow one or the indexer holds the
+        # first. DataFusion still spreads each query over its own workers.
+        self.worker = ThreadPoolExecutor(2, thread_name_prefix="telemetry")
 
     # ------------------------------------------------------------ the seam
 

@@ -55,8 +55,7 @@ def test_every_host_answers_through_the_tree_over_connections_the_relays_keep(tr
 
 def test_operations_that_must_not_run_twice_use_the_relays_kept_connections_too(tree_pool):
     """An operation not marked ``REPEATABLE`` (``reserve_port`` here; a launch in use) is relayed
-    over kept connections too: each is pinged before it carries the request, and one whose host
-    restarted since is replaced by a fresh dial before the request is sent."""
+    over kept connections too (each pinged before it carries the request)."""
     assert "reserve_port" not in relay.REPEATABLE
     pool = tree_pool
     every = {i: [{}] for i in range(HOSTS)}
@@ -70,12 +69,89 @@ def test_operations_that_must_not_run_twice_use_the_relays_kept_connections_too(
     assert [(i, len(v), e) for i, v, e in res] == [(i, 1, None) for i in range(HOSTS)]
     # the client dialled the heads of its 2 groups twice (this and the info after it); no relay dialled
     assert {i: n - before[i] for i, n in accepted().items()} == {i: 2 * int(i in (0, 5)) for i in range(HOSTS)}
-    victim = 7
-    os.kill(pool.hosts[victim].pid, signal.SIGKILL)
-    wait_for(lambda: LOST in [h.state for h in pool.health()], what="the host to be lost")
-    repaired = ensure_pool(PoolRequest("monarch_local", pool.name, {}))
-    res = repaired.ask("reserve_port", range(HOSTS), calls=every)
-    assert [(i, len(v), e) for i, v, e in res] == [(i, 1, None) for i in range(HOSTS)]
+
+
+class _Peer:
+    """A hand-made agent for one relay hop: it answers ``ping``, and either closes the connection
+    as soon as it has a ``relay`` request (it took the request and died) or refuses both as a
+    stopping agent does."""
+
+    def __init__(self, creds, refuse: bool = False):
+        import socket
+        import threading
+
+        self.creds, self.refuse = creds, refuse
+        self.accepted = self.relays = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.target = relay.Target(1, "127.0.0.1", self.listener.getsockname()[1], "peer")
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def kept(self):
+        from monarch_torchx import wire
+
+        return wire.Client("127.0.0.1", self.target.port, self.creds, identity=b"peer")
+
+    def _serve(self) -> None:
+        from monarch_torchx import wire
+
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                sock = wire.accept_handshake(sock, self.creds, b"peer")
+                self.accepted += 1
+                frames = wire.FrameReader(sock)
+                while True:
+                    msg = frames.recv()
+                    if self.refuse:
+                        wire.send_msg(sock, {"id": msg["id"], "ok": False, "error": "stopping", "kind": "RelayRefused"})
+                        continue
+                    if msg["op"] != "relay":
+                        wire.send_msg(sock, {"id": msg["id"], "ok": True, "value": True})
+                        continue
+                    self.relays += 1
+                    break
+            except (OSError, wire.WireError):
+                pass
+            finally:
+                sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("op, sent", [("launch", 1), ("describe", 2)])
+def test_a_kept_connection_that_closes_under_a_request_sends_it_again_only_if_it_may_run_twice(op, sent):
+    from monarch_torchx.credentials import PoolCredentials
+
+    creds = PoolCredentials(os.urandom(32), None)
+    peer = _Peer(creds)
+    try:
+        cache = relay.ConnectionCache()
+        cache.give(peer.target, peer.kept())
+        out = relay.call_group([peer.target], creds, op, {}, None, 2, 10.0, cache=cache)
+        assert peer.relays == sent  # a launch went once; a describe once more, on a fresh dial
+        assert not out[1]["ok"] and "no answer through host 1" in out[1]["error"]
+    finally:
+        peer.close()
+
+
+def test_a_kept_connection_to_a_stopping_agent_carries_no_request():
+    from monarch_torchx.credentials import PoolCredentials
+
+    creds = PoolCredentials(os.urandom(32), None)
+    peer = _Peer(creds, refuse=True)
+    try:
+        cache = relay.ConnectionCache()
+        cache.give(peer.target, peer.kept())
+        out = relay.call_group([peer.target], creds, "launch", {}, None, 2, 10.0, cache=cache)
+        # the ping was refused: dialled afresh, the relay refused too, and its refusal is the outcome
+        assert peer.accepted == 2
+        assert out[1]["kind"] == relay.RelayRefused.__name__ and not out[1]["ok"]
+    finally:
+        peer.close()
 
 
 def test_a_killed_relay_host_is_passed_over_and_named_as_lost(tree_pool):

@@ -32,9 +32,15 @@ DIAL_TIMEOUT_S = 3.0  # a group's first member that does not complete a handshak
 PATIENT_DIAL_S = 10.0  # ... and asked again alone, once the rest answered, with at most this long to connect
 LOCAL_LAST = frozenset({"shutdown"})  # ops that end this agent: run after the subtrees were told
 # ops a host may run twice without harm: when a relay dies holding one, the rest of its group is
-# asked again through the next member (others, e.g. launch, report the group as not answered)
+# asked again through the next member, and a kept connection that closes under one is dialled
+# afresh and the request sent again (others, e.g. launch, report the group as not answered)
 REPEATABLE = frozenset({"info", "describe", "list", "app_logs", "wait", "kill", "shutdown", "telemetry.partial", "syncfs.missing",
                         "syncfs.prepare"})
+
+
+class RelayRefused(RuntimeError):
+    """This agent takes no relayed request (it is stopping): nothing of the request ran here, so
+    the next member of the group may lead it. Its peers branch on this kind, not on the text."""
 
 
 @dataclass(frozen=True)
@@ -93,8 +99,9 @@ class ConnectionCache:
     again and again (launches, a sync's steps, health checks, describes) does not pay a handshake
     each time. A kept connection is pinged before it carries a request, which tells what a fresh
     dial's handshake would have: the peer is there and answering (a hung one is passed over as
-    a slow dial is), or it has closed this connection since (it restarted), and then it is dialled
-    afresh, the request not sent yet. Only once a request was sent does its kind matter: one that
+    a slow dial is), or it has closed this connection since or is stopping, and then it is dialled
+    afresh, the request not sent yet. (A restarted agent is a new ``Target``: no kept connection
+    is taken for it.) Only once a request was sent does its kind matter: one that
     may run twice (``REPEATABLE``) is sent again on a fresh connection if the kept one closed under
     it; any other is reported as not answered, as on a fresh connection that closed."""
 
@@ -177,6 +184,10 @@ def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict]
                 try:
                     c.settimeout(dial)
                     c.call("ping")
+                except wire.RemoteError:  # it answered, and refused (stopping): nothing was sent yet
+                    c.close()
+                    reused = None
+                    continue  # a fresh dial finds it gone, or tells why
                 except (wire.WireError, OSError) as e:
                     c.close()
                     reused = None
@@ -202,10 +213,18 @@ def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict]
                 sub_calls = {t.index: calls[t.index] for t in group if t.index in calls} if calls else None
                 reply = c.call("relay", relayed=op, targets=[t.as_dict() for t in group], args=args, calls=sub_calls,
                                fanout=fanout, timeout=max(0.1, deadline - time.monotonic() - LEVEL_MARGIN_S))
-            except wire.RemoteError as e:  # it refused the relay itself (e.g. it is shutting down)
+            except wire.RemoteError as e:
                 c.close()
-                out[head.index] = failure(e).as_dict()
-                break
+                if e.kind == RelayRefused.__name__ or op in REPEATABLE:
+                    # it refused the relay itself (stopping), or the rest may be asked again: the next member leads
+                    out[head.index] = failure(e).as_dict()
+                    break
+                # it took the request and failed it as a whole (cancelled while stopping, say): part of
+                # its subtree may have run it, so the rest is not asked again
+                for t in group:
+                    out.setdefault(t.index, Outcome(False, error=f"no answer through host {head.index} ({e})",
+                                                    kind=e.kind or "RemoteError", via=head.index).as_dict())
+                return out
             except (wire.WireError, OSError) as e:  # it took the request and did not answer: its subtree waited
                 c.close()
                 if reused is not None and op in REPEATABLE and _closed(e):  # closed under a kept one: once more, fresh
@@ -278,6 +297,8 @@ class Relay:
         turn) and on every other target through the tree; returns each target's outcome by host
         index."""
         op = relayed
+        if self.agent.stopping.is_set():
+            raise RelayRefused(f"agent {self.agent.index} is shutting down ({self.agent.stop_reason})")
         if op == "relay":
             raise wire.RemoteError(f"operation {op!r} cannot be relayed")
         tree = [Target(**t) for t in targets]

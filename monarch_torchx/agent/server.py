@@ -30,7 +30,7 @@ from ..specs import TERMINAL, LaunchSpec
 from .launcher import Launcher
 from .procs import ProcTable
 from .log_follow import OP as LOG_FOLLOW_OP, LogFollow
-from .relay import Relay
+from .relay import Relay, RelayRefused
 
 log = logging.getLogger("monarch_torchx.agent")
 
@@ -197,6 +197,8 @@ class Agent:
 
     async def op_ping(self, peer: wire.Peer) -> bool:
         """The cheapest answer: a relay asks it on a connection it kept, before reusing it."""
+        if self.stopping.is_set():  # so it is not handed a request it would drop halfway
+            raise RelayRefused(f"agent {self.index} is shutting down ({self.stop_reason})")
         return True
 
     async def op_info(self, peer: wire.Peer, touch: bool = False) -> dict:
