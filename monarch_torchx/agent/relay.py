@@ -101,9 +101,9 @@ class ConnectionCache:
     dial's handshake would have: the peer is there and answering (a hung one is passed over as
     a slow dial is), or it has closed this connection since or is stopping, and then it is dialled
     afresh, the request not sent yet. (A restarted agent is a new ``Target``: no kept connection
-    is taken for it.) Only once a request was sent does its kind matter: one that
-    may run twice (``REPEATABLE``) is sent again on a fresh connection if the kept one closed under
-    it; any other is reported as not answered, as on a fresh connection that closed."""
+    is taken for it.) Only once a request was sent does its kind matter: one that may run twice
+    (``REPEATABLE``) is sent again on a fresh connection if the kept one closed under it; any
+    other is reported as not answered, as on a fresh connection that closed."""
 
     IDLE_S = 30.0
     PER_PEER = 4
