@@ -201,13 +201,14 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             workspace = ws.attached(role.image, cfg) if n == 0 else None
             req.workspace = req.workspace or workspace
             req.roles.append(role_to_record(role))
+            root = ws.MOUNT_TOKEN if workspace else role.image if os.path.isdir(role.image) else (cwd or "")
             for i in range(role.num_replicas):
-                root = ws.MOUNT_TOKEN if workspace else role.image if os.path.isdir(role.image) else (cwd or "")
                 values = macros.Values(img_root=root,
                                        app_id=f"{pool_req.name}:{app_id}", replica_id=str(i), rank0_env=RANK0_ENV)
-                r = values.apply(role)
-                env = {str(k): str(v) for k, v in r.env.items()}
-                argv = [r.entrypoint, *r.args]
+                # only args and env reach a replica: substituting them is what ``values.apply`` does
+                # to them, without its deep copy of the whole role for every replica
+                env = {str(k): values.substitute(str(v)) for k, v in role.env.items()}
+                argv = [role.entrypoint, *(values.substitute(a) for a in role.args)]
                 plan = plan_role(argv, env, role.num_replicas, role.name)
                 if plan is not None:
                     req.torchrun.setdefault(role.name, plan)
