@@ -68,6 +68,12 @@ class KubeApi:
             raise MonarchError(f"the Kubernetes API server at {self.server} is unreachable ({reason}); "
                                "check KUBECONFIG, the cluster and your network") from None
 
+    def one_off_core(self) -> Any:
+        """The core API on a client of its own, with this one's configuration (nothing is read again)."""
+        from kubernetes import client
+
+        return client.CoreV1Api(client.ApiClient(self.api.configuration))
+
     def close(self) -> None:
         self.api.close()
 
@@ -136,7 +142,9 @@ def open_portforward(api: KubeApi, namespace: str, pod: str, port: int, timeout:
 
     def connect() -> None:
         try:
-            box["forward"] = portforward(api.core.connect_get_namespaced_pod_portforward, pod, namespace,
+            # on a client of its own: ``portforward`` swaps the client's request method for the call's
+            # length, and two at once on one client (a fan-out's threads) can leave the swap in place
+            box["forward"] = portforward(api.one_off_core().connect_get_namespaced_pod_portforward, pod, namespace,
                                          ports=str(port))
         except Exception as e:  # the client wraps websocket failures in ApiException(0) (and then trips on it)
             box["error"] = e if isinstance(e, ApiException) else (e.__context__ or e)

@@ -469,6 +469,31 @@ def test_actor_mesh_on_pods_with_pod_ip_access(cluster, home, pool_name):
     procs.stop().get()
 
 
+def test_port_forwards_opened_at_once_leave_the_api_client_usable(cluster):
+    """The client's ``portforward`` swaps its ApiClient's request method for the call's length:
+    two at once on one client could leave the swap in place, and every later API call of the
+    process failed ("Missing required parameter `ports`"). Each tunnel has a client of its own."""
+    from monarch_torchx.schedulers.k8s_api import KubeApi, open_portforward
+
+    api = KubeApi()
+    errors = []
+
+    def forward(k: int) -> None:
+        try:
+            open_portforward(api, "default", f"no-such-pod-{k}", 1234, timeout=10)
+        except MonarchError as e:  # (the pods do not exist: each one fails, in one line)
+            errors.append(str(e))
+
+    for _ in range(5):
+        threads = [threading.Thread(target=forward, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert api.call("list", "pods", "default", api.core.list_namespaced_pod, "default").items == []
+    assert len(errors) == 40 and all("no-such-pod" in e for e in errors), errors[:3]
+
+
 def test_agent_secret_and_identity_come_from_the_pod(cluster, home, pool_name, tmp_path):
     """The pod's agent reads the pool secret and TLS certificate from its mounted Secret,
     serves TLS only (a Kubernetes pool's default), and answers only handshakes that name its
