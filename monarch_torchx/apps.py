@@ -7,10 +7,10 @@ replica on its host's agent, so `torchx list`, `pool status` and the telemetry s
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .errors import AccessError, HostUnreachable, MonarchError
-from .pool import Pool
+from .pool import Pool, PoolRequest, ensure_pool, reuse_unchecked
 from .registry import AppRecord, Placement, Registry
 from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec
 
@@ -27,9 +27,27 @@ def app_state(states: List[str]) -> str:
     return PENDING
 
 
+class LaunchFailed(MonarchError):
+    """A launch that left nothing running (all or nothing); ``hosts``: those it failed on."""
+
+    def __init__(self, message: str, hosts: Sequence[int]):
+        super().__init__(message)
+        self.hosts = list(hosts)
+
+
+Placer = Callable[[Pool], List[Tuple[int, LaunchSpec]]]
+
+
 def launch(pool: Pool, app_id: str, name: str, roles: List[Dict[str, Any]],
            replicas: List[Tuple[int, LaunchSpec]]) -> AppRecord:
     """Records the app, then starts each (host_index, spec) on its host; all or nothing."""
+    return _launch(pool, app_id, name, roles, replicas, others=())[0]
+
+
+def _launch(pool: Pool, app_id: str, name: str, roles: List[Dict[str, Any]],
+            replicas: List[Tuple[int, LaunchSpec]], others: Sequence[int]) -> Tuple[AppRecord, List[int]]:
+    """``launch``, with the hosts ``others`` (none of the replicas' hosts) asked in the same pass
+    to answer an empty request; returns the app and those of ``others`` that did not answer."""
     hosts = pool.hosts
     placement = []
     for i, spec in replicas:
@@ -44,12 +62,58 @@ def launch(pool: Pool, app_id: str, name: str, roles: List[Dict[str, Any]],
         by_host.setdefault(i, []).append(spec)
 
     calls = {i: [{"spec": spec.__dict__} for spec in specs] for i, specs in by_host.items()}
-    errors = [(i, e) for i, _, e in pool.ask("launch", sorted(by_host), timeout=30.0, calls=calls) if e]
+    calls.update({i: [] for i in others if i not in by_host})
+    answers = pool.ask("launch", sorted(calls), timeout=30.0, calls=calls)
+    errors = [(i, e) for i, _, e in answers if e and i in by_host]
     if errors:
         kill(pool, arec)
-        raise MonarchError(f"could not start {app_id} on pool {pool.name!r}: "
-                           + "; ".join(f"host {i}: {e}" for i, e in errors))
-    return arec
+        # where it started, ended before the error is raised: the app started again (``start``) finds none left
+        started = [i for i, _, e in answers if e is None and i in by_host]
+        if started:
+            pool.ask("wait", started, timeout=15.0, app_id=app_id, within=10.0)
+        raise LaunchFailed(f"could not start {app_id} on pool {pool.name!r}: "
+                           + "; ".join(f"host {i}: {e}" for i, e in errors), [i for i, _ in errors])
+    return arec, [i for i, _, e in answers if e and i not in by_host]
+
+
+def start(req: PoolRequest, app_id: str, name: str, roles: List[Dict[str, Any]], place: Placer,
+          registry: Optional[Registry] = None, defaults: Optional[Dict[str, Any]] = None,
+          progress: Callable[[str], None] = lambda _m: None, check_first: bool = False) -> Tuple[Pool, AppRecord]:
+    """Starts an app on the pool ``req`` names, all or nothing: ``ensure_pool``, then ``launch``
+    of what ``place(pool)`` gives, in one pass over the pool where it can.
+
+    A pool that exists and shows no evidence of loss at hand (``reuse_unchecked``) is not
+    health-checked first: the launch goes to every host of the pool, those without a replica
+    with an empty request, so that one pass both checks the hosts and starts the app. Only when
+    a host failed that pass is the pool checked as ``ensure_pool`` does (lost hosts repaired,
+    unreachable ones reported), after the launch:
+    - the launch failed (and ended what it had started): if a host it failed on was repaired,
+      the app is started once more (replicas that had started on other hosts start again, and
+      their logs hold both tries), else the launch's error is raised;
+    - only hosts without a replica failed: the launch stands.
+    ``check_first``: check the pool before anything (a run that syncs a workspace first).
+    ``place`` raising ``HostUnreachable`` (a host it asked, e.g. for a port) counts as a failed launch.
+    """
+    pool = None if check_first else reuse_unchecked(req, registry, progress)
+    if pool is None:
+        pool = ensure_pool(req, registry, defaults=defaults, progress=progress)
+        return pool, launch(pool, app_id, name, roles, place(pool))
+    before = list(pool.hosts)
+    try:
+        arec, silent = _launch(pool, app_id, name, roles, place(pool), others=range(len(before)))
+    except (LaunchFailed, HostUnreachable) as e:
+        failed = e.hosts if isinstance(e, LaunchFailed) else [e.index]
+        checked = ensure_pool(req, registry, defaults=defaults, progress=progress)
+        after = checked.hosts
+        repaired = [i for i in failed if 0 <= i < len(after) and before[i] is not None and
+                    not (after[i] is not None and after[i].same_agent(before[i]))]
+        if not repaired:
+            raise
+        progress(f"starting {app_id} again on the repaired pool")
+        return checked, launch(checked, app_id, name, roles, place(checked))
+    if silent:  # the launch stands; the check reports, or repairs, the hosts that did not answer
+        pool = ensure_pool(req, registry, defaults=defaults, progress=progress)
+    return pool, arec
 
 
 def replica_states(pool: Pool, arec: AppRecord) -> Dict[Tuple[str, int], Dict[str, Any]]:

@@ -527,6 +527,28 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
         return pool
 
 
+def reuse_unchecked(req: PoolRequest, registry: Optional[Registry] = None,
+                    progress: Callable[[str], None] = lambda _m: None) -> Optional[Pool]:
+    """The existing pool that serves ``req``, with none of its hosts asked: for a run whose first
+    request to the hosts is its launch, which then checks them in the same pass
+    (``apps.start``). None where ``ensure_pool`` has something to do or say first: no such pool,
+    another engine or a changed spec, or a host with evidence of loss at hand without asking it
+    (exited in the pool's view, or gone by its engine's word: on ``monarch_local``, its process)."""
+    registry = registry or Registry()
+    check_pool_name(req.name)
+    prov = get_provisioner(req.scheduler)
+    with registry.lock(req.name, on_wait=progress):  # a pool being created or repaired: wait, as ensure_pool does
+        rec = registry.get(req.name)
+        if rec is None or rec.scheduler != req.scheduler or _fingerprint_diff(rec, req, prov):
+            return None
+        pool = Pool(rec, registry)
+        hosts = pool.hosts
+        gone = getattr(prov, "host_gone", None)
+        if any(h is None or h.exited or (gone is not None and gone(rec, h)) for h in hosts):
+            return None
+        return pool
+
+
 def warming_hosts(infos: Sequence[Dict[str, Any]]) -> List[int]:
     """Indices of hosts whose warm fork server is still importing the pool's preloads."""
     return [i for i, info in enumerate(infos) if (info or {}).get("warm", {}).get("state") == "importing"]

@@ -12,7 +12,7 @@ import re
 import sys
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
@@ -23,7 +23,7 @@ from torchx.workspace.api import WorkspaceMixin
 
 from .. import apps
 from ..errors import MonarchError
-from ..pool import Pool, PoolRequest, ensure_pool, get_provisioner, parse_duration, plan_pool, preload_list
+from ..pool import Pool, PoolRequest, get_provisioner, parse_duration, plan_pool, preload_list
 from ..registry import AppRecord, Registry, check_pool_name
 from ..specs import FAILED, SUCCEEDED, LaunchSpec
 from ..submission import PoolPlan
@@ -224,30 +224,37 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
     def schedule(self, dryrun_info: AppDryRunInfo) -> str:
         req: MonarchRequest = dryrun_info.request
         want = max(r.host_index for r in req.replicas) + 1
-        defaults = {"hosts": want, "preload": "torch"}
-        pool = ensure_pool(req.pool, self.registry, defaults=defaults, progress=_progress)
-        n = pool.record.num_hosts
-        if want > n:
-            opt = get_provisioner(self.backend).hosts_option
-            raise MonarchError(f"the app needs {want} hosts (one per replica) but pool {pool.name!r} has {n}; "
-                               f"use -cfg {opt}={want},replace=True or a bigger pool")
-        hosts = pool.hosts
-        rank0 = hosts[0].host if hosts[0] else "localhost"
-        for r in req.replicas:
-            r.spec.env.setdefault(RANK0_ENV, rank0)
-        for role, plan in req.torchrun.items():
-            if plan.warm:
-                _place_torchrun(pool, role, plan, [r for r in req.replicas if r.spec.role == role])
-        if req.workspace:
-            first = req.roles[0]["name"]
-            hosts0 = sorted({r.host_index for r in req.replicas if r.spec.role == first})
-            ws.sync_to_hosts(pool, req.workspace, hosts0, _progress)
-            paths = ws.workdirs(pool, req.workspace, hosts0)
-            for r in req.replicas:
-                if r.spec.role == first:
-                    ws.place(r.spec, paths[r.host_index])
-        apps.launch(pool, req.app_id, req.app_name, req.roles, [(r.host_index, r.spec) for r in req.replicas])
-        return f"{pool.name}:{req.app_id}"
+
+        def place(pool: Pool) -> List[Tuple[int, LaunchSpec]]:
+            """The replicas, ready to start on ``pool`` (on copies: a launch made again places afresh)."""
+            n = pool.record.num_hosts
+            if want > n:
+                opt = get_provisioner(self.backend).hosts_option
+                raise MonarchError(f"the app needs {want} hosts (one per replica) but pool {pool.name!r} has {n}; "
+                                   f"use -cfg {opt}={want},replace=True or a bigger pool")
+            hosts = pool.hosts
+            rank0 = hosts[0].host if hosts[0] else "localhost"
+            replicas = [ReplicaLaunch(r.host_index, replace(r.spec, env={**r.spec.env})) for r in req.replicas]
+            for r in replicas:
+                r.spec.env.setdefault(RANK0_ENV, rank0)
+            for role, plan in req.torchrun.items():
+                if plan.warm:
+                    _place_torchrun(pool, role, plan, [r for r in replicas if r.spec.role == role])
+            if req.workspace:
+                first = req.roles[0]["name"]
+                hosts0 = sorted({r.host_index for r in replicas if r.spec.role == first})
+                ws.sync_to_hosts(pool, req.workspace, hosts0, _progress)
+                paths = ws.workdirs(pool, req.workspace, hosts0)
+                for r in replicas:
+                    if r.spec.role == first:
+                        ws.place(r.spec, paths[r.host_index])
+            return [(r.host_index, r.spec) for r in replicas]
+
+        # a workspace is synced before the launch: its hosts are checked before the sync
+        pool, arec = apps.start(req.pool, req.app_id, req.app_name, req.roles, place, self.registry,
+                                defaults={"hosts": want, "preload": "torch"}, progress=_progress,
+                                check_first=req.workspace is not None)
+        return f"{pool.name}:{arec.app_id}"
 
     # ------------------------------------------------------------ queries
 

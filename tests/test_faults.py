@@ -197,6 +197,41 @@ def test_an_unreachable_host_with_a_stale_heartbeat_is_lost_and_repaired(home, p
         assert all(x.ok for x in attach(pool_name).health())
 
 
+def test_a_reused_pool_is_checked_by_the_launch_and_a_host_it_finds_lost_is_repaired_then_run_on(home, pool_name,
+                                                                                                  monkeypatch):
+    """A run on a pool that exists is not preceded by a health check: its launch reaches every
+    host, in one connection each. A host that fails the launch, with nothing at hand that said it
+    was lost (its agent's process lives; its address leads to a port nothing listens on), is
+    repaired, and the app started again on all hosts."""
+    monkeypatch.setenv("MONARCH_TORCHX_HEARTBEAT_S", "600")  # nothing republishes the address during the test
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2,preload=none")
+    pool = attach(pool_name)
+    with get_runner() as runner:
+        before = pool.call(0, "info")["accepted"]
+        h = runner.run(AppDef("one", roles=[Role(name="e", image=".", entrypoint="echo", args=["one"],
+                                                 num_replicas=2)]), "monarch_local", {"pool": pool_name})
+        # the launch's connection, and this ask's own
+        assert pool.call(0, "info")["accepted"] - before == 2
+        st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal() and s, what="the first run")
+        assert st.state == AppState.SUCCEEDED
+
+    nowhere = socket.socket()
+    nowhere.bind(("127.0.0.1", 0))
+    port = nowhere.getsockname()[1]
+    nowhere.close()
+    old = _point_at(home, pool_name, 1, port)
+    res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "two",
+                 "--num_replicas", "2")
+    assert "repairing" in res.stderr and "again on the repaired pool" in res.stderr, res.stderr
+    handle = res.stdout.strip().splitlines()[-1]
+    wait_for(lambda: "SUCCEEDED" in torchx(home, "status", handle).stdout, what="the app started again")
+    logs = torchx(home, "log", handle).stdout.splitlines()
+    # host 0 had started its replica before host 1 failed the launch: its log holds both tries
+    assert logs.count("echo/0 two") == 2 and logs.count("echo/1 two") == 1, logs
+    wait_for(lambda: not _proc_alive(old), what="the agent whose address led nowhere to be replaced")
+    assert all(x.ok for x in attach(pool_name).health())
+
+
 def test_a_handshake_flood_neither_keeps_clients_out_nor_gets_hosts_repaired(home, pool_name, monkeypatch):
     """A local peer with no credentials holds hundreds of silent connections to every agent: runs,
     status and health still work, nothing is repaired, and the agents' logs stay short (0600)."""

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -208,6 +210,22 @@ def test_torchx_run_status_and_stop_through_the_tree(home, pool_name, monkeypatc
                        "--msg", "tree", "--num_replicas", str(HOSTS)))
     wait_for(lambda: "SUCCEEDED" in torchx(home, "status", h).stdout, what="echo on every host")
     assert torchx(home, "log", h).stdout.count("tree") == HOSTS
+    # a run on 3 hosts asks the other 7 in the same pass, with an empty request: one whose address
+    # leads nowhere (its agent's process alive: nothing at hand said so) is repaired after the launch
+    nowhere = socket.socket()
+    nowhere.bind(("127.0.0.1", 0))
+    port = nowhere.getsockname()[1]
+    nowhere.close()
+    rec = Registry(home).get(pool_name)
+    addr = Registry.read_host(rec.state_dir, 7)
+    Registry.publish_host(rec.state_dir, replace(addr, port=port))
+    res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "three",
+                 "--num_replicas", "3")
+    assert "repairing" in res.stderr and "again" not in res.stderr, res.stderr
+    h3 = _handle(res)
+    wait_for(lambda: "SUCCEEDED" in torchx(home, "status", h3).stdout, what="echo on 3 hosts")
+    assert torchx(home, "log", h3).stdout.count("three") == 3
+    assert all(x.ok for x in attach(pool_name).health())
     torchx(home, "pool", "stop", pool_name)
     assert Registry(home).get(pool_name) is None
 
