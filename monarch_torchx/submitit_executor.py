@@ -182,17 +182,27 @@ class MonarchExecutor(core.PicklingExecutor):
 
     def _internal_process_submissions(self, delayed_submissions: tp.List[utils.DelayedSubmission]) -> tp.List[core.Job[tp.Any]]:
         """Like PicklingExecutor's, but the pickle is in place before the tasks start (no 1 s wait)."""
-        from .pool import PoolRequest, ensure_pool
+        from .pool import PoolRequest, ensure_pool, reuse_unchecked, warming_hosts
         from .registry import Registry
 
         name = self.parameters["pool"]
         rec = Registry().require(name)
-        pool = ensure_pool(PoolRequest(rec.scheduler, name, spec={}),
-                           progress=lambda m: print(f"monarch-torchx: {m}", file=sys.stderr, flush=True))
+        req = PoolRequest(rec.scheduler, name, spec={})
+
+        def progress(msg: str) -> None:
+            print(f"monarch-torchx: {msg}", file=sys.stderr, flush=True)
+
+        # the hosts' load, asked of every host, is the health check too: ensure_pool's own only when a
+        # host is not well (repaired, reported) or still warming (waited for), then the load again
+        pool = reuse_unchecked(req, progress=progress)
+        health = pool.health(touch=True) if pool is not None else []
+        if pool is None or not all(h.ok for h in health) or warming_hosts([h.info for h in health]):
+            pool = ensure_pool(req, progress=progress)
+            health = pool.health()
         nodes = int(self.parameters.get("nodes", 1))
         if nodes > pool.record.num_hosts:
             raise MonarchError(f"nodes={nodes} but pool {name!r} has {pool.record.num_hosts} host(s)")
-        load = {h.index: int(h.info.get("running") or 0) for h in pool.health() if h.ok}
+        load = {h.index: int(h.info.get("running") or 0) for h in health if h.ok}
         if len(load) < nodes:
             raise MonarchError(f"pool {name!r} has only {len(load)} healthy host(s) for nodes={nodes}")
         timeout_min = self.parameters.get("timeout_min", 5)

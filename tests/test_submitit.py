@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -86,6 +87,25 @@ def test_multi_task_jobs_map_array_and_batch_fan_out(local_pool, tmp_path):
     with ex.batch():
         b = [ex.submit(where, i) for i in range(3)]
     assert [j.result()["x"] for j in b] == [0, 1, 2]
+
+
+def test_a_submission_checks_the_pool_in_the_pass_that_reads_its_load_and_repairs_a_lost_host(local_pool, tmp_path,
+                                                                                             capfd):
+    from monarch_torchx.pool import attach
+
+    pool = attach(local_pool)
+    ex = _executor(tmp_path, local_pool, nodes=2)
+    before = pool.call(0, "info")["accepted"]
+    job = ex.submit(where, 1)
+    assert pool.call(0, "info")["accepted"] - before == 3  # the hosts' load (the health check), the launch, this ask
+    assert sorted(r["node"] for r in job.results()) == [0, 1]
+    victim = pool.hosts[1].pid
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: not os.path.exists(f"/proc/{victim}") or
+             open(f"/proc/{victim}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", what="the agent to die")
+    capfd.readouterr()
+    assert sorted(r["x"] for r in ex.submit(where, 2).results()) == [2, 2]  # on both hosts, host 1 repaired
+    assert "repairing" in capfd.readouterr().err
 
 
 def test_failure_carries_the_remote_traceback(local_pool, tmp_path):
