@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .errors import AccessError, HostUnreachable, MonarchError
+from . import wire
+from .errors import AccessError, HostLost, HostUnreachable, MonarchError
 from .pool import Pool, PoolRequest, ensure_pool, reuse_unchecked
 from .registry import AppRecord, Placement, Registry
 from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec
@@ -28,11 +29,14 @@ def app_state(states: List[str]) -> str:
 
 
 class LaunchFailed(MonarchError):
-    """A launch that left nothing running (all or nothing); ``hosts``: those it failed on."""
+    """A launch that left nothing running (all or nothing). ``hosts``: those it failed on;
+    ``refused``: those whose agent answered with an error (the app's or the agent's business,
+    not the pool's health: ``start`` does not try again for them)."""
 
-    def __init__(self, message: str, hosts: Sequence[int]):
+    def __init__(self, message: str, hosts: Sequence[int], refused: Sequence[int] = ()):
         super().__init__(message)
         self.hosts = list(hosts)
+        self.refused = list(refused)
 
 
 Placer = Callable[[Pool], List[Tuple[int, LaunchSpec]]]
@@ -44,10 +48,11 @@ def launch(pool: Pool, app_id: str, name: str, roles: List[Dict[str, Any]],
     return _launch(pool, app_id, name, roles, replicas, others=())[0]
 
 
-def _launch(pool: Pool, app_id: str, name: str, roles: List[Dict[str, Any]],
-            replicas: List[Tuple[int, LaunchSpec]], others: Sequence[int]) -> Tuple[AppRecord, List[int]]:
+def _launch(pool: Pool, app_id: str, name: str, roles: List[Dict[str, Any]], replicas: List[Tuple[int, LaunchSpec]],
+            others: Sequence[int]) -> Tuple[AppRecord, List[Tuple[int, Exception]]]:
     """``launch``, with the hosts ``others`` (none of the replicas' hosts) asked in the same pass
-    to answer an empty request; returns the app and those of ``others`` that did not answer."""
+    to answer an empty request; returns the app and those of ``others`` that did not answer, with
+    why."""
     hosts = pool.hosts
     placement = []
     for i, spec in replicas:
@@ -67,13 +72,21 @@ def _launch(pool: Pool, app_id: str, name: str, roles: List[Dict[str, Any]],
     errors = [(i, e) for i, _, e in answers if e and i in by_host]
     if errors:
         kill(pool, arec)
-        # where it started, ended before the error is raised: the app started again (``start``) finds none left
-        started = [i for i, _, e in answers if e is None and i in by_host]
-        if started:
-            pool.ask("wait", started, timeout=15.0, app_id=app_id, within=10.0)
+        # and ended before the error is raised (a host whose answer was lost may have started some):
+        # the app started again (``start``) finds none of its replicas still running
+        pool.ask("wait", sorted(by_host), timeout=15.0, app_id=app_id, within=10.0)
         raise LaunchFailed(f"could not start {app_id} on pool {pool.name!r}: "
-                           + "; ".join(f"host {i}: {e}" for i, e in errors), [i for i, _ in errors])
-    return arec, [i for i, _, e in answers if e and i not in by_host]
+                           + "; ".join(f"host {i}: {e}" for i, e in errors), [i for i, _ in errors],
+                           [i for i, e in errors if _refused(e)])
+    return arec, [(i, e) for i, _, e in answers if e and i not in by_host]
+
+
+def _refused(e: Exception) -> bool:
+    """The host's agent answered with an error of its own: not one that says it is stopping
+    (``RelayRefused``, a host the pool's check counts as gone)."""
+    from .agent.relay import RelayRefused
+
+    return isinstance(e, wire.RemoteError) and e.kind != RelayRefused.__name__
 
 
 def start(req: PoolRequest, app_id: str, name: str, roles: List[Dict[str, Any]], place: Placer,
@@ -82,38 +95,55 @@ def start(req: PoolRequest, app_id: str, name: str, roles: List[Dict[str, Any]],
     """Starts an app on the pool ``req`` names, all or nothing: ``ensure_pool``, then ``launch``
     of what ``place(pool)`` gives, in one pass over the pool where it can.
 
-    A pool that exists and shows no evidence of loss at hand (``reuse_unchecked``) is not
-    health-checked first: the launch goes to every host of the pool, those without a replica
-    with an empty request, so that one pass both checks the hosts and starts the app. Only when
-    a host failed that pass is the pool checked as ``ensure_pool`` does (lost hosts repaired,
-    unreachable ones reported), after the launch:
-    - the launch failed (and ended what it had started): if a host it failed on was repaired,
-      the app is started once more (replicas that had started on other hosts start again, and
-      their logs hold both tries), else the launch's error is raised;
-    - only hosts without a replica failed: the launch stands.
+    A pool whose requests go through the relay tree, that exists and shows no evidence of loss at
+    hand (``reuse_unchecked``), is not health-checked first: the launch goes to every host of the
+    pool, those without a replica with an empty request, so that one pass both checks the hosts
+    and starts the app (and resets every agent's idle clock). When a host fails that pass:
+    - a host with a replica: the launch ends what it had started (all or nothing), and the pool
+      is checked as ``ensure_pool`` does (lost hosts repaired, unreachable ones reported). If
+      every host the launch failed on was not reached and is well now, the app is started once
+      more: replicas that had started on other hosts start a second time (a short one may have
+      run to its end), and their logs hold both tries. Else the launch's error is raised.
+    - only hosts without a replica: the launch stands, and nothing is repaired under it (on SLURM
+      a repair replaces the whole allocation). Each such host is named, lost or unreachable, and
+      the next run checks the pool before it launches.
     ``check_first``: check the pool before anything (a run that syncs a workspace first).
-    ``place`` raising ``HostUnreachable`` (a host it asked, e.g. for a port) counts as a failed launch.
+    ``place`` failing to reach a host it asked (``HostUnreachable``, ``HostLost``: a warm
+    torchrun's port) counts as a failed launch.
     """
     pool = None if check_first else reuse_unchecked(req, registry, progress)
     if pool is None:
         pool = ensure_pool(req, registry, defaults=defaults, progress=progress)
         return pool, launch(pool, app_id, name, roles, place(pool))
-    before = list(pool.hosts)
     try:
-        arec, silent = _launch(pool, app_id, name, roles, place(pool), others=range(len(before)))
-    except (LaunchFailed, HostUnreachable) as e:
+        arec, silent = _launch(pool, app_id, name, roles, place(pool), others=range(pool.record.num_hosts))
+    except (LaunchFailed, HostUnreachable, HostLost) as e:
+        if isinstance(e, LaunchFailed) and e.refused:
+            raise
         failed = e.hosts if isinstance(e, LaunchFailed) else [e.index]
         checked = ensure_pool(req, registry, defaults=defaults, progress=progress)
-        after = checked.hosts
-        repaired = [i for i in failed if 0 <= i < len(after) and before[i] is not None and
-                    not (after[i] is not None and after[i].same_agent(before[i]))]
-        if not repaired:
-            raise
-        progress(f"starting {app_id} again on the repaired pool")
+        if any(i in checked.unreachable for i in failed):
+            raise  # (the check said which host, and why)
+        progress(f"starting {app_id} again, on the checked pool")
         return checked, launch(checked, app_id, name, roles, place(checked))
-    if silent:  # the launch stands; the check reports, or repairs, the hosts that did not answer
-        pool = ensure_pool(req, registry, defaults=defaults, progress=progress)
+    if silent:
+        _name_unanswered(pool, silent, progress)
     return pool, arec
+
+
+def _name_unanswered(pool: Pool, silent: List[Tuple[int, Exception]], progress: Callable[[str], None]) -> None:
+    """Hosts without a replica that did not answer a launch that stands: each named, lost (on
+    evidence) or unreachable; the next run checks the pool first (``Registry.want_check``)."""
+    for i, err in silent:
+        try:
+            evidence = pool.loss_evidence(i, err)
+        except MonarchError as e:  # (the engine's word could not be had: the host stays unreachable)
+            evidence, err = None, e
+        if evidence:
+            progress(f"{pool.lost_message(i, evidence, err)}; the next run repairs it")
+        else:
+            progress(f"host {i} is unreachable but not known to be lost ({err}); leaving it be")
+    Registry.want_check(pool.record.path, f"host(s) {[i for i, _ in silent]} did not answer a launch")
 
 
 def replica_states(pool: Pool, arec: AppRecord) -> Dict[Tuple[str, int], Dict[str, Any]]:

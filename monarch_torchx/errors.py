@@ -26,5 +26,14 @@ class HostUnreachable(MonarchError):
         self.cause = cause
 
 
+class HostLost(MonarchError):
+    """This client's way to one host is gone on the engine's word (a Kubernetes pod that is gone
+    or not running, behind a port-forward): evidence, unlike ``HostUnreachable``."""
+
+    def __init__(self, message: str, index: int = -1):
+        super().__init__(message)
+        self.index = index
+
+
 class StartTimeout(MonarchError):
     """Hosts did not publish their address within the start timeout."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol,
 
 from . import wire
 from .credentials import TLS_FILE, TOKEN_FILE
-from .errors import AccessError, HostUnreachable, MonarchError, StartTimeout
+from .errors import AccessError, HostLost, HostUnreachable, MonarchError, StartTimeout
 from .registry import HostAddr, PoolRecord, Registry, check_pool_name
 
 if TYPE_CHECKING:
@@ -143,6 +143,7 @@ class Pool:
         self._hosts: Optional[List[Optional[HostAddr]]] = None
         self._provisioner: Optional[Provisioner] = None
         self._engine_loss: Optional[Tuple[float, Optional[str]]] = None  # (when asked, the answer)
+        self.unreachable: List[int] = []  # hosts ensure_pool's check left be: unreachable, not known to be lost
 
     @property
     def name(self) -> str:
@@ -206,7 +207,7 @@ class Pool:
             except AccessError:
                 raise
             except MonarchError as e:  # the pod behind it is gone or not running
-                raise MonarchError(f"host {index} of pool {self.name!r} is lost: {e}") from None
+                raise HostLost(f"host {index} of pool {self.name!r} is lost: {e}", index) from None
         try:
             return wire.Client(addr.host, addr.port, self.record.credentials, timeout=timeout,
                                identity=addr.identity(self.name), sock=tunnel.sock if tunnel else None)
@@ -508,6 +509,7 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
         for h in health:
             if h.state == UNREACHABLE:  # never repaired (killed) on one failed connection
                 progress(f"host {h.index} is unreachable but not known to be lost ({h.error}); leaving it be")
+        pool.unreachable = [h.index for h in health if h.state == UNREACHABLE]
         dead = [h.index for h in health if h.state == LOST]
         if dead:
             progress(f"repairing pool {req.name!r}: host(s) {dead} lost")
@@ -524,22 +526,28 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
                 raise
             pool.refresh()
             wait_warm(pool, progress, _start_timeout(rec))
+        registry.check_done(rec)
         return pool
 
 
 def reuse_unchecked(req: PoolRequest, registry: Optional[Registry] = None,
                     progress: Callable[[str], None] = lambda _m: None) -> Optional[Pool]:
     """The existing pool that serves ``req``, with none of its hosts asked: for a run whose first
-    request to the hosts is its launch, which then checks them in the same pass
-    (``apps.start``). None where ``ensure_pool`` has something to do or say first: no such pool,
-    another engine or a changed spec, or a host with evidence of loss at hand without asking it
-    (exited in the pool's view, or gone by its engine's word: on ``monarch_local``, its process)."""
+    request to the hosts is its launch, which then checks them in the same pass through the relay
+    tree (``apps.start``). None where ``ensure_pool`` checks first: a pool whose requests do not go
+    through the tree (fewer than ``tree_min_hosts()``: a check is one connection per host), no
+    such pool, another engine or a changed spec, no pool view (a host moved since), a check that
+    a run asked for (``Registry.want_check``: it found a host unwell), or a host with evidence of
+    loss at hand without asking it (exited in the view, or gone by its engine's word: on
+    ``monarch_local``, its process)."""
     registry = registry or Registry()
     check_pool_name(req.name)
     prov = get_provisioner(req.scheduler)
     with registry.lock(req.name, on_wait=progress):  # a pool being created or repaired: wait, as ensure_pool does
         rec = registry.get(req.name)
         if rec is None or rec.scheduler != req.scheduler or _fingerprint_diff(rec, req, prov):
+            return None
+        if rec.num_hosts < tree_min_hosts() or registry.read_view(rec) is None or registry.check_wanted(rec):
             return None
         pool = Pool(rec, registry)
         hosts = pool.hosts

@@ -34,6 +34,7 @@ from .errors import MonarchError, PoolNotFound
 from .private import PrivatePathError, private_dir, write_private_bytes
 
 VIEW_FILE = "hosts/view.json"  # every host's address in one file (see Registry.read_view)
+CHECK_FILE = "hosts/check-first"  # a run found a host unwell: the next one checks the pool before it launches
 MONARCH_JOBS_DIR = "monarch_jobs"  # the TLS files of real-Monarch jobs on the pool (monarch_backend.py)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
@@ -334,6 +335,22 @@ class Registry:
     def drop_view(state_dir: Path) -> None:
         with contextlib.suppress(FileNotFoundError):
             (Path(state_dir) / VIEW_FILE).unlink()
+
+    @staticmethod
+    def want_check(state_dir: Path, why: str) -> None:
+        """The next run checks the pool's health before it launches (``apps.start``): this one
+        found a host unwell and, with its app on the pool, did not repair it."""
+        with contextlib.suppress(OSError):
+            write_private(Path(state_dir) / CHECK_FILE, why)
+
+    @staticmethod
+    def check_wanted(rec: PoolRecord) -> bool:
+        return (Path(rec.state_dir) / CHECK_FILE).exists()
+
+    @staticmethod
+    def check_done(rec: PoolRecord) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (Path(rec.state_dir) / CHECK_FILE).unlink()
 
     @staticmethod
     def install_credentials(state_dir: Path, token: str, tls_pem: str = "") -> None:

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import time
+from dataclasses import replace
 
 import pytest
 from torchx.runner import get_runner
@@ -197,13 +198,27 @@ def test_an_unreachable_host_with_a_stale_heartbeat_is_lost_and_repaired(home, p
         assert all(x.ok for x in attach(pool_name).health())
 
 
+def _nowhere() -> int:
+    """A port on loopback that nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _view_from_files(home, pool_name: str) -> None:
+    """The pool's view, written from the hosts' files as they are now (a check that found them well)."""
+    rec = Registry(home).get(pool_name)
+    Registry.write_view(rec, Registry.hosts(rec))
+
+
 def test_a_reused_pool_is_checked_by_the_launch_and_a_host_it_finds_lost_is_repaired_then_run_on(home, pool_name,
                                                                                                   monkeypatch):
-    """A run on a pool that exists is not preceded by a health check: its launch reaches every
-    host, in one connection each. A host that fails the launch, with nothing at hand that said it
-    was lost (its agent's process lives; its address leads to a port nothing listens on), is
-    repaired, and the app started again on all hosts."""
+    """Through the relay tree (forced on for 2 hosts), a run on a pool that exists is not preceded
+    by a health check: its launch reaches every host, in one connection each. A host that fails
+    the launch with nothing at hand that said it was lost (its agent's process lives; its
+    address leads to a port nothing listens on) is repaired, and the app started again on all."""
     monkeypatch.setenv("MONARCH_TORCHX_HEARTBEAT_S", "600")  # nothing republishes the address during the test
+    monkeypatch.setenv("MONARCH_TORCHX_TREE_MIN_HOSTS", "2")
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2,preload=none")
     pool = attach(pool_name)
     with get_runner() as runner:
@@ -215,14 +230,11 @@ def test_a_reused_pool_is_checked_by_the_launch_and_a_host_it_finds_lost_is_repa
         st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal() and s, what="the first run")
         assert st.state == AppState.SUCCEEDED
 
-    nowhere = socket.socket()
-    nowhere.bind(("127.0.0.1", 0))
-    port = nowhere.getsockname()[1]
-    nowhere.close()
-    old = _point_at(home, pool_name, 1, port)
+    old = _point_at(home, pool_name, 1, _nowhere())
+    _view_from_files(home, pool_name)
     res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "two",
                  "--num_replicas", "2")
-    assert "repairing" in res.stderr and "again on the repaired pool" in res.stderr, res.stderr
+    assert "repairing" in res.stderr and "again, on the checked pool" in res.stderr, res.stderr
     handle = res.stdout.strip().splitlines()[-1]
     wait_for(lambda: "SUCCEEDED" in torchx(home, "status", handle).stdout, what="the app started again")
     logs = torchx(home, "log", handle).stdout.splitlines()
@@ -230,6 +242,17 @@ def test_a_reused_pool_is_checked_by_the_launch_and_a_host_it_finds_lost_is_repa
     assert logs.count("echo/0 two") == 2 and logs.count("echo/1 two") == 1, logs
     wait_for(lambda: not _proc_alive(old), what="the agent whose address led nowhere to be replaced")
     assert all(x.ok for x in attach(pool_name).health())
+
+    # a stale view (host 1 moved since it was written): nothing to repair, the app starts again
+    agent = attach(pool_name).hosts[1]
+    rec = Registry(home).get(pool_name)
+    Registry.write_view(rec, [a if a.index != 1 else replace(a, port=_nowhere()) for a in Registry.hosts(rec)])
+    res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "three",
+                 "--num_replicas", "2")
+    assert "again, on the checked pool" in res.stderr and "repairing" not in res.stderr, res.stderr
+    handle = res.stdout.strip().splitlines()[-1]
+    wait_for(lambda: "SUCCEEDED" in torchx(home, "status", handle).stdout, what="the app started again")
+    assert attach(pool_name).hosts[1].same_agent(agent)
 
 
 def test_a_handshake_flood_neither_keeps_clients_out_nor_gets_hosts_repaired(home, pool_name, monkeypatch):
