@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import wire
 from .errors import AccessError, HostLost, HostUnreachable, MonarchError
-from .pool import Pool, PoolRequest, ensure_pool, reuse_unchecked
+from .pool import Pool, PoolRequest, ensure_pool, reuse_unchecked, tree_min_hosts
 from .registry import AppRecord, Placement, Registry
 from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec
 
@@ -112,6 +112,8 @@ def start(req: PoolRequest, app_id: str, name: str, roles: List[Dict[str, Any]],
     torchrun's port) counts as a failed launch.
     """
     pool = None if check_first else reuse_unchecked(req, registry, progress)
+    if pool is not None and pool.record.num_hosts < tree_min_hosts():
+        pool = None  # (direct requests: a host without a replica would get a handshake, not its idle clock reset)
     if pool is None:
         pool = ensure_pool(req, registry, defaults=defaults, progress=progress)
         return pool, launch(pool, app_id, name, roles, place(pool))
@@ -119,6 +121,8 @@ def start(req: PoolRequest, app_id: str, name: str, roles: List[Dict[str, Any]],
         arec, silent = _launch(pool, app_id, name, roles, place(pool), others=range(pool.record.num_hosts))
     except (LaunchFailed, HostUnreachable, HostLost) as e:
         if isinstance(e, LaunchFailed) and e.refused:
+            if set(e.hosts) - set(e.refused):  # others were not reached: the next run checks first
+                Registry.want_check(pool.record.path, f"host(s) {sorted(set(e.hosts) - set(e.refused))} not reached")
             raise
         failed = e.hosts if isinstance(e, LaunchFailed) else [e.index]
         checked = ensure_pool(req, registry, defaults=defaults, progress=progress)

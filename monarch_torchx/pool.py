@@ -320,7 +320,14 @@ class Pool:
 
         def tunnel(head: Target, t: float) -> Any:
             h = by_index[head.index]
-            return self.provisioner.open_tunnel(self.record, h, t).sock if h.via else None
+            if not h.via:
+                return None
+            try:
+                return self.provisioner.open_tunnel(self.record, h, t).sock
+            except AccessError:
+                raise
+            except MonarchError as e:  # the pod behind it is gone or not running (as in ``connect``)
+                raise HostLost(f"host {head.index} of pool {self.name!r} is lost: {e}", head.index) from None
         return targets, errors, tunnel
 
     def fan_out(self, fn: Callable[[int], Any], indices: Sequence[int]) -> List[Tuple[int, Any, Optional[Exception]]]:
@@ -407,6 +414,8 @@ _WIRE_KINDS = {"ConnectFailed": wire.ConnectFailed, "PeerTimeout": wire.PeerTime
 
 def _outcome_error(pool: str, index: int, o: Dict[str, Any]) -> Exception:
     """A relayed host's failure as the exception a direct call would have raised."""
+    if o.get("kind") == HostLost.__name__:  # (its tunnel: the client's own finding, carried by the tree)
+        return HostLost(o["error"], index)
     kind = _WIRE_KINDS.get(o.get("kind", ""))
     via = f" (through host {o['via']})" if o.get("via") is not None else ""
     if kind is not None:  # the host was not reached
@@ -509,13 +518,14 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
         for h in health:
             if h.state == UNREACHABLE:  # never repaired (killed) on one failed connection
                 progress(f"host {h.index} is unreachable but not known to be lost ({h.error}); leaving it be")
-        pool.unreachable = [h.index for h in health if h.state == UNREACHABLE]
+        unreachable = [h.index for h in health if h.state == UNREACHABLE]
         dead = [h.index for h in health if h.state == LOST]
         if dead:
             progress(f"repairing pool {req.name!r}: host(s) {dead} lost")
             old = {h.index: h.addr.incarnation for h in health if h.addr}
             try:
                 restarting = prov.repair(rec, dead)
+                unreachable = [i for i in unreachable if i not in restarting]  # (SLURM restarts every host)
                 registry.save(rec)
                 prov.wait_ready(rec, restarting, old, _start_timeout(rec), progress)
             except BaseException as e:
@@ -526,6 +536,7 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
                 raise
             pool.refresh()
             wait_warm(pool, progress, _start_timeout(rec))
+        pool.unreachable = unreachable
         registry.check_done(rec)
         return pool
 
@@ -533,10 +544,9 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
 def reuse_unchecked(req: PoolRequest, registry: Optional[Registry] = None,
                     progress: Callable[[str], None] = lambda _m: None) -> Optional[Pool]:
     """The existing pool that serves ``req``, with none of its hosts asked: for a run whose first
-    request to the hosts is its launch, which then checks them in the same pass through the relay
-    tree (``apps.start``). None where ``ensure_pool`` checks first: a pool whose requests do not go
-    through the tree (fewer than ``tree_min_hosts()``: a check is one connection per host), no
-    such pool, another engine or a changed spec, no pool view (a host moved since), a check that
+    request to the hosts checks them too (``apps.start``'s launch, a submitit submission's ask
+    for the hosts' load). None where ``ensure_pool`` checks first: no such pool, another engine
+    or a changed spec, no pool view (a host moved since), a check that
     a run asked for (``Registry.want_check``: it found a host unwell), or a host with evidence of
     loss at hand without asking it (exited in the view, or gone by its engine's word: on
     ``monarch_local``, its process)."""
@@ -547,7 +557,7 @@ def reuse_unchecked(req: PoolRequest, registry: Optional[Registry] = None,
         rec = registry.get(req.name)
         if rec is None or rec.scheduler != req.scheduler or _fingerprint_diff(rec, req, prov):
             return None
-        if rec.num_hosts < tree_min_hosts() or registry.read_view(rec) is None or registry.check_wanted(rec):
+        if registry.read_view(rec) is None or registry.check_wanted(rec):
             return None
         pool = Pool(rec, registry)
         hosts = pool.hosts
