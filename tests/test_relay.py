@@ -338,3 +338,21 @@ def test_torchx_log_tail_names_the_subtree_of_a_relay_killed_mid_follow(tree_poo
     named = {int(line.split("logs of host ")[1].split()[0]) for line in err.splitlines() if "logs of host " in line}
     assert named == set(range(victim, HOSTS)) and "lost through host 5" in err, err
     assert "Traceback" not in err
+
+
+def test_a_relayed_failure_keeps_its_type_for_the_run_that_decides_whether_to_check_the_pool():
+    """A tunnel the client could not open to a group's first member (a pod that is gone) comes
+    back through the tree as evidence of loss, not as an agent's refusal: ``apps.start`` checks
+    the pool for it. An agent's own error is a refusal; a stopping agent's is not."""
+    from monarch_torchx import apps, wire
+    from monarch_torchx.errors import HostLost
+    from monarch_torchx.pool import _outcome_error
+
+    lost = _outcome_error("p", 3, relay.failure(HostLost("host 3 of pool 'p' is lost: pod gone", 3)).as_dict())
+    assert isinstance(lost, HostLost) and lost.index == 3 and not apps._refused(lost)
+    answered = _outcome_error("p", 4, relay.failure(ValueError("replica e/0 of a is already running")).as_dict())
+    assert isinstance(answered, wire.RemoteError) and apps._refused(answered)
+    stopping = _outcome_error("p", 5, relay.failure(relay.RelayRefused("agent 5 is shutting down")).as_dict())
+    assert isinstance(stopping, wire.RemoteError) and not apps._refused(stopping)
+    unreached = _outcome_error("p", 6, relay.failure(wire.ConnectFailed("refused", refused=True)).as_dict())
+    assert isinstance(unreached, HostUnreachable) and not apps._refused(unreached)
