@@ -447,6 +447,57 @@ def test_clients_outside_the_cluster_use_port_forward_inside_pod_ips(cluster, ho
     assert all(h.ok for h in attach(other).health()) and cluster.server.forwards == forwards
 
 
+def test_the_relay_tree_runs_from_a_port_forward_to_pod_ips(cluster, home, pool_name, tmp_path, monkeypatch):
+    """The tree forced on (fan-out 2) on a 3-pod pool reached from outside the cluster: the client
+    port-forwards to hosts 0 and 2 only, and host 0 relays to host 1 at its pod IP. Runs, logs,
+    SQL aggregates and the pool's status go that way. A group's first member whose pod is gone
+    fails the client's port-forward: the run takes that as a lost host (not an agent's refusal),
+    repairs that pod alone and starts the app."""
+    import monarch_torchx.agent.relay as relay
+    from monarch_torchx.telemetry.query import run
+
+    monkeypatch.setenv("MONARCH_TORCHX_TREE_MIN_HOSTS", "2")
+    monkeypatch.setenv("MONARCH_TORCHX_TREE_FANOUT", "2")  # for the CLI runs below
+    monkeypatch.setattr(relay, "FANOUT", 2)  # for this process
+    torchx(home, "pool", "create", pool_name, "-s", S, "-cfg", f"replicas=3,port={_free_port()},preload=none")
+    name = mf.object_name(pool_name)
+    assert [h.via for h in Registry.hosts(Registry(home).get(pool_name))] == \
+        [f"k8s-portforward:default/{name}-{i}" for i in range(3)]
+    h = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "through-the-tree",
+                       "--num_replicas", "3", cwd=tmp_path))
+    wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="echo on 3 pods")
+    assert torchx(home, "log", h).stdout.count("through-the-tree") == 3
+
+    pool = attach(pool_name, Registry(home))
+    before = {i: v["relayed"] for i, v, _ in pool.ask("info", range(3))}
+    forwards = cluster.server.forwards
+    info = pool.ask("info", range(3))
+    assert [(i, v["index"], e) for i, v, e in info] == [(0, 0, None), (1, 1, None), (2, 2, None)]
+    assert {i: v["relayed"] - before[i] for i, v, _ in info} == {0: 1, 1: 0, 2: 0}  # host 0 passed it to host 1
+    assert cluster.server.forwards == forwards + 2  # one tunnel per group's first member, none to host 1
+    wait_for(lambda: run(pool, "SELECT count(*) AS n FROM logs WHERE line = 'through-the-tree'").table.to_pylist()
+             == [{"n": 3}], timeout=30, what="the lines in the logs table")
+    res = run(pool, "SELECT host, count(*) AS n FROM logs WHERE line = 'through-the-tree' GROUP BY host ORDER BY host")
+    assert res.table.to_pylist() == [{"host": i, "n": 1} for i in range(3)] and res.answers == 2
+    status = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
+    assert [x["state"] for x in status["hosts"]] == ["ok"] * 3
+
+    uids = [cluster.pod(f"{name}-{i}")["metadata"]["uid"] for i in range(3)]
+    cluster.evict(f"{name}-0")
+    lost = pool.ask("info", range(3))
+    assert type(lost[0][2]).__name__ == "HostLost" and [e for _, _, e in lost[1:]] == [None, None]
+    res = torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "after-repair",
+                 "--num_replicas", "3", cwd=tmp_path)
+    assert "again, on the checked pool" in res.stderr  # the launch was the check, and it found host 0 lost
+    h2 = _handle(res)
+    wait_for(lambda: _status(home, h2)["State"] == "SUCCEEDED", what="echo after pod 0 was repaired")
+    lines = torchx(home, "log", h2).stdout.splitlines()
+    # hosts 1 and 2 may have run the first try's echo before it was ended: their logs hold both tries
+    assert lines.count("echo/0 after-repair") == 1 and set(lines) == {f"echo/{i} after-repair" for i in range(3)}
+    now = [cluster.pod(f"{name}-{i}")["metadata"]["uid"] for i in range(3)]
+    assert now[0] != uids[0] and now[1:] == uids[1:]
+
+
 def test_actor_mesh_on_pods_with_pod_ip_access(cluster, home, pool_name):
     """Monarch-style meshes on a Kubernetes pool: procs fork in each pod and are called directly."""
     from monarch_torchx import Channel
