@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from torchx.runner import get_runner
@@ -144,10 +145,10 @@ def test_script_main_outlives_the_script_for_atexit(warm_pool, tmp_path):
 
 
 def test_a_pool_without_preloads_imports_the_actor_runtime_once_per_host(home, pool_name):
-    """Its first actor proc starts the host's actors fork server, which imports the runtime; every
-    later proc, of this mesh and the next, is forked from that same server, and roles still start
-    from the plain one (a clean interpreter: no monarch_torchx.actor in sys.modules)."""
-    from monarch_torchx.agent.launcher import ACTOR_RUNTIME
+    """Its first actor proc starts the host's actors fork server (forked from the plain one, so
+    no interpreter start-up), which imports the runtime; every later proc, of this mesh and the
+    next, is forked from that same server, and roles still start from the plain one (a clean
+    interpreter: no monarch_torchx.actor in sys.modules)."""
     from monarch_torchx import attach as attach_hosts
     from monarch_torchx.pool import PoolRequest, ensure_pool
 
@@ -161,7 +162,8 @@ def test_a_pool_without_preloads_imports_the_actor_runtime_once_per_host(home, p
         parents += list(procs.spawn("origin", Origin).parent.call().get(timeout=60).values())
         procs.stop().get(timeout=60)
     assert len({p["ppid"] for p in parents}) == 1, parents
-    assert parents[0]["argv"][-1] == ACTOR_RUNTIME and "monarch_torchx.agent.forkserver" in parents[0]["argv"]
+    assert parents[0]["comm"] == "fs-actors" and "monarch_torchx.agent.forkserver" in parents[0]["argv"]
+    assert "monarch_torchx.agent.forkserver" in parents[0]["grandparent_argv"]  # the plain server
     with get_runner() as runner:
         st, out, _ = _run(runner, pool_name, _app("clean", sys.executable, "-c",
                                                    "import sys; print('actor' in str(sorted(sys.modules)))"))
@@ -193,7 +195,6 @@ def test_a_dead_actors_fork_server_is_replaced_at_the_next_spawn(home, pool_name
     """Killed (by hand, by the OOM killer): the next spawn_procs starts a new actors server,
     rather than every later proc paying for its own import of the runtime from the plain one."""
     from monarch_torchx import attach as attach_hosts
-    from monarch_torchx.agent.launcher import ACTOR_RUNTIME
     from monarch_torchx.pool import PoolRequest, ensure_pool
 
     from .fixtures.actors import Origin
@@ -203,13 +204,13 @@ def test_a_dead_actors_fork_server_is_replaced_at_the_next_spawn(home, pool_name
     procs = hosts.spawn_procs(per_host={"procs": 1})
     first = procs.spawn("origin", Origin).parent.call_one().get(timeout=60)
     procs.stop().get(timeout=60)
-    assert first["argv"][-1] == ACTOR_RUNTIME
+    assert first["comm"] == "fs-actors"
     os.kill(first["ppid"], signal.SIGKILL)
     wait_for(lambda: not os.path.exists(f"/proc/{first['ppid']}"), timeout=30, what="the actors server to die")
     procs = hosts.spawn_procs(per_host={"procs": 1})
     second = procs.spawn("origin", Origin).parent.call_one().get(timeout=60)
     procs.stop().get(timeout=60)
-    assert second["ppid"] != first["ppid"] and second["argv"][-1] == ACTOR_RUNTIME, second
+    assert second["ppid"] != first["ppid"] and second["comm"] == "fs-actors", second
 
 
 EXEC_PROBE = """
@@ -331,3 +332,66 @@ def test_an_exec_start_forks_where_posix_spawn_cannot_start_a_session(monkeypatc
         s.close()
     for fd in (server.home, server.wake_r, server.wake_w):
         os.close(fd)
+
+
+def test_a_server_forked_from_the_plain_one_imports_its_preloads_and_ends_with_it(monkeypatch, tmp_path):
+    """The actors server is forked from the plain one: it imports its own preloads (once, in the
+    new process), holds none of the plain one's descriptors, goes by a name of its own (which the
+    programs it forks do not inherit), is never reported as a program's exit, and ends when the
+    plain server does."""
+    import asyncio
+
+    from monarch_torchx.agent.launcher import _Server
+
+    probe = tmp_path / "imported_by"
+    monkeypatch.setenv("PRELOAD_PROBE_FILE", str(probe))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent))
+    exits, deaths = [], []
+
+    async def scenario():
+        plain = _Server("plain", [], lambda pid, code: exits.append(pid), lambda *a: deaths.append(a))
+        await plain.start()
+        await asyncio.wait_for(plain.ready.wait(), 60)
+        child = _Server("probe", ["tests.fixtures.preload_probe"], lambda pid, code: None, lambda *a: None,
+                        parent=plain)
+        await child.start()
+        await asyncio.wait_for(child.ready.wait(), 60)
+        assert probe.read_text().split() == [str(child.pid)]  # imported once, by the forked server
+        assert _stat(child.pid)[1] == plain.proc.pid and child.info["preloaded"] == ["tests.fixtures.preload_probe"]
+        assert Path(f"/proc/{child.pid}/comm").read_text().strip() == "fs-probe"
+        fds = {int(fd) for fd in os.listdir(f"/proc/{child.pid}/fd")}
+        plain_sockets = {os.readlink(f"/proc/{plain.proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{plain.proc.pid}/fd")
+                         if os.readlink(f"/proc/{plain.proc.pid}/fd/{fd}").startswith("socket:")}
+        child_links = {os.readlink(f"/proc/{child.pid}/fd/{fd}") for fd in fds if os.path.exists(f"/proc/{child.pid}/fd/{fd}")}
+        assert not plain_sockets & child_links  # none of the plain server's sockets
+        out = tmp_path / "out"
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT, 0o600)
+        pid = await child.spawn({"mode": "python", "argv": [sys.executable, "-c", "print(open('/proc/self/comm').read().strip())"],
+                                 "env": dict(os.environ), "cwd": str(tmp_path)}, [fd, os.dup(fd)])
+        os.close(fd)
+        await _until(lambda: pid not in child.pids, "the forked program to exit")
+        assert out.read_text().strip() != "fs-probe"  # a program takes the interpreter's name back
+
+        os.kill(child.pid, signal.SIGKILL)
+        await asyncio.wait_for(child.dead.wait(), 30)
+        await asyncio.sleep(0.3)  # (the plain server has reaped it by now)
+        assert child.pid not in exits and not deaths and not plain.pids
+        child.close()
+
+        again = _Server("probe", ["tests.fixtures.preload_probe"], lambda pid, code: None, lambda *a: None,
+                        parent=plain)
+        await again.start()
+        await asyncio.wait_for(again.ready.wait(), 60)
+        plain.close()  # the plain server ends, and the one forked from it with it
+        await asyncio.wait_for(again.dead.wait(), 30)
+        await _until(lambda: not os.path.exists(f"/proc/{again.pid}"), "the forked server to end")
+        again.close()
+
+    async def _until(pred, what):
+        for _ in range(600):
+            if pred():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    asyncio.run(scenario())

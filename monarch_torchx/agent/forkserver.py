@@ -12,6 +12,9 @@ Runs as ``python -m monarch_torchx.agent.forkserver CTL_FD EVT_FD [preload ...]`
 its agent over two inherited socketpairs (nothing listens), framed by ``wire``:
     ctl (agent -> here):  1 byte carrying stdout/stderr fds (SCM_RIGHTS), then a spawn request
     evt (here -> agent):  {"ready"}, {"token", "pid"} | {"token", "error"}, {"exit": pid, "code"}
+A request of mode ``server`` (its fds: a new server's ctl and evt) forks another fork server from
+this one, which then imports its own preloads: it starts without an interpreter's start-up, and
+shares this one's pages until it writes to them. Its exit is not reported as a program's.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 
 # env vars read while an interpreter initializes: a child asking for different values than
 # the fork server started with cannot be served from it, so it is exec'd instead.
@@ -85,6 +89,28 @@ def set_pdeathsig(sig: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def set_process_name(name: str) -> None:
+    """The name ``ps -o comm`` and ``top`` show (at most 15 bytes): a fork server forked from
+    another one has the same command line, and an operator should still tell them apart."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _own_name() -> str:
+    try:
+        with open("/proc/self/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+# the interpreter's name, read at import (in the first server): a forked server renames itself,
+# and the programs it forks take this one back, as an exec would have given them
+INTERPRETER_NAME = _own_name()
 
 
 # the server's dispositions are not the program's (Python ignores SIGPIPE and SIGXFSZ, and an agent
@@ -253,6 +279,8 @@ def detach_child(stdout_fd: int, stderr_fd: int, close: Iterable[int]) -> None:
     stdout and stderr, no other inherited descriptor in ``close``, default signal handlers."""
     os.setsid()
     set_pdeathsig(signal.SIGKILL)
+    if INTERPRETER_NAME and _own_name() != INTERPRETER_NAME:  # forked from a renamed server
+        set_process_name(INTERPRETER_NAME)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(stdout_fd, 1)
@@ -324,6 +352,7 @@ class ForkServer:
         self.evt = evt
         self.base_path = base_path
         self.children: Dict[int, float] = {}
+        self.servers: set = set()  # fork servers forked from this one: their exits are no program's
         for sock in (ctl, evt):  # inherited from the agent, and no program's business
             os.set_inheritable(sock.fileno(), False)
         # the server's own cwd, gone back to after an exec start that moved it (O_PATH: a cwd it
@@ -341,6 +370,9 @@ class ForkServer:
 
     def spawn(self, req: dict, fds: List[int]) -> None:
         token = req["token"]
+        if req["mode"] == "server":
+            self.send(self.spawn_server(token, req, fds))
+            return
         if req["mode"] == "exec":
             prog = req["argv"][0]
             exe = prog if "/" in prog else shutil.which(prog, path=req["env"].get("PATH", os.defpath))
@@ -410,6 +442,45 @@ class ForkServer:
                 self.go_home()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
+    def spawn_server(self, token: Any, req: dict, fds: List[int]) -> Dict[str, Any]:
+        """Forks a fork server of its own (``fds``: its ctl and evt) that imports ``preloads``.
+        It stays in this server's session, and ends when this one does (its parent-death signal)."""
+        if len(fds) != 2:
+            _close_all(fds)
+            return {"token": token, "error": f"a server start carries its ctl and evt sockets, not {len(fds)} fds"}
+        for s in (sys.stdout, sys.stderr):
+            s.flush()
+        # a SIGTERM (kill_all) waits until the new server is on record to be ended with the rest
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            pid = os.fork()
+            if pid == 0:
+                self._become_server(req, fds)
+            self.servers.add(pid)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+            _close_all(fds)
+        return {"token": token, "pid": pid}
+
+    def _become_server(self, req: dict, fds: List[int]) -> NoReturn:
+        """In the forked child: drop this server's descriptors and handlers, then serve as a new one."""
+        try:
+            # this server's handler would end this server's children: not the new one's business
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+            signal.set_wakeup_fd(-1)
+            for fd in (self.ctl.detach(), self.evt.detach(), self.wake_r, self.wake_w, self.home):
+                os.close(fd)  # (detached: no socket object closes that number again once reused)
+            set_process_name(f"fs-{req.get('name', 'child')}")
+            main([str(fds[0]), str(fds[1]), *req.get("preloads", [])])
+        except BaseException:  # noqa: BLE001 - its agent hears of it when the evt socket closes
+            try:
+                traceback.print_exc()
+            except BaseException:  # noqa: BLE001 - (stderr gone): exit all the same
+                pass
+        finally:
+            os._exit(1)
+
     def go_home(self) -> None:
         try:
             os.fchdir(self.home)
@@ -417,13 +488,16 @@ class ForkServer:
             self.kill_all()
 
     def reap(self) -> None:
-        while self.children:
+        while self.children or self.servers:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
+            if pid in self.servers:
+                self.servers.discard(pid)
+                continue
             self.children.pop(pid, None)
             self.send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
@@ -431,6 +505,11 @@ class ForkServer:
         for pid in list(self.children):
             try:
                 os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for pid in self.servers:  # each ends what it started (as at its parent-death signal)
+            try:
+                os.kill(pid, signal.SIGTERM)
             except OSError:
                 pass
         os._exit(0)

@@ -4,9 +4,11 @@ Two fork servers run per agent: a *plain* one (no preloads, ready in millisecond
 one that imports the pool's preloads (default ``torch``). Python entrypoints go to the warm one
 once it is ready; everything else, and Python while it is still importing, goes to the plain one.
 The warm server also holds the actor runtime. A pool without preloads gets a third, *actors*
-server at its first actor proc: it imports the runtime once per host, not once per proc, serves
-every later ``spawn_procs`` until it has been idle for ACTORS_IDLE_S, and then ends (the plain one
-stays a clean interpreter for roles); one that dies is started again at the next actor proc.
+server at its first actor proc, forked from the plain one (no interpreter start-up of its own,
+and the plain one's pages shared until written). It imports the runtime once per host, not once
+per proc, serves every later ``spawn_procs`` until it has been idle for ACTORS_IDLE_S, and then
+ends (the plain one stays a clean interpreter for roles); one that dies is started again at the
+next actor proc.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import itertools
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -55,8 +58,16 @@ def end_process_groups(pids: Iterable[int]) -> None:
 
 
 class _Server:
-    def __init__(self, name: str, preloads: List[str], on_exit: ExitCallback, on_death: DeathCallback):
+    """One fork server: started as a process of its own, or forked from ``parent`` (another fork
+    server, so that it skips an interpreter's start-up)."""
+
+    def __init__(self, name: str, preloads: List[str], on_exit: ExitCallback, on_death: DeathCallback,
+                 parent: Optional["_Server"] = None):
         self.name = name
+        self.parent = parent
+        self.pid: Optional[int] = None
+        self._pidfd = -1  # a forked server's: it names that process even once its parent reaped it
+        self._server_tokens: set = set()  # requests of this one that start servers, not programs
         self.preloads = preloads
         self._on_exit = on_exit
         self._on_death = on_death
@@ -73,13 +84,27 @@ class _Server:
     async def start(self) -> None:
         ctl_parent, ctl_child = socket.socketpair()
         evt_parent, evt_child = socket.socketpair()
-        env = dict(os.environ)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "monarch_torchx.agent.forkserver", str(ctl_child.fileno()), str(evt_child.fileno()), *self.preloads],
-            pass_fds=(ctl_child.fileno(), evt_child.fileno()), env=env, stdin=subprocess.DEVNULL,
-        )
-        ctl_child.close()
-        evt_child.close()
+        try:
+            if self.parent is not None:
+                self.pid = await self.parent.start_server(self.name, self.preloads, [ctl_child.fileno(), evt_child.fileno()])
+                try:
+                    self._pidfd = os.pidfd_open(self.pid)
+                except OSError:  # gone already (its evt socket tells), or a kernel without pidfds
+                    pass
+            else:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "monarch_torchx.agent.forkserver", str(ctl_child.fileno()),
+                     str(evt_child.fileno()), *self.preloads],
+                    pass_fds=(ctl_child.fileno(), evt_child.fileno()), env=dict(os.environ), stdin=subprocess.DEVNULL,
+                )
+                self.pid = self.proc.pid
+        except BaseException:
+            for sock in (ctl_parent, evt_parent):
+                sock.close()
+            raise
+        finally:
+            ctl_child.close()
+            evt_child.close()
         ctl_parent.setblocking(False)
         self._ctl = ctl_parent
         self._send_lock = asyncio.Lock()
@@ -100,8 +125,10 @@ class _Server:
                         if "error" in msg:
                             fut.set_exception(SpawnError(msg["error"]))
                         else:
-                            self.pids.add(msg["pid"])
+                            if msg["token"] not in self._server_tokens:  # (a server is no program to end)
+                                self.pids.add(msg["pid"])
                             fut.set_result(msg["pid"])
+                    self._server_tokens.discard(msg["token"])
                 elif msg.get("ready"):
                     self.info = msg
                     if msg.get("failed"):
@@ -133,6 +160,20 @@ class _Server:
         self._pending[token] = fut
         frame = b"".join(bytes(p) for p in wire.encode({"id": token, "token": token, **req}))
         await self._send(b"F" + frame, fds)  # the fds ride on the marker byte the fork server reads first
+        return await fut
+
+    async def start_server(self, name: str, preloads: List[str], fds: List[int]) -> int:
+        """Forks a fork server from this one (``fds``: its ctl and evt); returns its pid. Its exit
+        is not reported as a program's: its own evt socket closing tells."""
+        if self.dead.is_set():
+            raise SpawnError(f"fork server '{self.name}' is not running")
+        token = next(self._tokens)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[token] = fut
+        self._server_tokens.add(token)
+        frame = b"".join(bytes(p) for p in wire.encode({"id": token, "token": token, "mode": "server", "name": name,
+                                                         "preloads": preloads}))
+        await self._send(b"F" + frame, fds)
         return await fut
 
     async def _send(self, payload: bytes, fds: List[int]) -> None:
@@ -167,6 +208,18 @@ class _Server:
                 self.proc.kill()
                 self.proc.wait()
                 end_process_groups(self.pids)  # it was killed before it could end what it exec'd
+        elif self._pidfd >= 0:
+            # a forked server: its parent reaps it, so only its pidfd names it safely (its pid may
+            # be another process's by now); readable once it has exited
+            try:  # (dead: its evt socket closed as it exited, and what it started was ended then)
+                if not self.dead.is_set() and not select.select([self._pidfd], [], [], 2.0)[0]:
+                    signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                    end_process_groups(self.pids)  # it was killed before it could end what it started
+            except OSError:  # gone
+                pass
+            finally:
+                os.close(self._pidfd)
+                self._pidfd = -1
 
 
 class Launcher:
@@ -258,7 +311,7 @@ class Launcher:
 
     async def _start_actors(self) -> Optional[_Server]:
         server = _Server("actors", [ACTOR_RUNTIME], lambda pid, code: self._actor_exited(server, pid, code),
-                         self._on_death)
+                         self._on_death, parent=self._plain)
         try:
             await server.start()
         except OSError as e:
