@@ -494,7 +494,8 @@ class Hub:
                         self._reading = False
                         self._last_caller = time.monotonic()
                         self._loop_reads_again()
-                        self._cond.notify_all()
+                        if self._waiters:  # (not the idle reader: its own timeout tells it when to read)
+                            self._cond.notify_all()
         return True
 
     def read_on_loop(self, loop: Any) -> None:
