@@ -211,6 +211,29 @@ def assert_launch_with_dead_hosts_is_all_or_nothing(pool, app: str, dead: List[i
     assert all(s["state"] != "RUNNING" for _, v, _ in answers for s in v), answers
 
 
+def assert_host0_relays_to_host1(home: Path, pool_name: str, line: str):
+    """On a 3-host pool with the tree forced on (fan-out 2) after each host printed ``line``
+    once: the client asks hosts 0 and 2, host 0 passes the request to host 1, and SQL aggregates
+    and the pool's status go that way too. Returns the pool and the hosts' ``info``."""
+    import json
+
+    from monarch_torchx.pool import attach
+    from monarch_torchx.telemetry.query import run
+
+    pool = attach(pool_name, Registry(home))
+    before = {i: v["relayed"] for i, v, _ in pool.ask("info", range(3))}
+    info = pool.ask("info", range(3))
+    assert [(i, v["index"], e) for i, v, e in info] == [(0, 0, None), (1, 1, None), (2, 2, None)]
+    assert {i: v["relayed"] - before[i] for i, v, _ in info} == {0: 1, 1: 0, 2: 0}  # host 0 passed it to host 1
+    wait_for(lambda: run(pool, f"SELECT count(*) AS n FROM logs WHERE line = '{line}'").table.to_pylist()
+             == [{"n": 3}], timeout=30, what="the lines in the logs table")
+    res = run(pool, f"SELECT host, count(*) AS n FROM logs WHERE line = '{line}' GROUP BY host ORDER BY host")
+    assert res.table.to_pylist() == [{"host": i, "n": 1} for i in range(3)] and res.answers == 2
+    status = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
+    assert [x["state"] for x in status["hosts"]] == ["ok"] * 3
+    return pool, info
+
+
 def assert_a_relay_killed_mid_wait_is_passed_over(pool, app: str, victim: int) -> None:
     """Runs one sleeping replica per host, asks every host to ``wait`` for it through the tree,
     and kills relay ``victim``'s agent while it is waiting: ``victim`` is named, and every other

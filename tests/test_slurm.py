@@ -14,7 +14,7 @@ import pytest
 
 from monarch_torchx.registry import Registry
 
-from .conftest import BIN, cli_env, node_store, squeue_ids, torchx, wait_for
+from .conftest import BIN, assert_host0_relays_to_host1, cli_env, node_store, squeue_ids, torchx, wait_for
 from .test_cli import TRAIN
 
 pytestmark = pytest.mark.usefixtures("slurm_lab")
@@ -491,8 +491,6 @@ def test_the_relay_tree_runs_between_slurm_nodes_over_tls(home, pool_name, monke
     relays to host 1 across the lab's network, with the pool's TLS; runs, logs, SQL aggregates
     and the pool's status all go that way."""
     import monarch_torchx.agent.relay as relay
-    from monarch_torchx.pool import attach
-    from monarch_torchx.telemetry.query import run
 
     monkeypatch.setenv("MONARCH_TORCHX_TREE_MIN_HOSTS", "2")
     monkeypatch.setenv("MONARCH_TORCHX_TREE_FANOUT", "2")  # for the CLI runs below
@@ -501,16 +499,6 @@ def test_the_relay_tree_runs_between_slurm_nodes_over_tls(home, pool_name, monke
                        "utils.echo", "--msg", "through-the-tree", "--num_replicas", "3"))
     wait_for(lambda: _state(home, h) == "SUCCEEDED", timeout=120, what="echo on 3 nodes")
     assert torchx(home, "log", h).stdout.count("through-the-tree") == 3
-    pool = attach(pool_name, Registry(home))
     assert Registry(home).get(pool_name).spec["tls"] is True
-    before = {i: v["relayed"] for i, v, _ in pool.ask("info", range(3))}
-    info = pool.ask("info", range(3))
-    assert [(i, v["index"], e) for i, v, e in info] == [(0, 0, None), (1, 1, None), (2, 2, None)]
-    assert {i: v["relayed"] - before[i] for i, v, _ in info} == {0: 1, 1: 0, 2: 0}  # host 0 passed it to host 1
+    _, info = assert_host0_relays_to_host1(home, pool_name, "through-the-tree")
     assert len({v["hostname"] for _, v, _ in info}) == 3
-    wait_for(lambda: run(pool, "SELECT count(*) AS n FROM logs WHERE line = 'through-the-tree'").table.to_pylist()
-             == [{"n": 3}], timeout=30, what="the lines in the logs table")
-    res = run(pool, "SELECT host, count(*) AS n FROM logs WHERE line = 'through-the-tree' GROUP BY host ORDER BY host")
-    assert res.table.to_pylist() == [{"host": i, "n": 1} for i in range(3)] and res.answers == 2
-    status = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
-    assert [x["state"] for x in status["hosts"]] == ["ok"] * 3
