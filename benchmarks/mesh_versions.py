@@ -51,8 +51,15 @@ DRIVER = textwrap.dedent('''
     def stat(p):
         return open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
 
+    def comm(p):
+        try:
+            return open(f"/proc/{p}/comm").read().strip()
+        except OSError:
+            return ""
+
     def proc_pids():
-        """This pool's actor procs: children of its agents' fork servers."""
+        """This pool's actor procs: children of its agents' fork servers (an agent's children,
+        and an actors server forked from one of those, named fs-...)."""
         parents = {}
         for p in os.listdir("/proc"):
             if p.isdigit():
@@ -61,7 +68,8 @@ DRIVER = textwrap.dedent('''
                 except (OSError, IndexError):
                     pass
         servers = {p for p, pp in parents.items() if pp in agents}
-        return [p for p, pp in parents.items() if pp in servers]
+        servers |= {p for p, pp in parents.items() if pp in servers and comm(p).startswith("fs-")}
+        return [p for p, pp in parents.items() if pp in servers and p not in servers]
 
     def procs_cpu():
         total = 0.0
