@@ -152,28 +152,26 @@ class _Server:
             self._on_death(reason, sorted(self.pids), self.name == "plain")
 
     async def spawn(self, req: dict, fds: List[int]) -> int:
-        if self.dead.is_set():
-            raise SpawnError(f"fork server '{self.name}' is not running")
-        token = next(self._tokens)
-        self.spawned += 1
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[token] = fut
-        frame = b"".join(bytes(p) for p in wire.encode({"id": token, "token": token, **req}))
-        await self._send(b"F" + frame, fds)  # the fds ride on the marker byte the fork server reads first
-        return await fut
+        return await self._request(req, fds)
 
     async def start_server(self, name: str, preloads: List[str], fds: List[int]) -> int:
         """Forks a fork server from this one (``fds``: its ctl and evt); returns its pid. Its exit
         is not reported as a program's: its own evt socket closing tells."""
+        return await self._request({"mode": "server", "name": name, "preloads": preloads}, fds, server=True)
+
+    async def _request(self, req: dict, fds: List[int], server: bool = False) -> int:
+        """Sends one start request (a program, or ``server``: another fork server); returns the pid."""
         if self.dead.is_set():
             raise SpawnError(f"fork server '{self.name}' is not running")
         token = next(self._tokens)
+        if server:
+            self._server_tokens.add(token)
+        else:
+            self.spawned += 1
         fut = asyncio.get_running_loop().create_future()
         self._pending[token] = fut
-        self._server_tokens.add(token)
-        frame = b"".join(bytes(p) for p in wire.encode({"id": token, "token": token, "mode": "server", "name": name,
-                                                         "preloads": preloads}))
-        await self._send(b"F" + frame, fds)
+        frame = b"".join(bytes(p) for p in wire.encode({"id": token, "token": token, **req}))
+        await self._send(b"F" + frame, fds)  # the fds ride on the marker byte the fork server reads first
         return await fut
 
     async def _send(self, payload: bytes, fds: List[int]) -> None:
