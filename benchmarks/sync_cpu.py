@@ -4,15 +4,17 @@
         [--baseline CHECKOUT] [--no-record]
 
 Writes ``--mib`` MiB of incompressible files (8 MiB each), syncs them cold to a ``monarch_local``
-pool of ``--hosts`` hosts with `monarch-torchx sync` (one chain: the client sends to host 0,
-which stores, verifies and forwards to host 1, ...), and reports the client's CPU seconds per GB
-(chunk + hash + send) and the hosts' CPU per GB per hop (receive + verify + store + forward),
-from ``getrusage`` and the agents' sessions (see ``scale.py``); then the same for a no-op resync
-of the same tree. Each target is synced once before it is measured: what a target's first sync
-costs once (its FUSE server starting on every host) is reported on its own row, not spread over
-the gigabytes. Side by side, in the same run on the same bytes, this machine's floor: what FastCDC
-and BLAKE3 alone cost, and what writing the bytes as new files costs the kernel (on a VM, fresh
-page-cache pages are expensive), so what is ours stands apart.
+pool of ``--hosts`` hosts with `monarch-torchx sync` (one chain: the client sends to host 0, which
+stores, verifies and forwards to host 1, ...), and reports the client's CPU seconds per GB (chunk +
+hash + send) and the hosts' CPU per GB per hop (receive + verify + store + forward), from
+``getrusage`` and the agents' sessions (see ``scale.py``); then the same for a no-op resync of the
+same tree, and what an edit costs: 100 bytes inserted in the middle of one file, then a resync,
+whose bytes sent show how little of a changed file the chunking resends. Each target is synced once
+before it is measured: what a target's first sync costs once (its FUSE server starting on every
+host) is reported on its own row, not spread over the gigabytes. Side by side, in the same run on
+the same bytes, this machine's floor: what FastCDC (with this checkout's chunk sizes) and BLAKE3
+alone cost, and what writing the bytes as new files costs the kernel (on a VM, fresh page-cache
+pages are expensive), so what is ours stands apart.
 
 ``--baseline CHECKOUT`` (an earlier commit's checkout with its own ``.venv``): each round also
 syncs fresh bytes with that checkout's ``monarch-torchx`` to the same pool, in alternating order,
@@ -22,6 +24,7 @@ so the machine's noise (this VM's page costs move from minute to minute) hits bo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import shutil
@@ -110,6 +113,7 @@ def main() -> None:
     m = Meter(home)
     colds: Dict[str, List[Dict[str, float]]] = {k: [] for k in clients}
     agains: Dict[str, List[Dict[str, float]]] = {k: [] for k in clients}
+    resent: Dict[str, List[int]] = {k: [] for k in clients}  # bytes a resync sent after one edit
     first: List[Dict[str, float]] = []
     fl: List[Dict[str, float]] = []
     gb = 0.0
@@ -135,6 +139,11 @@ def main() -> None:
                 cli = clients[name] + ["sync", "--pool", "synccpu", "--to", f"data-{name}", str(src)]
                 colds[name].append(m.run(cli, env)[0])
                 agains[name].append(m.run(cli, env)[0])
+                edited = src / "blob0.bin"
+                data = edited.read_bytes()
+                cut = len(data) * (r + 1) // (args.rounds + 1)
+                edited.write_bytes(data[:cut] + os.urandom(100) + data[cut:])
+                resent[name].append(json.loads(m.run(cli + ["--json"], env)[1])["bytes_sent"])
                 if name == "this":
                     fl.append(floors(src, node_temp_root() / f"sync-cpu-floor-{os.getpid()}"))
                 shutil.rmtree(src)
@@ -180,6 +189,8 @@ def main() -> None:
         f"writing new files {floor['write new files']:.2f}) |",
         f"| cold sync less a no-op resync (the bytes' own cost) | | {client_marginal:.2f} s | |",
         f"| above the floor | | {client_marginal - floor['chunk + hash']:.2f} s | {host_cold - host_floor:.2f} s |", "",
+        "After 100 bytes inserted in the middle of one 8 MiB file, a resync sent (MiB, each round): "
+        + "; ".join(f"{k} " + ", ".join(f"{b / 2**20:.2f}" for b in v) for k, v in resent.items()) + ".", "",
         *([f"Each round, baseline / this, CPU s per GB: client {spread['client_cpu']}; host {spread['agents_cpu']}.", ""]
           if args.baseline else []),
         f"A target's first sync (a one-file tree; mostly each host starting the target's FUSE server) costs once: "

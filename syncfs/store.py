@@ -38,7 +38,7 @@ from ..private import PrivatePathError, open_private, private_dir, write_private
 from .manifest import Manifest
 
 KEEP_GENERATIONS = 2
-SMALL_CHUNK = 256 << 10  # chunks below this are packed (FastCDC's smallest cut: only whole small files and tails)
+SMALL_CHUNK = 256 << 10  # chunks below this are packed (below FastCDC's smallest cut: only whole small files and tails)
 # an unreferenced chunk younger than this may belong to a sync still in flight: kept
 GC_GRACE_S = float(os.environ.get("MONARCH_TORCHX_SYNC_GC_GRACE_S", "3600"))
 
