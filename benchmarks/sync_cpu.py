@@ -17,8 +17,9 @@ alone cost, and what writing the bytes as new files costs the kernel (on a VM, f
 pages are expensive), so what is ours stands apart.
 
 ``--baseline CHECKOUT`` (an earlier commit's checkout with its own ``.venv``): each round also
-syncs fresh bytes with that checkout's ``monarch-torchx`` to the same pool, in alternating order,
-so the machine's noise (this VM's page costs move from minute to minute) hits both clients alike.
+syncs fresh bytes with that checkout's ``monarch-torchx`` to a pool of that checkout's agents
+(created with its own interpreter), in alternating order, so the machine's noise (this VM's page
+costs move from minute to minute) hits both versions alike, client and hosts.
 """
 
 from __future__ import annotations
@@ -102,15 +103,17 @@ def main() -> None:
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     clients = {"this": [str(BIN / "monarch-torchx")]}
+    torchxes = {"this": [str(BIN / "torchx")]}  # each version's hosts are a pool its own torchx made
     if args.baseline:
         base_cli = args.baseline.resolve() / ".venv" / "bin" / "monarch-torchx"
         if not base_cli.exists():
             raise SystemExit(f"{base_cli} not found: run `make setup` in {args.baseline} first")
         clients = {"baseline": [str(base_cli)], **clients}
-    home = Path(tempfile.mkdtemp(prefix="sync-cpu-"))
-    env = dict(os.environ, MONARCH_TORCHX_HOME=str(home), PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    tx = [str(BIN / "torchx")]
-    m = Meter(home)
+        torchxes["baseline"] = [str(base_cli.parent / "python"), "-m", "torchx.cli.main"]
+    homes = {name: Path(tempfile.mkdtemp(prefix=f"sync-cpu-{name}-")) for name in clients}  # a registry each
+    envs = {name: dict(os.environ, MONARCH_TORCHX_HOME=str(home), PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+            for name, home in homes.items()}
+    meters = {name: Meter(home) for name, home in homes.items()}  # each counts its own pool's agents
     colds: Dict[str, List[Dict[str, float]]] = {k: [] for k in clients}
     agains: Dict[str, List[Dict[str, float]]] = {k: [] for k in clients}
     resent: Dict[str, List[int]] = {k: [] for k in clients}  # bytes a resync sent after one edit
@@ -125,18 +128,21 @@ def main() -> None:
         return sum(p.stat().st_size for p in path.iterdir()) / 1e9
 
     try:
-        m.run(tx + ["pool", "create", "synccpu", "-cfg", f"hosts={args.hosts},preload=none"], env)
-        warm = home / "warm"
-        warm.mkdir()
-        (warm / "hello.txt").write_text("a target's first sync\n")
-        for name, cli in clients.items():  # each target's FUSE servers start here, once
-            first.append(m.run(cli + ["sync", "--pool", "synccpu", "--to", f"data-{name}", str(warm)], env)[0])
+        for name, m in meters.items():
+            m.run(torchxes[name] + ["pool", "create", "synccpu", "-cfg", f"hosts={args.hosts},preload=none"], envs[name])
+            warm = homes[name] / "warm"
+            warm.mkdir()
+            (warm / "hello.txt").write_text("a target's first sync\n")
+            one = m.run(clients[name] + ["sync", "--pool", "synccpu", "--to", "data", str(warm)], envs[name])[0]
+            if name == "this":  # the target's FUSE servers start here, once
+                first.append(one)
         for r in range(args.rounds):
             order = list(clients) if r % 2 == 0 else list(reversed(clients))
             for name in order:
-                src = home / f"src-{name}-{r}"
+                m, env = meters[name], envs[name]
+                src = homes[name] / f"src-{r}"
                 gb = fresh_tree(src)
-                cli = clients[name] + ["sync", "--pool", "synccpu", "--to", f"data-{name}", str(src)]
+                cli = clients[name] + ["sync", "--pool", "synccpu", "--to", "data", str(src)]
                 colds[name].append(m.run(cli, env)[0])
                 agains[name].append(m.run(cli, env)[0])
                 edited = src / "blob0.bin"
@@ -147,10 +153,12 @@ def main() -> None:
                 if name == "this":
                     fl.append(floors(src, node_temp_root() / f"sync-cpu-floor-{os.getpid()}"))
                 shutil.rmtree(src)
-        m.run(tx + ["pool", "stop", "synccpu"], env)
+        for name, m in meters.items():
+            m.run(torchxes[name] + ["pool", "stop", "synccpu"], envs[name])
     finally:
-        subprocess.run(tx + ["pool", "stop", "--force", "synccpu"], env=env, capture_output=True)
-        shutil.rmtree(home, ignore_errors=True)
+        for name in clients:
+            subprocess.run(torchxes[name] + ["pool", "stop", "--force", "synccpu"], env=envs[name], capture_output=True)
+            shutil.rmtree(homes[name], ignore_errors=True)
 
     def med(rows: List[Dict[str, float]], key: str, scale: float = 1.0) -> float:
         return statistics.median(r[key] * scale for r in rows)
@@ -168,8 +176,8 @@ def main() -> None:
                                         for c, a in zip(colds["this"], agains["this"]))
     floor = {k: statistics.median(f[k] for f in fl) for k in fl[0]}
     host_floor = floor["hash"] + floor["write new files"]
-    lines = [f"{gb:.2f} GB of incompressible files to {args.hosts} hosts of one `monarch_local` pool (one chain), "
-             f"CPU seconds per GB, medians of {args.rounds} cold syncs of fresh bytes to a target synced once before:",
+    lines = [f"{gb:.2f} GB of incompressible files to {args.hosts} hosts of a `monarch_local` pool (one chain"
+             f"{'; each version with a pool of its own agents' if args.baseline else ''}), CPU seconds per GB, medians of {args.rounds} cold syncs of fresh bytes to a target synced once before:",
              "", "| | wall | client CPU / GB | host CPU / GB (per hop) |", "|---|---:|---:|---:|"]
     if args.baseline:
         lines.append(row(f"cold sync, baseline (`{git_line(args.baseline)}`)", colds["baseline"]))

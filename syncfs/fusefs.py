@@ -26,7 +26,7 @@ import trio
 
 from ..quick_exit import exit_without_finalizing
 from .manifest import Entry, Manifest
-from .store import SMALL_CHUNK, PackIndex
+from .store import PackIndex
 
 log = logging.getLogger("monarch_torchx.syncfs.fuse")
 GEN_SHIFT = 32
@@ -184,7 +184,7 @@ class SyncFS(pyfuse3.Operations):
         try:
             return self._open(*self._locate(h, n))
         except (KeyError, FileNotFoundError):
-            # a pack this index knew was collected and the chunk came again in another: read afresh
+            # a pack this index knew was collected or rewritten (its chunks are in another): read afresh
             self.packs = PackIndex(Path(self.store) / "packs")
             self.packs.refresh()
             for fd in self.fds.values():
@@ -193,12 +193,12 @@ class SyncFS(pyfuse3.Operations):
             return self._open(*self._locate(h, n))
 
     def _locate(self, h: str, n: int) -> Tuple[str, int]:
-        if n < SMALL_CHUNK:
-            if h not in self.packs.where:
-                self.packs.refresh()  # a pack written since this generation was loaded
+        if h not in self.packs.where:
+            self.packs.refresh()  # a pack written since this generation was loaded
+        if h in self.packs.where:
             pack, off, _ = self.packs.where[h]
             return os.path.join(self.store, "packs", pack), off
-        return os.path.join(self.store, "chunks", h[:2], h), 0
+        return os.path.join(self.store, "chunks", h[:2], h), 0  # a file of its own: an earlier store's
 
     def _open(self, path: str, off: int) -> Tuple[int, int]:
         fd = self.fds.get(path)

@@ -1,9 +1,13 @@
 """A host's side of syncfs: a chunk store on node-local disk and the generations built from it.
 
-Chunks below SMALL_CHUNK (whole small files: most of a virtualenv's 40k paths) are not one file
-each: every stored batch writes them to one pack file with an index beside it, since creating a
-file per chunk cost the host more than receiving, verifying and forwarding them. A pack is
-deleted when no chunk in it is used any more; larger chunks are files of their own.
+Chunks are not files of their own: every stored batch writes its new chunks end to end to one
+pack file, with an index beside it. Creating a file per chunk cost a host more than receiving,
+verifying and forwarding it (most of a virtualenv's 40k paths are small files, and on a node
+whose file system keeps no journal, ext4 scans past recently deleted inodes at every creation).
+A pack is deleted when no chunk in it is used any more, and one that is mostly unused is
+rewritten with the chunks still used, so an edited file's old chunks do not keep their
+neighbours' space. Chunk files an earlier version of the store wrote are still read and
+collected.
 
 Each sync commits an immutable generation: a read-only tree materialized from chunks (files
 unchanged since the previous generation are hard links to it, so a small change costs a small
@@ -38,7 +42,8 @@ from ..private import PrivatePathError, open_private, private_dir, write_private
 from .manifest import Manifest
 
 KEEP_GENERATIONS = 2
-SMALL_CHUNK = 256 << 10  # chunks below this are packed (below FastCDC's smallest cut: only whole small files and tails)
+# a pack whose used chunks fill less than this share of it is rewritten with only those
+COMPACT_BELOW = 0.5
 # an unreferenced chunk younger than this may belong to a sync still in flight: kept
 GC_GRACE_S = float(os.environ.get("MONARCH_TORCHX_SYNC_GC_GRACE_S", "3600"))
 
@@ -86,6 +91,12 @@ class PackIndex:
         self.rows[pack] = rows
         for h, off, n in rows:
             self.where.setdefault(h, (pack, off, n))
+
+    def forget(self, h: str) -> None:
+        """Drops a chunk whose packed bytes proved bad: no rebuild of ``where`` brings it back."""
+        where = self.where.pop(h, None)
+        if where is not None:
+            self.rows[where[0]] = [r for r in self.rows.get(where[0], []) if r[0] != h]
 
     def remove(self, packs: List[str]) -> set:
         """Forgets packs; returns the chunks no remaining pack holds."""
@@ -164,7 +175,7 @@ class ChunkStore:
             self._unverified.discard(h)
             if not good:
                 self.present().discard(h)
-                self.index().where.pop(h, None)
+                self.index().forget(h)
                 if self.chunks in self.chunk_path(h).parents:
                     self.chunk_path(h).unlink(missing_ok=True)
         return good
@@ -215,51 +226,56 @@ class ChunkStore:
                 raise ChunkCorrupt(f"chunk {h[:12]} does not match its hash (corrupted in transit); resend it")
             chunks.append((h, chunk))
         have = self.present()
-        small: Dict[str, Any] = {}
-        stored = 0
-        for h, data in chunks:
-            if h in have:
-                continue
-            if len(data) < SMALL_CHUNK:
-                small[h] = data
-                continue
-            p = self.chunk_path(h)
-            self.make_dir(p.parent)
-            tmp = p.with_name(f".{h}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-            try:
-                with open_private(tmp) as f:
-                    f.write(data)
-                os.replace(tmp, p)
-            except OSError as e:
-                tmp.unlink(missing_ok=True)
-                raise _disk_error(e, f"storing chunk {h[:12]}") from None
-            have.add(h)
-            stored += len(data)
-        if small:
-            stored += self._write_pack(small)
-        return stored
+        new = {h: data for h, data in chunks if h not in have}
+        return self._write_pack(new)[1] if new else 0
 
-    def _write_pack(self, chunks: Dict[str, Any]) -> int:
-        """Writes small chunks as one pack file, then its index (a pack without one is ignored,
-        and removed by the next sweep): the chunks are stored once the index is in place."""
+    def _write_pack(self, chunks: Dict[str, Any]) -> Tuple[str, int]:
+        """Writes chunks as one pack file, then its index (a pack without one is ignored, and
+        removed by the next sweep): the chunks are stored once the index is in place. Returns
+        the pack's name and size."""
         name = uuid.uuid4().hex
         pack, idx = self.packs / f"{name}.pack", self.packs / f"{name}.idx"
         rows, off = [], 0
         for h, data in chunks.items():
-            rows.append((h, off, len(data)))
-            off += len(data)
+            n = memoryview(data).nbytes
+            rows.append((h, off, n))
+            off += n
         self.make_dir(self.packs)
         try:
             with open_private(pack) as f:
-                f.write(b"".join(chunks.values()))
+                for data in chunks.values():  # each from the received batch: no joined copy
+                    f.write(data)
             _write_atomic(idx, marshal.dumps(rows))
         except OSError as e:
             pack.unlink(missing_ok=True)
-            raise _disk_error(e, f"storing {len(rows)} small chunk(s)") from None
+            raise _disk_error(e, f"storing {len(rows)} chunk(s)") from None
         with self.lock:
             self.index().add(pack.name, rows)
             self.present().update(chunks)
-        return off
+        return pack.name, off
+
+    def _compact(self, pack: str, used: set) -> None:
+        """Rewrites a mostly unused pack with only its used chunks, then deletes it. The new pack
+        is indexed before the old one goes, so every chunk is on disk at every moment; a reader
+        that finds the old pack gone reads its index afresh (``fusefs``)."""
+        rows = self.index().rows.get(pack, [])
+        keep = [(h, off, n) for h, off, n in rows if h in used]
+        try:
+            with open(self.packs / pack, "rb") as f:
+                chunks = {h: os.pread(f.fileno(), n, off) for h, off, n in keep}
+        except OSError:
+            return  # unreadable now: left for a later sweep
+        if any(len(chunks[h]) != n for h, _, n in keep):
+            return  # shorter than its index says: not copied, and its chunks are hashed before use
+        new, _ = self._write_pack(chunks)
+        with self.lock:
+            if any(h in self.pins for h, _, _ in rows if h not in chunks):
+                gone = new  # a sync relies on a chunk left out since: the old pack stays whole
+            else:
+                gone = pack
+            (self.packs / (gone[:-5] + ".idx")).unlink(missing_ok=True)
+            (self.packs / gone).unlink(missing_ok=True)
+            self.present().difference_update(self.index().remove([gone]))
 
     # ------------------------------------------------------------ generations
 
@@ -376,19 +392,28 @@ class ChunkStore:
         self.manifest_chunks = {m: v for m, v in self.manifest_chunks.items() if m.exists()}
         old = time.time() - GC_GRACE_S
         index = self.index()
+        sparse = []
         with self.lock:
             dead = []
             for pack, rows in list(index.rows.items()):
                 try:
-                    if any(h in used or h in self.pins for h, _, _ in rows) or (self.packs / pack).stat().st_mtime >= old:
+                    if (self.packs / pack).stat().st_mtime >= old:
                         continue
                 except FileNotFoundError:
                     pass
+                live = sum(n for h, _, n in rows if h in used or h in self.pins)
+                if live:
+                    if live < COMPACT_BELOW * sum(n for _, _, n in rows):
+                        sparse.append(pack)
+                    continue
                 (self.packs / (pack[:-5] + ".idx")).unlink(missing_ok=True)
                 (self.packs / pack).unlink(missing_ok=True)
                 dead.append(pack)
             if dead:
                 self.present().difference_update(index.remove(dead))
+            used = used | set(self.pins)
+        for pack in sparse:
+            self._compact(pack, used)
         names = set(os.listdir(self.packs)) if self.packs.is_dir() else set()
         for name in names:  # packs a crash left without an index, indexes that could not be read
             stray = (name.endswith(".idx") and name[:-4] + ".pack" not in index.rows) or \
@@ -454,10 +479,28 @@ def _materialize(build: Path, manifest: Manifest, store: ChunkStore, prev_dir: O
                 for h, n in e.chunks:
                     path, off = store.locate(h)
                     with open(path, "rb") as src:
-                        src.seek(off)
-                        out.write(src.read(n)) if n < SMALL_CHUNK else shutil.copyfileobj(src, out, 1 << 20)
+                        _copy_range(src.fileno(), out.fileno(), off, n)
             os.chmod(dst, e.mode & ~0o222)
             os.utime(dst, ns=(e.mtime_ns, e.mtime_ns))  # Python checks .pyc files against their source's mtime
+
+
+def _copy_range(src: int, dst: int, off: int, n: int) -> None:
+    """Appends ``n`` bytes of ``src`` from ``off`` to ``dst``, in the kernel where it can."""
+    try:
+        while n > 0:
+            done = os.copy_file_range(src, dst, n, off)
+            if done == 0:
+                raise OSError(errno.EIO, "a chunk ends early in its pack")
+            off, n = off + done, n - done
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        while n > 0:  # a file system without copy_file_range: through memory
+            data = os.pread(src, min(n, 1 << 20), off)
+            if not data:
+                raise OSError(errno.EIO, "a chunk ends early in its pack") from None
+            os.write(dst, data)
+            off, n = off + len(data), n - len(data)
 
 
 def _read_only(build: Path, manifest: Manifest) -> None:

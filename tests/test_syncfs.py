@@ -349,7 +349,7 @@ def test_a_client_killed_mid_sync_switches_no_host(pool, home, tmp_path):
     (src / "a.txt").write_text("old\n")
     target = Path(pool.sync(str(src), "ws", hosts=[0]).hosts[0].path)
     (src / "big.bin").write_bytes(os.urandom(400 << 20))
-    store = node_store(tmp_path / "node-stores", pool.name, 0) / "chunks"
+    store = node_store(tmp_path / "node-stores", pool.name, 0) / "packs"
     before = sum(1 for _ in store.rglob("*"))
     proc = subprocess.Popen([CLI, "sync", str(src), "--pool", pool.name, "--to", "ws", "--hosts", "0"],
                             env=cli_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -489,10 +489,11 @@ def test_torchx_workspace_is_synced_to_the_pool_and_role_0_runs_in_it(pool, home
     assert "nothing was started" in res.stderr and "Traceback" not in res.stderr
 
 
-def test_store_packs_small_chunks_and_collects_what_no_generation_uses(tmp_path, monkeypatch):
-    """The host's store on its own: small chunks go to one pack per batch, a restarted host finds
-    them, and a sweep removes packs and chunk files that no kept generation uses (a pack any of
-    whose chunks is still used stays whole), and packs a crash left without an index."""
+def test_store_packs_each_batch_and_collects_what_no_generation_uses(tmp_path, monkeypatch):
+    """The host's store on its own: a batch's chunks, large ones too, go to one pack, a restarted
+    host finds them, and a sweep removes packs that no kept generation uses, rewrites a pack that
+    is mostly unused with the chunks still used (one mostly used stays as it is), removes chunk
+    files an earlier store left that nothing uses, and packs a crash left without an index."""
     import blake3
 
     from monarch_torchx.syncfs import store as st
@@ -505,51 +506,94 @@ def test_store_packs_small_chunks_and_collects_what_no_generation_uses(tmp_path,
         return Manifest([Entry(f"f{k}", "f", 0o644, len(d), 0, chunks=[(h, len(d))]) for k, (h, d) in enumerate(files)])
 
     s = st.ChunkStore(tmp_path / "store")
-    old_small, kept_small, big = chunk(b"a" * 100), chunk(b"b" * 200), chunk(os.urandom(st.SMALL_CHUNK))
+    old_small, kept_small, big = chunk(b"a" * 100), chunk(b"b" * 200), chunk(os.urandom(1 << 20))
     def put(chunks):
         s.put([(h, len(d)) for h, d in chunks], b"".join(d for _, d in chunks))
 
     put([old_small, kept_small, big])
-    assert len(list(s.packs.glob("*.pack"))) == 1 and s.chunk_path(big[0]).exists()
-    assert not s.chunk_path(old_small[0]).exists()  # packed, not a file of its own
-    assert st.ChunkStore(s.root).missing([old_small[0], kept_small[0], big[0], "0" * 64]) == ["0" * 64]
+    assert len(list(s.packs.glob("*.pack"))) == 1 and not s.chunks.exists()  # no file per chunk
+    legacy = chunk(os.urandom(300 << 10))  # a chunk file of its own, as an earlier store wrote them
+    s.chunk_path(legacy[0]).parent.mkdir(parents=True)
+    s.chunk_path(legacy[0]).write_bytes(legacy[1])
+    s = st.ChunkStore(s.root)  # the host's next agent: it finds both
+    assert s.missing([old_small[0], kept_small[0], big[0], legacy[0], "0" * 64]) == ["0" * 64]
 
     target = tmp_path / "t"
-    s.commit(target, manifest(old_small, big), fuse=False)
-    assert (target / "f0").read_bytes() == old_small[1] and (target / "f1").read_bytes() == big[1]
+    s.commit(target, manifest(old_small, big, legacy), fuse=False)
+    assert [(target / f"f{k}").read_bytes() for k in range(3)] == [old_small[1], big[1], legacy[1]]
     lone = chunk(b"c" * 300)
     put([lone])  # a second pack, used by no generation
+    mostly_used, unused = chunk(os.urandom(64 << 10)), chunk(b"d" * 100)
+    put([mostly_used, unused])
+    full = next(p for p in s.packs.glob("*.pack") if mostly_used[0] in {h for h, _, _ in s.index().rows[p.name]})
     (s.packs / "crashed.pack").write_bytes(b"x")  # written, but its index never was
     monkeypatch.setattr(st, "GC_GRACE_S", 0.0)
-    for k in range(2):  # two newer generations: the first one (old_small, big) is dropped
+    for k in range(2):  # two newer generations: the first one (old_small, big, legacy) is dropped
         new = chunk(b"new" * (k + 1))
         put([new])
-        s.commit(target, manifest(kept_small, new), fuse=False)
+        s.commit(target, manifest(kept_small, new, mostly_used), fuse=False)
         s.swept = 0.0
         s.collect(target)
-    assert (target / "f0").read_bytes() == kept_small[1]
-    assert not s.chunk_path(big[0]).exists() and big[0] not in s.present()
-    assert lone[0] not in s.present() and not (s.packs / "crashed.pack").exists()
-    assert old_small[0] in s.present()  # shares a pack with kept_small, which is still used
+    assert [(target / f"f{k}").read_bytes() for k in (0, 2)] == [kept_small[1], mostly_used[1]]
+    assert {old_small[0], big[0], legacy[0], lone[0]}.isdisjoint(s.present())
+    assert not s.chunk_path(legacy[0]).exists() and not (s.packs / "crashed.pack").exists()
+    assert full.exists() and unused[0] in s.present()  # mostly used: not rewritten
+    packed = sum(p.stat().st_size for p in s.packs.glob("*.pack"))
+    assert packed < 100 << 10  # the 1 MiB chunk's pack was rewritten with the 200 bytes still used
     fresh = st.ChunkStore(s.root)
-    assert fresh.missing([kept_small[0], lone[0], big[0]]) == [lone[0], big[0]]
+    assert fresh.missing([kept_small[0], mostly_used[0], lone[0], big[0]]) == [lone[0], big[0]]
+    path, at = fresh.locate(kept_small[0])
+    with open(path, "rb") as f:
+        f.seek(at)
+        assert f.read(200) == kept_small[1]
 
 
-def test_a_chunk_found_on_disk_is_hashed_before_it_is_trusted(tmp_path):
-    """A store an earlier agent left is not taken on its word: a chunk file (or packed chunk)
-    whose bytes do not hash to its name counts as missing, is removed, and is sent again; good
-    ones are kept."""
+def test_a_pack_rewrite_that_leaves_out_a_chunk_a_sync_was_just_promised_is_undone(tmp_path):
+    """A sync may be told a chunk is here (which pins it) while a sweep is rewriting the chunk's
+    pack without it: the rewrite is then dropped, the old pack stays whole, and the chunk stays
+    stored. The moment is made certain by asking between the new pack's write and the swap."""
     import blake3
 
     from monarch_torchx.syncfs import store as st
 
     s = st.ChunkStore(tmp_path / "store")
-    good, bad = os.urandom(st.SMALL_CHUNK), os.urandom(st.SMALL_CHUNK)
+    used, other = b"u" * 100, os.urandom(1 << 20)
+    hu, ho = blake3.blake3(used).hexdigest(), blake3.blake3(other).hexdigest()
+    s.put([(hu, len(used)), (ho, len(other))], used + other)
+    pack = next(iter(s.index().rows))
+    write = s._write_pack
+
+    def write_then_a_sync_asks(chunks):
+        out = write(chunks)
+        assert s.missing([ho]) == []  # the sync is told the chunk is here: it will not send it
+        return out
+
+    s._write_pack = write_then_a_sync_asks
+    s._compact(pack, {hu})
+    assert [p.name for p in s.packs.glob("*.pack")] == [pack] and list(s.index().rows) == [pack]
+    path, at = s.locate(ho)
+    with open(path, "rb") as f:
+        f.seek(at)
+        assert f.read(len(other)) == other
+
+
+def test_a_chunk_found_on_disk_is_hashed_before_it_is_trusted(tmp_path):
+    """A store an earlier agent left is not taken on its word: a packed chunk (or a chunk file,
+    as an earlier version of the store wrote them) whose bytes do not hash to its name counts as
+    missing, is not served, and is sent again; good ones are kept."""
+    import blake3
+
+    from monarch_torchx.syncfs import store as st
+
+    s = st.ChunkStore(tmp_path / "store")
+    good, bad = os.urandom(300 << 10), os.urandom(300 << 10)
     small_good, small_bad = b"s" * 100, b"t" * 100
     hg, hb = blake3.blake3(good).hexdigest(), blake3.blake3(bad).hexdigest()
     hsg, hsb = blake3.blake3(small_good).hexdigest(), blake3.blake3(small_bad).hexdigest()
-    s.put([(hg, len(good)), (hb, len(bad)), (hsg, 100), (hsb, 100)], good + bad + small_good + small_bad)
-    s.chunk_path(hb).write_bytes(b"planted" + bad[7:])  # same size, other bytes
+    s.put([(hsg, 100), (hsb, 100)], small_good + small_bad)
+    for h, data in ((hg, good), (hb, b"planted" + bad[7:])):  # same size, other bytes
+        s.chunk_path(h).parent.mkdir(parents=True, exist_ok=True)
+        s.chunk_path(h).write_bytes(data)
     pack = next(s.packs.glob("*.pack"))
     data = bytearray(pack.read_bytes())
     off = data.find(small_bad)
@@ -560,11 +604,12 @@ def test_a_chunk_found_on_disk_is_hashed_before_it_is_trusted(tmp_path):
     assert not later.chunk_path(hb).exists()
     assert later.missing([hg, hsg]) == []  # hashed once, then trusted
     later.put([(hb, len(bad)), (hsb, 100)], bad + small_bad)  # sent again: stored and served
-    path, at = later.locate(hsb)
-    with open(path, "rb") as f:
-        f.seek(at)
-        assert f.read(100) == small_bad
-    assert later.chunk_path(hb).read_bytes() == bad
+    later.index().remove([])  # a sweep's rebuild of the index does not bring the bad copy back
+    for h, want in ((hsb, small_bad), (hb, bad), (hg, good)):
+        path, at = later.locate(h)
+        with open(path, "rb") as f:
+            f.seek(at)
+            assert f.read(len(want)) == want
 
 
 def test_chunks_of_a_sync_that_never_committed_are_collected(home, pool_name, tmp_path, monkeypatch):
@@ -582,12 +627,10 @@ def test_chunks_of_a_sync_that_never_committed_are_collected(home, pool_name, tm
     chunks = [(blake3.blake3(d).hexdigest(), len(d)) for d in data]
     assert p.call(0, "syncfs.missing", hashes=[h for h, _ in chunks], target="never") == [h for h, _ in chunks]
     p.call(0, "syncfs.put", chunks=chunks, data=b"".join(data))
-    store = node_store(tmp_path / "node-stores", pool_name, 0)
-    loose = store / "chunks" / chunks[0][0][:2] / chunks[0][0]  # (asking `missing` would pin them)
+    store = node_store(tmp_path / "node-stores", pool_name, 0)  # (asking `missing` would pin them)
     packs = set((store / "packs").glob("*.pack"))
-    assert loose.exists() and len(packs) == 2  # the tree's pack and the aborted sync's
-    wait_for(lambda: not loose.exists() and len(set((store / "packs").glob("*.pack"))) == 1, timeout=30,
-             what="the sweep")
+    assert len(packs) == 2  # the tree's pack and the aborted sync's
+    wait_for(lambda: len(set((store / "packs").glob("*.pack"))) == 1, timeout=30, what="the sweep")
     assert p.call(0, "syncfs.missing", hashes=[h for h, _ in chunks]) == [h for h, _ in chunks]
     report = p.sync(str(kept), "ws")  # the committed tree's chunks were kept: nothing to send
     assert report.ok and report.bytes_sent < 100_000
