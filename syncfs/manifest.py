@@ -23,8 +23,9 @@ from .ignore import IgnoreRules
 SMALL_FILE = 256 << 10  # below this a file is one chunk
 # FastCDC skips a chunk's first min_size bytes without rolling its hash over them, so a minimum
 # of half the average (restic's choice too) scans half of each file where a quarter scanned three
-# quarters; an edit still resends about one average chunk (RESULTS.md, `sync-cpu`). Chunk lists a
-# client cached with other sizes stay valid: chunks are named by their contents.
+# quarters; an edit resends about one average chunk either way, a little more with this minimum
+# (RESULTS.md, `sync-cpu`). Chunk lists a client cached with other sizes stay valid: chunks are
+# named by their contents.
 CDC = {"min_size": 512 << 10, "avg_size": 1 << 20, "max_size": 4 << 20}
 
 
