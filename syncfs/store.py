@@ -163,9 +163,9 @@ class ChunkStore:
         """Hashes a chunk found on disk the first time a sync would rely on it; one whose bytes
         do not match its name is forgotten (and sent again), never served."""
         try:
-            path, off = self.locate(h)
             n = self.index().where[h][2] if h in self.index().where else None
-            with open(path, "rb") as f:
+            f, off = self.open_chunk(h)
+            with f:
                 f.seek(off)
                 data = f.read() if n is None else f.read(n)
             good = blake3.blake3(data).hexdigest() == h
@@ -192,6 +192,13 @@ class ChunkStore:
         if packed is not None:
             return self.packs / packed[0], packed[1]
         return self.chunk_path(h), 0
+
+    def open_chunk(self, h: str) -> Tuple[Any, int]:
+        """The file holding chunk ``h``, open, and where in it the chunk starts. Found and opened
+        under the lock a pack's rewrite deletes the old pack under: an open pack stays readable."""
+        with self.lock:
+            path, off = self.locate(h)
+            return open(path, "rb"), off
 
     def missing(self, hashes: Iterable[str]) -> List[str]:
         """The chunks not stored here. The others are pinned: garbage collection spares them
@@ -477,8 +484,8 @@ def _materialize(build: Path, manifest: Manifest, store: ChunkStore, prev_dir: O
                 continue
             with open(dst, "wb") as out:
                 for h, n in e.chunks:
-                    path, off = store.locate(h)
-                    with open(path, "rb") as src:
+                    src, off = store.open_chunk(h)
+                    with src:
                         _copy_range(src.fileno(), out.fileno(), off, n)
             os.chmod(dst, e.mode & ~0o222)
             os.utime(dst, ns=(e.mtime_ns, e.mtime_ns))  # Python checks .pyc files against their source's mtime

@@ -548,6 +548,33 @@ def test_store_packs_each_batch_and_collects_what_no_generation_uses(tmp_path, m
         assert f.read(200) == kept_small[1]
 
 
+def test_a_mostly_unused_pack_is_rewritten_under_a_served_tree(home, pool_name, tmp_path, monkeypatch):
+    """On a real host: a small file that shared its first pack with a large one that has since
+    changed twice keeps being served (through FUSE, where this machine has it) once the agent's
+    sweep has rewritten that pack without the large file's old chunk, and the store shrinks."""
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_GC_GRACE_S", "0")
+    p = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "kept.txt").write_text("kept across every generation\n")
+    (src / "big.bin").write_bytes(os.urandom(2 << 20))
+    first = p.sync(str(src), "ws")
+    target = Path(first.hosts[0].path)
+    assert (target / "big.bin").read_bytes() == (src / "big.bin").read_bytes()  # the first pack is open there now
+    packs = node_store(tmp_path / "node-stores", pool_name, 0) / "packs"
+    first_pack = {q.name for q in packs.glob("*.pack")}
+    for _ in range(2):  # the first generation is dropped: its big chunks are used no more
+        (src / "big.bin").write_bytes(os.urandom(2 << 20))
+        assert p.sync(str(src), "ws").ok
+    wait_for(lambda: not first_pack & {q.name for q in packs.glob("*.pack")}, timeout=30, what="the rewrite")
+    assert (target / "kept.txt").read_text() == "kept across every generation\n"
+    assert any(b"kept across every generation" in q.read_bytes() for q in packs.glob("*.pack"))  # moved, not lost
+    assert (target / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
+    assert sum(q.stat().st_size for q in packs.glob("*.pack")) < 5 << 20  # two big files' chunks, not three
+    stop_pool(p.name)
+
+
 def test_a_pack_rewrite_that_leaves_out_a_chunk_a_sync_was_just_promised_is_undone(tmp_path):
     """A sync may be told a chunk is here (which pins it) while a sweep is rewriting the chunk's
     pack without it: the rewrite is then dropped, the old pack stays whole, and the chunk stays
