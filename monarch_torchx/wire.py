@@ -41,7 +41,6 @@ import pickle
 import socket
 import ssl
 import struct
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -331,40 +330,6 @@ def big_buffer(n: int) -> Any:
     except (AttributeError, OSError):
         pass
     return m
-
-
-class ReusedBuffers:
-    """Received bytearrays of ``HUGE`` bytes or more, handed out again by one connection once
-    nothing else holds them. A host receiving a sync's batches otherwise zeroes fresh memory for
-    each one (page faults and a memset, about a fifth of its CPU in a profile).
-
-    A buffer is taken again only when this list holds the sole reference (CPython's refcount): a
-    handler, a queue or a memoryview that still has it keeps it from reuse. Each buffer is made
-    a quarter larger than asked, and resized in place for a later frame of up to that size and
-    at least half of it (a bytearray's storage is not reallocated within those bounds). At most
-    ``keep`` are held, for as long as the connection lives.
-    """
-
-    def __init__(self, keep: int = 2):
-        self._spare: List[bytearray] = []
-        self._keep = keep
-
-    def __call__(self, n: int) -> bytearray:
-        if n < HUGE:
-            return bytearray(n)
-        for spare in self._spare:
-            # the list's reference, this loop's and the call's: no one else holds it
-            if sys.getrefcount(spare) == 3 and spare.__alloc__() // 2 <= n < spare.__alloc__():
-                if n < len(spare):
-                    del spare[n:]
-                elif n > len(spare):
-                    spare.extend(bytes(n - len(spare)))
-                return spare
-        buf = bytearray(n + n // 4)
-        del buf[n:]
-        if len(self._spare) < self._keep:
-            self._spare.append(buf)
-        return buf
 
 
 class FrameParser:

@@ -206,7 +206,7 @@ class ServerConnection(AuthenticatedConnection):
 
     def __init__(self, server: "wire.Server"):
         # handlers get bytearrays (not maps), as they may pickle them again
-        super().__init__(server.gate, server.creds, server.identity, alloc=wire.ReusedBuffers())
+        super().__init__(server.gate, server.creds, server.identity, alloc=bytearray)
         self.server = server
         self.tasks: Dict[int, asyncio.Task] = {}
         self._paused = False

@@ -419,29 +419,3 @@ def test_a_send_that_must_wait_works_on_descriptors_past_selects_limit():
     finally:
         for s in held + [a, b]:
             s.close()
-
-
-def test_a_received_buffer_is_handed_out_again_only_when_nothing_holds_it():
-    """A connection's large receive buffers are reused for later frames, resized in place, but
-    never while a handler, a queue or a view still holds one; small frames get fresh ones."""
-    bufs = wire.ReusedBuffers(keep=2)
-    first = bufs(8 << 20)
-    assert len(first) == 8 << 20
-    first[:4] = b"held"
-    queue = [first]  # a forwarder still holds the batch
-    del first
-    second = bufs(8 << 20)
-    assert queue[0][:4] == b"held" and second is not queue[0]
-    view = memoryview(second)
-    del second
-    assert bufs(8 << 20) is not view.obj  # both held, and the list is full: a fresh one, not kept
-    released = queue.pop()
-    address = id(released)
-    del released
-    again = bufs((8 << 20) + 4096)  # a little larger: the same buffer, grown in place
-    assert id(again) == address and len(again) == (8 << 20) + 4096
-    del again
-    assert id(bufs(5 << 20)) == address  # smaller, down to half its storage: still the same
-    assert id(bufs(1 << 30 >> 4)) != address  # larger than its storage: a new one
-    small = bufs(1000)
-    assert type(small) is bytearray and len(small) == 1000
