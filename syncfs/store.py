@@ -274,7 +274,10 @@ class ChunkStore:
             return  # unreadable now: left for a later sweep
         if any(len(chunks[h]) != n for h, _, n in keep):
             return  # shorter than its index says: not copied, and its chunks are hashed before use
-        new, _ = self._write_pack(chunks)
+        try:
+            new, _ = self._write_pack(chunks)
+        except StoreError:
+            return  # a full disk: the old pack stays whole, and a sweep never fails what called it
         with self.lock:
             if any(h in self.pins for h, _, _ in rows if h not in chunks):
                 gone = new  # a sync relies on a chunk left out since: the old pack stays whole

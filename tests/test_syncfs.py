@@ -604,6 +604,30 @@ def test_a_pack_rewrite_that_leaves_out_a_chunk_a_sync_was_just_promised_is_undo
         assert f.read(len(other)) == other
 
 
+def test_a_pack_rewrite_on_a_full_disk_leaves_the_pack_whole_and_the_sweep_quiet(tmp_path):
+    """A sweep runs after a commit: a rewrite that cannot write its new pack (disk full) must not
+    fail the commit that called it, nor lose the chunks still used."""
+    import blake3
+
+    from monarch_torchx.syncfs import store as st
+
+    s = st.ChunkStore(tmp_path / "store")
+    used, other = b"u" * 100, os.urandom(1 << 20)
+    hu, ho = blake3.blake3(used).hexdigest(), blake3.blake3(other).hexdigest()
+    s.put([(hu, len(used)), (ho, len(other))], used + other)
+    pack = next(iter(s.index().rows))
+
+    def full(chunks):
+        raise st.StoreError("disk full while storing 1 chunk(s); the previous generation is intact")
+
+    s._write_pack = full
+    old = time.time() - 2 * st.GC_GRACE_S
+    os.utime(s.packs / pack, (old, old))  # past the grace period
+    s.pins[hu] = time.time()  # a sync relies on it: used, where its neighbour is not
+    s.sweep()
+    assert (s.packs / pack).exists() and {hu, ho} <= s.present()
+
+
 def test_a_chunk_found_on_disk_is_hashed_before_it_is_trusted(tmp_path):
     """A store an earlier agent left is not taken on its word: a packed chunk (or a chunk file,
     as an earlier version of the store wrote them) whose bytes do not hash to its name counts as
