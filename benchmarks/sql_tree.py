@@ -1,4 +1,4 @@
-"""Telemetry aggregates per subtree vs from every host's rows, side by side on one pool.
+"""Telemetry queries per subtree vs from every host's rows, side by side on one pool.
 
     .venv/bin/python benchmarks/sql_tree.py [--hosts 64] [--lines 20000] [--rounds 3] [--no-record]
 
@@ -6,8 +6,9 @@ One ``monarch_local`` pool of N agents (``preload=none``), each host's replica p
 log lines with 500 distinct texts (the same 500 on every host). Each query runs both ways through
 ``telemetry.query.run`` in this process, alternating, ``--rounds`` times (medians):
 
-- **per subtree**: hosts compute partial aggregates, relays of the tree merge them (from 32 hosts
-  on; below, the client asks each host and merges);
+- **per subtree**: hosts compute partial aggregates, relays of the tree merge them; or, for an
+  ``ORDER BY ... LIMIT`` over a table's rows, each host sends its top rows and relays cut their
+  subtree's to the limit (from 32 hosts on; below, the client asks each host and finishes);
 - **rows**: each host sends the filtered, projected rows the query needs; the client aggregates.
 
 Reported per query: wall time, the client's CPU time (this process), the bytes of Arrow answers
@@ -42,6 +43,8 @@ QUERIES = {
     "GROUP BY line (500 groups)": "SELECT line, count(*) AS n FROM logs GROUP BY line ORDER BY n DESC, line LIMIT 10",
     "GROUP BY host, avg": "SELECT host, count(*) AS n, avg(length(line)) AS a FROM logs GROUP BY host ORDER BY host",
     "filtered GROUP BY": "SELECT line, count(*) AS n FROM logs WHERE line LIKE '%7%' GROUP BY line ORDER BY n DESC, line LIMIT 5",
+    "latest 20 matching lines": "SELECT host, line FROM logs WHERE line LIKE '%77%' ORDER BY ts DESC, host, line LIMIT 20",
+    "top 10 by length": "SELECT line, host FROM logs ORDER BY length(line) DESC, host, line LIMIT 10",
 }
 
 

@@ -350,6 +350,19 @@ def merge_subtree(args: dict, values: List[Any]) -> Any:
     return to_ipc(merge([from_ipc([v]) for v in values], args["merge"]))[0]
 
 
+def cut_subtree(args: dict, values: List[Any]) -> Any:
+    """The relay's combiner for ``telemetry.rows``: its subtree's rows, cut to the query's LIMIT
+    by running the hosts' query again over them (its filters hold already)."""
+    import pyarrow as pa
+    from datafusion import SessionContext
+
+    rows = pa.concat_tables([from_ipc([v]) for v in values], promote_options="permissive")
+    ctx = SessionContext()
+    ctx.register_record_batches(args["table"], [rows.to_batches() or [pa.record_batch(
+        [pa.array([], f.type) for f in rows.schema], schema=rows.schema)]])
+    return to_ipc(ctx.sql_with_options(args["sql"], read_only_options()).to_arrow_table())[0]
+
+
 MAX_STACK_ROWS = 200_000
 BATCH_ROWS = 262_144  # rows per frame of a query's answer
 INDEX_INTERVAL_S = float(os.environ.get("MONARCH_TORCHX_TELEMETRY_INDEX_S", "1"))
@@ -447,7 +460,7 @@ class TelemetryModule:
 
     def operations(self) -> Dict[str, Any]:
         return {"telemetry.stacks": (self.op_stacks, None), "telemetry.query": (self.op_query, None),
-                "telemetry.partial": (self.op_partial, merge_subtree)}
+                "telemetry.partial": (self.op_partial, merge_subtree), "telemetry.rows": (self.op_rows, cut_subtree)}
 
     def background_tasks(self) -> List[Any]:
         return [self.index_in_background(), self.sample_metrics()]
@@ -483,6 +496,14 @@ class TelemetryModule:
 
     async def op_partial(self, peer: Any, sql: str, table: str, merge: str) -> bytes:
         """This host's partial aggregates (``partial.py``); relays merge their subtree's with ``merge``."""
+        import asyncio
+
+        answer = await asyncio.get_running_loop().run_in_executor(self.worker, self.query, sql, [table])
+        return to_ipc(answer)[0]
+
+    async def op_rows(self, peer: Any, sql: str, table: str) -> bytes:
+        """A LIMIT-bounded pushed-down query's rows (``query.pushdowns``), as one Arrow IPC
+        stream; relays cut their subtree's to the same limit (``cut_subtree``)."""
         import asyncio
 
         answer = await asyncio.get_running_loop().run_in_executor(self.worker, self.query, sql, [table])

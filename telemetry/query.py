@@ -8,6 +8,11 @@ right above it, is turned back into SQL and sent to every host, where DataFusion
 that host's tables; the hosts' Arrow results are registered here under the same table names and
 the original query (joins, aggregates, order) finishes at the client. A host that does not
 answer within the timeout is left out and named in the result, never waited for forever.
+
+A ``LIMIT`` (or an ``ORDER BY ... LIMIT``) right above a table's filters bounds what any host
+has to send: each host returns at most that many rows (its own top ones), and the relay tree
+cuts every subtree's rows to as many on the way up, so "the last 20 errors of 1,024 hosts"
+moves about 20 rows per connection. An unbounded scan streams from each host to the client.
 """
 
 from __future__ import annotations
@@ -69,34 +74,116 @@ def _plan(sql: str) -> Any:
         raise MonarchError(f"bad query: {_one_line(e)}") from None
 
 
+@dataclass(frozen=True)
+class Pushdown:
+    """What every host runs for one table, and whether a LIMIT bounds its rows (then relays may
+    run it again over their subtree's rows: its filters hold already, and its limit cuts them)."""
+
+    sql: str
+    bounded: bool = False
+
+
 def plan_pushdown(sql: str, plan: Any = None) -> Dict[str, str]:
     """table -> the SQL every host runs for it. Raises MonarchError for bad or non-read-only SQL."""
+    return {name: p.sql for name, p in pushdowns(sql, plan).items()}
+
+
+def _kind(node: Any) -> str:
+    return type(node.to_variant()).__name__
+
+
+def _int(expr: Any) -> Any:
+    """A LIMIT's skip or fetch as an int (None where it is absent or not a plain literal)."""
+    try:
+        return None if expr is None else int(expr.to_variant().value_i64())
+    except Exception:  # noqa: BLE001 (another DataFusion version's expression: no bound, not an error)
+        return None
+
+
+def _scan_below(node: Any) -> Any:
+    """The Filter (or TableScan) under ``node``'s row-wise projections, if that is all there is."""
+    while _kind(node) == "Projection":
+        node = node.inputs()[0]
+    sub = node
+    while _kind(sub) == "Filter":
+        sub = sub.inputs()[0]
+    return node if _kind(sub) == "TableScan" and _kind(node) in ("Filter", "TableScan") else None
+
+
+def _bounded(node: Any, unparser: Any) -> Any:
+    """(table, host SQL) for a LIMIT or a top-k sort right above a table's filters: each host
+    returns the rows it could contribute (its first, or its top, skip + fetch), with every column
+    the query above reads. None when the plan has any other shape."""
+    kind = _kind(node)
+    if kind == "Limit":
+        v = node.to_variant()
+        fetch, skip = _int(v.fetch()), _int(v.skip()) or 0
+        child = node.inputs()[0]
+        while _kind(child) == "Projection":
+            child = child.inputs()[0]
+        if _kind(child) == "Sort":
+            return _bounded(child, unparser)
+        base = _scan_below(child)
+        if fetch is None or base is None:
+            return None
+        text = f"{unparser.plan_to_sql(base)} LIMIT {skip + fetch}"
+    elif kind == "Sort":
+        base = _scan_below(node.inputs()[0])
+        if node.to_variant().get_fetch_val() is None or base is None:
+            return None
+        # the sort's own SQL is its input's, then ORDER BY ... LIMIT: that tail, over the filters'
+        # rows with all their columns (a projection between may have dropped a filter's column)
+        whole, head = str(unparser.plan_to_sql(node)), str(unparser.plan_to_sql(node.inputs()[0]))
+        if not whole.startswith(head) or not whole[len(head):].lstrip().upper().startswith("ORDER BY"):
+            return None
+        text = f"{unparser.plan_to_sql(base)}{whole[len(head):]}"
+    else:
+        return None
+    sub = base
+    while _kind(sub) == "Filter":
+        sub = sub.inputs()[0]
+    try:
+        _plan(text)  # what a host will run, planned here first: any doubt, and the scan is not bounded
+    except MonarchError:
+        return None
+    return sub.to_variant().table_name(), text
+
+
+def pushdowns(sql: str, plan: Any = None, bound: bool = True) -> Dict[str, Pushdown]:
+    """table -> what every host runs for it (``bound=False``: filters only, never a LIMIT above
+    them). Raises MonarchError for bad or non-read-only SQL."""
     from datafusion.unparser import Dialect, Unparser
 
     plan = plan if plan is not None else _plan(sql)
-    scans: List[Tuple[str, Any]] = []
+    unparser = Unparser(Dialect.default())
+    scans: List[Tuple[str, str, bool]] = []
 
     def walk(node: Any) -> None:
-        kind = type(node.to_variant()).__name__
+        kind = _kind(node)
+        if bound and kind in ("Limit", "Sort"):
+            bounded = _bounded(node, unparser)
+            if bounded is not None:
+                scans.append((bounded[0], bounded[1], True))
+                return
         if kind in ("Filter", "TableScan"):
             sub = node
-            while type(sub.to_variant()).__name__ == "Filter":
+            while _kind(sub) == "Filter":
                 sub = sub.inputs()[0]
-            if type(sub.to_variant()).__name__ == "TableScan":  # (a HAVING filter is above an aggregate)
-                scans.append((sub.to_variant().table_name(), node))
+            if _kind(sub) == "TableScan":  # (a HAVING filter is above an aggregate)
+                scans.append((sub.to_variant().table_name(), str(unparser.plan_to_sql(node)),
+                              sub.to_variant().fetch() is not None))
                 return
         for child in node.inputs():
             walk(child)
 
     walk(plan)
-    unparser = Unparser(Dialect.default())
     counts: Dict[str, int] = {}
-    for name, _ in scans:
+    for name, _, _ in scans:
         counts[name] = counts.get(name, 0) + 1
     pushed = {}
-    for name, node in scans:
+    for name, text, bounded in scans:
         # a table read twice (a self-join) with different filters: fetch it whole, once
-        pushed[name] = str(unparser.plan_to_sql(node)) if counts[name] == 1 else f'SELECT * FROM "{name}"'
+        pushed[name] = Pushdown(text, bounded) if counts[name] == 1 else Pushdown(f'SELECT * FROM "{name}"')
     return pushed
 
 
@@ -108,12 +195,14 @@ def _missing_why(err: Exception) -> str:
 
 def run(pool: Any, sql: str, timeout: float = DEFAULT_TIMEOUT_S, per_subtree: bool = True) -> QueryResult:
     """Runs ``sql`` over the pool's hosts; returns the answer and which hosts are missing from it.
-    ``per_subtree=False`` answers an aggregate from the hosts' rows, as any other query."""
+    ``per_subtree=False`` leaves the relays out: every host's filtered rows come to the client
+    (no partial aggregates, no LIMIT cut per subtree), the reference the other ways are checked
+    against."""
     plan = _plan(sql)
     partial = plan_partial(plan) if per_subtree else None
     if partial is not None:
         return _run_partial(pool, sql, partial, timeout)
-    return _run_rows(pool, sql, plan_pushdown(sql, plan), timeout)
+    return _run_rows(pool, sql, pushdowns(sql, plan, bound=per_subtree), timeout)
 
 
 def _run_partial(pool: Any, sql: str, partial: PartialAggregate, timeout: float) -> QueryResult:
@@ -134,14 +223,18 @@ def _run_partial(pool: Any, sql: str, partial: PartialAggregate, timeout: float)
                        len(values))
 
 
-def _run_rows(pool: Any, sql: str, pushed: Dict[str, str], timeout: float) -> QueryResult:
-    """Every host's filtered rows, streamed here; the query finishes at the client."""
+def _run_rows(pool: Any, sql: str, pushed: Dict[str, Pushdown], timeout: float) -> QueryResult:
+    """Every host's filtered rows, here; the query finishes at the client. One table bounded by a
+    LIMIT is asked through the relay tree, each subtree's rows cut to the limit on the way; any
+    other scan is streamed from each host."""
     import pyarrow as pa
 
     n = pool.record.num_hosts
     per_host: Dict[int, Dict[str, Any]] = {i: {} for i in range(n)}
+    parts: Dict[str, List[Any]] = {}
     missing: Dict[int, str] = {}
-    moved = 0
+    moved = answers = 0
+
     def fetch(i: int, q: str, t: str) -> Tuple[Any, int]:
         """One host's answer, streamed back as Arrow IPC chunks."""
         with pool.connect(i) as client:
@@ -149,14 +242,28 @@ def _run_rows(pool: Any, sql: str, pushed: Dict[str, str], timeout: float) -> Qu
             chunks = list(client.stream("telemetry.query", sql=q, tables=[t]))
         return from_ipc(chunks), sum(len(c) for c in chunks)
 
-    for name, host_sql in pushed.items():
-        results = pool.fan_out(lambda i, q=host_sql, t=name: fetch(i, q, t), range(n))
-        for i, got, err in results:
+    if len(pushed) == 1 and next(iter(pushed.values())).bounded:
+        # (one table only: a host missing from one table of several must be missing from all)
+        name, p = next(iter(pushed.items()))
+        parts[name] = []
+        for i, value, err in pool.ask("telemetry.rows", range(n), timeout=timeout, sql=p.sql, table=name):
             if err is not None:
-                missing.setdefault(i, _missing_why(err))
-                continue
-            per_host[i][name], size = got
-            moved += size
+                missing[i] = _missing_why(err)
+            elif value is not None:  # None: this host's rows are in another's, cut with its subtree's
+                parts[name].append(from_ipc([value]))
+                moved += len(value)
+                answers += 1
+    else:
+        for name, p in pushed.items():
+            for i, got, err in pool.fan_out(lambda i, q=p.sql, t=name: fetch(i, q, t), range(n)):
+                if err is not None:
+                    missing.setdefault(i, _missing_why(err))
+                    continue
+                per_host[i][name], size = got
+                moved += size
+        ok_hosts = [i for i in range(n) if i not in missing]
+        parts = {name: [per_host[i][name] for i in ok_hosts] for name in pushed}
+        answers = len(ok_hosts) * len(pushed)
     ok = [i for i in range(n) if i not in missing]
     if not ok:
         raise MonarchError("no host answered: " + "; ".join(f"host {i}: {why}" for i, why in missing.items()))
@@ -164,12 +271,11 @@ def _run_rows(pool: Any, sql: str, pushed: Dict[str, str], timeout: float) -> Qu
 
     ctx = SessionContext()
     for name in pushed:
-        parts = [per_host[i][name] for i in ok]
-        table = pa.concat_tables(parts) if parts else pa.table({})
+        table = pa.concat_tables(parts[name]) if parts[name] else pa.table({})
         ctx.register_record_batches(name, [table.to_batches() or [pa.record_batch(
             [pa.array([], f.type) for f in table.schema], schema=table.schema)]])
     try:
         answer = ctx.sql_with_options(sql, read_only_options()).to_arrow_table()
     except Exception as e:
         raise MonarchError(f"bad query: {_one_line(e)}") from None
-    return QueryResult(answer, ok, missing, moved, pushed, len(ok) * len(pushed))
+    return QueryResult(answer, ok, missing, moved, {name: p.sql for name, p in pushed.items()}, answers)

@@ -67,6 +67,28 @@ def test_an_aggregate_merged_by_relays_equals_the_one_finished_from_every_row(tr
     assert merged.answers <= 2 < rows.answers
 
 
+BOUNDED = [
+    "SELECT host, line FROM logs WHERE line LIKE '%NaN%' ORDER BY ts DESC, host, line LIMIT 7",
+    "SELECT line, host FROM logs WHERE stream = 'stderr' ORDER BY host LIMIT 3 OFFSET 2",
+    "SELECT upper(line) AS u, host FROM logs ORDER BY length(line) DESC, host, line LIMIT 4",
+]
+
+
+@pytest.mark.parametrize("sql", BOUNDED)
+def test_a_limit_cuts_each_subtree_and_answers_as_every_row_would(tree_pool, sql):
+    cut = run(tree_pool, sql)
+    rows = run(tree_pool, sql, per_subtree=False)
+    assert "LIMIT" in next(iter(cut.pushed.values())) and "LIMIT" not in next(iter(rows.pushed.values()))
+    assert cut.table.to_pylist() == rows.table.to_pylist() and cut.hosts == rows.hosts == list(range(HOSTS))
+    assert cut.answers <= 2 < rows.answers and cut.bytes_moved < rows.bytes_moved
+
+
+def test_a_limit_without_an_order_gives_that_many_matching_rows(tree_pool):
+    got = run(tree_pool, "SELECT host, line FROM logs WHERE line LIKE 'step%' LIMIT 5")
+    assert got.table.num_rows == 5 and all(r["line"].startswith("step") for r in got.table.to_pylist())
+    assert got.answers <= 2
+
+
 def test_a_group_by_over_every_row_moves_groups_not_rows(tree_pool):
     sql = "SELECT line, count(*) AS n FROM logs GROUP BY line ORDER BY n DESC, line LIMIT 5"
     merged, rows = run(tree_pool, sql), run(tree_pool, sql, per_subtree=False)
@@ -91,10 +113,13 @@ def test_bad_sql_is_one_line_and_a_hung_host_is_named_missing(tree_pool):
     victim = 1  # a relay: host 0 leads the first group, 1 leads the rest of it
     pid = tree_pool.hosts[victim].pid
     os.kill(pid, signal.SIGSTOP)
+    bounded = "SELECT host, line FROM logs WHERE stream = 'stderr' ORDER BY host LIMIT 20"
     try:
         res = run(tree_pool, "SELECT count(*) AS n FROM logs", timeout=6.0)
+        cut = run(tree_pool, bounded, timeout=6.0)
     finally:
         os.kill(pid, signal.SIGCONT)
     assert list(res.missing) == [victim] and res.hosts == [i for i in range(HOSTS) if i != victim]
+    assert list(cut.missing) == [victim] and [r["host"] for r in cut.table.to_pylist()] == res.hosts
     per_host = {r["host"]: r["n"] for r in run(tree_pool, "SELECT host, count(*) AS n FROM logs GROUP BY host").table.to_pylist()}
     assert res.table.to_pylist() == [{"n": sum(n for h, n in per_host.items() if h != victim)}]

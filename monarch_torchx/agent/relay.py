@@ -34,7 +34,8 @@ LOCAL_LAST = frozenset({"shutdown"})  # ops that end this agent: run after the s
 # ops a host may run twice without harm: when a relay dies holding one, the rest of its group is
 # asked again through the next member, and a kept connection that closes under one is dialled
 # afresh and the request sent again (others, e.g. launch, report the group as not answered)
-REPEATABLE = frozenset({"info", "describe", "list", "app_logs", "wait", "kill", "shutdown", "telemetry.partial", "syncfs.missing",
+REPEATABLE = frozenset({"info", "describe", "list", "app_logs", "wait", "kill", "shutdown", "telemetry.partial",
+                        "telemetry.rows", "syncfs.missing",
                         "syncfs.prepare"})
 
 

@@ -41,7 +41,7 @@ HEARTBEAT_WRITE_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_WRITE_S", str
 # asking about a pool must not keep it alive: only work (launches, module calls) resets idleness
 PASSIVE_OPS = frozenset({"relay", "ping", "info", "describe", "list", "logs", "app_logs", "app_logs_follow", "kill",
                          "shutdown", "wait",
-                         "telemetry.query",
+                         "telemetry.query", "telemetry.rows",
                          "telemetry.partial", "telemetry.stacks"})
 BIND_RETRY_S = 3.0
 # per host and request: a relay holds its subtree's answers; a replica past it is streamed directly
