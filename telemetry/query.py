@@ -131,6 +131,11 @@ def _bounded(node: Any, unparser: Any) -> Any:
         base = _scan_below(node.inputs()[0])
         if node.to_variant().get_fetch_val() is None or base is None:
             return None
+        between = node.inputs()[0]
+        while _kind(between) == "Projection":  # a sort key must name the table's own column, not an alias
+            if any(_kind(e) != "Column" for e in between.to_variant().projections()):
+                return None
+            between = between.inputs()[0]
         # the sort's own SQL is its input's, then ORDER BY ... LIMIT: that tail, over the filters'
         # rows with all their columns (a projection between may have dropped a filter's column)
         whole, head = str(unparser.plan_to_sql(node)), str(unparser.plan_to_sql(node.inputs()[0]))
