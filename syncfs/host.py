@@ -395,8 +395,7 @@ class SyncfsModule:
                 m.start()  # serves ``current``: generation n
             else:
                 m.switch(n)
-        for h in manifest.chunk_sizes():  # committed: a kept generation now protects them
-            self.store.pins.pop(h, None)
+        self.store.committed(manifest.chunk_sizes())  # a kept generation now protects them
         self.store.collect(path)
         return {"generation": n, "path": str(path), "served_by": "fuse" if fuse else f"symlink ({self.no_fuse})"}
 

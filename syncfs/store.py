@@ -93,19 +93,23 @@ class PackIndex:
             self.where.setdefault(h, (pack, off, n))
 
     def forget(self, h: str) -> None:
-        """Drops a chunk whose packed bytes proved bad: no rebuild of ``where`` brings it back."""
-        where = self.where.pop(h, None)
-        if where is not None:
-            self.rows[where[0]] = [r for r in self.rows.get(where[0], []) if r[0] != h]
+        """Drops a chunk whose bytes proved bad, every copy of it: no rebuild of ``where`` brings
+        it back, and the copy that is sent again is the one served."""
+        self.where.pop(h, None)
+        for pack, rows in self.rows.items():
+            if any(r[0] == h for r in rows):
+                self.rows[pack] = [r for r in rows if r[0] != h]
 
     def remove(self, packs: List[str]) -> set:
-        """Forgets packs; returns the chunks no remaining pack holds."""
+        """Forgets packs; returns the chunks no remaining pack holds. ``where`` is replaced whole,
+        never emptied in place: a reader without the lock sees the old map or the new one."""
         affected = {h for p in packs for h, _, _ in self.rows.pop(p, [])}
-        self.where = {}
+        where: Dict[str, Tuple[str, int, int]] = {}
         for pack, rows in self.rows.items():
             for h, off, n in rows:
-                self.where.setdefault(h, (pack, off, n))
-        return affected - self.where.keys()
+                where.setdefault(h, (pack, off, n))
+        self.where = where
+        return affected - where.keys()
 
 
 class ChunkStore:
@@ -122,6 +126,8 @@ class ChunkStore:
         self._index: Optional[PackIndex] = None
         self._dirs: set = set()  # chunk directories known to exist
         self.lock = threading.Lock()  # the pack index: stores and sweeps run in different threads
+        self.commits = 0  # generations committed: a sweep that saw fewer deletes nothing (see committed)
+        self._sweeping = threading.Lock()  # one sweep at a time (after a commit, and the agent's own)
         self.chunks = root / "chunks"  # made on first use: a pool that never syncs leaves nothing on disk
         self.packs = root / "packs"
         self.targets = root / "targets"
@@ -163,8 +169,7 @@ class ChunkStore:
         """Hashes a chunk found on disk the first time a sync would rely on it; one whose bytes
         do not match its name is forgotten (and sent again), never served."""
         try:
-            n = self.index().where[h][2] if h in self.index().where else None
-            f, off = self.open_chunk(h)
+            f, off, n = self.open_chunk(h)
             with f:
                 f.seek(off)
                 data = f.read() if n is None else f.read(n)
@@ -193,12 +198,23 @@ class ChunkStore:
             return self.packs / packed[0], packed[1]
         return self.chunk_path(h), 0
 
-    def open_chunk(self, h: str) -> Tuple[Any, int]:
-        """The file holding chunk ``h``, open, and where in it the chunk starts. Found and opened
-        under the lock a pack's rewrite deletes the old pack under: an open pack stays readable."""
+    def open_chunk(self, h: str) -> Tuple[Any, int, Optional[int]]:
+        """The file holding chunk ``h``, open, where in it the chunk starts, and its size in a
+        pack (None: a file of its own). Found and opened under the lock a pack's rewrite deletes
+        the old pack under: an open pack stays readable."""
         with self.lock:
-            path, off = self.locate(h)
-            return open(path, "rb"), off
+            packed = self.index().where.get(h)
+            if packed is None:
+                return open(self.chunk_path(h), "rb"), 0, None
+            return open(self.packs / packed[0], "rb"), packed[1], packed[2]
+
+    def committed(self, chunks: Iterable[str]) -> None:
+        """A generation using ``chunks`` was committed: their pins are not needed any more (its
+        manifest protects them). A sweep that read the manifests before this deletes nothing."""
+        with self.lock:
+            self.commits += 1
+            for h in chunks:
+                self.pins.pop(h, None)
 
     def missing(self, hashes: Iterable[str]) -> List[str]:
         """The chunks not stored here. The others are pinned: garbage collection spares them
@@ -236,10 +252,11 @@ class ChunkStore:
         new = {h: data for h, data in chunks if h not in have}
         return self._write_pack(new)[1] if new else 0
 
-    def _write_pack(self, chunks: Dict[str, Any]) -> Tuple[str, int]:
+    def _write_pack(self, chunks: Dict[str, Any], durable: bool = False) -> Tuple[str, int]:
         """Writes chunks as one pack file, then its index (a pack without one is ignored, and
         removed by the next sweep): the chunks are stored once the index is in place. Returns
-        the pack's name and size."""
+        the pack's name and size. ``durable``: both are on disk before this returns (a rewrite
+        deletes the old pack next)."""
         name = uuid.uuid4().hex
         pack, idx = self.packs / f"{name}.pack", self.packs / f"{name}.idx"
         rows, off = [], 0
@@ -252,7 +269,17 @@ class ChunkStore:
             with open_private(pack) as f:
                 for data in chunks.values():  # each from the received batch: no joined copy
                     f.write(data)
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
             _write_atomic(idx, marshal.dumps(rows))
+            if durable:
+                for path in (idx, self.packs):
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
         except OSError as e:
             pack.unlink(missing_ok=True)
             raise _disk_error(e, f"storing {len(rows)} chunk(s)") from None
@@ -261,31 +288,37 @@ class ChunkStore:
             self.present().update(chunks)
         return pack.name, off
 
-    def _compact(self, pack: str, used: set) -> None:
-        """Rewrites a mostly unused pack with only its used chunks, then deletes it. The new pack
-        is indexed before the old one goes, so every chunk is on disk at every moment; a reader
-        that finds the old pack gone reads its index afresh (``fusefs``)."""
+    def _compact(self, pack: str, used: set, epoch: int) -> None:
+        """Rewrites a mostly unused pack with only its used chunks, hashed again on the way (a bad
+        one is forgotten and will be sent again), then deletes it. The new pack is on disk and
+        indexed before the old one goes, so every chunk is readable at every moment; a reader
+        that finds the old pack gone reads its index afresh (``fusefs``). Undone when a sync was
+        promised a chunk left out, or a generation was committed, since ``used`` was read."""
         rows = self.index().rows.get(pack, [])
-        keep = [(h, off, n) for h, off, n in rows if h in used]
         try:
             with open(self.packs / pack, "rb") as f:
-                chunks = {h: os.pread(f.fileno(), n, off) for h, off, n in keep}
+                found = {h: os.pread(f.fileno(), n, off) for h, off, n in rows if h in used}
         except OSError:
             return  # unreadable now: left for a later sweep
-        if any(len(chunks[h]) != n for h, _, n in keep):
-            return  # shorter than its index says: not copied, and its chunks are hashed before use
+        good = {h: data for h, data in found.items() if blake3.blake3(data).hexdigest() == h}
         try:
-            new, _ = self._write_pack(chunks)
+            new, _ = self._write_pack(good, durable=True) if good else ("", 0)
         except StoreError:
             return  # a full disk: the old pack stays whole, and a sweep never fails what called it
         with self.lock:
-            if any(h in self.pins for h, _, _ in rows if h not in chunks):
-                gone = new  # a sync relies on a chunk left out since: the old pack stays whole
+            left_out = {h for h, _, _ in rows if h not in good}
+            if self.commits != epoch or any(h in self.pins for h in left_out - set(found)):
+                gone = new  # (nothing written: nothing to undo)
             else:
                 gone = pack
-            (self.packs / (gone[:-5] + ".idx")).unlink(missing_ok=True)
-            (self.packs / gone).unlink(missing_ok=True)
-            self.present().difference_update(self.index().remove([gone]))
+                for h in set(found) - set(good):  # its bytes are bad here: sent again, never served
+                    self.index().forget(h)
+                    self.present().discard(h)
+                self._unverified.difference_update(good)
+            if gone:
+                (self.packs / (gone[:-5] + ".idx")).unlink(missing_ok=True)
+                (self.packs / gone).unlink(missing_ok=True)
+                self.present().difference_update(self.index().remove([gone]))
 
     # ------------------------------------------------------------ generations
 
@@ -356,9 +389,11 @@ class ChunkStore:
             _read_only(build, manifest)
             final = tdir / f"gen-{n}"
             os.rename(build, final)
-        except OSError as e:
+        except (OSError, StoreError) as e:
             _rmtree(build)
             (tdir / f"gen-{n}.manifest").unlink(missing_ok=True)
+            if isinstance(e, StoreError):
+                raise
             raise _disk_error(e, f"building generation {n} of {target}") from None
         target.parent.mkdir(parents=True, exist_ok=True)
         link = target.with_name(f".{target.name}.syncfs-{os.getpid()}")
@@ -382,12 +417,21 @@ class ChunkStore:
 
     def sweep(self, every_s: float = 0.0) -> None:
         """Drops chunks that no kept generation uses, that no sync in flight pinned, and that
-        are older than GC_GRACE_S (at most once per ``every_s``)."""
+        are older than GC_GRACE_S (at most once per ``every_s``, and one sweep at a time)."""
         if time.time() - self.swept < every_s or not self.root.is_dir():
             return
+        if not self._sweeping.acquire(blocking=False):
+            return
+        try:
+            self._sweep()
+        finally:
+            self._sweeping.release()
+
+    def _sweep(self) -> None:
         self.swept = time.time()
         with self.lock:  # a pin lasts GC_GRACE_S: a sync that said it relies on a chunk has committed by then
             self.pins = {h: t for h, t in self.pins.items() if self.swept - t < GC_GRACE_S}
+            epoch = self.commits  # read before the manifests: a commit after it stops the deletions
         used = set(self.pins)
         for man in self.targets.glob("*/gen-*.manifest"):
             try:
@@ -404,6 +448,8 @@ class ChunkStore:
         index = self.index()
         sparse = []
         with self.lock:
+            if self.commits != epoch:
+                return  # a generation committed since the manifests were read: the next sweep
             dead = []
             for pack, rows in list(index.rows.items()):
                 try:
@@ -411,9 +457,12 @@ class ChunkStore:
                         continue
                 except FileNotFoundError:
                     pass
-                live = sum(n for h, _, n in rows if h in used or h in self.pins)
+                # a chunk counts where it is served from: a second copy (a rewrite that died
+                # before deleting its old pack) keeps nothing alive
+                live = [n for h, _, n in rows
+                        if (h in used or h in self.pins) and index.where.get(h, ("",))[0] == pack]
                 if live:
-                    if live < COMPACT_BELOW * sum(n for _, _, n in rows):
+                    if sum(live) < COMPACT_BELOW * sum(n for _, _, n in rows):
                         sparse.append(pack)
                     continue
                 (self.packs / (pack[:-5] + ".idx")).unlink(missing_ok=True)
@@ -423,7 +472,7 @@ class ChunkStore:
                 self.present().difference_update(index.remove(dead))
             used = used | set(self.pins)
         for pack in sparse:
-            self._compact(pack, used)
+            self._compact(pack, used, epoch)
         names = set(os.listdir(self.packs)) if self.packs.is_dir() else set()
         for name in names:  # packs a crash left without an index, indexes that could not be read
             stray = (name.endswith(".idx") and name[:-4] + ".pack" not in index.rows) or \
@@ -440,6 +489,8 @@ class ChunkStore:
                     p = sub / name
                     try:
                         with self.lock:
+                            if self.commits != epoch:
+                                return
                             if name not in self.pins and p.stat().st_mtime < old:
                                 p.unlink()
                                 self.present().discard(name)
@@ -487,8 +538,10 @@ def _materialize(build: Path, manifest: Manifest, store: ChunkStore, prev_dir: O
                 continue
             with open(dst, "wb") as out:
                 for h, n in e.chunks:
-                    src, off = store.open_chunk(h)
+                    src, off, size = store.open_chunk(h)
                     with src:
+                        if size is not None and size != n:
+                            raise StoreError(f"chunk {h[:12]} is {size} bytes in its pack; the manifest says {n}")
                         _copy_range(src.fileno(), out.fileno(), off, n)
             os.chmod(dst, e.mode & ~0o222)
             os.utime(dst, ns=(e.mtime_ns, e.mtime_ns))  # Python checks .pyc files against their source's mtime
@@ -509,7 +562,9 @@ def _copy_range(src: int, dst: int, off: int, n: int) -> None:
             data = os.pread(src, min(n, 1 << 20), off)
             if not data:
                 raise OSError(errno.EIO, "a chunk ends early in its pack") from None
-            os.write(dst, data)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(dst, view):]
             off, n = off + len(data), n - len(data)
 
 

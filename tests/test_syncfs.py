@@ -575,10 +575,12 @@ def test_a_mostly_unused_pack_is_rewritten_under_a_served_tree(home, pool_name, 
     stop_pool(p.name)
 
 
-def test_a_pack_rewrite_that_leaves_out_a_chunk_a_sync_was_just_promised_is_undone(tmp_path):
-    """A sync may be told a chunk is here (which pins it) while a sweep is rewriting the chunk's
-    pack without it: the rewrite is then dropped, the old pack stays whole, and the chunk stays
-    stored. The moment is made certain by asking between the new pack's write and the swap."""
+@pytest.mark.parametrize("meanwhile", ["a sync is promised the chunk", "a generation is committed"])
+def test_a_pack_rewrite_is_undone_when_what_it_read_changed_under_it(tmp_path, meanwhile):
+    """Between reading which chunks are used and swapping packs, a sync may be told a chunk left
+    out is here (which pins it), or a generation using it may be committed (its pins then go):
+    either way the rewrite is dropped, the old pack stays whole, and the chunk stays stored. The
+    moment is made certain by acting between the new pack's write and the swap."""
     import blake3
 
     from monarch_torchx.syncfs import store as st
@@ -588,20 +590,71 @@ def test_a_pack_rewrite_that_leaves_out_a_chunk_a_sync_was_just_promised_is_undo
     hu, ho = blake3.blake3(used).hexdigest(), blake3.blake3(other).hexdigest()
     s.put([(hu, len(used)), (ho, len(other))], used + other)
     pack = next(iter(s.index().rows))
+    epoch = s.commits  # what the sweep saw before it read the manifests
     write = s._write_pack
 
-    def write_then_a_sync_asks(chunks):
-        out = write(chunks)
+    def write_then_a_sync_acts(chunks, durable=False):
+        out = write(chunks, durable)
         assert s.missing([ho]) == []  # the sync is told the chunk is here: it will not send it
+        if meanwhile == "a generation is committed":
+            s.committed([ho])
         return out
 
-    s._write_pack = write_then_a_sync_asks
-    s._compact(pack, {hu})
+    s._write_pack = write_then_a_sync_acts
+    s._compact(pack, {hu}, epoch)
     assert [p.name for p in s.packs.glob("*.pack")] == [pack] and list(s.index().rows) == [pack]
-    path, at = s.locate(ho)
-    with open(path, "rb") as f:
+    f, at, n = s.open_chunk(ho)
+    with f:
         f.seek(at)
-        assert f.read(len(other)) == other
+        assert n == len(other) and f.read(n) == other
+
+
+def test_a_pack_rewrite_leaves_out_a_used_chunk_whose_bytes_went_bad(tmp_path):
+    """The rewrite hashes what it copies: a used chunk damaged on disk is not carried into the
+    new pack, counts as missing, and is sent again; its good neighbour is kept and trusted."""
+    import blake3
+
+    from monarch_torchx.syncfs import store as st
+
+    s = st.ChunkStore(tmp_path / "store")
+    good, bad, dead = b"g" * 100, b"b" * 100, os.urandom(1 << 20)
+    hg, hb, hd = (blake3.blake3(d).hexdigest() for d in (good, bad, dead))
+    s.put([(hg, 100), (hb, 100), (hd, len(dead))], good + bad + dead)
+    pack = next(iter(s.index().rows))
+    raw = bytearray((s.packs / pack).read_bytes())
+    raw[100:200] = b"x" * 100
+    (s.packs / pack).write_bytes(bytes(raw))
+    s._compact(pack, {hg, hb}, s.commits)
+    assert not (s.packs / pack).exists() and s.missing([hg, hb, hd]) == [hb, hd]
+    f, at, n = s.open_chunk(hg)
+    with f:
+        f.seek(at)
+        assert f.read(n) == good
+
+
+def test_a_second_copy_of_a_chunk_keeps_nothing_alive_and_a_bad_one_is_forgotten_everywhere(tmp_path):
+    """A rewrite that died before deleting its old pack leaves a chunk in two packs: the copy it
+    is served from counts, the other one is collected. A chunk found bad loses every copy, so the
+    one sent again is the one served."""
+    import blake3
+
+    from monarch_torchx.syncfs import store as st
+
+    s = st.ChunkStore(tmp_path / "store")
+    data = os.urandom(1 << 20)
+    h = blake3.blake3(data).hexdigest()
+    first, _ = s._write_pack({h: data})
+    second, _ = s._write_pack({h: data})  # the copy a dead rewrite left
+    old = time.time() - 2 * st.GC_GRACE_S
+    for name in (first, second):
+        os.utime(s.packs / name, (old, old))
+    s.pins[h] = time.time()
+    s.sweep()
+    assert [p.name for p in s.packs.glob("*.pack")] == [first] and h in s.present()
+    s._write_pack({h: data})
+    s.index().forget(h)
+    assert all(h not in {r[0] for r in rows} for rows in s.index().rows.values())
+    assert h not in s.index().remove([])
 
 
 def test_a_pack_rewrite_on_a_full_disk_leaves_the_pack_whole_and_the_sweep_quiet(tmp_path):
@@ -617,7 +670,7 @@ def test_a_pack_rewrite_on_a_full_disk_leaves_the_pack_whole_and_the_sweep_quiet
     s.put([(hu, len(used)), (ho, len(other))], used + other)
     pack = next(iter(s.index().rows))
 
-    def full(chunks):
+    def full(chunks, durable=False):
         raise st.StoreError("disk full while storing 1 chunk(s); the previous generation is intact")
 
     s._write_pack = full
