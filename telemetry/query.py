@@ -27,6 +27,12 @@ from .partial import PartialAggregate, merge, plan_partial
 from .schema import TABLES, arrow_schema
 
 DEFAULT_TIMEOUT_S = 30.0
+# a LIMIT above this is not cut by relays: each would hold its subtree's rows in memory at once,
+# where the hosts' rows stream to the client
+MAX_CUT_ROWS = 100_000
+# functions that answer differently each time: a relay running the hosts' query again would
+# filter a second time
+VOLATILE = ("random(", "uuid(")
 
 
 @dataclass
@@ -124,12 +130,13 @@ def _bounded(node: Any, unparser: Any) -> Any:
         if _kind(child) == "Sort":
             return _bounded(child, unparser)
         base = _scan_below(child)
-        if fetch is None or base is None:
+        if fetch is None or base is None or skip + fetch > MAX_CUT_ROWS:
             return None
         text = f"{unparser.plan_to_sql(base)} LIMIT {skip + fetch}"
     elif kind == "Sort":
         base = _scan_below(node.inputs()[0])
-        if node.to_variant().get_fetch_val() is None or base is None:
+        fetch = node.to_variant().get_fetch_val()
+        if fetch is None or base is None or fetch > MAX_CUT_ROWS:
             return None
         between = node.inputs()[0]
         while _kind(between) == "Projection":  # a sort key must name the table's own column, not an alias
@@ -143,6 +150,8 @@ def _bounded(node: Any, unparser: Any) -> Any:
             return None
         text = f"{unparser.plan_to_sql(base)}{whole[len(head):]}"
     else:
+        return None
+    if any(f in text.lower() for f in VOLATILE):
         return None
     sub = base
     while _kind(sub) == "Filter":
@@ -160,6 +169,13 @@ def pushdowns(sql: str, plan: Any = None, bound: bool = True) -> Dict[str, Pushd
     from datafusion.unparser import Dialect, Unparser
 
     plan = plan if plan is not None else _plan(sql)
+    shown = plan.display_indent()
+    if "<subquery>" in shown:
+        # a subquery inside an expression would run on each host over that host's rows alone:
+        # every table the query reads comes whole, and the query runs here
+        import re
+
+        return {name: Pushdown(f'SELECT * FROM "{name}"') for name in re.findall(r"TableScan: (\w+)", shown)}
     unparser = Unparser(Dialect.default())
     scans: List[Tuple[str, str, bool]] = []
 
@@ -175,8 +191,11 @@ def pushdowns(sql: str, plan: Any = None, bound: bool = True) -> Dict[str, Pushd
             while _kind(sub) == "Filter":
                 sub = sub.inputs()[0]
             if _kind(sub) == "TableScan":  # (a HAVING filter is above an aggregate)
-                scans.append((sub.to_variant().table_name(), str(unparser.plan_to_sql(node)),
-                              sub.to_variant().fetch() is not None))
+                text = str(unparser.plan_to_sql(node))
+                fetch = sub.to_variant().fetch()
+                scans.append((sub.to_variant().table_name(), text,
+                              bound and fetch is not None and fetch <= MAX_CUT_ROWS
+                              and not any(f in text.lower() for f in VOLATILE)))
                 return
         for child in node.inputs():
             walk(child)
@@ -194,7 +213,8 @@ def pushdowns(sql: str, plan: Any = None, bound: bool = True) -> Dict[str, Pushd
 
 def _missing_why(err: Exception) -> str:
     if isinstance(err, wire.RemoteError) and err.kind == "UnknownOperation":
-        return "the telemetry module is not loaded on this host (see its agent log)"
+        return ("the telemetry module is not loaded on this host, or its agent predates this query's "
+                "operation (see its agent log; `torchx pool stop` and a new pool bring every host up to date)")
     return str(err)
 
 
@@ -204,7 +224,9 @@ def run(pool: Any, sql: str, timeout: float = DEFAULT_TIMEOUT_S, per_subtree: bo
     (no partial aggregates, no LIMIT cut per subtree), the reference the other ways are checked
     against."""
     plan = _plan(sql)
-    partial = plan_partial(plan) if per_subtree else None
+    # a subquery inside an expression (``WHERE pid > (SELECT avg(pid) ...)``) is over every host's
+    # rows: never decomposed per host (``pushdowns`` then brings the tables it reads whole)
+    partial = plan_partial(plan) if per_subtree and "<subquery>" not in plan.display_indent() else None
     if partial is not None:
         return _run_partial(pool, sql, partial, timeout)
     return _run_rows(pool, sql, pushdowns(sql, plan, bound=per_subtree), timeout)
@@ -275,6 +297,10 @@ def _run_rows(pool: Any, sql: str, pushed: Dict[str, Pushdown], timeout: float) 
     from datafusion import SessionContext
 
     ctx = SessionContext()
+    for name in TABLES:  # a table the plan never reads (LIMIT 0 reads none) is there, empty
+        if name not in pushed:
+            schema = arrow_schema(name)
+            ctx.register_record_batches(name, [[pa.record_batch([pa.array([], f.type) for f in schema], schema=schema)]])
     for name in pushed:
         table = pa.concat_tables(parts[name]) if parts[name] else pa.table({})
         ctx.register_record_batches(name, [table.to_batches() or [pa.record_batch(

@@ -88,6 +88,29 @@ def test_a_limit_cuts_each_subtree_and_answers_as_every_row_would(tree_pool, sql
         assert cut.answers <= 2 < rows.answers and cut.bytes_moved < rows.bytes_moved
 
 
+@pytest.mark.parametrize("sql", [
+    "SELECT count(*) AS n FROM logs WHERE pid > (SELECT avg(pid) FROM logs) - 1000000 AND length(line) > "
+    "(SELECT avg(length(line)) FROM logs)",
+    "SELECT host, line FROM logs WHERE length(line) > (SELECT avg(length(line)) FROM logs) "
+    "ORDER BY length(line) DESC, host, line LIMIT 3",
+])
+def test_a_subquery_in_a_filter_is_answered_over_every_host_s_rows(tree_pool, sql):
+    """Each host alone would compare its lines with its own average: the tables come whole."""
+    from monarch_torchx.telemetry.query import _empty_ctx, read_only_options
+
+    got = run(tree_pool, sql)
+    assert all(q.startswith("SELECT * FROM") for q in got.pushed.values())
+    every = run(tree_pool, "SELECT * FROM logs", timeout=30).table
+    ctx = _empty_ctx()
+    ctx.deregister_table("logs")
+    ctx.register_record_batches("logs", [every.to_batches()])
+    assert got.table.to_pylist() == ctx.sql_with_options(sql, read_only_options()).to_arrow_table().to_pylist()
+
+
+def test_a_limit_of_nothing_answers_nothing(tree_pool):
+    assert run(tree_pool, "SELECT * FROM logs LIMIT 0").table.num_rows == 0
+
+
 def test_a_limit_without_an_order_gives_that_many_matching_rows(tree_pool):
     got = run(tree_pool, "SELECT host, line FROM logs WHERE line LIKE 'step%' LIMIT 5")
     assert got.table.num_rows == 5 and all(r["line"].startswith("step") for r in got.table.to_pylist())
