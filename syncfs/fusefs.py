@@ -97,6 +97,12 @@ class SyncFS(pyfuse3.Operations):
         old_names = list(self.current.root)
         self.gens[new.number] = new
         self.current = new
+        # packs a sweep deleted (or rewrote) since stay on disk while a descriptor holds them: let
+        # them go at each switch, and read the index afresh when next asked
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+        self.packs = PackIndex(Path(self.store) / "packs")
         while len(self.gens) > 2:  # the store keeps two generations' chunks
             self.gens.popitem(last=False)
         return sorted(set(old_names) | set(new.root))

@@ -572,6 +572,13 @@ def test_a_mostly_unused_pack_is_rewritten_under_a_served_tree(home, pool_name, 
     assert any(b"kept across every generation" in q.read_bytes() for q in packs.glob("*.pack"))  # moved, not lost
     assert (target / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
     assert sum(q.stat().st_size for q in packs.glob("*.pack")) < 5 << 20  # two big files' chunks, not three
+    # the FUSE server lets go of the packs deleted under it, so their space is freed
+    servers = [int(d) for d in os.listdir("/proc") if d.isdigit() and
+               b"monarch_torchx.syncfs.fusefs" in Path(f"/proc/{d}/cmdline").read_bytes()
+               and str(tmp_path).encode() in Path(f"/proc/{d}/cmdline").read_bytes()]
+    assert first.hosts[0].served_by == "fuse" and servers
+    held = [os.readlink(f"/proc/{pid}/fd/{fd}") for pid in servers for fd in os.listdir(f"/proc/{pid}/fd")]
+    assert not [h for h in held if h.endswith(".pack (deleted)")], held
     stop_pool(p.name)
 
 
