@@ -289,6 +289,7 @@ class SyncfsModule:
         self.sessions: Dict[str, Forwarder] = {}
         self.abandoned: "OrderedDict[str, int]" = OrderedDict()  # session -> the next host, for a late flush
         self.prepared: "OrderedDict[Tuple[Path, str], Tuple[Manifest, bytes]]" = OrderedDict()
+        self.sweep_soon = asyncio.Event()  # a commit dropped a generation: its chunks may go
 
     def operations(self) -> Dict[str, Any]:
         return {"syncfs.missing": (self.missing, lambda _args, lists: sorted(set().union(*lists))),
@@ -396,8 +397,9 @@ class SyncfsModule:
             else:
                 m.switch(n)
         self.store.committed(manifest.chunk_sizes())  # a kept generation now protects them
-        self.store.collect(path)
-        return {"generation": n, "path": str(path), "served_by": "fuse" if fuse else f"symlink ({self.no_fuse})"}
+        # the sweep (which may rewrite packs) runs after the reply, on the module's own task
+        swept = self.store.collect(path, sweep_every_s=None)
+        return {"swept": swept, "generation": n, "path": str(path), "served_by": "fuse" if fuse else f"symlink ({self.no_fuse})"}
 
     async def prepare(self, peer: Any, target: str, digest: str, manifest: Optional[bytes] = None) -> Dict[str, Any]:
         """Gets a commit ready while the sync's last chunks are still on their way: the manifest
@@ -439,6 +441,8 @@ class SyncfsModule:
                 out = await self.run(lambda: self.commit_blocking(path, self.parse(manifest), manifest))
         if path not in self.made:
             self.made.append(path)
+        if out.pop("swept"):
+            self.sweep_soon.set()
         return {**out, "committed": True, "unchanged": False}
 
     async def workdir(self, peer: Any, target: str) -> Dict[str, Any]:
@@ -470,11 +474,19 @@ class SyncfsModule:
         # the user's syncfs directory (and temp root), once no pool of theirs uses it
         remove_empty_dirs(self.store.root.parent, self.store.private_from)
 
-    async def sweep_store(self) -> None:  # chunks of syncs that never committed (aborted, or to new targets)
+    async def sweep_store(self) -> None:
+        """Sweeps the chunk store every SWEEP_EVERY_S (chunks of syncs that never committed:
+        aborted, or to new targets), and soon after a commit dropped a generation (at most once
+        a minute), so that a commit's reply never waits for a sweep."""
         while True:
-            await asyncio.sleep(SWEEP_EVERY_S)
             try:
-                await asyncio.get_running_loop().run_in_executor(None, self.store.sweep)
+                await asyncio.wait_for(self.sweep_soon.wait(), SWEEP_EVERY_S)
+                every = 60.0
+            except asyncio.TimeoutError:
+                every = 0.0
+            self.sweep_soon.clear()
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.store.sweep, every)
             except OSError as e:
                 log.warning("syncfs: sweeping the chunk store failed: %s", e)
 

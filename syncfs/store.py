@@ -403,17 +403,19 @@ class ChunkStore:
         os.replace(link, target)  # the switch: atomic for every reader
         return n
 
-    def collect(self, target: Path, sweep_every_s: float = 60.0) -> None:
-        """Keeps the newest generations of ``target``; now and then, drops chunks that no kept
-        generation uses, no sync in flight pinned, and that are older than GC_GRACE_S."""
+    def collect(self, target: Path, sweep_every_s: Optional[float] = 60.0) -> bool:
+        """Keeps the newest generations of ``target``; says whether it dropped one. Then, now and
+        then, drops chunks that no kept generation uses, no sync in flight pinned, and that are
+        older than GC_GRACE_S (``sweep_every_s=None``: the caller sweeps, off its own path)."""
         tdir = self.target_dir(target)
         dropped = self.generations(target)[:-KEEP_GENERATIONS]
         for g in dropped:
             _rmtree(tdir / f"gen-{g}")
             (tdir / f"gen-{g}.manifest").unlink(missing_ok=True)
             (tdir / f"gen-{g}.digest").unlink(missing_ok=True)
-        if dropped:
+        if dropped and sweep_every_s is not None:
             self.sweep(sweep_every_s)
+        return bool(dropped)
 
     def sweep(self, every_s: float = 0.0) -> None:
         """Drops chunks that no kept generation uses, that no sync in flight pinned, and that
