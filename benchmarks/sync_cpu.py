@@ -177,7 +177,8 @@ def main() -> None:
     floor = {k: statistics.median(f[k] for f in fl) for k in fl[0]}
     host_floor = floor["hash"] + floor["write new files"]
     lines = [f"{gb:.2f} GB of incompressible files to {args.hosts} hosts of a `monarch_local` pool (one chain"
-             f"{'; each version with a pool of its own agents' if args.baseline else ''}), CPU seconds per GB, medians of {args.rounds} cold syncs of fresh bytes to a target synced once before:",
+             f"{'; each version with a pool of its own agents' if args.baseline else ''}), CPU seconds per GB, "
+             f"medians of {args.rounds} cold syncs of fresh bytes to a target synced once before:",
              "", "| | wall | client CPU / GB | host CPU / GB (per hop) |", "|---|---:|---:|---:|"]
     if args.baseline:
         lines.append(row(f"cold sync, baseline (`{git_line(args.baseline)}`)", colds["baseline"]))

@@ -385,7 +385,8 @@ class SyncfsModule:
                 m.stop()
             self.mounts[path] = Mount(self.store, path)
 
-    def commit_blocking(self, path: Path, manifest: Manifest, data: bytes) -> Dict[str, Any]:
+    def commit_blocking(self, path: Path, manifest: Manifest, data: bytes) -> Tuple[Dict[str, Any], bool]:
+        """The commit's answer, and whether it dropped a generation (then a sweep is due)."""
         fuse = self.fuse_for(path)
         if fuse:
             self.standby(path)  # started first: a target that cannot be mounted (not empty) is refused here
@@ -398,8 +399,8 @@ class SyncfsModule:
                 m.switch(n)
         self.store.committed(manifest.chunk_sizes())  # a kept generation now protects them
         # the sweep (which may rewrite packs) runs after the reply, on the module's own task
-        swept = self.store.collect(path, sweep_every_s=None)
-        return {"swept": swept, "generation": n, "path": str(path), "served_by": "fuse" if fuse else f"symlink ({self.no_fuse})"}
+        dropped = self.store.collect(path, sweep_every_s=None)
+        return {"generation": n, "path": str(path), "served_by": "fuse" if fuse else f"symlink ({self.no_fuse})"}, dropped
 
     async def prepare(self, peer: Any, target: str, digest: str, manifest: Optional[bytes] = None) -> Dict[str, Any]:
         """Gets a commit ready while the sync's last chunks are still on their way: the manifest
@@ -436,12 +437,12 @@ class SyncfsModule:
                 if ready is None:
                     return {"committed": n is not None, "unchanged": n is not None, "generation": n,
                             "path": str(path), "served_by": "fuse" if self.fuse_for(path) else f"symlink ({self.no_fuse})"}
-                out = await self.run(self.commit_blocking, path, *ready)  # off the event loop
+                out, dropped = await self.run(self.commit_blocking, path, *ready)  # off the event loop
             else:
-                out = await self.run(lambda: self.commit_blocking(path, self.parse(manifest), manifest))
+                out, dropped = await self.run(lambda: self.commit_blocking(path, self.parse(manifest), manifest))
         if path not in self.made:
             self.made.append(path)
-        if out.pop("swept"):
+        if dropped:
             self.sweep_soon.set()
         return {**out, "committed": True, "unchanged": False}
 

@@ -191,13 +191,6 @@ class ChunkStore:
             self._index.refresh()
         return self._index
 
-    def locate(self, h: str) -> Tuple[Path, int]:
-        """The file holding chunk ``h`` and where in it the chunk starts."""
-        packed = self.index().where.get(h)
-        if packed is not None:
-            return self.packs / packed[0], packed[1]
-        return self.chunk_path(h), 0
-
     def open_chunk(self, h: str) -> Tuple[Any, int, Optional[int]]:
         """The file holding chunk ``h``, open, where in it the chunk starts, and its size in a
         pack (None: a file of its own). Found and opened under the lock a pack's rewrite deletes
@@ -308,7 +301,7 @@ class ChunkStore:
         with self.lock:
             left_out = {h for h, _, _ in rows if h not in good}
             if self.commits != epoch or any(h in self.pins for h in left_out - set(found)):
-                gone = new  # (nothing written: nothing to undo)
+                gone = new  # undone: the new pack goes ("" when nothing was written)
             else:
                 gone = pack
                 for h in set(found) - set(good):  # its bytes are bad here: sent again, never served

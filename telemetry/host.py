@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..private import private_dir
 from ..specs import TERMINAL
 from .arrow_ipc import from_ipc, to_ipc
-from .partial import merge
+from .partial import merge, record_batches
 from .query import read_only_options
 from .schema import TABLES, arrow_schema
 
@@ -358,8 +358,7 @@ def cut_subtree(args: dict, values: List[Any]) -> Any:
 
     rows = pa.concat_tables([from_ipc([v]) for v in values], promote_options="permissive")
     ctx = SessionContext()
-    ctx.register_record_batches(args["table"], [rows.to_batches() or [pa.record_batch(
-        [pa.array([], f.type) for f in rows.schema], schema=rows.schema)]])
+    ctx.register_record_batches(args["table"], [record_batches(rows)])
     return to_ipc(ctx.sql_with_options(args["sql"], read_only_options()).to_arrow_table())[0]
 
 
@@ -496,14 +495,15 @@ class TelemetryModule:
 
     async def op_partial(self, peer: Any, sql: str, table: str, merge: str) -> bytes:
         """This host's partial aggregates (``partial.py``); relays merge their subtree's with ``merge``."""
-        import asyncio
-
-        answer = await asyncio.get_running_loop().run_in_executor(self.worker, self.query, sql, [table])
-        return to_ipc(answer)[0]
+        return await self._one_answer(sql, table)
 
     async def op_rows(self, peer: Any, sql: str, table: str) -> bytes:
-        """A LIMIT-bounded pushed-down query's rows (``query.pushdowns``), as one Arrow IPC
-        stream; relays cut their subtree's to the same limit (``cut_subtree``)."""
+        """A LIMIT-bounded pushed-down query's rows (``query.pushdowns``); relays cut their
+        subtree's to the same limit (``cut_subtree``)."""
+        return await self._one_answer(sql, table)
+
+    async def _one_answer(self, sql: str, table: str) -> bytes:
+        """This host's answer to ``sql`` over ``table``, as one Arrow IPC stream (for relays to combine)."""
         import asyncio
 
         answer = await asyncio.get_running_loop().run_in_executor(self.worker, self.query, sql, [table])

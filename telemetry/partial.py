@@ -48,7 +48,7 @@ class PartialAggregate:
         from datafusion import SessionContext, col
 
         ctx = SessionContext()
-        ctx.register_record_batches(PARTIALS, [_batches(merged)])
+        ctx.register_record_batches(PARTIALS, [record_batches(merged)])
         columns = []
         for out in self.outputs:
             if out.average:
@@ -58,7 +58,7 @@ class PartialAggregate:
                 columns.append(col(f'"{out.parts[0]}"').alias(out.name))
         rows = ctx.table(PARTIALS).select(*columns).to_arrow_table()
         # under the scanned table's name, so the plan above refers to these columns as it did
-        ctx.register_record_batches(self.table, [_batches(rows)])
+        ctx.register_record_batches(self.table, [record_batches(rows)])
         df = ctx.table(self.table)
         for node in reversed(self.above):
             df = _apply(df, node)
@@ -76,7 +76,7 @@ def merge(tables: Sequence[Any], merge_sql: str) -> Any:
     if len(tables) == 1:
         return tables[0]
     ctx = SessionContext()
-    ctx.register_record_batches(PARTIALS, [_batches(pa.concat_tables(tables, promote_options="permissive"))])
+    ctx.register_record_batches(PARTIALS, [record_batches(pa.concat_tables(tables, promote_options="permissive"))])
     return ctx.sql_with_options(merge_sql, read_only_options()).to_arrow_table()
 
 
@@ -215,7 +215,9 @@ def _named(exprs: List[Any], names: Sequence[str]) -> List[Any]:
     return [e if e.variant_name() == "Column" else e.alias(n) for e, n in zip(exprs, names)]
 
 
-def _batches(table: Any) -> List[Any]:
+def record_batches(table: Any) -> List[Any]:
+    """``table``'s batches to register in a DataFusion context: one empty batch when it has none
+    (a table registered with no batch has no schema)."""
     import pyarrow as pa
 
     return table.to_batches() or [pa.record_batch([pa.array([], f.type) for f in table.schema], schema=table.schema)]

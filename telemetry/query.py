@@ -17,13 +17,14 @@ moves about 20 rows per connection. An unbounded scan streams from each host to 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
 from .. import wire
 from ..errors import MonarchError
 from .arrow_ipc import from_ipc
-from .partial import PartialAggregate, merge, plan_partial
+from .partial import PartialAggregate, merge, plan_partial, record_batches
 from .schema import TABLES, arrow_schema
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -116,6 +117,11 @@ def _scan_below(node: Any) -> Any:
     return node if _kind(sub) == "TableScan" and _kind(node) in ("Filter", "TableScan") else None
 
 
+def _cuttable(text: str, rows: int) -> bool:
+    """Whether relays may run a host query bounded to ``rows`` again over their subtree's rows."""
+    return rows <= MAX_CUT_ROWS and not any(f in text.lower() for f in VOLATILE)
+
+
 def _bounded(node: Any, unparser: Any) -> Any:
     """(table, host SQL) for a LIMIT or a top-k sort right above a table's filters: each host
     returns the rows it could contribute (its first, or its top, skip + fetch), with every column
@@ -130,13 +136,14 @@ def _bounded(node: Any, unparser: Any) -> Any:
         if _kind(child) == "Sort":
             return _bounded(child, unparser)
         base = _scan_below(child)
-        if fetch is None or base is None or skip + fetch > MAX_CUT_ROWS:
+        if fetch is None or base is None:
             return None
-        text = f"{unparser.plan_to_sql(base)} LIMIT {skip + fetch}"
+        rows = skip + fetch
+        text = f"{unparser.plan_to_sql(base)} LIMIT {rows}"
     elif kind == "Sort":
         base = _scan_below(node.inputs()[0])
-        fetch = node.to_variant().get_fetch_val()
-        if fetch is None or base is None or fetch > MAX_CUT_ROWS:
+        rows = node.to_variant().get_fetch_val()
+        if rows is None or base is None:
             return None
         between = node.inputs()[0]
         while _kind(between) == "Projection":  # a sort key must name the table's own column, not an alias
@@ -151,7 +158,7 @@ def _bounded(node: Any, unparser: Any) -> Any:
         text = f"{unparser.plan_to_sql(base)}{whole[len(head):]}"
     else:
         return None
-    if any(f in text.lower() for f in VOLATILE):
+    if not _cuttable(text, rows):
         return None
     sub = base
     while _kind(sub) == "Filter":
@@ -173,8 +180,6 @@ def pushdowns(sql: str, plan: Any = None, bound: bool = True) -> Dict[str, Pushd
     if "<subquery>" in shown:
         # a subquery inside an expression would run on each host over that host's rows alone:
         # every table the query reads comes whole, and the query runs here
-        import re
-
         return {name: Pushdown(f'SELECT * FROM "{name}"') for name in re.findall(r"TableScan: (\w+)", shown)}
     unparser = Unparser(Dialect.default())
     scans: List[Tuple[str, str, bool]] = []
@@ -194,8 +199,7 @@ def pushdowns(sql: str, plan: Any = None, bound: bool = True) -> Dict[str, Pushd
                 text = str(unparser.plan_to_sql(node))
                 fetch = sub.to_variant().fetch()
                 scans.append((sub.to_variant().table_name(), text,
-                              bound and fetch is not None and fetch <= MAX_CUT_ROWS
-                              and not any(f in text.lower() for f in VOLATILE)))
+                              bound and fetch is not None and _cuttable(text, fetch)))
                 return
         for child in node.inputs():
             walk(child)
@@ -294,17 +298,10 @@ def _run_rows(pool: Any, sql: str, pushed: Dict[str, Pushdown], timeout: float) 
     ok = [i for i in range(n) if i not in missing]
     if not ok:
         raise MonarchError("no host answered: " + "; ".join(f"host {i}: {why}" for i, why in missing.items()))
-    from datafusion import SessionContext
-
-    ctx = SessionContext()
-    for name in TABLES:  # a table the plan never reads (LIMIT 0 reads none) is there, empty
-        if name not in pushed:
-            schema = arrow_schema(name)
-            ctx.register_record_batches(name, [[pa.record_batch([pa.array([], f.type) for f in schema], schema=schema)]])
+    ctx = _empty_ctx()  # a table the plan never reads (LIMIT 0 reads none) is there, empty
     for name in pushed:
-        table = pa.concat_tables(parts[name]) if parts[name] else pa.table({})
-        ctx.register_record_batches(name, [table.to_batches() or [pa.record_batch(
-            [pa.array([], f.type) for f in table.schema], schema=table.schema)]])
+        ctx.deregister_table(name)
+        ctx.register_record_batches(name, [record_batches(pa.concat_tables(parts[name]) if parts[name] else pa.table({}))])
     try:
         answer = ctx.sql_with_options(sql, read_only_options()).to_arrow_table()
     except Exception as e:

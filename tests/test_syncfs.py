@@ -542,10 +542,10 @@ def test_store_packs_each_batch_and_collects_what_no_generation_uses(tmp_path, m
     assert packed < 100 << 10  # the 1 MiB chunk's pack was rewritten with the 200 bytes still used
     fresh = st.ChunkStore(s.root)
     assert fresh.missing([kept_small[0], mostly_used[0], lone[0], big[0]]) == [lone[0], big[0]]
-    path, at = fresh.locate(kept_small[0])
-    with open(path, "rb") as f:
+    f, at, n = fresh.open_chunk(kept_small[0])
+    with f:
         f.seek(at)
-        assert f.read(200) == kept_small[1]
+        assert n == 200 and f.read(n) == kept_small[1]
 
 
 def test_a_mostly_unused_pack_is_rewritten_under_a_served_tree(home, pool_name, tmp_path, monkeypatch):
@@ -717,8 +717,8 @@ def test_a_chunk_found_on_disk_is_hashed_before_it_is_trusted(tmp_path):
     later.put([(hb, len(bad)), (hsb, 100)], bad + small_bad)  # sent again: stored and served
     later.index().remove([])  # a sweep's rebuild of the index does not bring the bad copy back
     for h, want in ((hsb, small_bad), (hb, bad), (hg, good)):
-        path, at = later.locate(h)
-        with open(path, "rb") as f:
+        f, at, _ = later.open_chunk(h)
+        with f:
             f.seek(at)
             assert f.read(len(want)) == want
 
