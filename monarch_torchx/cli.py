@@ -63,6 +63,7 @@ def pool_summary(pool: "Pool") -> Dict[str, Any]:
             "warm_state": h.info.get("warm", {}).get("state") if h.ok else None,
             "last_seen": time.time() if h.ok else (a.heartbeat if a else None),  # (it just answered)
             "error": (a.exit_reason if a and a.exited else h.error) if not h.ok else "",
+            "warning": h.info.get("heartbeat_error", "") if h.ok else "",  # e.g. its disk is full
         })
     from .pool import get_provisioner
 
@@ -129,6 +130,8 @@ def cmd_status(args: argparse.Namespace) -> None:
     for h in s["hosts"]:
         warm = "importing" if h.get("warm_state") == "importing" else ",".join(h["warm"] or []) or "-"
         detail = h["error"] if h["error"] else f"running={h['running']} idle={h['idle_s']}s warm={warm}"
+        if h.get("warning"):
+            detail += f"; warning: {h['warning']}"
         seen = _ago(h["last_seen"]) + " ago" if h["last_seen"] else "-"
         rows.append([h["index"], h["state"], h["address"] or "-", h["hostname"] or "-", h["pid"] or "-", seen, detail])
     print(_table(rows, ["HOST", "STATE", "ADDRESS", "HOSTNAME", "PID", "LAST SEEN", "DETAIL"]))

@@ -35,7 +35,7 @@ PING_TIMEOUT_S = 3.0
 SLOW_PING_TIMEOUT_S = 15.0
 # a host whose heartbeat (its host file, rewritten every MONARCH_TORCHX_HEARTBEAT_WRITE_S, 30 s) is
 # older than this, and that does not answer a patient probe either, is lost
-HEARTBEAT_GRACE_S = 90.0
+HEARTBEAT_GRACE_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_GRACE_S", "90"))
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 
 
@@ -143,6 +143,7 @@ class Pool:
         self._hosts: Optional[List[Optional[HostAddr]]] = None
         self._provisioner: Optional[Provisioner] = None
         self._engine_loss: Optional[Tuple[float, Optional[str]]] = None  # (when asked, the answer)
+        self._patient: Dict[Tuple[int, str, int], bool] = {}  # (index, incarnation, port) -> answered a patient ping
         self.unreachable: List[int] = []  # hosts ensure_pool's check left be: unreachable, not known to be lost
 
     @property
@@ -232,8 +233,11 @@ class Pool:
 
         Evidence: its engine says it ended (process gone, allocation or pod over), the agent
         published its exit, its host refused the connection (nothing listens on the agent's port:
-        ``err``), or its heartbeat is older than HEARTBEAT_GRACE_S. A connection that timed out or
-        was dropped is not evidence: a flooded, busy or briefly cut-off host looks the same.
+        ``err``), or its heartbeat is older than HEARTBEAT_GRACE_S *and* it does not answer a
+        patient probe (SLOW_PING_TIMEOUT_S) either. A connection that timed out or was dropped is
+        not evidence: a flooded, busy or briefly cut-off host looks the same, and so does a host
+        whose heartbeat stopped because its disk is full. The heartbeat's age is read on the file
+        system's clock (``Registry.host_file_age``), never by comparing our clock with the agent's.
         """
         addr = self.fresh_host(index)
         why = self._engine_loss_reason()  # the engine's word first: it says why
@@ -250,10 +254,29 @@ class Pool:
         cause = err.cause if isinstance(err, HostUnreachable) else None
         if isinstance(cause, wire.ConnectFailed) and cause.refused:
             return f"nothing listens on host {index}'s agent port ({addr.address}): its agent is gone"
-        age = time.time() - addr.heartbeat
-        if addr.heartbeat and age > HEARTBEAT_GRACE_S:
-            return f"host {index} has not heartbeaten for {age:.0f} s"
+        age = Registry.host_file_age(Path(self.record.state_dir), index)
+        if age is not None and age > HEARTBEAT_GRACE_S and not self._answers_patiently(addr):
+            return (f"host {index} has not heartbeaten for {age:.0f} s and did not answer a patient probe "
+                    f"({SLOW_PING_TIMEOUT_S:.0f} s)")
         return None
+
+    def _answers_patiently(self, addr: HostAddr) -> bool:
+        """Whether the agent at ``addr`` answers a ping within SLOW_PING_TIMEOUT_S (asked once per
+        agent for this handle's life: one health check weighs the evidence several times)."""
+        key = (addr.index, addr.incarnation, addr.port)
+        if key not in self._patient:
+            try:
+                with self.connect(addr.index, timeout=SLOW_PING_TIMEOUT_S) as c:
+                    c.settimeout(SLOW_PING_TIMEOUT_S)
+                    c.call("ping")
+                self._patient[key] = True
+            except AccessError:
+                self._patient[key] = True  # our access is broken, not the host: no evidence either way
+            except (HostUnreachable, HostLost, wire.WireError):
+                self._patient[key] = False
+            except (MonarchError, wire.RemoteError):  # it answered, with an error (e.g. shutting down): alive
+                self._patient[key] = True
+        return self._patient[key]
 
     def _engine_loss_reason(self) -> Optional[str]:
         """The provisioner's ``loss_reason``, asked once a second at most: on SLURM it runs squeue,

@@ -59,6 +59,46 @@ def _check_ours(path: Path, st: os.stat_result, fix: str) -> None:
         raise PrivatePathError(f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): {fix}")
 
 
+def _untrusted_why(d: str, st: os.stat_result) -> Optional[str]:
+    """Why directory ``d`` lets someone else replace what we keep below it, or None."""
+    if st.st_uid not in (0, os.getuid()):
+        return f"it belongs to uid {st.st_uid}, who can rename or replace what is in it"
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        who = "others" if st.st_mode & 0o002 else "its group"
+        return (f"{who} can write it (mode {stat.S_IMODE(st.st_mode):o}, no sticky bit), so they can rename "
+                "what is in it and put theirs there")
+    return None
+
+
+def check_trusted_parents(path: Union[str, Path]) -> None:
+    """Raises PrivatePathError unless every directory above ``path`` up to ``/`` is safe to keep
+    our state under: owned by us or root, and not writable by others unless sticky (``/tmp``).
+
+    A private leaf is not enough: whoever can write its parent can rename the leaf away after we
+    checked it and put their own in its place (their token, their code on our ``sys.path``).
+    Both the path as written and the real one (after symlinks) are walked, since a symlinked
+    level is as safe as the directory it sits in and the one it points to.
+    """
+    path = Path(os.path.abspath(path))
+    seen = set()
+    for chain in (path.parents, Path(os.path.realpath(path)).parents):
+        for d in chain:
+            key = str(d)
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                st = os.lstat(d)
+            except FileNotFoundError:
+                continue  # made by us below, 0700
+            if stat.S_ISLNK(st.st_mode):
+                continue  # its directory is on this chain and its target on the real one
+            why = _untrusted_why(key, st)
+            if why:
+                raise PrivatePathError(f"refusing to keep state under {d}: {why}; choose a directory "
+                                       "only you (or root) can write, e.g. under your home")
+
+
 def private_dir(path: Union[str, Path], check: bool = True, from_: Optional[Path] = None) -> Path:
     """mkdir -p where each level made here is 0700. With ``check``, the leaf, and every level from
     ``from_`` down to it (the part of the path that must be ours), is checked before anything is
@@ -69,6 +109,8 @@ def private_dir(path: Union[str, Path], check: bool = True, from_: Optional[Path
     while chain[-1] != top:
         chain.append(chain[-1].parent)
     above = top.parent
+    if check:
+        check_trusted_parents(top)
     missing = []
     while not os.path.lexists(above):  # (os.makedirs would give the levels above the leaf 0777)
         missing.append(above)

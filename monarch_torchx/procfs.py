@@ -20,13 +20,28 @@ def cmdline(pid: int) -> Optional[List[bytes]]:
         return None
 
 
+def owned(pid: int) -> bool:
+    """Whether process ``pid`` runs as this user (its real and effective uid are ours). On a shared
+    node anyone can start a process whose command line looks like one of ours: only a process
+    that is ours may be judged by its command line, and signalled."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    real, effective = line.split()[1:3]
+                    return int(real) == int(effective) == os.getuid()
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 def processes() -> Iterator[Tuple[int, List[bytes]]]:
-    """(pid, argv) of every process this user can see, except this one."""
+    """(pid, argv) of every process of this user, except this one (see ``owned``)."""
     me = os.getpid()
     for p in Path("/proc").iterdir():
         if p.name.isdigit() and int(p.name) != me:
             argv = cmdline(int(p.name))
-            if argv is not None:
+            if argv is not None and owned(int(p.name)):
                 yield int(p.name), argv
 
 

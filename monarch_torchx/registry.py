@@ -34,6 +34,7 @@ from .errors import MonarchError, PoolNotFound
 from .private import PrivatePathError, private_dir, write_private_bytes
 
 VIEW_FILE = "hosts/view.json"  # every host's address in one file (see Registry.read_view)
+CLOCK_FILE = "hosts/clock"  # touched to read the file system's "now" (Registry.host_file_age)
 CHECK_FILE = "hosts/check-first"  # a run found a host unwell: the next one checks the pool before it launches
 MONARCH_JOBS_DIR = "monarch_jobs"  # the TLS files of real-Monarch jobs on the pool (monarch_backend.py)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -178,12 +179,11 @@ class Registry:
         self.pools_dir = self.root / "pools"
 
     def _ensure_dirs(self) -> None:
-        for d in (self.root, self.pools_dir):
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
-            st = d.stat()
-            if st.st_uid != os.getuid() or st.st_mode & 0o077:
-                raise MonarchError(f"refusing to keep pool secrets in {d}: it must be yours and private "
-                                   f"(chown it, then chmod 700 {d})")
+        """The home and its pools dir: ours, private, and under parents no one else can write."""
+        try:
+            private_dir(self.pools_dir, from_=self.root)
+        except PrivatePathError as e:
+            raise MonarchError(f"refusing to keep pool secrets here: {e}") from None
 
     def record_path(self, name: str) -> Path:
         return self.pools_dir / f"{check_pool_name(name)}.json"
@@ -290,6 +290,26 @@ class Registry:
             return HostAddr(**data) if data else None
         except TypeError as e:
             raise MonarchError(f"corrupt host file {path} ({e}); the host's agent rewrites it, or remove it") from None
+
+    @staticmethod
+    def host_file_age(state_dir: Path, index: int) -> Optional[float]:
+        """Seconds since agent ``index`` last wrote its host file (its heartbeat), or None if that
+        cannot be told. Read on one clock, the file system's: the file's mtime against a file we
+        touch now. Comparing the agent's clock with ours would call a healthy host dead as soon
+        as the two machines disagree by more than the grace (a client clock 2 minutes ahead)."""
+        try:
+            written = os.stat(Path(state_dir) / "hosts" / f"{index}.json").st_mtime
+            fd = os.open(Path(state_dir) / CLOCK_FILE, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError:  # no file yet, or a full or read-only file system: nothing to compare with
+            return None
+        try:
+            os.utime(fd)  # "now", stamped as the file system stamps the agent's writes
+            now = os.fstat(fd).st_mtime
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return max(0.0, now - written)
 
     @staticmethod
     def hosts(rec: PoolRecord) -> List[Optional[HostAddr]]:

@@ -521,7 +521,7 @@ def _place_torchrun(pool: Pool, role: str, plan: TorchrunPlan, replicas: List[Re
     host = pool.hosts[first.host_index]
     if host is None:
         raise MonarchError(f"host {first.host_index} of pool {pool.name!r} has no agent")
-    port = pool.call(first.host_index, "reserve_port", timeout=10.0)
+    port = pool.call(first.host_index, "reserve_port", timeout=10.0, hold_for=first.spec.app_id)
     for r in replicas:
         r.spec.env[PLAN_ENV] = json.dumps({"node_rank": r.spec.replica_id, "nnodes": plan.nnodes,
                                            "store_host": host.host, "store_port": port})

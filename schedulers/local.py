@@ -30,8 +30,9 @@ def _tail(path: Path, n: int = 5) -> str:
 
 
 def _is_our_agent(pid: int, state_dir: str) -> bool:
+    """Whether ``pid`` is still the agent we started there: ours, with the pool's command line."""
     argv = procfs.cmdline(pid) or []
-    return b"monarch_torchx.agent" in argv and state_dir.encode() in argv
+    return b"monarch_torchx.agent" in argv and state_dir.encode() in argv and procfs.owned(pid)
 
 
 def _alive(pid: int) -> bool:
@@ -97,7 +98,8 @@ class LocalProvisioner:
             Registry.clear_host(rec, i)
             log_path = Path(rec.state_dir) / "logs" / f"agent{i}.log"
             with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as logf:
-                proc = subprocess.Popen(self._argv(rec, i), stdin=subprocess.DEVNULL, stdout=logf,
+                # in the pool's own (private) directory, not the client's cwd (see interpreter.py)
+                proc = subprocess.Popen(self._argv(rec, i), stdin=subprocess.DEVNULL, stdout=logf, cwd=rec.state_dir,
                                         stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
             pids[str(i)] = proc.pid
 

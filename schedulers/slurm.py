@@ -13,13 +13,13 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..agent import agent_argv
 from ..errors import MonarchError, StartTimeout
+from ..interpreter import module_argv
 from ..pool import parse_duration, wait_for_hosts
 from ..registry import PoolRecord, Registry, write_private
 from ..submission import Submission
@@ -214,8 +214,9 @@ class SlurmProvisioner:
             if h is None or not h.hostname:
                 continue
             argv = ["srun", f"--jobid={job}", "--overlap", "-N1", "-n1", f"--nodelist={h.hostname.split('.')[0]}",
-                    "--quiet", sys.executable, "-m", "monarch_torchx.agent.leftovers", "--pool", rec.name,
-                    "--pool-id", pool_id(rec.key), "--index", str(i)]
+                    "--quiet", f"--chdir={rec.state_dir}",
+                    *module_argv("monarch_torchx.agent.leftovers", "--pool", rec.name, "--pool-id", pool_id(rec.key),
+                                 "--index", str(i))]
             steps.append((i, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                               stdin=subprocess.DEVNULL)))
         found = []

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import List
 
@@ -170,3 +171,31 @@ def test_a_secret_file_others_can_read_is_refused(home, tmp_path):
     from monarch_torchx.actor.bootstrap import worker_secret
     worker_secret("trust_all_connections")
     assert oct(os.stat(home / "worker_secret").st_mode & 0o777) == "0o600"
+
+
+def _listener_inodes(port: int) -> List[int]:
+    """The inodes of the sockets listening on ``port`` (IPv4, any address)."""
+    out = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if int(f[1].split(":")[1], 16) == port and f[3] == "0A":  # 0A: LISTEN
+            out.append(int(f[9]))
+    return out
+
+
+def test_a_worker_keeps_one_listening_socket_from_start_through_adoption(workers):
+    """The worker's port is never closed while it waits to be adopted and becomes the pool's
+    agent (a port closed in between is anyone's to take on a shared node): the socket that
+    listened before the client came is the one its agent serves on."""
+    start, procs = workers
+    addr = start(1)[0]
+    port = int(addr.rsplit(":", 1)[1])
+    deadline = time.time() + 30
+    while not _listener_inodes(port) and time.time() < deadline:
+        time.sleep(0.05)
+    before = _listener_inodes(port)
+    hosts = attach_to_workers(ca="trust_all_connections", workers=[addr])
+    assert list(hosts.spawn_procs(per_host={"gpus": 1}).spawn("c", Counter).incr.call(1).get(timeout=60).values()) == [1]
+    assert before and _listener_inodes(port) == before
+    hosts.shutdown().get(timeout=60)
+    assert procs[0].wait(timeout=30) == 0

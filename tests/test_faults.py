@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import os
+from pathlib import Path
 import signal
 import socket
 import time
@@ -146,7 +147,7 @@ def test_registry_refuses_a_home_others_can_read(tmp_path, monkeypatch):
     shared = tmp_path / "shared_home"
     shared.mkdir(mode=0o755)
     shared.chmod(0o755)
-    with pytest.raises(MonarchError, match="must be yours and private"):
+    with pytest.raises(MonarchError, match="is open to other users"):
         Registry(shared).new_record("p", "monarch_local", {"hosts": 1}, {})
 
 
@@ -157,6 +158,9 @@ def _point_at(home, pool_name: str, index: int, port: int, heartbeat_age: float 
     rec = Registry(home).get(pool_name)
     addr = Registry.read_host(rec.state_dir, index)
     Registry.publish_host(rec.state_dir, replace(addr, port=port, heartbeat=time.time() - heartbeat_age))
+    if heartbeat_age:  # the heartbeat's age is read from the file's mtime, on the file system's clock
+        path = Path(rec.state_dir) / "hosts" / f"{index}.json"
+        os.utime(path, (time.time() - heartbeat_age,) * 2)
     return addr.pid
 
 

@@ -220,6 +220,8 @@ def run_worker_loop_forever(*, ca: CA, address: str, private_key: Any = None) ->
     if not logging.getLogger().handlers:  # a worker's log is what its launcher shows of it
         logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     addr = WorkerAddress.parse(address)
+    if addr.fd is None and not addr.host.startswith(wire.UNIX):
+        addr = _hold_port(addr)
     if addr.fd is not None:  # clients dial the inherited socket's port
         with socket.socket(fileno=os.dup(addr.fd)) as s:
             addr = dataclasses.replace(addr, port=s.getsockname()[1])
@@ -238,6 +240,23 @@ def run_worker_loop_forever(*, ca: CA, address: str, private_key: Any = None) ->
             shutil.rmtree(state, ignore_errors=True)
         if reason != "idle":
             return
+
+
+def _hold_port(addr: WorkerAddress) -> WorkerAddress:
+    """The worker's port, bound and listening once for the worker's whole life; every server of
+    it (the adoption listener, then the agent it becomes) serves a duplicate of this socket. A
+    port closed between the two would be anyone's to take on a shared node (and the worker would
+    die trying to reopen it); connections that arrive in between wait in the backlog."""
+    family = socket.AF_INET6 if ":" in addr.bind else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((addr.bind if addr.bind not in ("*",) else "", addr.port))
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        raise MonarchError(f"worker {addr.text}: cannot listen on {addr.bind}:{addr.port}: {e.strerror or e}") from None
+    return dataclasses.replace(addr, fd=sock.detach())
 
 
 def _listen_socket(addr: WorkerAddress) -> Optional[socket.socket]:

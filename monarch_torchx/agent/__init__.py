@@ -5,8 +5,9 @@ Light on purpose: clients import ``agent_argv`` without loading the agent itself
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, List, Optional
+
+from ..interpreter import module_argv
 
 if TYPE_CHECKING:
     from ..registry import PoolRecord
@@ -17,9 +18,9 @@ def agent_argv(rec: "PoolRecord", index: Optional[int], bind: str) -> List[str]:
 
     ``index=None`` lets the agent take its index from the environment (SLURM_NODEID).
     """
-    argv = [sys.executable, "-m", "monarch_torchx.agent", "--state-dir", rec.state_dir, "--pool", rec.name,
-            "--bind", bind, "--idle-timeout", str(rec.options.get("idle_timeout", 1800)),
-            "--preload", rec.spec.get("preload") or ""]
+    argv = module_argv("monarch_torchx.agent", "--state-dir", rec.state_dir, "--pool", rec.name,
+                       "--bind", bind, "--idle-timeout", str(rec.options.get("idle_timeout", 1800)),
+                       "--preload", rec.spec.get("preload") or "")
     if index is not None:
         argv += ["--index", str(index)]
     return argv

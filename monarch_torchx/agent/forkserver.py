@@ -550,9 +550,10 @@ def main(argv: List[str]) -> None:
     evt = socket.socket(fileno=int(argv[1]))
     preloads = [m for m in argv[2:] if m]
     set_pdeathsig(signal.SIGTERM)
-    # our own sys.path entry (cwd for -m) and PYTHONPATH are recomputed per child
+    # PYTHONPATH is recomputed per child, and so is a child's first entry (its script's directory,
+    # or its cwd for -m), which this server's own sys.path never had (interpreter.module_argv)
     extra = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
-    base_path = [p for p in sys.path[1:] if p not in extra]
+    base_path = [p for p in sys.path if p not in extra]
     server = ForkServer(ctl, evt, base_path)
     signal.signal(signal.SIGTERM, server.kill_all)
     failed = {}

@@ -27,6 +27,7 @@ import sys
 from typing import Callable, Dict, Iterable, List, Optional
 
 from .. import wire
+from ..interpreter import module_argv
 from ..torchrun import NODE_MODULE, THREAD_ENV
 from .forkserver import INIT_ENV, parse_python_argv
 
@@ -93,8 +94,8 @@ class _Server:
                     pass
             else:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "monarch_torchx.agent.forkserver", str(ctl_child.fileno()),
-                     str(evt_child.fileno()), *self.preloads],
+                    module_argv("monarch_torchx.agent.forkserver", str(ctl_child.fileno()),
+                                str(evt_child.fileno()), *self.preloads),
                     pass_fds=(ctl_child.fileno(), evt_child.fileno()), env=dict(os.environ), stdin=subprocess.DEVNULL,
                 )
                 self.pid = self.proc.pid

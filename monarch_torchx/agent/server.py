@@ -18,12 +18,14 @@ import sys
 import time
 import uuid
 from importlib.metadata import entry_points
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Coroutine, Dict, List, Optional, Protocol, Tuple
 
 from .. import wire
 from ..credentials import TLS_FILE, PoolCredentials
 from ..errors import MonarchError
+from ..private import PrivatePathError, check_private_dir, check_trusted_parents, node_temp_root, private_dir
 from ..quick_exit import exit_without_finalizing
 from ..registry import HostAddr, Registry
 from ..specs import TERMINAL, LaunchSpec
@@ -52,6 +54,16 @@ MAX_FINISHED_APPS = 500
 
 
 Operation = Tuple[Callable[..., Any], Optional[Callable[[dict, List[Any]], Any]]]
+HELD_PORT_MAX_WAIT_S = 300.0  # a port held for an app none of whose replicas came here is let go after this
+
+
+@dataclass
+class HeldPort:
+    """A port reserved for one app's listener, kept bound until that app is done on this host."""
+
+    app_id: str
+    sock: socket.socket
+    since: float  # monotonic
 
 
 class AgentModule(Protocol):
@@ -86,6 +98,8 @@ class Agent:
         self.started = time.time()
         self.last_request = time.time()
         self.modules: Dict[str, str] = {}
+        self.heartbeat_error = ""  # why the last heartbeat could not be written (a full disk), for `pool status`
+        self.held_ports: List[HeldPort] = []  # ports reserved for an app's listener (op_reserve_port)
         self._cleanups: List[Callable[[], None]] = []
         self._background: List[Any] = []
         self.handlers: Dict[str, Callable[..., Any]] = {
@@ -213,7 +227,7 @@ class Agent:
             "running": self.procs.running, "idle_s": round(idle, 1),
             "idle_timeout": self.args.idle_timeout, "modules": self.modules, "warm": self.launcher.warm_info,
             "connections": self.server.connections, "accepted": self.server.accepted,
-            "relayed": self.relay.relayed,
+            "relayed": self.relay.relayed, "heartbeat_error": self.heartbeat_error,
         }
 
     async def op_launch(self, peer: wire.Peer, spec: dict) -> dict:
@@ -223,13 +237,44 @@ class Agent:
         self._trim_history()
         return status
 
-    async def op_reserve_port(self, peer: wire.Peer) -> int:
-        """A port that is free on this host's pool address, for a role's store (a warm torchrun's)."""
+    async def op_reserve_port(self, peer: wire.Peer, hold_for: str = "") -> int:
+        """A port that is free on this host's pool address, for a role's store (a warm torchrun's).
+
+        ``hold_for`` (an app id): the port stays bound here, with SO_REUSEPORT, until that app has
+        no live replica on this host (``_release_ports``), so no one else can take it between this
+        answer and the moment the app's own listener binds it (with SO_REUSEPORT too, which the
+        kernel lets only a process of the same user share). Without it the port is only free now
+        (a program that cannot share it, such as Monarch's worker, binds it itself).
+        """
         assert self.addr is not None
         family = socket.AF_INET6 if ":" in self.tcp_advertise else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
+        s = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            if hold_for:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             s.bind((self.tcp_bind if self.tcp_bind not in ("", "0.0.0.0", "::") else "", 0))
-            return s.getsockname()[1]
+            port = s.getsockname()[1]
+        except BaseException:
+            s.close()
+            raise
+        if hold_for:
+            self.held_ports.append(HeldPort(hold_for, s, time.monotonic()))
+        else:
+            s.close()
+        return port
+
+    def _release_ports(self) -> None:
+        """Closes each held port whose app has no live replica here (it ended, or never started
+        here within HELD_PORT_MAX_WAIT_S)."""
+        keep = []
+        for held in self.held_ports:
+            reps = self.procs.select(held.app_id)
+            waited = time.monotonic() - held.since
+            if any(r.state not in TERMINAL for r in reps) or (not reps and waited < HELD_PORT_MAX_WAIT_S):
+                keep.append(held)
+            else:
+                held.sock.close()
+        self.held_ports = keep
 
     async def op_describe(self, peer: wire.Peer, app_id: str) -> List[dict]:
         return [r.status() for r in self.procs.select(app_id)]
@@ -367,6 +412,8 @@ class Agent:
         while not self.stopping.is_set():
             await asyncio.sleep(HEARTBEAT_S)
             now = time.time()
+            if self.held_ports:
+                self._release_ports()
             if time.monotonic() - last_write >= write_every:
                 last_write = time.monotonic()
                 why = self._superseded()
@@ -376,8 +423,10 @@ class Agent:
                     return
                 try:
                     self._publish(heartbeat=now, last_work=now - self.idle_seconds())
+                    self.heartbeat_error = ""
                 except OSError as e:  # a full or flaky shared file system must not stop the idle check
                     log.warning("could not publish heartbeat: %s", e)
+                    self.heartbeat_error = f"cannot write its heartbeat in {self.state_dir}: {e.strerror or e}"
             if limit > 0 and self.idle_seconds() > limit and now >= next_pool_check:
                 pool_idle = self.pool_idle_seconds()  # reads every host's file: not every beat
                 if pool_idle > limit:
@@ -474,8 +523,26 @@ def _index_from_environment() -> int:
     return int(suffix[1]) if len(suffix) == 2 and suffix[1].isdigit() else 0
 
 
+def check_own_dirs(state_dir: Optional[Path]) -> None:
+    """Refuses to serve (one line, exit code 2) where another user could replace what this agent
+    reads or keeps: its state dir (its token, its hosts' files) or this user's node temp root
+    (actors, telemetry and sync keep their sockets and stores there). Without this check such a
+    host answered as healthy while each of those modules had failed to load."""
+    try:
+        if state_dir is not None:
+            check_private_dir(state_dir)
+            check_trusted_parents(state_dir)
+        private_dir(node_temp_root(), from_=node_temp_root())
+    except PrivatePathError as e:
+        print(f"monarch-torchx agent: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent{args.index} %(levelname)s %(message)s")
+    check_own_dirs(None if args.token_file else Path(args.state_dir))  # (a pod's state dir: made below)
+    Path(args.state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chdir(args.state_dir)  # what it starts without a cwd of its own starts here, not where it was started
     asyncio.run(Agent(args).run())
     exit_without_finalizing()  # everything it owns was ended and cleaned up by run()

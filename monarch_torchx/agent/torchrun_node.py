@@ -250,6 +250,8 @@ def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if literal is not None and literal.version == 6 else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if port:  # the agent holds it for us until we listen (op_reserve_port): shared with it, and only with it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host if literal is not None else "", port))
     sock.listen(1024)
     return sock
