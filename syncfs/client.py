@@ -9,6 +9,7 @@ hash to their names) is sent again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -275,6 +276,14 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
     def ok(which: List[int]) -> List[int]:
         return [i for i in which if not results[i].error]
 
+    def give_back(which: List[int]) -> None:
+        """Hosts where this sync failed (or all, when it fails as a whole) free what it stored
+        there now, not after the store's grace (best effort: a host that cannot be asked keeps
+        them until its sweep)."""
+        if which and how.get("session"):
+            with contextlib.suppress(MonarchError):
+                pool.ask("syncfs.give_back", which, timeout=10.0, session=how["session"])
+
     def sender(i: int, **extra: Any) -> transfer.Pump:
         """Feeds host ``i`` (a chain's head, or a host fed directly): the queue carries on from one
         group of the tree to the next without a pause."""
@@ -314,14 +323,14 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             how["mode"] = transfer.choose(how["bind"])
         chained = fanout == "chain" and len(live) > 1
         chains = transfer.downstream_groups(live, chain_length) if chained else [[i] for i in live]
-        session = uuid.uuid4().hex
+        session = how["session"] = uuid.uuid4().hex
         for i in live:
             meter.update(i, state="chain" if chained else "sending")
         addrs = pool.hosts
         # one sender per chain head (or per host fed directly), each with STREAMS connections of its own
         senders = {c[0]: sender(c[0], session=session, chain_length=chain_length, chain=[
             {"index": i, "host": addrs[i].host, "port": addrs[i].port, "identity": addrs[i].identity(pool.name).decode()}
-            for i in c[1:]]) if chained else sender(c[0]) for c in chains}
+            for i in c[1:]]) if chained else sender(c[0], session=session) for c in chains}
         recent: List[List[str]] = []
         try:
             # the tree is read and hashed group by group in a thread; each group's batches are queued
@@ -354,6 +363,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         except BaseException:
             for pump in senders.values():  # the sync is over: drop what is queued
                 pump.abort("cancelled")
+            give_back(live)
             raise
         finally:
             sent = finish(senders)
@@ -391,6 +401,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         for i in again:
             del done[i]
         done.update(ask("syncfs.commit", again, target=target, manifest=data))  # so: with the manifest
+        give_back([i for i in live if results[i].error])
         for i, out in done.items():
             results[i].ok, results[i].generation, results[i].path = True, out["generation"], out["path"]
             results[i].served_by = out.get("served_by", "")

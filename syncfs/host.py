@@ -21,9 +21,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from . import transfer
 from .manifest import Manifest
+from ..interpreter import module_argv
 from ..private import node_temp_root, remove_empty_dirs
 from ..registry import home as registry_home
-from .store import ChunkStore, StoreError, manifest_digest
+from .store import ChunkStore, DiskFull, StoreError, manifest_digest
 from .workdir import refresh as refresh_workdir
 from .workdir import workdir_root
 
@@ -182,7 +183,6 @@ class Mount:
         """Starts the server in standby: imported and waiting, not mounted yet (see ``start``), so
         a sync can have it ready while its last chunks are still on the way."""
         import subprocess
-        import sys
 
         self.target, self.tdir, self.started = target, store.target_dir(target), False
         if os.path.ismount(target):  # served by the FUSE process of an earlier agent of this host
@@ -198,9 +198,9 @@ class Mount:
         self.log_path = self.tdir / "fuse.log"
         log_fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         with os.fdopen(log_fd, "ab") as err:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen([sys.executable, "-m", "monarch_torchx.syncfs.fusefs", str(self.tdir),
-                                          str(target), str(store.root)], stdout=subprocess.PIPE, stderr=err,
-                                         stdin=subprocess.PIPE, start_new_session=True)
+            self.proc = subprocess.Popen(module_argv("monarch_torchx.syncfs.fusefs", str(self.tdir), str(target),
+                                                     str(store.root)), stdout=subprocess.PIPE, stderr=err,
+                                         stdin=subprocess.PIPE, start_new_session=True, cwd=self.tdir)
 
     def start(self) -> None:
         """Mounts ``current`` (the generation just committed); returns once the mount serves it."""
@@ -294,6 +294,7 @@ class SyncfsModule:
     def operations(self) -> Dict[str, Any]:
         return {"syncfs.missing": (self.missing, lambda _args, lists: sorted(set().union(*lists))),
                 "syncfs.put": (self.put, None), "syncfs.flush": (self.flush, None),
+                "syncfs.give_back": (self.give_back, None),
                 "syncfs.prepare": (self.prepare, None), "syncfs.commit": (self.commit, None),
                 "syncfs.where": (self.where, None), "syncfs.workdir": (self.workdir, None),
                 "syncfs.sessions": (self.open_sessions, None)}
@@ -315,6 +316,7 @@ class SyncfsModule:
                     self.abandoned.popitem(last=False)
                 log.warning("sync %s: no batch for %.0f s: dropped its forwarding", sid[:8], now - fw.last_used)
                 await self.run(fw.drain)  # its threads drain the queues and close their connections
+                await self.run(self.store.give_back, sid)  # its client is gone: so is what it stored
 
     async def open_sessions(self, peer: Any) -> List[Dict[str, Any]]:
         """The chained syncs this host is forwarding now (session, next host, seconds idle)."""
@@ -335,7 +337,13 @@ class SyncfsModule:
         """Stores a batch (``data``, or what ``rdma`` points at: the ``chunks``, (name, size) each,
         end to end); with a ``chain`` (every host below this one), also passes it on to them."""
         data, via = await self.run(transfer.incoming, self.agent.pool, self.agent.creds, data, rdma)
-        stored = await self.run(self.store.put, chunks, data)
+        try:
+            stored = await self.run(self.store.put, chunks, data, session)
+        except DiskFull:  # this host's part of the sync has failed: what it stored goes now
+            if session:
+                freed = await self.run(self.store.give_back, session)
+                log.warning("sync %s: disk full; gave back %d bytes it had stored", session[:8], freed)
+            raise
         if chain:
             fw = self.sessions.get(session)
             if fw is None:  # no await between the check and the insert: parallel streams share one
@@ -344,6 +352,15 @@ class SyncfsModule:
             fw.last_used = time.monotonic()
             await self.run(fw.put, (chunks, data))
         return {"stored": stored, "via": via}
+
+    async def give_back(self, peer: Any, session: str) -> int:
+        """The client's word that sync ``session`` failed here (or as a whole): its chunks' space is
+        given back now (``ChunkStore.give_back``); returns the bytes freed."""
+        fw = self.sessions.pop(session, None)
+        if fw is not None:
+            fw.abort("the sync failed")
+            await self.run(fw.drain)
+        return await self.run(self.store.give_back, session)
 
     async def flush(self, peer: Any, session: str) -> Dict[str, Any]:
         """Waits until every batch of the session went down the chain; who failed, who was not reached."""

@@ -34,6 +34,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from collections import OrderedDict
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import blake3
@@ -46,6 +47,7 @@ KEEP_GENERATIONS = 2
 COMPACT_BELOW = 0.5
 # an unreferenced chunk younger than this may belong to a sync still in flight: kept
 GC_GRACE_S = float(os.environ.get("MONARCH_TORCHX_SYNC_GC_GRACE_S", "3600"))
+MAX_SESSIONS = 64  # syncs whose packs a store remembers (see ChunkStore.session_packs)
 
 
 class StoreError(ValueError):
@@ -56,9 +58,13 @@ class ChunkCorrupt(StoreError):
     """A chunk's bytes do not hash to its name (damaged in transit): sending it again may work."""
 
 
+class DiskFull(StoreError):
+    """The store's disk is full: the sync fails here, and what it had stored is given back at once."""
+
+
 def _disk_error(e: OSError, what: str) -> StoreError:
-    if e.errno == errno.ENOSPC:
-        return StoreError(f"disk full while {what} ({e.filename or ''}); the previous generation is intact")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFull(f"disk full while {what} ({e.filename or ''}); the previous generation is intact")
     return StoreError(f"{what} failed: {e.strerror or e}")
 
 
@@ -119,6 +125,9 @@ class ChunkStore:
         self.root = root
         self.private_from = private_from or root.parent
         self.pins: Dict[str, float] = {}  # chunks a sync in flight relies on -> when it said so
+        # the packs each sync in flight stored, so a sync that fails gives their space back at once
+        # (``give_back``) instead of after GC_GRACE_S; the oldest are forgotten past MAX_SESSIONS
+        self.session_packs: "OrderedDict[str, List[str]]" = OrderedDict()
         self.manifest_chunks: Dict[Path, Tuple[int, set]] = {}  # a manifest file's chunks, by its mtime
         self.swept = 0.0
         self._have: Optional[set] = None
@@ -228,9 +237,11 @@ class ChunkStore:
                     out.append(h)
         return out
 
-    def put(self, index: List[Tuple[str, int]], data: Any) -> int:
+    def put(self, index: List[Tuple[str, int]], data: Any, session: str = "") -> int:
         """Stores a batch of verified chunks (``data``: those of ``index`` end to end); a batch with
-        a chunk whose bytes do not hash to its name is refused whole."""
+        a chunk whose bytes do not hash to its name is refused whole. ``session``: the sync it
+        belongs to; chunks of the batch already here are pinned for it, like those ``missing``
+        found, so a failed sync giving back its packs never takes one another sync relies on."""
         view = memoryview(data).cast("B")
         if sum(n for _, n in index) != view.nbytes:
             raise StoreError(f"a batch of {view.nbytes} bytes does not hold the {len(index)} chunk(s) it names")
@@ -243,7 +254,71 @@ class ChunkStore:
             chunks.append((h, chunk))
         have = self.present()
         new = {h: data for h, data in chunks if h not in have}
-        return self._write_pack(new)[1] if new else 0
+        if session and len(new) < len(chunks):
+            now = time.time()
+            with self.lock:
+                for h, _ in chunks:
+                    if h not in new:
+                        self.pins[h] = now
+        if not new:
+            return 0
+        name, size = self._write_pack(new)
+        if session:
+            with self.lock:
+                self.session_packs.setdefault(session, []).append(name)
+                self.session_packs.move_to_end(session)
+                while len(self.session_packs) > MAX_SESSIONS:
+                    self.session_packs.popitem(last=False)  # (its packs are the sweep's, as before)
+        return size
+
+    def give_back(self, session: str) -> int:
+        """Deletes the packs that sync ``session`` stored here, now, unless a committed generation
+        or another sync in flight (a pin) uses a chunk of one; returns the bytes freed. For a sync
+        that failed (a full disk, a host it could not reach): the sweep would keep them for
+        GC_GRACE_S, in case the sync were still in flight."""
+        with self.lock:
+            packs = self.session_packs.pop(session, [])
+            epoch = self.commits
+        if not packs:
+            return 0
+        used = self._manifest_chunks()
+        if used is None:
+            return 0  # a manifest could not be read: keep everything, the sweep decides later
+        freed, dead = 0, []
+        with self.lock:
+            if self.commits != epoch:  # a generation committed since the manifests were read: again
+                used = self._manifest_chunks()
+                if used is None:
+                    return 0
+            index = self.index()
+            for pack in packs:
+                rows = index.rows.get(pack)
+                if rows is None:
+                    continue
+                if any(h in used or h in self.pins for h, _, _ in rows):
+                    continue
+                (self.packs / (pack[:-5] + ".idx")).unlink(missing_ok=True)
+                (self.packs / pack).unlink(missing_ok=True)
+                freed += sum(n for _, _, n in rows)
+                dead.append(pack)
+            if dead:
+                self.present().difference_update(index.remove(dead))
+        return freed
+
+    def _manifest_chunks(self) -> Optional[set]:
+        """Every chunk a kept generation's manifest names (None if one could not be read)."""
+        used: set = set()
+        for man in self.targets.glob("*/gen-*.manifest"):
+            try:
+                mtime = man.stat().st_mtime_ns
+                cached = self.manifest_chunks.get(man)
+                if cached is None or cached[0] != mtime:
+                    rows = marshal.loads(man.read_bytes())
+                    cached = self.manifest_chunks[man] = (mtime, {h for r in rows for h, _ in r[5]})
+                used |= cached[1]
+            except (OSError, ValueError, EOFError):  # (dropped meanwhile, too: judge again later)
+                return None
+        return used
 
     def _write_pack(self, chunks: Dict[str, Any], durable: bool = False) -> Tuple[str, int]:
         """Writes chunks as one pack file, then its index (a pack without one is ignored, and
@@ -427,17 +502,10 @@ class ChunkStore:
         with self.lock:  # a pin lasts GC_GRACE_S: a sync that said it relies on a chunk has committed by then
             self.pins = {h: t for h, t in self.pins.items() if self.swept - t < GC_GRACE_S}
             epoch = self.commits  # read before the manifests: a commit after it stops the deletions
-        used = set(self.pins)
-        for man in self.targets.glob("*/gen-*.manifest"):
-            try:
-                mtime = man.stat().st_mtime_ns
-                cached = self.manifest_chunks.get(man)
-                if cached is None or cached[0] != mtime:
-                    rows = marshal.loads(man.read_bytes())
-                    cached = self.manifest_chunks[man] = (mtime, {h for r in rows for h, _ in r[5]})
-                used |= cached[1]
-            except (OSError, ValueError, EOFError):
-                return  # unreadable: keep everything rather than delete what may be in use
+        used = self._manifest_chunks()
+        if used is None:
+            return  # unreadable: keep everything rather than delete what may be in use
+        used |= set(self.pins)
         self.manifest_chunks = {m: v for m, v in self.manifest_chunks.items() if m.exists()}
         old = time.time() - GC_GRACE_S
         index = self.index()

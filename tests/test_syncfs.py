@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import threading
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from monarch_torchx import wire
+from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import PoolRequest, attach, ensure_pool, stop_pool
 
 from .conftest import BIN, cli_env, node_store, pids_running, wait_for
@@ -397,9 +399,17 @@ def test_disk_full_on_a_host_is_one_line_and_the_old_generation_stays(home, pool
         (src / "a.txt").write_text("fits\n")
         target = Path(p.sync(str(src), "ws").hosts[0].path)
         (src / "big.bin").write_bytes(os.urandom(8 << 20))
+        used_before = shutil.disk_usage(small).used
         res = sync_cli(home, str(src), "--pool", pool_name, "--to", "ws", check=False)
         assert res.returncode == 1 and "disk full" in res.stdout and "Traceback" not in res.stdout + res.stderr
         assert (target / "a.txt").read_text() == "fits\n" and not (target / "big.bin").exists()
+        # what the failed sync had stored is given back at once, not after the store's hour of grace
+        assert shutil.disk_usage(small).used < used_before + (512 << 10), (used_before, shutil.disk_usage(small))
+        small_file = src / "small.bin"  # so the next sync that fits goes through
+        (src / "big.bin").unlink()
+        small_file.write_bytes(os.urandom(1 << 20))
+        assert p.sync(str(src), "ws").hosts[0].ok
+        assert (target / "small.bin").read_bytes() == small_file.read_bytes()
         from monarch_torchx.pool import stop_pool
 
         stop_pool(pool_name)
@@ -856,15 +866,14 @@ def test_the_store_is_private_and_a_planted_root_is_refused(home, pool_name, tmp
     stop_pool(pool_name)
     assert not root.exists()  # nothing left in the node's temp dir
 
-    # a stranger made the root first (theirs, or open to all): syncs are refused, in one line
+    # a stranger made the root first (theirs, or open to all): the pool's agents refuse to start
+    # there, in one line (before, the pool read healthy and each sync was refused)
     other = pool_name + "x"
     root.mkdir(mode=0o777)
     os.chmod(root, 0o777)
-    pool = ensure_pool(PoolRequest("monarch_local", other, {"hosts": 1, "preload": ""}))
-    res = sync_cli(home, str(src), "--pool", other, "--to", "ws", check=False)
-    assert res.returncode == 1 and "refusing the sync store" in res.stdout and "chmod 700" in res.stdout
-    assert "Traceback" not in res.stdout + res.stderr and not list(root.iterdir())  # nothing written there
-    stop_pool(other)
+    with pytest.raises(MonarchError, match=r"did not start: .*monarch_torchx-\d+ is open to other users .*chmod 700"):
+        ensure_pool(PoolRequest("monarch_local", other, {"hosts": 1, "preload": ""}))
+    assert not list(root.iterdir())  # nothing written there
 
 
 def test_two_pools_of_one_name_in_two_homes_keep_their_own_stores(pool_name, tmp_path, monkeypatch):
