@@ -85,6 +85,13 @@ def test_monarchs_pingpong_runs_twice_on_a_local_pool_and_the_second_run_reuses_
     # a new run after kill() starts new workers on the same pool
     again = _answers(_pingpong(home, tmp_path, "--pool", pool_name))
     assert len(again) == 4 and len(_worker_apps(home, pool_name)) == 2
+    # pool stop: no worker's key dir is left on the node (a worker killed in Monarch's runtime
+    # code runs no signal handler, so its agent removes what it left)
+    from monarch_torchx.pool import stop_pool
+    from monarch_torchx.private import node_temp_root
+
+    stop_pool(pool_name, Registry(home))
+    assert not list((node_temp_root() / "monarch").glob(f"{pool_name}-*"))
 
 
 def test_a_client_without_the_jobs_certificate_is_refused(home, pool_name, tmp_path):

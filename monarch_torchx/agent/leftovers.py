@@ -25,7 +25,6 @@ from typing import List
 def end_host(pool: str, pool_id: str, index: int) -> List[str]:
     """Ends and removes what host ``index`` of the pool left here; returns what it found."""
     from .. import procfs
-    from ..private import node_temp_root
     from ..syncfs.host import store_base
 
     found: List[str] = []
@@ -51,11 +50,24 @@ def end_host(pool: str, pool_id: str, index: int) -> List[str]:
                 os.chmod(sub, 0o700)
         shutil.rmtree(store, ignore_errors=True)
         found.append(f"sync store {store}")
+    return found + remove_dead_temp_dirs(pool, index)
+
+
+def remove_dead_temp_dirs(pool: str, index: int) -> List[str]:
+    """Removes the temp dirs (``private.agent_temp_dir``) that processes of host ``index`` of the
+    pool made on this node and left when they died without cleaning up: an agent SIGKILLed, or a
+    Monarch worker killed in its runtime's code, where no signal handler runs (its TLS key
+    included). The agent calls it as it stops, once its processes are ended."""
+    from .. import procfs
+    from ..private import node_temp_root
+
+    found = []
     host = os.uname().nodename
-    for kind in node_temp_root().iterdir() if node_temp_root().is_dir() else []:
+    root = node_temp_root()
+    for kind in root.iterdir() if root.is_dir() else []:
         for d in kind.glob(f"{pool}-{index}-{host}-*") if kind.is_dir() else []:
             pid = d.name.rpartition("-")[2]
-            if pid.isdigit() and not procfs.alive(int(pid)):
+            if pid.isdigit() and not procfs.alive(int(pid)) and d.lstat().st_uid == os.getuid():
                 shutil.rmtree(d, ignore_errors=True)
                 found.append(f"temp dir {d}")
     return found

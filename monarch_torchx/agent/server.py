@@ -30,6 +30,7 @@ from ..quick_exit import exit_without_finalizing
 from ..registry import HostAddr, Registry
 from ..specs import TERMINAL, LaunchSpec
 from .launcher import Launcher
+from .leftovers import remove_dead_temp_dirs
 from .procs import ProcTable
 from .log_follow import OP as LOG_FOLLOW_OP, LogFollow
 from .relay import Relay, RelayRefused
@@ -478,6 +479,8 @@ class Agent:
                 fn()
             except Exception as e:
                 log.warning("module cleanup failed: %s", e)
+        for what in remove_dead_temp_dirs(self.pool, self.index):  # what its killed processes left
+            log.info("removed %s", what)
         current = Registry.read_host(self.state_dir, self.index)
         if current is not None and current.incarnation == self.incarnation:  # not a successor's file
             self._publish(exited=time.time(), exit_reason=self.stop_reason)
