@@ -1,7 +1,11 @@
 """Monarch's ping-pong, written for Monarch's own runtime; only the job object is ours.
 
-    python examples/monarch_pingpong.py                         # a monarch_local pool of 2 hosts
-    python examples/monarch_pingpong.py --scheduler monarch_slurm --pool dev
+    python examples/monarch_pingpong.py --trust-local-users                  # a monarch_local pool of 2 hosts
+    python examples/monarch_pingpong.py --trust-local-users --scheduler monarch_slurm --pool dev
+
+``--trust-local-users``: nobody else can log into these machines. Monarch's runtime serves every
+host and client on a local socket that nothing authenticates (docs/security.md); without it the
+job is refused in one line.
 
 Run it twice: the second run finds the job Monarch cached (.monarch/job_state.pkl) and attaches
 to the warm workers; nothing is allocated or started again.
@@ -33,11 +37,13 @@ def main() -> None:
     p.add_argument("--pool", default="monarch-pingpong")
     p.add_argument("--cfg", default="", help="run options for a new pool, e.g. partition=debug")
     p.add_argument("--kill", action="store_true", help="end the workers after the run (the pool stays warm)")
+    p.add_argument("--trust-local-users", action="store_true",
+                   help="nobody else can log into the client's or the pool's machines (required: docs/security.md)")
     a = p.parse_args()
     cfg = dict(kv.split("=", 1) for kv in a.cfg.split(",") if kv)
 
     t0 = time.perf_counter()
-    job = WarmPoolJob({"hosts": 2}, scheduler=a.scheduler, pool=a.pool, cfg=cfg)
+    job = WarmPoolJob({"hosts": 2}, scheduler=a.scheduler, pool=a.pool, cfg=cfg, trust_local_users=a.trust_local_users)
     hosts = job.state().hosts
     procs = hosts.spawn_procs(per_host={"procs": 1})
     actors = procs.spawn("pingpong", PingPong)

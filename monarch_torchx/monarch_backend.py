@@ -28,12 +28,16 @@ import socket
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from monarch._src.job.job import JobState, JobTrait
-from monarch._src.job.service_identity import allocate_service_proc_ids, service_proc_addr
-from torchx.schedulers.ids import make_unique
-
 from .errors import MonarchError
-from .registry import MONARCH_JOBS_DIR
+from .monarch_shared import REFUSAL, TRUST_ENV, private_monarch_log_dir
+
+private_monarch_log_dir()  # before Monarch is imported: the import starts its log (monarch_shared.py)
+
+from monarch._src.job.job import JobState, JobTrait  # noqa: E402
+from monarch._src.job.service_identity import allocate_service_proc_ids, service_proc_addr  # noqa: E402
+from torchx.schedulers.ids import make_unique  # noqa: E402
+
+from .registry import MONARCH_JOBS_DIR  # noqa: E402
 
 __all__ = ["WarmPoolJob"]
 
@@ -50,13 +54,19 @@ class WarmPoolJob(JobTrait):
         pool: the pool's name (default: ``monarch-<mesh names>``).
         cfg: run options for a pool this job creates (``torchx runopts SCHEDULER``).
         stop_pool_on_kill: ``kill()`` also stops the pool (default: the pool stays warm).
+        trust_local_users: nobody else can log into the machines of the client and the pool (or
+            ``MONARCH_TORCHX_TRUST_LOCAL_USERS=1``). Required: Monarch's runtime serves every host
+            and client on an unauthenticated local socket (``monarch_shared.py``).
     """
 
     def __init__(self, meshes: Dict[str, int], scheduler: str = "monarch_local", pool: Optional[str] = None,
-                 cfg: Optional[Dict[str, Any]] = None, stop_pool_on_kill: bool = False):
+                 cfg: Optional[Dict[str, Any]] = None, stop_pool_on_kill: bool = False,
+                 trust_local_users: bool = False):
         from .job import _check_meshes
         from .schedulers import PROVISIONERS
 
+        if not (trust_local_users or os.environ.get(TRUST_ENV) == "1"):
+            raise MonarchError(REFUSAL)
         super().__init__()
         if scheduler not in PROVISIONERS:
             raise ValueError(f"scheduler {scheduler!r}: use one of {', '.join(PROVISIONERS)}")
@@ -96,11 +106,13 @@ class WarmPoolJob(JobTrait):
         _write_tls(tls_dir, bundle)
         ids = allocate_service_proc_ids(total)
         workers = [service_proc_addr(f"tls://{_url_host(h.host)}:{ports[i]}", ids[i]) for i, h in enumerate(hosts)]
-        from .monarch_worker import TLS_ENV
+        from .monarch_worker import ADDRESS_ENV, TLS_ENV
 
+        # the address (which names the worker's service proc) in its environment, which only its
+        # owner can read, not on its command line, which every user of the node can
         specs = [(i, LaunchSpec(app_id=app_id, role=WORKER_ROLE, replica_id=i,
-                                argv=["python", "-m", "monarch_torchx.monarch_worker", "--address", addr],
-                                env={TLS_ENV: bundle}))
+                                argv=["python", "-m", "monarch_torchx.monarch_worker"],
+                                env={TLS_ENV: bundle, ADDRESS_ENV: addr}))
                  for i, addr in enumerate(workers)]
         try:
             apps.launch(pool, app_id, "monarch-workers", [{"name": WORKER_ROLE, "image": "", "entrypoint": "python",

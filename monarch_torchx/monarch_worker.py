@@ -3,14 +3,17 @@
 ``WarmPoolJob`` (``monarch_backend.py``) launches this on every host of its pool, as an app of
 the pool, so the worker stays warm between client runs as long as the pool does:
 
-    python -m monarch_torchx.monarch_worker --address service<...>@tls://10.0.0.5:40123
+    MONARCH_TORCHX_MONARCH_ADDRESS=service<...>@tls://10.0.0.5:40123 python -m monarch_torchx.monarch_worker
 
-The job's TLS files (CA, certificate, key: ``MONARCH_TORCHX_MONARCH_TLS``, one PEM text) are
-written to a private directory of this user's node temp root before Monarch starts, and Monarch
-reads them from ``HYPERACTOR_TLS_*``. Monarch's plain ``tcp`` transport accepts any peer, and a
-worker evaluates what its peers send it, so a worker here only ever listens on ``tls``: a peer
-without a certificate of this job's CA is refused. ``TMPDIR`` points to the same private
-directory, since Monarch keeps its internal log under ``$TMPDIR/$USER``.
+(the address names the worker's service proc: it travels in the environment, which only its
+owner can read, not on the command line). The job's TLS files (CA, certificate, key:
+``MONARCH_TORCHX_MONARCH_TLS``, one PEM text) are written to a private directory of this user's
+node temp root before Monarch starts, and Monarch reads them from ``HYPERACTOR_TLS_*``. Monarch's
+plain ``tcp`` transport accepts any peer, and a worker evaluates what its peers send it, so the
+worker's network port speaks only ``tls``: a peer without a certificate of this job's CA is
+refused. Monarch also serves each host on an abstract Unix socket that nothing authenticates,
+which is why ``WarmPoolJob`` needs ``trust_local_users`` (``monarch_shared.py``). Monarch's own
+log goes to ``/tmp/<user name>``, made ours and 0700 before Monarch is imported.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Dict
 
 TLS_ENV = "MONARCH_TORCHX_MONARCH_TLS"
+ADDRESS_ENV = "MONARCH_TORCHX_MONARCH_ADDRESS"  # this worker's address, when --address is not given
 _BLOCKS = ("ca", "cert", "key")
 
 
@@ -56,8 +60,11 @@ def install_tls(bundle: str, directory: Path) -> Dict[str, str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", required=True, help="this worker's Monarch address (a tls:// proc address)")
+    p.add_argument("--address", default=os.environ.pop(ADDRESS_ENV, None),
+                   help=f"this worker's Monarch address (a tls:// proc address; default: ${ADDRESS_ENV})")
     a = p.parse_args()
+    if not a.address:
+        sys.exit(f"monarch_worker: no address: pass --address or set {ADDRESS_ENV}")
     if "tls://" not in a.address:
         sys.exit(f"monarch_worker: {a.address!r} is not a tls:// address; workers here listen only on TLS")
     bundle = os.environ.pop(TLS_ENV, "")
@@ -69,10 +76,17 @@ def main() -> None:
     workdir = agent_temp_dir("monarch", os.environ.get("MONARCH_TORCHX_POOL", "pool"),
                              int(os.environ.get("MONARCH_TORCHX_HOST_INDEX", "0")))
     os.environ.update(install_tls(bundle, workdir))
-    os.environ["TMPDIR"] = str(workdir)
+    os.environ["TMPDIR"] = str(workdir)  # the runtime's own sockets and files (its log does not move)
     import tempfile
 
-    tempfile.tempdir = None  # gettempdir() cached the old TMPDIR above: Monarch's own log goes here
+    tempfile.tempdir = None  # gettempdir() cached the old TMPDIR above
+    from .errors import MonarchError
+    from .monarch_shared import private_monarch_log_dir
+
+    try:
+        private_monarch_log_dir()  # before Monarch is imported: the import starts its log
+    except MonarchError as e:
+        sys.exit(f"monarch_worker: {e}")
 
     def _end(signum: int, _frame: object) -> None:
         shutil.rmtree(workdir, ignore_errors=True)

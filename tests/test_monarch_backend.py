@@ -5,6 +5,7 @@ Each run is its own process (Monarch's client context is one per process), as a 
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -25,7 +26,7 @@ PINGPONG = ROOT / "examples" / "monarch_pingpong.py"
 
 
 def _pingpong(home: Path, cwd: Path, *args: str, timeout: float = 240) -> str:
-    res = subprocess.run([sys.executable, "-u", str(PINGPONG), *args], env=cli_env(home), cwd=cwd,
+    res = subprocess.run([sys.executable, "-u", str(PINGPONG), "--trust-local-users", *args], env=cli_env(home), cwd=cwd,
                          capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr[-4000:]}"
     return res.stdout
@@ -68,7 +69,7 @@ def test_monarchs_pingpong_runs_twice_on_a_local_pool_and_the_second_run_reuses_
     cache = tmp_path / ".monarch" / "job_state.pkl"
     assert cache.stat().st_mode & 0o777 == 0o600
     cache.chmod(0o666)  # a cache others could have written is never loaded (a pickle runs code)
-    res = subprocess.run([sys.executable, "-u", str(PINGPONG), "--pool", pool_name], env=cli_env(home), cwd=tmp_path,
+    res = subprocess.run([sys.executable, "-u", str(PINGPONG), "--trust-local-users", "--pool", pool_name], env=cli_env(home), cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "refusing to load the cached job" in res.stderr
     cache.chmod(0o600)
@@ -77,6 +78,11 @@ def test_monarchs_pingpong_runs_twice_on_a_local_pool_and_the_second_run_reuses_
     (arec,) = _worker_apps(home, pool_name)
     pids = [s["pid"] for s in apps.replica_states(attach(pool_name), arec).values()]
     assert len(pids) == 2 and all(procfs.alive(p) for p in pids)
+    # a worker's address names its service proc: not on its command line, which anyone can read
+    assert not [p for p in pids if b"tls://" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    from monarch_torchx.monarch_shared import monarch_log_dir
+
+    assert monarch_log_dir().stat().st_mode & 0o077 == 0  # Monarch's own log: in a dir only we can enter
     _pingpong(home, tmp_path, "--pool", pool_name, "--kill")
     assert not list(tls.iterdir())
     wait_for(lambda: not any(procfs.alive(p) for p in pids), timeout=15, what="the workers to end")
@@ -147,7 +153,35 @@ def test_an_existing_pool_is_used_as_it_is_and_one_too_small_is_refused(home, po
     torchx(home, "pool", "create", small, "-s", "monarch_local", "-cfg", "hosts=1,preload=none")
     other = tmp_path / "other"  # no cached job here
     other.mkdir()
-    res = subprocess.run([sys.executable, "-u", str(PINGPONG), "--pool", small], env=cli_env(home), cwd=other,
+    res = subprocess.run([sys.executable, "-u", str(PINGPONG), "--trust-local-users", "--pool", small], env=cli_env(home), cwd=other,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and f"pool {small!r} has 1 host(s) and the job's meshes need 2" in res.stderr
     assert len(Registry.hosts(Registry(home).require(small))) == 1  # not replaced
+
+
+def test_warm_pool_job_is_refused_in_one_line_unless_the_user_trusts_every_local_user(home, pool_name, tmp_path):
+    """torchmonarch 0.7.0 serves every host and client on an abstract Unix socket that nothing
+    authenticates: on a machine others can log into, that is code run as you. Refused, saying so."""
+    res = subprocess.run([sys.executable, "-u", str(PINGPONG), "--pool", pool_name], env=cli_env(home), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "unauthenticated abstract Unix socket" in res.stderr, res.stderr[-2000:]
+    assert "trust_local_users=True" in res.stderr and Registry(home).get(pool_name) is None  # nothing started
+
+
+def test_monarchs_log_dir_is_made_ours_and_private_or_refused(monkeypatch, tmp_path):
+    from monarch_torchx import monarch_shared
+    from monarch_torchx.errors import MonarchError
+
+    d = tmp_path / "user"
+    monkeypatch.setattr(monarch_shared, "monarch_log_dir", lambda: d)
+    assert monarch_shared.private_monarch_log_dir() == d and d.stat().st_mode & 0o777 == 0o700
+    d.chmod(0o755)  # one of ours that Monarch made open: closed
+    monarch_shared.private_monarch_log_dir()
+    assert d.stat().st_mode & 0o777 == 0o700
+    os.chown(d, 65534, 65534)  # another user made it first
+    with pytest.raises(MonarchError, match="belongs to uid 65534: Monarch writes its log there"):
+        monarch_shared.private_monarch_log_dir()
+    d.rmdir()
+    d.symlink_to(tmp_path)
+    with pytest.raises(MonarchError, match="symlink"):
+        monarch_shared.private_monarch_log_dir()
