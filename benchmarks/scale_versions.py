@@ -27,8 +27,9 @@ from scale import OPS, _fmt  # noqa: E402
 
 
 def run_once(python: Path, root: Path, hosts: int, skip: str = "") -> Dict[str, Dict[str, float]]:
-    """``cwd=root``: the agents inherit it, and a forked ``python -m`` child (an actor proc) puts its
-    cwd first on sys.path, as Python does: from another checkout it would import that one's code."""
+    """``cwd=root``: the run's own files are the checkout's. (Agents start in their pool's state
+    dir, never importing from the cwd, so each version's actor procs run the code of its own
+    ``python``.)"""
     res = subprocess.run([str(python), str(HERE / "scale.py"), "--sizes", str(hosts), "--no-record",
                           *(["--skip", skip] if skip else [])],
                          capture_output=True, text=True, timeout=3000, cwd=root)
