@@ -22,6 +22,7 @@ from torchx.specs import AppDef, AppDryRunInfo, AppState, CfgVal, ReplicaStatus,
 from torchx.workspace.api import WorkspaceMixin
 
 from .. import apps
+from ..agent.logstore import POOL_MAX_MB, REPLICA_MAX_MB
 from ..errors import MonarchError
 from ..pool import Pool, PoolRequest, get_provisioner, parse_duration, plan_pool, preload_list
 from ..registry import AppRecord, Registry, check_pool_name
@@ -142,6 +143,12 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         opts.add("preload", type_=str, default=None,
                  help="comma-separated modules agents pre-import so Python entrypoints start warm "
                       "(default: the existing pool's, else torch; none = no preloads)")
+        opts.add("log_max_mb", type_=float, default=REPLICA_MAX_MB,
+                 help="MiB of output each replica keeps on its host; past it the oldest is dropped, and "
+                      "`torchx log` says how much (set when the pool is created)")
+        opts.add("log_pool_max_mb", type_=float, default=POOL_MAX_MB,
+                 help="MiB of replica output the pool keeps in all, each host its share: the oldest output "
+                      "of ended replicas goes first (set when the pool is created)")
         opts.add("tls", type_=bool, default=None,
                  help="TLS 1.3 on every connection of the pool, with a certificate made for it (default: "
                       f"{'on' if prov.tls_default else 'off'} here; on for pools whose hosts are other machines)")
@@ -185,7 +192,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             preload = preload_list(str(preload))
         tls = cfg.get("tls")
         spec: Dict[str, Any] = {"hosts": hosts, "preload": preload, "tls": None if tls is None else bool(tls)}
-        options = {"idle_timeout": parse_duration(cfg.get("idle_timeout", "30m"))}
+        options = {"idle_timeout": parse_duration(cfg.get("idle_timeout", "30m")), **_log_limits(cfg)}
         prov.pool_spec(cfg, spec, options)
         return PoolRequest(self.backend, name, spec, options, bool(cfg.get("replace")))
 
@@ -507,6 +514,18 @@ def _log_selection(arec: AppRecord, replicas: List[Tuple[str, int]], regex: Opti
             "streams": streams.value if isinstance(streams, Stream) else (streams or "combined"),
             "since": since.timestamp() if since else None, "until": until.timestamp() if until else None,
             "regex": regex}
+
+
+def _log_limits(cfg: Dict[str, Any]) -> Dict[str, float]:
+    """The pool's log limits (MiB) from a run's cfg; MonarchError naming one that is not positive."""
+    out = {}
+    for name, default in (("log_max_mb", REPLICA_MAX_MB), ("log_pool_max_mb", POOL_MAX_MB)):
+        value = cfg.get(name)
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise MonarchError(f"{name}={value!r} is invalid: a log limit is a positive number of MiB")
+        out[name] = float(value)
+    return out
 
 
 def _failed(error: Exception) -> Iterator[str]:

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from ..agent.logstore import POOL_MAX_MB, REPLICA_MAX_MB
 from ..errors import MonarchError
 
 MESH_GROUP = "monarch.pytorch.org"
@@ -78,6 +79,8 @@ class KubePoolSpec:
     preload: str = "torch"
     idle_timeout: float = 1800.0
     idle_action: str = "delete"
+    log_max_mb: float = REPLICA_MAX_MB  # replica logs kept in a pod: per replica, and in all (its share of the pool's)
+    log_host_max_mb: float = POOL_MAX_MB
     python: str = "python"
     kind: str = "StatefulSet"  # or MESH_KIND: the owner object, decided by what the cluster serves
 
@@ -120,7 +123,8 @@ def agent_args(spec: KubePoolSpec) -> List[str]:
     return ["-m", "monarch_torchx.agent", "--state-dir", STATE_DIR, "--pool", spec.pool, "--bind", "0.0.0.0",
             "--port", str(spec.port), "--advertise", "$(MONARCH_TORCHX_POD_IP)",
             "--incarnation", "$(MONARCH_TORCHX_POD_UID)", "--token-file", f"{TOKEN_DIR}/token",
-            "--idle-timeout", "0", "--preload", spec.preload, "--module", IDLE_MODULE]
+            "--idle-timeout", "0", "--preload", spec.preload, "--module", IDLE_MODULE,
+            "--log-max-mb", str(spec.log_max_mb), "--log-host-max-mb", str(spec.log_host_max_mb)]
 
 
 def _field_env(name: str, path: str) -> Dict[str, Any]:

@@ -127,6 +127,8 @@ def kube_spec(rec: PoolRecord) -> mf.KubePoolSpec:
         node_selector=s.get("node_selector") or {}, tolerations=s.get("tolerations") or [],
         pod_template=s.get("pod_template") or {}, preload=s.get("preload") or "",
         idle_timeout=float(o.get("idle_timeout", 1800)), idle_action=o.get("idle_action", "delete"),
+        log_max_mb=float(o.get("log_max_mb", mf.KubePoolSpec.log_max_mb)),
+        log_host_max_mb=float(o.get("log_pool_max_mb", mf.POOL_MAX_MB)) / max(1, rec.num_hosts),
         kind=rec.allocation.get("kind", "StatefulSet"))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -120,6 +121,59 @@ def test_log_iter_options(runner, pool_name):
     assert list(sched.log_iter(app_id, "logs", since=cut, streams=Stream.STDOUT)) == ["late line\n"]
     assert list(sched.log_iter(app_id, "logs", until=cut, streams=Stream.STDOUT)) == ["out 0\n", "out 1\n", "out 2\n"]
     assert list(sched.log_iter(app_id, "logs", since=cut + timedelta(hours=1))) == []
+
+
+def _replica_log_bytes(pool_name: str, app_id: str = "") -> int:
+    """Bytes of replica logs host 0 keeps (of one app, or of all)."""
+    root = Registry().get(pool_name).path / "logs" / "host0" / app_id
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def _dropped(first_line: str) -> int:
+    """How many earlier lines ``torchx log`` says were dropped, from its notice line."""
+    m = re.fullmatch(r"\[monarch-torchx: ([\d,]+) earlier lines \(.+\) of this replica's output were dropped: "
+                     r"over the .*\]\n?", first_line)
+    assert m, first_line
+    return int(m.group(1).replace(",", ""))
+
+
+def test_a_chatty_replica_keeps_its_latest_lines_within_log_max_mb_and_torchx_log_says_what_went(runner, pool_name):
+    """Issue 37: replica logs were unbounded, and one chatty job filled the state dir (on SLURM,
+    the shared file system)."""
+    n = 100_000  # ~2.8 MiB as stored
+    h = runner.run(_app("chatty", "python", "-c", f"for i in range({n}): print('line', i)"), "monarch_local",
+                   {"pool": pool_name, "preload": "", "log_max_mb": 0.25})
+    # followed as it is written: every line, or a notice of how many went before they were read
+    tailed = _logs(runner, h, "chatty", should_tail=True).splitlines()
+    notices = [int(m.group(1).replace(",", "")) for m in map(re.compile(r"\[monarch-torchx: ([\d,]+) ").match, tailed) if m]
+    shown = [int(line.split()[1]) for line in tailed if line.startswith("line ")]
+    assert len(shown) + sum(notices) == n and shown == sorted(shown) and shown[-1] == n - 1
+    assert runner.status(h).state == AppState.SUCCEEDED
+    lines = _logs(runner, h, "chatty").splitlines(keepends=True)
+    app_id = h.split("/")[-1]
+    assert _replica_log_bytes(pool_name, app_id.split(":")[1]) <= 256 << 10
+    dropped = _dropped(lines[0])
+    assert "log limit 256 KiB per replica (-cfg log_max_mb)" in lines[0]
+    assert lines[1:] == [f"line {i}\n" for i in range(dropped, n)]  # the latest lines, none missing
+    sched = get_scheduler_factories()["monarch_local"]("torchx")
+    (_, _, printed), = sched.app_logs(app_id, [("chatty", 0)])  # what `torchx log APP` prints
+    assert list(printed) == lines
+
+
+def test_the_pools_log_limit_drops_the_oldest_output_of_ended_apps_first(runner, pool_name):
+    cfg = {"pool": pool_name, "preload": "", "log_max_mb": 0.25, "log_pool_max_mb": 0.6}
+    handles = []
+    for k in range(3):  # each keeps up to 0.25 MiB: three are over the pool's 0.6 MiB
+        h = runner.run(_app(f"app{k}", "python", "-c", f"for i in range(30000): print('app{k}', i)"),
+                       "monarch_local", cfg)
+        assert _wait_done(runner, h).state == AppState.SUCCEEDED
+        handles.append(h)
+    last = _logs(runner, handles[2], "app2", should_tail=True).splitlines(keepends=True)  # (to the end of its output)
+    assert last[-1] == "app2 29999\n"
+    assert _replica_log_bytes(pool_name) <= 0.6 * (1 << 20)
+    first = _logs(runner, handles[0], "app0").splitlines(keepends=True)
+    assert "log_pool_max_mb" in first[0] and first[-1] == "app0 29999\n"
+    assert _dropped(first[0]) > _dropped(last[0])  # the oldest ended app lost the most
 
 
 def test_cancel_kills_the_app_and_the_pool_stays_warm(runner, home, pool_name):

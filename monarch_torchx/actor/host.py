@@ -170,7 +170,7 @@ class MeshModule:
                 rep = self.agent.procs.replicas.get((app_id(mesh_id), "proc", rank))
                 if rep is not None and rep.state in TERMINAL:
                     await self.agent.procs.kill(self.agent.procs.select(app_id(mesh_id)), grace=1.0)
-                    tail = _stderr_tail(rep.log_dir)
+                    tail = _stderr_tail(rep)
                     raise RuntimeError(f"proc {rank} on host {self.agent.index} {rep.msg or 'exited'} before it listened"
                                        + (f": {tail}" if tail else ""))
             if not pending:
@@ -206,9 +206,13 @@ def setup(agent: Any) -> None:
     agent.install(MeshModule(agent))
 
 
-def _stderr_tail(log_dir: Any, lines: int = 3) -> str:
+def _stderr_tail(rep: Any, lines: int = 3) -> str:
+    """The last lines a replica wrote to stderr (from its newest segment that holds any)."""
+    written = [seg for seg in rep.log.streams["stderr"].segments if seg.size]
+    if not written:
+        return ""
     try:
-        with open(os.path.join(str(log_dir), "stderr.log"), "rb") as f:
+        with open(written[-1].path, "rb") as f:
             f.seek(0, 2)
             f.seek(max(0, f.tell() - 4096))
             data = f.read().decode("utf-8", "replace").splitlines()

@@ -23,4 +23,9 @@ def agent_argv(rec: "PoolRecord", index: Optional[int], bind: str) -> List[str]:
                        "--preload", rec.spec.get("preload") or "")
     if index is not None:
         argv += ["--index", str(index)]
+    from .logstore import POOL_MAX_MB, REPLICA_MAX_MB  # (standard library only: still light)
+
+    # replica logs: a limit per replica, and each host's share of the pool's limit
+    argv += ["--log-max-mb", str(rec.options.get("log_max_mb", REPLICA_MAX_MB)),
+             "--log-host-max-mb", str(rec.options.get("log_pool_max_mb", POOL_MAX_MB) / max(1, rec.num_hosts))]
     return argv

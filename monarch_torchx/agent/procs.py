@@ -2,7 +2,8 @@
 
 Output is read from pipes by the agent (not written by the child straight to a file) so each
 line gets a timestamp on arrival: that is what lets ``torchx log --since/--until`` and live
-tailing work, and what the telemetry module will index. On disk each line is ``TS LINE``.
+tailing work, and what the telemetry module will index. On disk each line is ``TS LINE``, in
+segments bounded per replica and per host (``logstore``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import re
 import signal
 import time
 from pathlib import Path
-from typing import AsyncIterator, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import AsyncIterator, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..private import private_dir
 from ..specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, TERMINAL, LaunchSpec
 from .launcher import Launcher, SpawnError
+from .logstore import STREAMS, DropCount, LogLimits, LogStore, ReplicaLog, Segment, StreamLog, mib
 
-STREAMS = ("stdout", "stderr")
 MAX_PARTIAL = 64 * 1024  # a line longer than this is split rather than buffered forever
 BATCH_LINES = 2000
 MAX_REQUEUES = 100  # a safety net: submitit counts a job's requeues itself
@@ -52,11 +53,12 @@ def describe_exit(code: int) -> str:
 
 
 class _Capture(asyncio.Protocol):
-    """Timestamps each line of one pipe and appends it to the stream's file."""
+    """Timestamps each line of one pipe and appends it to the stream's log."""
 
-    def __init__(self, path: Path, notify: Callable[[], None], tee: Optional[str] = None):
-        self._file = os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab", buffering=0)
+    def __init__(self, log: StreamLog, notify: Callable[[], None], tee: Optional[str] = None):
         self._tee = open(tee, "ab", buffering=0) if tee else None
+        self._log = log
+        log.writers += 1
         self._partial = b""
         self._notify = notify
         self.closed = asyncio.get_running_loop().create_future()
@@ -71,14 +73,19 @@ class _Capture(asyncio.Protocol):
             lines.append(self._partial)
             self._partial = b""
         if lines:
-            self._file.write(b"".join(ts + line + b"\n" for line in lines))
+            self._log.write(b"".join(ts + line + b"\n" for line in lines), len(lines))
             self._notify()
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
+        if self.closed.done():
+            return
         if self._partial:
-            self._file.write(b"%.6f " % time.time() + self._partial + b"\n")
+            self._log.write(b"%.6f " % time.time() + self._partial + b"\n", 1)
             self._partial = b""
-        self._file.close()
+        self._log.writers -= 1
+        if not self._log.writers:
+            self._log.close_file()
+        self._log.owner.settle()
         if self._tee:
             self._tee.close()
         if not self.closed.done():
@@ -89,9 +96,10 @@ class _Capture(asyncio.Protocol):
 class Replica:
     """One LaunchSpec and what became of it (across ``max_retries`` attempts)."""
 
-    def __init__(self, spec: LaunchSpec, log_dir: Path):
+    def __init__(self, spec: LaunchSpec, log_dir: Path, log: ReplicaLog):
         self.spec = spec
         self.log_dir = log_dir
+        self.log = log  # its output on disk, across its attempts
         self.state = PENDING
         self.pid: Optional[int] = None
         self.exit_code: Optional[int] = None
@@ -143,33 +151,61 @@ def _parse_line(raw: bytes) -> Tuple[float, str]:
 
 
 class _Tail:
-    """Reads whole new lines of one stream file from where it left off."""
+    """Reads whole new lines of one stream from where it left off, segment after segment, and
+    counts what was dropped before it could be read (``gap``: taken by the caller)."""
 
-    def __init__(self, path: Path, name: str):
-        self.path = path
-        self.name = name
+    def __init__(self, log: StreamLog):
+        self.log = log
+        self.seq = -1  # before the first segment: the first read counts what was dropped earlier
         self.offset = 0
+        self.lines = 0  # the stream's lines before the read position
+        self.bytes = 0
+        self.gap = DropCount()
+
+    def _skip_to(self, seg: Segment) -> None:
+        if seg.lines_before > self.lines:
+            self.gap.add(DropCount(seg.lines_before - self.lines, seg.bytes_before - self.bytes,
+                                   self.log.dropped_until, self.log.reason))
+        self.seq, self.offset, self.lines, self.bytes = seg.seq, 0, seg.lines_before, seg.bytes_before
 
     def read(self) -> List[Tuple[float, str]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read(4 << 20)
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n")
-        if end < 0:
-            return []
-        self.offset += end + 1
-        return [_parse_line(raw) for raw in data[:end].split(b"\n")]
+        while True:
+            seg = self.log.segment(self.seq)
+            if seg is None:  # not begun, or dropped since: on at the oldest one left
+                seg = self.log.segments[0]
+                self._skip_to(seg)
+            if self.offset < seg.size:
+                try:
+                    with open(seg.path, "rb") as f:
+                        f.seek(self.offset)
+                        data = f.read(min(seg.size - self.offset, 4 << 20))
+                except FileNotFoundError:  # deleted by someone else: what it held is lost
+                    data = b""
+                end = data.rfind(b"\n")
+                if end >= 0:
+                    lines = [_parse_line(raw) for raw in data[:end].split(b"\n")]
+                    self.offset += end + 1
+                    self.lines += len(lines)
+                    self.bytes += end + 1
+                    return lines
+                if seg is self.log.segments[-1]:
+                    return []
+            elif seg is self.log.segments[-1]:
+                return []
+            nxt = self.log.segment(seg.seq + 1)  # this one is complete (or unreadable): the next one
+            if nxt is None:
+                return []
+            self._skip_to(nxt)
 
 
 class ProcTable:
     """Replicas by (app_id, role, replica_id), started through the one Launcher."""
 
-    def __init__(self, launcher: Launcher, log_root: Path, base_env: Dict[str, str]):
+    def __init__(self, launcher: Launcher, log_root: Path, base_env: Dict[str, str],
+                 log_limits: Optional[LogLimits] = None):
         self._launcher = launcher
         self._log_root = log_root
+        self.log_store = LogStore(log_root, log_limits or LogLimits())
         self._base_env = base_env
         self.replicas: Dict[Tuple[str, str, int], Replica] = {}
         self._by_pid: Dict[int, Replica] = {}
@@ -190,7 +226,9 @@ class ProcTable:
             raise ValueError(f"replica {spec.role}/{spec.replica_id} of {spec.app_id} is already running")
         log_dir = self._log_root / spec.app_id / spec.role / str(spec.replica_id)
         private_dir(log_dir, check=False)  # logs may hold secrets from env or args
-        rep = Replica(spec, log_dir)
+        if old is not None:  # the same replica again: its log goes on
+            old.log.restart()
+        rep = Replica(spec, log_dir, old.log if old is not None else self.log_store.open(log_dir))
         self.replicas[key] = rep
         # shielded: a client that goes away mid-launch must not leave a half-started process behind
         await asyncio.shield(self._start(rep))
@@ -226,7 +264,8 @@ class ProcTable:
             reads, fds = [fds[0], fds[2]], [fds[0], fds[2]]
             tees = (rep.spec.stdout_path, rep.spec.stderr_path)
             for r, name, tee in zip(reads, STREAMS, tees):
-                proto = _Capture(rep.log_dir / f"{name}.log", rep.notify, tee)
+                proto = _Capture(rep.log.streams[name], rep.notify, tee)
+                captures.append(proto)  # (from here on it counts as a writer of its stream: ended below if need be)
                 pipe = os.fdopen(r, "rb", buffering=0)
                 fds.remove(r)
                 try:
@@ -234,7 +273,6 @@ class ProcTable:
                 except BaseException:
                     pipe.close()
                     raise
-                captures.append(proto)
         except Exception as e:
             for fd in fds:
                 with contextlib.suppress(OSError):
@@ -265,7 +303,14 @@ class ProcTable:
     def _finish(self, rep: Replica, state: str, code: Optional[int], msg: str) -> None:
         rep.state, rep.exit_code, rep.msg, rep.ended = state, code, msg, time.time()
         self.last_change = time.time()
+        rep.log.finish()
         rep.notify()
+
+    def forget(self, key: Tuple[str, str, int]) -> None:
+        """Drops an ended replica from the table; its files stay, counted in the host's log limit."""
+        rep = self.replicas.pop(key, None)
+        if rep is not None:
+            self.log_store.forget(rep.log)
 
     def _time_out(self, rep: Replica, pid: int) -> None:
         if self._by_pid.get(pid) is rep:
@@ -347,10 +392,21 @@ class ProcTable:
         if any(n not in STREAMS for n in names):
             raise ValueError(f"unknown stream {streams!r}: use stdout, stderr or combined")
         pattern = re.compile(regex) if regex else None
-        tails = [_Tail(rep.log_dir / f"{n}.log", n) for n in names]
+        tails = [_Tail(rep.log.streams[n]) for n in names]
+        failed = rep.log.failed(names)
+        if failed.lines:
+            yield [_lost_notice(failed, names)]
+        first = True
         while True:
             done = rep.output_done  # read before draining, so no line written after it is missed
             batches = [t.read() for t in tails]
+            gap = DropCount()
+            for t in tails:
+                gap.add(t.gap)
+                t.gap = DropCount()
+            if gap.lines and (since is None or since <= gap.until):
+                yield [_drop_notice(gap, names, first)]
+            first = False
             lines = list(heapq.merge(*batches, key=lambda x: x[0])) if len(batches) > 1 else batches[0]
             out = [line + "\n" for ts, line in lines
                    if (since is None or ts >= since) and (until is None or ts <= until)
@@ -362,6 +418,22 @@ class ProcTable:
             if not follow or done:
                 return
             await rep.wait_change(1.0)
+
+
+def _what(names: Sequence[str]) -> str:
+    return "this replica's output" if len(names) > 1 else f"this replica's {names[0]}"
+
+
+def _drop_notice(gap: DropCount, names: Sequence[str], first: bool) -> str:
+    """The line ``torchx log`` shows where output was dropped to keep the log within its limit."""
+    where = "earlier lines" if first else "lines here"
+    return (f"[monarch-torchx: {gap.lines:,} {where} ({mib(gap.bytes)}) of {_what(names)} were dropped: "
+            f"over the {gap.reason}]\n")
+
+
+def _lost_notice(failed: DropCount, names: Sequence[str]) -> str:
+    return (f"[monarch-torchx: {failed.lines:,} lines ({mib(failed.bytes)}) of {_what(names)} could not be "
+            f"written ({failed.reason}) and are lost]\n")
 
 
 def _signal_proc(pid: int, sig: int) -> None:

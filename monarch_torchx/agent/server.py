@@ -31,6 +31,7 @@ from ..registry import HostAddr, Registry
 from ..specs import TERMINAL, LaunchSpec
 from .launcher import Launcher
 from .leftovers import remove_dead_temp_dirs
+from .logstore import POOL_MAX_MB, REPLICA_MAX_MB, LogLimits
 from .procs import ProcTable
 from .log_follow import OP as LOG_FOLLOW_OP, LogFollow
 from .relay import Relay, RelayRefused
@@ -121,7 +122,8 @@ class Agent:
         base_env = dict(os.environ)
         base_env["PATH"] = python_dir + os.pathsep + base_env.get("PATH", os.defpath)
         base_env.update({"MONARCH_TORCHX_POOL": self.pool, "MONARCH_TORCHX_HOST_INDEX": str(self.index)})
-        self.procs = ProcTable(self.launcher, self.state_dir / "logs" / f"host{self.index}", base_env)
+        self.procs = ProcTable(self.launcher, self.state_dir / "logs" / f"host{self.index}", base_env,
+                               LogLimits.from_mb(args.log_max_mb, args.log_host_max_mb))
         self.server = wire.Server(self.creds, self.handlers, on_activity=self.touch,
                                   identity=f"{self.pool}/{self.index}/{self.incarnation}".encode())
         self.addr: Optional[HostAddr] = None
@@ -229,6 +231,7 @@ class Agent:
             "idle_timeout": self.args.idle_timeout, "modules": self.modules, "warm": self.launcher.warm_info,
             "connections": self.server.connections, "accepted": self.server.accepted,
             "relayed": self.relay.relayed, "heartbeat_error": self.heartbeat_error,
+            "log_error": self.procs.log_store.write_error,
         }
 
     async def op_launch(self, peer: wire.Peer, spec: dict) -> dict:
@@ -379,7 +382,7 @@ class Agent:
                 apps[app_id] = max(apps.get(app_id, 0.0), r.ended or 0.0)
         for app_id in sorted(apps, key=apps.get)[:-MAX_FINISHED_APPS] if len(apps) > MAX_FINISHED_APPS else []:
             for key in [k for k in self.procs.replicas if k[0] == app_id]:
-                del self.procs.replicas[key]
+                self.procs.forget(key)
 
     def _publish(self, **extra: Any) -> None:
         assert self.addr is not None
@@ -505,6 +508,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--preload", action="append", default=None, help="module to pre-import for warm Python starts")
     p.add_argument("--module", action="append", default=None,
                    help="extra module setup, as pkg.mod:setup (default: $MONARCH_TORCHX_MODULES, comma-separated)")
+    p.add_argument("--log-max-mb", type=float, default=REPLICA_MAX_MB,
+                   help="MiB of output each replica keeps on disk (older output is dropped)")
+    p.add_argument("--log-host-max-mb", type=float, default=POOL_MAX_MB,
+                   help="MiB of replica output this host keeps on disk in all (its share of the pool's limit)")
     args = p.parse_args(argv)
     if args.index is None:
         args.index = _index_from_environment()
@@ -545,7 +552,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent{args.index} %(levelname)s %(message)s")
     check_own_dirs(None if args.token_file else Path(args.state_dir))  # (a pod's state dir: made below)
-    Path(args.state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chdir(args.state_dir)  # what it starts without a cwd of its own starts here, not where it was started
+    if not args.token_file:
+        # what it starts without a cwd of its own starts here, not where it was started (a pod's
+        # agent stays in the image's WORKDIR: its replicas run there, as the image's author meant)
+        os.chdir(args.state_dir)
     asyncio.run(Agent(args).run())
     exit_without_finalizing()  # everything it owns was ended and cleaned up by run()
