@@ -2,9 +2,12 @@
 the part of a query the client pushes down (projection, filters, limit, or partial aggregates
 that relays merge per subtree), run by DataFusion.
 
-Loaded into every agent through the ``monarch_torchx.modules`` entry point; DataFusion and
-pyarrow are imported at the first query (or once a host has much output waiting to be indexed),
-not at agent start.
+Loaded into every agent through the ``monarch_torchx.modules`` entry point; pyarrow is imported
+at the first query (or once a host has much output waiting to be indexed), not at agent start.
+No query runs in the agent: each runs in a process of its own under a memory and a time limit
+(``sandbox.py``), which maps this host's tables from memory files, so a query that asks too
+much fails alone and the agent and its replicas live on. (A relay merging its subtree's partial
+aggregates runs DataFusion here, with SQL of ours only and a bounded memory pool.)
 """
 
 from __future__ import annotations
@@ -15,16 +18,16 @@ import shutil
 import socket
 import threading
 import time
-import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from ..private import private_dir
-from ..specs import TERMINAL
 from .arrow_ipc import from_ipc, to_ipc
-from .partial import merge, record_batches
-from .query import read_only_options
+from .partial import merge
+from .sandbox import (Inputs, QueryServer, QueryTimedOut, agent_limits, aligned, bounded_context, collect_query,
+                      memory_file, pwrite_all, run_query)
 from .schema import TABLES, arrow_schema
 
 _CHUNK = 8 << 20
@@ -37,18 +40,129 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
+class _Segment:
+    """One memory file of the log index: serialized record batches one after another, mapped
+    read-only here (the index's batches are views on it, no copy) and by query processes."""
+
+    def __init__(self, capacity: int):
+        import mmap
+
+        import pyarrow as pa
+
+        self.fd = memory_file("logs")
+        os.ftruncate(self.fd, capacity)  # sparse: pages exist once written
+        self.capacity = capacity
+        self.used = 0
+        self.live = 0  # stored batches that still point into it
+        self.sealed = False  # a newer segment takes new batches
+        self.view = pa.py_buffer(mmap.mmap(self.fd, capacity, mmap.MAP_SHARED, mmap.PROT_READ))
+
+    def close(self) -> None:
+        """Its memory goes once no batch maps it any more (a query process holds its own map)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One batch of the log index: rows ``start``.. of the batch serialized at ``offset``."""
+
+    segment: _Segment
+    offset: int
+    length: int
+    start: int
+    rows: int
+    whole: Any  # the serialized batch, zero-copy over the segment's map
+
+    @property
+    def batch(self) -> Any:
+        return self.whole.slice(self.start, self.rows)
+
+    def without_first(self, n: int) -> "Stored":
+        return Stored(self.segment, self.offset, self.length, self.start + n, self.rows - n, self.whole)
+
+
+class BatchArena:
+    """Where the log index keeps its batches: memory files (``memfd``, close-on-exec) that a query
+    process maps without a copy, instead of the agent's heap, where every query would have to
+    copy them out. A file is closed once none of its batches is kept."""
+
+    def __init__(self, segment_bytes: int = 64 << 20):
+        self.segment_bytes = segment_bytes
+        self.current: Optional[_Segment] = None
+        self.segments: List[_Segment] = []
+
+    def put(self, batch: Any) -> Stored:
+        """``batch`` written to the current memory file (a new one when it is full); its view."""
+        import mmap
+
+        import pyarrow as pa
+
+        message = batch.serialize()
+        need = aligned(message.size)
+        seg = self.current
+        if seg is None or seg.used + need > seg.capacity:
+            if seg is not None:
+                seg.sealed = True
+                self._close_if_unused(seg)
+            pages = (need + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+            seg = self.current = _Segment(max(self.segment_bytes, pages))
+            self.segments.append(seg)
+        offset = seg.used
+        pwrite_all(seg.fd, message, offset)
+        seg.used += need
+        seg.live += 1
+        whole = pa.ipc.read_record_batch(seg.view.slice(offset, message.size), batch.schema)
+        return Stored(seg, offset, message.size, 0, batch.num_rows, whole)
+
+    def release(self, stored: Stored) -> None:
+        stored.segment.live -= 1
+        self._close_if_unused(stored.segment)
+
+    def _close_if_unused(self, seg: _Segment) -> None:
+        if seg.sealed and seg.live == 0:
+            seg.close()
+            self.segments.remove(seg)
+
+    def sources(self, kept: List[Stored]) -> Tuple[List[List[int]], List[int]]:
+        """``kept`` as a query process finds them: [fd, offset, length, first row, rows] each, and
+        the fds (duplicates, the caller's to close), so that a file closed meanwhile stays valid."""
+        dups: Dict[int, int] = {}
+        out = []
+        try:
+            for s in kept:
+                seg = s.segment
+                if id(seg) not in dups:
+                    dups[id(seg)] = os.dup(seg.fd)
+                out.append([dups[id(seg)], s.offset, s.length, s.start, s.rows])
+        except BaseException:
+            for fd in dups.values():
+                os.close(fd)
+            raise
+        return out, list(dups.values())
+
+    def close(self) -> None:
+        for seg in self.segments:
+            seg.close()
+        self.segments = []
+        self.current = None
+
+
 class LogIndex:
     """Every replica's log lines as Arrow, kept up to date in the background, bounded.
 
     The newest ``max_rows`` rows stay in memory; older batches spill to Parquet on node-local disk
     (``$TMPDIR``) and stay queryable; spilled files past ``max_age_s`` or beyond ``max_spill_bytes``
-    are dropped, oldest first. (The replica log files that `torchx log` reads are not affected.)
+    are dropped, oldest first. (The replica log files that `torchx log` reads are not affected;
+    a segment of them the agent dropped before it was indexed is not indexed.)
     """
 
     def __init__(self, agent: Any, spill_dir: Path):
         self.agent = agent
         self.offsets: Dict[Path, int] = {}
-        self.batches: List[Any] = []
+        self.arena = BatchArena()
+        self.batches: List[Stored] = []
         self.rows = 0
         self.spill_dir = spill_dir
         self.spilled: List[Tuple[Path, int, int]] = []  # (file, newest ts in us, bytes)
@@ -57,45 +171,38 @@ class LogIndex:
         self.max_age_s = _env_int("MONARCH_TORCHX_TELEMETRY_MAX_AGE_S", 7 * 86400)
         self._lock = threading.Lock()  # the background refresh and queries run in worker threads
         self.queried = False  # from the first query on, new output is indexed in the background
-        # the final sizes of the log files of replicas that have ended and closed them: a warm pool
-        # keeps hundreds of ended apps, whose files no longer grow, and the loop is not to stat
-        # them all every second (a replica dropped from the agent's history drops out of here)
-        self._final: "weakref.WeakKeyDictionary[Any, List[Tuple[Path, int]]]" = weakref.WeakKeyDictionary()
-
-    def log_sizes(self, rep: Any) -> List[Tuple[Path, int]]:
-        """(path, size) of a replica's log files that exist: stat'ed while it may still write
-        them, remembered once it has ended and closed them."""
-        final = self._final.get(rep)
-        if final is not None:
-            return final
-        settled = rep.state in TERMINAL and all(c.closed.done() for c in rep.captures)  # stat'ed after the close
-        out = []
-        for stream in ("stdout", "stderr"):
-            path = rep.log_dir / f"{stream}.log"
-            try:
-                out.append((path, path.stat().st_size))
-            except FileNotFoundError:
-                continue
-        if settled:
-            self._final[rep] = out
-        return out
 
     def backlog(self) -> Tuple[int, int]:
-        """(bytes written to the log files in all, bytes of them not indexed yet): stats of the
-        files that may still grow only."""
+        """(bytes written to the replicas' logs in all, bytes on disk not indexed yet), from the
+        sizes the agent keeps (``ReplicaLog.files``): a warm pool keeps hundreds of ended apps,
+        and the loop is not to stat their files every second."""
         total = pending = 0
         for rep in list(self.agent.procs.replicas.values()):
-            for path, size in self.log_sizes(rep):
-                total += size
+            total += sum(s.written for s in rep.log.streams.values())
+            for _, path, size in rep.log.files():
                 pending += size - self.offsets.get(path, 0)
         return total, pending
 
-    def refresh(self) -> Tuple[List[Any], List[str]]:
-        """New lines in; retention applied; returns (in-memory batches, spilled parquet files)."""
+    def refresh(self) -> None:
+        """New lines in; retention applied."""
         with self._lock:
             self._append_new()
             self._retain()
-            return list(self.batches), [str(p) for p, _, _ in self.spilled]
+
+    def add_to(self, inputs: Inputs) -> None:
+        """Brought up to date, then given to a query as table ``logs``: the batches in memory (as
+        memory files to map) and the spilled Parquet files."""
+        with self._lock:
+            self._append_new()
+            self._retain()
+            sources, fds = self.arena.sources(self.batches)
+            inputs.add_batches("logs", "logs", sources, fds)
+            inputs.add_parquet("logs", "logs", [str(p) for p, _, _ in self.spilled])
+
+    def close(self) -> None:
+        with self._lock:
+            self.batches = []
+            self.arena.close()
 
     def _retain(self) -> None:
         import pyarrow as pa
@@ -105,11 +212,14 @@ class LogIndex:
             keep, old = self.rows, []
             target = self.max_rows // 2  # spill down to half, so that it happens rarely
             while self.batches and keep > target:
-                b = self.batches.pop(0)
+                s = self.batches.pop(0)
                 extra = keep - target
-                if b.num_rows > extra:  # split: the newest rows of this batch stay in memory
-                    self.batches.insert(0, b.slice(extra))
+                b = s.batch
+                if s.rows > extra:  # split: the newest rows of this batch stay in memory
+                    self.batches.insert(0, s.without_first(extra))
                     b = b.slice(0, extra)
+                else:
+                    self.arena.release(s)
                 keep -= b.num_rows
                 old.append(b)
             self.rows = keep
@@ -126,22 +236,27 @@ class LogIndex:
 
     def _append_new(self) -> None:
         hostname = socket.gethostname()
+        offsets: Dict[Path, int] = {}  # of the segments still on disk: a dropped one's entry goes
         for (app_id, role, replica), rep in list(self.agent.procs.replicas.items()):
-            for path, size in self.log_sizes(rep):
-                stream = path.stem
+            for stream, path, size in rep.log.files():
                 off = self.offsets.get(path, 0)
                 while off < size:
-                    with open(path, "rb") as f:
-                        f.seek(off)
-                        data = f.read(_CHUNK)
+                    try:
+                        with open(path, "rb") as f:
+                            f.seek(off)
+                            data = f.read(min(_CHUNK, size - off))
+                    except FileNotFoundError:  # dropped by the agent meanwhile: not to be indexed
+                        off = size
+                        break
                     end = data.rfind(b"\n")
                     if end < 0:
                         break
                     off += end + 1
                     batch = _parse_lines(data[:end], self.agent.index, hostname, app_id, role, replica, rep.pid, stream)
-                    self.batches.append(batch)
+                    self.batches.append(self.arena.put(batch))
                     self.rows += batch.num_rows
-                self.offsets[path] = off
+                offsets[path] = off
+        self.offsets = offsets
 
 
 def _parse_lines(body: bytes, host: int, hostname: str, app_id: str, role: str, replica: int,
@@ -309,61 +424,59 @@ def _storage(t: Any) -> Any:
     return pa.int64() if pa.types.is_timestamp(t) else t
 
 
-def query_tables(agent: Any, logs: LogIndex, stacks: "Stacks", metrics: "Metrics", sql: str,
-                 tables: List[str]) -> Any:
-    """Runs a pushed-down query (or a partial aggregate) over this host's tables -> pyarrow.Table."""
+def query_inputs(agent: Any, logs: LogIndex, stacks: "Stacks", metrics: "Metrics", tables: List[str]) -> Inputs:
+    """This host's tables ``tables`` as a query process finds them (``sandbox.Inputs``): the log
+    index's memory files and spilled Parquet, the small tables written out for this query."""
     import pyarrow as pa
-    from datafusion import SessionContext
 
-    ctx = SessionContext()
-    for name in tables:
-        if name == "logs":
-            logs.queried = True
-            batches, spilled = logs.refresh()
-            if spilled:  # memory and Parquet on local disk, one table, filters pushed into both
-                import pyarrow.dataset as ds
-
-                parts = [ds.dataset(spilled, format="parquet", schema=arrow_schema("logs"))]
-                if batches:
-                    parts.append(ds.dataset(pa.Table.from_batches(batches, schema=arrow_schema("logs"))))
-                ctx.register_dataset(name, ds.dataset(parts))
+    inputs = Inputs()
+    try:
+        for name in tables:
+            if name == "logs":
+                logs.queried = True
+                logs.add_to(inputs)
                 continue
-        elif name == "procs":
-            batches = [procs_batch(agent)]
-        elif name == "events":
-            batches = [events_batch(agent)]
-        elif name == "stacks":
-            batches = [stacks.batch()]
-        elif name == "metrics":
-            batches = [metrics.batch()]
-        else:
-            raise ValueError(f"unknown table {name!r}: tables are {', '.join(TABLES)}")
-        ctx.register_record_batches(name, [batches or [pa.record_batch([pa.array([], f.type) for f in arrow_schema(name)],
-                                                                        schema=arrow_schema(name))]])
-    return ctx.sql_with_options(sql, read_only_options()).to_arrow_table()
+            if name == "procs":
+                batch = procs_batch(agent)
+            elif name == "events":
+                batch = events_batch(agent)
+            elif name == "stacks":
+                batch = stacks.batch()
+            elif name == "metrics":
+                batch = metrics.batch()
+            else:
+                raise ValueError(f"unknown table {name!r}: tables are {', '.join(TABLES)}")
+            inputs.add_table(name, pa.Table.from_batches([batch]))
+    except BaseException:
+        inputs.close()
+        raise
+    return inputs
 
 
+async def _acquire(slots: Any, timeout: float) -> bool:
+    """One of ``slots`` (an asyncio.Semaphore) within ``timeout``; False if none came free. A
+    slot granted as the wait ends (or as the caller is cancelled) is given back, never lost."""
+    import asyncio
 
-
-def merge_subtree(args: dict, values: List[Any]) -> Any:
-    """The relay's combiner for ``telemetry.partial``: its subtree's partials, merged into one."""
-    return to_ipc(merge([from_ipc([v]) for v in values], args["merge"]))[0]
-
-
-def cut_subtree(args: dict, values: List[Any]) -> Any:
-    """The relay's combiner for ``telemetry.rows``: its subtree's rows, cut to the query's LIMIT
-    by running the hosts' query again over them (its filters hold already)."""
-    import pyarrow as pa
-    from datafusion import SessionContext
-
-    rows = pa.concat_tables([from_ipc([v]) for v in values], promote_options="permissive")
-    ctx = SessionContext()
-    ctx.register_record_batches(args["table"], [record_batches(rows)])
-    return to_ipc(ctx.sql_with_options(args["sql"], read_only_options()).to_arrow_table())[0]
+    task = asyncio.ensure_future(slots.acquire())
+    try:
+        done, _ = await asyncio.wait([task], timeout=timeout)
+    except BaseException:
+        done = set()
+        if not task.cancel() and not task.cancelled() and task.exception() is None:
+            slots.release()
+        raise
+    if task in done:
+        return True
+    if not task.cancel() and not task.cancelled() and task.exception() is None:
+        slots.release()
+    return False
 
 
 MAX_STACK_ROWS = 200_000
-BATCH_ROWS = 262_144  # rows per frame of a query's answer
+# query processes running at once on a host (each under the memory limit); a further query waits,
+# its wait counted in its time limit
+QUERY_SLOTS = 2
 INDEX_INTERVAL_S = float(os.environ.get("MONARCH_TORCHX_TELEMETRY_INDEX_S", "1"))
 BUSY_BYTES_PER_INTERVAL = 1 << 20  # more new output than this per interval: wait for a pause
 MAX_BACKLOG_BYTES = 256 << 20  # ... unless this much is waiting
@@ -439,6 +552,8 @@ class TelemetryModule:
     operations, log indexing and metrics sampling in the background, the spill dropped at stop."""
 
     def __init__(self, agent: Any):
+        import asyncio
+
         from ..private import agent_temp_dir, node_temp_root
 
         self.agent = agent
@@ -447,19 +562,19 @@ class TelemetryModule:
         self.logs = LogIndex(agent, self.spill)
         self.stacks = Stacks(agent)
         self.metrics = Metrics(agent)
-        # The first query a thread runs makes DataFusion's native code fault in fresh memory for
-        # that thread (a profile shows the kernel zeroing huge pages), which costs many times a
-        # warm query. On the agent's shared executor a query landed on whichever thread was free,
-        # often a new one. Two threads of our own stay warm (one query after another uses the
-        # same one); a second lets a query answer while a slow one or the indexer holds the
-        # first. DataFusion still spreads each query over its own workers.
+        self.limits = agent_limits()
+        self.slots = asyncio.Semaphore(QUERY_SLOTS)
+        self.server = QueryServer(self.spill)  # started at the first query
+        # Log indexing, and the tables a query reads, are made on two threads of our own: a query
+        # (or the indexer) does not wait for the agent's shared executor, nor holds it.
         self.worker = ThreadPoolExecutor(2, thread_name_prefix="telemetry")
 
     # ------------------------------------------------------------ the seam
 
     def operations(self) -> Dict[str, Any]:
         return {"telemetry.stacks": (self.op_stacks, None), "telemetry.query": (self.op_query, None),
-                "telemetry.partial": (self.op_partial, merge_subtree), "telemetry.rows": (self.op_rows, cut_subtree)}
+                "telemetry.partial": (self.op_partial, self.merge_subtree),
+                "telemetry.rows": (self.op_rows, self.cut_subtree)}
 
     def background_tasks(self) -> List[Any]:
         return [self.index_in_background(), self.sample_metrics()]
@@ -469,6 +584,8 @@ class TelemetryModule:
         from ..private import remove_empty_dirs
 
         self.worker.shutdown(wait=False, cancel_futures=True)
+        self.server.close()
+        self.logs.close()
         shutil.rmtree(self.spill, ignore_errors=True)
         remove_empty_dirs(self.spill.parent, self.root)
 
@@ -477,40 +594,79 @@ class TelemetryModule:
     async def op_stacks(self, peer: Any, app_id: Optional[str] = None) -> dict:
         return await self.stacks.dump(app_id)
 
-    async def op_query(self, peer: Any, sql: str, tables: List[str]) -> Any:
-        """A pushed-down query's rows, as Arrow IPC streams of at most ``BATCH_ROWS`` rows each,
-        sent back one frame at a time."""
-        import asyncio
-
+    async def op_query(self, peer: Any, sql: str, tables: List[str], timeout_s: Optional[float] = None) -> Any:
+        """A pushed-down query's rows, as Arrow IPC streams of at most ``sandbox.FRAME_ROWS`` rows
+        each, passed on one frame at a time as the query process writes them. ``timeout_s``: the
+        caller's time limit (the agent's own, ``MONARCH_TORCHX_SQL_TIMEOUT_S``, where that is less)."""
         from ..wire import Stream
 
-        table = await asyncio.get_running_loop().run_in_executor(self.worker, self.query, sql, tables)
-        chunks = to_ipc(table, BATCH_ROWS)
+        return Stream(self.answer(sql, tables, "stream", timeout_s))
 
-        async def batches() -> Any:
-            for chunk in chunks:
-                yield chunk
-
-        return Stream(batches())
-
-    async def op_partial(self, peer: Any, sql: str, table: str, merge: str) -> bytes:
+    async def op_partial(self, peer: Any, sql: str, table: str, merge: str, timeout_s: Optional[float] = None) -> bytes:
         """This host's partial aggregates (``partial.py``); relays merge their subtree's with ``merge``."""
-        return await self._one_answer(sql, table)
+        return await self._one_answer(sql, table, timeout_s)
 
-    async def op_rows(self, peer: Any, sql: str, table: str) -> bytes:
+    async def op_rows(self, peer: Any, sql: str, table: str, timeout_s: Optional[float] = None) -> bytes:
         """A LIMIT-bounded pushed-down query's rows (``query.pushdowns``); relays cut their
         subtree's to the same limit (``cut_subtree``)."""
-        return await self._one_answer(sql, table)
+        return await self._one_answer(sql, table, timeout_s)
 
-    async def _one_answer(self, sql: str, table: str) -> bytes:
+    async def _one_answer(self, sql: str, table: str, timeout_s: Optional[float]) -> bytes:
         """This host's answer to ``sql`` over ``table``, as one Arrow IPC stream (for relays to combine)."""
+        frames = [f async for f in self.answer(sql, [table], "one", timeout_s)]
+        return frames[0]
+
+    async def answer(self, sql: str, tables: List[str], mode: str, timeout_s: Optional[float]) -> AsyncIterator[bytes]:
+        """``sql`` over this host's ``tables``, run by a query process of its own (``sandbox.py``)
+        under this host's limits: frames of its answer. Raises a ``sandbox.QueryStopped``."""
         import asyncio
 
-        answer = await asyncio.get_running_loop().run_in_executor(self.worker, self.query, sql, [table])
-        return to_ipc(answer)[0]
+        loop = asyncio.get_running_loop()
+        limits = self.limits.within(timeout_s)
+        deadline = loop.time() + limits.timeout_s
+        if not await _acquire(self.slots, limits.timeout_s):
+            raise QueryTimedOut(f"it waited its whole time limit of {limits.timeout_s:.3g} s for one of the "
+                                f"{QUERY_SLOTS} queries running on this host to end")
+        try:
+            inputs = await self._inputs(tables)
+            async for frame in run_query(self.server, sql, inputs, limits.within(deadline - loop.time()), self.spill,
+                                         mode):
+                yield frame
+        finally:
+            self.slots.release()
 
-    def query(self, sql: str, tables: List[str]) -> Any:
-        return query_tables(self.agent, self.logs, self.stacks, self.metrics, sql, tables)
+    async def _inputs(self, tables: List[str]) -> Inputs:
+        """The tables, made on our thread; if the caller goes meanwhile, their memory files are closed."""
+        import asyncio
+
+        made = self.worker.submit(query_inputs, self.agent, self.logs, self.stacks, self.metrics, tables)
+        try:
+            return await asyncio.wrap_future(made)
+        except asyncio.CancelledError:
+            made.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or f.result().close())
+            raise
+
+    def merge_subtree(self, args: dict, values: List[Any]) -> Any:
+        """The relay's combiner for ``telemetry.partial``: its subtree's partials, merged into one.
+        Runs here: the SQL is ours (sums, minima and maxima by group, no function of the user's),
+        whose memory DataFusion's pool bounds, spilling to this agent's private directory."""
+        from ..private import private_dir
+
+        ctx = bounded_context(self.limits, private_dir(self.spill / "merge"))
+        return to_ipc(merge([from_ipc([v]) for v in values], args["merge"], ctx))[0]
+
+    def cut_subtree(self, args: dict, values: List[Any]) -> Any:
+        """The relay's combiner for ``telemetry.rows``: its subtree's rows, cut to the query's LIMIT
+        by running the hosts' query again over them (its filters hold already), in a query process
+        as the hosts' own ran (the filters and order are the user's)."""
+        inputs = Inputs()
+        try:
+            inputs.add_streams(args["table"], values)
+        except BaseException:
+            inputs.close()
+            raise
+        return collect_query(self.server, args["sql"], inputs, self.limits.within(args.get("timeout_s")), self.spill,
+                             "one")[0]
 
     # ------------------------------------------------------------ background
 

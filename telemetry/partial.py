@@ -65,17 +65,18 @@ class PartialAggregate:
         return df.to_arrow_table()
 
 
-def merge(tables: Sequence[Any], merge_sql: str) -> Any:
-    """Partials of several hosts or subtrees -> one (a pyarrow.Table with the same columns)."""
+def merge(tables: Sequence[Any], merge_sql: str, ctx: Any = None) -> Any:
+    """Partials of several hosts or subtrees -> one (a pyarrow.Table with the same columns), in
+    DataFusion context ``ctx`` (a fresh one by default; a relay's is memory-bounded)."""
     import pyarrow as pa
     from datafusion import SessionContext
 
-    from .query import read_only_options
+    from .sandbox import read_only_options
 
     tables = [t for t in tables if t is not None]
     if len(tables) == 1:
         return tables[0]
-    ctx = SessionContext()
+    ctx = ctx if ctx is not None else SessionContext()
     ctx.register_record_batches(PARTIALS, [record_batches(pa.concat_tables(tables, promote_options="permissive"))])
     return ctx.sql_with_options(merge_sql, read_only_options()).to_arrow_table()
 

@@ -9,6 +9,11 @@ that host's tables; the hosts' Arrow results are registered here under the same 
 the original query (joins, aggregates, order) finishes at the client. A host that does not
 answer within the timeout is left out and named in the result, never waited for forever.
 
+Every host runs its part in a query process of its own, under that host's memory and time
+limits, and what the client finishes (joins, sorts, windows over the hosts' rows) runs in one too,
+under the caller's ``timeout`` (which it is stopped at, not only waited for) and a row limit
+(``sandbox.py``). A query over a limit fails alone, in one line.
+
 A ``LIMIT`` (or an ``ORDER BY ... LIMIT``) right above a table's filters bounds what any host
 has to send: each host returns at most that many rows (its own top ones), and the relay tree
 cuts every subtree's rows to as many on the way up, so "the last 20 errors of 1,024 hosts"
@@ -18,13 +23,19 @@ moves about 20 rows per connection. An unbounded scan streams from each host to 
 from __future__ import annotations
 
 import re
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .. import wire
 from ..errors import MonarchError
 from .arrow_ipc import from_ipc
-from .partial import PartialAggregate, merge, plan_partial, record_batches
+from .partial import PartialAggregate, merge, plan_partial
+from .sandbox import STOPPED, Inputs, Limits, QueryFailed, QueryServer, QueryStopped, QueryTimedOut, \
+    QueryTooManyRows, client_limits, collect_query
+from .sandbox import one_line as _one_line
+from .sandbox import read_only_options  # noqa: F401 (where callers have found it)
 from .schema import TABLES, arrow_schema
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -34,6 +45,9 @@ MAX_CUT_ROWS = 100_000
 # functions that answer differently each time: a relay running the hosts' query again would
 # filter a second time
 VOLATILE = ("random(", "uuid(")
+# a host's error that is the query's own (its memory, DataFusion's refusal): every host would meet
+# it, so the query fails; a host that did not answer in time is named missing instead
+QUERYS_OWN = frozenset({"QueryOutOfMemory", "QueryFailed", "QueryTooManyRows"})
 
 
 @dataclass
@@ -48,18 +62,6 @@ class QueryResult:
     @property
     def partial(self) -> bool:
         return bool(self.missing)
-
-
-def read_only_options() -> Any:
-    """Our tables, SELECT only: no DDL, DML, COPY or statements, at the client and on every host."""
-    from datafusion import SQLOptions
-
-    return SQLOptions().with_allow_ddl(False).with_allow_dml(False).with_allow_statements(False)
-
-
-def _one_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return text.removeprefix("Error during planning: ")
 
 
 def _empty_ctx() -> Any:
@@ -219,29 +221,59 @@ def _missing_why(err: Exception) -> str:
     if isinstance(err, wire.RemoteError) and err.kind == "UnknownOperation":
         return ("the telemetry module is not loaded on this host, or its agent predates this query's "
                 "operation (see its agent log; `torchx pool stop` and a new pool bring every host up to date)")
+    if isinstance(err, wire.RemoteError) and err.kind == "TypeError":
+        return (f"its agent predates this client ({err}; `torchx pool stop` and a new pool bring every host "
+                "up to date)")
     return str(err)
 
 
-def run(pool: Any, sql: str, timeout: float = DEFAULT_TIMEOUT_S, per_subtree: bool = True) -> QueryResult:
+def _missing(answers: List[Tuple[int, Any, Optional[Exception]]]) -> Dict[int, str]:
+    """Hosts that gave no answer, and why. A host's error that is the query's own (``QUERYS_OWN``)
+    is raised as the query's, naming the host."""
+    missing: Dict[int, str] = {}
+    for i, _, err in answers:
+        if err is None:
+            continue
+        if isinstance(err, wire.RemoteError) and err.kind in QUERYS_OWN:
+            raise STOPPED[err.kind](f"query stopped on host {i}: {err}") from None
+        missing[i] = _missing_why(err)
+    return missing
+
+
+def _host_time(deadline: float) -> float:
+    """The time limit a host gets for its part: a little less than what is left, so that its own
+    "stopped after N s" arrives before the client stops waiting."""
+    left = deadline - time.monotonic()
+    return max(0.0, left - min(1.0, 0.1 * left))
+
+
+def run(pool: Any, sql: str, timeout: float = DEFAULT_TIMEOUT_S, per_subtree: bool = True,
+        max_rows: Optional[int] = None) -> QueryResult:
     """Runs ``sql`` over the pool's hosts; returns the answer and which hosts are missing from it.
     ``per_subtree=False`` leaves the relays out: every host's filtered rows come to the client
     (no partial aggregates, no LIMIT cut per subtree), the reference the other ways are checked
-    against."""
+    against. ``timeout`` bounds the whole query: hosts that have not answered by then are named
+    missing, and work left at the client is stopped (``QueryTimedOut``). An answer of more than
+    ``max_rows`` rows (``MONARCH_TORCHX_SQL_MAX_ROWS``, 10,000,000) is refused (``QueryTooManyRows``)."""
+    deadline = time.monotonic() + timeout
+    limits = client_limits(timeout, max_rows)
     plan = _plan(sql)
     # a subquery inside an expression (``WHERE pid > (SELECT avg(pid) ...)``) is over every host's
     # rows: never decomposed per host (``pushdowns`` then brings the tables it reads whole)
     partial = plan_partial(plan) if per_subtree and "<subquery>" not in plan.display_indent() else None
     if partial is not None:
-        return _run_partial(pool, sql, partial, timeout)
-    return _run_rows(pool, sql, pushdowns(sql, plan, bound=per_subtree), timeout)
+        return _run_partial(pool, sql, partial, timeout, deadline, limits)
+    return _run_rows(pool, sql, pushdowns(sql, plan, bound=per_subtree), timeout, deadline, limits)
 
 
-def _run_partial(pool: Any, sql: str, partial: PartialAggregate, timeout: float) -> QueryResult:
-    """Partial aggregates from every host, merged per subtree by the relays and here."""
+def _run_partial(pool: Any, sql: str, partial: PartialAggregate, timeout: float, deadline: float,
+                 limits: Limits) -> QueryResult:
+    """Partial aggregates from every host, merged per subtree by the relays and here (their rows
+    are groups: what the client does with them costs what they do)."""
     n = pool.record.num_hosts
     answers = pool.ask("telemetry.partial", range(n), timeout=timeout, sql=partial.host_sql, table=partial.table,
-                       merge=partial.merge_sql)
-    missing = {i: _missing_why(err) for i, _, err in answers if err is not None}
+                       merge=partial.merge_sql, timeout_s=_host_time(deadline))
+    missing = _missing(answers)
     ok = [i for i, _, err in answers if err is None]
     if not ok:
         raise MonarchError("no host answered: " + "; ".join(f"host {i}: {why}" for i, why in missing.items()))
@@ -250,11 +282,15 @@ def _run_partial(pool: Any, sql: str, partial: PartialAggregate, timeout: float)
         answer = partial.finish(merge([from_ipc([v]) for v in values], partial.merge_sql))
     except Exception as e:  # DataFusion's own message, one line
         raise MonarchError(f"bad query: {_one_line(e)}") from None
+    if limits.max_rows and answer.num_rows > limits.max_rows:
+        raise QueryTooManyRows(f"query stopped: its answer has {answer.num_rows:,} rows, more than "
+                               f"{limits.max_rows:,} (MONARCH_TORCHX_SQL_MAX_ROWS); add a LIMIT or filters")
     return QueryResult(answer, ok, missing, sum(len(v) for v in values), {partial.table: partial.host_sql},
                        len(values))
 
 
-def _run_rows(pool: Any, sql: str, pushed: Dict[str, Pushdown], timeout: float) -> QueryResult:
+def _run_rows(pool: Any, sql: str, pushed: Dict[str, Pushdown], timeout: float, deadline: float,
+              limits: Limits) -> QueryResult:
     """Every host's filtered rows, here; the query finishes at the client. One table bounded by a
     LIMIT is asked through the relay tree, each subtree's rows cut to the limit on the way; any
     other scan is streamed from each host."""
@@ -270,40 +306,94 @@ def _run_rows(pool: Any, sql: str, pushed: Dict[str, Pushdown], timeout: float) 
         """One host's answer, streamed back as Arrow IPC chunks."""
         with pool.connect(i) as client:
             client.settimeout(timeout)
-            chunks = list(client.stream("telemetry.query", sql=q, tables=[t]))
+            chunks = list(client.stream("telemetry.query", sql=q, tables=[t], timeout_s=_host_time(deadline)))
         return from_ipc(chunks), sum(len(c) for c in chunks)
 
     if len(pushed) == 1 and next(iter(pushed.values())).bounded:
         # (one table only: a host missing from one table of several must be missing from all)
         name, p = next(iter(pushed.items()))
         parts[name] = []
-        for i, value, err in pool.ask("telemetry.rows", range(n), timeout=timeout, sql=p.sql, table=name):
-            if err is not None:
-                missing[i] = _missing_why(err)
-            elif value is not None:  # None: this host's rows are in another's, cut with its subtree's
+        answered = pool.ask("telemetry.rows", range(n), timeout=timeout, sql=p.sql, table=name,
+                            timeout_s=_host_time(deadline))
+        missing = _missing(answered)
+        for i, value, err in answered:
+            if err is None and value is not None:  # None: this host's rows are in another's, cut with its subtree's
                 parts[name].append(from_ipc([value]))
                 moved += len(value)
                 answers += 1
     else:
         for name, p in pushed.items():
-            for i, got, err in pool.fan_out(lambda i, q=p.sql, t=name: fetch(i, q, t), range(n)):
-                if err is not None:
-                    missing.setdefault(i, _missing_why(err))
-                    continue
-                per_host[i][name], size = got
-                moved += size
+            fetched = pool.fan_out(lambda i, q=p.sql, t=name: fetch(i, q, t), range(n))
+            for i, why in _missing(fetched).items():
+                missing.setdefault(i, why)
+            for i, got, err in fetched:
+                if err is None:
+                    per_host[i][name], size = got
+                    moved += size
         ok_hosts = [i for i in range(n) if i not in missing]
         parts = {name: [per_host[i][name] for i in ok_hosts] for name in pushed}
         answers = len(ok_hosts) * len(pushed)
     ok = [i for i in range(n) if i not in missing]
     if not ok:
         raise MonarchError("no host answered: " + "; ".join(f"host {i}: {why}" for i, why in missing.items()))
-    ctx = _empty_ctx()  # a table the plan never reads (LIMIT 0 reads none) is there, empty
-    for name in pushed:
-        ctx.deregister_table(name)
-        ctx.register_record_batches(name, [record_batches(pa.concat_tables(parts[name]) if parts[name] else pa.table({}))])
-    try:
-        answer = ctx.sql_with_options(sql, read_only_options()).to_arrow_table()
-    except Exception as e:
-        raise MonarchError(f"bad query: {_one_line(e)}") from None
+    tables = {name: pa.concat_tables(parts[name]) if parts[name] else pa.table({}) for name in pushed}
+    del parts, per_host  # the query process maps its own copy
+    answer = _finish_at_client(sql, tables, timeout, deadline, limits)
     return QueryResult(answer, ok, missing, moved, {name: p.sql for name, p in pushed.items()}, answers)
+
+
+def _finish_at_client(sql: str, tables: Dict[str, Any], timeout: float, deadline: float, limits: Limits) -> Any:
+    """``sql`` over the hosts' rows (``tables``; any other table empty), finished in a query
+    process of the client's (``sandbox.py``): a join, sort or window over them is work that can
+    outgrow any budget, and it is stopped at the deadline, not only waited for."""
+    from ..private import PrivatePathError, node_temp_root
+
+    try:
+        server = _client_server()
+    except PrivatePathError as e:
+        raise MonarchError(f"cannot finish the query here: {e}") from None
+    inputs = Inputs()
+    try:
+        for name in TABLES:  # a table the plan never reads (LIMIT 0 reads none) is there, empty
+            inputs.add_table(name, tables[name] if name in tables else _empty_table(name))
+    except BaseException:
+        inputs.close()
+        raise
+    tables.clear()
+    try:
+        frames = collect_query(server, sql, inputs, limits.within(max(0.0, deadline - time.monotonic())),
+                               node_temp_root() / "sql", "stream")
+    except QueryTimedOut:
+        raise QueryTimedOut(f"query stopped at the client: finishing it (joins, sorts, windows over the hosts' rows) "
+                            f"ran past --timeout ({timeout:g} s); narrow it with filters or a LIMIT, or give it "
+                            "more time") from None
+    except QueryFailed as e:  # DataFusion's own message, one line
+        raise QueryFailed(f"bad query: {e}") from None
+    except QueryStopped as e:
+        raise type(e)(f"query stopped at the client: {e}") from None
+    except PrivatePathError as e:
+        raise MonarchError(f"cannot finish the query here: {e}") from None
+    return from_ipc(frames)
+
+
+_SERVER: Optional[QueryServer] = None
+_SERVER_LOCK = threading.Lock()
+
+
+def _client_server() -> QueryServer:
+    """This process's query server (``sandbox.QueryServer``), started at its first query that
+    finishes here and ended with the process (it ends when its socket closes)."""
+    global _SERVER
+    from ..private import node_temp_root, private_dir
+
+    with _SERVER_LOCK:
+        if _SERVER is None:
+            _SERVER = QueryServer(private_dir(node_temp_root() / "sql", from_=node_temp_root()), quiet=True)
+        return _SERVER
+
+
+def _empty_table(name: str) -> Any:
+    import pyarrow as pa
+
+    schema = arrow_schema(name)
+    return pa.Table.from_batches([pa.record_batch([pa.array([], f.type) for f in schema], schema=schema)])

@@ -226,3 +226,155 @@ def test_stacks_of_a_process_that_exits_meanwhile_is_named_not_fatal(home, pool_
         os.kill(server, signal.SIGCONT)
     assert out.returncode == 0 and "Traceback" not in out.stderr
     assert f"pid {pid}:" in out.stderr and "no Python stacks" in out.stderr
+
+
+def _running_below(pid: int) -> list:
+    """Processes (not zombies) descended from ``pid``: a query server's queries and their supervisors."""
+    children: dict = {}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if state != "Z":
+            children.setdefault(int(ppid), []).append(int(p))
+    found, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+WIDE = "for i in range(4000): print(f'line {i:05d} ' + 'x' * 20)\n"  # 4,000 lines of 31 characters
+
+
+def test_a_query_over_the_memory_limit_fails_alone_and_the_agent_and_its_jobs_live_on(home, pool_name, monkeypatch):
+    """``repeat(line, 20000)`` asks for ~1.2 GB per batch of 2,048 rows; the hosts' query budget
+    is 256 MiB. The query fails in one line; the agent, its replica and its tables are still there."""
+    from monarch_torchx.telemetry.sandbox import QueryOutOfMemory
+
+    monkeypatch.setenv("MONARCH_TORCHX_SQL_MEMORY_MB", "256")
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    with get_runner() as runner:
+        app = AppDef("wide", roles=[Role(name="w", image=".", entrypoint="python", args=["-c", WIDE])])
+        h = runner.run(app, "monarch_local", {"pool": pool_name})
+        wait_for(lambda: runner.status(h).is_terminal(), what="printer")
+    torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "sleep", "120")
+    pool = attach(pool_name)
+    agent = pool.hosts[0].pid
+    running = "SELECT role, state FROM procs WHERE state = 'RUNNING'"
+    wait_for(lambda: pool.sql(running).to_pylist() == [{"role": "sh", "state": "RUNNING"}], what="a running replica")
+
+    blow = "SELECT sum(length(repeat(line, 20000))) AS n FROM logs"
+    with pytest.raises(QueryOutOfMemory, match="256 MiB"):  # partial aggregates: one answer per host
+        run(pool, blow)
+    with pytest.raises(QueryOutOfMemory, match="query stopped on host 0"):  # a filter of rows streamed from the host
+        run(pool, "SELECT line FROM logs WHERE length(repeat(line, 20000)) > 1", per_subtree=False)
+    out = _sql(home, pool_name, blow)
+    assert out.returncode == 1 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert "MONARCH_TORCHX_SQL_MEMORY_MB" in out.stderr
+
+    os.kill(agent, 0)  # the same agent, alive and answering; its replica runs on
+    assert attach(pool_name).hosts[0].pid == agent
+    assert pool.sql(running).to_pylist() == [{"role": "sh", "state": "RUNNING"}]
+    assert pool.sql("SELECT count(*) AS n, max(length(line)) AS w FROM logs WHERE line LIKE 'line %'").to_pylist() == \
+        [{"n": 4000, "w": 31}]
+    assert pool.sql("SELECT sum(length(repeat(line, 10))) AS n FROM logs WHERE line LIKE 'line %'").to_pylist() == \
+        [{"n": 4000 * 310}]
+
+
+LONG = "for i in range(2000): print(f'{i:05d} ' + ''.join(chr(97 + (i * j) % 26) for j in range(3000)))\n"
+
+
+def test_a_host_s_query_past_its_time_limit_is_stopped_there(home, pool_name, monkeypatch):
+    """``levenshtein`` of 3,000-character lines costs ~10 ms a row on one thread: 2,000 rows are
+    far past the hosts' 2 s limit. The host is named with why, its query process is gone (its work
+    stopped, not only the waiting for it), and it answers the next query."""
+    monkeypatch.setenv("MONARCH_TORCHX_SQL_TIMEOUT_S", "2")
+    monkeypatch.setenv("MONARCH_TORCHX_SQL_THREADS", "1")
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    with get_runner() as runner:
+        app = AppDef("long", roles=[Role(name="l", image=".", entrypoint="python", args=["-c", LONG])])
+        h = runner.run(app, "monarch_local", {"pool": pool_name})
+        wait_for(lambda: runner.status(h).is_terminal(), what="printer")
+    pool = attach(pool_name)
+    agent = pool.hosts[0].pid
+    assert pool.sql("SELECT count(*) AS n FROM logs WHERE length(line) > 3000").to_pylist() == [{"n": 2000}]
+    with pytest.raises(MonarchError, match="host 0: it ran past its time limit of 2 s and was stopped"):
+        run(pool, "SELECT count(*) AS n FROM logs WHERE levenshtein(line, reverse(line)) > 1")
+
+    def sandboxed() -> list:
+        out = []
+        for p in _running_below(agent):
+            try:
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    if b"monarch_torchx.telemetry.sandbox" in f.read():
+                        out.append(p)
+            except OSError:
+                continue
+        return out
+    wait_for(lambda: len(sandboxed()) == 1, what="only the query server left: the query process killed")
+    assert pool.sql("SELECT count(*) AS n FROM logs WHERE length(line) > 3000").to_pylist() == [{"n": 2000}]
+
+
+def test_a_join_at_the_client_is_stopped_at_its_timeout_and_has_a_row_limit(home, pool_name):
+    """A self-join of the hosts' rows is finished at the client: ``--timeout`` stops its work (the
+    query process is gone when the error is raised), and an answer past the row limit is refused."""
+    from monarch_torchx.telemetry.sandbox import QueryTimedOut, QueryTooManyRows
+
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    _print_lines(home, pool_name, 3000)
+    pool = attach(pool_name)
+    wait_for(lambda: pool.sql("SELECT count(*) AS n FROM logs").to_pylist() == [{"n": 3000}], what="lines indexed")
+    cube = "SELECT count(*) AS n FROM logs a JOIN logs b ON a.host = b.host JOIN logs c ON b.host = c.host"  # 2.7e10
+    with pytest.raises(QueryTimedOut, match="--timeout"):
+        run(pool, cube, timeout=3)
+    from monarch_torchx.telemetry import query
+
+    wait_for(lambda: _running_below(query._SERVER.proc.pid) == [], what="its work stopped, not only the waiting")
+    out = _sql(home, pool_name, "--timeout", "3", cube)
+    assert out.returncode == 1 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert "--timeout" in out.stderr
+
+    pairs = "SELECT a.line AS x, b.line AS y FROM logs a JOIN logs b ON a.host = b.host"  # 9,000,000 rows
+    with pytest.raises(QueryTooManyRows, match="1,000 rows"):
+        run(pool, pairs, max_rows=1000)
+    env = {**cli_env(home), "MONARCH_TORCHX_SQL_MAX_ROWS": "1000"}
+    out = subprocess.run([str(BIN / "monarch-torchx"), "sql", "--pool", pool_name, pairs], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and "MONARCH_TORCHX_SQL_MAX_ROWS" in out.stderr
+    assert run(pool, "SELECT count(*) AS n FROM logs l JOIN procs p ON l.app_id = p.app_id").table.to_pylist() == \
+        [{"n": 3000}]
+
+
+def test_a_query_process_is_killed_at_its_time_limit(tmp_path):
+    """The agent's driver (asyncio): a query past its time limit is killed, and says so."""
+    import asyncio
+
+    import pyarrow as pa
+
+    from monarch_torchx.telemetry.sandbox import Inputs, Limits, QueryServer, QueryTimedOut, run_query
+
+    rows = pa.table({"k": pa.array([0] * 3000, pa.int32())})
+    inputs = Inputs()
+    inputs.add_table("t", rows)
+    limits = Limits(memory_bytes=256 << 20, timeout_s=1.0, batch_rows=2048, threads=2)
+
+    server = QueryServer(tmp_path)
+
+    async def answer() -> list:
+        return [f async for f in run_query(server, "SELECT count(*) FROM t a JOIN t b ON a.k = b.k JOIN t c ON b.k = c.k",
+                                           inputs, limits, tmp_path / "spill")]
+
+    try:
+        with pytest.raises(QueryTimedOut, match="1 s"):
+            asyncio.run(answer())
+        assert inputs.fds == []
+        assert list((tmp_path / "spill").iterdir()) == []  # its private work directory went with it
+        wait_for(lambda: _running_below(server.proc.pid) == [], what="the query process gone")
+    finally:
+        server.close()
