@@ -313,6 +313,8 @@ def _proc_usage(pid: Optional[int]) -> Tuple[Optional[float], Optional[int]]:
 
 MAX_METRIC_ROWS = 500_000
 METRICS_INTERVAL_S = float(os.environ.get("MONARCH_TORCHX_METRICS_S", "5"))
+# an agent ends its query server after this long without a query (the next query starts it again)
+QUERY_SERVER_IDLE_S = float(os.environ.get("MONARCH_TORCHX_SQL_SERVER_IDLE_S", "120"))
 
 
 class Metrics:
@@ -577,7 +579,7 @@ class TelemetryModule:
                 "telemetry.rows": (self.op_rows, self.cut_subtree)}
 
     def background_tasks(self) -> List[Any]:
-        return [self.index_in_background(), self.sample_metrics()]
+        return [self.index_in_background(), self.sample_metrics(), self.close_idle_server()]
 
     def stop(self) -> None:
         """The data lives as long as the pool: its spill goes with the agent."""
@@ -698,6 +700,16 @@ class TelemetryModule:
         while True:
             self.metrics.sample()
             await asyncio.sleep(METRICS_INTERVAL_S)
+
+    async def close_idle_server(self) -> None:
+        """Ends the query server once no query came for QUERY_SERVER_IDLE_S (and for longer than
+        any query may run here), so that an idle host holds no DataFusion process."""
+        import asyncio
+
+        idle_s = max(QUERY_SERVER_IDLE_S, self.limits.timeout_s + 5.0)
+        while True:
+            await asyncio.sleep(min(30.0, idle_s / 2))
+            await asyncio.get_running_loop().run_in_executor(self.worker, self.server.close_if_idle, idle_s)
 
 
 def setup(agent: Any) -> None:

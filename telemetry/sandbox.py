@@ -45,6 +45,7 @@ import struct
 import subprocess
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, AsyncIterator, Dict, Iterator, List, Optional, Tuple
@@ -278,6 +279,17 @@ class QueryServer:
         self.proc: Optional[subprocess.Popen] = None
         self.sock: Optional[socket.socket] = None
         self.lock = threading.Lock()
+        self.last_submit = 0.0  # monotonic
+
+    def close_if_idle(self, idle_s: float) -> bool:
+        """Ends the server when no query was submitted for ``idle_s`` seconds, which must be more
+        than any query's time limit (so none still runs): an idle agent of a large pool should
+        not keep DataFusion's ~60 MiB for a query it answered once. The next query starts it again."""
+        with self.lock:
+            if self.proc is None or time.monotonic() - self.last_submit <= idle_s:
+                return False
+            self._stop()
+            return True
 
     def _start(self) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -300,6 +312,7 @@ class QueryServer:
                     self._stop()
                     self._start()
                 try:
+                    self.last_submit = time.monotonic()
                     socket.send_fds(self.sock, [struct.pack("<Q", len(request))], fds)
                     self.sock.sendall(request)
                     return

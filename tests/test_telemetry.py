@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -378,3 +379,24 @@ def test_a_query_process_is_killed_at_its_time_limit(tmp_path):
         wait_for(lambda: _running_below(server.proc.pid) == [], what="the query process gone")
     finally:
         server.close()
+
+
+def test_an_idle_agent_ends_its_query_server_and_the_next_query_starts_it_again(home, pool_name, monkeypatch):
+    """A host of a large pool must not keep a DataFusion process for a query it answered once."""
+    monkeypatch.setenv("MONARCH_TORCHX_SQL_TIMEOUT_S", "1")
+    monkeypatch.setenv("MONARCH_TORCHX_SQL_SERVER_IDLE_S", "1")  # (at least the time limit + 5 s: 6 s)
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    pool = attach(pool_name)
+    agent = pool.hosts[0].pid
+
+    def servers() -> list:
+        out = []
+        for p in _running_below(agent):
+            with contextlib.suppress(OSError), open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"monarch_torchx.telemetry.sandbox" in f.read():
+                    out.append(p)
+        return out
+    assert pool.sql("SELECT count(*) AS n FROM procs").num_rows == 1
+    assert len(servers()) == 1
+    wait_for(lambda: not servers(), timeout=30, what="the idle query server to end")
+    assert pool.sql("SELECT count(*) AS n FROM procs").num_rows == 1
