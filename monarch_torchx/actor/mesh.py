@@ -233,7 +233,8 @@ class HostMesh(_MeshTrait):
         hub = session.hub_for(self.pool)
         mesh_id = uuid.uuid4().hex[:12]
         hosts = [self._hosts[r] for r in self._shape.ranks]
-        proc_env = {"MONARCH_TORCHX_PROC_PATH": os.pathsep.join(_controller_paths()), **(env or {})}
+        proc_env = {"MONARCH_TORCHX_PROC_PATH": os.pathsep.join(_controller_paths()),
+                    "MONARCH_TORCHX_PROC_CWD": _controller_cwd(), **(env or {})}
         if self._python is not None:  # and this_host() in its actors keeps it
             proc_env[PYTHON_ENV] = self._python
         from .controllers import ENV as CONTROLLERS
@@ -358,7 +359,20 @@ class _Bootstrap(Actor):
         fn()
 
 
+def _controller_cwd() -> str:
+    """The directory a new mesh's procs work in where it exists on their host: the controller's
+    cwd (passed on by an actor that spawns a mesh), as a replica's is the caller's."""
+    if "MONARCH_TORCHX_PROC_RANK" in os.environ and "MONARCH_TORCHX_PROC_CWD" in os.environ:
+        return os.environ["MONARCH_TORCHX_PROC_CWD"]
+    return os.getcwd()
+
+
 def _controller_paths() -> List[str]:
+    """Where the procs of a new mesh look for the controller's code: its script's directory and
+    its cwd. An actor that spawns a mesh of its own passes on the paths its proc was given (a
+    proc's cwd is its agent's directory, which holds no code of the user's)."""
+    if "MONARCH_TORCHX_PROC_RANK" in os.environ and "MONARCH_TORCHX_PROC_PATH" in os.environ:
+        return [p for p in os.environ["MONARCH_TORCHX_PROC_PATH"].split(os.pathsep) if p]
     paths = []
     main = sys.modules.get("__main__")
     main_file = getattr(main, "__file__", None)

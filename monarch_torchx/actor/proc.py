@@ -353,6 +353,9 @@ class ProcServer:
         for p in reversed(settings.paths):
             if os.path.isdir(p) and p not in sys.path:
                 sys.path.insert(0, p)  # the controller's script dir and cwd, where they exist here
+        cwd = os.environ.get("MONARCH_TORCHX_PROC_CWD", "")
+        if cwd and os.path.isdir(cwd):  # started in its agent's directory; works in the controller's
+            os.chdir(cwd)
 
     # ------------------------------------------------------------ lifecycle
 
