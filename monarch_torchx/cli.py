@@ -328,8 +328,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     fmt.add_argument("--csv", action="store_true", help="CSV, all rows")
     fmt.add_argument("--arrow", metavar="PATH", help="write all rows to an Arrow IPC file")
     p.add_argument("--max-rows", type=int, default=100, help="rows shown as a table (0 = all; default 100)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the answer; hosts that have not answered by then are named as "
-                   "missing (default 30)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds the query may run: a host past it is stopped and named as missing, and work "
+                        "finished here (a join, a sort) past it fails the query (default 30)")
     p.set_defaults(pool_fn=cmd_sql)
     p = sub.add_parser("stacks", help="py-spy dump of every running Python process of a pool (rows in `stacks`)")
     p.add_argument("--pool", required=True)
