@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _results import record  # noqa: E402
 
 BIN = Path(sys.executable).parent
+# every row written is kept: the default log limit (64 MiB per replica) would drop most of 2.5M lines
+LOGS = "log_max_mb=4096,log_pool_max_mb=16384"
 PRINTER = """
 import sys, time
 n = int(sys.argv[1]); out = sys.argv[2] if len(sys.argv) > 2 else None
@@ -64,7 +66,7 @@ def main() -> None:
         rows = []
         if args.ingestion_only:
             args.hosts = 0
-        sh(torchx, "pool", "create", "tel", "-cfg", f"hosts={max(1, args.hosts)},preload=none")
+        sh(torchx, "pool", "create", "tel", "-cfg", f"hosts={max(1, args.hosts)},preload=none,{LOGS}")
         pool = attach("tel")
         from monarch_torchx import apps
         from monarch_torchx.specs import LaunchSpec
@@ -113,8 +115,8 @@ def main() -> None:
 
         # ingestion overhead: the same printer, interleaved on a pool with telemetry and one without
         n_lines = 2_000_000
-        sh(torchx, "pool", "create", "ing-on", "-cfg", "hosts=1,preload=none")
-        sh(torchx, "pool", "create", "ing-off", "-cfg", "hosts=1,preload=none",
+        sh(torchx, "pool", "create", "ing-on", "-cfg", f"hosts=1,preload=none,{LOGS}")
+        sh(torchx, "pool", "create", "ing-off", "-cfg", f"hosts=1,preload=none,{LOGS}",
            env={**os.environ, "MONARCH_TORCHX_DISABLE_MODULES": "telemetry"})
         on, off = attach("ing-on"), attach("ing-off")
         got: dict = {"telemetry on": [], "telemetry off": [], "stdout to /dev/null (no capture)": []}

@@ -253,17 +253,32 @@ def _running_below(pid: int) -> list:
 WIDE = "for i in range(4000): print(f'line {i:05d} ' + 'x' * 20)\n"  # 4,000 lines of 31 characters
 
 
+def _pool_that_printed(home, pool_name: str, code: str) -> None:
+    """A 1-host pool whose one app ran ``python -c code`` to its end (its output is in ``logs``)."""
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    with get_runner() as runner:
+        app = AppDef("printer", roles=[Role(name="p", image=".", entrypoint="python", args=["-c", code])])
+        h = runner.run(app, "monarch_local", {"pool": pool_name})
+        wait_for(lambda: runner.status(h).is_terminal(), what="printer")
+
+
+def _query_processes(agent: int) -> list:
+    """The agent's query server and the query processes under it."""
+    out = []
+    for p in _running_below(agent):
+        with contextlib.suppress(OSError), open(f"/proc/{p}/cmdline", "rb") as f:
+            if b"monarch_torchx.telemetry.sandbox" in f.read():
+                out.append(p)
+    return out
+
+
 def test_a_query_over_the_memory_limit_fails_alone_and_the_agent_and_its_jobs_live_on(home, pool_name, monkeypatch):
     """``repeat(line, 20000)`` asks for ~1.2 GB per batch of 2,048 rows; the hosts' query budget
     is 256 MiB. The query fails in one line; the agent, its replica and its tables are still there."""
     from monarch_torchx.telemetry.sandbox import QueryOutOfMemory
 
     monkeypatch.setenv("MONARCH_TORCHX_SQL_MEMORY_MB", "256")
-    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
-    with get_runner() as runner:
-        app = AppDef("wide", roles=[Role(name="w", image=".", entrypoint="python", args=["-c", WIDE])])
-        h = runner.run(app, "monarch_local", {"pool": pool_name})
-        wait_for(lambda: runner.status(h).is_terminal(), what="printer")
+    _pool_that_printed(home, pool_name, WIDE)
     torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "sleep", "120")
     pool = attach(pool_name)
     agent = pool.hosts[0].pid
@@ -297,28 +312,14 @@ def test_a_host_s_query_past_its_time_limit_is_stopped_there(home, pool_name, mo
     stopped, not only the waiting for it), and it answers the next query."""
     monkeypatch.setenv("MONARCH_TORCHX_SQL_TIMEOUT_S", "2")
     monkeypatch.setenv("MONARCH_TORCHX_SQL_THREADS", "1")
-    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
-    with get_runner() as runner:
-        app = AppDef("long", roles=[Role(name="l", image=".", entrypoint="python", args=["-c", LONG])])
-        h = runner.run(app, "monarch_local", {"pool": pool_name})
-        wait_for(lambda: runner.status(h).is_terminal(), what="printer")
+    _pool_that_printed(home, pool_name, LONG)
     pool = attach(pool_name)
     agent = pool.hosts[0].pid
     assert pool.sql("SELECT count(*) AS n FROM logs WHERE length(line) > 3000").to_pylist() == [{"n": 2000}]
     with pytest.raises(MonarchError, match="host 0: it ran past its time limit of 2 s and was stopped"):
         run(pool, "SELECT count(*) AS n FROM logs WHERE levenshtein(line, reverse(line)) > 1")
 
-    def sandboxed() -> list:
-        out = []
-        for p in _running_below(agent):
-            try:
-                with open(f"/proc/{p}/cmdline", "rb") as f:
-                    if b"monarch_torchx.telemetry.sandbox" in f.read():
-                        out.append(p)
-            except OSError:
-                continue
-        return out
-    wait_for(lambda: len(sandboxed()) == 1, what="only the query server left: the query process killed")
+    wait_for(lambda: len(_query_processes(agent)) == 1, what="only the query server left: the query process killed")
     assert pool.sql("SELECT count(*) AS n FROM logs WHERE length(line) > 3000").to_pylist() == [{"n": 2000}]
 
 
@@ -389,14 +390,7 @@ def test_an_idle_agent_ends_its_query_server_and_the_next_query_starts_it_again(
     pool = attach(pool_name)
     agent = pool.hosts[0].pid
 
-    def servers() -> list:
-        out = []
-        for p in _running_below(agent):
-            with contextlib.suppress(OSError), open(f"/proc/{p}/cmdline", "rb") as f:
-                if b"monarch_torchx.telemetry.sandbox" in f.read():
-                    out.append(p)
-        return out
     assert pool.sql("SELECT count(*) AS n FROM procs").num_rows == 1
-    assert len(servers()) == 1
-    wait_for(lambda: not servers(), timeout=30, what="the idle query server to end")
+    assert _query_processes(agent)  # the server (and maybe the query's process, ending)
+    wait_for(lambda: not _query_processes(agent), timeout=30, what="the idle query server to end")
     assert pool.sql("SELECT count(*) AS n FROM procs").num_rows == 1
