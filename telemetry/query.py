@@ -32,7 +32,7 @@ from .. import wire
 from ..errors import MonarchError
 from .arrow_ipc import from_ipc
 from .partial import PartialAggregate, merge, plan_partial
-from .sandbox import STOPPED, Inputs, Limits, QueryFailed, QueryServer, QueryStopped, QueryTimedOut, \
+from .sandbox import STOPPED, Inputs, Limits, QueryFailed, QueryOutOfMemory, QueryServer, QueryStopped, QueryTimedOut, \
     QueryTooManyRows, client_limits, collect_query
 from .sandbox import one_line as _one_line
 from .sandbox import read_only_options  # noqa: F401 (where callers have found it)
@@ -47,7 +47,7 @@ MAX_CUT_ROWS = 100_000
 VOLATILE = ("random(", "uuid(")
 # a host's error that is the query's own (its memory, DataFusion's refusal): every host would meet
 # it, so the query fails; a host that did not answer in time is named missing instead
-QUERYS_OWN = frozenset({"QueryOutOfMemory", "QueryFailed", "QueryTooManyRows"})
+QUERYS_OWN = (QueryOutOfMemory, QueryFailed, QueryTooManyRows)
 
 
 @dataclass
@@ -234,8 +234,9 @@ def _missing(answers: List[Tuple[int, Any, Optional[Exception]]]) -> Dict[int, s
     for i, _, err in answers:
         if err is None:
             continue
-        if isinstance(err, wire.RemoteError) and err.kind in QUERYS_OWN:
-            raise STOPPED[err.kind](f"query stopped on host {i}: {err}") from None
+        kind = STOPPED.get(err.kind) if isinstance(err, wire.RemoteError) else None  # (its type, off the wire)
+        if kind is not None and issubclass(kind, QUERYS_OWN):
+            raise kind(f"query stopped on host {i}: {err}") from None
         missing[i] = _missing_why(err)
     return missing
 

@@ -48,7 +48,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, Any, AsyncIterator, Dict, Iterator, List, Optional, Tuple
+from typing import IO, Any, AsyncIterator, Dict, Iterator, List, Optional, Set, Tuple
 
 from ..errors import MonarchError
 
@@ -795,7 +795,7 @@ def serve_forever() -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    running: Dict[int, bool] = {}  # supervisors (each its own process group)
+    running: Set[int] = set()  # supervisors (each its own process group)
     while True:
         ready, _, _ = select.select([sock, wake_r], [], [])
         if wake_r in ready:
@@ -817,13 +817,13 @@ def serve_forever() -> None:
             os._exit(_supervise(request, fds))
         for fd in fds:
             os.close(fd)
-        running[pid] = True
+        running.add(pid)
     for pid in list(running):  # the owner is gone: so are its queries
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
 
 
-def _reap(running: Dict[int, bool]) -> None:
+def _reap(running: Set[int]) -> None:
     while running:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -831,7 +831,7 @@ def _reap(running: Dict[int, bool]) -> None:
             return
         if pid == 0:
             return
-        running.pop(pid, None)
+        running.discard(pid)
 
 
 def main() -> None:
