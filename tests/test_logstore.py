@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import time
 from pathlib import Path
 from typing import List
 
@@ -108,11 +109,12 @@ def test_a_write_that_fails_loses_its_lines_counted_and_the_next_one_goes_on(tmp
     log = store.open(d)
     os.symlink("/dev/full", d / "stdout.log")  # every write: ENOSPC, as on a full disk
     _write(log, "stdout", 0, 3)
-    assert log.failed(["stdout"]).lines == 3 and "No space left" in store.write_error
+    assert log.failed(["stdout"]).lines == 3 and "No space left" in store.warning() and "3 lines lost" in store.warning()
     (d / "stdout.log").unlink()
     _write(log, "stdout", 3, 2)
     assert (d / "stdout.log").read_text().splitlines() == ["1003.000000 line 3", "1004.000000 line 4"]
-    assert store.write_error == "" and log.failed(["stdout"]).lines == 3
+    assert "3 lines lost" in store.warning() and log.failed(["stdout"]).lines == 3  # still said, after a success
+    assert store.warning(now=time.time() + 3600) == ""  # and no longer, an hour on
 
 
 def test_a_full_disk_loses_log_lines_counted_never_the_replica_and_pool_status_says_it(small_disk, pool_name,

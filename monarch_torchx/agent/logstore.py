@@ -160,13 +160,12 @@ class StreamLog:
                     os.ftruncate(self._fd, seg.size)
             self.close_file()
             self.failed.add(DropCount(lines, len(data), time.time(), e.strerror or type(e).__name__))
-            store.write_failed(seg.path, e)
+            store.write_failed(seg.path, e, lines)
             return
         seg.size += len(data)
         seg.lines += lines
         owner.size += len(data)
         store.total += len(data)
-        store.write_error = ""
         if owner.size > store.limits.replica_bytes or (rotated and store.total > store.limits.host_bytes):
             store.enforce(owner)
 
@@ -263,6 +262,9 @@ class ReplicaLog:
             self.store.untrack(self)
 
 
+FAILURE_SHOWN_S = 600.0
+
+
 class LogStore:
     """Every replica log of this host, and the files earlier agents left under its root: what
     the host's share of the pool's log limit counts."""
@@ -273,7 +275,7 @@ class LogStore:
         self.replicas: List[ReplicaLog] = []
         self.leftovers = _scan(root)  # (mtime, path, size), oldest first
         self.total = sum(size for _, _, size in self.leftovers)
-        self.write_error = ""  # the last failed write, until a write succeeds (for `pool status`)
+        self.last_failure: Optional[Tuple[float, str, int]] = None  # (when, why, lines lost since the first)
         self.enforce(None)
 
     def open(self, directory: Path) -> ReplicaLog:
@@ -289,8 +291,22 @@ class LogStore:
         with contextlib.suppress(ValueError):
             self.replicas.remove(log)
 
-    def write_failed(self, path: Path, e: OSError) -> None:
-        self.write_error = f"cannot write replica logs in {path.parent}: {e.strerror or e}"
+    def write_failed(self, path: Path, e: OSError, lines: int) -> None:
+        lost = lines + (self.last_failure[2] if self.last_failure else 0)
+        self.last_failure = (time.time(), f"cannot write replica logs in {path.parent}: {e.strerror or e}", lost)
+
+    def warning(self, now: Optional[float] = None) -> str:
+        """What `pool status` shows: the last failed write, for ``FAILURE_SHOWN_S`` after it.
+
+        Kept after a later write succeeds (a full disk frees a little and fills again), so whoever
+        looks after the lines went missing still learns why."""
+        if self.last_failure is None:
+            return ""
+        when, why, lost = self.last_failure
+        age = (time.time() if now is None else now) - when
+        if age > FAILURE_SHOWN_S:
+            return ""
+        return f"{why} ({lost:,} lines lost, the last {age:.0f}s ago)"
 
     def enforce(self, log: Optional[ReplicaLog]) -> None:
         """Drops the oldest output until ``log`` (if given) is within the per-replica limit and the

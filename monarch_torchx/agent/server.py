@@ -231,7 +231,7 @@ class Agent:
             "idle_timeout": self.args.idle_timeout, "modules": self.modules, "warm": self.launcher.warm_info,
             "connections": self.server.connections, "accepted": self.server.accepted,
             "relayed": self.relay.relayed, "heartbeat_error": self.heartbeat_error,
-            "log_error": self.procs.log_store.write_error,
+            "log_error": self.procs.log_store.warning(),
         }
 
     async def op_launch(self, peer: wire.Peer, spec: dict) -> dict:
