@@ -7,13 +7,15 @@ replica on its host's agent, so `torchx list`, `pool status` and the telemetry s
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import wire
+from . import history, wire
 from .errors import AccessError, HostLost, HostUnreachable, MonarchError
 from .pool import Pool, PoolRequest, ensure_pool, reuse_unchecked, tree_min_hosts
 from .registry import AppRecord, Placement, Registry
-from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec
+from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, TERMINAL, UNKNOWN, LaunchSpec
 
 _STATE_ORDER = [FAILED, CANCELLED, UNKNOWN, RUNNING, PENDING]
 
@@ -153,16 +155,48 @@ def _name_unanswered(pool: Pool, silent: List[Tuple[int, Exception]], progress: 
 def replica_states(pool: Pool, arec: AppRecord) -> Dict[Tuple[str, int], Dict[str, Any]]:
     """(role, replica) -> the agent's status dict (state, msg, exit_code, attempts, ...) + hostname.
 
-    A replica whose host is unreachable, or whose host was restarted since it launched, is
-    FAILED with the reason (and the engine's, e.g. "allocation 12 is CANCELLED").
+    A replica whose end is recorded (``history.py``) is that end, whatever became of its host
+    since; only the others are asked of their hosts. Of those, one whose host is lost, or was
+    restarted since it launched, is FAILED with the reason (and the engine's, e.g. "allocation 12
+    is CANCELLED"); one whose host is only unreachable is UNKNOWN. An end an agent reports is
+    recorded here too (hosts that do not share this file system: Kubernetes).
     """
-    indices = sorted({p.host_index for p in arec.placement})
+    state_dir = pool.record.path
+    ends = history.read_ends(state_dir, arec.app_id)
+    out: Dict[Tuple[str, int], Dict[str, Any]] = {k: e.status() for k, e in ends.items()}
+    asked = [p for p in arec.placement if (p.role, p.replica_id) not in ends]
+    if not asked:
+        return out
+    out.update(_asked_states(pool, arec, asked))
+    for p in asked:
+        st = out[(p.role, p.replica_id)]
+        if st["state"] in TERMINAL and st.get("final", True):  # an agent's answer, or a loss on evidence
+            with contextlib.suppress(OSError):
+                history.record_end(state_dir, history.ReplicaEnd(
+                    arec.app_id, p.role, p.replica_id, st["state"], st.get("exit_code"), st.get("msg", ""),
+                    st.get("attempts", 1), st.get("started"), st.get("ended"), st.get("hostname", "")))
+    return out
+
+
+def stopped_states(arec: AppRecord, state_dir: Path, pool_name: str) -> Dict[Tuple[str, int], Dict[str, Any]]:
+    """``replica_states`` of an app whose pool was stopped: its recorded ends; a replica without
+    one was running when the pool went and its end was never heard."""
+    ends = history.read_ends(state_dir, arec.app_id)
+    return {(p.role, p.replica_id): ends[(p.role, p.replica_id)].status() if (p.role, p.replica_id) in ends else
+            {"state": FAILED, "hostname": "",
+             "msg": f"its pool {pool_name!r} was stopped before its end was recorded (it was still running)"}
+            for p in arec.placement}
+
+
+def _asked_states(pool: Pool, arec: AppRecord, asked: List[Placement]) -> Dict[Tuple[str, int], Dict[str, Any]]:
+    """The states of the replicas ``asked``, from their hosts (see ``replica_states``)."""
+    indices = sorted({p.host_index for p in asked})
     answers = {i: (res, err) for i, res, err in pool.ask("describe", indices, timeout=10.0, app_id=arec.app_id)}
     # a host that did not answer is lost only on evidence (see Pool.loss_evidence); else UNKNOWN
     evidence = {i: pool.loss_evidence(i, err) for i, (_, err) in answers.items()
                 if err is not None and not isinstance(err, AccessError)}
     out: Dict[Tuple[str, int], Dict[str, Any]] = {}
-    for p in arec.placement:
+    for p in asked:
         res, err = answers[p.host_index]
         host = pool.hosts[p.host_index] if p.host_index < len(pool.hosts) else None
         hostname = host.hostname if host else ""
@@ -172,16 +206,17 @@ def replica_states(pool: Pool, arec: AppRecord) -> Dict[Tuple[str, int], Dict[st
             out[key] = {"state": UNKNOWN, "msg": str(err), "hostname": hostname}
         elif err is not None and not lost and isinstance(err, HostUnreachable):
             out[key] = {"state": UNKNOWN, "msg": str(err), "hostname": hostname}  # unreachable is not dead
-        elif err is not None:
+        elif err is not None:  # (final only on the evidence of a loss: else it may be answered later)
             out[key] = {"state": FAILED, "msg": pool.lost_message(p.host_index, lost, err) if lost else str(err),
-                        "hostname": hostname}
+                        "hostname": hostname, "final": bool(lost)}
         elif host is None or host.incarnation != p.incarnation:
             out[key] = {"state": FAILED, "hostname": hostname,
                         "msg": f"host {p.host_index} was lost and restarted while the replica ran"}
         else:
             st = next((s for s in res if s["role"] == p.role and s["replica_id"] == p.replica_id), None)
             out[key] = ({**st, "hostname": hostname} if st else
-                        {"state": FAILED, "msg": f"replica not known to host {p.host_index}", "hostname": hostname})
+                        {"state": FAILED, "msg": f"replica not known to host {p.host_index}", "hostname": hostname,
+                         "final": False})  # (its launch may not have reached it yet)
     return out
 
 
@@ -190,10 +225,34 @@ def kill(pool: Pool, arec: AppRecord) -> None:
     pool.ask("kill", indices, timeout=15.0, app_id=arec.app_id)
 
 
-def list_states(pool: Pool) -> Dict[Tuple[str, str, int], str]:
-    """(app_id, role, replica) -> state, for everything the pool's live agents know."""
+def list_states(pool: Pool, records: Sequence[AppRecord]) -> Dict[Tuple[str, str, int], str]:
+    """(app_id, role, replica) -> state, for ``records``' replicas: their recorded ends, and what
+    the pool's live agents know of the others (the agents are not asked when every one ended)."""
     seen: Dict[Tuple[str, str, int], str] = {}
-    for _, res, _ in pool.ask("list", range(pool.record.num_hosts), timeout=10.0):
-        for st in res or []:
-            seen[(st["app_id"], st["role"], st["replica_id"])] = st["state"]
+    open_apps = False
+    for a in records:
+        ends = history.read_ends(pool.record.path, a.app_id)
+        seen.update({(a.app_id, role, k): e.state for (role, k), e in ends.items()})
+        open_apps = open_apps or len(ends) < len(a.placement)
+    if open_apps:
+        for _, res, _ in pool.ask("list", range(pool.record.num_hosts), timeout=10.0):
+            for st in res or []:
+                seen.setdefault((st["app_id"], st["role"], st["replica_id"]), st["state"])
     return seen
+
+
+def ends_with_failure(states: Dict[Tuple[str, int], Dict[str, Any]]) -> bool:
+    """The app has failed (a replica FAILED for good) while others still run: TorchX would call
+    it FAILED and stop watching, and the others would run on unseen. ``end_failed`` ends them."""
+    values = [s["state"] for s in states.values()]
+    return FAILED in values and any(v in (PENDING, RUNNING) for v in values)
+
+
+def end_failed(pool: Pool, arec: AppRecord, states: Dict[Tuple[str, int], Dict[str, Any]]) -> Dict[Tuple[str, int], Dict[str, Any]]:
+    """Ends the replicas still running of an app that failed, then reads its states again: an app
+    is reported FAILED only once nothing of it runs (as a failed torchrun ends its other nodes)."""
+    failed = sorted(f"{r}/{k}" for (r, k), s in states.items() if s["state"] == FAILED)
+    pool.ask("kill", sorted({p.host_index for p in arec.placement
+                             if states.get((p.role, p.replica_id), {}).get("state") in (PENDING, RUNNING)}),
+             timeout=15.0, app_id=arec.app_id, reason=f"ended because {', '.join(failed)} failed")
+    return replica_states(pool, arec)

@@ -94,8 +94,10 @@ class Provisioner(Protocol):
     def submission(self, rec: PoolRecord) -> "Submission":
         """What ``create(rec)`` would send (for dry-runs): built by the code ``create`` uses, making nothing."""
 
-    # optional: ``resize(rec, hosts) -> (indices to wait for, their old incarnations)`` and
-    # ``open_tunnel(rec, addr, timeout)`` for hosts whose address has ``via`` set
+    # optional: ``resize(rec, hosts) -> (indices to wait for, their old incarnations)``,
+    # ``open_tunnel(rec, addr, timeout)`` for hosts whose address has ``via`` set, and
+    # ``reuse_warnings(rec, options) -> [line]``: what a reused pool gives less of than a run's
+    # options ask, not part of its fingerprint (SLURM: less time left than time=): said, not refused
 
 
 @dataclass
@@ -486,13 +488,25 @@ def plan_pool(req: PoolRequest, registry: Optional[Registry] = None,
     if rec is not None:
         diffs = _fingerprint_diff(rec, req, prov)
         if not diffs:
-            return PoolPlan("reuse", f"pool {req.name!r} exists with {rec.num_hosts} host(s): nothing is submitted")
+            notes = "".join(f"; warning: {w}" for w in reuse_warnings(rec, req, prov))
+            return PoolPlan("reuse", f"pool {req.name!r} exists with {rec.num_hosts} host(s): nothing is submitted{notes}")
         if not req.replace:
             return PoolPlan("refused", f"pool {req.name!r} has {', '.join(diffs)}; use -cfg replace=True")
         action, reason = "replace", ", ".join(diffs)
     spec = _new_spec(req, prov, defaults)
     draft = draft_record(req.name, req.scheduler, spec, dict(req.options), registry)
     return PoolPlan(action, reason, prov.submission(draft))
+
+
+def reuse_warnings(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> List[str]:
+    """What the pool ``rec``, reused for ``req``, gives less of than asked (see Provisioner)."""
+    warn = getattr(prov, "reuse_warnings", None)
+    return list(warn(rec, dict(req.options))) if warn is not None else []
+
+
+def _say_reuse_warnings(rec: PoolRecord, req: PoolRequest, prov: Provisioner, progress: Callable[[str], None]) -> None:
+    for w in reuse_warnings(rec, req, prov):
+        progress(f"warning: {w}")
 
 
 def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults: Optional[Dict[str, Any]] = None,
@@ -518,6 +532,8 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
                 progress(f"replacing pool {req.name!r} ({', '.join(diffs)})")
                 _stop(Pool(rec, registry), prov, "replaced")
                 rec = None
+            else:
+                _say_reuse_warnings(rec, req, prov, progress)
         if rec is None:
             spec = _new_spec(req, prov, defaults)
             rec = registry.new_record(req.name, req.scheduler, spec, req.options)
@@ -587,6 +603,7 @@ def reuse_unchecked(req: PoolRequest, registry: Optional[Registry] = None,
         gone = getattr(prov, "host_gone", None)
         if any(h is None or h.exited or (gone is not None and gone(rec, h)) for h in hosts):
             return None
+        _say_reuse_warnings(rec, req, prov, progress)
         return pool
 
 

@@ -5,9 +5,11 @@ process (another shell, `torchx status`, a submitit job) can find a pool by name
 
     pools/NAME.json        PoolRecord (mode 0600: it holds the pool's secret)
     pools/NAME.lock        flock: create/replace/repair of one pool name is serialized
+    stopped/NAME.json      the state dirs of stopped pools of this name (history.py)
     pools/NAME/            the pool's state dir (0700)
         hosts/I.json       written by agent I when it listens (address, pid, incarnation)
         apps/APP.json      one AppRecord per app run on the pool
+        ended/APP/...      how each of its replicas ended (history.py): outlives the pool
         logs/...           agents' own logs and per-replica stdout/stderr
 
 For SLURM the state dir sits on the shared file system (the job dir), so agents on other
@@ -29,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+from . import history
 from .credentials import TLS_FILE, TOKEN_FILE, PoolCredentials, check_tls_pem, new_tls_pem
 from .errors import MonarchError, PoolNotFound
 from .private import PrivatePathError, private_dir, write_private_bytes
@@ -177,6 +180,7 @@ class Registry:
     def __init__(self, root: Optional[Path] = None):
         self.root = Path(root) if root else home()
         self.pools_dir = self.root / "pools"
+        self.stopped_dir = self.root / "stopped"  # stopped pools' state dirs, by name (history.py)
 
     def _ensure_dirs(self) -> None:
         """The home and its pools dir: ours, private, and under parents no one else can write."""
@@ -266,10 +270,14 @@ class Registry:
         return out
 
     def delete(self, rec: PoolRecord) -> None:
-        """Forgets a pool: record, addresses and app records. Logs are kept for post-mortems."""
+        """Forgets a pool: its record, addresses and secrets. Its apps' records, ends and logs stay
+        in its state dir, remembered under its name, so its apps still answer (``history.py``);
+        stopped pools' dirs past the retention are pruned here."""
+        with contextlib.suppress(OSError):  # (a pool that cannot be remembered is still stopped)
+            history.remember_stopped(self.stopped_dir, rec.name, rec.scheduler, Path(rec.state_dir))
         with contextlib.suppress(FileNotFoundError):
             self.record_path(rec.name).unlink()
-        for sub in ("hosts", "apps"):
+        for sub in ("hosts",):
             d = Path(rec.state_dir) / sub
             if d.is_dir():
                 for f in d.iterdir():
@@ -279,6 +287,19 @@ class Registry:
             with contextlib.suppress(FileNotFoundError):
                 (Path(rec.state_dir) / name).unlink()
         shutil.rmtree(Path(rec.state_dir) / MONARCH_JOBS_DIR, ignore_errors=True)  # their keys, with the pool
+        with contextlib.suppress(OSError):
+            history.prune_stopped(self.stopped_dir, [Path(r.state_dir) for r in self.list()])
+
+    def stopped(self, name: Optional[str] = None, scheduler: Optional[str] = None) -> List["history.StoppedPool"]:
+        """Stopped pools whose apps are kept (``history.py``): named ``name`` (newest first), or all."""
+        names = [name] if name else history.stopped_names(self.stopped_dir)
+        out = []
+        for n in names:
+            with contextlib.suppress(MonarchError):
+                check_pool_name(n)
+                out += [p for p in history.stopped_pools(self.stopped_dir, n)
+                        if scheduler is None or p.scheduler == scheduler]
+        return out
 
     # ------------------------------------------------------------ hosts
 
@@ -395,9 +416,14 @@ class Registry:
 
     @staticmethod
     def get_app(rec: PoolRecord, app_id: str) -> Optional[AppRecord]:
+        return Registry.app_in(Path(rec.state_dir), app_id)
+
+    @staticmethod
+    def app_in(state_dir: Path, app_id: str) -> Optional[AppRecord]:
+        """The record of app ``app_id`` in a (live or stopped) pool's state dir, if there."""
         if not _NAME.match(app_id):
             return None
-        data = _read_json(Path(rec.state_dir) / "apps" / f"{app_id}.json")
+        data = _read_json(Path(state_dir) / "apps" / f"{app_id}.json")
         return AppRecord.from_json(data) if data else None
 
     @staticmethod
@@ -406,10 +432,15 @@ class Registry:
         if _NAME.match(app_id):
             with contextlib.suppress(FileNotFoundError):
                 (Path(rec.state_dir) / "apps" / f"{app_id}.json").unlink()
+            history.forget_app(Path(rec.state_dir), app_id)
 
     @staticmethod
     def list_apps(rec: PoolRecord) -> List[AppRecord]:
-        d = Path(rec.state_dir) / "apps"
+        return Registry.apps_in(Path(rec.state_dir))
+
+    @staticmethod
+    def apps_in(state_dir: Path) -> List[AppRecord]:
+        d = Path(state_dir) / "apps"
         out = []
         for p in sorted(d.glob("*.json")) if d.is_dir() else []:
             with contextlib.suppress(MonarchError, TypeError, KeyError):

@@ -20,6 +20,9 @@ class LaunchSpec:
     replica_id: int
     argv: List[str]
     env: Dict[str, str] = field(default_factory=dict)
+    # the submitting shell's environment, under ``env`` (as TorchX's local_cwd and slurm pass it);
+    # its PATH goes after the agent's interpreter dir, so `python` stays the pool's (see procs.py)
+    inherited_env: Dict[str, str] = field(default_factory=dict)
     cwd: Optional[str] = None
     max_retries: int = 0
     # optional: also append the raw output to these files (submitit's %j_%t_log.out/err)
@@ -34,5 +37,6 @@ class LaunchSpec:
     def __post_init__(self) -> None:
         if not self.argv or not all(isinstance(a, str) for a in self.argv):
             raise ValueError("argv must be a non-empty list of strings")
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
-            raise ValueError("env must map strings to strings")
+        for env in (self.env, self.inherited_env):
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+                raise ValueError("env must map strings to strings")

@@ -176,6 +176,12 @@ class CmdRun(_OneLineErrors, _Run):
             runner = _PromptWaitRunner(runner)
         super()._wait_and_exit(runner, app_handle, log)
 
+    def _wait(self, runner: Any, app_handle: str, log: bool, tee_logs: bool = False) -> Any:
+        """torchx-nightly's wait (it has no ``_wait_and_exit``): the same prompt wait."""
+        if app_handle.startswith("monarch_"):
+            runner = _PromptWaitRunner(runner)
+        return super()._wait(runner, app_handle, log, tee_logs)
+
     def run(self, args: argparse.Namespace) -> None:
         if str(getattr(args, "scheduler", "")).startswith("monarch_"):
             try:

@@ -6,6 +6,7 @@ An app handle is ``monarch_local://SESSION/POOL:APP``; the pool part tells any l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from torchx.schedulers.api import DescribeAppResponse, ListAppResponse, Scheduler, Stream
@@ -22,10 +24,10 @@ from torchx.specs import AppDef, AppDryRunInfo, AppState, CfgVal, ReplicaStatus,
 from torchx.workspace.api import WorkspaceMixin
 
 from .. import apps
-from ..agent.logstore import POOL_MAX_MB, REPLICA_MAX_MB
+from ..agent.logstore import POOL_MAX_MB, REPLICA_MAX_MB, STREAMS, read_files
 from ..errors import MonarchError
 from ..pool import Pool, PoolRequest, get_provisioner, parse_duration, plan_pool, preload_list
-from ..registry import AppRecord, Registry, check_pool_name
+from ..registry import AppRecord, Placement, Registry, check_pool_name
 from ..specs import FAILED, SUCCEEDED, LaunchSpec
 from ..submission import PoolPlan
 from ..torchrun import PLAN_ENV, TorchrunPlan, plan_role
@@ -60,6 +62,7 @@ class MonarchRequest:
     workspace: Optional[ws.Workspace] = None  # synced to the hosts of role 0 before it starts
     torchrun: Dict[str, TorchrunPlan] = field(default_factory=dict)  # by role name, torchrun roles only
     pool_plan: Optional[PoolPlan] = None  # what the run does to the pool, and what it would submit
+    inherited_env: Dict[str, str] = field(default_factory=dict)  # this shell's, under each replica's env
 
     def __repr__(self) -> str:
         spec = ", ".join(f"{k}={v}" for k, v in self.pool.spec.items() if v is not None) or "existing spec"
@@ -69,6 +72,10 @@ class MonarchRequest:
         if self.workspace:
             lines.append(f"workspace {self.workspace.src} synced to {self.workspace.mount} "
                          f"(shown below as {ws.MOUNT_TOKEN})")
+        if self.inherited_env:
+            cold = cold_env_names(self.inherited_env)
+            lines.append(f"environment: this shell's {len(self.inherited_env)} variables, under each replica's env below"
+                         + (f" ({', '.join(cold)}: read as Python starts; see `{COLD_ENV_DOC}`)" if cold else ""))
         for role, plan in self.torchrun.items():
             path = "warm torchrun" if plan.warm else "real torchrun"
             lines.append(f"role {role}: {path}: {plan.reason}")
@@ -79,6 +86,47 @@ class MonarchRequest:
                 lines.append(f"    env: {' '.join(f'{k}={v}' for k, v in sorted(s.env.items()))}")
             lines.append(f"    cwd: {s.cwd}  max_retries: {s.max_retries}")
         return "\n".join(lines)
+
+
+# Not passed on from the submitting shell: what names the client's own pool, job or shell (the
+# agent sets the pool's; a client inside a SLURM job must not hand its job's ids to the replicas)
+_NOT_INHERITED_PREFIXES = ("MONARCH_TORCHX_", "SLURM_", "SLURMD_", "SBATCH_", "SALLOC_")
+_NOT_INHERITED = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})
+COLD_ENV_DOC = "README: Run options, environment"
+
+
+def inherited_env(environ: Mapping[str, str]) -> Dict[str, str]:
+    """What replicas get of the submitting shell's environment (all of it, but the above)."""
+    return {k: v for k, v in environ.items()
+            if k not in _NOT_INHERITED and not k.startswith(_NOT_INHERITED_PREFIXES)}
+
+
+def cold_env_names(env: Mapping[str, str]) -> List[str]:
+    """The variables of ``env`` an interpreter reads as it starts: a Python replica given a value
+    its pool's warm interpreter did not start with is started afresh (cold), not forked warm."""
+    from ..agent.forkserver import INIT_ENV
+
+    return sorted(k for k in env if k in INIT_ENV)
+
+
+def _warn_cold_env_once(pool: Pool, env: Mapping[str, str]) -> None:
+    """Says once per pool (and set of names) that this shell sets variables that can make Python
+    replicas start cold, so a slow start is not a mystery."""
+    cold = cold_env_names(env)
+    if not cold:
+        return
+    marker = pool.record.path / "hosts" / "cold-env-said"
+    said = ",".join(cold)
+    with contextlib.suppress(OSError):
+        if marker.read_text() == said:
+            return
+    _progress(f"note: this shell sets {', '.join(cold)}, read as Python starts: Python replicas whose value "
+              f"differs from the pool's agents' start cold (no warm import); unset them, or create the pool "
+              f"from a shell that sets them ({COLD_ENV_DOC})")
+    with contextlib.suppress(OSError):
+        from ..registry import write_private
+
+        write_private(marker, said)
 
 
 def split_app_id(app_id: str) -> Tuple[str, str]:
@@ -203,7 +251,9 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         # on engines whose hosts do not share the client's file system (Kubernetes), replicas run in
         # the agent's working directory (the image's WORKDIR), as TorchX's kubernetes scheduler does
         cwd = os.getcwd() if get_provisioner(self.backend).client_cwd_on_hosts else None
-        req = MonarchRequest(pool_req, app_id, app.name, roles=[])
+        # and there they get this shell's environment, as TorchX's local_cwd and slurm give it
+        inherited = inherited_env(os.environ) if cwd is not None else {}
+        req = MonarchRequest(pool_req, app_id, app.name, roles=[], inherited_env=inherited)
         for n, role in enumerate(app.roles):
             workspace = ws.attached(role.image, cfg) if n == 0 else None
             req.workspace = req.workspace or workspace
@@ -222,7 +272,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                     if plan.warm:
                         argv = list(plan.argv)
                 spec = LaunchSpec(app_id=app_id, role=role.name, replica_id=i, argv=argv,
-                                  env=env, cwd=ws.MOUNT_TOKEN if workspace else cwd,
+                                  env=env, inherited_env=inherited, cwd=ws.MOUNT_TOKEN if workspace else cwd,
                                   max_retries=int(role.max_retries or 0))
                 req.replicas.append(ReplicaLaunch(host_index=i, spec=spec))
         req.pool_plan = plan_pool(pool_req, self.registry, defaults={"hosts": want_hosts, "preload": "torch"})
@@ -261,11 +311,13 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         pool, arec = apps.start(req.pool, req.app_id, req.app_name, req.roles, place, self.registry,
                                 defaults={"hosts": want, "preload": "torch"}, progress=_progress,
                                 check_first=req.workspace is not None)
+        _warn_cold_env_once(pool, req.inherited_env)
         return f"{pool.name}:{arec.app_id}"
 
     # ------------------------------------------------------------ queries
 
     def _lookup(self, app_id: str) -> Optional[Tuple[Pool, AppRecord]]:
+        """The app on its live pool (one whose record exists, its agents up or not)."""
         try:
             pool_name, app = split_app_id(app_id)
             rec = self.registry.get(pool_name)
@@ -276,6 +328,16 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         arec = Registry.get_app(rec, app)
         return (Pool(rec, self.registry), arec) if arec else None
 
+    def _lookup_stopped(self, app_id: str) -> Optional[Tuple[AppRecord, Path]]:
+        """The app on a stopped pool of its name (``history.py``): its record and that pool's state dir."""
+        with contextlib.suppress(MonarchError):
+            pool_name, app = split_app_id(app_id)
+            for p in self.registry.stopped(pool_name, self.backend):
+                arec = Registry.app_in(Path(p.state_dir), app)
+                if arec is not None:
+                    return arec, Path(p.state_dir)
+        return None
+
     def describe(self, app_id: str) -> Optional[DescribeAppResponse]:
         """The app's state, asked of its hosts. Threads that ask for one app at once share one
         answer: ``torchx log`` of N replicas runs N threads that each begin with a describe."""
@@ -283,10 +345,17 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
 
     def _describe(self, app_id: str) -> Optional[DescribeAppResponse]:
         found = self._lookup(app_id)
-        if found is None:
-            return None
-        pool, arec = found
-        states = apps.replica_states(pool, arec)
+        if found is not None:
+            pool, arec = found
+            states = apps.replica_states(pool, arec)
+            if apps.ends_with_failure(states):
+                states = apps.end_failed(pool, arec, states)
+        else:
+            stopped = self._lookup_stopped(app_id)
+            if stopped is None:
+                return None
+            arec, state_dir = stopped
+            states = apps.stopped_states(arec, state_dir, split_app_id(app_id)[0])
         resp = DescribeAppResponse()
         resp.app_id = app_id
         resp.state = AppState[apps.app_state([s["state"] for s in states.values()])]
@@ -306,10 +375,19 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         for rec in self.registry.list(self.backend):
             pool = Pool(rec, self.registry)
             records = Registry.list_apps(rec)
-            seen = apps.list_states(pool) if records else {}
+            seen = apps.list_states(pool, records) if records else {}
             for a in records:
                 states = [seen.get((a.app_id, p.role, p.replica_id), FAILED) for p in a.placement]
                 app_id = f"{rec.name}:{a.app_id}"
+                out.append(ListAppResponse(app_id=app_id, state=AppState[apps.app_state(states)],
+                                           app_handle=f"{self.backend}://{self.session_name}/{app_id}"))
+        live = {Path(r.state_dir) for r in self.registry.list()}
+        for p in self.registry.stopped(scheduler=self.backend):  # their apps, as their recorded ends say
+            if Path(p.state_dir) in live:  # (a pool of that name made again in the same dir lists them)
+                continue
+            for a in Registry.apps_in(Path(p.state_dir)):
+                states = [s["state"] for s in apps.stopped_states(a, Path(p.state_dir), p.name).values()]
+                app_id = f"{p.name}:{a.app_id}"
                 out.append(ListAppResponse(app_id=app_id, state=AppState[apps.app_state(states)],
                                            app_handle=f"{self.backend}://{self.session_name}/{app_id}"))
         return out
@@ -351,21 +429,34 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
     def log_iter(self, app_id: str, role_name: str, k: int = 0, regex: Optional[str] = None,
                  since: Optional[datetime] = None, until: Optional[datetime] = None,
                  should_tail: bool = False, streams: Optional[Stream] = None) -> Iterable[str]:
+        """The replica's lines from its agent; from its files when the agent that ran it is gone
+        (the pool idled out, was stopped, or the host restarted) and they are on this file system."""
+        stream = streams.value if isinstance(streams, Stream) else (streams or "combined")
+        names = STREAMS if stream == "combined" else (stream,)
+        if any(n not in STREAMS for n in names):
+            raise MonarchError(f"unknown stream {stream!r}: use stdout, stderr or combined")
+        window = (since.timestamp() if since else None, until.timestamp() if until else None, regex)
         found = self._lookup(app_id)
         if found is None:
-            raise MonarchError(f"no app {app_id!r} on {self.backend}; see `torchx list -s {self.backend}`")
+            stopped = self._lookup_stopped(app_id)
+            if stopped is None:
+                raise MonarchError(f"no app {app_id!r} on {self.backend}; see `torchx list -s {self.backend}`")
+            arec, state_dir = stopped
+            place = _replica_place(app_id, arec, role_name, k)
+            return _from_files(state_dir, place, arec, names, window,
+                               MonarchError(f"the logs of {role_name}/{k} are gone: its pool "
+                                            f"{split_app_id(app_id)[0]!r} was stopped and its files were removed"))
         pool, arec = found
-        place = next((p for p in arec.placement if p.role == role_name and p.replica_id == k), None)
-        if place is None:
-            have = ", ".join(f"{p.role}/{p.replica_id}" for p in arec.placement)
-            raise MonarchError(f"app {app_id!r} has no replica {role_name}/{k} (it has {have})")
-        stream = streams.value if isinstance(streams, Stream) else (streams or "combined")
-        client = pool.connect(place.host_index)  # (reads that one host's address, not the pool's)
+        place = _replica_place(app_id, arec, role_name, k)
+        try:
+            client = pool.connect(place.host_index)  # (reads that one host's address, not the pool's)
+        except MonarchError as e:
+            return _from_files(pool.record.path, place, arec, names, window, e)
         client.settimeout(None if should_tail else 60.0)
-        return _lines(client.stream("logs", app_id=arec.app_id, role=role_name, replica_id=k, streams=stream,
-                                    since=since.timestamp() if since else None,
-                                    until=until.timestamp() if until else None, regex=regex, follow=should_tail),
-                      client)
+        agent_lines = _lines(client.stream("logs", app_id=arec.app_id, role=role_name, replica_id=k, streams=stream,
+                                           since=window[0], until=window[1], regex=regex, follow=should_tail),
+                             client)
+        return _or_files(agent_lines, pool.record.path, place, arec, names, window)
 
     def app_logs(self, app_id: str, replicas: List[Tuple[str, int]], regex: Optional[str] = None,
                  since: Optional[datetime] = None, until: Optional[datetime] = None,
@@ -377,6 +468,10 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         cannot be read fails alone: iterating its lines raises MonarchError, naming it and its host."""
         from ..wire import RemoteError, UnknownOperation
 
+        if self._lookup(app_id) is None and self._lookup_stopped(app_id) is not None:  # from its files
+            for role, k in replicas:
+                yield role, k, _later(lambda r=role, i=k: self.log_iter(app_id, r, i, regex, since, until, False, streams))
+            return
         pool, arec, where = self._placed(app_id, replicas)
         hosts = sorted({where[r] for r in replicas})
         outcomes = {i: (value, err) for i, value, err in pool.ask(
@@ -420,6 +515,18 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         from ..agent.log_follow import LogEvent, check_filters, follow_group
         from ..wire import UnknownOperation
 
+        stopped = self._lookup_stopped(app_id) if self._lookup(app_id) is None else None
+        if stopped is not None:  # its pool was stopped: every replica ended, its lines are in its files
+            where = {(p.role, p.replica_id): p.host_index for p in stopped[0].placement}
+            for role, k in replicas:
+                host = where.get((role, k), -1)
+                try:
+                    yield LogEvent(host, role, k, lines=list(self.log_iter(app_id, role, k, regex, since, until,
+                                                                           False, streams)))
+                    yield LogEvent(host, role, k, replica_ended=True)
+                except MonarchError as e:
+                    yield LogEvent(host, role, k, error=str(e), kind=type(e).__name__)
+            return
         pool, arec, where = self._placed(app_id, replicas)
         args = _log_selection(arec, replicas, regex, since, until, streams)
         try:
@@ -503,6 +610,44 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             raise MonarchError(f"logs of {role}/{k} (host {host}) unavailable: {e}") from None
 
 
+def _replica_place(app_id: str, arec: AppRecord, role: str, k: int) -> Placement:
+    place = next((p for p in arec.placement if p.role == role and p.replica_id == k), None)
+    if place is None:
+        have = ", ".join(f"{p.role}/{p.replica_id}" for p in arec.placement)
+        raise MonarchError(f"app {app_id!r} has no replica {role}/{k} (it has {have})")
+    return place
+
+
+def _replica_dir(state_dir: Path, place: Placement, arec: AppRecord) -> Path:
+    """Where the agent of host ``place.host_index`` wrote the replica's output (``ProcTable``)."""
+    return Path(state_dir) / "logs" / f"host{place.host_index}" / arec.app_id / place.role / str(place.replica_id)
+
+
+def _from_files(state_dir: Path, place: Placement, arec: AppRecord, names: Tuple[str, ...],
+                window: Tuple[Optional[float], Optional[float], Optional[str]], unavailable: Exception) -> Iterator[str]:
+    """The replica's lines from its files; ``unavailable`` (raised when read) if there are none here."""
+    d = _replica_dir(state_dir, place, arec)
+    if not d.is_dir():
+        return _failed(unavailable)
+    return read_files(d, names, *window)
+
+
+def _or_files(agent_lines: Iterable[str], state_dir: Path, place: Placement, arec: AppRecord,
+              names: Tuple[str, ...], window: Tuple[Optional[float], Optional[float], Optional[str]]) -> Iterator[str]:
+    """The agent's lines; if the agent cannot give any (it no longer knows the replica: a
+    restarted host), the files' instead."""
+    it = iter(agent_lines)
+    try:
+        first = next(it)
+    except StopIteration:
+        return
+    except MonarchError as e:
+        yield from _from_files(state_dir, place, arec, names, window, e)
+        return
+    yield first
+    yield from it
+
+
 def _log_selection(arec: AppRecord, replicas: List[Tuple[str, int]], regex: Optional[str],
                    since: Optional[datetime], until: Optional[datetime], streams: Optional[Stream]) -> Dict[str, Any]:
     """What an agent's ``app_logs`` and ``app_logs_follow`` take to pick ``replicas``' lines: a role
@@ -526,6 +671,11 @@ def _log_limits(cfg: Dict[str, Any]) -> Dict[str, float]:
             raise MonarchError(f"{name}={value!r} is invalid: a log limit is a positive number of MiB")
         out[name] = float(value)
     return out
+
+
+def _later(lines: Callable[[], Iterable[str]]) -> Iterator[str]:
+    """``lines()``'s lines, opened when first read (so one replica's failure is raised as its own)."""
+    yield from lines()
 
 
 def _failed(error: Exception) -> Iterator[str]:

@@ -53,6 +53,15 @@ def parse_slurm_time(value: str) -> int:
     return parts[0] * 3600 + parts[1] * 60 + parts[2]
 
 
+def _human(seconds: int) -> str:
+    """A duration as people read it: 24 min, 1 h 30 min, 2 d 3 h."""
+    d, rest = divmod(int(seconds), 86400)
+    h, rest = divmod(rest, 3600)
+    m = rest // 60
+    parts = [f"{d} d" if d else "", f"{h} h" if h else "", f"{m} min" if m or not (d or h) else ""]
+    return " ".join(p for p in parts if p)
+
+
 def _slurm_config_defaults() -> Dict[str, Any]:
     """Values of a ``[slurm]`` section in .torchxconfig (cwd), cast as TorchX's slurm casts them."""
     try:
@@ -288,6 +297,23 @@ class SlurmProvisioner:
         if state == "RUNNING":
             return None
         return f"allocation {job} is {state or 'gone'}" + (f" ({reason})" if reason and reason != "None" else "")
+
+    def reuse_warnings(self, rec: PoolRecord, options: Dict[str, Any]) -> List[str]:
+        """A run asking for more walltime (``time=``) than the reused allocation has left: said,
+        since the allocation cannot be extended and the run may be cut short."""
+        want = options.get("walltime_s")
+        job = rec.allocation.get("job_id")
+        if not want or not job:
+            return []
+        state, _, left = job_state(str(job))
+        try:
+            left_s = parse_slurm_time(left)
+        except MonarchError:  # UNLIMITED, NOT_SET, or not running (the run's check repairs it)
+            return []
+        if left_s >= want:
+            return []
+        return [f"pool {rec.name!r} (allocation {job}) has {_human(left_s)} left, less than time={options.get('time')} "
+                f"asks; it is reused: to get a new allocation, `monarch-torchx pool stop {rec.name}` and run again"]
 
     def describe(self, rec: PoolRecord) -> Dict[str, Any]:
         job = rec.allocation.get("job_id")

@@ -33,10 +33,11 @@ import contextlib
 import heapq
 import itertools
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 STREAMS = ("stdout", "stderr")
 MIB = 1 << 20
@@ -49,6 +50,55 @@ MIN_SEGMENT_BYTES = 4096
 
 def segment_path(directory: Path, stream: str, seq: int) -> Path:
     return directory / (f"{stream}.log" if seq == 0 else f"{stream}.log.{seq}")
+
+
+def segments_on_disk(directory: Path, stream: str) -> List[Tuple[int, Path]]:
+    """(seq, path) of a stream's segments present in ``directory``, oldest first."""
+    out = []
+    for p in directory.glob(f"{stream}.log*"):
+        rest = p.name[len(stream) + len(".log"):]
+        if rest == "":
+            out.append((0, p))
+        elif rest[:1] == "." and rest[1:].isdigit():
+            out.append((int(rest[1:]), p))
+    return sorted(out)
+
+
+def read_files(directory: Path, names: Sequence[str], since: Optional[float] = None, until: Optional[float] = None,
+               regex: Optional[str] = None) -> Iterator[str]:
+    """A replica's lines from its files alone, streams merged by time, each ending in a newline:
+    ``torchx log`` of a replica whose agent is gone (its pool idled out, was stopped or lost its
+    allocation). Its first line says so when the oldest output was already dropped (the limits)."""
+    pattern = re.compile(regex) if regex else None
+    present = {n: segments_on_disk(directory, n) for n in names}
+    if any(segs and segs[0][0] > 0 for segs in present.values()):
+        yield (f"[monarch-torchx: the oldest part of {'this replica' if len(names) > 1 else names[0]}'s "
+               "output was dropped (log limits); what is left follows]\n")
+
+    def lines(segs: List[Tuple[int, Path]]) -> Iterator[Tuple[float, str]]:
+        for _, path in segs:
+            try:
+                with open(path, "rb") as f:
+                    for raw in f:
+                        if raw.endswith(b"\n"):  # (a line cut by a full disk is not whole: skipped)
+                            yield parse_line(raw[:-1])
+            except FileNotFoundError:
+                continue
+
+    merged = heapq.merge(*(lines(segs) for segs in present.values()), key=lambda x: x[0])
+    for ts, line in merged:
+        if (since is None or ts >= since) and (until is None or ts <= until) and (pattern is None or pattern.search(line)):
+            yield line + "\n"
+
+
+def parse_line(raw: bytes) -> Tuple[float, str]:
+    """A stored line: its time (as the agent read it) and its text."""
+    ts, _, line = raw.partition(b" ")
+    try:
+        t = float(ts)
+    except ValueError:
+        t = 0.0
+    return t, line.decode("utf-8", errors="replace")
 
 
 def mib(n: int) -> str:

@@ -15,14 +15,17 @@ import json
 import os
 import re
 import signal
+import socket
+import sys
 import time
 from pathlib import Path
 from typing import AsyncIterator, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from ..history import ReplicaEnd, forget_end, record_end
 from ..private import private_dir
 from ..specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, TERMINAL, LaunchSpec
 from .launcher import Launcher, SpawnError
-from .logstore import STREAMS, DropCount, LogLimits, LogStore, ReplicaLog, Segment, StreamLog, mib
+from .logstore import STREAMS, DropCount, LogLimits, LogStore, ReplicaLog, Segment, StreamLog, mib, parse_line
 
 MAX_PARTIAL = 64 * 1024  # a line longer than this is split rather than buffered forever
 BATCH_LINES = 2000
@@ -108,6 +111,8 @@ class Replica:
         self.started = time.time()
         self.ended: Optional[float] = None
         self.cancelled = False
+        self.cancel_reason = "cancelled"
+        self.record_end = True  # (an end its agent cannot vouch for, a signal's: the client records it)
         self.timed_out = False
         self.requeues = 0
         self.timers: List[asyncio.TimerHandle] = []
@@ -141,13 +146,6 @@ class Replica:
         }
 
 
-def _parse_line(raw: bytes) -> Tuple[float, str]:
-    ts, _, line = raw.partition(b" ")
-    try:
-        t = float(ts)
-    except ValueError:
-        t = 0.0
-    return t, line.decode("utf-8", errors="replace")
 
 
 class _Tail:
@@ -183,7 +181,7 @@ class _Tail:
                     data = b""
                 end = data.rfind(b"\n")
                 if end >= 0:
-                    lines = [_parse_line(raw) for raw in data[:end].split(b"\n")]
+                    lines = [parse_line(raw) for raw in data[:end].split(b"\n")]
                     self.offset += end + 1
                     self.lines += len(lines)
                     self.bytes += end + 1
@@ -202,8 +200,12 @@ class ProcTable:
     """Replicas by (app_id, role, replica_id), started through the one Launcher."""
 
     def __init__(self, launcher: Launcher, log_root: Path, base_env: Dict[str, str],
-                 log_limits: Optional[LogLimits] = None):
+                 log_limits: Optional[LogLimits] = None, history_dir: Optional[Path] = None):
+        """``history_dir``: the pool's state dir, where each replica's end is recorded as it ends
+        (``history.py``); None: not recorded (a table without a pool)."""
         self._launcher = launcher
+        self._history_dir = history_dir
+        self.history_error = ""  # the last failed record of an end, for `pool status`
         self._log_root = log_root
         self.log_store = LogStore(log_root, log_limits or LogLimits())
         self._base_env = base_env
@@ -228,6 +230,9 @@ class ProcTable:
         private_dir(log_dir, check=False)  # logs may hold secrets from env or args
         if old is not None:  # the same replica again: its log goes on
             old.log.restart()
+        if self._history_dir is not None:  # (a start made again: the end of the first no longer holds)
+            with contextlib.suppress(OSError):
+                forget_end(self._history_dir, spec.app_id, spec.role, spec.replica_id)
         rep = Replica(spec, log_dir, old.log if old is not None else self.log_store.open(log_dir))
         self.replicas[key] = rep
         # shielded: a client that goes away mid-launch must not leave a half-started process behind
@@ -243,11 +248,13 @@ class ProcTable:
     async def _attempt(self, rep: Replica) -> None:
         """One attempt; never raises: whatever goes wrong ends as the replica's FAILED reason."""
         if rep.cancelled:
-            self._finish(rep, CANCELLED, None, "cancelled")
+            self._finish(rep, CANCELLED, None, rep.cancel_reason)
             return
         loop = asyncio.get_running_loop()
         rep.attempts += 1
-        env = {**self._base_env, **rep.spec.env}
+        env = {**self._base_env, **rep.spec.inherited_env, **rep.spec.env}
+        if "PATH" in rep.spec.inherited_env and "PATH" not in rep.spec.env:  # the pool's python first, as in base_env
+            env["PATH"] = os.pathsep.join((os.path.dirname(os.path.abspath(sys.executable)), rep.spec.inherited_env["PATH"]))
         # where a torchrun (or any @record entrypoint) writes why it failed, as TorchX's local_cwd sets it
         env.setdefault(ERROR_FILE_ENV, str(rep.log_dir / "error.json"))
         with contextlib.suppress(FileNotFoundError):
@@ -304,7 +311,21 @@ class ProcTable:
         rep.state, rep.exit_code, rep.msg, rep.ended = state, code, msg, time.time()
         self.last_change = time.time()
         rep.log.finish()
+        self._record_end(rep)
         rep.notify()
+
+    def _record_end(self, rep: Replica) -> None:
+        """Writes how ``rep`` ended where it outlives this agent (``history.py``). Before anyone
+        is told (``notify``), so a client that saw the end can always read it back."""
+        if self._history_dir is None or not rep.record_end:
+            return
+        s = rep.spec
+        try:
+            record_end(self._history_dir, ReplicaEnd(s.app_id, s.role, s.replica_id, rep.state, rep.exit_code,
+                                                     rep.msg, rep.attempts, rep.started, rep.ended,
+                                                     socket.gethostname()))
+        except OSError as e:  # a full disk: the agent still answers while it lives
+            self.history_error = f"cannot record replica ends in {self._history_dir}: {e.strerror or e}"
 
     def forget(self, key: Tuple[str, str, int]) -> None:
         """Drops an ended replica from the table; its files stay, counted in the host's log limit."""
@@ -337,7 +358,7 @@ class ProcTable:
         if _signal_group(pid, signal.SIGTERM):
             asyncio.get_running_loop().call_later(3.0, _signal_group, pid, signal.SIGKILL)
         if rep.cancelled:
-            self._finish(rep, CANCELLED, code, "cancelled")
+            self._finish(rep, CANCELLED, code, rep.cancel_reason)
         elif rep.timed_out:
             self._finish(rep, FAILED, code, f"timed out after {rep.spec.timeout_s:.0f} s")
         elif code == rep.spec.requeue_code and rep.requeues < MAX_REQUEUES:
@@ -362,6 +383,9 @@ class ProcTable:
             if rep is not None:
                 for timer in rep.timers:
                     timer.cancel()
+                # not recorded: a signal to the whole job (scancel) kills the fork servers first, and
+                # the engine's word for it is the truer end (the client records it, or this agent's answer)
+                rep.record_end = False
                 self._finish(rep, FAILED, None, reason)
 
     def select(self, app_id: Optional[str], role: Optional[str] = None, replica_id: Optional[int] = None) -> List[Replica]:
@@ -369,11 +393,16 @@ class ProcTable:
                 if (app_id is None or a == app_id) and (role is None or ro == role)
                 and (replica_id is None or i == replica_id)]
 
-    async def kill(self, reps: List[Replica], grace: float = 5.0) -> int:
-        """SIGTERM the replicas' process groups, SIGKILL what is left after ``grace`` seconds."""
+    async def kill(self, reps: List[Replica], grace: float = 5.0, reason: str = "cancelled",
+                   record: bool = True) -> int:
+        """SIGTERM the replicas' process groups, SIGKILL what is left after ``grace`` seconds.
+        ``reason``: what their end says (``torchx cancel``, the agent stopping and why);
+        ``record``: whether that end is recorded (``history.py``)."""
         live = [r for r in reps if r.state in (PENDING, RUNNING)]
         for r in live:
             r.cancelled = True  # a start in progress sees this and stops its process
+            r.cancel_reason = reason
+            r.record_end = record
         live = [r for r in live if r.pid is not None and self._by_pid.get(r.pid) is r]
         for r in live:
             _signal_group(r.pid, signal.SIGTERM)  # type: ignore[arg-type]

@@ -117,13 +117,14 @@ class Agent:
         self.handlers[LOG_FOLLOW_OP] = self.log_follow.op_app_logs_follow
         self.stopping = asyncio.Event()
         self.stop_reason = ""
+        self.stop_requested = False
         self.launcher = Launcher(args.preload, self._on_exit, self._on_launcher_death)
         python_dir = os.path.dirname(os.path.abspath(sys.executable))
         base_env = dict(os.environ)
         base_env["PATH"] = python_dir + os.pathsep + base_env.get("PATH", os.defpath)
         base_env.update({"MONARCH_TORCHX_POOL": self.pool, "MONARCH_TORCHX_HOST_INDEX": str(self.index)})
         self.procs = ProcTable(self.launcher, self.state_dir / "logs" / f"host{self.index}", base_env,
-                               LogLimits.from_mb(args.log_max_mb, args.log_host_max_mb))
+                               LogLimits.from_mb(args.log_max_mb, args.log_host_max_mb), history_dir=self.state_dir)
         self.server = wire.Server(self.creds, self.handlers, on_activity=self.touch,
                                   identity=f"{self.pool}/{self.index}/{self.incarnation}".encode())
         self.addr: Optional[HostAddr] = None
@@ -231,7 +232,7 @@ class Agent:
             "idle_timeout": self.args.idle_timeout, "modules": self.modules, "warm": self.launcher.warm_info,
             "connections": self.server.connections, "accepted": self.server.accepted,
             "relayed": self.relay.relayed, "heartbeat_error": self.heartbeat_error,
-            "log_error": self.procs.log_store.warning(),
+            "log_error": "; ".join(w for w in (self.procs.log_store.warning(), self.procs.history_error) if w),
         }
 
     async def op_launch(self, peer: wire.Peer, spec: dict) -> dict:
@@ -303,8 +304,10 @@ class Agent:
         return [r.status() for r in self.procs.replicas.values()]
 
     async def op_kill(self, peer: wire.Peer, app_id: str, role: Optional[str] = None,
-                      replica_id: Optional[int] = None, grace: float = 5.0) -> int:
-        return await self.procs.kill(self.procs.select(app_id, role, replica_id), grace)
+                      replica_id: Optional[int] = None, grace: float = 5.0, reason: str = "cancelled") -> int:
+        """Ends the app's (or one role's, or one replica's) live replicas; ``reason``: what their
+        end says. Returns how many were live."""
+        return await self.procs.kill(self.procs.select(app_id, role, replica_id), grace, reason=reason)
 
     async def op_logs(self, peer: wire.Peer, app_id: str, role: str, replica_id: int, streams: str = "combined",
                       since: Optional[float] = None, until: Optional[float] = None, regex: Optional[str] = None,
@@ -346,6 +349,7 @@ class Agent:
         return out
 
     async def op_shutdown(self, peer: wire.Peer, reason: str = "pool stopped") -> bool:
+        self.stop_requested = True  # (the ends of what it kills are recorded: see run())
         self.stop(reason)
         return True
 
@@ -474,7 +478,11 @@ class Agent:
         for task in self._background:
             task.cancel()
         await self.server.close()
-        await self.procs.kill(list(self.procs.replicas.values()), grace=3.0)
+        # asked to stop (`pool stop`): what it ends is recorded so. A signal (scancel, walltime) or
+        # a successor: not recorded here, so the client records the engine's word for it instead
+        # ("allocation 12 is CANCELLED"), as it does for an agent that was killed outright
+        await self.procs.kill(list(self.procs.replicas.values()), grace=3.0,
+                              reason=f"ended: {self.stop_reason}", record=self.stop_requested)
         self.launcher.close()
         self.relay.close()
         for fn in self._cleanups:
