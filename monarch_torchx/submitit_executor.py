@@ -53,14 +53,31 @@ class MonarchJob(core.Job[core.R]):
             raise MonarchError(f"job {self.job_id} is not known to pool {meta['pool']!r}")
         return pool, arec
 
+    def _ended_on_stopped_pool(self) -> tp.Optional[tp.Dict[tp.Tuple[str, int], tp.Dict[str, tp.Any]]]:
+        """The job's states as recorded, if its pool was stopped (``history.py``); else None."""
+        from . import apps
+        from .registry import Registry
+
+        meta = json.loads(_meta_path(self._paths.folder, self.job_id).read_text())
+        reg = Registry()
+        if reg.get(meta["pool"]) is not None:
+            return None
+        for p in reg.stopped(meta["pool"]):
+            arec = Registry.app_in(Path(p.state_dir), meta["app_id"])
+            if arec is not None:
+                return apps.stopped_states(arec, Path(p.state_dir), p.name)
+        return None
+
     @property
     def state(self) -> str:
         from . import apps
 
         try:
-            pool, arec = self._where()
-            states = apps.replica_states(pool, arec)
-        except (MonarchError, OSError, ValueError) as e:  # pool stopped, files gone: the job is lost, not pending
+            states = self._ended_on_stopped_pool()
+            if states is None:
+                pool, arec = self._where()
+                states = apps.replica_states(pool, arec)
+        except (MonarchError, OSError, ValueError) as e:  # pool gone with its files: the job is lost, not pending
             self._lost = str(e)
             return "FAILED"
         if self.task_id is not None and len(states) > 1:

@@ -170,3 +170,20 @@ def test_on_slurm_finished_apps_outlive_scancel_and_a_short_pool_is_reused_with_
     assert torchx(home, "log", h).stdout.splitlines() == ["sh/0 on slurm"]
     summary = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
     assert summary["state"] == "stopped"
+
+
+def _double(x):
+    return 2 * x
+
+
+def test_a_completed_submitit_job_stays_completed_after_its_pool_is_stopped(home, pool_name, tmp_path):
+    """Was: FAILED (the pool's record was gone, so the job read as lost)."""
+    import submitit
+
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
+    ex = submitit.AutoExecutor(folder=str(tmp_path / "logs" / "%j"), cluster="monarch")
+    ex.update_parameters(monarch_pool=pool_name)
+    job = ex.submit(_double, 21)
+    assert job.result() == 42
+    torchx(home, "pool", "stop", pool_name)
+    assert job.state == "COMPLETED" and job.result() == 42
