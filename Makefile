@@ -5,7 +5,7 @@ TORCHX_LINE ?= nightly
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-torchx07 bench bench-slurm bench-actors bench-ddp bench-ddp-slurm docs clean
+.PHONY: setup demo test test-torchx07 bench bench-slurm bench-actors bench-ddp bench-ddp-slurm bench-history docs clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,9 @@ bench-actors: setup
 
 bench-ddp: setup
 	$(BIN)/python benchmarks/warm_ddp.py
+
+bench-history: setup
+	$(BIN)/python benchmarks/app_history.py --n 5
 
 bench-ddp-slurm: setup
 	$(BIN)/python benchmarks/warm_ddp.py --slurm

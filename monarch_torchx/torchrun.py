@@ -237,6 +237,7 @@ class TorchrunPlan:
     # warm: the node process's argv; not warm: the role's argv unchanged
     argv: List[str] = field(default_factory=list)
     nnodes: int = 1
+    restarts: int = 0  # warm: the role's scheduler retries, as torchrun restarts of all its nodes
 
 
 def _torchrun_args(argv: Sequence[str]) -> Tuple[Optional[List[str]], Optional[str], str]:

@@ -78,7 +78,8 @@ class MonarchRequest:
                          + (f" ({', '.join(cold)}: read as Python starts; see `{COLD_ENV_DOC}`)" if cold else ""))
         for role, plan in self.torchrun.items():
             path = "warm torchrun" if plan.warm else "real torchrun"
-            lines.append(f"role {role}: {path}: {plan.reason}")
+            retried = f"; --max_retries {plan.restarts}: all its nodes restart together" if plan.restarts else ""
+            lines.append(f"role {role}: {path}: {plan.reason}{retried}")
         for r in self.replicas:
             s = r.spec
             lines.append(f"  {s.role}/{s.replica_id} on host {r.host_index}: {' '.join(s.argv)}")
@@ -267,13 +268,16 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                 env = {str(k): values.substitute(str(v)) for k, v in role.env.items()}
                 argv = [role.entrypoint, *(values.substitute(a) for a in role.args)]
                 plan = plan_role(argv, env, role.num_replicas, role.name)
+                retries = int(role.max_retries or 0)
                 if plan is not None:
                     req.torchrun.setdefault(role.name, plan)
                     if plan.warm:
                         argv = list(plan.argv)
+                        # its nodes restart together, as torchrun's restarts: never one alone (see NodePlan)
+                        plan.restarts, retries = retries, 0
                 spec = LaunchSpec(app_id=app_id, role=role.name, replica_id=i, argv=argv,
                                   env=env, inherited_env=inherited, cwd=ws.MOUNT_TOKEN if workspace else cwd,
-                                  max_retries=int(role.max_retries or 0))
+                                  max_retries=retries)
                 req.replicas.append(ReplicaLaunch(host_index=i, spec=spec))
         req.pool_plan = plan_pool(pool_req, self.registry, defaults={"hosts": want_hosts, "preload": "torch"})
         return AppDryRunInfo(req, repr)
@@ -693,7 +697,7 @@ def _place_torchrun(pool: Pool, role: str, plan: TorchrunPlan, replicas: List[Re
     port = pool.call(first.host_index, "reserve_port", timeout=10.0, hold_for=first.spec.app_id)
     for r in replicas:
         r.spec.env[PLAN_ENV] = json.dumps({"node_rank": r.spec.replica_id, "nnodes": plan.nnodes,
-                                           "store_host": host.host, "store_port": port})
+                                           "store_host": host.host, "store_port": port, "restarts": plan.restarts})
 
 
 def _progress(msg: str) -> None:

@@ -187,3 +187,30 @@ def test_a_completed_submitit_job_stays_completed_after_its_pool_is_stopped(home
     assert job.result() == 42
     torchx(home, "pool", "stop", pool_name)
     assert job.state == "COMPLETED" and job.result() == 42
+
+
+FAILS_ONCE = """\
+import os, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+if dist.get_rank() == 1 and restart == "0":
+    sys.exit(5)
+dist.barrier()
+print("ok", dist.get_rank(), "after restart", restart, flush=True)
+"""
+
+
+def test_max_retries_of_a_warm_ddp_restart_every_node_together(home, pool_name, tmp_path):
+    """Was: the failed node alone was retried by its agent, met a rendezvous that was gone, and the
+    other node failed with "node 1 of the role stopped answering ... its host may be lost"."""
+    (tmp_path / "train.py").write_text(FAILS_ONCE)
+    dry = torchx(home, "run", "--dryrun", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=2",
+                 "dist.ddp", "-j", "2x1", "--max_retries", "1", "--script", "train.py", cwd=tmp_path)
+    assert "--max_retries 1: all its nodes restart together" in dry.stdout + dry.stderr
+    res = torchx(home, "run", "--wait", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=2,preload=none",
+                 "dist.ddp", "-j", "2x1", "--max_retries", "1", "--script", "train.py", cwd=tmp_path, check=False)
+    h = _handle(res)
+    assert res.returncode == 0, torchx(home, "log", h).stdout[-3000:]
+    out = torchx(home, "log", h).stdout
+    assert "ok 0 after restart 1" in out and "ok 1 after restart 1" in out and "stopped answering" not in out

@@ -48,6 +48,9 @@ class NodePlan:
     nnodes: int
     store_host: str  # the address of the role's first host, as the pool's hosts reach it
     store_port: int  # reserved on that host by its agent
+    # the role's scheduler retries (``--max_retries``): torchrun restarts of every node together,
+    # in a fresh rendezvous round; a node retried alone by its agent would meet a store that is gone
+    restarts: int = 0
 
     @classmethod
     def from_env(cls) -> "NodePlan":
@@ -442,6 +445,7 @@ def main(argv: List[str]) -> int:
               f"{os.cpu_count()} cores; the workers will share them", file=sys.stderr, flush=True)
     config.rdzv_backend = BACKEND
     config.rdzv_configs = {**config.rdzv_configs, "node_rank": plan.node_rank}
+    config.max_restarts = max(config.max_restarts, plan.restarts)
     try:
         rdzv_registry.handler_registry.register(BACKEND, _make_rendezvous)
     except ValueError:
