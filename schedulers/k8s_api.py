@@ -12,22 +12,34 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from types import ModuleType
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..errors import AccessError, MonarchError
 
 API_TIMEOUT_S = 15
+EXTRA = "kubernetes"  # the pyproject extra that brings the client (and PyYAML)
+MISSING_CLIENT = f"monarch_kubernetes needs the kubernetes client: pip install 'monarch-torchx[{EXTRA}]'"
+
+
+def kube_client() -> ModuleType:
+    """The official client package, imported where it is first used: it is an optional extra, so
+    a user without it gets the one line that installs it, not an import traceback."""
+    try:
+        import kubernetes.client
+        import kubernetes.config
+        import kubernetes.stream  # noqa: F401 - port-forward; part of the same package
+    except ImportError:
+        raise MonarchError(MISSING_CLIENT) from None
+    return kubernetes
 
 
 class KubeApi:
     """The official client for one kubeconfig context (or the pod's own service account)."""
 
     def __init__(self, context: Optional[str] = None):
-        try:
-            from kubernetes import client, config
-        except ImportError:
-            raise MonarchError("monarch_kubernetes needs the kubernetes client: "
-                               "pip install 'monarch-torchx[kubernetes]'") from None
+        k8s = kube_client()
+        client, config = k8s.client, k8s.config
         self.context: Optional[str] = context
         kubeconfig = os.environ.get("KUBECONFIG") or None  # the client reads $KUBECONFIG at import: read it now
         try:
@@ -51,8 +63,9 @@ class KubeApi:
         self.rbac = client.RbacAuthorizationV1Api(self.api)
 
     def call(self, verb: str, resource: str, namespace: Optional[str], fn: Callable[..., Any], *args: Any,
-             ok: Tuple[int, ...] = (), **kwargs: Any) -> Any:
-        """Runs one API call; statuses in ``ok`` come back as ``None`` instead of an error."""
+             ok: Tuple[int, ...] = (), hints: Optional[Dict[int, str]] = None, **kwargs: Any) -> Any:
+        """Runs one API call; statuses in ``ok`` come back as ``None`` instead of an error, and a
+        status in ``hints`` adds what the caller knows about that refusal to the one line."""
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
@@ -62,7 +75,8 @@ class KubeApi:
         except ApiException as e:
             if e.status in ok:
                 return None
-            raise MonarchError(api_error(e, verb, resource, namespace)) from None
+            hint = (hints or {}).get(e.status)
+            raise MonarchError(api_error(e, verb, resource, namespace) + (f" ({hint})" if hint else "")) from None
         except (HTTPError, OSError) as e:
             reason = getattr(e, "reason", None) or e
             raise MonarchError(f"the Kubernetes API server at {self.server} is unreachable ({reason}); "

@@ -3,7 +3,8 @@
 Kept apart from the API calls so that `--dryrun`, the tests and the provisioner all see the same
 objects, and so that every object is checked against the Kubernetes schema (the official
 client's generated models) before anything is sent: a bad ``pod_template`` overlay fails here,
-with the field named, instead of half-creating a pool.
+with the field named, instead of half-creating a pool. (The tests check what reaches their API
+server independently: built-in kinds with kubernetes-validate, the MonarchMesh against its CRD.)
 """
 
 from __future__ import annotations
@@ -11,18 +12,23 @@ from __future__ import annotations
 import base64
 import copy
 import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from ..agent.logstore import POOL_MAX_MB, REPLICA_MAX_MB
 from ..errors import MonarchError
+from .k8s_api import kube_client
 
 MESH_GROUP = "monarch.pytorch.org"
 MESH_VERSION = "v1alpha1"
 MESH_PLURAL = "monarchmeshes"
 MESH_KIND = "MonarchMesh"
 MESH_LABEL = "monarch.pytorch.org/mesh-name"  # what the monarch-kubernetes operator puts on a mesh's pods
+MESH_OPERATOR = "0.2"  # monarch-operator line whose CRD we write (for Monarch >= 0.5; 0.1.x took a bare PodSpec)
+MESH_SPEC_FIELDS = ("replicas", "port", "podTemplate")  # the 0.2 CRD's spec; anything else is pruned
+MESH_TEMPLATE_META = ("annotations", "finalizers", "labels", "name", "namespace")  # its podTemplate.metadata
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 POOL_LABEL = "monarch-torchx.pytorch.org/pool"
@@ -230,11 +236,14 @@ def statefulset(spec: KubePoolSpec) -> Dict[str, Any]:
 
 
 def monarch_mesh(spec: KubePoolSpec) -> Dict[str, Any]:
-    """The operator's CRD: ``podTemplate`` is a pod *spec*, and the pods get the operator's labels."""
+    """The monarch-operator 0.2 CRD: ``podTemplate`` is a pod *template* (metadata + spec), as
+    Monarch's own ``KubernetesJob`` sends it. The operator merges its selector labels into the
+    template's labels and keeps ours, so the pods carry both. The CRD's metadata knows only labels,
+    annotations, finalizers, name and namespace: anything else would be pruned, so it is refused."""
     template = with_owner_env(pod_template(spec), f"{MESH_GROUP}/{MESH_VERSION}/{MESH_PLURAL}/{spec.name}")
     return {
         "apiVersion": f"{MESH_GROUP}/{MESH_VERSION}", "kind": MESH_KIND, "metadata": _meta(spec, spec.name, kueue=True),
-        "spec": {"replicas": spec.replicas, "port": spec.port, "podTemplate": template["spec"]},
+        "spec": {"replicas": spec.replicas, "port": spec.port, "podTemplate": template},
     }
 
 
@@ -285,33 +294,55 @@ MODEL_OF = {"StatefulSet": "V1StatefulSet", "Service": "V1Service", "Secret": "V
             "Pod": "V1Pod", "PodTemplateSpec": "V1PodTemplateSpec", "Scale": "V1Scale"}
 
 
+@dataclass
+class _Body:
+    """What the client's public ``ApiClient.deserialize`` reads: a response's JSON text."""
+
+    data: str
+
+
 def schema_errors(obj: Dict[str, Any], model: Optional[str] = None) -> List[str]:
     """Checks ``obj`` against the Kubernetes schema of the official client's models: wrong types
     and missing required fields raise in the models, unknown fields are dropped by them (found by
-    comparing the round trip). A MonarchMesh is checked through its pod template."""
-    if obj.get("kind") == MESH_KIND and model is None:  # the CRD's own rules, then the pod spec's schema
-        errs = []
-        s = obj.get("spec", {})
-        name = obj.get("metadata", {}).get("name", "")
-        if not re.match(r"^[a-z][a-z0-9]*$", name) or len(name) > 63:
-            errs.append(f"metadata.name {name!r} must be lowercase alphanumeric, starting with a letter")
-        if not isinstance(s.get("replicas"), int) or s["replicas"] < 1:
-            errs.append("spec.replicas must be an integer of at least 1")
-        if "port" in s and not isinstance(s.get("port"), int):
-            errs.append("spec.port must be an integer")
-        return errs + [f"spec.podTemplate: {e}" for e in schema_errors(s.get("podTemplate", {}), "V1PodSpec")]
-    from kubernetes.client import ApiClient
-
+    comparing the round trip). A MonarchMesh is checked by its CRD's rules, its pod template by
+    the models."""
+    if obj.get("kind") == MESH_KIND and model is None:
+        return _mesh_errors(obj)
     model = model or MODEL_OF.get(obj.get("kind", ""))
     if model is None:
         return [f"no schema for kind {obj.get('kind')!r}"]
-    api = ApiClient()
+    api = kube_client().client.ApiClient()
     try:
-        parsed = api._ApiClient__deserialize(copy.deepcopy(obj), model)
+        parsed = api.deserialize(_Body(json.dumps(obj)), model)
     except (ValueError, TypeError, AttributeError) as e:
         return [str(e).splitlines()[0]]
     back = api.sanitize_for_serialization(parsed)
     return [f"unknown or invalid field {p}" for p in _unknown(obj, back, "")]
+
+
+def _mesh_errors(obj: Dict[str, Any]) -> List[str]:
+    """The rules of the monarch-operator 0.2 CRD (``operator/api/v1alpha1/monarchmesh_types.go``
+    in meta-pytorch/monarch-kubernetes): its CEL rule on the name, ``replicas`` >= 1, an integer
+    ``port``, and ``podTemplate`` a PodTemplateSpec whose metadata has only the fields the CRD
+    declares. Unknown fields are reported, as a strict API server would, not silently pruned."""
+    errs: List[str] = []
+    name = obj.get("metadata", {}).get("name", "")
+    if not re.match(r"^[a-z][a-z0-9]*$", name) or len(name) > 63:
+        errs.append(f"metadata.name {name!r} must be lowercase alphanumeric, starting with a letter")
+    s = obj.get("spec", {})
+    errs += [f"unknown field spec.{k}" for k in s if k not in MESH_SPEC_FIELDS]
+    if not isinstance(s.get("replicas"), int) or s["replicas"] < 1:
+        errs.append("spec.replicas must be an integer of at least 1")
+    if "port" in s and not isinstance(s.get("port"), int):
+        errs.append("spec.port must be an integer")
+    template = s.get("podTemplate")
+    if not isinstance(template, dict) or not isinstance(template.get("spec"), dict):
+        return errs + [f"spec.podTemplate must be a pod template with metadata and spec (monarch-operator "
+                       f"{MESH_OPERATOR}), not {sorted(template) if isinstance(template, dict) else template!r}"]
+    errs += [f"unknown field spec.podTemplate.{k}" for k in template if k not in ("metadata", "spec")]
+    errs += [f"unknown field spec.podTemplate.metadata.{k}" for k in template.get("metadata") or {}
+             if k not in MESH_TEMPLATE_META]
+    return errs + [f"spec.podTemplate: {e}" for e in schema_errors(template, "V1PodTemplateSpec")]
 
 
 def _unknown(sent: Any, kept: Any, path: str) -> List[str]:

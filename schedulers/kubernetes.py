@@ -33,6 +33,11 @@ PLAIN_OPTS = ("access", "idle_action", "context", "start_timeout", "image_repo")
 # events that say why a pod went away (with every Warning)
 LOSS_EVENTS = ("Preempted", "Killing", "Evicted", "TaintManagerEviction", "NodeNotReady", "OOMKilling")
 RELEASE_WAIT_S = 60.0
+# a MonarchMesh refused as malformed (400: unknown fields under Strict; 422: schema) most likely
+# meets an operator of another line, whose CRD has another shape
+_OPERATOR_HINTS = {status: f"this client writes the MonarchMesh of monarch-operator {mf.MESH_OPERATOR}.x, the "
+                           "line for Monarch >= 0.5; upgrade the cluster's operator (helm upgrade) to that line"
+                   for status in (400, 422)}
 
 
 # ---------------------------------------------------------------- run options
@@ -257,7 +262,9 @@ class KubernetesProvisioner:
             g, v, p = mf.MESH_GROUP, mf.MESH_VERSION, mf.MESH_PLURAL
             return {
                 "resource": f"{p}.{g}",
-                "create": lambda ns, body, **kw: api.custom.create_namespaced_custom_object(g, v, ns, p, body, **kw),
+                # Strict: a field the cluster's CRD does not know is refused, not pruned in silence
+                "create": lambda ns, body, **kw: api.custom.create_namespaced_custom_object(
+                    g, v, ns, p, body, field_validation="Strict", **kw),
                 "get": lambda ns, name, **kw: api.custom.get_namespaced_custom_object(g, v, ns, p, name, **kw),
                 "patch": lambda ns, name, body, **kw: api.custom.patch_namespaced_custom_object(g, v, ns, p, name, body, **kw),
                 "delete": lambda ns, name, **kw: api.custom.delete_namespaced_custom_object(
@@ -265,7 +272,8 @@ class KubernetesProvisioner:
             }
         return {
             "resource": "statefulsets.apps",
-            "create": lambda ns, body, **kw: plain(api.apps.create_namespaced_stateful_set(ns, body, **kw)),
+            "create": lambda ns, body, **kw: plain(api.apps.create_namespaced_stateful_set(
+                ns, body, field_validation="Strict", **kw)),
             "get": lambda ns, name, **kw: plain(api.apps.read_namespaced_stateful_set(name, ns, **kw)),
             "patch": lambda ns, name, body, **kw: api.apps.patch_namespaced_stateful_set(name, ns, body, **kw),
             "delete": lambda ns, name, **kw: api.apps.delete_namespaced_stateful_set(
@@ -338,7 +346,8 @@ class KubernetesProvisioner:
                 self._create_dependent(api, rec, body)
                 made.append(body)
             calls = self._owner_calls(api, spec.kind)
-            owner = api.call("create", calls["resource"], ns, calls["create"], ns, owner_body, ok=(409,))
+            owner = api.call("create", calls["resource"], ns, calls["create"], ns, owner_body, ok=(409,),
+                             hints=_OPERATOR_HINTS if spec.kind == mf.MESH_KIND else None)
             if owner is None:
                 raise MonarchError(
                     f"a {spec.kind} named {spec.name!r} already exists in namespace {ns!r} (left from an earlier pool "

@@ -1,7 +1,8 @@
 """monarch_kubernetes: the official kubernetes client over HTTP against the emulated cluster of
 ``fixtures/k8s_cluster.py`` (kmock's API server, plus controllers and a kubelet that runs each
 pod's agent as a local process on its own loopback address). Every object we send is checked
-against the Kubernetes schema by the server fixture."""
+by the server fixture apart from our code: built-in kinds with kubernetes-validate, the
+MonarchMesh against the monarch-operator 0.2 CRD (``fixtures/monarchmesh_crd.yaml``)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import attach
 from monarch_torchx.registry import Registry
 from monarch_torchx.schedulers import k8s_manifests as mf
+from monarch_torchx.schedulers.k8s_api import EXTRA, MISSING_CLIENT
 
 from .conftest import assert_host0_relays_to_host1, stop_all_pools, torchx, wait_for
+from .fixtures import k8s_schema
 from .fixtures.k8s_cluster import Cluster
 from .test_cli import TRAIN
 
@@ -166,23 +169,29 @@ def test_dist_ddp_gloo_all_reduce_across_two_pods(cluster, home, pool_name, tmp_
 
 
 def test_monarch_mesh_crd_is_used_when_the_cluster_has_it(mesh_cluster, home, pool_name, tmp_path):
-    """With the CRD, the pool is a MonarchMesh as meta-pytorch/monarch-kubernetes defines it: an
-    alphanumeric name, replicas >= 1, podTemplate a pod spec; its operator's StatefulSet, Service
-    and pod labels are what the pool then finds its pods by."""
+    """With the CRD, the pool is a MonarchMesh as meta-pytorch/monarch-kubernetes 0.2 defines it
+    (the server holds it to that CRD's schema, strictly: see the fixture): an alphanumeric name,
+    replicas >= 1, podTemplate a pod template (metadata + spec); its operator's StatefulSet,
+    Service and selector labels are what the pool then finds its pods by, and the template's own
+    labels and annotations reach the pods."""
     c = mesh_cluster
-    h = _handle(torchx(home, "run", "-s", S, "-cfg", _cfg(pool_name, _free_port(), replicas=2), "utils.echo",
-                       "--num_replicas", "2", "--msg", "mesh", cwd=tmp_path))
+    (tmp_path / "overlay.yaml").write_text("metadata:\n  annotations: {team: vision}\n")
+    h = _handle(torchx(home, "run", "-s", S, "-cfg",
+                       _cfg(pool_name, _free_port(), replicas=2, pod_template=tmp_path / "overlay.yaml"),
+                       "utils.echo", "--num_replicas", "2", "--msg", "mesh", cwd=tmp_path))
     wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="echo")
     meshes = c.objects(mf.MESH_KIND, "default")
     name = mf.mesh_name(pool_name)
     assert [m["metadata"]["name"] for m in meshes] == [name] and re.match(r"^[a-z][a-z0-9]*$", name)
-    spec = meshes[0]["spec"]
-    assert spec["replicas"] == 2 and isinstance(spec["port"], int) and spec["podTemplate"]["containers"]
+    spec = meshes[0]["spec"]  # as stored: nothing was pruned
+    assert spec["replicas"] == 2 and isinstance(spec["port"], int) and spec["podTemplate"]["spec"]["containers"]
+    assert spec["podTemplate"]["metadata"]["annotations"] == {"team": "vision"}
     assert [s["metadata"]["name"] for s in c.objects("StatefulSet")] == [name]  # the operator's
     assert sorted(s["metadata"]["name"] for s in c.objects("Service")) == [f"{name}-svc"]  # no second Service
     pods = c.objects("Pod")
     assert {p["metadata"]["labels"][mf.MESH_LABEL] for p in pods} == {name}
-    assert mf.POOL_LABEL not in pods[0]["metadata"]["labels"]
+    assert {p["metadata"]["labels"][mf.POOL_LABEL] for p in pods} == {mf.label_value(pool_name)}
+    assert all(p["metadata"]["annotations"] == {"team": "vision"} for p in pods)
     assert Registry(home).get(pool_name).allocation["kind"] == mf.MESH_KIND
     assert c.objects("Secret")[0]["metadata"]["ownerReferences"][0]["kind"] == mf.MESH_KIND
     # no scale-to-zero for a mesh (its CRD's minimum is 1): refused before anything is made
@@ -193,6 +202,47 @@ def test_monarch_mesh_crd_is_used_when_the_cluster_has_it(mesh_cluster, home, po
     torchx(home, "pool", "stop", pool_name)
     wait_for(lambda: not c.objects("Pod") and not c.objects("StatefulSet") and not c.objects("Secret"),
              timeout=15, what="the mesh and all it owns gone")
+
+
+def test_monarch_mesh_object_matches_the_operator_02_crd(tmp_path):
+    """Our MonarchMesh against the monarch-operator 0.2 CRD's openAPIV3Schema (the fixture, from
+    its published fields), as an API server applies it: no field is pruned, nothing is invalid.
+    The 0.1 shape (podTemplate a bare PodSpec) loses its whole pod spec to pruning there, and our
+    own check before sending refuses it."""
+    overlay = {"metadata": {"annotations": {"team": "vision"}},
+               "spec": {"containers": [{"name": "agent", "env": [{"name": "EXTRA", "value": "1"}]}]}}
+    spec = mf.KubePoolSpec(pool="my_pool.1", replicas=3, kind=mf.MESH_KIND, queue="team-a", cpu=2, gpu=1,
+                           node_selector={"pool": "a100"}, pod_template=overlay,
+                           tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}])
+    mesh = mf.monarch_mesh(spec)
+    check = k8s_schema.check_mesh(mesh)
+    assert (check.unknown, check.invalid) == ([], [])
+    assert check.stored == mesh
+    assert mf.schema_errors(mesh) == []
+
+    old = {**mesh, "spec": {**mesh["spec"], "podTemplate": mesh["spec"]["podTemplate"]["spec"]}}
+    check = k8s_schema.check_mesh(old)
+    assert "spec.podTemplate.containers" in check.unknown and check.stored["spec"]["podTemplate"] == {}
+    assert any("pod template with metadata and spec" in e for e in mf.schema_errors(old))
+
+
+def test_without_the_kubernetes_client_the_scheduler_says_what_to_install(home, pool_name, tmp_path, monkeypatch):
+    """``kubernetes`` is an extra: without it (an import hook hides it from the real CLI) every way
+    in ends in one line that names the extra, exit code 1, and no pool."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent / "fixtures" / "no_kubernetes"))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "unused"))
+    want = "monarch_kubernetes needs the kubernetes client: pip install 'monarch-torchx[kubernetes]'"
+    assert want == MISSING_CLIENT and f"\n{EXTRA} = [" in (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    for args in (["run", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo"],
+                 ["run", "--dryrun", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo"],
+                 ["pool", "create", pool_name, "-s", S]):
+        res = torchx(home, *args, check=False, cwd=tmp_path)
+        # what is left besides TorchX's own INFO log lines and the progress line of `pool create`
+        said = [line for line in res.stderr.splitlines()
+                if not re.match(r"^torchx \S+ \S+ INFO ", line) and not line.startswith("creating pool")]
+        assert res.returncode == 1 and said == [f"{'torchx: ' if args[0] == 'run' else ''}error: {want}"], \
+            (args, res.stderr)
+        assert Registry(home).get(pool_name) is None
 
 
 def test_unknown_queue_stays_pending_with_kueues_reason_then_times_out(cluster, home, pool_name, tmp_path):
