@@ -231,9 +231,14 @@ def test_log_prints_the_hosts_that_answer_and_names_one_that_does_not(home, pool
     h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo",
                        "--msg", "hello", "--num_replicas", "3"))
     wait_for(lambda: _state(home, h) == "SUCCEEDED", what="echo to finish")
-    pid = attach(pool_name).hosts[1].pid
+    pool = attach(pool_name)
+    pid = pool.hosts[1].pid
+    logs = pool.record.path / "logs" / "host1"
     os.kill(pid, signal.SIGSTOP)
-    try:
+    try:  # its replica's files are on this file system: read from there (issue 38)
+        res = torchx(home, "log", h, check=False, timeout=60)
+        assert res.returncode == 0 and _plain(res.stdout).splitlines() == [f"echo/{k} hello" for k in range(3)]
+        logs.rename(logs.with_name("host1.away"))  # as on a host whose files this machine cannot see
         res = torchx(home, "log", h, check=False, timeout=60)
     finally:
         os.kill(pid, signal.SIGCONT)
