@@ -23,7 +23,7 @@ from torchx.schedulers.ids import make_unique
 from torchx.specs import AppDef, AppDryRunInfo, AppState, CfgVal, ReplicaStatus, Role, RoleStatus, macros, runopts
 from torchx.workspace.api import WorkspaceMixin
 
-from .. import apps
+from .. import apps, history
 from ..agent.logstore import POOL_MAX_MB, REPLICA_MAX_MB, STREAMS, read_files
 from ..errors import MonarchError
 from ..pool import Pool, PoolRequest, get_provisioner, parse_duration, plan_pool, preload_list
@@ -575,9 +575,25 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         ended = set()  # (role, k) whose end, or whose host's failure, was reported
         failed_hosts = set()
         try:
-            for i, e in sorted(errors.items()):
+            recorded = history.read_ends(pool.record.path, arec.app_id)
+
+            def host_failed(i: int, error: LogEvent) -> Iterator[LogEvent]:
+                """A host that cannot be followed: its replicas that ended (recorded) from their
+                files, when they are on this file system (an idled-out pool); else the error."""
+                mine = [(r, k) for r, k in replicas if where[(r, k)] == i]
+                if mine and all(rk in recorded and _replica_dir(pool.record.path, _replica_place(
+                        app_id, arec, *rk), arec).is_dir() for rk in mine):
+                    for r, k in mine:
+                        lines = list(self.log_iter(app_id, r, k, regex, since, until, False, streams))
+                        ended.add((r, k))
+                        yield LogEvent(i, r, k, lines=lines)
+                        yield LogEvent(i, r, k, replica_ended=True)
+                    return
                 failed_hosts.add(i)
-                yield LogEvent(i, error=str(e), kind=type(e).__name__)
+                yield error
+
+            for i, e in sorted(errors.items()):
+                yield from host_failed(i, LogEvent(i, error=str(e), kind=type(e).__name__))
             while left or not events.empty():
                 raw = events.get()
                 if raw is None:
@@ -594,7 +610,8 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                 if ev.replica_ended or (ev.error and ev.role):
                     ended.add((ev.role, ev.replica_id))
                 elif ev.error and not ev.role:
-                    failed_hosts.add(ev.host)
+                    yield from host_failed(ev.host, ev)
+                    continue
                 yield ev
             for r, k in replicas:  # each replica ends with its end or its host's failure: anything else is a gap
                 if (r, k) not in ended and where[(r, k)] not in failed_hosts:

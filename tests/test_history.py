@@ -46,6 +46,7 @@ def test_a_finished_app_keeps_its_state_logs_and_listing_after_idle_out_stop_and
     st = _status(home, h)  # was: FAILED, "host 0 ... is lost"
     assert st["state"] == "SUCCEEDED" and st["replicas"] == {"sh[0]": "SUCCEEDED", "sh[1]": "SUCCEEDED"}, st
     assert sorted(torchx(home, "log", h).stdout.splitlines()) == ["sh/0 hello from 0", "sh/1 hello from 1"]
+    assert sorted(torchx(home, "log", "--tail", h).stdout.splitlines()) == ["sh/0 hello from 0", "sh/1 hello from 1"]
 
     torchx(home, "pool", "stop", pool_name)
     st = _status(home, h)  # was: "no app"
