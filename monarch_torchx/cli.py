@@ -63,8 +63,9 @@ def pool_summary(pool: "Pool") -> Dict[str, Any]:
             "warm_state": h.info.get("warm", {}).get("state") if h.ok else None,
             "last_seen": time.time() if h.ok else (a.heartbeat if a else None),  # (it just answered)
             "error": (a.exit_reason if a and a.exited else h.error) if not h.ok else "",
-            "warning": "; ".join(w for w in (h.info.get("heartbeat_error"), h.info.get("log_error")) if w)
-                       if h.ok else "",  # e.g. its disk is full
+            "warning": "; ".join(w for w in (h.info.get("heartbeat_error"), h.info.get("log_error"),
+                                             h.info.get("warm", {}).get("error")) if w)
+                       if h.ok else "",  # e.g. its disk is full, a preload failed
         })
     from .pool import get_provisioner
 

@@ -548,7 +548,7 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
                     _stop(Pool(rec, registry), prov, "failed to start")
                 raise
             pool = Pool(rec, registry)
-            wait_warm(pool, progress, _start_timeout(rec))
+            _check_preloads(pool, req, prov, wait_warm(pool, progress, _start_timeout(rec)), progress)
             return pool
         pool = Pool(rec, registry)
         health = pool.health(touch=True)
@@ -612,8 +612,37 @@ def warming_hosts(infos: Sequence[Dict[str, Any]]) -> List[int]:
     return [i for i, info in enumerate(infos) if (info or {}).get("warm", {}).get("state") == "importing"]
 
 
-def wait_warm(pool: Pool, progress: Callable[[str], None], timeout: float) -> None:
+def preload_failure(infos: Sequence[Dict[str, Any]]) -> str:
+    """The first host's failed preload, as one line ("" when none failed): a module that could
+    not be imported, or a warm fork server that died importing."""
+    for i, info in enumerate(infos):
+        warm = (info or {}).get("warm", {})
+        for mod, err in (warm.get("failed") or {}).items():
+            return f"preload of {mod!r} failed on host {i}: {err}"
+        if warm.get("state") == "dead":
+            return f"preload of {','.join(warm.get('preloads') or [])!r} failed on host {i}: {warm.get('error')}"
+    return ""
+
+
+def _check_preloads(pool: Pool, req: PoolRequest, prov: Provisioner, infos: Sequence[Dict[str, Any]],
+                    progress: Callable[[str], None]) -> None:
+    """A new pool whose asked-for preloads failed is stopped and the creation fails, in one line:
+    a typo would otherwise give a "healthy" pool that silently starts everything cold. The
+    default preload (torch, not asked for) only warns: a pool for apps without torch is fine."""
+    failure = preload_failure(infos)
+    if not failure:
+        return
+    if req.spec.get("preload") is None:
+        progress(f"warning: {failure}; Python entrypoints start cold (-cfg preload=none for no preloads)")
+        return
+    with contextlib.suppress(Exception):
+        _stop(pool, prov, "preload failed")
+    raise MonarchError(f"{failure}; fix -cfg preload=... (none = no preloads)")
+
+
+def wait_warm(pool: Pool, progress: Callable[[str], None], timeout: float) -> List[Dict[str, Any]]:
     """Blocks until every host has imported its preloads, so "ready" means the next run starts warm.
+    Returns the hosts' last info (``{}`` for one that did not answer).
 
     A host that does not finish in time is reported and the wait ends: its runs start cold.
     """
@@ -623,14 +652,14 @@ def wait_warm(pool: Pool, progress: Callable[[str], None], timeout: float) -> No
         infos = [h.info if h.ok else {} for h in pool.health()]
         warming = warming_hosts(infos)
         if not warming:
-            return
+            return infos
         if not said:
             mods = ",".join(infos[warming[0]].get("warm", {}).get("preloads") or []) or "preloads"
             progress(f"warming: importing {mods} on {len(warming)} host(s)")
             said = True
         if time.time() > deadline:
             progress(f"host(s) {warming} still importing after {timeout:.0f} s; their first runs start cold")
-            return
+            return infos
         time.sleep(0.05)
 
 

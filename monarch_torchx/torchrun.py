@@ -290,23 +290,33 @@ def plan_role(argv: Sequence[str], env: Dict[str, str], num_replicas: int, role:
     if ns.help or not ns.training_script:
         return real("no training script (torchrun prints its usage)")
     backend = ns.rdzv_backend
-    lo, hi = _nnodes(ns.nnodes)
+    lo, hi = (1, 1) if ns.standalone else _nnodes(ns.nnodes)
+    if num_replicas < lo:  # the real torchrun too: its rendezvous would wait for nodes that never come
+        raise MonarchError(_nodes_mismatch(role, ns, lo, hi, num_replicas))
     if backend == "static" and not ns.rdzv_endpoint and ns.master_port is None and hi == 1:
         backend = "c10d"  # torchrun's own rewrite of a single-node static run
     if not ns.standalone and backend not in WARM_BACKENDS:
         return real(f"--rdzv_backend {backend} is served by the real torchrun only "
                     f"(the warm path stands in for {', '.join(WARM_BACKENDS)}, --standalone and single-node runs)")
-    if ns.standalone:
-        lo = hi = 1
     if not lo <= num_replicas <= hi:
-        want = f"{lo}" if lo == hi else f"{lo} to {hi}"
-        raise MonarchError(f"role {role!r}: torchrun --nnodes {ns.nnodes} asks for {want} node(s) but the role has "
-                           f"{num_replicas} replica(s); make them agree (dist.ddp: -j NODESxPROCS)")
+        raise MonarchError(_nodes_mismatch(role, ns, lo, hi, num_replicas))
     node_argv = ["python", "-m", NODE_MODULE]
     node_argv += ["-c", shell] if shell else ["--", *args]
     why = (f"{how}: torch's elastic agent starts from the warm fork server, workers are forked "
            f"(torch imported), the pool is the rendezvous ({num_replicas} node(s))")
     return TorchrunPlan(True, why, node_argv, nnodes=num_replicas)
+
+
+def _nodes_mismatch(role: str, ns: argparse.Namespace, lo: int, hi: int, replicas: int) -> str:
+    """One line for a role whose replicas torchrun's --nnodes can never accept, with the options
+    that fix it: each replica is one node, so too few would hang at the rendezvous."""
+    want = f"{lo}" if lo == hi else f"{lo} to {hi}"
+    nodes = lo if replicas < lo else hi
+    procs = ns.nproc_per_node if str(ns.nproc_per_node).isdigit() else "PROCS"
+    why = "torchrun would wait for nodes that never come" if replicas < lo else "torchrun admits no more"
+    return (f"role {role!r}: torchrun --nnodes {ns.nnodes} asks for {want} node(s) but the role has {replicas} "
+            f"replica(s) ({why}); pass -j {nodes}x{procs} (dist.ddp, dist.torchrun) or --num_replicas {nodes} "
+            f"(utils.sh)")
 
 
 def _nnodes(value: str) -> Tuple[int, int]:

@@ -739,6 +739,26 @@ def test_this_host_is_a_warm_local_pool(home):
     assert this_host().pool == h.pool and Registry().get("local") is not None
 
 
+def test_this_host_says_once_which_pool_it_picked(home, tmp_path):
+    """A controller that names no pool gets the warm pool `local`, which outlives it (Monarch's
+    local procs end with the script): one line says so, once per process, with how to end it and
+    how to pick another; naming the pool ($MONARCH_TORCHX_LOCAL_POOL) silences it."""
+    script = tmp_path / "controller.py"
+    script.write_text("from monarch_torchx import this_host\nthis_host(); this_host()\nprint('ok')\n")
+
+    def run(**env):
+        res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "MONARCH_TORCHX_HOME": str(home), **env})
+        assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
+        return [ln for ln in res.stderr.splitlines() if "this_host()" in ln]
+    first = run()
+    assert len(first) == 1 and "warm monarch_local pool 'local' (created now;" in first[0], first
+    assert "`monarch-torchx pool stop local` ends it" in first[0] and "MONARCH_TORCHX_LOCAL_POOL=NAME" in first[0]
+    assert run(MONARCH_TORCHX_LOCAL_POOL="local") == []
+    again = run()
+    assert len(again) == 1 and "'local' (reused;" in again[0], again
+
+
 @pytest.mark.parametrize("example,args,expect", [
     ("actors_pingpong.py", ["--volleys", "50"], "50 volleys between two procs"),
     ("actors_ddp.py", ["--procs", "2", "--steps", "3"], "replicas in sync: True"),
@@ -816,6 +836,51 @@ def test_the_default_fault_hook_ends_the_controller(pool, tmp_path, sigint):
                          env={**os.environ, "PYTHONPATH": root}, preexec_fn=start)
     assert res.returncode != 0 and "still running" not in res.stdout
     assert "unhandled supervision event: The actor tests.fixtures.actors.Counter doomed" in res.stderr, res.stderr
+
+
+def test_a_remote_traceback_names_the_scripts_file_and_line(pool, tmp_path):
+    """An actor class defined in the controller's script travels by value; when its endpoint
+    raises, the caller's error names that script's file and the line of the raise, with its
+    source shown, even where the proc's host has no such file (here: deleted after start)."""
+    script = tmp_path / "user_script.py"
+    script.write_text(textwrap.dedent(f"""
+        import linecache, os, sys
+        from monarch_torchx import Actor, attach, endpoint
+
+
+        def helper(x):
+            return 1 / x
+
+
+        class Boom(Actor):
+            @endpoint
+            def go(self):
+                raise ValueError("bad input")
+
+            @endpoint
+            def nested(self):
+                return helper(0)
+
+
+        linecache.getlines(__file__)  # this process keeps its source; the file goes
+        os.unlink(__file__)
+        m = attach({pool[0]!r}).spawn_procs(per_host={{"procs": 1}}).slice(hosts=0).spawn("boom", Boom)
+        for call in (m.go.call, m.nested.call):
+            try:
+                call().get(timeout=60)
+            except Exception as e:
+                print(e)
+    """))
+    lines = script.read_text().splitlines()
+    raise_at = lines.index('        raise ValueError("bad input")') + 1
+    helper_at = lines.index("    return 1 / x") + 1
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90,
+                         env={**os.environ, "MONARCH_TORCHX_HOME": str(pool[1])})
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "<dynamic-code>" not in out, out
+    assert f'File "{script}", line {raise_at}, in go\n    raise ValueError("bad input")\n' in out, out
+    assert f'File "{script}", line {helper_at}, in helper\n    return 1 / x\n' in out, out
 
 
 def test_get_or_spawn_controller_is_one_actor_per_name_for_the_whole_program(pool, procs):

@@ -395,3 +395,72 @@ def test_a_server_forked_from_the_plain_one_imports_its_preloads_and_ends_with_i
         raise AssertionError(f"timed out waiting for {what}")
 
     asyncio.run(scenario())
+
+
+def _monarch_torchx(home, *args):
+    from .conftest import BIN, cli_env
+
+    return subprocess.run([str(BIN / "monarch-torchx"), *args], env=cli_env(home), capture_output=True, text=True,
+                          timeout=180)
+
+
+@pytest.mark.parametrize("how", ["pool create", "torchx run"])
+def test_a_preload_that_fails_fails_the_pool_creation_in_one_line(home, pool_name, how):
+    """A misspelled preload is a mistake, not a pool that silently starts everything cold: the
+    creation (by `pool create` or by the first run) fails in one line naming the module, the
+    host and the import error, and the pool it started is stopped (no agent, no record)."""
+    from monarch_torchx.registry import Registry
+
+    from .conftest import agent_pids, torchx
+
+    if how == "pool create":
+        res = _monarch_torchx(home, "pool", "create", pool_name, "-cfg", "preload=typo_mod")
+    else:
+        res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name},preload=typo_mod", "utils.echo",
+                     "--msg", "hi", check=False)
+    assert res.returncode != 0, res.stdout + res.stderr
+    want = ("preload of 'typo_mod' failed on host 0: ModuleNotFoundError: No module named 'typo_mod'; "
+            "fix -cfg preload=... (none = no preloads)")
+    assert want in res.stderr.strip().splitlines()[-1], res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    assert Registry(home).get(pool_name) is None
+    wait_for(lambda: not agent_pids(home), timeout=10, what="the pool's agents to end")
+
+
+def test_a_default_preload_that_fails_warns_and_pool_status_shows_it(home, pool_name):
+    """The default preload (torch, not asked for) that cannot be imported is said at creation and
+    by `pool status` on each host, and the pool serves (a pool for apps without torch is fine)."""
+    from monarch_torchx.pool import PoolRequest, ensure_pool
+
+    said = []
+    ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 2, "preload": None}),
+                defaults={"hosts": 2, "preload": "no_such_default_mod"}, progress=said.append)
+    line = ("warning: preload of 'no_such_default_mod' failed on host 0: ModuleNotFoundError: "
+            "No module named 'no_such_default_mod'; Python entrypoints start cold")
+    assert any(m.startswith(line) for m in said), said
+    res = _monarch_torchx(home, "pool", "status", pool_name)
+    assert res.returncode == 0, res.stderr
+    hosts = [ln for ln in res.stdout.splitlines() if "warm=-" in ln]
+    assert len(hosts) == 2, res.stdout
+    assert all("warning: preload of 'no_such_default_mod' failed: ModuleNotFoundError: No module named "
+               "'no_such_default_mod'" in ln for ln in hosts), res.stdout
+
+
+def test_a_failed_replicas_status_says_the_cause_from_its_stderr(home, pool_name, tmp_path):
+    """A replica that fails says why in `torchx status`, not only in `torchx log`: the last
+    non-empty line of its stderr (bounded), read after its output is drained (a quick failure's
+    exit can be heard before its last line is)."""
+    from .conftest import torchx
+
+    cfg = f"pool={pool_name},preload=none"
+    missing = tmp_path / "nowhere" / "train.py"
+    h = torchx(home, "run", "--wait", "-s", "monarch_local", "-cfg", cfg, "utils.python", "--script", str(missing),
+               check=False).stdout.strip().splitlines()[-1]
+    st = torchx(home, "status", h).stdout
+    assert (f"exited with code 2: {sys.executable}: can't open file '{missing}': [Errno 2] No such file or directory"
+            in st), st
+    with get_runner() as runner:
+        code = "import sys; print('noise', file=sys.stderr); print('out'); raise ValueError('x' * 500 + ' the cause')"
+        got, _, _ = _run(runner, pool_name, _app("v", sys.executable, "-c", code), {"pool": pool_name})
+    assert got.state == AppState.FAILED and "exited with code 1: ValueError: xxx" in got.msg, got.msg
+    assert len(got.msg.split("exited with code 1: ")[1]) <= 200 and got.msg.endswith("..."), got.msg

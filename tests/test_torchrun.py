@@ -144,13 +144,38 @@ def test_which_roles_run_warm_and_why():
         (["torchrun", "--rdzv_backend", "etcd", "--rdzv_endpoint", "e:2379", "t.py"], "etcd"),
         (["torchrun", "--rdzv_backend", "c10d", "--no-such-flag", "t.py"], "would not accept"),
         (["bash", "-c", "torchrun --rdzv_backend c10d t.py | tee out"], "does more than run torchrun"),
-        (["torchrun", "--nnodes", "2", "t.py"], "static"),  # torchrun's default backend, multi-node
+        (["torchrun", "--nnodes", "1:2", "t.py"], "static"),  # torchrun's default backend, multi-node
     ]:
         plan = torchrun.plan_role(argv, {}, 1, "r")
         assert not plan.warm and why in plan.reason and plan.argv == argv, (argv, plan)
     assert torchrun.plan_role(["torchrun", "--nnodes", "2", "t.py"], {"PET_RDZV_BACKEND": "c10d"}, 2, "r").warm
     with pytest.raises(MonarchError, match=r"--nnodes 3 asks for 3 node\(s\) but the role has 2"):
         torchrun.plan_role(["torchrun", "--rdzv_backend", "c10d", "--nnodes", "3", "t.py"], {}, 2, "r")
+    # the real torchrun (static rendezvous) with too few replicas would hang: refused too
+    with pytest.raises(MonarchError, match=r"the role has 1 replica\(s\) \(torchrun would wait for nodes that "
+                                           r"never come\); pass -j 3x2 .* or --num_replicas 3 \(utils.sh\)"):
+        torchrun.plan_role(["torchrun", "--nnodes", "3", "--nproc_per_node", "2", "t.py"], {}, 1, "r")
+    with pytest.raises(MonarchError, match=r"asks for 2 to 4 node\(s\) but the role has 1"):
+        torchrun.plan_role(["torchrun", "--nnodes", "2:4", "--rdzv_backend", "etcd", "t.py"], {}, 1, "r")
+    assert not torchrun.plan_role(["torchrun", "--nnodes", "1:4", "--rdzv_backend", "etcd", "t.py"], {}, 1, "r").warm
+
+
+def test_torchrun_with_more_nodes_than_replicas_is_refused_at_submit(home, pool_name, tmp_path):
+    """`utils.sh torchrun --nnodes 3` on one replica (the real torchrun, static rendezvous) would
+    wait forever for two nodes no replica starts: `--dryrun` and `run` refuse it in one line
+    with the options that fix it, and nothing is created."""
+    from .conftest import agent_pids
+
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    want = ("torchx: error: role 'sh': torchrun --nnodes 3 asks for 3 node(s) but the role has 1 replica(s) "
+            "(torchrun would wait for nodes that never come); pass -j 3x1 (dist.ddp, dist.torchrun) or "
+            "--num_replicas 3 (utils.sh)")
+    for dry in (["--dryrun"], []):
+        res = torchx(home, "run", *dry, "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "torchrun",
+                     "--nnodes", "3", "--nproc_per_node", "1", "train.py", cwd=tmp_path, check=False, timeout=60)
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+        assert res.stderr.strip().splitlines()[-1] == want, res.stderr
+    assert Registry(home).get(pool_name) is None and not agent_pids(home)
 
 
 # ------------------------------------------------------------------ on a warm pool
@@ -288,9 +313,8 @@ def test_the_ddp_tutorial_runs_unchanged_in_a_workspace_and_resumes_from_its_sna
 
     first = run(4)
     assert "resuming" not in first and len(re.findall(r"epoch 3 \| loss", first)) == 4, first
-    snaps = [home / "workspaces" / pool / "tut" / f"host{k}" / "snapshot.pt" for k in range(2)]
-    assert all(p.is_file() for p in snaps)
-    assert re.search(r"snapshot saved at " + re.escape(str(snaps[0])), first)
+    snap = home / "workspaces" / pool / "tut" / "shared" / "snapshot.pt"  # rank 0's, in the hosts' shared cwd
+    assert snap.is_file() and len(re.findall(r"snapshot saved at " + re.escape(str(snap)), first)) == 2, first
     second = run(6)
     assert len(re.findall(r"resuming from snapshot at epoch 4", second)) == 4, second
     assert "epoch 3 | loss" not in second and len(re.findall(r"epoch 5 \| loss", second)) == 4

@@ -41,6 +41,7 @@ T = TypeVar("T")
 TREE_MIN = int(os.environ.get("MONARCH_TORCHX_CAST_TREE_MIN", "32"))  # meshes this large multicast via a tree
 FANOUT = max(2, int(os.environ.get("MONARCH_TORCHX_CAST_FANOUT", "8")))
 LOCAL_POOL = "local"
+LOCAL_POOL_ENV = "MONARCH_TORCHX_LOCAL_POOL"  # the pool this_host() uses in a controller (set: silently)
 EXIT_WAIT_S = 5.0  # ProcMesh.stop() waits this long for the agents to see its procs exit
 
 
@@ -417,6 +418,29 @@ def attach(pool: str) -> HostMesh:
     return HostMesh(pool, [h for h in hosts if h is not None])
 
 
+_said_implicit_pool = False
+
+
+def _say_implicit_pool(name: str, existed: bool, idle_timeout_s: float) -> None:
+    """Says once per process, in one line, which pool ``this_host()`` picked when none was named.
+    In Monarch its procs end with the script; here they live in a warm pool that outlives it, so
+    the user learns that it exists, how long it stays, how to end it and how to pick another."""
+    global _said_implicit_pool
+    if _said_implicit_pool:
+        return
+    _said_implicit_pool = True
+    stays = f"stays up until idle for {_duration(idle_timeout_s)}" if idle_timeout_s > 0 else "stays up until stopped"
+    log.warning("this_host(): actors run on the warm monarch_local pool %r (%s; it %s: `monarch-torchx pool stop "
+                "%s` ends it); set %s=NAME to pick another pool and silence this line",
+                name, "reused" if existed else "created now", stays, name, LOCAL_POOL_ENV)
+
+
+def _duration(seconds: float) -> str:
+    """90 -> "90s", 1800 -> "30m", 7200 -> "2h": as -cfg idle_timeout is written."""
+    s = int(seconds)
+    return f"{s // 3600}h" if s % 3600 == 0 else f"{s // 60}m" if s % 60 == 0 else f"{s}s"
+
+
 def this_host() -> HostMesh:
     """This machine, as a HostMesh with no dims (as Monarch's): in an actor, its own host;
     elsewhere, the warm ``monarch_local`` pool ``local``. ``spawn_procs(per_host={...})`` on it
@@ -430,11 +454,16 @@ def this_host() -> HostMesh:
         mesh = HostMesh(me.pool, [h]).slice(hosts=0)
         mesh._python = os.environ.get(PYTHON_ENV) or None  # with_python_executable() of the mesh it came from
         return mesh
-    from ..pool import PoolRequest, ensure_pool
+    from ..pool import PoolRequest, ensure_pool, parse_duration
 
-    name = os.environ.get("MONARCH_TORCHX_LOCAL_POOL", LOCAL_POOL)
-    pool = ensure_pool(PoolRequest("monarch_local", name, {"hosts": 1, "preload": None}),
+    name = os.environ.get(LOCAL_POOL_ENV, LOCAL_POOL)
+    existed = Registry().get(name) is not None
+    # idles out as a pool `torchx run` creates does (its default): made on the side, not kept forever
+    pool = ensure_pool(PoolRequest("monarch_local", name, {"hosts": 1, "preload": None},
+                                   options={"idle_timeout": parse_duration("30m")}),
                        defaults={"hosts": 1, "preload": "torch"})
+    if LOCAL_POOL_ENV not in os.environ:
+        _say_implicit_pool(name, existed, float(pool.record.options.get("idle_timeout") or 0))
     session.hub_for(name, pool.record.credentials)
     session.set_current_pool(name)
     return HostMesh(name, [h for h in pool.hosts if h is not None]).slice(hosts=0)

@@ -1,18 +1,25 @@
 """How actor messages are pickled: cloudpickle, protocol 5, tensors out of band.
 
 Classes and functions defined in ``__main__`` (a notebook, a script) travel by value through
-cloudpickle. A CPU tensor travels as its raw bytes in an out-of-band buffer: the sender writes
-it from the tensor's own memory, the receiver gets it in the bytearray the socket was read
-into, and ``torch.frombuffer`` wraps that without another copy. torch's own pickling would
-copy it through ``torch.save`` into a bytes object instead.
+cloudpickle; their code keeps its file name and ships the source lines it spans, so a remote
+traceback names the user's file and line and shows the line (cloudpickle alone names every such
+frame ``<dynamic-code>``), even on a host without that file.
+
+A CPU tensor travels as its raw bytes in an out-of-band buffer: the sender writes it from the
+tensor's own memory, the receiver gets it in the bytearray the socket was read into, and
+``torch.frombuffer`` wraps that without another copy. torch's own pickling would copy it
+through ``torch.save`` into a bytes object instead.
 """
 
 from __future__ import annotations
 
 import io
+import linecache
 import pickle
 import sys
-from typing import Any, List, Tuple
+import threading
+import types
+from typing import Any, Callable, List, Tuple
 
 import cloudpickle
 
@@ -31,8 +38,49 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: Tuple[int, ...], requires_grad:
     return t
 
 
+_source_lock = threading.Lock()  # actors' threads unpickle at once: one merge of a file's lines at a time
+
+
+def _named_code(make: Callable[..., types.CodeType], args: tuple, filename: str, first: int,
+                lines: List[str]) -> types.CodeType:
+    """Rebuilds a by-value code object with its original file name, and registers the source
+    lines it spans with ``linecache`` so that tracebacks show them here too."""
+    if lines:
+        _remember_source(filename, first, lines)
+    return make(*args).replace(co_filename=filename)
+
+
+def _remember_source(filename: str, first: int, lines: List[str]) -> None:
+    """Puts ``lines`` (from line ``first``) into linecache's entry for ``filename``: the source of
+    the code that runs here, which a file of that name on this host (or none) may not match. The
+    entry has no mtime, so ``linecache.checkcache`` keeps it (as for a module's loader source)."""
+    with _source_lock:
+        entry = linecache.cache.get(filename)
+        known = list(entry[2]) if entry is not None and len(entry) == 4 and entry[1] is None else []
+        end = first - 1 + len(lines)
+        known += ["\n"] * (end - len(known))
+        known[first - 1:end] = lines
+        linecache.cache[filename] = (sum(map(len, known)), None, known, filename)
+
+
+def _source_span(code: types.CodeType) -> Tuple[int, List[str]]:
+    """(first line, the source lines) of ``code`` as the sender's linecache has them; none when
+    it has no source (code made by exec of a string)."""
+    numbers = [n for _, _, n in code.co_lines() if n is not None]
+    first = code.co_firstlineno
+    lines = linecache.getlines(code.co_filename)
+    if not lines or not numbers:
+        return first, []
+    return first, lines[first - 1:max(numbers)]
+
+
 class _Pickler(cloudpickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is types.CodeType:  # only code travelling by value gets here (in a function's state)
+            reduce = self.dispatch_table.get(types.CodeType)
+            if reduce is not None:
+                make, args = reduce(obj)  # cloudpickle's own, which names the file "<dynamic-code>"
+                return (_named_code, (make, args, obj.co_filename, *_source_span(obj)))
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) is torch.Tensor and obj.device.type == "cpu" \
                 and obj.layout == torch.strided and not obj.is_quantized:

@@ -44,6 +44,16 @@ ACTORS_START_TIMEOUT_S = 60.0
 ACTORS_IDLE_S = float(os.environ.get("MONARCH_TORCHX_ACTORS_IDLE_S", "300"))
 
 
+def last_line(text: str, limit: int = 200) -> str:
+    """An exception's text as one bounded line: ``Type: message`` keeps the type and the
+    message's last non-empty line (where a long import error says what went wrong)."""
+    kind, sep, message = text.partition(": ")
+    lines = [ln.strip() for ln in (message if sep else text).splitlines() if ln.strip()]
+    line = lines[-1] if lines else ""
+    line = f"{kind}: {line}" if sep else line
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 class SpawnError(OSError):
     """The program could not be started (not found, not executable, bad cwd)."""
 
@@ -78,6 +88,7 @@ class _Server:
         self.dead = asyncio.Event()
         self.closing = False
         self.info: dict = {}
+        self.death_reason = ""  # why it died, once it has (the warm one's is shown in `pool status`)
         self.proc: Optional[subprocess.Popen] = None
         self.pids: set = set()
         self.spawned = 0  # processes it was asked to start, ever
@@ -147,6 +158,7 @@ class _Server:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(SpawnError(reason))
+        self.death_reason = reason
         self.dead.set()
         if not self.closing:
             end_process_groups(self.pids)
@@ -249,11 +261,19 @@ class Launcher:
 
     @property
     def warm_info(self) -> dict:
+        """The warm server's state for ``info``. ``failed`` (preload -> the exception's last line)
+        and ``error`` (one line, "" when all is well) make a preload that failed visible to the
+        client (`pool create` fails on it, `pool status` warns), not only in this agent's log."""
         if self._warm is None:
-            return {"preloaded": [], "ready": True, "state": "none"}
+            return {"preloaded": [], "ready": True, "state": "none", "failed": {}, "error": ""}
         ready = self._warm.ready.is_set() and not self._warm.dead.is_set()
         state = "ready" if ready else "dead" if self._warm.dead.is_set() else "importing"
-        return {"preloads": self._warm.preloads, **self._warm.info, "ready": ready, "state": state}
+        failed = {mod: last_line(err) for mod, err in (self._warm.info.get("failed") or {}).items()}
+        errors = [f"preload of {mod!r} failed: {err}" for mod, err in failed.items()]
+        if state == "dead":
+            errors.append(self._warm.death_reason or "the warm fork server died")
+        return {"preloads": self._warm.preloads, **self._warm.info, "ready": ready, "state": state,
+                "failed": failed, "error": "; ".join(errors)}
 
     def is_our_python(self, argv: List[str], env: Dict[str, str]) -> bool:
         """True when the entrypoint is this interpreter and the fork can honour its flags and env."""

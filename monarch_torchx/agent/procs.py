@@ -46,6 +46,25 @@ def read_error_file(path: Path) -> str:
     return lines[-1][:500] if lines else ""
 
 
+def last_stderr_line(log: StreamLog, limit: int = 200) -> str:
+    """The last non-empty line the replica wrote to stderr, bounded: most often the cause of a
+    failure (Python's exception line, "can't open file", a shell's "command not found"), so a
+    failed replica's status says it, not only `torchx log`. Read from disk, where every whole
+    line the agent has read already is (each is written as it arrives); "" when there is none."""
+    for seg in reversed(log.segments):
+        try:
+            with open(seg.path, "rb") as f:
+                f.seek(max(0, seg.size - 8192))
+                data = f.read(min(seg.size, 8192))
+        except OSError:  # dropped by the log limits meanwhile
+            continue
+        for raw in reversed(data.split(b"\n")):
+            line = parse_line(raw)[1].strip() if raw.strip() else ""
+            if line:
+                return line if len(line) <= limit else line[:limit - 3] + "..."
+    return ""
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -373,8 +392,29 @@ class ProcTable:
             self._start(rep)
         else:
             retries = f" after {rep.attempts} attempts" if rep.attempts > 1 else ""
-            reason = read_error_file(rep.log_dir / "error.json")
-            self._finish(rep, FAILED, code, f"{describe_exit(code)}{retries}" + (f": {reason}" if reason else ""))
+
+            def fail() -> None:
+                reason = read_error_file(rep.log_dir / "error.json") or last_stderr_line(rep.log.streams["stderr"])
+                self._finish(rep, FAILED, code, f"{describe_exit(code)}{retries}" + (f": {reason}" if reason else ""))
+            self._after_output(rep, fail)
+
+    def _after_output(self, rep: Replica, then: Callable[[], None], timeout: float = 1.0) -> None:
+        """Runs ``then`` once the replica's pipes have been read to their end (at most ``timeout``
+        seconds on: a child of it may hold them): a quick failure's exit can be heard before its
+        last stderr line is read, and that line is what its FAILED message quotes."""
+        pending = [c.closed for c in rep.captures if not c.closed.done()]
+        if not pending:
+            then()
+            return
+
+        async def wait() -> None:
+            try:
+                await asyncio.wait(pending, timeout=timeout)
+            finally:
+                then()
+        task = asyncio.ensure_future(wait())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def on_launcher_death(self, reason: str, pids: Iterable[int]) -> None:
         """The fork server that started these pids is gone (and took its children with it)."""
