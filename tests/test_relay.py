@@ -326,7 +326,10 @@ def test_torchx_log_tail_names_the_subtree_of_a_relay_killed_mid_follow(tree_poo
     follow = subprocess.Popen([TORCHX, "log", "--tail", h], env=cli_env(home), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: follow.stdout.readline().strip() != "", what="a first line")
+        # a line of the second group: its stream is open through host 5 (killed before, host 6 would
+        # lead the rest of the group, and they would be followed to their end: nothing lost)
+        wait_for(lambda: int(_plain(follow.stdout.readline()).split(" ")[0].split("/")[-1] or -1) >= victim,
+                 what="a line of the second group")
         os.kill(pool.hosts[victim].pid, signal.SIGKILL)
         out, err = follow.communicate(timeout=60)
     finally:
