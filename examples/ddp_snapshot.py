@@ -3,9 +3,10 @@
 
     torchx run -s monarch_local -cfg pool=dev,workspace_mount=ws dist.ddp -j 2x2 --script ddp_snapshot.py -- 6 2
 
-It writes ``snapshot.pt`` to its working directory every SAVE_EVERY epochs and, when one is
-there, resumes from it: with ``workspace_mount`` that directory is the host's writable working
-directory over the synced code, so the next run (after an edit, on the warm pool) resumes.
+As in the tutorial, global rank 0 alone writes ``snapshot.pt`` to its working directory every
+SAVE_EVERY epochs, and every rank resumes from it when it is there: with ``workspace_mount`` that
+directory is the writable working directory over the synced code that all the pool's hosts share
+(docs/syncfs.md), so the next run (after an edit, on the warm pool) resumes on every rank.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class Trainer:
         for epoch in range(self.epochs_run, max_epochs):
             loss = self._run_epoch(epoch)
             print(f"[rank {self.rank}] epoch {epoch} | loss {loss:.4f}", flush=True)
-            if int(os.environ["LOCAL_RANK"]) == 0 and (epoch + 1) % self.save_every == 0:
+            if self.rank == 0 and (epoch + 1) % self.save_every == 0:  # global rank 0 alone, as the tutorial
                 self._save_snapshot(epoch + 1)
 
 

@@ -9,6 +9,7 @@ that is interrupted never switches a target.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import marshal
@@ -25,8 +26,7 @@ from ..interpreter import module_argv
 from ..private import node_temp_root, remove_empty_dirs
 from ..registry import home as registry_home
 from .store import ChunkStore, DiskFull, StoreError, manifest_digest
-from .workdir import refresh as refresh_workdir
-from .workdir import workdir_root
+from . import workdir as wd
 
 DEFAULT_ROOTS = ("/workspace", "/env")
 PIPELINE_DEPTH = 4  # batches a host holds for the next one before it slows its sender down
@@ -286,6 +286,7 @@ class SyncfsModule:
         self.no_fuse = fuse_available()
         self.locks: Dict[Path, asyncio.Lock] = {}
         self.made: List[Path] = []
+        self.views: List[Path] = []  # the pool's views of targets this host pointed at its copies
         self.sessions: Dict[str, Forwarder] = {}
         self.abandoned: "OrderedDict[str, int]" = OrderedDict()  # session -> the next host, for a late flush
         self.prepared: "OrderedDict[Tuple[Path, str], Tuple[Manifest, bytes]]" = OrderedDict()
@@ -297,6 +298,8 @@ class SyncfsModule:
                 "syncfs.give_back": (self.give_back, None),
                 "syncfs.prepare": (self.prepare, None), "syncfs.commit": (self.commit, None),
                 "syncfs.where": (self.where, None), "syncfs.workdir": (self.workdir, None),
+                "syncfs.view": (self.view, None), "syncfs.shared_workdir": (self.shared_workdir, None),
+                "syncfs.check_shared": (self.check_shared, None),
                 "syncfs.sessions": (self.open_sessions, None)}
 
     def background_tasks(self) -> List[Any]:
@@ -463,14 +466,76 @@ class SyncfsModule:
             self.sweep_soon.set()
         return {**out, "committed": True, "unchanged": False}
 
-    async def workdir(self, peer: Any, target: str) -> Dict[str, Any]:
-        """The writable working directory over this host's copy of ``target`` (see workdir.py)."""
+    def _served(self, target: str) -> Tuple[Path, int]:
+        """This host's copy of ``target`` and its generation; LookupError when nothing is synced there."""
         path = resolve_target(self.store, target)
         gen = self.store.current(path)
         if gen is None:
             raise LookupError(f"nothing is synced to {target} on host {self.agent.index}")
-        wd = workdir_root(registry_home(), self.agent.pool, target, self.agent.index)
-        return {"path": str(await self.run(refresh_workdir, path, wd, gen)), "generation": gen}
+        return path, gen
+
+    async def workdir(self, peer: Any, target: str) -> Dict[str, Any]:
+        """This host's own writable working directory over its copy of ``target`` (see workdir.py):
+        where the hosts share no file system."""
+        path, gen = self._served(target)
+        d = wd.workdir_root(registry_home(), self.agent.pool, target, self.agent.index)
+        return {"path": str(await self.run(wd.refresh, path, d, gen)), "generation": gen}
+
+    def view_path(self, target: str) -> Path:
+        """The pool's view of ``target``: a path that is the same string on every node, through which
+        a shared working directory's links reach each host's own copy. An absolute target is
+        one already; a relative one's copy is under this host's store, so a symlink beside it."""
+        if os.path.isabs(target):
+            return resolve_target(self.store, target)
+        rel = os.path.normpath(target)
+        return store_base()[0] / f"{self.agent.pool}-{pool_id(self.agent.key)}-views" / rel
+
+    async def view(self, peer: Any, target: str) -> Dict[str, Any]:
+        """Points the pool's view of ``target`` on this node at this host's copy."""
+        path, _ = self._served(target)
+        view = self.view_path(target)
+        if view != path:
+            await self.run(wd.point_view, view, path, store_base()[1])
+            if view not in self.views:
+                self.views.append(view)
+        return {"view": str(view)}
+
+    async def shared_workdir(self, peer: Any, target: str, view: str, nonce: str) -> Dict[str, Any]:
+        """Refreshes the pool's shared working directory over ``target`` (one host does, for all),
+        its links through the pool's view (the ``view`` every host reported); ``nonce`` is left
+        beside it for the others to read back."""
+        path, gen = self._served(target)
+        mine = self.view_path(target)
+        if str(mine) != view:
+            raise ValueError(f"host {self.agent.index} keeps its view of {target} at {mine}, not {view}")
+        d = wd.shared_root(registry_home(), self.agent.pool, target)
+        try:  # the tree's digest, not its generation number: numbers differ between hosts
+            stamp = (self.store.target_dir(path) / f"gen-{gen}.digest").read_text()
+        except OSError:
+            stamp = f"generation {gen}"
+        out = await self.run(wd.refresh_shared, path, d, stamp, mine, nonce)
+        return {"path": str(out), "generation": gen}
+
+    async def check_shared(self, peer: Any, target: str, view: str, nonce: str) -> Dict[str, Any]:
+        """Whether this host can run in the shared working directory: it sees the directory the
+        other host refreshed (``nonce``), and the view leads to its own copy here. ``why`` if not."""
+        path, _ = self._served(target)
+        mine = self.view_path(target)
+        d = wd.shared_root(registry_home(), self.agent.pool, target)
+        why = (await self.run(wd.sees_shared, d, nonce) or
+               (f"its view of {target} is {mine}, not {view}" if str(mine) != view else "") or
+               await self.run(wd.view_shows, mine, path))
+        return {"why": why and f"host {self.agent.index}: {why}"}
+
+    def drop_views(self) -> None:
+        """At stop: the views that lead to this host's copies (or to nothing) go, and their directory
+        once empty; one another host of a shared temp directory points elsewhere is that host's."""
+        for v in self.views:
+            with contextlib.suppress(OSError):
+                dest = os.readlink(v)
+                if dest.startswith(str(self.store.root) + os.sep) or not os.path.exists(v):
+                    os.unlink(v)
+            remove_empty_dirs(v.parent, store_base()[0] / f"{self.agent.pool}-{pool_id(self.agent.key)}-views")
 
     async def where(self, peer: Any, target: str) -> Dict[str, Any]:
         path = resolve_target(self.store, target)
@@ -484,6 +549,7 @@ class SyncfsModule:
         for p in self.made:
             if os.path.islink(p) and str(os.readlink(p)).startswith(str(self.store.root)):
                 os.unlink(p)
+        self.drop_views()
         from .store import _rmtree
 
         for d in self.store.targets.glob("*/gen-*"):

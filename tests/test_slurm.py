@@ -338,6 +338,34 @@ def test_torchx_workspace_is_synced_to_the_nodes_and_served_by_fuse_there(home, 
         assert out[0][2] != out[1][2]  # two nodes, each serving its own copy
 
 
+def test_the_ddp_tutorials_snapshot_by_rank_0_resumes_every_rank_across_nodes(home, pool_name, tmp_path, monkeypatch):
+    """Issue 38: the DDP tutorial's shape (global rank 0 alone saves snapshot.pt in its cwd, every
+    rank loads it at start) on two nodes: their shared working directory is on the file system the
+    state dir is on, so the resume starts every rank at one epoch. The lab's nodes share /tmp but
+    not their mounts, so a relative mount's per-node view cannot be one path there: the workspace
+    goes to an absolute mount (each node mounts it at that path), and a relative one is said once
+    to run per host."""
+    from .test_workspace_shared import run_tutorial_twice, write_tutorial
+
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))  # the agents inherit these
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_ROOTS", str(tmp_path / "roots"))
+    ws, mount = write_tutorial(tmp_path), str(tmp_path / "roots" / "tut")
+    cfg = f"pool={pool_name},nodes=2,partition=debug,time=00:30:00,idle_timeout=300s"
+
+    def run(epochs: int, mount: str = mount, script: tuple = ("dist.ddp", "-j", "2x1", "--script", "tutorial.py")) -> str:
+        res = torchx(home, "run", "--wait", "--log", "-s", "monarch_slurm", "-cfg", f"{cfg},workspace_mount={mount}",
+                     *script, "--", str(epochs), "1", cwd=ws, timeout=240)
+        return res.stdout + res.stderr
+
+    cwds = run_tutorial_twice(run)
+    shared = home / "workspaces" / pool_name / mount.strip("/").replace("/", "_") / "shared"
+    assert cwds == [str(shared)] * 2 and (shared / "snapshot.pt").is_file()
+
+    per_host = [run(0, "rel", ("utils.python", "--num_replicas", "2", "-c", "print('ran')")) for _ in range(2)]
+    assert "each host runs in a working directory of its own" in per_host[0] and "docs/syncfs.md" in per_host[0]
+    assert "working directory of its own" not in per_host[1]  # said once per pool and mount
+
+
 class _Capture:
     """Every frame crossing the lab's veth links while it runs (an AF_PACKET socket in the root
     namespace: the node ends of the links are slveth1..3), as tcpdump on them would see it."""
