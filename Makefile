@@ -22,7 +22,7 @@ test: setup
 # The tests that meet TorchX's own API (schedulers, CLI, Runner, components, dry-runs, the README)
 # on the other TorchX line, torchx 0.7.0, in a venv of its own. FULL=1: the whole suite there.
 TORCHX07_TESTS := tests/test_local_runner.py tests/test_cli.py tests/test_launch_specs.py tests/test_docs.py \
-	tests/test_dryrun.py tests/test_readme.py tests/test_submitit.py tests/test_torchrun.py
+	tests/test_dryrun.py tests/test_readme.py tests/test_submitit.py tests/test_torchrun.py tests/test_first_contact.py
 test-torchx07:
 	$(MAKE) setup VENV=.venv-torchx07 TORCHX_LINE=0.7.0
 	.venv-torchx07/bin/python -m pytest -q $(if $(FULL),,$(TORCHX07_TESTS))

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Type
 
-
-from .errors import MonarchError
+from .errors import AccessError, CreateInterrupted, HomeUnusable, HostLost, HostUnreachable, MonarchError, \
+    PoolNotFound, StartTimeout
 
 if TYPE_CHECKING:
     from .pool import Pool
@@ -22,6 +23,95 @@ if TYPE_CHECKING:
 # import-time cost to argparse; the pool machinery is imported when a command runs.
 
 DEFAULT_SCHEDULER = "monarch_local"
+
+
+class UsageError(MonarchError):
+    """An argument the command cannot take (``sql --timeout 0``): exit status 2, as argparse's."""
+
+
+# The ``kind`` of the JSON object a ``--json`` command prints on stdout when it fails, by the
+# error's type (the first that matches). Stable: scripts branch on it; README "Errors in --json".
+ERROR_KINDS: Tuple[Tuple[Type[BaseException], str], ...] = (
+    (PoolNotFound, "pool_not_found"),
+    (HomeUnusable, "home_unusable"),
+    (AccessError, "access_denied"),
+    (HostUnreachable, "host_unreachable"),
+    (HostLost, "host_lost"),
+    (StartTimeout, "start_timeout"),
+    (UsageError, "usage"),
+    (KeyboardInterrupt, "interrupted"),
+    (MonarchError, "refused"),
+)
+
+
+def error_kind(e: BaseException) -> str:
+    return next(kind for cls, kind in ERROR_KINDS if isinstance(e, cls))
+
+
+def fail(message: str, kind: str, code: int, as_json: bool, prog: str = "error") -> None:
+    """Ends the command with one line: ``PROG: MESSAGE`` on stderr, or under ``--json`` one JSON
+    object ``{"error", "kind"}`` on stdout (what a script reading stdout parses)."""
+    if as_json:
+        print(json.dumps({"error": message, "kind": kind}))
+    else:
+        print(f"{prog}: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def interrupted_message(e: KeyboardInterrupt) -> str:
+    """What Ctrl-C left behind, as one line: a pool whose creation it cut short is stopped, or
+    the command that stops it is named."""
+    if isinstance(e, CreateInterrupted):
+        if e.stopped:
+            return f"interrupted: pool {e.pool!r} was being created; what it had started is stopped"
+        return f"interrupted: pool {e.pool!r} may still be starting: `monarch-torchx pool stop {e.pool}` stops it"
+    return "interrupted"
+
+
+def quiet_broken_pipe() -> None:
+    """``monarch-torchx ... | head -1``: the reader has what it wanted. As the Python docs
+    recommend for SIGPIPE: no traceback, stdout pointed at /dev/null so that the flush at exit
+    does not fail again, exit status 1."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(1)
+
+
+class Progress:
+    """Progress of long work (a sync, a pool's start) on stderr.
+
+    On a terminal, rich's live line (a spinner, the latest message, the time so far) shows the
+    work is moving through a silent stretch; ``echo`` messages also stay as lines above it.
+    Elsewhere (a pipe, a log file, CI) only the ``echo`` messages are printed, one line each:
+    nothing redraws itself into a log."""
+
+    def __init__(self, echo: bool):
+        self.echo = echo
+        self._live: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> "Progress":
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import Progress as Live, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self._live = Live(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                              console=Console(stderr=True), transient=True)
+            self._live.start()
+            self._task = self._live.add_task("starting", total=None)
+        return self
+
+    def __call__(self, message: str) -> None:
+        if self._live is not None:
+            self._live.update(self._task, description=message)
+            if self.echo:
+                self._live.console.print(message, highlight=False, markup=False)
+        elif self.echo:
+            print(message, file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._live is not None:
+            self._live.stop()
 
 
 def _ago(ts: float) -> str:
@@ -91,8 +181,12 @@ def cmd_create(args: argparse.Namespace) -> None:
     cfg = sched.run_opts().resolve(sched.run_opts().cfg_from_str(args.cfg or ""))
     cfg["pool"] = args.name
     req = sched._pool_request(dict(cfg), 1)
-    pool = ensure_pool(req, defaults={"hosts": 1, "preload": "torch"},
-                       progress=lambda m: print(m, file=sys.stderr, flush=True))
+    if args.scheduler == "monarch_local" and req.spec.get("hosts"):
+        from .schedulers.local import check_local_hosts
+
+        check_local_hosts(req.spec["hosts"])  # before anything is made (as a run's plan checks it)
+    with Progress(echo=True) as progress:
+        pool = ensure_pool(req, defaults={"hosts": 1, "preload": "torch"}, progress=progress)
     print(f"pool {pool.name!r} ready: {pool.record.num_hosts} host(s) on {pool.record.scheduler}")
 
 
@@ -154,22 +248,28 @@ def cmd_sync(args: argparse.Namespace) -> None:
 
     pool = attach(args.pool)
     hosts = [int(x) for x in args.hosts.split(",")] if args.hosts else None
-    quiet = args.json or not sys.stderr.isatty()
-    report = sync(pool, args.src, args.to, hosts=hosts, exclude=args.exclude,
-                  progress=(lambda m: None) if quiet else (lambda m: print(f"\r{m}\033[K", end="", file=sys.stderr,
-                                                                             flush=True)))
-    if not quiet:
-        print(file=sys.stderr)
+    with Progress(echo=False) as progress:  # (on a terminal only: a live line of files, bytes, rate)
+        report = sync(pool, args.src, args.to, hosts=hosts, exclude=args.exclude, progress=progress)
     if args.json:
         print(report.to_json())
     else:
         for h in report.hosts:
             print(f"host {h.index}: generation {h.generation} at {h.path} ({h.bytes_sent / 1e6:.1f} MB sent)"
-                  if h.ok else f"FAILED {h.error}")  # the error names its host
+                  f"{_copy_note(h.served_by)}" if h.ok else f"FAILED {h.error}")  # the error names its host
         print(f"{report.files} file(s), {report.bytes / 1e6:.1f} MB; sent {report.bytes_sent / 1e6:.1f} MB, "
               f"skipped {report.bytes_skipped / 1e6:.1f} MB in {report.seconds:.2f} s ({report.transfer})")
     if not report.ok:
         sys.exit(1)
+
+
+def _copy_note(served_by: str) -> str:
+    """What a host serving the tree without FUSE costs (``--json``'s ``served_by`` says the same):
+    a symlinked copy of every file next to the chunk store, so the tree takes twice its size on
+    that host's disk."""
+    if not served_by or served_by == "fuse":
+        return ""
+    why = served_by.partition("(")[2].rstrip(")") or "FUSE unavailable"
+    return f"; copied, not mounted ({why}): the tree takes 2x its size on the host's disk"
 
 
 def add_sync_arguments(p: argparse.ArgumentParser) -> None:
@@ -188,9 +288,15 @@ def add_sync_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_stop(args: argparse.Namespace) -> None:
     from .pool import force_stop, stop_pool
+    from .registry import Registry
 
     try:
         left = stop_pool(args.name)
+    except PoolNotFound:
+        if not Registry().stopped(args.name):
+            raise
+        print(f"pool {args.name!r} is already stopped")  # what was asked is so: exit 0
+        return
     except MonarchError:
         if not args.force:
             raise
@@ -209,6 +315,8 @@ def cmd_sql(args: argparse.Namespace) -> None:
     from .pool import attach
     from .telemetry.query import run
 
+    if not args.timeout > 0:  # (0 would give every host no time at all: "unreachable", wrongly)
+        raise UsageError(f"--timeout {args.timeout:g} is not a time to wait: give seconds above 0, e.g. --timeout 30")
     res = run(attach(args.pool), args.query, timeout=args.timeout)
     for i, why in sorted(res.missing.items()):
         print(f"partial result: host {i} is missing ({why})", file=sys.stderr)
@@ -306,17 +414,39 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_pool(args: argparse.Namespace) -> None:
+    """Runs one sub-command; whatever ends it early is one line (a JSON object under ``--json``)."""
+    as_json = bool(getattr(args, "json", False))
     try:
         args.pool_fn(args)
+        sys.stdout.flush()  # here, so that a closed pipe is met inside the try
+    except BrokenPipeError:
+        quiet_broken_pipe()
+    except UsageError as e:
+        fail(str(e), error_kind(e), 2, as_json)
     except MonarchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
+        fail(str(e), error_kind(e), 1, as_json)
+    except KeyboardInterrupt as e:
+        fail(interrupted_message(e), error_kind(e), 130, as_json, prog="monarch-torchx")
+
+
+class _Version(argparse.Action):
+    """``--version``: the installed distribution's version, read only when asked (importing
+    ``importlib.metadata`` is not free, and every ``torchx`` start builds our parsers)."""
+
+    def __init__(self, option_strings: List[str], dest: str = argparse.SUPPRESS, **kwargs: Any):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version of monarch-torchx and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from importlib.metadata import version
+
+        print(f"monarch-torchx {version('monarch-torchx')}")
+        parser.exit()
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="monarch-torchx", description="Warm pools for TorchX, submitit and actors.")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="cmd", metavar="{pool,sync,sql,stacks,tables}")
     sub.required = True
     add_pool_arguments(sub.add_parser("pool", help="create, list, inspect and stop warm pools"))

@@ -37,3 +37,20 @@ class HostLost(MonarchError):
 
 class StartTimeout(MonarchError):
     """Hosts did not publish their address within the start timeout."""
+
+
+class HomeUnusable(MonarchError):
+    """This user cannot use the registry home (``$MONARCH_TORCHX_HOME``): another user's, not
+    writable, or on a read-only file system. Never reported as "corrupt": nothing in it is to
+    be removed, another home is to be chosen."""
+
+
+class CreateInterrupted(KeyboardInterrupt):
+    """Ctrl-C while a pool was being created. A KeyboardInterrupt still (whatever catches one
+    treats it as one), carrying what the CLI says: ``stopped`` when what the creation had
+    started was stopped, else ``monarch-torchx pool stop NAME`` is the command that does it."""
+
+    def __init__(self, pool: str, stopped: bool):
+        super().__init__(pool)
+        self.pool = pool
+        self.stopped = stopped

@@ -19,11 +19,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 from . import wire
 from .credentials import TLS_FILE, TOKEN_FILE
-from .errors import AccessError, HostLost, HostUnreachable, MonarchError, StartTimeout
+from .errors import AccessError, CreateInterrupted, HostLost, HostUnreachable, MonarchError, StartTimeout
 from .registry import HostAddr, PoolRecord, Registry, check_pool_name
 
 if TYPE_CHECKING:
@@ -540,15 +540,18 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
             registry.save(rec)
             progress(f"creating pool {req.name!r} with {rec.num_hosts} host(s) on {req.scheduler}")
             try:
-                prov.create(rec)
-                registry.save(rec)
+                with _interrupt_after():
+                    prov.create(rec)
+                    registry.save(rec)
                 prov.wait_ready(rec, list(range(rec.num_hosts)), {}, _start_timeout(rec), progress)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    _stop(Pool(rec, registry), prov, "failed to start")
+                pool = Pool(rec, registry)
+                infos = wait_warm(pool, progress, _start_timeout(rec))  # (Ctrl-C here too: not ready yet)
+            except BaseException as e:
+                stopped = _undo_start(rec, registry, prov)
+                if isinstance(e, KeyboardInterrupt):  # the CLI says what was left, in one line
+                    raise CreateInterrupted(req.name, stopped) from None
                 raise
-            pool = Pool(rec, registry)
-            _check_preloads(pool, req, prov, wait_warm(pool, progress, _start_timeout(rec)), progress)
+            _check_preloads(pool, req, prov, infos, progress)
             return pool
         pool = Pool(rec, registry)
         health = pool.health(touch=True)
@@ -578,6 +581,39 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
         pool.unreachable = unreachable
         registry.check_done(rec)
         return pool
+
+
+@contextlib.contextmanager
+def _interrupt_after() -> Iterator[None]:
+    """Holds Ctrl-C off until the block ends, then raises it. The engine is asked for the hosts
+    there (agents spawned, an sbatch): an interrupt in the middle could leave an agent started
+    but not recorded, which nothing would stop. (Main thread with Python's own SIGINT handler
+    only: elsewhere the handler is the caller's to keep.)"""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    interrupted: List[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: interrupted.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if interrupted:
+        raise KeyboardInterrupt
+
+
+def _undo_start(rec: PoolRecord, registry: Registry, prov: Provisioner) -> bool:
+    """Stops a pool whose creation did not finish (it failed, or Ctrl-C): its agents, its
+    allocation, its record. True once stopped; False where that failed or a second Ctrl-C cut it
+    short, so the caller names the command that stops it (nothing is left warm unsaid)."""
+    try:
+        _stop(Pool(rec, registry), prov, "failed to start")
+        return True
+    except (Exception, KeyboardInterrupt):  # noqa: BLE001 (whatever it was, the pool is named to the user)
+        return False
 
 
 def reuse_unchecked(req: PoolRequest, registry: Optional[Registry] = None,

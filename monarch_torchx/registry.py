@@ -19,6 +19,7 @@ nodes publish their addresses through it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import json
@@ -26,6 +27,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,7 +35,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from . import history
 from .credentials import TLS_FILE, TOKEN_FILE, PoolCredentials, check_tls_pem, new_tls_pem
-from .errors import MonarchError, PoolNotFound
+from .errors import HomeUnusable, MonarchError, PoolNotFound
 from .private import PrivatePathError, private_dir, write_private_bytes
 
 VIEW_FILE = "hosts/view.json"  # every host's address in one file (see Registry.read_view)
@@ -44,7 +46,47 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
 def home() -> Path:
-    return Path(os.environ.get("MONARCH_TORCHX_HOME") or Path.home() / ".monarch_torchx")
+    """The registry home. One that exists must be readable by this user: checked here, where
+    every command starts, so another user's home is one line naming its owner (and what to
+    do) rather than a "corrupt" record or a traceback deeper down."""
+    path = Path(os.environ.get("MONARCH_TORCHX_HOME") or Path.home() / ".monarch_torchx")
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return path  # made on first use (Registry._ensure_dirs)
+    except OSError as e:  # a parent we may not search: another user's tree
+        raise HomeUnusable(f"the monarch-torchx home {path} cannot be reached ({e.strerror}): "
+                           f"{_OTHER_HOME}") from None
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise HomeUnusable(f"the monarch-torchx home {path} is not readable by you ({_whose(path, st)}): "
+                           + (_OTHER_HOME if st.st_uid != os.getuid() else f"`chmod 700 {path}`"))
+    return path
+
+
+# what to do about a home that is not this user's (a shared MONARCH_TORCHX_HOME, a copied env)
+_OTHER_HOME = "set MONARCH_TORCHX_HOME to a directory of your own (e.g. export MONARCH_TORCHX_HOME=~/.monarch_torchx)"
+
+
+def _whose(path: Path, st: os.stat_result) -> str:
+    """Who may use ``path``, as the reason this user may not: its owner, else its mode."""
+    if st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}, you are uid {os.getuid()}"
+    return f"mode {stat.S_IMODE(st.st_mode):o}"
+
+
+def _unwritable(path: Path, err: Optional[OSError]) -> str:
+    """Why this user cannot write ``path`` (or, where it is not there yet, the directory it
+    would be made in): a read-only file system, its owner or its mode; and what to do, as one line."""
+    where = path if path.exists() else path.parent
+    try:
+        read_only = bool(os.statvfs(where).f_flag & os.ST_RDONLY) or (err is not None and err.errno == errno.EROFS)
+        st = where.stat()
+    except OSError:
+        return f"cannot keep pools in {where}: {err.strerror if err else 'it cannot be written'}; {_OTHER_HOME}"
+    if read_only:
+        return f"cannot keep pools in {where}: it is on a read-only file system; {_OTHER_HOME}"
+    fix = _OTHER_HOME if st.st_uid != os.getuid() else f"`chmod 700 {where}`, or {_OTHER_HOME}"
+    return f"cannot keep pools in {where}: it is not writable by you ({_whose(where, st)}); {fix}"
 
 
 # how each engine's pool is sized, with the option a first pool most often needs
@@ -77,12 +119,29 @@ def _read_json(path: Path) -> Optional[dict]:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (ValueError, OSError) as e:
+    except PermissionError:  # not corrupt: another user's (or a closed) file; nothing to remove
+        raise HomeUnusable(_unreadable(path)) from None
+    except OSError as e:
+        raise MonarchError(f"cannot read registry file {path}: {e.strerror}") from None
+    except ValueError as e:
         raise MonarchError(f"corrupt registry file {path}: {e}; remove it to start over "
                            "(for a pool's record: `torchx pool stop --force NAME`)") from None
     if not isinstance(data, dict):
         raise MonarchError(f"corrupt registry file {path}: not a JSON object; remove it to start over")
     return data
+
+
+def _unreadable(path: Path) -> str:
+    """Why this user may not read a registry file (the first level of its path they may not
+    enter or read, and whose it is), and what to do, as one line."""
+    for p in [*reversed(path.parents), path]:
+        try:
+            st = p.stat()
+        except OSError:
+            break
+        if not os.access(p, os.R_OK | (os.X_OK if p != path else 0)):
+            return f"{path} is not readable by you ({p}: {_whose(p, st)}); {_OTHER_HOME}"
+    return f"{path} is not readable by you; {_OTHER_HOME}"
 
 
 @dataclass
@@ -188,6 +247,12 @@ class Registry:
             private_dir(self.pools_dir, from_=self.root)
         except PrivatePathError as e:
             raise MonarchError(f"refusing to keep pool secrets here: {e}") from None
+        except OSError as e:  # a read-only mount, a home of mode 0500: one line, not a traceback
+            raise HomeUnusable(_unwritable(Path(e.filename) if e.filename else self.root, e)) from None
+        # an existing pools dir on a read-only mount passes the check above: its lock and
+        # record files could not be written
+        if not os.access(self.pools_dir, os.W_OK | os.X_OK):
+            raise HomeUnusable(_unwritable(self.pools_dir, None))
 
     def record_path(self, name: str) -> Path:
         return self.pools_dir / f"{check_pool_name(name)}.json"

@@ -67,24 +67,104 @@ def _components_found_once() -> Iterator[None]:
 
 
 class _OneLineErrors:
+    """A refusal is one line on stderr (a JSON object on stdout under ``--json``), Ctrl-C too."""
+
     def run(self, args: argparse.Namespace) -> None:
+        from .cli import error_kind, fail, interrupted_message
+
+        as_json = bool(getattr(args, "json", False))
         try:
             super().run(args)  # type: ignore[misc]
         except MonarchError as e:
-            print(f"torchx: error: {e}", file=sys.stderr)
-            sys.exit(1)
+            fail(str(e), error_kind(e), 1, as_json, prog="torchx: error")
+        except KeyboardInterrupt as e:  # (a pool being created says what it left: CreateInterrupted)
+            fail(interrupted_message(e), error_kind(e), 130, as_json, prog="monarch-torchx")
+
+
+def check_scheduler(scheduler: str) -> None:
+    """A scheduler that is not registered (``-s monarch_locl``, or .torchxconfig's ``[cli:run]
+    scheduler``) is one line naming the close one and the known ones, not a KeyError."""
+    import difflib
+
+    from torchx.schedulers import get_scheduler_factories
+
+    known = list(get_scheduler_factories())
+    if scheduler not in known:
+        close = difflib.get_close_matches(scheduler, known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise MonarchError(f"no scheduler {scheduler!r} (from -s, or .torchxconfig's [cli:run] scheduler): "
+                           f"{hint}known: {', '.join(known)}")
+
+
+def check_config_files(scheduler: str, cfg_str: str) -> None:
+    """The .torchxconfig files TorchX will read for this run, checked first, because TorchX
+    silently ignores a section it does not know (``[monarch_locl]``: the run falls back to
+    defaults, e.g. a 1-host pool ``default``) and raises a traceback on a value of the wrong
+    type (``hosts = abc``) or a malformed file. A misspelled section is a one-line warning that
+    names it and the known ones; a bad value or file is refused in one line naming file, section
+    and key. (Values ``-cfg`` sets are not read from the file, so they are not checked there.)"""
+    import configparser
+    import difflib
+
+    from torchx.runner.config import find_configs
+    from torchx.schedulers import get_scheduler_factories
+
+    known = list(get_scheduler_factories())
+    given = set(_cfg_keys(cfg_str))
+    for path in find_configs():
+        parser = configparser.ConfigParser()
+        parser.optionxform = str  # type: ignore[assignment,method-assign]  (as TorchX's: run options are case-sensitive)
+        try:
+            parser.read(path)
+        except configparser.Error as e:
+            raise MonarchError(f"{path} is not a valid .torchxconfig: {e.message.splitlines()[0]}") from None
+        for section in parser.sections():
+            if ":" not in section and section not in known:  # (cli:run, component:X, tracker:X: TorchX's own)
+                close = difflib.get_close_matches(section, known, n=1)
+                hint = f" (did you mean [{close[0]}]?)" if close else ""
+                print(f"torchx: warning: {path}: section [{section}] is not a scheduler, so it is ignored{hint}; "
+                      f"schedulers: {', '.join(known)}", file=sys.stderr)
+        if parser.has_section(scheduler):
+            _check_config_values(path, parser, scheduler, given)
+
+
+def _cfg_keys(cfg_str: str) -> List[str]:
+    import re
+
+    return re.findall(r"(?:^|[,;])\s*([A-Za-z_][\w.-]*)\s*=", cfg_str or "")
+
+
+def _check_config_values(path: str, parser: Any, scheduler: str, given: "set[str]") -> None:
+    """Each value of the scheduler's section casts to its run option's type (as TorchX will cast it)."""
+    from torchx.schedulers import get_scheduler_factories
+
+    opts = get_scheduler_factories()[scheduler]("default").run_opts()
+    for key, value in parser.items(scheduler):
+        opt = opts.get(key)
+        if opt is None or key in given or value == "None":
+            continue
+        kind = opt.opt_type
+        try:
+            if kind is bool:
+                parser.getboolean(scheduler, key)
+            elif kind in (int, float):
+                kind(value)
+        except ValueError:
+            what = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+            raise MonarchError(f"{path}: [{scheduler}] {key} = {value} is not {what}; fix it there "
+                               f"(or give -cfg {key}=...)") from None
 
 
 def check_run_options(scheduler: str, cfg_str: str) -> None:
     """TorchX ignores unknown -cfg keys and raises a traceback on bad values; we refuse in one line."""
     import difflib
-    import re
 
     from torchx.schedulers import get_scheduler_factories
 
+    check_scheduler(scheduler)
     opts = get_scheduler_factories()[scheduler]("default").run_opts()
     known = [name for name, _ in opts]
-    for key in re.findall(r"(?:^|[,;])\s*([A-Za-z_][\w.-]*)\s*=", cfg_str or ""):
+    for key in _cfg_keys(cfg_str):
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else f"; valid options: {', '.join(known)}"
@@ -96,10 +176,15 @@ def check_run_options(scheduler: str, cfg_str: str) -> None:
 
 
 class _PromptWaitRunner:
-    """A TorchX Runner whose ``wait`` blocks on the pool's agents (they answer when the app ends)."""
+    """A TorchX Runner whose ``wait`` blocks on the pool's agents (they answer when the app ends).
 
-    def __init__(self, runner: Any):
+    With ``--log``, it also waits for the thread that follows the replicas' output to print their
+    last lines: TorchX logs "job finished" as soon as ``wait`` returns and only then joins that
+    thread, so the replicas' last lines came after it."""
+
+    def __init__(self, runner: Any, log_thread: Any = lambda: None):
         self._runner = runner
+        self._log_thread = log_thread
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
@@ -109,8 +194,12 @@ class _PromptWaitRunner:
         while True:
             status = self._runner.status(app_handle)
             if not status or status.is_terminal():
-                return status
+                break
             scheduler.wait_until_done(app_id, timeout=max(wait_interval, 30.0))
+        thread = self._log_thread()
+        if thread is not None:
+            thread.join()  # (it ends with the replicas' streams; TorchX joins it next anyway)
+        return status
 
 
 def dryrun_json(info: Any, scheduler: str) -> Dict[str, Any]:
@@ -170,27 +259,57 @@ class CmdRun(_OneLineErrors, _Run):
             super()._run(capture, args)
         print(json.dumps(dryrun_json(capture.info, args.scheduler), default=str))
 
+    def _start_log_thread(self, runner: Any, app_handle: str, *args: Any, **kwargs: Any) -> Any:
+        """TorchX's, kept so that the prompt wait can let it print the replicas' last lines."""
+        self._log_thread = super()._start_log_thread(runner, app_handle, *args, **kwargs)
+        return self._log_thread
+
     def _wait_and_exit(self, runner: Any, app_handle: str, log: bool) -> None:
         """TorchX's, with a wait that returns when the app ends rather than at the next 1 s poll."""
         if app_handle.startswith("monarch_"):
-            runner = _PromptWaitRunner(runner)
-        super()._wait_and_exit(runner, app_handle, log)
+            runner = _PromptWaitRunner(runner, lambda: getattr(self, "_log_thread", None))
+        with _still_running_on_interrupt(app_handle):
+            super()._wait_and_exit(runner, app_handle, log)
 
     def _wait(self, runner: Any, app_handle: str, log: bool, tee_logs: bool = False) -> Any:
         """torchx-nightly's wait (it has no ``_wait_and_exit``): the same prompt wait."""
         if app_handle.startswith("monarch_"):
-            runner = _PromptWaitRunner(runner)
-        return super()._wait(runner, app_handle, log, tee_logs)
+            runner = _PromptWaitRunner(runner, lambda: getattr(self, "_log_thread", None))
+        with _still_running_on_interrupt(app_handle):
+            return super()._wait(runner, app_handle, log, tee_logs)
 
     def run(self, args: argparse.Namespace) -> None:
-        if str(getattr(args, "scheduler", "")).startswith("monarch_"):
-            try:
+        from torchx.specs import InvalidRunConfigException
+
+        from .cli import error_kind, fail
+
+        try:
+            check_scheduler(args.scheduler)
+            check_config_files(args.scheduler, args.scheduler_args)
+            if str(args.scheduler).startswith("monarch_"):
                 check_run_options(args.scheduler, args.scheduler_args)
-            except MonarchError as e:
-                print(f"torchx: error: {e}", file=sys.stderr)
-                sys.exit(1)
-        with _components_found_once():
-            super().run(args)
+        except MonarchError as e:
+            fail(str(e), error_kind(e), 1, bool(getattr(args, "json", False)), prog="torchx: error")
+        try:
+            with _components_found_once():
+                super().run(args)
+        except InvalidRunConfigException as e:  # TorchX's own refusal of -cfg (torchx-nightly raises it as a traceback)
+            print(f"torchx: error: {str(e).splitlines()[0]} (`torchx runopts {args.scheduler}` lists them)",
+                  file=sys.stderr)
+            sys.exit(1)
+
+
+@contextlib.contextmanager
+def _still_running_on_interrupt(app_handle: str) -> Iterator[None]:
+    """Ctrl-C while ``torchx run --wait`` waits: the app runs on (it is the pool's, not this
+    shell's); say so with the command that ends it, exit 130, no traceback."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if not app_handle.startswith("monarch_"):
+            raise
+        print(f"monarch-torchx: app still running: torchx cancel {app_handle}", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 class CmdStatus(_OneLineErrors, _Status):
@@ -225,7 +344,19 @@ class CmdDescribe(_OneLineErrors, _Describe):
 
 
 class CmdCancel(_OneLineErrors, _Cancel):
-    pass
+    """TorchX's, but an app our schedulers do not know is one line and exit status 1 (TorchX
+    cancels nothing and exits 0 without a word, so a typo in a handle looked like success)."""
+
+    def run(self, args: argparse.Namespace) -> None:
+        scheduler, sep, _ = args.app_handle.partition("://")
+        if sep and scheduler.startswith("monarch_"):
+            from torchx.runner import get_runner
+            from torchx.specs import parse_app_handle
+
+            with get_runner() as runner:
+                if runner.status(args.app_handle) is None:
+                    _no_such_app(parse_app_handle(args.app_handle).app_id, scheduler)
+        super().run(args)
 
 
 class CmdList(_OneLineErrors, _List):

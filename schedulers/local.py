@@ -46,6 +46,25 @@ def _alive(pid: int) -> bool:
     return False
 
 
+# More local "hosts" than this is refused: each is an agent process and a fork server (30 MiB
+# idle), and 512 is the most measured to fit on one machine here (docs/scale.md); a typo such as
+# `--num_replicas 100000` would otherwise start that many processes without a word.
+MAX_HOSTS_ENV = "MONARCH_TORCHX_MAX_LOCAL_HOSTS"
+MAX_HOSTS_DEFAULT = 512
+
+
+def check_local_hosts(n: int) -> None:
+    """Refuses, in one line naming the override, a new local pool of more hosts than the limit."""
+    from ..errors import MonarchError
+
+    raw = os.environ.get(MAX_HOSTS_ENV, "")
+    limit = int(raw) if raw.isdigit() else MAX_HOSTS_DEFAULT
+    if n > limit:
+        raise MonarchError(f"monarch_local would start {n} agent processes on this machine (one per host; "
+                           f"the limit is {limit}, docs/scale.md): use fewer replicas or hosts, or "
+                           f"set {MAX_HOSTS_ENV}={n} to allow it")
+
+
 class LocalProvisioner:
     scheduler = "monarch_local"
     hosts_option = "hosts"
@@ -60,9 +79,11 @@ class LocalProvisioner:
         pass
 
     def create(self, rec: PoolRecord) -> None:
+        check_local_hosts(rec.num_hosts)
         self._start(rec, list(range(rec.num_hosts)))
 
     def submission(self, rec: PoolRecord) -> Submission:
+        check_local_hosts(rec.num_hosts)  # (a dry run, and every run's plan for a pool it would create)
         return Submission("processes", commands=[self._argv(rec, i) for i in range(rec.num_hosts)],
                           notes=[f"one agent per host on this machine; logs in {rec.state_dir}/logs"])
 

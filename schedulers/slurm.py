@@ -63,12 +63,23 @@ def _human(seconds: int) -> str:
 
 
 def _slurm_config_defaults() -> Dict[str, Any]:
-    """Values of a ``[slurm]`` section in .torchxconfig (cwd), cast as TorchX's slurm casts them."""
+    """Values of a ``[slurm]`` section in .torchxconfig (cwd), cast as TorchX's slurm casts them.
+
+    Read quietly: TorchX's ``config.apply`` logs "loaded configs from ..." at each call, and this
+    runs at every look-up of our run options (5 per ``torchx run``); TorchX says it once itself."""
+    import logging
+
     try:
         from torchx.runner import config
 
         cfg: Dict[str, Any] = {}
-        config.apply(scheduler="slurm", cfg=cfg)
+        log = logging.getLogger(config.__name__)
+        level = log.level
+        log.setLevel(logging.WARNING)
+        try:
+            config.apply(scheduler="slurm", cfg=cfg)
+        finally:
+            log.setLevel(level)
         return cfg
     except Exception:  # no torchx slurm scheduler or no readable config: no defaults
         return {}

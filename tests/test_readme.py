@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import List, Tuple
 
 import pytest
+from torchx.components import dist as dist_components
 
 from .conftest import cli_env
 from .test_cli import TRAIN
@@ -39,6 +40,8 @@ def _run_blocks(tag: str, home: Path, cwd: Path, env_extra: dict, timeout: float
     blocks = readme_blocks(tag)
     assert blocks, f"no README blocks tagged {tag!r}"
     for lang, code in blocks:
+        if not hasattr(dist_components, "torchrun"):  # torchx 0.7.0: the README says to write dist.ddp there
+            code = code.replace("dist.torchrun", "dist.ddp")
         argv = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
         res = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
         assert res.returncode == 0, f"README {lang} block failed ({res.returncode}):\n{code}\n--- stdout\n" \
