@@ -241,11 +241,22 @@ def list_states(pool: Pool, records: Sequence[AppRecord]) -> Dict[Tuple[str, str
     return seen
 
 
+FAILURE_GRACE_S = 10.0  # the other replicas of a failed app may end on their own first (a torchrun's nodes do)
+
+
 def ends_with_failure(states: Dict[Tuple[str, int], Dict[str, Any]]) -> bool:
     """The app has failed (a replica FAILED for good) while others still run: TorchX would call
     it FAILED and stop watching, and the others would run on unseen. ``end_failed`` ends them."""
     values = [s["state"] for s in states.values()]
     return FAILED in values and any(v in (PENDING, RUNNING) for v in values)
+
+
+def failure_is_fresh(states: Dict[Tuple[str, int], Dict[str, Any]]) -> bool:
+    """A replica failed less than ``FAILURE_GRACE_S`` ago (on its host's or the file system's
+    clock): the others get that long to end by themselves, with their own reason (the failing
+    rank of a torchrun is on another node than the first to fail), before ``end_failed``."""
+    ages = [s.get("age_s") for s in states.values() if s["state"] == FAILED]
+    return any(a is not None and a < FAILURE_GRACE_S for a in ages)
 
 
 def end_failed(pool: Pool, arec: AppRecord, states: Dict[Tuple[str, int], Dict[str, Any]]) -> Dict[Tuple[str, int], Dict[str, Any]]:

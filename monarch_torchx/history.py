@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import quote
@@ -51,11 +51,13 @@ class ReplicaEnd:
     started: Optional[float] = None
     ended: Optional[float] = None
     hostname: str = ""
+    # not stored: seconds since it was recorded, on the file system's clock (``read_ends``)
+    age_s: Optional[float] = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_json(cls, data: Dict[str, Any]) -> "ReplicaEnd":
         """The record, or ValueError for one that is not (a damaged or foreign file)."""
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"age_s"}
         try:
             end = cls(**{k: v for k, v in data.items() if k in known})
         except TypeError as e:
@@ -67,7 +69,8 @@ class ReplicaEnd:
     def status(self) -> Dict[str, Any]:
         """As an agent's replica status reads (what ``apps.replica_states`` hands on)."""
         return {"state": self.state, "exit_code": self.exit_code, "msg": self.msg, "attempts": self.attempts,
-                "started": self.started, "ended": self.ended, "hostname": self.hostname, "recorded": True}
+                "started": self.started, "ended": self.ended, "hostname": self.hostname, "recorded": True,
+                "age_s": self.age_s}
 
 
 def _app_dir(state_dir: Path, app_id: str) -> Path:
@@ -82,7 +85,8 @@ def record_end(state_dir: Path, end: ReplicaEnd) -> None:
     """Writes ``end`` (atomically, 0600); OSError if it cannot be (a full disk): the caller says so."""
     d = _app_dir(state_dir, end.app_id)
     private_dir(d, from_=Path(state_dir) / ENDED_DIR)
-    write_private_bytes(end_path(state_dir, end.app_id, end.role, end.replica_id), json.dumps(asdict(end)).encode())
+    data = {k: v for k, v in asdict(end).items() if k != "age_s"}
+    write_private_bytes(end_path(state_dir, end.app_id, end.role, end.replica_id), json.dumps(data).encode())
 
 
 def forget_end(state_dir: Path, app_id: str, role: str, replica_id: int) -> None:
@@ -105,6 +109,7 @@ def read_ends(state_dir: Path, app_id: str) -> Dict[Tuple[str, int], ReplicaEnd]
         paths = list(d.iterdir())
     except (FileNotFoundError, NotADirectoryError):
         return out
+    now = _fs_now(d)
     for p in paths:
         if p.suffix != ".json":
             continue
@@ -113,8 +118,26 @@ def read_ends(state_dir: Path, app_id: str) -> Dict[Tuple[str, int], ReplicaEnd]
             if isinstance(data, dict):
                 end = ReplicaEnd.from_json(data)
                 if end.app_id == app_id:
+                    if now is not None:
+                        end.age_s = max(0.0, now - p.stat().st_mtime)
                     out[(end.role, end.replica_id)] = end
     return out
+
+
+def _fs_now(d: Path) -> Optional[float]:
+    """"Now" as the file system stamps files (an agent on another node wrote the ends): a file
+    touched here, read back; None where it cannot be (read-only)."""
+    try:
+        fd = os.open(d / ".clock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return None
+    try:
+        os.utime(fd)
+        return os.fstat(fd).st_mtime
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------ stopped pools

@@ -349,10 +349,12 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
 
     def _describe(self, app_id: str) -> Optional[DescribeAppResponse]:
         found = self._lookup(app_id)
+        failing = False
         if found is not None:
             pool, arec = found
             states = apps.replica_states(pool, arec)
-            if apps.ends_with_failure(states):
+            failing = apps.ends_with_failure(states) and apps.failure_is_fresh(states)
+            if apps.ends_with_failure(states) and not failing:
                 states = apps.end_failed(pool, arec, states)
         else:
             stopped = self._lookup_stopped(app_id)
@@ -362,7 +364,8 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             states = apps.stopped_states(arec, state_dir, split_app_id(app_id)[0])
         resp = DescribeAppResponse()
         resp.app_id = app_id
-        resp.state = AppState[apps.app_state([s["state"] for s in states.values()])]
+        # (failing: not FAILED while replicas run, which TorchX would take as the end)
+        resp.state = AppState.RUNNING if failing else AppState[apps.app_state([s["state"] for s in states.values()])]
         resp.num_restarts = sum(max(0, s.get("attempts", 1) - 1) for s in states.values())
         msgs = [f"{role}/{i}: {s['msg']}" for (role, i), s in states.items() if s.get("msg") and s["state"] != SUCCEEDED]
         resp.msg = "; ".join(msgs)

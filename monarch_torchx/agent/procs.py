@@ -161,6 +161,8 @@ class Replica:
             "app_id": self.spec.app_id, "role": self.spec.role, "replica_id": self.spec.replica_id,
             "state": self.state, "pid": self.pid, "exit_code": self.exit_code, "msg": self.msg,
             "attempts": self.attempts, "started": self.started, "ended": self.ended,
+            # how long ago it ended, on this host's clock (a client compares no clocks)
+            "age_s": None if self.ended is None else max(0.0, time.time() - self.ended),
             "argv": self.spec.argv, "log_dir": str(self.log_dir),
         }
 
