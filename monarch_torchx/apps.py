@@ -162,15 +162,17 @@ def replica_states(pool: Pool, arec: AppRecord) -> Dict[Tuple[str, int], Dict[st
     recorded here too (hosts that do not share this file system: Kubernetes).
     """
     state_dir = pool.record.path
-    ends = history.read_ends(state_dir, arec.app_id)
+    ends = history.read_ends(state_dir, arec.app_id, ages=True)
     out: Dict[Tuple[str, int], Dict[str, Any]] = {k: e.status() for k, e in ends.items()}
     asked = [p for p in arec.placement if (p.role, p.replica_id) not in ends]
     if not asked:
         return out
     out.update(_asked_states(pool, arec, asked))
+    shared = pool.provisioner.client_cwd_on_hosts  # (else an agent's own record is on its host only)
     for p in asked:
         st = out[(p.role, p.replica_id)]
-        if st["state"] in TERMINAL and st.get("final", True):  # an agent's answer, or a loss on evidence
+        # an agent's answer it did not record itself (hosts without this file system), or a loss on evidence
+        if st["state"] in TERMINAL and st.get("final", True) and not (shared and st.get("recorded")):
             with contextlib.suppress(OSError):
                 history.record_end(state_dir, history.ReplicaEnd(
                     arec.app_id, p.role, p.replica_id, st["state"], st.get("exit_code"), st.get("msg", ""),
@@ -248,21 +250,22 @@ def ends_with_failure(states: Dict[Tuple[str, int], Dict[str, Any]]) -> bool:
     """The app has failed (a replica FAILED for good) while others still run: TorchX would call
     it FAILED and stop watching, and the others would run on unseen. ``end_failed`` ends them."""
     values = [s["state"] for s in states.values()]
-    return FAILED in values and any(v in (PENDING, RUNNING) for v in values)
+    failed = any(s["state"] == FAILED and s.get("final", True) for s in states.values())
+    return failed and any(v in (PENDING, RUNNING) for v in values)
 
 
 def failure_is_fresh(states: Dict[Tuple[str, int], Dict[str, Any]]) -> bool:
     """A replica failed less than ``FAILURE_GRACE_S`` ago (on its host's or the file system's
     clock): the others get that long to end by themselves, with their own reason (the failing
     rank of a torchrun is on another node than the first to fail), before ``end_failed``."""
-    ages = [s.get("age_s") for s in states.values() if s["state"] == FAILED]
+    ages = [s.get("age_s") for s in states.values() if s["state"] == FAILED and s.get("final", True)]
     return any(a is not None and a < FAILURE_GRACE_S for a in ages)
 
 
 def end_failed(pool: Pool, arec: AppRecord, states: Dict[Tuple[str, int], Dict[str, Any]]) -> Dict[Tuple[str, int], Dict[str, Any]]:
     """Ends the replicas still running of an app that failed, then reads its states again: an app
     is reported FAILED only once nothing of it runs (as a failed torchrun ends its other nodes)."""
-    failed = sorted(f"{r}/{k}" for (r, k), s in states.items() if s["state"] == FAILED)
+    failed = sorted(f"{r}/{k}" for (r, k), s in states.items() if s["state"] == FAILED and s.get("final", True))
     pool.ask("kill", sorted({p.host_index for p in arec.placement
                              if states.get((p.role, p.replica_id), {}).get("state") in (PENDING, RUNNING)}),
              timeout=15.0, app_id=arec.app_id, reason=f"ended because {', '.join(failed)} failed")

@@ -62,8 +62,9 @@ class ReplicaEnd:
             end = cls(**{k: v for k, v in data.items() if k in known})
         except TypeError as e:
             raise ValueError(str(e)) from None
-        if end.state not in TERMINAL or not isinstance(end.replica_id, int):
-            raise ValueError(f"not an end: state {end.state!r}")
+        if (not isinstance(end.app_id, str) or not isinstance(end.role, str) or isinstance(end.replica_id, bool)
+                or not isinstance(end.replica_id, int) or end.state not in TERMINAL):
+            raise ValueError(f"not an end: {data!r:.200}")
         return end
 
     def status(self) -> Dict[str, Any]:
@@ -81,10 +82,15 @@ def end_path(state_dir: Path, app_id: str, role: str, replica_id: int) -> Path:
     return _app_dir(state_dir, app_id) / f"{quote(role, safe='')}.{int(replica_id)}.json"
 
 
-def record_end(state_dir: Path, end: ReplicaEnd) -> None:
-    """Writes ``end`` (atomically, 0600); OSError if it cannot be (a full disk): the caller says so."""
+def record_end(state_dir: Path, end: ReplicaEnd, checked: Optional[set] = None) -> None:
+    """Writes ``end`` (atomically, 0600); OSError if it cannot be (a full disk): the caller says so.
+    ``checked``: the app dirs already made and checked by this caller (an agent: each app's dir is
+    checked once, not at every end, on a shared file system where each check is a walk up)."""
     d = _app_dir(state_dir, end.app_id)
-    private_dir(d, from_=Path(state_dir) / ENDED_DIR)
+    if checked is None or d not in checked:
+        private_dir(d, from_=Path(state_dir) / ENDED_DIR)
+        if checked is not None:
+            checked.add(d)
     data = {k: v for k, v in asdict(end).items() if k != "age_s"}
     write_private_bytes(end_path(state_dir, end.app_id, end.role, end.replica_id), json.dumps(data).encode())
 
@@ -100,16 +106,17 @@ def forget_app(state_dir: Path, app_id: str) -> None:
     shutil.rmtree(_app_dir(state_dir, app_id), ignore_errors=True)
 
 
-def read_ends(state_dir: Path, app_id: str) -> Dict[Tuple[str, int], ReplicaEnd]:
+def read_ends(state_dir: Path, app_id: str, ages: bool = False) -> Dict[Tuple[str, int], ReplicaEnd]:
     """The recorded ends of an app's replicas, by (role, replica id); damaged files are skipped
-    (the agents are asked about those replicas instead)."""
+    (the agents are asked about those replicas instead). ``ages``: each end's ``age_s`` too, on
+    the file system's clock (a file is touched for it: only where the age is used)."""
     d = _app_dir(state_dir, app_id)
     out: Dict[Tuple[str, int], ReplicaEnd] = {}
     try:
         paths = list(d.iterdir())
     except (FileNotFoundError, NotADirectoryError):
         return out
-    now = _fs_now(d)
+    now = _fs_now(d) if ages else None
     for p in paths:
         if p.suffix != ".json":
             continue
@@ -195,33 +202,42 @@ def retention_s() -> float:
     return max(0.0, days) * 86400.0
 
 
-def _newest_mtime(d: Path) -> float:
-    newest = 0.0
-    for root, dirs, files in os.walk(d):
-        for n in (*dirs, *files):
-            with contextlib.suppress(OSError):
-                newest = max(newest, os.lstat(os.path.join(root, n)).st_mtime)
-    return newest
-
-
-def prune_stopped(stopped_dir: Path, live_state_dirs: List[Path], now: Optional[float] = None) -> List[Path]:
-    """Removes the state dirs of stopped pools untouched for longer than the retention (never one
-    a live pool uses, nor one that holds a pool's secret again); returns them."""
+def prune_stopped(stopped_dir: Path, live_state_dirs: List[Path], now: Optional[float] = None,
+                  skip: Optional[Path] = None, names: Optional[List[str]] = None) -> List[Path]:
+    """Removes the state dirs of pools stopped longer ago than the retention (never one a live
+    pool uses, one that holds a pool's secret again, nor ``skip``: the one being stopped now);
+    returns them. The caller holds the lock of each name it prunes (``Registry.prune_stopped``)."""
     now = time.time() if now is None else now
     keep = retention_s()
     live = {Path(d) for d in live_state_dirs}
     removed: List[Path] = []
-    for name in stopped_names(stopped_dir):
+    for name in stopped_names(stopped_dir) if names is None else names:
         left = []
         for p in stopped_pools(stopped_dir, name):
             d = Path(p.state_dir)
-            if d in live:
+            if not d.is_dir():
+                continue
+            if d in live or d == skip or now - p.stopped <= keep or (d / "token").exists():
                 left.append(p)
-            elif d.is_dir() and not (now - _newest_mtime(d) > keep and not (d / "token").exists()):
-                left.append(p)
-            elif d.is_dir():
+            else:
                 shutil.rmtree(d, ignore_errors=True)
                 removed.append(d)
         with contextlib.suppress(OSError):
             _write_stopped(stopped_dir, name, left)
     return removed
+
+
+def prune_old_apps(state_dir: Path, now: Optional[float] = None) -> int:
+    """Forgets the apps of a pool's state dir (records, ends) older than the retention: a pool
+    name reused for months keeps its state dir, and its apps would pile up there (their logs are
+    bounded by the log limits). Returns how many."""
+    now = time.time() if now is None else now
+    keep = retention_s()
+    n = 0
+    for rec in (Path(state_dir) / "apps").glob("*.json"):
+        with contextlib.suppress(OSError):
+            if now - rec.stat().st_mtime > keep:
+                rec.unlink()
+                forget_app(state_dir, rec.stem)
+                n += 1
+    return n

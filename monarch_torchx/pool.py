@@ -725,10 +725,28 @@ def _stop(pool: Pool, prov: Provisioner, reason: str) -> List[str]:
     left = prov.end_leftovers(pool.record, lost) if lost else []
     for line in left:
         log.info("pool %s: ended what %s", pool.name, line)
+    if not prov.client_cwd_on_hosts:
+        _hear_ends(pool, [i for i in live if i not in lost])
     pool.ask("shutdown", [i for i in live if i not in lost], timeout=5.0, reason=reason)
     prov.release(pool.record)
     pool.registry.delete(pool.record)
     return left
+
+
+def _hear_ends(pool: Pool, hosts: List[int]) -> None:
+    """Hosts that do not share this file system (Kubernetes) record their replicas' ends on their
+    own disks only: before they go, the ends no client asked about are recorded here, so their
+    apps still read as they ended once the pool is stopped (``history.py``)."""
+    from . import history
+    from .specs import TERMINAL
+
+    for _, res, _ in pool.ask("list", hosts, timeout=10.0):
+        for st in res or []:
+            if st.get("state") in TERMINAL:
+                with contextlib.suppress(OSError, ValueError, TypeError):
+                    history.record_end(pool.record.path, history.ReplicaEnd(
+                        st["app_id"], st["role"], st["replica_id"], st["state"], st.get("exit_code"),
+                        st.get("msg", ""), st.get("attempts", 1), st.get("started"), st.get("ended")))
 
 
 def stop_pool(name: str, registry: Optional[Registry] = None) -> List[str]:

@@ -353,7 +353,35 @@ class Registry:
                 (Path(rec.state_dir) / name).unlink()
         shutil.rmtree(Path(rec.state_dir) / MONARCH_JOBS_DIR, ignore_errors=True)  # their keys, with the pool
         with contextlib.suppress(OSError):
-            history.prune_stopped(self.stopped_dir, [Path(r.state_dir) for r in self.list()])
+            self._prune_history(rec)
+
+    def _prune_history(self, stopping: PoolRecord) -> None:
+        """Past the retention: the old apps of the pool being stopped, and the state dirs of pools
+        stopped long ago, each under its name's lock (a create of that name may be under way: then
+        it is left for a later stop). The caller holds ``stopping``'s lock."""
+        history.prune_old_apps(Path(stopping.state_dir))
+        live = [Path(r.state_dir) for r in self.list()]
+        for name in history.stopped_names(self.stopped_dir):
+            if name == stopping.name:
+                history.prune_stopped(self.stopped_dir, live, skip=Path(stopping.state_dir), names=[name])
+                continue
+            with contextlib.suppress(MonarchError), self._try_lock(name) as held:
+                if held:
+                    history.prune_stopped(self.stopped_dir, live, names=[name])
+
+    @contextlib.contextmanager
+    def _try_lock(self, name: str) -> Iterator[bool]:
+        """``lock``, without waiting: yields whether it was had."""
+        fd = os.open(self.pools_dir / f"{check_pool_name(name)}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
 
     def stopped(self, name: Optional[str] = None, scheduler: Optional[str] = None) -> List["history.StoppedPool"]:
         """Stopped pools whose apps are kept (``history.py``): named ``name`` (newest first), or all."""

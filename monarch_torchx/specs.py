@@ -35,6 +35,9 @@ class LaunchSpec:
     requeue_code: Optional[int] = None
 
     def __post_init__(self) -> None:
+        for what, name in (("app id", self.app_id), ("role", self.role)):  # (they name directories on the host)
+            if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\0" in name:
+                raise ValueError(f"{what} {name!r} cannot name a directory: no '/', not '.' or '..'")
         if not self.argv or not all(isinstance(a, str) for a in self.argv):
             raise ValueError("argv must be a non-empty list of strings")
         for env in (self.env, self.inherited_env):

@@ -60,7 +60,8 @@ class MonarchJob(core.Job[core.R]):
 
         meta = json.loads(_meta_path(self._paths.folder, self.job_id).read_text())
         reg = Registry()
-        if reg.get(meta["pool"]) is not None:
+        live = reg.get(meta["pool"])
+        if live is not None and Registry.get_app(live, meta["app_id"]) is not None:
             return None
         for p in reg.stopped(meta["pool"]):
             arec = Registry.app_in(Path(p.state_dir), meta["app_id"])

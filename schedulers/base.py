@@ -89,10 +89,11 @@ class MonarchRequest:
         return "\n".join(lines)
 
 
-# Not passed on from the submitting shell: what names the client's own pool, job or shell (the
-# agent sets the pool's; a client inside a SLURM job must not hand its job's ids to the replicas)
-_NOT_INHERITED_PREFIXES = ("MONARCH_TORCHX_", "SLURM_", "SLURMD_", "SBATCH_", "SALLOC_")
-_NOT_INHERITED = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})
+# Not passed on from the submitting shell: what names the client's own pool, job, shell or
+# session on its own machine (the agent sets the pool's; a client inside a SLURM job must not hand
+# its job's ids to the replicas; a host's own TMPDIR, e.g. a job's private one, stays its own)
+_NOT_INHERITED_PREFIXES = ("MONARCH_TORCHX_", "SLURM_", "SLURMD_", "SBATCH_", "SALLOC_", "SSH_")
+_NOT_INHERITED = frozenset({"PWD", "OLDPWD", "SHLVL", "_", "HOSTNAME", "TMPDIR", "XDG_RUNTIME_DIR", "DISPLAY"})
 COLD_ENV_DOC = "README: Run options, environment"
 
 
@@ -442,6 +443,10 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         names = STREAMS if stream == "combined" else (stream,)
         if any(n not in STREAMS for n in names):
             raise MonarchError(f"unknown stream {stream!r}: use stdout, stderr or combined")
+        try:
+            re.compile(regex or "")
+        except re.error as e:
+            raise MonarchError(f"--regex {regex!r} is not a regular expression ({e})") from None
         window = (since.timestamp() if since else None, until.timestamp() if until else None, regex)
         found = self._lookup(app_id)
         if found is None:

@@ -215,3 +215,35 @@ def test_max_retries_of_a_warm_ddp_restart_every_node_together(home, pool_name, 
     assert res.returncode == 0, torchx(home, "log", h).stdout[-3000:]
     out = torchx(home, "log", h).stdout
     assert "ok 0 after restart 1" in out and "ok 1 after restart 1" in out and "stopped answering" not in out
+
+
+def test_names_that_would_leave_the_pools_dirs_are_refused_by_the_agent_spec():
+    from monarch_torchx.specs import LaunchSpec
+
+    for app_id, role in (("..", "r"), ("a", "../.."), ("a", "x/y"), (".", "r"), ("a", "")):
+        with pytest.raises(ValueError, match="cannot name a directory"):
+            LaunchSpec(app_id=app_id, role=role, replica_id=0, argv=["true"])
+    LaunchSpec(app_id="a-1", role="trainer.v2", replica_id=0, argv=["true"])
+
+
+def test_a_damaged_end_record_is_skipped_not_a_traceback(tmp_path):
+    history.record_end(tmp_path, history.ReplicaEnd("app", "r", 0, "SUCCEEDED"))
+    history.end_path(tmp_path, "app", "r", 1).write_text(json.dumps(
+        {"app_id": "app", "role": ["r"], "replica_id": 1, "state": "FAILED"}))
+    history.end_path(tmp_path, "app", "r", 2).write_text(json.dumps(
+        {"app_id": "app", "role": "r", "replica_id": True, "state": "FAILED"}))
+    assert list(history.read_ends(tmp_path, "app")) == [("r", 0)]
+    assert history.read_ends(tmp_path, "app", ages=True)[("r", 0)].age_s is not None
+
+
+def test_apps_older_than_the_retention_are_forgotten_from_a_reused_state_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(history.HISTORY_DAYS_ENV, "1")
+    (tmp_path / "apps").mkdir()
+    for app in ("old", "new"):
+        (tmp_path / "apps" / f"{app}.json").write_text("{}")
+        history.record_end(tmp_path, history.ReplicaEnd(app, "r", 0, "SUCCEEDED"))
+    past = time.time() - 3 * 86400
+    os.utime(tmp_path / "apps" / "old.json", (past, past))
+    assert history.prune_old_apps(tmp_path) == 1
+    assert [p.name for p in (tmp_path / "apps").iterdir()] == ["new.json"]
+    assert history.read_ends(tmp_path, "old") == {} and list(history.read_ends(tmp_path, "new")) == [("r", 0)]

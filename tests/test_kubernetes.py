@@ -675,3 +675,17 @@ def test_kubernetes_job_meshes_on_pods(cluster, home, tmp_path):
         job.add_mesh("others", 1, label_selector="app=x")
     job.kill()
     assert Registry(home).get(name) is None
+
+
+def test_an_app_no_one_asked_about_reads_as_it_ended_after_its_pool_is_stopped(cluster, home, pool_name, tmp_path):
+    """Issue 38: pods keep their replicas' ends on their own disks; `pool stop` hears them first
+    (was: FAILED, "its pool was stopped before its end was recorded")."""
+    h = _handle(torchx(home, "run", "-s", S, "-cfg", _cfg(pool_name, _free_port(), replicas=1), "utils.sh",
+                       "sleep", "1", cwd=tmp_path))
+    rec = Registry(home).get(pool_name)
+    from monarch_torchx.pool import Pool
+
+    wait_for(lambda: all(s["state"] == "SUCCEEDED" for s in Pool(rec, Registry(home)).call(0, "list")),
+             what="the app to end (asked of its agent, not recorded by a status)")
+    torchx(home, "pool", "stop", pool_name)
+    assert _status(home, h)["State"] == "SUCCEEDED"

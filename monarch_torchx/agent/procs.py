@@ -132,6 +132,7 @@ class Replica:
         self.cancelled = False
         self.cancel_reason = "cancelled"
         self.record_end = True  # (an end its agent cannot vouch for, a signal's: the client records it)
+        self.recorded = False  # its end is in the pool's state dir (so a client need not record it)
         self.timed_out = False
         self.requeues = 0
         self.timers: List[asyncio.TimerHandle] = []
@@ -163,6 +164,7 @@ class Replica:
             "attempts": self.attempts, "started": self.started, "ended": self.ended,
             # how long ago it ended, on this host's clock (a client compares no clocks)
             "age_s": None if self.ended is None else max(0.0, time.time() - self.ended),
+            "recorded": self.recorded,
             "argv": self.spec.argv, "log_dir": str(self.log_dir),
         }
 
@@ -226,6 +228,7 @@ class ProcTable:
         (``history.py``); None: not recorded (a table without a pool)."""
         self._launcher = launcher
         self._history_dir = history_dir
+        self._history_checked: set = set()  # app dirs of ended/ made and checked (history.record_end)
         self.history_error = ""  # the last failed record of an end, for `pool status`
         self._log_root = log_root
         self.log_store = LogStore(log_root, log_limits or LogLimits())
@@ -344,7 +347,8 @@ class ProcTable:
         try:
             record_end(self._history_dir, ReplicaEnd(s.app_id, s.role, s.replica_id, rep.state, rep.exit_code,
                                                      rep.msg, rep.attempts, rep.started, rep.ended,
-                                                     socket.gethostname()))
+                                                     socket.gethostname()), self._history_checked)
+            rep.recorded = True
         except OSError as e:  # a full disk: the agent still answers while it lives
             self.history_error = f"cannot record replica ends in {self._history_dir}: {e.strerror or e}"
 
