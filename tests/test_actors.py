@@ -950,6 +950,25 @@ def test_an_actor_whose_constructor_never_returns_can_be_stopped(procs):
     assert other.incr.call_one().get(timeout=30) == 2
 
 
+def test_monarch_actor_names_are_exported_by_the_package_too():
+    """Issue 43: every public name of ``monarch_torchx.actor`` (Monarch's ``monarch.actor``:
+    ``attach_to_workers`` and ``run_worker_loop_forever`` too) comes from ``monarch_torchx``
+    itself, the same object; importing the package, or a module of it, loads no actor code."""
+    code = textwrap.dedent("""
+        import sys
+        import monarch_torchx
+        from monarch_torchx import pool
+        assert "monarch_torchx.actor" not in sys.modules, "the package imported its actor API"
+        from monarch_torchx import attach_to_workers, run_worker_loop_forever
+        import monarch_torchx.actor as api
+        assert attach_to_workers is api.attach_to_workers and run_worker_loop_forever is api.run_worker_loop_forever
+        missing = [n for n in api.__all__ if getattr(monarch_torchx, n, None) is not getattr(api, n)]
+        assert not missing, missing
+        assert set(api.__all__) <= set(dir(monarch_torchx))
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
 def test_logging_option_streams_proc_output_with_the_actor_prefix(procs, capsys):
     """ProcMesh.logging_option (Monarch's): the procs' root logger level, and their output on the
     controller's stdout, each line led by its rank; log records from actor code start
