@@ -173,10 +173,8 @@ def replica_states(pool: Pool, arec: AppRecord) -> Dict[Tuple[str, int], Dict[st
         st = out[(p.role, p.replica_id)]
         # an agent's answer it did not record itself (hosts without this file system), or a loss on evidence
         if st["state"] in TERMINAL and st.get("final", True) and not (shared and st.get("recorded")):
-            with contextlib.suppress(OSError):
-                history.record_end(state_dir, history.ReplicaEnd(
-                    arec.app_id, p.role, p.replica_id, st["state"], st.get("exit_code"), st.get("msg", ""),
-                    st.get("attempts", 1), st.get("started"), st.get("ended"), st.get("hostname", "")))
+            with contextlib.suppress(OSError, ValueError):
+                history.record_end(state_dir, history.ReplicaEnd.from_status(arec.app_id, p.role, p.replica_id, st))
     return out
 
 

@@ -67,6 +67,15 @@ class ReplicaEnd:
             raise ValueError(f"not an end: {data!r:.200}")
         return end
 
+    @classmethod
+    def from_status(cls, app_id: str, role: str, replica_id: int, st: Dict[str, Any]) -> "ReplicaEnd":
+        """From an agent's replica status (``Replica.status``, as ``describe`` and ``list`` answer),
+        or a loss inferred by a client; ValueError for one that is not an end."""
+        return cls.from_json({"app_id": app_id, "role": role, "replica_id": replica_id, "state": st.get("state"),
+                              "exit_code": st.get("exit_code"), "msg": st.get("msg", ""),
+                              "attempts": st.get("attempts", 1), "started": st.get("started"),
+                              "ended": st.get("ended"), "hostname": st.get("hostname", "")})
+
     def status(self) -> Dict[str, Any]:
         """As an agent's replica status reads (what ``apps.replica_states`` hands on)."""
         return {"state": self.state, "exit_code": self.exit_code, "msg": self.msg, "attempts": self.attempts,

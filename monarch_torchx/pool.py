@@ -743,10 +743,9 @@ def _hear_ends(pool: Pool, hosts: List[int]) -> None:
     for _, res, _ in pool.ask("list", hosts, timeout=10.0):
         for st in res or []:
             if st.get("state") in TERMINAL:
-                with contextlib.suppress(OSError, ValueError, TypeError):
-                    history.record_end(pool.record.path, history.ReplicaEnd(
-                        st["app_id"], st["role"], st["replica_id"], st["state"], st.get("exit_code"),
-                        st.get("msg", ""), st.get("attempts", 1), st.get("started"), st.get("ended")))
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    history.record_end(pool.record.path, history.ReplicaEnd.from_status(
+                        st["app_id"], st["role"], st["replica_id"], st))
 
 
 def stop_pool(name: str, registry: Optional[Registry] = None) -> List[str]:
