@@ -41,7 +41,7 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable
 
 KEYS = ("rtt_ms", "call8_ms", "tensor_gbps", "spawn8_s")
 WARMUP = 50
@@ -57,11 +57,11 @@ def log(*a: Any) -> None:
     print("[actors_peers]", *a, file=sys.stderr, flush=True)
 
 
-def _median_ms(samples: List[float]) -> float:
+def _median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def _time_calls(fn: Callable[[], Any], n: int, warmup: int) -> List[float]:
+def _time_calls(fn: Callable[[], Any], n: int, warmup: int) -> list[float]:
     for _ in range(warmup):
         fn()
     out = []
@@ -78,11 +78,11 @@ def _make_tensor():
     return torch.ones(TENSOR_BYTES, dtype=torch.uint8)
 
 
-def _gbps(samples: List[float]) -> float:
+def _gbps(samples: list[float]) -> float:
     return TENSOR_BYTES / 1e9 / statistics.median(samples)
 
 
-def _measure(results: Dict[str, Optional[float]], key: str, fn: Callable[[], float]) -> None:
+def _measure(results: dict[str, float | None], key: str, fn: Callable[[], float]) -> None:
     t0 = time.perf_counter()
     try:
         results[key] = round(float(fn()), 4)
@@ -163,7 +163,7 @@ class _EchoClient:
         self._len = memoryview(bytearray(self.LEN.size))
 
     @classmethod
-    async def connect(cls, port: int) -> "_EchoClient":
+    async def connect(cls, port: int) -> _EchoClient:
         import socket
 
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -209,14 +209,17 @@ class _Servers:
     """Echo server subprocesses; closing stdin (or killing) stops them."""
 
     def __init__(self) -> None:
-        self.procs: List[asyncio.subprocess.Process] = []
+        self.procs: list[asyncio.subprocess.Process] = []
 
-    async def start(self, n: int, import_torch: bool) -> List[int]:
+    async def start(self, n: int, import_torch: bool) -> list[int]:
         src = ("import torch\n" if import_torch else "") + ECHO_SERVER
         procs = [
             await asyncio.create_subprocess_exec(
-                sys.executable, "-c", src,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                sys.executable,
+                "-c",
+                src,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
             )
             for _ in range(n)
         ]
@@ -243,10 +246,10 @@ class _Servers:
         self.procs = []
 
 
-async def _asyncio_main(args: argparse.Namespace) -> Dict[str, Optional[float]]:
-    res: Dict[str, Optional[float]] = dict.fromkeys(KEYS)
+async def _asyncio_main(args: argparse.Namespace) -> dict[str, float | None]:
+    res: dict[str, float | None] = dict.fromkeys(KEYS)
 
-    async def timed(fn, n: int, warmup: int) -> List[float]:
+    async def timed(fn, n: int, warmup: int) -> list[float]:
         for _ in range(warmup):
             await fn()
         out = []
@@ -266,7 +269,7 @@ async def _asyncio_main(args: argparse.Namespace) -> Dict[str, Optional[float]]:
             traceback.print_exc(file=sys.stderr)
 
     servers = _Servers()
-    clients: List[_EchoClient] = []
+    clients: list[_EchoClient] = []
     try:
         ports = await servers.start(N_PROCS, import_torch=False)
         clients = [await _EchoClient.connect(p) for p in ports]
@@ -306,7 +309,7 @@ async def _asyncio_main(args: argparse.Namespace) -> Dict[str, Optional[float]]:
 
         async def spawn8() -> float:
             torch_servers = _Servers()
-            cs: List[_EchoClient] = []
+            cs: list[_EchoClient] = []
             try:
                 t0 = time.perf_counter()
                 ports = await torch_servers.start(N_PROCS, import_torch=True)
@@ -322,7 +325,7 @@ async def _asyncio_main(args: argparse.Namespace) -> Dict[str, Optional[float]]:
     return res
 
 
-def run_asyncio(args: argparse.Namespace) -> Dict[str, Optional[float]]:
+def run_asyncio(args: argparse.Namespace) -> dict[str, float | None]:
     return asyncio.run(_asyncio_main(args))
 
 
@@ -331,7 +334,7 @@ def run_asyncio(args: argparse.Namespace) -> Dict[str, Optional[float]]:
 # --------------------------------------------------------------------------------------------
 
 
-def _wait_pids_gone(pids: List[int], timeout: float = 20.0) -> None:
+def _wait_pids_gone(pids: list[int], timeout: float = 20.0) -> None:
     """Wait until these (non-child) processes have exited and been reaped by their parent."""
     deadline = time.monotonic() + timeout
     left = list(pids)
@@ -343,14 +346,14 @@ def _wait_pids_gone(pids: List[int], timeout: float = 20.0) -> None:
         log(f"processes still present after {timeout:.0f}s: {left}")
 
 
-def run_ray(args: argparse.Namespace) -> Dict[str, Optional[float]]:
+def run_ray(args: argparse.Namespace) -> dict[str, float | None]:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Without this Ray replaces a 127.0.0.1 node address by the host's routable IP
     # (services.resolve_ip_for_localhost); with it, every Ray address is loopback.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
-    res: Dict[str, Optional[float]] = dict.fromkeys(KEYS)
+    res: dict[str, float | None] = dict.fromkeys(KEYS)
 
     # num_cpus=0: 8+ actors on a 2-core machine must not wait for CPU resources.
     @ray.remote(num_cpus=0)
@@ -375,7 +378,7 @@ def run_ray(args: argparse.Namespace) -> Dict[str, Optional[float]]:
         def pid(self) -> int:
             return os.getpid()
 
-    def kill(actors: List[Any]) -> None:
+    def kill(actors: list[Any]) -> None:
         # Wait for the actor processes to exit while the raylet (their parent) can still reap
         # them; otherwise they outlive ray.shutdown() (as zombies, here, under a non-reaping init).
         try:
@@ -400,16 +403,20 @@ def run_ray(args: argparse.Namespace) -> Dict[str, Optional[float]]:
         ray.get([a.ping.remote() for a in actors], timeout=TIMEOUT_S)
         one = actors[0]
 
-        _measure(res, "rtt_ms", lambda: _median_ms(
-            _time_calls(lambda: ray.get(one.ping.remote()), args.calls, WARMUP)))
-        _measure(res, "call8_ms", lambda: _median_ms(_time_calls(
-            lambda: ray.get([a.ping.remote() for a in actors]), CALL8_ITERS, CALL8_WARMUP)))
+        _measure(res, "rtt_ms", lambda: _median_ms(_time_calls(lambda: ray.get(one.ping.remote()), args.calls, WARMUP)))  # noqa: F821
+        _measure(
+            res,
+            "call8_ms",
+            lambda: _median_ms(
+                _time_calls(lambda: ray.get([a.ping.remote() for a in actors]), CALL8_ITERS, CALL8_WARMUP)  # noqa: F821
+            ),
+        )
 
         def tensor() -> float:
             t = _make_tensor()
 
             def go() -> None:
-                n = ray.get(one.numel.remote(t), timeout=TIMEOUT_S)
+                n = ray.get(one.numel.remote(t), timeout=TIMEOUT_S)  # noqa: F821
                 assert n == t.numel(), n
 
             return _gbps(_time_calls(go, TENSOR_ITERS, 1))
@@ -439,10 +446,10 @@ def run_ray(args: argparse.Namespace) -> Dict[str, Optional[float]]:
 # --------------------------------------------------------------------------------------------
 
 
-def run_monarch(args: argparse.Namespace) -> Dict[str, Optional[float]]:
+def run_monarch(args: argparse.Namespace) -> dict[str, float | None]:
     from monarch.actor import Actor, endpoint, shutdown_context, this_host
 
-    res: Dict[str, Optional[float]] = dict.fromkeys(KEYS)
+    res: dict[str, float | None] = dict.fromkeys(KEYS)
 
     # Classes defined here (in __main__) reach the spawned procs by value (cloudpickle).
     class Echo(Actor):
@@ -462,7 +469,7 @@ def run_monarch(args: argparse.Namespace) -> Dict[str, Optional[float]]:
         def ping(self, x: Any = None) -> Any:
             return x
 
-    meshes: List[Any] = []
+    meshes: list[Any] = []
 
     def stop(pm: Any) -> None:
         try:
@@ -484,8 +491,7 @@ def run_monarch(args: argparse.Namespace) -> Dict[str, Optional[float]]:
         mesh8 = pm8.spawn("echo8", Echo)
         mesh8.ping.call().get(timeout=TIMEOUT_S)
 
-        _measure(res, "rtt_ms", lambda: _median_ms(
-            _time_calls(lambda: one.ping.call_one().get(), args.calls, WARMUP)))
+        _measure(res, "rtt_ms", lambda: _median_ms(_time_calls(lambda: one.ping.call_one().get(), args.calls, WARMUP)))
 
         def call8() -> float:
             def go() -> None:
@@ -539,7 +545,7 @@ PEERS = {"ray": run_ray, "monarch": run_monarch, "asyncio": run_asyncio}
 REQUIRES = {"ray": ["torch", "ray"], "monarch": ["torch", "monarch.actor"], "asyncio": ["torch"]}
 
 
-def _import_error(peer: str) -> Optional[str]:
+def _import_error(peer: str) -> str | None:
     import importlib
 
     if peer == "ray":
@@ -569,7 +575,7 @@ def main() -> int:
 
     t0 = time.perf_counter()
     err = _import_error(args.peer)
-    res: Dict[str, Any] = {"error": err} if err else PEERS[args.peer](args)
+    res: dict[str, Any] = {"error": err} if err else PEERS[args.peer](args)
     log(f"{args.peer}: total {time.perf_counter() - t0:.1f}s")
     json_out.write(json.dumps(res) + "\n")
     json_out.flush()

@@ -21,7 +21,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -30,7 +29,7 @@ from _results import record  # noqa: E402
 BIN = Path(sys.executable).parent
 
 
-def timed(argv: List[str], env: Dict[str, str], cwd: str) -> float:
+def timed(argv: list[str], env: dict[str, str], cwd: str) -> float:
     t0 = time.monotonic()
     res = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True)
     wall = time.monotonic() - t0
@@ -39,9 +38,10 @@ def timed(argv: List[str], env: Dict[str, str], cwd: str) -> float:
     return wall
 
 
-def state_of(handle: str, env: Dict[str, str], cwd: str) -> str:
-    out = subprocess.run([str(BIN / "torchx"), "status", handle], env=env, cwd=cwd, capture_output=True,
-                         text=True).stdout
+def state_of(handle: str, env: dict[str, str], cwd: str) -> str:
+    out = subprocess.run(
+        [str(BIN / "torchx"), "status", handle], env=env, cwd=cwd, capture_output=True, text=True
+    ).stdout
     return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.strip().startswith("State:")), "")
 
 
@@ -51,30 +51,65 @@ def main() -> None:
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="bench-history-")
-    env = {**os.environ, "MONARCH_TORCHX_HOME": str(Path(work) / "home"),
-           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "MONARCH_TORCHX_HOME": str(Path(work) / "home"),
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     tx = str(BIN / "torchx")
-    times: Dict[str, List[float]] = {k: [] for k in ("wait_local_cwd", "wait_monarch", "status_up",
-                                                     "status_idle", "status_stopped")}
-    subprocess.run([tx, "pool", "create", "bw", "-s", "monarch_local", "-cfg", "hosts=1,preload=none"], env=env,
-                   cwd=work, check=True, capture_output=True)
+    times: dict[str, list[float]] = {
+        k: [] for k in ("wait_local_cwd", "wait_monarch", "status_up", "status_idle", "status_stopped")
+    }
+    subprocess.run(
+        [tx, "pool", "create", "bw", "-s", "monarch_local", "-cfg", "hosts=1,preload=none"],
+        env=env,
+        cwd=work,
+        check=True,
+        capture_output=True,
+    )
     try:
         for _ in range(args.n):
-            times["wait_local_cwd"].append(timed([tx, "run", "--wait", "-s", "local_cwd", "utils.sh", "sleep", "0.5"],
-                                                 env, work))
-            times["wait_monarch"].append(timed([tx, "run", "--wait", "-s", "monarch_local", "-cfg", "pool=bw",
-                                                "utils.sh", "sleep", "0.5"], env, work))
+            times["wait_local_cwd"].append(
+                timed([tx, "run", "--wait", "-s", "local_cwd", "utils.sh", "sleep", "0.5"], env, work)
+            )
+            times["wait_monarch"].append(
+                timed(
+                    [tx, "run", "--wait", "-s", "monarch_local", "-cfg", "pool=bw", "utils.sh", "sleep", "0.5"],
+                    env,
+                    work,
+                )
+            )
         # finished apps: one per pool, on a pool that stays up, one that idles out, one that is stopped
         handles = {}
         for pool, idle in (("up", "30m"), ("idle", "2s"), ("stopped", "30m")):
-            res = subprocess.run([tx, "run", "--wait", "-s", "monarch_local", "-cfg",
-                                  f"pool={pool},hosts=1,preload=none,idle_timeout={idle}", "utils.sh", "true"],
-                                 env=env, cwd=work, check=True, capture_output=True, text=True)
+            res = subprocess.run(
+                [
+                    tx,
+                    "run",
+                    "--wait",
+                    "-s",
+                    "monarch_local",
+                    "-cfg",
+                    f"pool={pool},hosts=1,preload=none,idle_timeout={idle}",
+                    "utils.sh",
+                    "true",
+                ],
+                env=env,
+                cwd=work,
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             handles[pool] = res.stdout.strip().splitlines()[-1]
         subprocess.run([BIN / "monarch-torchx", "pool", "stop", "stopped"], env=env, check=True, capture_output=True)
         deadline = time.time() + 60
-        while time.time() < deadline and "stopped" not in subprocess.run(
-                [BIN / "monarch-torchx", "pool", "status", "idle"], env=env, capture_output=True, text=True).stdout:
+        while (
+            time.time() < deadline
+            and "stopped"
+            not in subprocess.run(
+                [BIN / "monarch-torchx", "pool", "status", "idle"], env=env, capture_output=True, text=True
+            ).stdout
+        ):
             time.sleep(0.5)
         for pool in ("up", "idle", "stopped"):
             assert state_of(handles[pool], env, work) == "SUCCEEDED", pool
@@ -85,16 +120,18 @@ def main() -> None:
         for pool in ("bw", "up", "idle"):
             subprocess.run([BIN / "monarch-torchx", "pool", "stop", pool], env=env, capture_output=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    body = (f"Median of {args.n} runs per case, interleaved, on this machine; every number includes the CLI's "
-            "own start.\n\n"
-            "| case | wall (s) |\n|---|---:|\n"
-            f"| `torchx run --wait utils.sh sleep 0.5` on local_cwd (TorchX polls every 1 s) | {med['wait_local_cwd']:.3f} |\n"
-            f"| the same on a warm monarch_local pool (the agents report the end) | {med['wait_monarch']:.3f} |\n"
-            f"| `torchx status` of a finished app, its pool up (recorded end, agents not asked) | {med['status_up']:.3f} |\n"
-            f"| the same, its pool idled out (was: FAILED, host lost) | {med['status_idle']:.3f} |\n"
-            f"| the same, its pool stopped (was: no app) | {med['status_stopped']:.3f} |\n\n"
-            f"Ratio (same run): `--wait` on monarch_local returns **{med['wait_local_cwd'] / med['wait_monarch']:.2f}x** "
-            "sooner than on local_cwd for the same 0.5 s app.\n")
+    body = (
+        f"Median of {args.n} runs per case, interleaved, on this machine; every number includes the CLI's "
+        "own start.\n\n"
+        "| case | wall (s) |\n|---|---:|\n"
+        f"| `torchx run --wait utils.sh sleep 0.5` on local_cwd (TorchX polls every 1 s) | {med['wait_local_cwd']:.3f} |\n"
+        f"| the same on a warm monarch_local pool (the agents report the end) | {med['wait_monarch']:.3f} |\n"
+        f"| `torchx status` of a finished app, its pool up (recorded end, agents not asked) | {med['status_up']:.3f} |\n"
+        f"| the same, its pool idled out (was: FAILED, host lost) | {med['status_idle']:.3f} |\n"
+        f"| the same, its pool stopped (was: no app) | {med['status_stopped']:.3f} |\n\n"
+        f"Ratio (same run): `--wait` on monarch_local returns **{med['wait_local_cwd'] / med['wait_monarch']:.2f}x** "
+        "sooner than on local_cwd for the same 0.5 s app.\n"
+    )
     print(body)
     if not args.no_record:
         record("app-history", "make bench-history  # .venv/bin/python benchmarks/app_history.py --n 5", body)

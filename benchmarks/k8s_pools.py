@@ -42,8 +42,12 @@ def free_port() -> int:
 def run_echo(cfg: str, sched) -> float:
     """`torchx run` of utils.echo until the app SUCCEEDED; seconds."""
     t = time.perf_counter()
-    res = subprocess.run([TORCHX, "run", "-s", "monarch_kubernetes", "-cfg", cfg, "utils.echo", "--msg", "hi"],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [TORCHX, "run", "-s", "monarch_kubernetes", "-cfg", cfg, "utils.echo", "--msg", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if res.returncode != 0:
         raise SystemExit(f"torchx run failed:\n{res.stderr[-2000:]}")
     app = res.stdout.strip().splitlines()[-1].rsplit("/", 1)[1]
@@ -66,8 +70,9 @@ def main() -> None:
     os.environ["MONARCH_TORCHX_HOME"] = str(root / "home")
     cluster = Cluster(root).start()
     os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
-    from monarch_torchx.pool import attach, stop_pool
     from monarch_torchx.schedulers.kubernetes import create_scheduler
+
+    from monarch_torchx.pool import attach, stop_pool
 
     sched = create_scheduler("bench")
     try:
@@ -79,14 +84,28 @@ def main() -> None:
             warm.append(run_echo(f"pool=cold{i}", sched))
             warm_ip.append(run_echo("pool=direct", sched))
             stop_pool(f"cold{i}")
-            print(f"round {i}: cold {cold[-1]:.3f} s, warm {warm[-1]:.3f} s, warm pod_ip {warm_ip[-1]:.3f} s",
-                  file=sys.stderr)
+            print(
+                f"round {i}: cold {cold[-1]:.3f} s, warm {warm[-1]:.3f} s, warm pod_ip {warm_ip[-1]:.3f} s",
+                file=sys.stderr,
+            )
         stop_pool("direct")
 
         times = {"pod_ip": [], "port_forward": []}
         for mode in times:
-            subprocess.run([TORCHX, "pool", "create", mode.replace("_", "-"), "-s", "monarch_kubernetes", "-cfg",
-                            f"access={mode},port={free_port()},preload=none"], check=True, capture_output=True)
+            subprocess.run(
+                [
+                    TORCHX,
+                    "pool",
+                    "create",
+                    mode.replace("_", "-"),
+                    "-s",
+                    "monarch_kubernetes",
+                    "-cfg",
+                    f"access={mode},port={free_port()},preload=none",
+                ],
+                check=True,
+                capture_output=True,
+            )
         pools = {mode: attach(mode.replace("_", "-")) for mode in times}
         for _ in range(args.calls):
             for mode, pool in pools.items():
@@ -113,14 +132,14 @@ the container, so the cold/warm ratio below is a floor.
 
 | one request on a new connection | median (ms) | calls |
 |---|---:|---:|
-| pod_ip (TCP connect + handshake + `info`) | {med['pod_ip'] * 1e3:.1f} | {args.calls} |
-| port_forward (API server websocket tunnel + handshake + `info`) | {med['port_forward'] * 1e3:.1f} | {args.calls} |
+| pod_ip (TCP connect + handshake + `info`) | {med["pod_ip"] * 1e3:.1f} | {args.calls} |
+| port_forward (API server websocket tunnel + handshake + `info`) | {med["port_forward"] * 1e3:.1f} | {args.calls} |
 
 Ratios (same run):
 - a warm run is **{cm / wm:.1f}x** faster than a cold one through port-forward, **{cm / wim:.1f}x** with pod_ip
   (all include the torchx CLI's own start, about 0.3 s; port-forward also imports the kubernetes
   client, about 0.4 s, which pod_ip does not need; each poll of the app's state opens a tunnel too)
-- a request through port-forward costs **{med['port_forward'] / med['pod_ip']:.1f}x** one to the pod IP
+- a request through port-forward costs **{med["port_forward"] / med["pod_ip"]:.1f}x** one to the pod IP
 """
     print(body)
     record("k8s_pools", f".venv/bin/python benchmarks/k8s_pools.py --n {args.n} --calls {args.calls}", body)

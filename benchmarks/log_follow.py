@@ -29,18 +29,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _results import record  # noqa: E402
 
 BIN = Path(sys.executable).parent
-PER_REPLICA = ("import sys\nfrom torchx.cli.cmd_log import get_logs\nfrom torchx.runner import get_runner\n"
-               "with get_runner() as r:\n    get_logs(sys.stdout, sys.argv[1], None, True, runner=r)\n")
+PER_REPLICA = (
+    "import sys\nfrom torchx.cli.cmd_log import get_logs\nfrom torchx.runner import get_runner\n"
+    "with get_runner() as r:\n    get_logs(sys.stdout, sys.argv[1], None, True, runner=r)\n"
+)
 
 
-def timed(argv: List[str], env: Dict[str, str]) -> Dict[str, float]:
+def timed(argv: list[str], env: dict[str, str]) -> dict[str, float]:
     """Wall time, time to the first line on stdout, client CPU and the lines printed."""
     r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
@@ -55,29 +56,52 @@ def timed(argv: List[str], env: Dict[str, str]) -> Dict[str, float]:
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if code != 0:
         raise SystemExit(f"{' '.join(argv[:3])}... failed ({code}):\n{err[-2000:]}")
-    return {"wall": wall, "first": t_first, "cpu": (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime),
-            "lines": float(len((first + rest).splitlines()))}
+    return {
+        "wall": wall,
+        "first": t_first,
+        "cpu": (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime),
+        "lines": float(len((first + rest).splitlines())),
+    }
 
 
-def measure(n: int, rounds: int, lines: int) -> Dict[str, Dict[str, float]]:
+def measure(n: int, rounds: int, lines: int) -> dict[str, dict[str, float]]:
     home = Path(tempfile.mkdtemp(prefix=f"logfollow{n}-"))
     env = dict(os.environ, MONARCH_TORCHX_HOME=str(home), PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     tx = [str(BIN / "torchx")]
     pool = f"follow{n}"
     try:
-        subprocess.run(tx + ["pool", "create", pool, "-cfg", f"hosts={n},preload=none"], env=env, check=True,
-                       capture_output=True)
-        run = subprocess.run(tx + ["run", "-s", "monarch_local", "-cfg", f"pool={pool}", "utils.python",
-                                   "--num_replicas", str(n), "-c", f"for i in range({lines}): print('line', i)"],
-                             env=env, check=True, capture_output=True, text=True)
+        subprocess.run(
+            tx + ["pool", "create", pool, "-cfg", f"hosts={n},preload=none"], env=env, check=True, capture_output=True
+        )
+        run = subprocess.run(
+            tx
+            + [
+                "run",
+                "-s",
+                "monarch_local",
+                "-cfg",
+                f"pool={pool}",
+                "utils.python",
+                "--num_replicas",
+                str(n),
+                "-c",
+                f"for i in range({lines}): print('line', i)",
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         handle = run.stdout.strip().splitlines()[-1]
         deadline = time.time() + 600
-        while "SUCCEEDED" not in subprocess.run(tx + ["status", handle], env=env, capture_output=True, text=True).stdout:
+        while (
+            "SUCCEEDED" not in subprocess.run(tx + ["status", handle], env=env, capture_output=True, text=True).stdout
+        ):
             if time.time() > deadline:
                 raise SystemExit(f"the app on {n} hosts did not finish")
             time.sleep(0.5)
         ways = {"tree": tx + ["log", "--tail", handle], "per replica": [sys.executable, "-c", PER_REPLICA, handle]}
-        runs: Dict[str, List[Dict[str, float]]] = {w: [] for w in ways}
+        runs: dict[str, list[dict[str, float]]] = {w: [] for w in ways}
         for _ in range(rounds):
             for way, argv in ways.items():
                 m = timed(argv, env)
@@ -106,15 +130,22 @@ def main() -> None:
         print(f"{n} hosts ...", file=sys.stderr, flush=True)
         r = measure(n, args.rounds, args.lines)
         t, p = r["tree"], r["per replica"]
-        rows.append(f"| {n} | {_ms(t['wall'])} | {_ms(p['wall'])} | {t['wall'] / p['wall']:.2f}x | {_ms(t['first'])} | "
-                    f"{_ms(p['first'])} | {_ms(t['cpu'])} | {_ms(p['cpu'])} | {t['cpu'] / p['cpu']:.2f}x |")
-    text = "\n".join([
-        f"`torchx log --tail` of one ended replica per host, {args.lines} lines each; median of {args.rounds} "
-        "alternating rounds. tree: ours, one stream per group of the relay tree; per replica: TorchX's own "
-        "follow (`get_logs`, a thread and a stream per replica) on the same scheduler.", "",
-        "| hosts | wall, tree | wall, per replica | tree / per replica | first line, tree | first line, per replica "
-        "| client CPU, tree | client CPU, per replica | tree / per replica |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows])
+        rows.append(
+            f"| {n} | {_ms(t['wall'])} | {_ms(p['wall'])} | {t['wall'] / p['wall']:.2f}x | {_ms(t['first'])} | "
+            f"{_ms(p['first'])} | {_ms(t['cpu'])} | {_ms(p['cpu'])} | {t['cpu'] / p['cpu']:.2f}x |"
+        )
+    text = "\n".join(
+        [
+            f"`torchx log --tail` of one ended replica per host, {args.lines} lines each; median of {args.rounds} "
+            "alternating rounds. tree: ours, one stream per group of the relay tree; per replica: TorchX's own "
+            "follow (`get_logs`, a thread and a stream per replica) on the same scheduler.",
+            "",
+            "| hosts | wall, tree | wall, per replica | tree / per replica | first line, tree | first line, per replica "
+            "| client CPU, tree | client CPU, per replica | tree / per replica |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            *rows,
+        ]
+    )
     print(text)
     if not args.no_record:
         record("log-follow", ".venv/bin/python benchmarks/log_follow.py " + " ".join(sys.argv[1:]), text)

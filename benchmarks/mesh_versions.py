@@ -26,7 +26,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -120,8 +119,18 @@ DRIVER = textwrap.dedent('''
     print(json.dumps(out))
 ''')
 
-ROWS = ["spawn_procs", "spawn actors", "first call", "spawn to first answer", "call all", "broadcast",
-        "call: procs' CPU per proc", "broadcast: procs' CPU per proc", "controller RSS", "proc PSS, mean"]
+ROWS = [
+    "spawn_procs",
+    "spawn actors",
+    "first call",
+    "spawn to first answer",
+    "call all",
+    "broadcast",
+    "call: procs' CPU per proc",
+    "broadcast: procs' CPU per proc",
+    "controller RSS",
+    "proc PSS, mean",
+]
 
 
 def main() -> None:
@@ -133,15 +142,21 @@ def main() -> None:
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     home, script, versions = driver_run("meshv-", DRIVER, args.baseline)
-    runs: Dict[str, List[Dict[str, float]]] = {v: [] for v in versions}
+    runs: dict[str, list[dict[str, float]]] = {v: [] for v in versions}
     try:
         for v, root in versions.items():
             _cli(root, home, "pool", "create", f"meshv-{v}", "-cfg", f"hosts={args.hosts},preload=none")
         for r in range(args.rounds + 1):  # round 0 starts each host's actor fork server: not counted
             for v, root in versions.items():
                 python = root / ".venv" / "bin" / "python"
-                res = subprocess.run([str(python), str(script), f"meshv-{v}", str(args.procs)],
-                                     env=_env(root, home), cwd=root, capture_output=True, text=True, timeout=900)
+                res = subprocess.run(
+                    [str(python), str(script), f"meshv-{v}", str(args.procs)],
+                    env=_env(root, home),
+                    cwd=root,
+                    capture_output=True,
+                    text=True,
+                    timeout=900,
+                )
                 if res.returncode != 0:
                     raise SystemExit(f"{v} driver failed ({res.returncode}):\n{res.stderr[-3000:]}")
                 if r:
@@ -162,14 +177,23 @@ def main() -> None:
             return f"{x * 1e6:.0f} us"
         return f"{x:.2f} s" if x >= 1 else f"{x * 1000:.1f} ms"
 
-    rows = [f"| {k} | {fmt(k, med('baseline', k))} | {fmt(k, med('this', k))} | "
-            f"{med('this', k) / med('baseline', k):.2f}x |" for k in ROWS]
+    rows = [
+        f"| {k} | {fmt(k, med('baseline', k))} | {fmt(k, med('this', k))} | "
+        f"{med('this', k) / med('baseline', k):.2f}x |"
+        for k in ROWS
+    ]
     n = args.hosts * args.procs
-    text = "\n".join([
-        f"{n} procs ({args.procs} per host on a {args.hosts}-host `monarch_local` pool), one actor each with a "
-        f"sync endpoint; median of {args.rounds} alternating rounds per version. Baseline "
-        f"`{git_line(args.baseline)}`, this `{git_line(HERE.parent)}`.",
-        "", "| | baseline | this | this / baseline |", "|---|---:|---:|---:|", *rows])
+    text = "\n".join(
+        [
+            f"{n} procs ({args.procs} per host on a {args.hosts}-host `monarch_local` pool), one actor each with a "
+            f"sync endpoint; median of {args.rounds} alternating rounds per version. Baseline "
+            f"`{git_line(args.baseline)}`, this `{git_line(HERE.parent)}`.",
+            "",
+            "| | baseline | this | this / baseline |",
+            "|---|---:|---:|---:|",
+            *rows,
+        ]
+    )
     print(text)
     if not args.no_record:
         record("mesh-versions", ".venv/bin/python benchmarks/mesh_versions.py " + " ".join(sys.argv[1:]), text)

@@ -26,7 +26,6 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _results import record  # noqa: E402
@@ -35,11 +34,17 @@ ROOT = Path(__file__).resolve().parents[1]
 PINGPONG = ROOT / "examples" / "monarch_pingpong.py"
 
 
-def run_once(cwd: Path, env: Dict[str, str], *args: str) -> Tuple[float, float]:
+def run_once(cwd: Path, env: dict[str, str], *args: str) -> tuple[float, float]:
     """(the process's wall time, the program's "ready and answered" time), in seconds."""
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-u", str(PINGPONG), "--trust-local-users", *args], cwd=cwd, env=env, capture_output=True,
-                         text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-u", str(PINGPONG), "--trust-local-users", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     wall = time.perf_counter() - t0
     if res.returncode != 0:
         raise SystemExit(f"monarch_pingpong failed:\n{res.stdout}\n{res.stderr[-3000:]}")
@@ -47,9 +52,9 @@ def run_once(cwd: Path, env: Dict[str, str], *args: str) -> Tuple[float, float]:
     return wall, float(m.group(1)) if m else float("nan")
 
 
-def bench(scheduler: str, cfg: str, n: int, env: Dict[str, str], work: Path) -> Dict[str, List[Tuple[float, float]]]:
-    out: Dict[str, List[Tuple[float, float]]] = {"cold": [], "fresh": [], "warm": []}
-    for i in range(n):
+def bench(scheduler: str, cfg: str, n: int, env: dict[str, str], work: Path) -> dict[str, list[tuple[float, float]]]:
+    out: dict[str, list[tuple[float, float]]] = {"cold": [], "fresh": [], "warm": []}
+    for i in range(n):  # noqa: B007
         pool = f"bm{uuid.uuid4().hex[:6]}"
         cwd = work / pool
         cwd.mkdir()
@@ -59,15 +64,23 @@ def bench(scheduler: str, cfg: str, n: int, env: Dict[str, str], work: Path) -> 
         shutil.rmtree(cwd / ".monarch")  # the cache is gone: the next job starts new workers on the warm pool
         out["fresh"].append(run_once(cwd, env, *args))
         out["warm"].append(run_once(cwd, env, *args))
-        subprocess.run([str(Path(sys.executable).with_name("monarch-torchx")), "pool", "stop", pool], env=env,
-                       capture_output=True, timeout=120)
+        subprocess.run(
+            [str(Path(sys.executable).with_name("monarch-torchx")), "pool", "stop", pool],
+            env=env,
+            capture_output=True,
+            timeout=120,
+        )
     return out
 
 
-def table(name: str, results: Dict[str, List[Tuple[float, float]]]) -> List[str]:
+def table(name: str, results: dict[str, list[tuple[float, float]]]) -> list[str]:
     med = {k: (statistics.median(w for w, _ in v), statistics.median(p for _, p in v)) for k, v in results.items()}
-    lines = [f"**{name}** (medians; cold and fresh of N, warm of 2N)", "",
-             "| run | process wall | program (job to last answer) | vs warm (program) |", "|---|---:|---:|---:|"]
+    lines = [
+        f"**{name}** (medians; cold and fresh of N, warm of 2N)",
+        "",
+        "| run | process wall | program (job to last answer) | vs warm (program) |",
+        "|---|---:|---:|---:|",
+    ]
     for k in ("cold", "fresh", "warm"):
         wall, prog = med[k]
         lines.append(f"| {k} | {wall:.2f} s | {prog:.2f} s | {prog / med['warm'][1]:.1f}x |")
@@ -86,10 +99,16 @@ def main() -> None:
         lines = []
         lines += table("monarch_local, 2 hosts", bench("monarch_local", "preload=none", a.n, env, Path(tmp)))
         if a.slurm:
-            subprocess.run(["bash", str(ROOT / "scripts" / "slurmlab" / "start-cluster.sh")], check=True,
-                           capture_output=True, timeout=600)
-            lines += table("monarch_slurm, 2 lab nodes", bench("monarch_slurm", "partition=debug,time=00:20:00,"
-                                                                "preload=none", a.n, env, Path(tmp)))
+            subprocess.run(
+                ["bash", str(ROOT / "scripts" / "slurmlab" / "start-cluster.sh")],
+                check=True,
+                capture_output=True,
+                timeout=600,
+            )
+            lines += table(
+                "monarch_slurm, 2 lab nodes",
+                bench("monarch_slurm", "partition=debug,time=00:20:00,preload=none", a.n, env, Path(tmp)),
+            )
     body = "\n".join(lines)
     print(body)
     if not a.no_record:

@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,9 +34,9 @@ from _results import record  # noqa: E402
 MiB = 1 << 20
 
 
-def interleaved(nbytes: int, fns: Dict[str, Callable[[], None]], reps: int) -> Dict[str, float]:
+def interleaved(nbytes: int, fns: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
     """GB/s of each fn, median of ``reps``; the fns take turns so they share the same noise."""
-    times: Dict[str, List[float]] = {name: [] for name in fns}
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for rep in range(reps + 1):
         for name, fn in fns.items():
             t = time.perf_counter()
@@ -53,6 +53,7 @@ def _with_backend(backend: str, fn: Callable[[], None]) -> Callable[[], None]:
             fn()
         finally:
             os.environ.pop("MONARCH_TORCHX_RDMA", None)
+
     return run
 
 
@@ -64,10 +65,11 @@ def raw_read(host: str, port: int, dst: memoryview, streams: int) -> None:
         k = min(step, n - off)
         with socket.create_connection((host, port)) as s:
             s.sendall(off.to_bytes(8, "big") + k.to_bytes(8, "big"))
-            view = dst[off:off + k]
+            view = dst[off : off + k]
             got = 0
             while got < k:
                 got += s.recv_into(view[got:])
+
     threads = [threading.Thread(target=one, args=(off,)) for off in range(0, n, step)]
     for t in threads:
         t.start()
@@ -75,12 +77,12 @@ def raw_read(host: str, port: int, dst: memoryview, streams: int) -> None:
         t.join()
 
 
-def measure(pool: str, sizes: List[int], remote: bool) -> List[Dict[str, float]]:
+def measure(pool: str, sizes: list[int], remote: bool) -> list[dict[str, float]]:
     import numpy as np
     import torch
+    from monarch_torchx.rdma.tcp import MAX_STREAMS, STREAM_MIN
 
     from monarch_torchx import attach
-    from monarch_torchx.rdma.tcp import MAX_STREAMS, STREAM_MIN
     from tests.fixtures.rdma_actors import RawSender, Weights
 
     rows = []
@@ -97,14 +99,14 @@ def measure(pool: str, sizes: List[int], remote: bool) -> List[Dict[str, float]]
             port = raw.serve.call_one(streams).get()
             dst = torch.empty(n, dtype=torch.uint8)
             view = memoryview(dst.numpy())
-            row: Dict[str, float] = {"MiB": mib, "streams": streams}
-            fns: Dict[str, Callable[[], None]] = {}
+            row: dict[str, float] = {"MiB": mib, "streams": streams}
+            fns: dict[str, Callable[[], None]] = {}
             if not remote:
                 a, b = np.ones(n, dtype=np.uint8), np.empty(n, dtype=np.uint8)
-                fns["memcpy"] = lambda: np.copyto(b, a)
-                fns["cma"] = _with_backend("cma", lambda: buf.read_into(dst).get())
-            fns["raw tcp"] = lambda: raw_read(buf._h.host, port, view, streams)
-            fns["tcp"] = _with_backend("tcp", lambda: buf.read_into(dst).get())
+                fns["memcpy"] = lambda: np.copyto(b, a)  # noqa: B023
+                fns["cma"] = _with_backend("cma", lambda: buf.read_into(dst).get())  # noqa: B023
+            fns["raw tcp"] = lambda: raw_read(buf._h.host, port, view, streams)  # noqa: B023
+            fns["tcp"] = _with_backend("tcp", lambda: buf.read_into(dst).get())  # noqa: B023
             row.update(interleaved(n, fns, reps))
             rows.append(row)
             print(row, file=sys.stderr)
@@ -113,10 +115,16 @@ def measure(pool: str, sizes: List[int], remote: bool) -> List[Dict[str, float]]
     return rows
 
 
-def table(rows: List[Dict[str, float]], remote: bool) -> str:
+def table(rows: list[dict[str, float]], remote: bool) -> str:
     cols = ["raw tcp", "tcp"] if remote else ["memcpy", "cma", "raw tcp", "tcp"]
-    out = ["| MiB | streams | " + " | ".join(f"{c} (GB/s)" for c in cols) + " | tcp / raw" +
-           ("" if remote else " | cma / memcpy") + " |", "|---" * (len(cols) + 3 + (0 if remote else 1)) + "|"]
+    out = [
+        "| MiB | streams | "
+        + " | ".join(f"{c} (GB/s)" for c in cols)
+        + " | tcp / raw"
+        + ("" if remote else " | cma / memcpy")
+        + " |",
+        "|---" * (len(cols) + 3 + (0 if remote else 1)) + "|",
+    ]
     for r in rows:
         cells = [f"{r[c]:.2f}" for c in cols]
         ratio = f"{r['tcp'] / r['raw tcp']:.0%}"
@@ -147,20 +155,36 @@ def main() -> None:
         subprocess.run(["bash", str(lab / "start-cluster.sh")], check=True, capture_output=True)
         bin_dir = Path(sys.executable).parent
         for tls in (False, True):  # plaintext, then TLS (the default of a SLURM pool): what TLS costs
-            subprocess.run([str(bin_dir / "monarch-torchx"), "pool", "create", "labbench", "-s", "monarch_slurm",
-                            "-cfg", f"nodes=1,partition=debug,time=00:30:00,tls={tls}"], check=True,
-                           capture_output=True)
+            subprocess.run(
+                [
+                    str(bin_dir / "monarch-torchx"),
+                    "pool",
+                    "create",
+                    "labbench",
+                    "-s",
+                    "monarch_slurm",
+                    "-cfg",
+                    f"nodes=1,partition=debug,time=00:30:00,tls={tls}",
+                ],
+                check=True,
+                capture_output=True,
+            )
             try:
-                body += (f"\n\nAcross the SLURM lab's veth link (owner on a lab node, reader outside its namespace), "
-                         f"TLS {'on (a SLURM pool’s default)' if tls else 'off (tls=False)'}:\n\n")
+                body += (
+                    f"\n\nAcross the SLURM lab's veth link (owner on a lab node, reader outside its namespace), "
+                    f"TLS {'on (a SLURM pool’s default)' if tls else 'off (tls=False)'}:\n\n"
+                )
                 body += table(measure("labbench", sizes, remote=True), remote=True)
             finally:
                 stop_pool("labbench")
     body += "\n\nTargets: tcp >= 80% of raw multi-stream socket; cma >= 70% of memcpy. ibverbs: not run (no device)."
     print(body)
     if not args.no_record:
-        cmd = "python benchmarks/rdma.py" + (f" --sizes {args.sizes}" if args.sizes != "1,16,256,1024" else "") + \
-            (" --slurm" if args.slurm else "")
+        cmd = (
+            "python benchmarks/rdma.py"
+            + (f" --sizes {args.sizes}" if args.sizes != "1,16,256,1024" else "")
+            + (" --slurm" if args.slurm else "")
+        )
         record("rdma", cmd, body)
 
 

@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -40,7 +39,7 @@ def _pid_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def per_connection(pool, n: int) -> Dict[str, Dict[str, float]]:
+def per_connection(pool, n: int) -> dict[str, dict[str, float]]:
     """ms per connection: a fresh dial with one ping, against one ping on a kept connection."""
     from monarch_torchx import wire
 
@@ -52,8 +51,11 @@ def per_connection(pool, n: int) -> Dict[str, Dict[str, float]]:
         a0, c0, t0 = _pid_cpu(host.pid), _own_cpu(), time.monotonic()
         for _ in range(n):
             fn()
-        out[label] = {"wall": (time.monotonic() - t0) / n * 1e3, "caller": (_own_cpu() - c0) / n * 1e3,
-                      "agent": (_pid_cpu(host.pid) - a0) / n * 1e3}
+        out[label] = {
+            "wall": (time.monotonic() - t0) / n * 1e3,
+            "caller": (_own_cpu() - c0) / n * 1e3,
+            "agent": (_pid_cpu(host.pid) - a0) / n * 1e3,
+        }
 
     def fresh() -> None:
         c = wire.Client(host.host, host.port, creds, timeout=10, identity=ident)
@@ -67,7 +69,7 @@ def per_connection(pool, n: int) -> Dict[str, Dict[str, float]]:
     return out
 
 
-def per_request(pool, home: Path, requests: int) -> Dict[str, float]:
+def per_request(pool, home: Path, requests: int) -> dict[str, float]:
     """Connections the agents accept, and the agents' CPU, per relayed request (median)."""
     hosts = list(range(pool.record.num_hosts))
     calls = {i: [{}] for i in hosts}
@@ -77,8 +79,8 @@ def per_request(pool, home: Path, requests: int) -> Dict[str, float]:
         return sum(v["accepted"] for _, v, _ in pool.ask("info", hosts, timeout=30.0))
 
     pool.ask("reserve_port", hosts, calls=calls, timeout=30.0)  # the relays' connections, once
-    dials: List[int] = []
-    cpu: List[float] = []
+    dials: list[int] = []
+    cpu: list[float] = []
     for _ in range(requests):
         before = accepted()  # (counts this info's own dials by the client)
         c0 = _session_cpu(sessions)
@@ -119,16 +121,23 @@ def main() -> None:
     from monarch_torchx.agent.relay import FANOUT
 
     client_dials = 2 * min(FANOUT, args.hosts)  # the request's and the info's after it, at the tree's first level
-    lines = ["Per connection, from this process to one agent (ms):", "",
-             "| | wall | caller's CPU | agent's CPU |", "|---|---:|---:|---:|"]
+    lines = [
+        "Per connection, from this process to one agent (ms):",
+        "",
+        "| | wall | caller's CPU | agent's CPU |",
+        "|---|---:|---:|---:|",
+    ]
     lines += [f"| {k} | {v['wall']:.2f} | {v['caller']:.2f} | {v['agent']:.2f} |" for k, v in conn.items()]
     saved = sum(conn["fresh dial + ping"][k] - conn["ping on a kept connection"][k] for k in ("caller", "agent"))
-    lines += ["", f"One `reserve_port` through the tree of {args.hosts} hosts (median of {args.requests}): the agents "
-              f"accepted {req['accepted'] - client_dials:.0f} connection(s) from relays (and {client_dials} from the "
-              f"client, for it and the `info` that counts them), and spent {req['agents_cpu_ms']:.0f} ms of CPU in all.",
-              f"A relay hop that reuses a kept connection saves about {saved:.2f} ms of CPU (both ends), so "
-              f"{args.hosts - min(FANOUT, args.hosts)} relayed hops save about "
-              f"{saved * (args.hosts - min(FANOUT, args.hosts)):.0f} ms per request at {args.hosts} hosts."]
+    lines += [
+        "",
+        f"One `reserve_port` through the tree of {args.hosts} hosts (median of {args.requests}): the agents "
+        f"accepted {req['accepted'] - client_dials:.0f} connection(s) from relays (and {client_dials} from the "
+        f"client, for it and the `info` that counts them), and spent {req['agents_cpu_ms']:.0f} ms of CPU in all.",
+        f"A relay hop that reuses a kept connection saves about {saved:.2f} ms of CPU (both ends), so "
+        f"{args.hosts - min(FANOUT, args.hosts)} relayed hops save about "
+        f"{saved * (args.hosts - min(FANOUT, args.hosts)):.0f} ms per request at {args.hosts} hosts.",
+    ]
     body = "\n".join(lines)
     print(body)
     if not args.no_record:

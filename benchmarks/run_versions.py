@@ -21,25 +21,40 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _results import record  # noqa: E402
-from scale import BIN, Meter, MemoryGuard  # noqa: E402
+from scale import BIN, MemoryGuard, Meter  # noqa: E402
 from scale_versions import git_line  # noqa: E402
 
 OPS = ("run", "status")
 KEYS = (("wall", "wall"), ("client_cpu", "client CPU"), ("agents_cpu", "agents' CPU"))
 
 
-def one_pair(m: Meter, torchx: Path, pool: str, n: int, env: Dict[str, str]) -> Dict[str, Dict[str, float]]:
-    run, stdout = m.run([str(torchx), "run", "-s", "monarch_local", "-cfg", f"pool={pool}", "utils.echo",
-                         "--msg", "hi", "--num_replicas", str(n)], env)
+def one_pair(m: Meter, torchx: Path, pool: str, n: int, env: dict[str, str]) -> dict[str, dict[str, float]]:
+    run, stdout = m.run(
+        [
+            str(torchx),
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool}",
+            "utils.echo",
+            "--msg",
+            "hi",
+            "--num_replicas",
+            str(n),
+        ],
+        env,
+    )
     handle = stdout.strip().splitlines()[-1]
     deadline = time.monotonic() + 120
-    while "SUCCEEDED" not in subprocess.run([str(torchx), "status", handle], env=env, capture_output=True,
-                                            text=True).stdout:
+    while (
+        "SUCCEEDED"
+        not in subprocess.run([str(torchx), "status", handle], env=env, capture_output=True, text=True).stdout
+    ):
         if time.monotonic() > deadline:
             raise SystemExit(f"{handle} did not succeed in 120 s")
         time.sleep(0.5)
@@ -63,34 +78,50 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="runversions-"))
     env = dict(os.environ, MONARCH_TORCHX_HOME=str(home), PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     pool, m = "runs", Meter(home)
-    got: Dict[str, List[Dict[str, Dict[str, float]]]] = {"baseline": [], "this": []}
+    got: dict[str, list[dict[str, dict[str, float]]]] = {"baseline": [], "this": []}
     with MemoryGuard(home):
         try:
             print(f"creating a pool of {args.hosts} hosts", file=sys.stderr, flush=True)
             m.run([str(clients["this"]), "pool", "create", pool, "-cfg", f"hosts={args.hosts},preload=none"], env)
             one_pair(m, clients["this"], pool, args.hosts, env)  # warms both the agents and the file cache
             for k in range(args.runs):
-                for who in (("baseline", "this") if k % 2 == 0 else ("this", "baseline")):
+                for who in ("baseline", "this") if k % 2 == 0 else ("this", "baseline"):
                     got[who].append(one_pair(m, clients[who], pool, args.hosts, env))
-                print(f"pair {k + 1}/{args.runs}: run {got['baseline'][-1]['run']['wall']:.2f} s (baseline) "
-                      f"{got['this'][-1]['run']['wall']:.2f} s (this)", file=sys.stderr, flush=True)
+                print(
+                    f"pair {k + 1}/{args.runs}: run {got['baseline'][-1]['run']['wall']:.2f} s (baseline) "
+                    f"{got['this'][-1]['run']['wall']:.2f} s (this)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         finally:
             subprocess.run([str(clients["this"]), "pool", "stop", "--force", pool], env=env, capture_output=True)
-    lines = [f"{args.hosts} hosts, {args.runs} runs of each client, alternating, on one pool (its agents: this "
-             f"checkout's); medians.", "",
-             f"- baseline: `{git_line(args.baseline)}`", f"- this: `{git_line(HERE.parent)}`", "",
-             "| operation | measure | baseline | this | this / baseline |", "|---|---|---:|---:|---:|"]
+    lines = [
+        f"{args.hosts} hosts, {args.runs} runs of each client, alternating, on one pool (its agents: this "
+        f"checkout's); medians.",
+        "",
+        f"- baseline: `{git_line(args.baseline)}`",
+        f"- this: `{git_line(HERE.parent)}`",
+        "",
+        "| operation | measure | baseline | this | this / baseline |",
+        "|---|---|---:|---:|---:|",
+    ]
     for op in OPS:
         for key, title in KEYS:
             b = statistics.median(r[op][key] for r in got["baseline"])
             t = statistics.median(r[op][key] for r in got["this"])
-            lines.append(f"| {op} | {title} | {b:.3f} s | {t:.3f} s | {t / b:.2f}x |" if b else
-                         f"| {op} | {title} | {b:.3f} s | {t:.3f} s | |")
+            lines.append(
+                f"| {op} | {title} | {b:.3f} s | {t:.3f} s | {t / b:.2f}x |"
+                if b
+                else f"| {op} | {title} | {b:.3f} s | {t:.3f} s | |"
+            )
     body = "\n".join(lines)
     print(body)
     if not args.no_record:
-        record(args.section, f"python benchmarks/run_versions.py --baseline {args.baseline} --hosts {args.hosts} "
-                             f"--runs {args.runs}", body)
+        record(
+            args.section,
+            f"python benchmarks/run_versions.py --baseline {args.baseline} --hosts {args.hosts} --runs {args.runs}",
+            body,
+        )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -55,12 +55,26 @@ BIN = Path(sys.executable).parent
 HOP_S = 0.001
 ACTORS_IDLE_S = 10
 TREE_FANOUT, TREE_MIN = 8, 32
-OPS = ["create", "run", "status", "log", "pool status", "sql count", "sql again", "sync 200 files", "no-op resync",
-       "spawn 1 actor/host", "respawn", "call all", "broadcast", "pool stop"]
+OPS = [
+    "create",
+    "run",
+    "status",
+    "log",
+    "pool status",
+    "sql count",
+    "sql again",
+    "sync 200 files",
+    "no-op resync",
+    "spawn 1 actor/host",
+    "respawn",
+    "call all",
+    "broadcast",
+    "pool stop",
+]
 
 SKIPPABLE = ("sync", "actors", "sql")  # step groups --skip can leave out
 
-ACTORS = textwrap.dedent('''
+ACTORS = textwrap.dedent("""
     import json, resource, sys, time
     from pathlib import Path
     sys.path.insert(0, sys.argv[3])
@@ -104,7 +118,7 @@ ACTORS = textwrap.dedent('''
     out["respawn"] = (time.monotonic() - t0, cpu() - c0, _session_cpu(sessions) - a0, _lo_bytes() - b0)
     procs.stop().get(timeout=120)
     print(json.dumps(out))
-''')
+""")
 
 
 def _lo_bytes() -> int:
@@ -114,7 +128,7 @@ def _lo_bytes() -> int:
         return 0
 
 
-def _agent_sessions(home: Path) -> List[int]:
+def _agent_sessions(home: Path) -> list[int]:
     out = []
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
@@ -128,7 +142,7 @@ def _agent_sessions(home: Path) -> List[int]:
     return out
 
 
-def _session_cpu(sessions: List[int]) -> float:
+def _session_cpu(sessions: list[int]) -> float:
     """CPU seconds of every live process in those sessions, with the children they reaped."""
     wanted, total = set(sessions), 0.0
     tick = os.sysconf("SC_CLK_TCK")
@@ -154,7 +168,7 @@ def _pss_kib(pid: int) -> int:
     return 0
 
 
-def host_memory(home: Path, n: int, available_before: float) -> Dict[str, float]:
+def host_memory(home: Path, n: int, available_before: float) -> dict[str, float]:
     """MiB per host of an idle pool: its agents' and fork servers' PSS, and MemAvailable's drop."""
     sessions, pss = set(_agent_sessions(home)), 0
     for p in Path("/proc").iterdir():
@@ -175,8 +189,13 @@ class Meter:
     def __init__(self, home: Path):
         self.home = home
 
-    def run(self, argv: List[str], env: Dict[str, str], cwd: Optional[Path] = None,
-            parse: Optional[Callable[[str], Any]] = None) -> Tuple[Dict[str, float], str]:
+    def run(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: Path | None = None,
+        parse: Callable[[str], Any] | None = None,
+    ) -> tuple[dict[str, float], str]:
         sessions = _agent_sessions(self.home)
         a0, b0 = _session_cpu(sessions), _lo_bytes()
         r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -185,11 +204,17 @@ class Meter:
         wall = time.monotonic() - t0
         r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         if res.returncode != 0:
-            raise SystemExit(f"{' '.join(argv[:4])}... failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
+            raise SystemExit(
+                f"{' '.join(argv[:4])}... failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+            )
         sessions = sorted(set(sessions) | set(_agent_sessions(self.home)))
         a1 = _session_cpu(sessions)
-        return {"wall": wall, "client_cpu": (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime),
-                "agents_cpu": max(0.0, a1 - a0), "bytes": _lo_bytes() - b0}, res.stdout
+        return {
+            "wall": wall,
+            "client_cpu": (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime),
+            "agents_cpu": max(0.0, a1 - a0),
+            "bytes": _lo_bytes() - b0,
+        }, res.stdout
 
 
 MIN_AVAILABLE_MIB = 1536  # below this, the run is ended before the kernel's OOM killer picks a victim
@@ -214,7 +239,7 @@ class MemoryGuard:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
-    def __enter__(self) -> "MemoryGuard":
+    def __enter__(self) -> MemoryGuard:
         self._thread.start()
         return self
 
@@ -238,9 +263,9 @@ class MemoryGuard:
                         pass
 
 
-def measure(n: int, skip: frozenset = frozenset()) -> Dict[str, Dict[str, float]]:
+def measure(n: int, skip: frozenset = frozenset()) -> dict[str, dict[str, float]]:
     home = Path(tempfile.mkdtemp(prefix=f"scale{n}-"))
-    out: Dict[str, Dict[str, float]] = {}
+    out: dict[str, dict[str, float]] = {}
     with MemoryGuard(home) as guard:
         try:
             _measure(n, home, out, skip)
@@ -252,11 +277,15 @@ def measure(n: int, skip: frozenset = frozenset()) -> Dict[str, Dict[str, float]
     return out
 
 
-def _measure(n: int, home: Path, out: Dict[str, Dict[str, float]], skip: frozenset) -> None:
+def _measure(n: int, home: Path, out: dict[str, dict[str, float]], skip: frozenset) -> None:
     # the hosts' actors fork servers end 10 s after their last proc (default 300 s): at 256 hosts here
     # their memory and every agent's DataFusion (the sql step, after the actors) do not both fit
-    env = dict(os.environ, MONARCH_TORCHX_HOME=str(home), PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-               MONARCH_TORCHX_ACTORS_IDLE_S=str(ACTORS_IDLE_S))
+    env = dict(
+        os.environ,
+        MONARCH_TORCHX_HOME=str(home),
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        MONARCH_TORCHX_ACTORS_IDLE_S=str(ACTORS_IDLE_S),
+    )
     m = Meter(home)
     pool = f"scale{n}"
     tx, mtx = [str(BIN / "torchx")], [str(BIN / "monarch-torchx")]
@@ -265,12 +294,27 @@ def _measure(n: int, home: Path, out: Dict[str, Dict[str, float]], skip: frozens
         out["create"], _ = m.run(tx + ["pool", "create", pool, "-cfg", f"hosts={n},preload=none"], env)
         time.sleep(2)  # the agents' first heartbeat and imports are done
         out["memory per host"] = host_memory(home, n, available)
-        out["run"], stdout = m.run(tx + ["run", "-s", "monarch_local", "-cfg", f"pool={pool}", "utils.echo",
-                                         "--msg", "hello", "--num_replicas", str(n)], env)
+        out["run"], stdout = m.run(
+            tx
+            + [
+                "run",
+                "-s",
+                "monarch_local",
+                "-cfg",
+                f"pool={pool}",
+                "utils.echo",
+                "--msg",
+                "hello",
+                "--num_replicas",
+                str(n),
+            ],
+            env,
+        )
         handle = stdout.strip().splitlines()[-1]
         deadline = time.time() + 600
-        while "SUCCEEDED" not in subprocess.run(tx + ["status", handle], env=env, capture_output=True,
-                                                text=True).stdout:
+        while (
+            "SUCCEEDED" not in subprocess.run(tx + ["status", handle], env=env, capture_output=True, text=True).stdout
+        ):
             if time.time() > deadline:
                 raise SystemExit(f"echo on {n} hosts did not finish")
             time.sleep(0.5)
@@ -293,7 +337,9 @@ def _measure(n: int, home: Path, out: Dict[str, Dict[str, float]], skip: frozens
             # after the actor procs have ended: every agent imports DataFusion at its first query, and
             # at 256 hosts here both at once do not fit in memory
             # (--timeout: here every agent imports DataFusion at once on 2 cores, 28 s at 256 hosts)
-            out["sql count"], _ = m.run(mtx + ["sql", "--pool", pool, "--timeout", "300", "select count(*) from logs"], env)
+            out["sql count"], _ = m.run(
+                mtx + ["sql", "--pool", pool, "--timeout", "300", "select count(*) from logs"], env
+            )
             out["sql again"], _ = m.run(mtx + ["sql", "--pool", pool, "select count(*) from logs"], env)  # warm
         out["pool stop"], _ = m.run(tx + ["pool", "stop", pool], env)
     finally:
@@ -301,18 +347,24 @@ def _measure(n: int, home: Path, out: Dict[str, Dict[str, float]], skip: frozens
         shutil.rmtree(home, ignore_errors=True)
 
 
-def _measure_actors(m: "Meter", pool: str, home: Path, env: Dict[str, str], out: Dict[str, Dict[str, float]]) -> None:
+def _measure_actors(m: Meter, pool: str, home: Path, env: dict[str, str], out: dict[str, dict[str, float]]) -> None:
     script = home / "actors.py"
     script.write_text(ACTORS)
-    _, stdout = m.run([sys.executable, str(script), pool, str(home), str(HERE)], env, cwd=Path.cwd())  # the caller's checkout (see scale_versions.py)
+    _, stdout = m.run(
+        [sys.executable, str(script), pool, str(home), str(HERE)], env, cwd=Path.cwd()
+    )  # the caller's checkout (see scale_versions.py)
     inner = json.loads(stdout.strip().splitlines()[-1].replace("NaN", "null"))
     for name, (wall, cpu, agents, moved) in inner.items():  # timed inside the controller
-        out[name] = {"wall": wall, "client_cpu": cpu, "agents_cpu": float("nan") if agents is None else agents,
-                     "bytes": float("nan") if moved is None else moved}
+        out[name] = {
+            "wall": wall,
+            "client_cpu": cpu,
+            "agents_cpu": float("nan") if agents is None else agents,
+            "bytes": float("nan") if moved is None else moved,
+        }
     time.sleep(ACTORS_IDLE_S + 3)  # the actors servers have ended
 
 
-def fit(xs: List[float], ys: List[float]) -> Tuple[float, float]:
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least squares a + b*x."""
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
@@ -333,27 +385,43 @@ def _fmt(v: float, unit: str) -> str:
     return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s"
 
 
-def report(results: Dict[int, Dict[str, Dict[str, float]]]) -> str:
+def report(results: dict[int, dict[str, dict[str, float]]]) -> str:
     sizes = sorted(results)
     lines = ["One monarch_local pool of N agents (preload=none) per size, all sharing this machine's cores.", ""]
-    for key, title, unit in (("wall", "wall time", "s"), ("client_cpu", "client CPU", "s"),
-                             ("agents_cpu", "agents' CPU, summed", "s"), ("bytes", "bytes over loopback", "B")):
+    for key, title, unit in (
+        ("wall", "wall time", "s"),
+        ("client_cpu", "client CPU", "s"),
+        ("agents_cpu", "agents' CPU, summed", "s"),
+        ("bytes", "bytes over loopback", "B"),
+    ):
         lines += [f"**{title}**", "", "| hosts | " + " | ".join(OPS) + " |", "|---:|" + "---:|" * len(OPS)]
         for n in sizes:
-            lines.append(f"| {n} | " + " | ".join(_fmt(results[n].get(op, {}).get(key, float('nan')), unit)
-                                                  for op in OPS) + " |")
+            lines.append(
+                f"| {n} | " + " | ".join(_fmt(results[n].get(op, {}).get(key, float("nan")), unit) for op in OPS) + " |"
+            )
         lines.append("")
     mem = [n for n in sizes if "memory per host" in results[n]]
     if mem:
-        lines += ["**memory per idle host** (its agent and fork server, once the pool is up)", "",
-                  "| hosts | PSS per host | MemAvailable drop per host |", "|---:|---:|---:|"]
-        lines += [f"| {n} | {results[n]['memory per host']['pss_mib']:.1f} MiB | "
-                  f"{results[n]['memory per host']['available_drop_mib']:.1f} MiB |" for n in mem]
+        lines += [
+            "**memory per idle host** (its agent and fork server, once the pool is up)",
+            "",
+            "| hosts | PSS per host | MemAvailable drop per host |",
+            "|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {n} | {results[n]['memory per host']['pss_mib']:.1f} MiB | "
+            f"{results[n]['memory per host']['available_drop_mib']:.1f} MiB |"
+            for n in mem
+        ]
         lines.append("")
-    lines += ["**Model for a real cluster** (each host its own cores): client CPU and agents' CPU per host fitted "
-              "as a + b*N over the sizes above; wall ~ client CPU + depth x 1 ms + agent CPU per host "
-              f"(depth: ceil(log_{TREE_FANOUT} N) from {TREE_MIN} hosts).", "",
-              "| operation | client CPU per extra host | at 1,024 hosts | at 4,096 hosts |", "|---|---:|---:|---:|"]
+    lines += [
+        "**Model for a real cluster** (each host its own cores): client CPU and agents' CPU per host fitted "
+        "as a + b*N over the sizes above; wall ~ client CPU + depth x 1 ms + agent CPU per host "
+        f"(depth: ceil(log_{TREE_FANOUT} N) from {TREE_MIN} hosts).",
+        "",
+        "| operation | client CPU per extra host | at 1,024 hosts | at 4,096 hosts |",
+        "|---|---:|---:|---:|",
+    ]
     for op in OPS:
         pts = [(n, results[n][op]) for n in sizes if op in results[n]]
         if len(pts) < 2:
@@ -363,7 +431,8 @@ def report(results: Dict[int, Dict[str, Dict[str, float]]]) -> str:
         ah = fit([n for n, _ in per], [v for _, v in per]) if len(per) >= 2 else (0.0, 0.0)
 
         def model(n: int) -> float:
-            return max(0.0, a + b * n) + depth(n) * HOP_S + max(0.0, ah[0] + ah[1] * n)
+            return max(0.0, a + b * n) + depth(n) * HOP_S + max(0.0, ah[0] + ah[1] * n)  # noqa: B023
+
         lines.append(f"| {op} | {b * 1e3:.2f} ms | {_fmt(model(1024), 's')} | {_fmt(model(4096), 's')} |")
     return "\n".join(lines)
 
@@ -374,13 +443,15 @@ def main() -> None:
     ap.add_argument("--skip", default="", help=f"steps to leave out, comma-separated: {', '.join(SKIPPABLE)}")
     ap.add_argument("--no-record", action="store_true", help="do not write benchmarks/RESULTS.md")
     ap.add_argument("--section", default="scale", help="the RESULTS.md section to write (one size alone: its own)")
-    ap.add_argument("--note", default="", help="a paragraph written above the tables (what this run leaves out, and why)")
+    ap.add_argument(
+        "--note", default="", help="a paragraph written above the tables (what this run leaves out, and why)"
+    )
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     skip = frozenset(s for s in args.skip.split(",") if s)
     if skip - set(SKIPPABLE):
         ap.error(f"--skip: unknown step {', '.join(sorted(skip - set(SKIPPABLE)))} (known: {', '.join(SKIPPABLE)})")
-    results: Dict[int, Dict[str, Dict[str, float]]] = {}
+    results: dict[int, dict[str, dict[str, float]]] = {}
     for n in sizes:
         print(f"{n} hosts ...", file=sys.stderr, flush=True)
         results[n] = measure(n, skip)
@@ -393,7 +464,7 @@ def main() -> None:
         argv = sys.argv[1:]
         if "--note" in argv:  # (the note is written above the tables, not repeated in the command)
             i = argv.index("--note")
-            argv = argv[:i] + ["--note", "..."] + argv[i + 2:]
+            argv = argv[:i] + ["--note", "..."] + argv[i + 2 :]
         record(args.section, ".venv/bin/python benchmarks/scale.py " + " ".join(argv), text)
 
 

@@ -18,7 +18,6 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -26,13 +25,24 @@ from _results import record  # noqa: E402
 from scale import OPS, _fmt  # noqa: E402
 
 
-def run_once(python: Path, root: Path, hosts: int, skip: str = "") -> Dict[str, Dict[str, float]]:
+def run_once(python: Path, root: Path, hosts: int, skip: str = "") -> dict[str, dict[str, float]]:
     """``cwd=root``: the run's own files are the checkout's. (Agents start in their pool's state
     dir, never importing from the cwd, so each version's actor procs run the code of its own
     ``python``.)"""
-    res = subprocess.run([str(python), str(HERE / "scale.py"), "--sizes", str(hosts), "--no-record",
-                          *(["--skip", skip] if skip else [])],
-                         capture_output=True, text=True, timeout=3000, cwd=root)
+    res = subprocess.run(
+        [
+            str(python),
+            str(HERE / "scale.py"),
+            "--sizes",
+            str(hosts),
+            "--no-record",
+            *(["--skip", skip] if skip else []),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3000,
+        cwd=root,
+    )
     for line in reversed(res.stderr.splitlines()):
         if line.startswith("{"):
             return json.loads(line.replace("NaN", "null"))[str(hosts)]
@@ -40,8 +50,9 @@ def run_once(python: Path, root: Path, hosts: int, skip: str = "") -> Dict[str, 
 
 
 def git_line(root: Path) -> str:
-    return subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%h %s"], capture_output=True,
-                          text=True).stdout.strip()[:60]
+    return subprocess.run(
+        ["git", "-C", str(root), "log", "-1", "--format=%h %s"], capture_output=True, text=True
+    ).stdout.strip()[:60]
 
 
 def main() -> None:
@@ -54,7 +65,7 @@ def main() -> None:
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     base_py = args.baseline / ".venv" / "bin" / "python"
-    runs: Dict[str, List[Dict[str, Dict[str, float]]]] = {"baseline": [], "this": []}
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {"baseline": [], "this": []}
     for _ in range(args.rounds):
         runs["baseline"].append(run_once(base_py, args.baseline, args.hosts, args.skip))
         runs["this"].append(run_once(Path(sys.executable), HERE.parent, args.hosts, args.skip))
@@ -63,17 +74,22 @@ def main() -> None:
         vals = [r[op][key] for r in runs[which] if op in r and r[op][key] is not None]
         return statistics.median(vals) if vals else float("nan")
 
-    lines = [f"One monarch_local pool of {args.hosts} agents (preload=none), median of {args.rounds} alternating "
-             f"round(s); baseline `{git_line(args.baseline)}`, this `{git_line(HERE.parent)}`.", "",
-             "| operation | wall, baseline | wall, this | this / baseline | client CPU, baseline | client CPU, this | "
-             "agents' CPU, baseline | agents' CPU, this |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"One monarch_local pool of {args.hosts} agents (preload=none), median of {args.rounds} alternating "
+        f"round(s); baseline `{git_line(args.baseline)}`, this `{git_line(HERE.parent)}`.",
+        "",
+        "| operation | wall, baseline | wall, this | this / baseline | client CPU, baseline | client CPU, this | "
+        "agents' CPU, baseline | agents' CPU, this |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for op in [op for op in OPS if any(op in r for r in runs["this"])]:  # the steps that ran
         wb, wt = med("baseline", op, "wall"), med("this", op, "wall")
         ratio = f"{wt / wb:.2f}x" if wb == wb and wt == wt and wb > 0 else "-"
-        lines.append(f"| {op} | {_fmt(wb, 's')} | {_fmt(wt, 's')} | {ratio} | "
-                     f"{_fmt(med('baseline', op, 'client_cpu'), 's')} | {_fmt(med('this', op, 'client_cpu'), 's')} | "
-                     f"{_fmt(med('baseline', op, 'agents_cpu'), 's')} | {_fmt(med('this', op, 'agents_cpu'), 's')} |")
+        lines.append(
+            f"| {op} | {_fmt(wb, 's')} | {_fmt(wt, 's')} | {ratio} | "
+            f"{_fmt(med('baseline', op, 'client_cpu'), 's')} | {_fmt(med('this', op, 'client_cpu'), 's')} | "
+            f"{_fmt(med('baseline', op, 'agents_cpu'), 's')} | {_fmt(med('this', op, 'agents_cpu'), 's')} |"
+        )
     text = "\n".join(lines)
     print(text)
     if not args.no_record:

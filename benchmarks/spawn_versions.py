@@ -24,7 +24,6 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
-from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -33,7 +32,7 @@ from scale_versions import git_line  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
-CONTROLLER = textwrap.dedent('''
+CONTROLLER = textwrap.dedent("""
     import json, os, resource, sys, time
     from pathlib import Path
     from monarch_torchx import Actor, attach, endpoint
@@ -66,13 +65,14 @@ CONTROLLER = textwrap.dedent('''
         out.append({"wall": time.monotonic() - t0, "cpu": cpu() - c0, "sockets": sockets() - base})
         procs.stop().get(timeout=120)
     print(json.dumps(out))
-''')
+""")
 
 
-def run_controller(python: Path, root: Path, pool: str, rounds: int, env: Dict[str, str], script: Path) -> List[dict]:
+def run_controller(python: Path, root: Path, pool: str, rounds: int, env: dict[str, str], script: Path) -> list[dict]:
     """``cwd=root``: the controller imports that checkout's code (its venv's editable install)."""
-    res = subprocess.run([str(python), str(script), pool, str(rounds)], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=1800)
+    res = subprocess.run(
+        [str(python), str(script), pool, str(rounds)], env=env, cwd=root, capture_output=True, text=True, timeout=1800
+    )
     if res.returncode != 0:
         raise SystemExit(f"{python}: controller failed ({res.returncode}):\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -91,12 +91,18 @@ def main() -> None:
     script = home / "controller.py"
     script.write_text(CONTROLLER)
     pool = "spawnv"
-    versions = {"baseline": (args.baseline / ".venv" / "bin" / "python", args.baseline),
-                "this": (Path(sys.executable), HERE.parent)}
-    spawns: Dict[str, List[dict]] = {v: [] for v in versions}
+    versions = {
+        "baseline": (args.baseline / ".venv" / "bin" / "python", args.baseline),
+        "this": (Path(sys.executable), HERE.parent),
+    }
+    spawns: dict[str, list[dict]] = {v: [] for v in versions}
     try:
-        subprocess.run([str(BIN / "torchx"), "pool", "create", pool, "-cfg", f"hosts={args.hosts},preload=none"],
-                       env=env, check=True, capture_output=True)
+        subprocess.run(
+            [str(BIN / "torchx"), "pool", "create", pool, "-cfg", f"hosts={args.hosts},preload=none"],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         run_controller(Path(sys.executable), HERE.parent, pool, 1, env, script)  # warms the actors fork servers
         for _ in range(args.runs):
             for v, (python, root) in versions.items():
@@ -110,14 +116,26 @@ def main() -> None:
 
     def ms(x: float) -> str:
         return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
-    rows = [f"| {k} | {f(med('baseline', key))} | {f(med('this', key))} | {med('this', key) / med('baseline', key):.2f}x |"
-            for k, key, f in (("wall", "wall", ms), ("controller CPU", "cpu", ms),
-                              ("controller sockets while the procs run", "sockets", lambda x: f"{x:.0f}"))]
-    text = "\n".join([
-        f"`spawn_procs` of 1 proc on each of {args.hosts} hosts, one actor each, one call to each (warm actors fork "
-        f"servers); median of {len(spawns['this'])} spawns per version in {args.runs} alternating controller runs. "
-        f"Baseline `{git_line(args.baseline)}`, this `{git_line(HERE.parent)}`.", "",
-        "| per spawn | baseline | this | this / baseline |", "|---|---:|---:|---:|", *rows])
+
+    rows = [
+        f"| {k} | {f(med('baseline', key))} | {f(med('this', key))} | {med('this', key) / med('baseline', key):.2f}x |"
+        for k, key, f in (
+            ("wall", "wall", ms),
+            ("controller CPU", "cpu", ms),
+            ("controller sockets while the procs run", "sockets", lambda x: f"{x:.0f}"),
+        )
+    ]
+    text = "\n".join(
+        [
+            f"`spawn_procs` of 1 proc on each of {args.hosts} hosts, one actor each, one call to each (warm actors fork "
+            f"servers); median of {len(spawns['this'])} spawns per version in {args.runs} alternating controller runs. "
+            f"Baseline `{git_line(args.baseline)}`, this `{git_line(HERE.parent)}`.",
+            "",
+            "| per spawn | baseline | this | this / baseline |",
+            "|---|---:|---:|---:|",
+            *rows,
+        ]
+    )
     print(text)
     if not args.no_record:
         record("spawn-versions", ".venv/bin/python benchmarks/spawn_versions.py " + " ".join(sys.argv[1:]), text)

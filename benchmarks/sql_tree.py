@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -53,7 +52,7 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _memory(pid: int) -> Dict[str, float]:
+def _memory(pid: int) -> dict[str, float]:
     out = {}
     try:
         for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
@@ -74,60 +73,70 @@ def main() -> None:
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="sqltree-"))
     os.environ["MONARCH_TORCHX_HOME"] = str(home)
+    from monarch_torchx.telemetry.query import run
     from torchx.runner import get_runner
     from torchx.specs import AppDef, Role
 
     from monarch_torchx.pool import PoolRequest, attach, ensure_pool, stop_pool
-    from monarch_torchx.telemetry.query import run
 
     name = f"sqltree{os.getpid()}"
     try:
         print(f"creating {args.hosts} hosts ...", file=sys.stderr, flush=True)
         ensure_pool(PoolRequest("monarch_local", name, {"hosts": args.hosts, "preload": "none"}))
         pool = attach(name)
-        code = (f"import sys\nw = sys.stdout.write\n"
-                f"for i in range({args.lines}): w(f'step {{i % 500}} of the run, value {{(i % 500) * 7}}\\n')\n")
+        code = (
+            f"import sys\nw = sys.stdout.write\n"
+            f"for i in range({args.lines}): w(f'step {{i % 500}} of the run, value {{(i % 500) * 7}}\\n')\n"
+        )
         with get_runner() as runner:
-            app = AppDef("chatty", roles=[Role(name="c", image=".", entrypoint="python", args=["-c", code],
-                                               num_replicas=args.hosts)])
+            app = AppDef(
+                "chatty",
+                roles=[Role(name="c", image=".", entrypoint="python", args=["-c", code], num_replicas=args.hosts)],
+            )
             h = runner.run(app, "monarch_local", {"pool": name})
             while not runner.status(h).is_terminal():
                 time.sleep(0.5)
         run(pool, "SELECT count(*) FROM logs")  # every agent imports DataFusion and indexes its logs once
         pids = [p for p in _agent_sessions(home)]
         mem = [_memory(p) for p in pids]
-        rows: List[str] = []
+        rows: list[str] = []
         for label, sql in QUERIES.items():
-            got: Dict[bool, List[tuple]] = {True: [], False: []}
+            got: dict[bool, list[tuple]] = {True: [], False: []}
             for _ in range(args.rounds):
                 for per_subtree in (True, False):
                     c0, t0 = _cpu(), time.monotonic()
                     res = run(pool, sql, per_subtree=per_subtree)
-                    got[per_subtree].append((time.monotonic() - t0, _cpu() - c0, res.bytes_moved, res.answers,
-                                             res.table.to_pylist()))
+                    got[per_subtree].append(
+                        (time.monotonic() - t0, _cpu() - c0, res.bytes_moved, res.answers, res.table.to_pylist())
+                    )
             tree, flat = got[True], got[False]
             assert tree[-1][4] == flat[-1][4], (label, tree[-1][4], flat[-1][4])  # the same answer both ways
             med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
-            rows.append(f"| {label} | {med(tree, 0):.3f} s | {med(flat, 0):.3f} s | {med(flat, 0) / med(tree, 0):.1f}x | "
-                        f"{med(tree, 1):.3f} s | {med(flat, 1):.3f} s | {tree[-1][2]:,} | {flat[-1][2]:,} | "
-                        f"{tree[-1][3]} | {flat[-1][3]} |")
+            rows.append(
+                f"| {label} | {med(tree, 0):.3f} s | {med(flat, 0):.3f} s | {med(flat, 0) / med(tree, 0):.1f}x | "
+                f"{med(tree, 1):.3f} s | {med(flat, 1):.3f} s | {tree[-1][2]:,} | {flat[-1][2]:,} | "
+                f"{tree[-1][3]} | {flat[-1][3]} |"
+            )
             print(rows[-1], file=sys.stderr, flush=True)
         agent_mem = [m for m in mem if m]
-        text = "\n".join([
-            f"One monarch_local pool of {args.hosts} agents, {args.lines:,} log lines per host "
-            f"({args.hosts * args.lines:,} rows); median of {args.rounds} alternating rounds; the same answer both ways.",
-            "",
-            "| query | wall, per subtree | wall, rows | ratio | client CPU, per subtree | client CPU, rows | "
-            "bytes to the client, per subtree | bytes, rows | answers read, per subtree | answers, rows |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-            *rows,
-            "",
-            f"An agent after its first query (median of {len(agent_mem)}): RSS "
-            f"{statistics.median(m.get('Rss', 0) for m in agent_mem):.0f} MiB, PSS "
-            f"{statistics.median(m.get('Pss', 0) for m in agent_mem):.0f} MiB, of it anonymous "
-            f"{statistics.median(m.get('Pss_Anon', 0) for m in agent_mem):.0f} MiB."
-            if agent_mem else "",
-        ])
+        text = "\n".join(
+            [
+                f"One monarch_local pool of {args.hosts} agents, {args.lines:,} log lines per host "
+                f"({args.hosts * args.lines:,} rows); median of {args.rounds} alternating rounds; the same answer both ways.",
+                "",
+                "| query | wall, per subtree | wall, rows | ratio | client CPU, per subtree | client CPU, rows | "
+                "bytes to the client, per subtree | bytes, rows | answers read, per subtree | answers, rows |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+                *rows,
+                "",
+                f"An agent after its first query (median of {len(agent_mem)}): RSS "
+                f"{statistics.median(m.get('Rss', 0) for m in agent_mem):.0f} MiB, PSS "
+                f"{statistics.median(m.get('Pss', 0) for m in agent_mem):.0f} MiB, of it anonymous "
+                f"{statistics.median(m.get('Pss_Anon', 0) for m in agent_mem):.0f} MiB."
+                if agent_mem
+                else "",
+            ]
+        )
         print(text)
         if not args.no_record:
             record("sql-tree", ".venv/bin/python benchmarks/sql_tree.py " + " ".join(sys.argv[1:]), text)
@@ -135,8 +144,11 @@ def main() -> None:
         try:
             stop_pool(name)
         except Exception:  # noqa: BLE001 (best effort: the force stop below ends what is left)
-            subprocess.run([str(Path(sys.executable).parent / "torchx"), "pool", "stop", "--force", name],
-                           capture_output=True, env=dict(os.environ))
+            subprocess.run(
+                [str(Path(sys.executable).parent / "torchx"), "pool", "stop", "--force", name],
+                capture_output=True,
+                env=dict(os.environ),
+            )
         shutil.rmtree(home, ignore_errors=True)
 
 

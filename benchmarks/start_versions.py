@@ -30,7 +30,6 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -89,7 +88,7 @@ def main() -> None:
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     home, script, versions = driver_run("startv-", DRIVER, args.baseline)
-    runs: Dict[str, Dict[str, List[dict]]] = {v: {m: [] for m in MODES} for v in versions}
+    runs: dict[str, dict[str, list[dict]]] = {v: {m: [] for m in MODES} for v in versions}
     try:
         for v, root in versions.items():
             _cli(root, home, "pool", "create", f"startv-{v}", "-cfg", "hosts=1,preload=none")
@@ -97,8 +96,14 @@ def main() -> None:
             for mode in MODES:
                 for v, root in versions.items():
                     python = root / ".venv" / "bin" / "python"
-                    res = subprocess.run([str(python), str(script), f"startv-{v}", mode, str(args.starts)],
-                                         env=_env(root, home), cwd=root, capture_output=True, text=True, timeout=900)
+                    res = subprocess.run(
+                        [str(python), str(script), f"startv-{v}", mode, str(args.starts)],
+                        env=_env(root, home),
+                        cwd=root,
+                        capture_output=True,
+                        text=True,
+                        timeout=900,
+                    )
                     if res.returncode != 0:
                         raise SystemExit(f"{v} driver failed ({res.returncode}):\n{res.stderr[-3000:]}")
                     runs[v][mode].append(json.loads(res.stdout.strip().splitlines()[-1]))
@@ -116,17 +121,23 @@ def main() -> None:
         for key, label in (("wall", "wall"), ("cpu", "host CPU")):
             b, t = med("baseline", mode, key), med("this", mode, key)
             rows.append(f"| {mode} | {label} | {b * 1000:.2f} ms | {t * 1000:.2f} ms | {t / b:.2f}x |")
-    text = "\n".join([
-        f"One start on a one-host pool, launch to the agent's answer that it ended; median of {args.rounds} "
-        f"alternating rounds of {args.starts} starts per version and mode. Baseline `{git_line(args.baseline)}`, "
-        f"this `{git_line(HERE.parent)}`. exec: `echo hello`; python: `python -c pass` forked from the fork server.",
-        "", "| start | per start | baseline | this | this / baseline |", "|---|---|---:|---:|---:|", *rows])
+    text = "\n".join(
+        [
+            f"One start on a one-host pool, launch to the agent's answer that it ended; median of {args.rounds} "
+            f"alternating rounds of {args.starts} starts per version and mode. Baseline `{git_line(args.baseline)}`, "
+            f"this `{git_line(HERE.parent)}`. exec: `echo hello`; python: `python -c pass` forked from the fork server.",
+            "",
+            "| start | per start | baseline | this | this / baseline |",
+            "|---|---|---:|---:|---:|",
+            *rows,
+        ]
+    )
     print(text)
     if not args.no_record:
         record("start-versions", ".venv/bin/python benchmarks/start_versions.py " + " ".join(sys.argv[1:]), text)
 
 
-def driver_run(prefix: str, driver: str, baseline: Path) -> Tuple[Path, Path, Dict[str, Path]]:
+def driver_run(prefix: str, driver: str, baseline: Path) -> tuple[Path, Path, dict[str, Path]]:
     """A fresh home (the pools' registry) with the driver script in it, and each version's checkout."""
     home = Path(tempfile.mkdtemp(prefix=prefix))
     script = home / "driver.py"
@@ -134,14 +145,23 @@ def driver_run(prefix: str, driver: str, baseline: Path) -> Tuple[Path, Path, Di
     return home, script, {"baseline": baseline.resolve(), "this": HERE.parent}
 
 
-def _env(root: Path, home: Path) -> Dict[str, str]:
-    return dict(os.environ, MONARCH_TORCHX_HOME=str(home),
-                PATH=f"{root / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+def _env(root: Path, home: Path) -> dict[str, str]:
+    return dict(
+        os.environ,
+        MONARCH_TORCHX_HOME=str(home),
+        PATH=f"{root / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
 
 
 def _cli(root: Path, home: Path, *argv: str, check: bool = True) -> None:
-    res = subprocess.run([str(root / ".venv" / "bin" / "torchx"), *argv], env=_env(root, home), cwd=root,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [str(root / ".venv" / "bin" / "torchx"), *argv],
+        env=_env(root, home),
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if check and res.returncode != 0:
         raise SystemExit(f"torchx {' '.join(argv)} ({root}): {res.stderr.strip()[-2000:]}")
 

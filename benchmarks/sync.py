@@ -29,7 +29,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -69,8 +68,25 @@ def setup_network(rate: str) -> None:
         sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
         burst = "4mb"
         sh("tc", "qdisc", "add", "dev", outer, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms")
-        sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate,
-           "burst", burst, "latency", "50ms")
+        sh(
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "eth0",
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            burst,
+            "latency",
+            "50ms",
+        )
 
 
 def teardown_network() -> None:
@@ -79,18 +95,23 @@ def teardown_network() -> None:
     sh("ip", "link", "del", BR, check=False)
 
 
-def in_client(*cmd: str, timeout: float = 3600, env: Dict[str, str] = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", "netns", "exec", NS_CLIENT, *cmd], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+def in_client(*cmd: str, timeout: float = 3600, env: dict[str, str] = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["ip", "netns", "exec", NS_CLIENT, *cmd], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 class Bench:
     def __init__(self, work: Path, src: Path, tls: bool = False):
         self.work, self.src, self.tls = work, src, tls
         self.home = work / "home"
-        self.env = dict(os.environ, MONARCH_TORCHX_HOME=str(self.home), MONARCH_TORCHX_SYNC_STORE=str(work / "stores"),
-                        PYTHONPATH=str(ROOT))
-        self.procs: List[subprocess.Popen] = []
+        self.env = dict(
+            os.environ,
+            MONARCH_TORCHX_HOME=str(self.home),
+            MONARCH_TORCHX_SYNC_STORE=str(work / "stores"),
+            PYTHONPATH=str(ROOT),
+        )
+        self.procs: list[subprocess.Popen] = []
 
     # ------------------------------------------------------------ servers in the host namespaces
 
@@ -101,10 +122,25 @@ class Bench:
             d.mkdir(parents=True)
             conf = self.work / f"rsyncd{i}.conf"
             conf.write_text(f"use chroot = no\nuid = root\ngid = root\n[bench]\npath = {d}\nread only = no\n")
-            self.procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", ns_host(i), "rsync", "--daemon", "--no-detach", f"--config={conf}",
-                 f"--port={RSYNC_PORT}", f"--address={ip_host(i)}"], stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns_host(i),
+                        "rsync",
+                        "--daemon",
+                        "--no-detach",
+                        f"--config={conf}",
+                        f"--port={RSYNC_PORT}",
+                        f"--address={ip_host(i)}",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
 
     def start_agents(self) -> None:
         """A pool of 4 agents, one per host namespace (fresh: empty chunk stores)."""
@@ -114,15 +150,20 @@ class Bench:
 
         os.environ["MONARCH_TORCHX_HOME"] = str(self.home)
         reg = Registry(self.home)
-        rec = reg.new_record("syncbench", "monarch_local", {"hosts": N_HOSTS, "preload": "", "tls": self.tls},
-                             {"idle_timeout": 0})
+        rec = reg.new_record(
+            "syncbench", "monarch_local", {"hosts": N_HOSTS, "preload": "", "tls": self.tls}, {"idle_timeout": 0}
+        )
         reg.save(rec)
         pids = {}
         for i in range(N_HOSTS):
             argv = agent_argv(rec, i, ip_host(i))
-            p = subprocess.Popen(["ip", "netns", "exec", ns_host(i), *argv], env=self.env,
-                                 stdout=open(self.work / f"agent{i}.log", "ab"), stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+            p = subprocess.Popen(
+                ["ip", "netns", "exec", ns_host(i), *argv],
+                env=self.env,
+                stdout=open(self.work / f"agent{i}.log", "ab"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             pids[str(i)] = p.pid
         rec.allocation["pids"] = pids
         reg.save(rec)
@@ -160,22 +201,50 @@ class Bench:
 
     # ------------------------------------------------------------ the three methods
 
-    def ours(self, src: Path, n: int, target: str = "bench") -> Dict[str, float]:
+    def ours(self, src: Path, n: int, target: str = "bench") -> dict[str, float]:
         hosts = ",".join(str(i) for i in range(n))
         t = time.perf_counter()
-        res = in_client(str(ROOT / ".venv/bin/monarch-torchx"), "sync", str(src), "--pool", "syncbench",
-                        "--to", target, "--hosts", hosts, "--json", env=self.env)
+        res = in_client(
+            str(ROOT / ".venv/bin/monarch-torchx"),
+            "sync",
+            str(src),
+            "--pool",
+            "syncbench",
+            "--to",
+            target,
+            "--hosts",
+            hosts,
+            "--json",
+            env=self.env,
+        )
         dt = time.perf_counter() - t
         if res.returncode != 0:
             raise SystemExit(f"sync failed: {res.stdout[-2000:]} {res.stderr[-2000:]}")
         rep = json.loads(res.stdout)
         return {"s": dt, "sent": rep["bytes_sent"]}
 
-    def rsync(self, src: Path, n: int) -> Dict[str, float]:
+    def rsync(self, src: Path, n: int) -> dict[str, float]:
         t = time.perf_counter()
-        procs = [subprocess.Popen(["ip", "netns", "exec", NS_CLIENT, "rsync", "-aH", "--delete", "--stats",
-                                   f"{src}/", f"rsync://{ip_host(i)}:{RSYNC_PORT}/bench/"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
+        procs = [
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    NS_CLIENT,
+                    "rsync",
+                    "-aH",
+                    "--delete",
+                    "--stats",
+                    f"{src}/",
+                    f"rsync://{ip_host(i)}:{RSYNC_PORT}/bench/",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(n)
+        ]
         sent = 0
         for p in procs:
             out, err = p.communicate(timeout=3600)
@@ -186,23 +255,31 @@ class Bench:
                     sent += int(line.split(":")[1].replace(",", "").split()[0])
         return {"s": time.perf_counter() - t, "sent": sent}
 
-    def tar(self, src: Path, n: int) -> Dict[str, float]:
+    def tar(self, src: Path, n: int) -> dict[str, float]:
         receivers = []
         for i in range(n):
             d = self.work / "tar" / f"h{i}"
             d.mkdir(parents=True, exist_ok=True)
-            code = (f"import socket,subprocess\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
-                    f"s.bind(('{ip_host(i)}',{TAR_PORT}));s.listen(1);c,_=s.accept()\n"
-                    f"p=subprocess.Popen(['tar','-x','-C','{d}'],stdin=c.fileno());p.wait()")
+            code = (
+                f"import socket,subprocess\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+                f"s.bind(('{ip_host(i)}',{TAR_PORT}));s.listen(1);c,_=s.accept()\n"
+                f"p=subprocess.Popen(['tar','-x','-C','{d}'],stdin=c.fileno());p.wait()"
+            )
             receivers.append(subprocess.Popen(["ip", "netns", "exec", ns_host(i), sys.executable, "-c", code]))
         time.sleep(0.5)
         t = time.perf_counter()
-        send = ("import socket,subprocess,sys\nfor _ in range(50):\n    try:\n"
-                "        c=socket.create_connection((sys.argv[1],int(sys.argv[2])));break\n"
-                "    except OSError:\n        import time;time.sleep(0.1)\n"
-                "p=subprocess.Popen(['tar','-c','-C',sys.argv[3],'.'],stdout=c.fileno());p.wait();c.close()")
-        senders = [subprocess.Popen(["ip", "netns", "exec", NS_CLIENT, sys.executable, "-c", send, ip_host(i),
-                                     str(TAR_PORT), str(src)]) for i in range(n)]
+        send = (
+            "import socket,subprocess,sys\nfor _ in range(50):\n    try:\n"
+            "        c=socket.create_connection((sys.argv[1],int(sys.argv[2])));break\n"
+            "    except OSError:\n        import time;time.sleep(0.1)\n"
+            "p=subprocess.Popen(['tar','-c','-C',sys.argv[3],'.'],stdout=c.fileno());p.wait();c.close()"
+        )
+        senders = [
+            subprocess.Popen(
+                ["ip", "netns", "exec", NS_CLIENT, sys.executable, "-c", send, ip_host(i), str(TAR_PORT), str(src)]
+            )
+            for i in range(n)
+        ]
         for p in senders + receivers:
             p.wait(timeout=3600)
         size = int(sh("du", "-sb", str(src)).stdout.split()[0])
@@ -225,14 +302,18 @@ def tls_cost(args: argparse.Namespace) -> None:
     src = Path(args.src).resolve()
     size = int(sh("du", "-sb", str(src)).stdout.split()[0])
     hosts = [int(x) for x in args.hosts.split(",")]
-    lines = [f"Tree: `{src.name}` ({size / 1e9:.2f} GB). Cold syncs (fresh agents, empty stores), TLS off and on.", "",
-             "| link | hosts | TLS | seconds | rate vs link |", "|---|---:|---|---:|---:|"]
+    lines = [
+        f"Tree: `{src.name}` ({size / 1e9:.2f} GB). Cold syncs (fresh agents, empty stores), TLS off and on.",
+        "",
+        "| link | hosts | TLS | seconds | rate vs link |",
+        "|---|---:|---|---:|---:|",
+    ]
     notes = []
     try:
         for rate in args.rates.split(","):
             setup_network(rate)
             link = rate_bytes(rate)
-            t: Dict[tuple, float] = {}
+            t: dict[tuple, float] = {}
             for tls in (False, True):
                 b = Bench(work / f"{rate}-{tls}", src, tls=tls)
                 (work / f"{rate}-{tls}").mkdir()
@@ -244,18 +325,25 @@ def tls_cost(args: argparse.Namespace) -> None:
                 b.stop()
             for n in hosts:
                 for tls in (False, True):
-                    lines.append(f"| {rate} | {n} | {'on' if tls else 'off'} | {t[(n, tls)]:.2f} | "
-                                 f"{size / t[(n, tls)] / link * 100:.0f}% |")
-            notes.append(f"- {rate}: with TLS, 1 host at **{size / t[(1, True)] / link * 100:.0f}%** of the link "
-                         f"(target >= 90% at 1 Gbit/s); TLS takes {t[(1, True)] / t[(1, False)]:.2f}x the time to 1 host, "
-                         f"{t[(hosts[-1], True)] / t[(hosts[-1], False)]:.2f}x to {hosts[-1]}")
+                    lines.append(
+                        f"| {rate} | {n} | {'on' if tls else 'off'} | {t[(n, tls)]:.2f} | "
+                        f"{size / t[(n, tls)] / link * 100:.0f}% |"
+                    )
+            notes.append(
+                f"- {rate}: with TLS, 1 host at **{size / t[(1, True)] / link * 100:.0f}%** of the link "
+                f"(target >= 90% at 1 Gbit/s); TLS takes {t[(1, True)] / t[(1, False)]:.2f}x the time to 1 host, "
+                f"{t[(hosts[-1], True)] / t[(hosts[-1], False)]:.2f}x to {hosts[-1]}"
+            )
     finally:
         teardown_network()
         shutil.rmtree(work, ignore_errors=True)
     body = "\n".join(lines + [""] + notes)
     print(body)
-    record("sync-tls", f"sudo .venv/bin/python benchmarks/sync.py --tls-cost --rates {args.rates} --hosts {args.hosts}",
-           body)
+    record(
+        "sync-tls",
+        f"sudo .venv/bin/python benchmarks/sync.py --tls-cost --rates {args.rates} --hosts {args.hosts}",
+        body,
+    )
 
 
 def main() -> None:
@@ -286,8 +374,11 @@ def main() -> None:
         (tenk / f"pkg{d:02d}").mkdir(parents=True)
         for k in range(100):
             (tenk / f"pkg{d:02d}" / f"mod{k:02d}.py").write_bytes(os.urandom(1024 + 37 * k))
-    lines = [f"Tree (a), (b): `{src.name}` ({size / 1e9:.2f} GB, {files} paths; a virtualenv with torch). "
-             f"Tree (c): one 1 GiB file. Every machine's link is shaped by TBF, both ways.", ""]
+    lines = [
+        f"Tree (a), (b): `{src.name}` ({size / 1e9:.2f} GB, {files} paths; a virtualenv with torch). "
+        f"Tree (c): one 1 GiB file. Every machine's link is shaped by TBF, both ways.",
+        "",
+    ]
     try:
         for rate in args.rates.split(","):
             setup_network(rate)
@@ -298,8 +389,11 @@ def main() -> None:
             rows = []
             one = {}
             for n in [int(x) for x in args.hosts.split(",")]:
-                for name, fn in (("syncfs", lambda s_, n_: b.ours(s_, n_, target=f"cold{n_}")), ("rsync", b.rsync),
-                                 ("tar over socket", b.tar)):
+                for name, fn in (
+                    ("syncfs", lambda s_, n_: b.ours(s_, n_, target=f"cold{n_}")),  # noqa: B023
+                    ("rsync", b.rsync),
+                    ("tar over socket", b.tar),
+                ):
                     b.wipe()
                     r = fn(src, n)
                     one.setdefault(name, r["s"]) if n == 1 else None
@@ -323,25 +417,33 @@ def main() -> None:
                 f.write(os.urandom(4096))
             edit = {"syncfs": b.ours(big, 1, target="big"), "rsync": b.rsync(big, 1), "tar over socket": b.tar(big, 1)}
             b.stop()
-            lines += [f"### {rate} links", "", "| hosts | method | seconds | bytes sent by the client | "
-                      "rate vs link (1 host) |", "|---:|---|---:|---:|---:|"]
+            lines += [
+                f"### {rate} links",
+                "",
+                "| hosts | method | seconds | bytes sent by the client | rate vs link (1 host) |",
+                "|---:|---|---:|---:|---:|",
+            ]
             for n, name, s, sent in rows:
                 eff = f"{size / s / link * 100:.0f}%" if n == 1 else ""
                 lines.append(f"| {n} | {name} | {s:.2f} | {sent / 1e9:.2f} GB | {eff} |")
             t = {(n, name): s for n, name, s, _ in rows}
             nmax = max(n for n, _, _, _ in rows)
-            lines += ["", f"- syncfs to {nmax} hosts takes **{t[(nmax, 'syncfs')] / t[(1, 'syncfs')]:.2f}x** its 1-host time "
-                      f"(target <= 1.25x); **{t[(nmax, 'rsync')] / t[(nmax, 'syncfs')]:.1f}x** faster than rsync and "
-                      f"**{t[(nmax, 'tar over socket')] / t[(nmax, 'syncfs')]:.1f}x** faster than tar to {nmax} hosts "
-                      "(target >= 3x vs rsync)",
-                      f"- 1 host: syncfs moves the tree at **{size / t[(1, 'syncfs')] / link * 100:.0f}%** of the link rate "
-                      "(target >= 90%; includes chunking and hashing the tree, commit on the host)",
-                      f"- no-op resync to {N_HOSTS} hosts: syncfs **{noop['syncfs']:.2f} s**, rsync {noop['rsync']:.2f} s "
-                      f"({files} paths); of 10,000 files: syncfs **{noop['syncfs 10k']:.2f} s**, rsync "
-                      f"{noop['rsync 10k']:.2f} s (target < 0.5 s; both include process start)",
-                      f"- 4 KiB changed in a 1 GiB file: syncfs sent **{edit['syncfs']['sent'] / (1 << 30) * 100:.2f}%** of the "
-                      f"file in {edit['syncfs']['s']:.2f} s (target < 1%); rsync {edit['rsync']['sent'] / (1 << 30) * 100:.2f}% in "
-                      f"{edit['rsync']['s']:.2f} s; tar 100% in {edit['tar over socket']['s']:.2f} s", ""]
+            lines += [
+                "",
+                f"- syncfs to {nmax} hosts takes **{t[(nmax, 'syncfs')] / t[(1, 'syncfs')]:.2f}x** its 1-host time "
+                f"(target <= 1.25x); **{t[(nmax, 'rsync')] / t[(nmax, 'syncfs')]:.1f}x** faster than rsync and "
+                f"**{t[(nmax, 'tar over socket')] / t[(nmax, 'syncfs')]:.1f}x** faster than tar to {nmax} hosts "
+                "(target >= 3x vs rsync)",
+                f"- 1 host: syncfs moves the tree at **{size / t[(1, 'syncfs')] / link * 100:.0f}%** of the link rate "
+                "(target >= 90%; includes chunking and hashing the tree, commit on the host)",
+                f"- no-op resync to {N_HOSTS} hosts: syncfs **{noop['syncfs']:.2f} s**, rsync {noop['rsync']:.2f} s "
+                f"({files} paths); of 10,000 files: syncfs **{noop['syncfs 10k']:.2f} s**, rsync "
+                f"{noop['rsync 10k']:.2f} s (target < 0.5 s; both include process start)",
+                f"- 4 KiB changed in a 1 GiB file: syncfs sent **{edit['syncfs']['sent'] / (1 << 30) * 100:.2f}%** of the "
+                f"file in {edit['syncfs']['s']:.2f} s (target < 1%); rsync {edit['rsync']['sent'] / (1 << 30) * 100:.2f}% in "
+                f"{edit['rsync']['s']:.2f} s; tar 100% in {edit['tar over socket']['s']:.2f} s",
+                "",
+            ]
             print("\n".join(lines[-12:]), file=sys.stderr)
     finally:
         teardown_network()

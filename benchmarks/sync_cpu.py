@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -53,7 +52,7 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def floors(src: Path, scratch: Path) -> Dict[str, float]:
+def floors(src: Path, scratch: Path) -> dict[str, float]:
     """CPU seconds per GB of the libraries and the kernel alone, on these very files, in this
     process: FastCDC with the store's sizes, BLAKE3, and writing the bytes as new ~1 MiB files
     next to the store (the page cache of a file system this machine's agents write to)."""
@@ -61,7 +60,6 @@ def floors(src: Path, scratch: Path) -> Dict[str, float]:
 
     import blake3
     import fastcdc
-
     from monarch_torchx.syncfs.manifest import CDC
 
     files = sorted(src.iterdir())
@@ -72,7 +70,7 @@ def floors(src: Path, scratch: Path) -> Dict[str, float]:
         with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             view = memoryview(m)
             for c in fastcdc.fastcdc(m, fat=False, hf=None, **CDC):
-                blake3.blake3(view[c.offset:c.offset + c.length]).digest()
+                blake3.blake3(view[c.offset : c.offset + c.length]).digest()
             view.release()
     out["chunk + hash"] = (_cpu() - c0) / gb
     data = [p.read_bytes() for p in files]
@@ -86,7 +84,7 @@ def floors(src: Path, scratch: Path) -> Dict[str, float]:
         for j in range(0, len(d), 1 << 20):
             tmp = scratch / f".{i}.{j}"
             with open(tmp, "wb") as f:
-                f.write(d[j:j + (1 << 20)])
+                f.write(d[j : j + (1 << 20)])
             os.replace(tmp, scratch / f"{i}.{j}")
     out["write new files"] = (_cpu() - c0) / gb
     shutil.rmtree(scratch, ignore_errors=True)
@@ -98,7 +96,9 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--hosts", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="cold syncs of fresh bytes (medians are reported)")
-    ap.add_argument("--baseline", type=Path, help="an earlier commit's checkout, with its .venv: its client side by side")
+    ap.add_argument(
+        "--baseline", type=Path, help="an earlier commit's checkout, with its .venv: its client side by side"
+    )
     ap.add_argument("--section", default="sync-cpu")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
@@ -111,14 +111,16 @@ def main() -> None:
         clients = {"baseline": [str(base_cli)], **clients}
         torchxes["baseline"] = [str(base_cli.parent / "python"), "-m", "torchx.cli.main"]
     homes = {name: Path(tempfile.mkdtemp(prefix=f"sync-cpu-{name}-")) for name in clients}  # a registry each
-    envs = {name: dict(os.environ, MONARCH_TORCHX_HOME=str(home), PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-            for name, home in homes.items()}
+    envs = {
+        name: dict(os.environ, MONARCH_TORCHX_HOME=str(home), PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+        for name, home in homes.items()
+    }
     meters = {name: Meter(home) for name, home in homes.items()}  # each counts its own pool's agents
-    colds: Dict[str, List[Dict[str, float]]] = {k: [] for k in clients}
-    agains: Dict[str, List[Dict[str, float]]] = {k: [] for k in clients}
-    resent: Dict[str, List[int]] = {k: [] for k in clients}  # bytes a resync sent after one edit
-    first: List[Dict[str, float]] = []
-    fl: List[Dict[str, float]] = []
+    colds: dict[str, list[dict[str, float]]] = {k: [] for k in clients}
+    agains: dict[str, list[dict[str, float]]] = {k: [] for k in clients}
+    resent: dict[str, list[int]] = {k: [] for k in clients}  # bytes a resync sent after one edit
+    first: list[dict[str, float]] = []
+    fl: list[dict[str, float]] = []
     gb = 0.0
 
     def fresh_tree(path: Path) -> float:
@@ -129,7 +131,9 @@ def main() -> None:
 
     try:
         for name, m in meters.items():
-            m.run(torchxes[name] + ["pool", "create", "synccpu", "-cfg", f"hosts={args.hosts},preload=none"], envs[name])
+            m.run(
+                torchxes[name] + ["pool", "create", "synccpu", "-cfg", f"hosts={args.hosts},preload=none"], envs[name]
+            )
             warm = homes[name] / "warm"
             warm.mkdir()
             (warm / "hello.txt").write_text("a target's first sync\n")
@@ -160,34 +164,46 @@ def main() -> None:
             subprocess.run(torchxes[name] + ["pool", "stop", "--force", "synccpu"], env=envs[name], capture_output=True)
             shutil.rmtree(homes[name], ignore_errors=True)
 
-    def med(rows: List[Dict[str, float]], key: str, scale: float = 1.0) -> float:
+    def med(rows: list[dict[str, float]], key: str, scale: float = 1.0) -> float:
         return statistics.median(r[key] * scale for r in rows)
 
-    def row(label: str, rows: List[Dict[str, float]]) -> str:
+    def row(label: str, rows: list[dict[str, float]]) -> str:
         wall = med(rows, "wall")
-        return (f"| {label} | {wall:.2f} s ({gb / wall:.2f} GB/s) | {med(rows, 'client_cpu', 1 / gb):.2f} s | "
-                f"{med(rows, 'agents_cpu', 1 / args.hosts / gb):.2f} s |")
+        return (
+            f"| {label} | {wall:.2f} s ({gb / wall:.2f} GB/s) | {med(rows, 'client_cpu', 1 / gb):.2f} s | "
+            f"{med(rows, 'agents_cpu', 1 / args.hosts / gb):.2f} s |"
+        )
 
     host_cold = med(colds["this"], "agents_cpu", 1 / args.hosts / gb)
     client_cold = med(colds["this"], "client_cpu", 1 / gb)
     # what a sync costs whatever it moves (interpreter start, imports, the scan's metadata, the
     # requests) is what a no-op resync costs: beyond it, the cost of the bytes themselves
-    client_marginal = statistics.median((c["client_cpu"] - a["client_cpu"]) / gb
-                                        for c, a in zip(colds["this"], agains["this"]))
+    client_marginal = statistics.median(
+        (c["client_cpu"] - a["client_cpu"]) / gb for c, a in zip(colds["this"], agains["this"])
+    )
     floor = {k: statistics.median(f[k] for f in fl) for k in fl[0]}
     host_floor = floor["hash"] + floor["write new files"]
-    lines = [f"{gb:.2f} GB of incompressible files to {args.hosts} hosts of a `monarch_local` pool (one chain"
-             f"{'; each version with a pool of its own agents' if args.baseline else ''}), CPU seconds per GB, "
-             f"medians of {args.rounds} cold syncs of fresh bytes to a target synced once before:",
-             "", "| | wall | client CPU / GB | host CPU / GB (per hop) |", "|---|---:|---:|---:|"]
+    lines = [
+        f"{gb:.2f} GB of incompressible files to {args.hosts} hosts of a `monarch_local` pool (one chain"
+        f"{'; each version with a pool of its own agents' if args.baseline else ''}), CPU seconds per GB, "
+        f"medians of {args.rounds} cold syncs of fresh bytes to a target synced once before:",
+        "",
+        "| | wall | client CPU / GB | host CPU / GB (per hop) |",
+        "|---|---:|---:|---:|",
+    ]
     if args.baseline:
         lines.append(row(f"cold sync, baseline (`{git_line(args.baseline)}`)", colds["baseline"]))
         lines.append(row(f"cold sync, this (`{git_line(HERE.parent)}`)", colds["this"]))
         ratio = [med(colds["this"], k) / med(colds["baseline"], k) for k in ("wall", "client_cpu", "agents_cpu")]
         lines.append(f"| this / baseline | {ratio[0]:.2f}x | {ratio[1]:.2f}x | {ratio[2]:.2f}x |")
-        spread = {k: ", ".join(f"{b[k] / gb / (1 if k == 'client_cpu' else args.hosts):.2f} / "
-                               f"{t[k] / gb / (1 if k == 'client_cpu' else args.hosts):.2f}"
-                               for b, t in zip(colds["baseline"], colds["this"])) for k in ("client_cpu", "agents_cpu")}
+        spread = {
+            k: ", ".join(
+                f"{b[k] / gb / (1 if k == 'client_cpu' else args.hosts):.2f} / "
+                f"{t[k] / gb / (1 if k == 'client_cpu' else args.hosts):.2f}"
+                for b, t in zip(colds["baseline"], colds["this"])
+            )
+            for k in ("client_cpu", "agents_cpu")
+        }
     else:
         lines.append(row("cold sync", colds["this"]))
     lines += [
@@ -197,14 +213,24 @@ def main() -> None:
         f"{floor['chunk + hash']:.2f} s (FastCDC + BLAKE3) | {host_floor:.2f} s (BLAKE3 {floor['hash']:.2f} + "
         f"writing new files {floor['write new files']:.2f}) |",
         f"| cold sync less a no-op resync (the bytes' own cost) | | {client_marginal:.2f} s | |",
-        f"| above the floor | | {client_marginal - floor['chunk + hash']:.2f} s | {host_cold - host_floor:.2f} s |", "",
+        f"| above the floor | | {client_marginal - floor['chunk + hash']:.2f} s | {host_cold - host_floor:.2f} s |",
+        "",
         "After 100 bytes inserted in the middle of one 8 MiB file, a resync sent (MiB, each round): "
-        + "; ".join(f"{k} " + ", ".join(f"{b / 2**20:.2f}" for b in v) for k, v in resent.items()) + ".", "",
-        *([f"Each round, baseline / this, CPU s per GB: client {spread['client_cpu']}; host {spread['agents_cpu']}.", ""]
-          if args.baseline else []),
+        + "; ".join(f"{k} " + ", ".join(f"{b / 2**20:.2f}" for b in v) for k, v in resent.items())
+        + ".",
+        "",
+        *(
+            [
+                f"Each round, baseline / this, CPU s per GB: client {spread['client_cpu']}; host {spread['agents_cpu']}.",
+                "",
+            ]
+            if args.baseline
+            else []
+        ),
         f"A target's first sync (a one-file tree; mostly each host starting the target's FUSE server) costs once: "
         f"client {statistics.median(f['client_cpu'] for f in first):.2f} s, hosts "
-        f"{statistics.median(f['agents_cpu'] for f in first) / args.hosts:.2f} s each (CPU seconds, not per GB).", "",
+        f"{statistics.median(f['agents_cpu'] for f in first) / args.hosts:.2f} s each (CPU seconds, not per GB).",
+        "",
         f"Targets (issue 17): a host <= {TARGET_HOST_S_PER_GB} s of CPU per GB per hop: "
         f"{'met' if host_cold <= TARGET_HOST_S_PER_GB else 'NOT met'}; the client <= {TARGET_CLIENT_S_PER_GB} s per GB "
         f"for a cold tree: {'met' if client_marginal <= TARGET_CLIENT_S_PER_GB else 'NOT met'} (the bytes' own "

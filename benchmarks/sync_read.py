@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -32,7 +32,7 @@ def drop_caches() -> None:
         f.write("3\n")
 
 
-def read_all(paths: List[Path]) -> int:
+def read_all(paths: list[Path]) -> int:
     n = 0
     buf = bytearray(1 << 20)
     for p in paths:
@@ -75,7 +75,7 @@ def main() -> None:
         (small / f"pkg{d}").mkdir(parents=True)
         for k in range(100):
             (small / f"pkg{d}" / f"m{k}.py").write_bytes(os.urandom(4096 + 61 * k))
-    rows: Dict[str, Dict[str, List[float]]] = {}
+    rows: dict[str, dict[str, list[float]]] = {}
     try:
         pool = ensure_pool(PoolRequest("monarch_local", "syncread", {"hosts": 1, "preload": ""}))
         for name, src in (("1 GiB file", big), ("2,000 small files", small)):
@@ -84,37 +84,50 @@ def main() -> None:
             mount = Path(rep.hosts[0].path)
             via_fuse = sorted(p for p in mount.rglob("*") if p.is_file())
             direct = sorted(p for p in src.rglob("*") if p.is_file())
-            store = sorted(p for p in (work / "store").rglob("*")  # chunk and pack files (not the mount itself)
-                           if p.is_file() and ("chunks" in p.parts or "packs" in p.parts) and "mounts" not in p.parts)
+            store = sorted(
+                p
+                for p in (work / "store").rglob("*")  # chunk and pack files (not the mount itself)
+                if p.is_file() and ("chunks" in p.parts or "packs" in p.parts) and "mounts" not in p.parts
+            )
             r = rows.setdefault(name, {k: [] for k in COLUMNS})
             for _ in range(args.reps):
                 drop_caches()
-                r["fuse, cold"].append(timed(lambda: read_all(via_fuse)))
-                r["fuse, cached"].append(timed(lambda: read_all(via_fuse)))
+                r["fuse, cold"].append(timed(lambda: read_all(via_fuse)))  # noqa: B023
+                r["fuse, cached"].append(timed(lambda: read_all(via_fuse)))  # noqa: B023
                 drop_caches()
                 read_all(store)  # the store's files in the page cache, the mount's own cache empty
-                r["fuse, store cached"].append(timed(lambda: read_all(via_fuse)))
+                r["fuse, store cached"].append(timed(lambda: read_all(via_fuse)))  # noqa: B023
                 drop_caches()
-                r["source files, cold"].append(timed(lambda: read_all(direct)))
+                r["source files, cold"].append(timed(lambda: read_all(direct)))  # noqa: B023
     finally:
         try:
             stop_pool("syncread", Registry(work / "home"))
         finally:
             shutil.rmtree(work, ignore_errors=True)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    lines = [f"Median of {args.reps} rounds, the ways of reading alternating. The 1 GiB file in GB/s, the small "
-             "files in files/s.", "", "| tree | " + " | ".join(COLUMNS) + " | fuse cold / source cold |",
-             "|---|" + "---:|" * (len(COLUMNS) + 1)]
+    lines = [
+        f"Median of {args.reps} rounds, the ways of reading alternating. The 1 GiB file in GB/s, the small "
+        "files in files/s.",
+        "",
+        "| tree | " + " | ".join(COLUMNS) + " | fuse cold / source cold |",
+        "|---|" + "---:|" * (len(COLUMNS) + 1),
+    ]
     for name, r in rows.items():
         amount = (1 << 30) / 1e9 if name.startswith("1 GiB") else 2000
         rate = {k: amount / med(r[k]) for k in COLUMNS}
         fmt = "{:.2f}" if name.startswith("1 GiB") else "{:,.0f}"
-        lines.append(f"| {name} | " + " | ".join(fmt.format(rate[k]) for k in COLUMNS)
-                     + f" | {rate['fuse, cold'] / rate['source files, cold']:.2f} |")
-    lines += ["", "- cold: the page cache dropped first, so bytes come from disk (the store's chunk and pack files "
-              "through the FUSE server, or the source files directly); store cached: the store's files in the page "
-              "cache, the mount's own cache empty (the FUSE server's own rate; the issue's reference for a minimal "
-              "pyfuse3 file system: ~1 GB/s); cached: a second read through the mount, served by the kernel"]
+        lines.append(
+            f"| {name} | "
+            + " | ".join(fmt.format(rate[k]) for k in COLUMNS)
+            + f" | {rate['fuse, cold'] / rate['source files, cold']:.2f} |"
+        )
+    lines += [
+        "",
+        "- cold: the page cache dropped first, so bytes come from disk (the store's chunk and pack files "
+        "through the FUSE server, or the source files directly); store cached: the store's files in the page "
+        "cache, the mount's own cache empty (the FUSE server's own rate; the issue's reference for a minimal "
+        "pyfuse3 file system: ~1 GB/s); cached: a second read through the mount, served by the kernel",
+    ]
     body = "\n".join(lines)
     print(body)
     record("sync-read", f"sudo .venv/bin/python benchmarks/sync_read.py --reps {args.reps}", body)

@@ -58,8 +58,9 @@ def main() -> None:
     os.environ["MONARCH_TORCHX_HOME"] = str(home)
     os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
     torchx = str(BIN / "torchx")
-    from monarch_torchx.pool import attach
     from monarch_torchx.telemetry.query import run
+
+    from monarch_torchx.pool import attach
 
     py = sys.executable
     try:
@@ -72,8 +73,24 @@ def main() -> None:
         from monarch_torchx.specs import LaunchSpec
 
         print(f"writing {args.hosts} x {args.rows_per_host} log lines", file=sys.stderr)
-        apps.launch(pool, "fill", "fill", [], [(i, LaunchSpec(app_id="fill", role="p", replica_id=i,
-                    argv=[py, str(work / "printer.py"), str(args.rows_per_host)])) for i in range(args.hosts)])
+        apps.launch(
+            pool,
+            "fill",
+            "fill",
+            [],
+            [
+                (
+                    i,
+                    LaunchSpec(
+                        app_id="fill",
+                        role="p",
+                        replica_id=i,
+                        argv=[py, str(work / "printer.py"), str(args.rows_per_host)],
+                    ),
+                )
+                for i in range(args.hosts)
+            ],
+        )
         total = args.hosts * args.rows_per_host
         deadline = time.time() + 900
         while time.time() < deadline:
@@ -85,18 +102,19 @@ def main() -> None:
             "filtered GROUP BY": "SELECT host, count(*) AS n FROM logs WHERE line LIKE '%NaN%' GROUP BY host",
             "GROUP BY, no filter": "SELECT host, count(*) AS n FROM logs GROUP BY host",
         }
-        rows = ["| query | pushdown (s) | bytes moved | naive: gather all, query at client (s) | bytes moved | bytes ratio |",
-                "|---|---:|---:|---:|---:|---:|"]
+        rows = [
+            "| query | pushdown (s) | bytes moved | naive: gather all, query at client (s) | bytes moved | bytes ratio |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         naive_bytes = None
         naive_time = None
-        for name, q in (queries.items() if args.hosts else []):
+        for name, q in queries.items() if args.hosts else []:
             times, res = [], None
             for _ in range(args.n):
                 t0 = time.perf_counter()
                 res = run(pool, q)
                 times.append(time.perf_counter() - t0)
             if naive_time is None:  # gathering everything costs the same whatever the query: measure once
-                import pyarrow as pa
                 from datafusion import SessionContext
 
                 nt = []
@@ -109,15 +127,24 @@ def main() -> None:
                     nt.append(time.perf_counter() - t0)
                 naive_time, naive_bytes = statistics.median(nt), everything.bytes_moved
                 del everything, ctx
-            rows.append(f"| {name} | {statistics.median(times):.3f} | {res.bytes_moved:,} | {naive_time:.3f} | "
-                        f"{naive_bytes:,} | {100 * res.bytes_moved / naive_bytes:.3f}% |")
+            rows.append(
+                f"| {name} | {statistics.median(times):.3f} | {res.bytes_moved:,} | {naive_time:.3f} | "
+                f"{naive_bytes:,} | {100 * res.bytes_moved / naive_bytes:.3f}% |"
+            )
         sh(torchx, "pool", "stop", "tel")
 
         # ingestion overhead: the same printer, interleaved on a pool with telemetry and one without
         n_lines = 2_000_000
         sh(torchx, "pool", "create", "ing-on", "-cfg", f"hosts=1,preload=none,{LOGS}")
-        sh(torchx, "pool", "create", "ing-off", "-cfg", f"hosts=1,preload=none,{LOGS}",
-           env={**os.environ, "MONARCH_TORCHX_DISABLE_MODULES": "telemetry"})
+        sh(
+            torchx,
+            "pool",
+            "create",
+            "ing-off",
+            "-cfg",
+            f"hosts=1,preload=none,{LOGS}",
+            env={**os.environ, "MONARCH_TORCHX_DISABLE_MODULES": "telemetry"},
+        )
         on, off = attach("ing-on"), attach("ing-off")
         got: dict = {"telemetry on": [], "telemetry off": [], "stdout to /dev/null (no capture)": []}
 
@@ -136,10 +163,13 @@ def main() -> None:
             got[label].append(float(out.read_text()))
 
         plain = [py, str(work / "printer.py"), str(n_lines), "OUT"]
+
         def with_telemetry(k: int) -> None:
             printed(on, "telemetry on", k, plain)
             want = (k + 1) * n_lines  # let this run's deferred indexing finish before anything else runs
-            while run(on, "SELECT count(*) AS n FROM logs WHERE app_id LIKE 'ing-on-%'").table.to_pylist()[0]["n"] < want:
+            while (
+                run(on, "SELECT count(*) AS n FROM logs WHERE app_id LIKE 'ing-on-%'").table.to_pylist()[0]["n"] < want
+            ):
                 time.sleep(0.2)
             time.sleep(1.0)
 
@@ -148,9 +178,14 @@ def main() -> None:
             time.sleep(1.0)
 
         for k in range(args.n):  # alternate which goes first, so drift does not favour either
-            for step in ((with_telemetry, without) if k % 2 == 0 else (without, with_telemetry)):
+            for step in (with_telemetry, without) if k % 2 == 0 else (without, with_telemetry):
                 step(k)
-            printed(off, "stdout to /dev/null (no capture)", k, ["sh", "-c", f"{py} {work / 'printer.py'} {n_lines} OUT > /dev/null"])
+            printed(
+                off,
+                "stdout to /dev/null (no capture)",
+                k,
+                ["sh", "-c", f"{py} {work / 'printer.py'} {n_lines} OUT > /dev/null"],
+            )
             time.sleep(1.0)
         rates = {k: statistics.median(v) for k, v in got.items()}
         sh(torchx, "pool", "stop", "ing-on")
@@ -159,24 +194,36 @@ def main() -> None:
         for name in ("tel", "ing-on", "ing-off"):
             subprocess.run([str(BIN / "monarch-torchx"), "pool", "stop", name], capture_output=True)
     overhead = 100 * (1 - rates["telemetry on"] / rates["telemetry off"])
-    body = "\n".join([
-        f"{args.hosts} agents x {args.rows_per_host:,} log rows = {args.hosts * args.rows_per_host:,} rows, one "
-        f"monarch_local pool on this machine; median of {args.n} runs.", "", *rows, "",
-        "Ingestion, lines/s of a process printing 2M short lines as fast as it can (its own measure):", "",
-        "| setup | lines/s |", "|---|---:|",
-        *[f"| {k} | {v:,.0f} |" for k, v in rates.items()], "",
-        f"Telemetry overhead on a chatty process: {overhead:.1f}% (target < 5%). Indexing waits while a "
-        "process's output is flowing (up to 256 MiB of backlog) and catches up when it pauses or at the next query; "
-        "runs are interleaved (on/off alternating which goes first, then /dev/null) and separated so each starts "
-        "with nothing left to index; the spread between runs on this VM is about +-20%. On this 2-core machine the printer and "
-        "the agent's pipe reader already use both cores, so any concurrent work shows up here.",
-        "Targets: 10M-row filtered aggregate < 1 s; pushdown moves < 1% of the naive bytes (the filtered queries). "
-        "An unfiltered GROUP BY still moves the grouping column of every row: aggregates are not yet split into "
-        "partial (per host) and final (client) steps.",
-    ])
+    body = "\n".join(
+        [
+            f"{args.hosts} agents x {args.rows_per_host:,} log rows = {args.hosts * args.rows_per_host:,} rows, one "
+            f"monarch_local pool on this machine; median of {args.n} runs.",
+            "",
+            *rows,
+            "",
+            "Ingestion, lines/s of a process printing 2M short lines as fast as it can (its own measure):",
+            "",
+            "| setup | lines/s |",
+            "|---|---:|",
+            *[f"| {k} | {v:,.0f} |" for k, v in rates.items()],
+            "",
+            f"Telemetry overhead on a chatty process: {overhead:.1f}% (target < 5%). Indexing waits while a "
+            "process's output is flowing (up to 256 MiB of backlog) and catches up when it pauses or at the next query; "
+            "runs are interleaved (on/off alternating which goes first, then /dev/null) and separated so each starts "
+            "with nothing left to index; the spread between runs on this VM is about +-20%. On this 2-core machine the printer and "
+            "the agent's pipe reader already use both cores, so any concurrent work shows up here.",
+            "Targets: 10M-row filtered aggregate < 1 s; pushdown moves < 1% of the naive bytes (the filtered queries). "
+            "An unfiltered GROUP BY still moves the grouping column of every row: aggregates are not yet split into "
+            "partial (per host) and final (client) steps.",
+        ]
+    )
     print(body)
     if not args.no_record:
-        record("telemetry", f".venv/bin/python benchmarks/telemetry.py --rows-per-host {args.rows_per_host} --n {args.n}", body)
+        record(
+            "telemetry",
+            f".venv/bin/python benchmarks/telemetry.py --rows-per-host {args.rows_per_host} --n {args.n}",
+            body,
+        )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _results import record  # noqa: E402
@@ -45,8 +44,9 @@ dist.destroy_process_group()
 """
 
 
-def timed_run(args: List[str], cwd: Path, env: Dict[str, str], timeout: float = 180,
-              watch: Optional[str] = None) -> Tuple[float, float]:
+def timed_run(
+    args: list[str], cwd: Path, env: dict[str, str], timeout: float = 180, watch: str | None = None
+) -> tuple[float, float]:
     """(time to the first "first-step" line, time until the CLI returned), from the CLI's start.
 
     ``watch``: a glob in ``cwd`` of output files to find the line in instead (stock slurm's CLI
@@ -54,10 +54,11 @@ def timed_run(args: List[str], cwd: Path, env: Dict[str, str], timeout: float = 
     """
     before = set(cwd.glob(watch)) if watch else set()
     t0 = time.time()
-    p = subprocess.Popen([str(BIN / "torchx"), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-    first: List[float] = []
-    out: List[str] = []
+    p = subprocess.Popen(
+        [str(BIN / "torchx"), *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    first: list[float] = []
+    out: list[str] = []
 
     def read() -> None:
         assert p.stdout is not None
@@ -86,7 +87,7 @@ def timed_run(args: List[str], cwd: Path, env: Dict[str, str], timeout: float = 
         p.wait(timeout)
     except subprocess.TimeoutExpired:
         p.kill()
-        raise SystemExit(f"torchx {' '.join(args)} did not finish in {timeout:.0f} s:\n{''.join(out[-20:])}")
+        raise SystemExit(f"torchx {' '.join(args)} did not finish in {timeout:.0f} s:\n{''.join(out[-20:])}")  # noqa: B904
     done = time.time() - t0
     reader.join(10)
     if watcher:
@@ -100,7 +101,7 @@ def timed_run(args: List[str], cwd: Path, env: Dict[str, str], timeout: float = 
     return first[0], done
 
 
-def ddp(scheduler: str, cfg: str, j: str) -> List[str]:
+def ddp(scheduler: str, cfg: str, j: str) -> list[str]:
     opts = ["-cfg", cfg] if cfg else []
     return ["run", "--wait", "--log", "-s", scheduler, *opts, "dist.ddp", "-j", j, "--script", "bench_ddp.py"]
 
@@ -116,8 +117,8 @@ def main() -> None:
     (work / "bench_ddp.py").write_text(SCRIPT)
     env = {**os.environ, "MONARCH_TORCHX_HOME": str(home), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     pool = f"bench-ddp-{os.getpid()}"
-    watch: Dict[str, str] = {"slurm -j 2x1 (stock)": "slurm-*-bench_ddp-*.out"}
-    cases: Dict[str, List[str]] = {
+    watch: dict[str, str] = {"slurm -j 2x1 (stock)": "slurm-*-bench_ddp-*.out"}
+    cases: dict[str, list[str]] = {
         "local_cwd -j 1x2 (stock)": ddp("local_cwd", f"log_dir={work / 'lcwd'}", "1x2"),
         "monarch_local -j 2x1 (warm)": ddp("monarch_local", f"pool={pool}", "2x1"),
         "monarch_local -j 1x2 (warm)": ddp("monarch_local", f"pool={pool}", "1x2"),
@@ -134,12 +135,15 @@ def main() -> None:
         for name, args in cases.items():
             if "warm" in name:
                 timed_run(args, work, env)  # creates the pool and warms it; not timed
-        times: Dict[str, List[Tuple[float, float]]] = {k: [] for k in cases}
+        times: dict[str, list[tuple[float, float]]] = {k: [] for k in cases}
         for i in range(a.n):
             for name, args in cases.items():
                 times[name].append(timed_run(args, work, env, watch=watch.get(name)))
-            print(f"round {i + 1}/{a.n}: " + ", ".join(f"{k.split()[0]} {v[-1][0]:.2f}/{v[-1][1]:.2f}"
-                                                        for k, v in times.items()), file=sys.stderr)
+            print(
+                f"round {i + 1}/{a.n}: "
+                + ", ".join(f"{k.split()[0]} {v[-1][0]:.2f}/{v[-1][1]:.2f}" for k, v in times.items()),
+                file=sys.stderr,
+            )
     finally:
         for p in (pool, f"{pool}-s"):
             subprocess.run([str(BIN / "torchx"), "pool", "stop", p], env=env, capture_output=True)
@@ -148,23 +152,35 @@ def main() -> None:
     stock = med["local_cwd -j 1x2 (stock)"]
     ratios = []
     for k in ("monarch_local -j 2x1 (warm)", "monarch_local -j 1x2 (warm)"):
-        ratios.append(f"- {k}: **{stock[0] / med[k][0]:.1f}x** faster to the first step, "
-                      f"**{stock[1] / med[k][1]:.1f}x** to completion than local_cwd -j 1x2")
+        ratios.append(
+            f"- {k}: **{stock[0] / med[k][0]:.1f}x** faster to the first step, "
+            f"**{stock[1] / med[k][1]:.1f}x** to completion than local_cwd -j 1x2"
+        )
     if a.slurm:
         s, w = med["slurm -j 2x1 (stock)"], med["monarch_slurm -j 2x1 (warm)"]
-        ratios.append(f"- monarch_slurm -j 2x1: **{s[0] / w[0]:.1f}x** faster to the first step, "
-                      f"**{s[1] / w[1]:.1f}x** to completion than stock slurm -j 2x1")
-    body = (f"Median of {a.n} runs per case, all cases interleaved in one run; `torchx run --wait --log "
-            f"... dist.ddp --script S` where S does init_process_group (gloo), one all_reduce, prints "
-            f"`first-step`, 3 more all_reduces and a barrier.\n\n"
-            "| case | first step (s) | completion (s) |\n|---|---:|---:|\n" + "\n".join(rows) +
-            "\n\nRatios (same run):\n" + "\n".join(ratios) +
-            "\n\nTargets: >= 5x to the first step, >= 3x to completion, on both engines."
-            "\n\nFirst step: when the line reached `torchx run --log`'s output" +
-            (", except stock slurm: when it appeared in its `slurm-*.out` file (its CLI tails only "
-             "stderr). The lab's 2 nodes are network namespaces of this one 2-core VM." if a.slurm else ".") +
-            " Completion: when `torchx run --wait` returned (stock local_cwd and slurm poll status each second;"
-            " our schedulers' wait returns when the agents report the end).")
+        ratios.append(
+            f"- monarch_slurm -j 2x1: **{s[0] / w[0]:.1f}x** faster to the first step, "
+            f"**{s[1] / w[1]:.1f}x** to completion than stock slurm -j 2x1"
+        )
+    body = (
+        f"Median of {a.n} runs per case, all cases interleaved in one run; `torchx run --wait --log "
+        f"... dist.ddp --script S` where S does init_process_group (gloo), one all_reduce, prints "
+        f"`first-step`, 3 more all_reduces and a barrier.\n\n"
+        "| case | first step (s) | completion (s) |\n|---|---:|---:|\n"
+        + "\n".join(rows)
+        + "\n\nRatios (same run):\n"
+        + "\n".join(ratios)
+        + "\n\nTargets: >= 5x to the first step, >= 3x to completion, on both engines."
+        "\n\nFirst step: when the line reached `torchx run --log`'s output"
+        + (
+            ", except stock slurm: when it appeared in its `slurm-*.out` file (its CLI tails only "
+            "stderr). The lab's 2 nodes are network namespaces of this one 2-core VM."
+            if a.slurm
+            else "."
+        )
+        + " Completion: when `torchx run --wait` returned (stock local_cwd and slurm poll status each second;"
+        " our schedulers' wait returns when the agents report the end)."
+    )
     print(body)
     make = "make bench-ddp-slurm" if a.slurm else "make bench-ddp"
     command = f"{make}  # .venv/bin/python benchmarks/warm_ddp.py" + (" --slurm" if a.slurm else "") + f" --n {a.n}"

@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -37,17 +36,33 @@ from scale import BIN, Meter, _agent_sessions, _session_cpu  # noqa: E402
 from scale_versions import git_line  # noqa: E402
 
 
-def measure(bin_dir: Path, hosts: int, apps: int, idle_s: float) -> Dict[str, float]:
+def measure(bin_dir: Path, hosts: int, apps: int, idle_s: float) -> dict[str, float]:
     home = Path(tempfile.mkdtemp(prefix="warm-iter-"))
     env = dict(os.environ, MONARCH_TORCHX_HOME=str(home), PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     tx = [str(bin_dir / "torchx")]
     m = Meter(home)
-    runs: List[Dict[str, float]] = []
+    runs: list[dict[str, float]] = []
     try:
         m.run(tx + ["pool", "create", "warmiter", "-s", "monarch_local", "-cfg", f"hosts={hosts},preload=none"], env)
         for k in range(apps):
-            runs.append(m.run(tx + ["run", "-s", "monarch_local", "-cfg", "pool=warmiter", "utils.echo",
-                                    "--num_replicas", str(hosts), "--msg", f"iteration {k}"], env)[0])
+            runs.append(
+                m.run(
+                    tx
+                    + [
+                        "run",
+                        "-s",
+                        "monarch_local",
+                        "-cfg",
+                        "pool=warmiter",
+                        "utils.echo",
+                        "--num_replicas",
+                        str(hosts),
+                        "--msg",
+                        f"iteration {k}",
+                    ],
+                    env,
+                )[0]
+            )
             print(f"{bin_dir.parent.parent.name}: run {k + 1}/{apps}", file=sys.stderr, end="\r")
         print(file=sys.stderr)
         time.sleep(2)  # the last app's replicas have ended and been reaped
@@ -59,9 +74,12 @@ def measure(bin_dir: Path, hosts: int, apps: int, idle_s: float) -> Dict[str, fl
     finally:
         subprocess.run(tx + ["pool", "stop", "--force", "warmiter"], env=env, capture_output=True)
     last = runs[-10:]
-    return {"wall": statistics.median(r["wall"] for r in last),
-            "client_cpu": statistics.median(r["client_cpu"] for r in last),
-            "agents_cpu": statistics.median(r["agents_cpu"] for r in last) / hosts, "idle": idle}
+    return {
+        "wall": statistics.median(r["wall"] for r in last),
+        "client_cpu": statistics.median(r["client_cpu"] for r in last),
+        "agents_cpu": statistics.median(r["agents_cpu"] for r in last) / hosts,
+        "idle": idle,
+    }
 
 
 def main() -> None:
@@ -76,12 +94,15 @@ def main() -> None:
     base_bin = args.baseline.resolve() / ".venv" / "bin"
     if not (base_bin / "torchx").exists():
         raise SystemExit(f"{base_bin / 'torchx'} not found: run `make setup` in {args.baseline} first")
-    res = {"baseline": measure(base_bin, args.hosts, args.apps, args.idle_s),
-           "this": measure(BIN, args.hosts, args.apps, args.idle_s)}
+    res = {
+        "baseline": measure(base_bin, args.hosts, args.apps, args.idle_s),
+        "this": measure(BIN, args.hosts, args.apps, args.idle_s),
+    }
     b, t = res["baseline"], res["this"]
     lines = [
         f"One `monarch_local` pool of {args.hosts} hosts (`preload=none`) per version, {args.apps} runs of "
-        f"`torchx run utils.echo --num_replicas {args.hosts}` on it; a run: medians of the last 10.", "",
+        f"`torchx run utils.echo --num_replicas {args.hosts}` on it; a run: medians of the last 10.",
+        "",
         "| | run: wall | run: client CPU | run: agents' CPU per host | idle: agents' CPU per host per second |",
         "|---|---:|---:|---:|---:|",
         f"| baseline (`{git_line(args.baseline)}`) | {b['wall']:.2f} s | {b['client_cpu']:.2f} s | "

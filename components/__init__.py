@@ -3,7 +3,6 @@
 No ``from __future__ import annotations`` here: TorchX reads parameter types at run time.
 """
 
-
 import torchx.specs as specs
 
 

@@ -10,6 +10,7 @@ async endpoints, and versioned weight broadcast. The "environment" is a toy band
 from __future__ import annotations
 
 import argparse
+
 import torch
 
 from monarch_torchx import Actor, Channel, attach, current_rank, endpoint, this_host

@@ -60,25 +60,60 @@ def wait(handle: str, timeout: float = 180) -> str:
 def main() -> None:
     work = tempfile.mkdtemp(prefix="monarch-demo-")
     Path(work, "train.py").write_text(TRAIN)
-    print(f"monarch-torchx demo: pool {POOL!r} on monarch_local (registry: "
-          f"{os.environ.get('MONARCH_TORCHX_HOME', '~/.monarch_torchx')})")
+    print(
+        f"monarch-torchx demo: pool {POOL!r} on monarch_local (registry: "
+        f"{os.environ.get('MONARCH_TORCHX_HOME', '~/.monarch_torchx')})"
+    )
     try:
         print("\n# 1. the first run creates the pool (2 local hosts) and returns as soon as the app is submitted")
-        h = sh("torchx", "run", "-s", "monarch_local", "-cfg", f"pool={POOL},hosts=2", "utils.echo", "--msg",
-               "hello from a warm pool", cwd=work).splitlines()[-1]
+        h = sh(
+            "torchx",
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={POOL},hosts=2",
+            "utils.echo",
+            "--msg",
+            "hello from a warm pool",
+            cwd=work,
+        ).splitlines()[-1]
         print(f"  -> {wait(h)}")
         sh("torchx", "log", h)
 
         print("\n# 2. the next run reuses the warm hosts; Python starts from a fork server with torch imported")
-        h = sh("torchx", "run", "-s", "monarch_local", "-cfg", f"pool={POOL}", "utils.python", "-c",
-               "import sys, torch; print('torch was already imported:', 'torch' in sys.modules or 'no', torch.ones(3).sum())",
-               cwd=work).splitlines()[-1]
+        h = sh(
+            "torchx",
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={POOL}",
+            "utils.python",
+            "-c",
+            "import sys, torch; print('torch was already imported:', 'torch' in sys.modules or 'no', torch.ones(3).sum())",
+            cwd=work,
+        ).splitlines()[-1]
         print(f"  -> {wait(h)}")
         sh("torchx", "log", h)
 
         print("\n# 3. torchrun across the pool's 2 hosts: a real gloo all_reduce")
-        h = sh("torchx", "run", "-s", "monarch_local", "-cfg", f"pool={POOL}", "dist.ddp", "-j", "2x1",
-               "--rdzv_port", "29531", "--script", "train.py", cwd=work).splitlines()[-1]
+        h = sh(
+            "torchx",
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={POOL}",
+            "dist.ddp",
+            "-j",
+            "2x1",
+            "--rdzv_port",
+            "29531",
+            "--script",
+            "train.py",
+            cwd=work,
+        ).splitlines()[-1]
         print(f"  -> {wait(h)}")
         sh("torchx", "log", "--regex", "all_reduce", h)
 

@@ -37,8 +37,11 @@ def main() -> None:
     p.add_argument("--pool", default="monarch-pingpong")
     p.add_argument("--cfg", default="", help="run options for a new pool, e.g. partition=debug")
     p.add_argument("--kill", action="store_true", help="end the workers after the run (the pool stays warm)")
-    p.add_argument("--trust-local-users", action="store_true",
-                   help="nobody else can log into the client's or the pool's machines (required: docs/security.md)")
+    p.add_argument(
+        "--trust-local-users",
+        action="store_true",
+        help="nobody else can log into the client's or the pool's machines (required: docs/security.md)",
+    )
     a = p.parse_args()
     cfg = dict(kv.split("=", 1) for kv in a.cfg.split(",") if kv)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Sequence
 
 from . import history, wire
 from .errors import AccessError, HostLost, HostUnreachable, MonarchError
@@ -20,7 +20,7 @@ from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, TERMINAL, UNK
 _STATE_ORDER = [FAILED, CANCELLED, UNKNOWN, RUNNING, PENDING]
 
 
-def app_state(states: List[str]) -> str:
+def app_state(states: list[str]) -> str:
     """TorchX semantics: any failure fails the app; it succeeds only when every replica did."""
     if states and all(s == SUCCEEDED for s in states):
         return SUCCEEDED
@@ -41,17 +41,24 @@ class LaunchFailed(MonarchError):
         self.refused = list(refused)
 
 
-Placer = Callable[[Pool], List[Tuple[int, LaunchSpec]]]
+Placer = Callable[[Pool], list[tuple[int, LaunchSpec]]]
 
 
-def launch(pool: Pool, app_id: str, name: str, roles: List[Dict[str, Any]],
-           replicas: List[Tuple[int, LaunchSpec]]) -> AppRecord:
+def launch(
+    pool: Pool, app_id: str, name: str, roles: list[dict[str, Any]], replicas: list[tuple[int, LaunchSpec]]
+) -> AppRecord:
     """Records the app, then starts each (host_index, spec) on its host; all or nothing."""
     return _launch(pool, app_id, name, roles, replicas, others=())[0]
 
 
-def _launch(pool: Pool, app_id: str, name: str, roles: List[Dict[str, Any]], replicas: List[Tuple[int, LaunchSpec]],
-            others: Sequence[int]) -> Tuple[AppRecord, List[Tuple[int, Exception]]]:
+def _launch(
+    pool: Pool,
+    app_id: str,
+    name: str,
+    roles: list[dict[str, Any]],
+    replicas: list[tuple[int, LaunchSpec]],
+    others: Sequence[int],
+) -> tuple[AppRecord, list[tuple[int, Exception]]]:
     """``launch``, with the hosts ``others`` (none of the replicas' hosts) asked in the same pass
     to answer an empty request; returns the app and those of ``others`` that did not answer, with
     why."""
@@ -64,7 +71,7 @@ def _launch(pool: Pool, app_id: str, name: str, roles: List[Dict[str, Any]], rep
         placement.append(Placement(spec.role, spec.replica_id, i, host.incarnation))
     arec = AppRecord(app_id, pool.name, name, roles, placement)
     Registry.save_app(pool.record, arec)
-    by_host: Dict[int, List[LaunchSpec]] = {}
+    by_host: dict[int, list[LaunchSpec]] = {}
     for i, spec in replicas:
         by_host.setdefault(i, []).append(spec)
 
@@ -77,9 +84,11 @@ def _launch(pool: Pool, app_id: str, name: str, roles: List[Dict[str, Any]], rep
         # and ended before the error is raised (a host whose answer was lost may have started some):
         # the app started again (``start``) finds none of its replicas still running
         pool.ask("wait", sorted(by_host), timeout=15.0, app_id=app_id, within=10.0)
-        raise LaunchFailed(f"could not start {app_id} on pool {pool.name!r}: "
-                           + "; ".join(f"host {i}: {e}" for i, e in errors), [i for i, _ in errors],
-                           [i for i, e in errors if _refused(e)])
+        raise LaunchFailed(
+            f"could not start {app_id} on pool {pool.name!r}: " + "; ".join(f"host {i}: {e}" for i, e in errors),
+            [i for i, _ in errors],
+            [i for i, e in errors if _refused(e)],
+        )
     return arec, [(i, e) for i, _, e in answers if e and i not in by_host]
 
 
@@ -91,9 +100,17 @@ def _refused(e: Exception) -> bool:
     return isinstance(e, wire.RemoteError) and e.kind != RelayRefused.__name__
 
 
-def start(req: PoolRequest, app_id: str, name: str, roles: List[Dict[str, Any]], place: Placer,
-          registry: Optional[Registry] = None, defaults: Optional[Dict[str, Any]] = None,
-          progress: Callable[[str], None] = lambda _m: None, check_first: bool = False) -> Tuple[Pool, AppRecord]:
+def start(
+    req: PoolRequest,
+    app_id: str,
+    name: str,
+    roles: list[dict[str, Any]],
+    place: Placer,
+    registry: Registry | None = None,
+    defaults: dict[str, Any] | None = None,
+    progress: Callable[[str], None] = lambda _m: None,
+    check_first: bool = False,
+) -> tuple[Pool, AppRecord]:
     """Starts an app on the pool ``req`` names, all or nothing: ``ensure_pool``, then ``launch``
     of what ``place(pool)`` gives, in one pass over the pool where it can.
 
@@ -137,7 +154,7 @@ def start(req: PoolRequest, app_id: str, name: str, roles: List[Dict[str, Any]],
     return pool, arec
 
 
-def _name_unanswered(pool: Pool, silent: List[Tuple[int, Exception]], progress: Callable[[str], None]) -> None:
+def _name_unanswered(pool: Pool, silent: list[tuple[int, Exception]], progress: Callable[[str], None]) -> None:
     """Hosts without a replica that did not answer a launch that stands: each named, lost (on
     evidence) or unreachable; the next run checks the pool first (``Registry.want_check``)."""
     for i, err in silent:
@@ -152,7 +169,7 @@ def _name_unanswered(pool: Pool, silent: List[Tuple[int, Exception]], progress: 
     Registry.want_check(pool.record.path, f"host(s) {[i for i, _ in silent]} did not answer a launch")
 
 
-def replica_states(pool: Pool, arec: AppRecord) -> Dict[Tuple[str, int], Dict[str, Any]]:
+def replica_states(pool: Pool, arec: AppRecord) -> dict[tuple[str, int], dict[str, Any]]:
     """(role, replica) -> the agent's status dict (state, msg, exit_code, attempts, ...) + hostname.
 
     A replica whose end is recorded (``history.py``) is that end, whatever became of its host
@@ -163,7 +180,7 @@ def replica_states(pool: Pool, arec: AppRecord) -> Dict[Tuple[str, int], Dict[st
     """
     state_dir = pool.record.path
     ends = history.read_ends(state_dir, arec.app_id, ages=True)
-    out: Dict[Tuple[str, int], Dict[str, Any]] = {k: e.status() for k, e in ends.items()}
+    out: dict[tuple[str, int], dict[str, Any]] = {k: e.status() for k, e in ends.items()}
     asked = [p for p in arec.placement if (p.role, p.replica_id) not in ends]
     if not asked:
         return out
@@ -178,24 +195,33 @@ def replica_states(pool: Pool, arec: AppRecord) -> Dict[Tuple[str, int], Dict[st
     return out
 
 
-def stopped_states(arec: AppRecord, state_dir: Path, pool_name: str) -> Dict[Tuple[str, int], Dict[str, Any]]:
+def stopped_states(arec: AppRecord, state_dir: Path, pool_name: str) -> dict[tuple[str, int], dict[str, Any]]:
     """``replica_states`` of an app whose pool was stopped: its recorded ends; a replica without
     one was running when the pool went and its end was never heard."""
     ends = history.read_ends(state_dir, arec.app_id)
-    return {(p.role, p.replica_id): ends[(p.role, p.replica_id)].status() if (p.role, p.replica_id) in ends else
-            {"state": FAILED, "hostname": "",
-             "msg": f"its pool {pool_name!r} was stopped before its end was recorded (it was still running)"}
-            for p in arec.placement}
+    return {
+        (p.role, p.replica_id): ends[(p.role, p.replica_id)].status()
+        if (p.role, p.replica_id) in ends
+        else {
+            "state": FAILED,
+            "hostname": "",
+            "msg": f"its pool {pool_name!r} was stopped before its end was recorded (it was still running)",
+        }
+        for p in arec.placement
+    }
 
 
-def _asked_states(pool: Pool, arec: AppRecord, asked: List[Placement]) -> Dict[Tuple[str, int], Dict[str, Any]]:
+def _asked_states(pool: Pool, arec: AppRecord, asked: list[Placement]) -> dict[tuple[str, int], dict[str, Any]]:
     """The states of the replicas ``asked``, from their hosts (see ``replica_states``)."""
     indices = sorted({p.host_index for p in asked})
     answers = {i: (res, err) for i, res, err in pool.ask("describe", indices, timeout=10.0, app_id=arec.app_id)}
     # a host that did not answer is lost only on evidence (see Pool.loss_evidence); else UNKNOWN
-    evidence = {i: pool.loss_evidence(i, err) for i, (_, err) in answers.items()
-                if err is not None and not isinstance(err, AccessError)}
-    out: Dict[Tuple[str, int], Dict[str, Any]] = {}
+    evidence = {
+        i: pool.loss_evidence(i, err)
+        for i, (_, err) in answers.items()
+        if err is not None and not isinstance(err, AccessError)
+    }
+    out: dict[tuple[str, int], dict[str, Any]] = {}
     for p in asked:
         res, err = answers[p.host_index]
         host = pool.hosts[p.host_index] if p.host_index < len(pool.hosts) else None
@@ -207,16 +233,30 @@ def _asked_states(pool: Pool, arec: AppRecord, asked: List[Placement]) -> Dict[T
         elif err is not None and not lost and isinstance(err, HostUnreachable):
             out[key] = {"state": UNKNOWN, "msg": str(err), "hostname": hostname}  # unreachable is not dead
         elif err is not None:  # (final only on the evidence of a loss: else it may be answered later)
-            out[key] = {"state": FAILED, "msg": pool.lost_message(p.host_index, lost, err) if lost else str(err),
-                        "hostname": hostname, "final": bool(lost)}
+            out[key] = {
+                "state": FAILED,
+                "msg": pool.lost_message(p.host_index, lost, err) if lost else str(err),
+                "hostname": hostname,
+                "final": bool(lost),
+            }
         elif host is None or host.incarnation != p.incarnation:
-            out[key] = {"state": FAILED, "hostname": hostname,
-                        "msg": f"host {p.host_index} was lost and restarted while the replica ran"}
+            out[key] = {
+                "state": FAILED,
+                "hostname": hostname,
+                "msg": f"host {p.host_index} was lost and restarted while the replica ran",
+            }
         else:
             st = next((s for s in res if s["role"] == p.role and s["replica_id"] == p.replica_id), None)
-            out[key] = ({**st, "hostname": hostname} if st else
-                        {"state": FAILED, "msg": f"replica not known to host {p.host_index}", "hostname": hostname,
-                         "final": False})  # (its launch may not have reached it yet)
+            out[key] = (
+                {**st, "hostname": hostname}
+                if st
+                else {
+                    "state": FAILED,
+                    "msg": f"replica not known to host {p.host_index}",
+                    "hostname": hostname,
+                    "final": False,
+                }
+            )  # (its launch may not have reached it yet)
     return out
 
 
@@ -225,10 +265,10 @@ def kill(pool: Pool, arec: AppRecord) -> None:
     pool.ask("kill", indices, timeout=15.0, app_id=arec.app_id)
 
 
-def list_states(pool: Pool, records: Sequence[AppRecord]) -> Dict[Tuple[str, str, int], str]:
+def list_states(pool: Pool, records: Sequence[AppRecord]) -> dict[tuple[str, str, int], str]:
     """(app_id, role, replica) -> state, for ``records``' replicas: their recorded ends, and what
     the pool's live agents know of the others (the agents are not asked when every one ended)."""
-    seen: Dict[Tuple[str, str, int], str] = {}
+    seen: dict[tuple[str, str, int], str] = {}
     open_apps = False
     for a in records:
         ends = history.read_ends(pool.record.path, a.app_id)
@@ -244,7 +284,7 @@ def list_states(pool: Pool, records: Sequence[AppRecord]) -> Dict[Tuple[str, str
 FAILURE_GRACE_S = 10.0  # the other replicas of a failed app may end on their own first (a torchrun's nodes do)
 
 
-def ends_with_failure(states: Dict[Tuple[str, int], Dict[str, Any]]) -> bool:
+def ends_with_failure(states: dict[tuple[str, int], dict[str, Any]]) -> bool:
     """The app has failed (a replica FAILED for good) while others still run: TorchX would call
     it FAILED and stop watching, and the others would run on unseen. ``end_failed`` ends them."""
     values = [s["state"] for s in states.values()]
@@ -252,7 +292,7 @@ def ends_with_failure(states: Dict[Tuple[str, int], Dict[str, Any]]) -> bool:
     return failed and any(v in (PENDING, RUNNING) for v in values)
 
 
-def failure_is_fresh(states: Dict[Tuple[str, int], Dict[str, Any]]) -> bool:
+def failure_is_fresh(states: dict[tuple[str, int], dict[str, Any]]) -> bool:
     """A replica failed less than ``FAILURE_GRACE_S`` ago (on its host's or the file system's
     clock): the others get that long to end by themselves, with their own reason (the failing
     rank of a torchrun is on another node than the first to fail), before ``end_failed``."""
@@ -260,11 +300,23 @@ def failure_is_fresh(states: Dict[Tuple[str, int], Dict[str, Any]]) -> bool:
     return any(a is not None and a < FAILURE_GRACE_S for a in ages)
 
 
-def end_failed(pool: Pool, arec: AppRecord, states: Dict[Tuple[str, int], Dict[str, Any]]) -> Dict[Tuple[str, int], Dict[str, Any]]:
+def end_failed(
+    pool: Pool, arec: AppRecord, states: dict[tuple[str, int], dict[str, Any]]
+) -> dict[tuple[str, int], dict[str, Any]]:
     """Ends the replicas still running of an app that failed, then reads its states again: an app
     is reported FAILED only once nothing of it runs (as a failed torchrun ends its other nodes)."""
     failed = sorted(f"{r}/{k}" for (r, k), s in states.items() if s["state"] == FAILED and s.get("final", True))
-    pool.ask("kill", sorted({p.host_index for p in arec.placement
-                             if states.get((p.role, p.replica_id), {}).get("state") in (PENDING, RUNNING)}),
-             timeout=15.0, app_id=arec.app_id, reason=f"ended because {', '.join(failed)} failed")
+    pool.ask(
+        "kill",
+        sorted(
+            {
+                p.host_index
+                for p in arec.placement
+                if states.get((p.role, p.replica_id), {}).get("state") in (PENDING, RUNNING)
+            }
+        ),
+        timeout=15.0,
+        app_id=arec.app_id,
+        reason=f"ended because {', '.join(failed)} failed",
+    )
     return replica_states(pool, arec)

@@ -1,7 +1,7 @@
 """``monarch-torchx`` (and ``torchx pool``): manage warm pools from a shell.
 
-    monarch-torchx pool create NAME -s monarch_local -cfg hosts=2
-    monarch-torchx pool list | status NAME | stop NAME
+monarch-torchx pool create NAME -s monarch_local -cfg hosts=2
+monarch-torchx pool list | status NAME | stop NAME
 """
 
 from __future__ import annotations
@@ -11,10 +11,18 @@ import json
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any
 
-from .errors import AccessError, CreateInterrupted, HomeUnusable, HostLost, HostUnreachable, MonarchError, \
-    PoolNotFound, StartTimeout
+from .errors import (
+    AccessError,
+    CreateInterrupted,
+    HomeUnusable,
+    HostLost,
+    HostUnreachable,
+    MonarchError,
+    PoolNotFound,
+    StartTimeout,
+)
 
 if TYPE_CHECKING:
     from .pool import Pool
@@ -31,7 +39,7 @@ class UsageError(MonarchError):
 
 # The ``kind`` of the JSON object a ``--json`` command prints on stdout when it fails, by the
 # error's type (the first that matches). Stable: scripts branch on it; README "Errors in --json".
-ERROR_KINDS: Tuple[Tuple[Type[BaseException], str], ...] = (
+ERROR_KINDS: tuple[tuple[type[BaseException], str], ...] = (
     (PoolNotFound, "pool_not_found"),
     (HomeUnusable, "home_unusable"),
     (AccessError, "access_denied"),
@@ -90,13 +98,19 @@ class Progress:
         self._live: Any = None
         self._task: Any = None
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if sys.stderr.isatty():
             from rich.console import Console
-            from rich.progress import Progress as Live, SpinnerColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as Live
+            from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
 
-            self._live = Live(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                              console=Console(stderr=True), transient=True)
+            self._live = Live(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
             self._live.start()
             self._task = self._live.add_task("starting", total=None)
         return self
@@ -119,7 +133,7 @@ def _ago(ts: float) -> str:
     return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
 
 
-def _table(rows: List[List[str]], header: List[str]) -> str:
+def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join(fmt.format(*map(str, r)).rstrip() for r in [header, *rows])
@@ -135,7 +149,7 @@ def _scheduler(name: str) -> Any:
     return get_scheduler_factories()[name]("default")
 
 
-def pool_summary(pool: "Pool") -> Dict[str, Any]:
+def pool_summary(pool: Pool) -> dict[str, Any]:
     """Everything `pool status` shows, as data (also what `--json` prints)."""
     from .registry import Registry
 
@@ -145,18 +159,32 @@ def pool_summary(pool: "Pool") -> Dict[str, Any]:
     for h in health:
         a = h.addr
         state = "ok" if h.ok else ("stopped" if a and a.exited else h.state)
-        hosts.append({
-            "index": h.index, "state": state, "address": a.address if a else None,
-            "hostname": a.hostname if a else None, "pid": a.pid if a else None,
-            "running": h.info.get("running"), "idle_s": h.info.get("idle_s"),
-            "warm": h.info.get("warm", {}).get("preloaded") if h.ok else None,
-            "warm_state": h.info.get("warm", {}).get("state") if h.ok else None,
-            "last_seen": time.time() if h.ok else (a.heartbeat if a else None),  # (it just answered)
-            "error": (a.exit_reason if a and a.exited else h.error) if not h.ok else "",
-            "warning": "; ".join(w for w in (h.info.get("heartbeat_error"), h.info.get("log_error"),
-                                             h.info.get("warm", {}).get("error")) if w)
-                       if h.ok else "",  # e.g. its disk is full, a preload failed
-        })
+        hosts.append(
+            {
+                "index": h.index,
+                "state": state,
+                "address": a.address if a else None,
+                "hostname": a.hostname if a else None,
+                "pid": a.pid if a else None,
+                "running": h.info.get("running"),
+                "idle_s": h.info.get("idle_s"),
+                "warm": h.info.get("warm", {}).get("preloaded") if h.ok else None,
+                "warm_state": h.info.get("warm", {}).get("state") if h.ok else None,
+                "last_seen": time.time() if h.ok else (a.heartbeat if a else None),  # (it just answered)
+                "error": (a.exit_reason if a and a.exited else h.error) if not h.ok else "",
+                "warning": "; ".join(
+                    w
+                    for w in (
+                        h.info.get("heartbeat_error"),
+                        h.info.get("log_error"),
+                        h.info.get("warm", {}).get("error"),
+                    )
+                    if w
+                )
+                if h.ok
+                else "",  # e.g. its disk is full, a preload failed
+            }
+        )
     from .pool import get_provisioner
 
     engine = get_provisioner(rec.scheduler).describe(rec)
@@ -165,9 +193,16 @@ def pool_summary(pool: "Pool") -> Dict[str, Any]:
     if ok == 0 and engine.get("state") in ("PENDING", "CONFIGURING"):
         state = "pending"
     return {
-        "name": rec.name, "scheduler": rec.scheduler, "state": state, "hosts": hosts, "spec": rec.spec,
-        "options": rec.options, "allocation": engine, "created": rec.created,
-        "apps": len(Registry.list_apps(rec)), "state_dir": rec.state_dir,
+        "name": rec.name,
+        "scheduler": rec.scheduler,
+        "state": state,
+        "hosts": hosts,
+        "spec": rec.spec,
+        "options": rec.options,
+        "allocation": engine,
+        "created": rec.created,
+        "apps": len(Registry.list_apps(rec)),
+        "state_dir": rec.state_dir,
         "tls": bool(rec.tls_pem),
     }
 
@@ -216,9 +251,11 @@ def cmd_status(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(s, indent=1))
         return
-    print(f"pool {s['name']} on {s['scheduler']}: {s['state']}, {len(s['hosts'])} host(s), {s['apps']} app(s), "
-          f"up {_ago(s['created'])}, idle timeout {s['options'].get('idle_timeout', 0):.0f}s, "
-          f"{'TLS' if s['tls'] else 'plaintext (loopback)'} connections")
+    print(
+        f"pool {s['name']} on {s['scheduler']}: {s['state']}, {len(s['hosts'])} host(s), {s['apps']} app(s), "
+        f"up {_ago(s['created'])}, idle timeout {s['options'].get('idle_timeout', 0):.0f}s, "
+        f"{'TLS' if s['tls'] else 'plaintext (loopback)'} connections"
+    )
     alloc = {k: v for k, v in s["allocation"].items() if v not in (None, "", {})}
     if alloc and ("job_id" in alloc or "kind" in alloc):
         print("allocation: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in alloc.items()))
@@ -254,10 +291,16 @@ def cmd_sync(args: argparse.Namespace) -> None:
         print(report.to_json())
     else:
         for h in report.hosts:
-            print(f"host {h.index}: generation {h.generation} at {h.path} ({h.bytes_sent / 1e6:.1f} MB sent)"
-                  f"{_copy_note(h.served_by)}" if h.ok else f"FAILED {h.error}")  # the error names its host
-        print(f"{report.files} file(s), {report.bytes / 1e6:.1f} MB; sent {report.bytes_sent / 1e6:.1f} MB, "
-              f"skipped {report.bytes_skipped / 1e6:.1f} MB in {report.seconds:.2f} s ({report.transfer})")
+            print(
+                f"host {h.index}: generation {h.generation} at {h.path} ({h.bytes_sent / 1e6:.1f} MB sent)"
+                f"{_copy_note(h.served_by)}"
+                if h.ok
+                else f"FAILED {h.error}"
+            )  # the error names its host
+        print(
+            f"{report.files} file(s), {report.bytes / 1e6:.1f} MB; sent {report.bytes_sent / 1e6:.1f} MB, "
+            f"skipped {report.bytes_skipped / 1e6:.1f} MB in {report.seconds:.2f} s ({report.transfer})"
+        )
     if not report.ok:
         sys.exit(1)
 
@@ -275,13 +318,21 @@ def _copy_note(served_by: str) -> str:
 def add_sync_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="directory to sync (a checkout, a virtualenv, ...)")
     p.add_argument("--pool", required=True, help="pool whose hosts receive it")
-    p.add_argument("--to", required=True,
-                   help="target path on every host: relative = in the pool's own sync area; absolute = under an "
-                        "allowed root (/workspace, /env, $MONARCH_TORCHX_SYNC_ROOTS)")
+    p.add_argument(
+        "--to",
+        required=True,
+        help="target path on every host: relative = in the pool's own sync area; absolute = under an "
+        "allowed root (/workspace, /env, $MONARCH_TORCHX_SYNC_ROOTS)",
+    )
     p.add_argument("--hosts", default="", help="comma-separated host indices (default: all)")
-    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
-                   help="leave out paths matching PATTERN (fnmatch, relative to SRC; repeatable); "
-                        "SRC/.torchxignore is always honoured")
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="leave out paths matching PATTERN (fnmatch, relative to SRC; repeatable); "
+        "SRC/.torchxignore is always honoured",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(pool_fn=cmd_sync)
 
@@ -340,11 +391,13 @@ def cmd_sql(args: argparse.Namespace) -> None:
         for r in rows:
             w.writerow([plain(r[c]) for c in cols])
     else:
-        shown = rows if args.max_rows <= 0 else rows[:args.max_rows]
+        shown = rows if args.max_rows <= 0 else rows[: args.max_rows]
         print(_table([["" if r[c] is None else str(plain(r[c])) for c in cols] for r in shown], cols))
         if len(shown) < len(rows):
-            print(f"({len(rows)} rows, first {len(shown)} shown: --max-rows 0 shows all, --json/--csv print all)",
-                  file=sys.stderr)
+            print(
+                f"({len(rows)} rows, first {len(shown)} shown: --max-rows 0 shows all, --json/--csv print all)",
+                file=sys.stderr,
+            )
 
 
 def cmd_stacks(args: argparse.Namespace) -> None:
@@ -362,8 +415,10 @@ def cmd_stacks(args: argparse.Namespace) -> None:
         for e in res["errors"]:
             print(f"host {i}: {e}", file=sys.stderr)
     where = f"WHERE app_id = '{app}' AND " if app else "WHERE "
-    q = (f"SELECT host, pid, thread, depth, function, file, line FROM stacks {where}"
-         "ts = (SELECT max(ts) FROM stacks) ORDER BY host, pid, thread, depth")
+    q = (
+        f"SELECT host, pid, thread, depth, function, file, line FROM stacks {where}"
+        "ts = (SELECT max(ts) FROM stacks) ORDER BY host, pid, thread, depth"
+    )
     rows = run(pool, q).table.to_pylist()
     last = None
     for r in rows:
@@ -375,8 +430,11 @@ def cmd_stacks(args: argparse.Namespace) -> None:
     if not rows:
         print("no Python stacks (nothing running, or not Python)", file=sys.stderr)
     else:
-        print("\nall dumps stay queryable: monarch-torchx sql --pool "
-              f"{args.pool} \"SELECT function, count(*) c FROM stacks GROUP BY 1 ORDER BY c DESC\"", file=sys.stderr)
+        print(
+            "\nall dumps stay queryable: monarch-torchx sql --pool "
+            f'{args.pool} "SELECT function, count(*) c FROM stacks GROUP BY 1 ORDER BY c DESC"',
+            file=sys.stderr,
+        )
 
 
 def cmd_tables(args: argparse.Namespace) -> None:
@@ -407,9 +465,12 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     add_sync_arguments(sub.add_parser("sync", help="sync a directory to every host (same as `monarch-torchx sync`)"))
     p = sub.add_parser("stop", help="stop a pool: kills its apps, releases its hosts")
     p.add_argument("name", help="pool name")
-    p.add_argument("--force", action="store_true",
-                   help="if the pool's record cannot be read: end its local agents and the SLURM allocation "
-                        "it names, and remove the record")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="if the pool's record cannot be read: end its local agents and the SLURM allocation "
+        "it names, and remove the record",
+    )
     p.set_defaults(pool_fn=cmd_stop)
 
 
@@ -433,9 +494,14 @@ class _Version(argparse.Action):
     """``--version``: the installed distribution's version, read only when asked (importing
     ``importlib.metadata`` is not free, and every ``torchx`` start builds our parsers)."""
 
-    def __init__(self, option_strings: List[str], dest: str = argparse.SUPPRESS, **kwargs: Any):
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
-                         help="print the version of monarch-torchx and exit")
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any):
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=0,
+            default=argparse.SUPPRESS,
+            help="print the version of monarch-torchx and exit",
+        )
 
     def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
         from importlib.metadata import version
@@ -444,7 +510,7 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="monarch-torchx", description="Warm pools for TorchX, submitit and actors.")
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="cmd", metavar="{pool,sync,sql,stacks,tables}")
@@ -459,9 +525,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     fmt.add_argument("--csv", action="store_true", help="CSV, all rows")
     fmt.add_argument("--arrow", metavar="PATH", help="write all rows to an Arrow IPC file")
     p.add_argument("--max-rows", type=int, default=100, help="rows shown as a table (0 = all; default 100)")
-    p.add_argument("--timeout", type=float, default=30.0,
-                   help="seconds the query may run: a host past it is stopped and named as missing, and work "
-                        "finished here (a join, a sort) past it fails the query (default 30)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds the query may run: a host past it is stopped and named as missing, and work "
+        "finished here (a join, a sort) past it fails the query (default 30)",
+    )
     p.set_defaults(pool_fn=cmd_sql)
     p = sub.add_parser("stacks", help="py-spy dump of every running Python process of a pool (rows in `stacks`)")
     p.add_argument("--pool", required=True)

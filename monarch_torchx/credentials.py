@@ -16,7 +16,6 @@ import functools
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from .private import write_private_bytes
 
@@ -35,15 +34,23 @@ def new_tls_pem(pool: str) -> str:
     key = ed25519.Ed25519PrivateKey.generate()
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"monarch-torchx pool {pool}"[:64])])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + datetime.timedelta(days=3650))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .sign(key, None))
-    return (cert.public_bytes(serialization.Encoding.PEM).decode()
-            + key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption()).decode())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=3650))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, None)
+    )
+    return (
+        cert.public_bytes(serialization.Encoding.PEM).decode()
+        + key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ).decode()
+    )
 
 
 def check_tls_pem(text: str) -> None:
@@ -57,14 +64,14 @@ class PoolCredentials:
     """One pool's secret and, where its traffic is encrypted, its certificate file."""
 
     key: bytes
-    tls_file: Optional[str] = None  # cert + key PEM (0600); None: plaintext frames (loopback pools)
+    tls_file: str | None = None  # cert + key PEM (0600); None: plaintext frames (loopback pools)
 
     @property
     def tls(self) -> bool:
         return self.tls_file is not None
 
     @classmethod
-    def load(cls, state_dir: Path) -> "PoolCredentials":
+    def load(cls, state_dir: Path) -> PoolCredentials:
         """The credentials a pool's state dir holds (token always, tls.pem when the pool uses TLS)."""
         state_dir = Path(state_dir)
         key = bytes.fromhex((state_dir / TOKEN_FILE).read_text().strip())
@@ -84,11 +91,11 @@ class PoolCredentials:
     # every connection of the process that holds it.
 
     @functools.cached_property
-    def client_context(self) -> Optional[ssl.SSLContext]:
+    def client_context(self) -> ssl.SSLContext | None:
         return self._context(server=False) if self.tls else None
 
     @functools.cached_property
-    def server_context(self) -> Optional[ssl.SSLContext]:
+    def server_context(self) -> ssl.SSLContext | None:
         return self._context(server=True) if self.tls else None
 
     def _context(self, server: bool) -> ssl.SSLContext:
@@ -107,7 +114,7 @@ class PoolCredentials:
         return ctx
 
 
-def new_monarch_tls(job: str, names: "list[str]") -> str:
+def new_monarch_tls(job: str, names: list[str]) -> str:
     """A CA and one certificate it signed, for every process of one real-Monarch job, with the key:
     one PEM text (CA certificate, certificate, key). Monarch's TLS (rustls) wants a CA apart from
     the certificate it checks, and the addresses its peers dial (``names``: IPs and host names) in
@@ -121,13 +128,19 @@ def new_monarch_tls(job: str, names: "list[str]") -> str:
 
     now = datetime.datetime.now(datetime.timezone.utc)
 
-    def build(subject: str, issuer: "x509.Name | None", signer: "ec.EllipticCurvePrivateKey | None", ca: bool):
+    def build(subject: str, issuer: x509.Name | None, signer: ec.EllipticCurvePrivateKey | None, ca: bool):
         key = ec.generate_private_key(ec.SECP256R1())
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject[:64])])
-        b = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer or name).public_key(key.public_key())
-             .serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=365))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True))
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(issuer or name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=365))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
+        )
         if not ca:
             alt = []
             for n in dict.fromkeys(names):
@@ -141,5 +154,8 @@ def new_monarch_tls(job: str, names: "list[str]") -> str:
     ca_key, ca_cert = build(f"monarch-torchx job {job} CA", None, None, True)
     key, cert = build(f"monarch-torchx job {job}", ca_cert.subject, ca_key, False)
     pem = serialization.Encoding.PEM
-    return (ca_cert.public_bytes(pem).decode() + cert.public_bytes(pem).decode()
-            + key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode())
+    return (
+        ca_cert.public_bytes(pem).decode()
+        + cert.public_bytes(pem).decode()
+        + key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()
+    )

@@ -1,7 +1,7 @@
 """Regenerates the README's run-options table from the schedulers' own ``_run_opts``.
 
-    python -m monarch_torchx.docs README.md          # rewrite in place
-    python -m monarch_torchx.docs --check README.md  # exit 1 if out of date (a test runs this)
+python -m monarch_torchx.docs README.md          # rewrite in place
+python -m monarch_torchx.docs --check README.md  # exit 1 if out of date (a test runs this)
 """
 
 from __future__ import annotations

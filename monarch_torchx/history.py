@@ -26,7 +26,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 from urllib.parse import quote
 
 from .private import private_dir, write_private_bytes
@@ -45,42 +45,65 @@ class ReplicaEnd:
     role: str
     replica_id: int
     state: str  # one of specs.TERMINAL
-    exit_code: Optional[int] = None
+    exit_code: int | None = None
     msg: str = ""
     attempts: int = 1
-    started: Optional[float] = None
-    ended: Optional[float] = None
+    started: float | None = None
+    ended: float | None = None
     hostname: str = ""
     # not stored: seconds since it was recorded, on the file system's clock (``read_ends``)
-    age_s: Optional[float] = field(default=None, compare=False, repr=False)
+    age_s: float | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_json(cls, data: Dict[str, Any]) -> "ReplicaEnd":
+    def from_json(cls, data: dict[str, Any]) -> ReplicaEnd:
         """The record, or ValueError for one that is not (a damaged or foreign file)."""
         known = {f.name for f in fields(cls)} - {"age_s"}
         try:
             end = cls(**{k: v for k, v in data.items() if k in known})
         except TypeError as e:
             raise ValueError(str(e)) from None
-        if (not isinstance(end.app_id, str) or not isinstance(end.role, str) or isinstance(end.replica_id, bool)
-                or not isinstance(end.replica_id, int) or end.state not in TERMINAL):
+        if (
+            not isinstance(end.app_id, str)
+            or not isinstance(end.role, str)
+            or isinstance(end.replica_id, bool)
+            or not isinstance(end.replica_id, int)
+            or end.state not in TERMINAL
+        ):
             raise ValueError(f"not an end: {data!r:.200}")
         return end
 
     @classmethod
-    def from_status(cls, app_id: str, role: str, replica_id: int, st: Dict[str, Any]) -> "ReplicaEnd":
+    def from_status(cls, app_id: str, role: str, replica_id: int, st: dict[str, Any]) -> ReplicaEnd:
         """From an agent's replica status (``Replica.status``, as ``describe`` and ``list`` answer),
         or a loss inferred by a client; ValueError for one that is not an end."""
-        return cls.from_json({"app_id": app_id, "role": role, "replica_id": replica_id, "state": st.get("state"),
-                              "exit_code": st.get("exit_code"), "msg": st.get("msg", ""),
-                              "attempts": st.get("attempts", 1), "started": st.get("started"),
-                              "ended": st.get("ended"), "hostname": st.get("hostname", "")})
+        return cls.from_json(
+            {
+                "app_id": app_id,
+                "role": role,
+                "replica_id": replica_id,
+                "state": st.get("state"),
+                "exit_code": st.get("exit_code"),
+                "msg": st.get("msg", ""),
+                "attempts": st.get("attempts", 1),
+                "started": st.get("started"),
+                "ended": st.get("ended"),
+                "hostname": st.get("hostname", ""),
+            }
+        )
 
-    def status(self) -> Dict[str, Any]:
+    def status(self) -> dict[str, Any]:
         """As an agent's replica status reads (what ``apps.replica_states`` hands on)."""
-        return {"state": self.state, "exit_code": self.exit_code, "msg": self.msg, "attempts": self.attempts,
-                "started": self.started, "ended": self.ended, "hostname": self.hostname, "recorded": True,
-                "age_s": self.age_s}
+        return {
+            "state": self.state,
+            "exit_code": self.exit_code,
+            "msg": self.msg,
+            "attempts": self.attempts,
+            "started": self.started,
+            "ended": self.ended,
+            "hostname": self.hostname,
+            "recorded": True,
+            "age_s": self.age_s,
+        }
 
 
 def _app_dir(state_dir: Path, app_id: str) -> Path:
@@ -91,7 +114,7 @@ def end_path(state_dir: Path, app_id: str, role: str, replica_id: int) -> Path:
     return _app_dir(state_dir, app_id) / f"{quote(role, safe='')}.{int(replica_id)}.json"
 
 
-def record_end(state_dir: Path, end: ReplicaEnd, checked: Optional[set] = None) -> None:
+def record_end(state_dir: Path, end: ReplicaEnd, checked: set | None = None) -> None:
     """Writes ``end`` (atomically, 0600); OSError if it cannot be (a full disk): the caller says so.
     ``checked``: the app dirs already made and checked by this caller (an agent: each app's dir is
     checked once, not at every end, on a shared file system where each check is a walk up)."""
@@ -115,12 +138,12 @@ def forget_app(state_dir: Path, app_id: str) -> None:
     shutil.rmtree(_app_dir(state_dir, app_id), ignore_errors=True)
 
 
-def read_ends(state_dir: Path, app_id: str, ages: bool = False) -> Dict[Tuple[str, int], ReplicaEnd]:
+def read_ends(state_dir: Path, app_id: str, ages: bool = False) -> dict[tuple[str, int], ReplicaEnd]:
     """The recorded ends of an app's replicas, by (role, replica id); damaged files are skipped
     (the agents are asked about those replicas instead). ``ages``: each end's ``age_s`` too, on
     the file system's clock (a file is touched for it: only where the age is used)."""
     d = _app_dir(state_dir, app_id)
-    out: Dict[Tuple[str, int], ReplicaEnd] = {}
+    out: dict[tuple[str, int], ReplicaEnd] = {}
     try:
         paths = list(d.iterdir())
     except (FileNotFoundError, NotADirectoryError):
@@ -140,8 +163,8 @@ def read_ends(state_dir: Path, app_id: str, ages: bool = False) -> Dict[Tuple[st
     return out
 
 
-def _fs_now(d: Path) -> Optional[float]:
-    """"Now" as the file system stamps files (an agent on another node wrote the ends): a file
+def _fs_now(d: Path) -> float | None:
+    """ "Now" as the file system stamps files (an agent on another node wrote the ends): a file
     touched here, read back; None where it cannot be (read-only)."""
     try:
         fd = os.open(d / ".clock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -173,7 +196,7 @@ def _stopped_path(stopped_dir: Path, name: str) -> Path:
     return Path(stopped_dir) / f"{name}.json"
 
 
-def _write_stopped(stopped_dir: Path, name: str, pools: List[StoppedPool]) -> None:
+def _write_stopped(stopped_dir: Path, name: str, pools: list[StoppedPool]) -> None:
     path = _stopped_path(stopped_dir, name)
     if not pools:
         with contextlib.suppress(FileNotFoundError):
@@ -190,7 +213,7 @@ def remember_stopped(stopped_dir: Path, name: str, scheduler: str, state_dir: Pa
     _write_stopped(stopped_dir, name, [StoppedPool(name, scheduler, str(state_dir), time.time()), *earlier])
 
 
-def stopped_pools(stopped_dir: Path, name: str) -> List[StoppedPool]:
+def stopped_pools(stopped_dir: Path, name: str) -> list[StoppedPool]:
     """The earlier pools of this name that were stopped, newest first (none if unreadable)."""
     try:
         data = json.loads(_stopped_path(stopped_dir, name).read_text())
@@ -199,7 +222,7 @@ def stopped_pools(stopped_dir: Path, name: str) -> List[StoppedPool]:
         return []
 
 
-def stopped_names(stopped_dir: Path) -> List[str]:
+def stopped_names(stopped_dir: Path) -> list[str]:
     return sorted(p.stem for p in Path(stopped_dir).glob("*.json"))
 
 
@@ -211,15 +234,20 @@ def retention_s() -> float:
     return max(0.0, days) * 86400.0
 
 
-def prune_stopped(stopped_dir: Path, live_state_dirs: List[Path], now: Optional[float] = None,
-                  skip: Optional[Path] = None, names: Optional[List[str]] = None) -> List[Path]:
+def prune_stopped(
+    stopped_dir: Path,
+    live_state_dirs: list[Path],
+    now: float | None = None,
+    skip: Path | None = None,
+    names: list[str] | None = None,
+) -> list[Path]:
     """Removes the state dirs of pools stopped longer ago than the retention (never one a live
     pool uses, one that holds a pool's secret again, nor ``skip``: the one being stopped now);
     returns them. The caller holds the lock of each name it prunes (``Registry.prune_stopped``)."""
     now = time.time() if now is None else now
     keep = retention_s()
     live = {Path(d) for d in live_state_dirs}
-    removed: List[Path] = []
+    removed: list[Path] = []
     for name in stopped_names(stopped_dir) if names is None else names:
         left = []
         for p in stopped_pools(stopped_dir, name):
@@ -236,7 +264,7 @@ def prune_stopped(stopped_dir: Path, live_state_dirs: List[Path], now: Optional[
     return removed
 
 
-def prune_old_apps(state_dir: Path, now: Optional[float] = None) -> int:
+def prune_old_apps(state_dir: Path, now: float | None = None) -> int:
     """Forgets the apps of a pool's state dir (records, ends) older than the retention: a pool
     name reused for months keeps its state dir, and its apps would pile up there (their logs are
     bounded by the log limits). Returns how many."""

@@ -12,16 +12,17 @@ cwd is applied to replicas only, by the fork server, after start-up.
 from __future__ import annotations
 
 import sys
-from typing import List, Optional
 
 # what a 3.10 interpreter runs instead of ``-P -m MODULE``: ``-c`` puts '' (the cwd) first on
 # sys.path, and the stub removes it before the module (or anything it imports) is looked up. The
 # module stays an argument of its own, so a command line is recognised the same on every version.
-_STUB_310 = ("import sys, runpy; sys.path.pop(0); module = sys.argv.pop(1); "
-             "runpy.run_module(module, run_name='__main__', alter_sys=True)")
+_STUB_310 = (
+    "import sys, runpy; sys.path.pop(0); module = sys.argv.pop(1); "
+    "runpy.run_module(module, run_name='__main__', alter_sys=True)"
+)
 
 
-def module_argv(module: str, *args: str, python: Optional[str] = None) -> List[str]:
+def module_argv(module: str, *args: str, python: str | None = None) -> list[str]:
     """The command line that runs ``module`` as ``__main__`` with the cwd off ``sys.path``."""
     exe = python or sys.executable
     if sys.version_info >= (3, 11):

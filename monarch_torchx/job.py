@@ -22,20 +22,30 @@ import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Iterable, Sequence
 
 from .errors import MonarchError
 
 DEFAULT_JOB_PATH = ".monarch/job_state.pkl"
 
-__all__ = ["DEFAULT_JOB_PATH", "ImageSpec", "JobState", "JobTrait", "KubernetesJob", "LocalJob", "ProcessJob",
-           "SlurmJob", "job_load", "job_loads"]
+__all__ = [
+    "DEFAULT_JOB_PATH",
+    "ImageSpec",
+    "JobState",
+    "JobTrait",
+    "KubernetesJob",
+    "LocalJob",
+    "ProcessJob",
+    "SlurmJob",
+    "job_load",
+    "job_loads",
+]
 
 
 class JobState:
     """The meshes of a running job, one attribute per mesh name (each a HostMesh)."""
 
-    def __init__(self, hosts: Dict[str, Any]):
+    def __init__(self, hosts: dict[str, Any]):
         self._hosts = dict(hosts)
 
     def __getattr__(self, name: str) -> Any:
@@ -58,44 +68,46 @@ class JobTrait:
 
     def __init__(self) -> None:
         self._status = "not_running"
-        self._apply_id: Optional[str] = None
+        self._apply_id: str | None = None
 
     # ------------------------------------------------------------ what subclasses say
 
-    def _meshes(self) -> Dict[str, int]:
+    def _meshes(self) -> dict[str, int]:
         """Mesh name -> hosts, in the order the meshes are laid out on the pool."""
         raise NotImplementedError
 
-    def _pool(self) -> Tuple[str, str, Dict[str, Any]]:
+    def _pool(self) -> tuple[str, str, dict[str, Any]]:
         """(scheduler, pool name, run options as for `torchx run -cfg`) of the pool that serves the job."""
         raise NotImplementedError
 
     # ------------------------------------------------------------ Monarch's API
 
     @property
-    def apply_id(self) -> Optional[str]:
+    def apply_id(self) -> str | None:
         return self._apply_id
 
     @property
     def active(self) -> bool:
         return self._status == "running"
 
-    def apply(self, client_script: Optional[str] = None) -> None:
+    def apply(self, client_script: str | None = None) -> None:
         """Makes sure the job's pool runs and matches the spec (a no-op on a live one that does)."""
         if client_script is not None:
-            raise MonarchError("apply(client_script=...) is not supported: run the script where the client runs "
-                               "(the pool is reached from there)")
+            raise MonarchError(
+                "apply(client_script=...) is not supported: run the script where the client runs "
+                "(the pool is reached from there)"
+            )
         if self.active:
             return
         self._ensure()
         self._apply_id = uuid.uuid4().hex
         self._status = "running"
 
-    def can_run(self, spec: "JobTrait") -> bool:
+    def can_run(self, spec: JobTrait) -> bool:
         """Whether this (cached, running) job serves ``spec``: the same kind and arguments, and its pool alive."""
         return type(spec) is type(self) and spec._spec() == self._spec() and self._alive()
 
-    def state(self, cached_path: Optional[str] = DEFAULT_JOB_PATH) -> JobState:
+    def state(self, cached_path: str | None = DEFAULT_JOB_PATH) -> JobState:
         """The job's meshes. A cached job (``cached_path``) that can run this spec is reused (no new
         allocation); one that cannot is killed and this spec is applied, then cached."""
         if not self.active and cached_path is not None:
@@ -137,7 +149,7 @@ class JobTrait:
 
     # ------------------------------------------------------------ ours
 
-    def _spec(self) -> Dict[str, Any]:
+    def _spec(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
     def _alive(self) -> bool:
@@ -163,7 +175,7 @@ class JobTrait:
         return JobState(meshes)
 
 
-def ensure_job_pool(scheduler: str, name: str, cfg: Dict[str, Any], hosts: int) -> Any:
+def ensure_job_pool(scheduler: str, name: str, cfg: dict[str, Any], hosts: int) -> Any:
     """The running pool of a job: ``hosts`` hosts, made with ``cfg`` (run options, as for
     ``torchx run -cfg``). A pool that differs is replaced, as Monarch replaces a job's allocation."""
     from .pool import ensure_pool
@@ -178,7 +190,7 @@ def ensure_job_pool(scheduler: str, name: str, cfg: Dict[str, Any], hosts: int) 
     return ensure_pool(req, defaults={"preload": "torch"})
 
 
-def _check_meshes(meshes: Dict[str, int]) -> Dict[str, int]:
+def _check_meshes(meshes: dict[str, int]) -> dict[str, int]:
     if not isinstance(meshes, dict) or not meshes:
         raise ValueError("meshes must be a non-empty dict of mesh name -> number of hosts")
     for name, n in meshes.items():
@@ -201,10 +213,10 @@ class LocalJob(JobTrait):
         self.hosts = tuple(hosts)
         _check_meshes({h: 1 for h in self.hosts})
 
-    def _meshes(self) -> Dict[str, int]:
+    def _meshes(self) -> dict[str, int]:
         return {h: 1 for h in self.hosts}
 
-    def apply(self, client_script: Optional[str] = None) -> None:
+    def apply(self, client_script: str | None = None) -> None:
         if client_script is not None:
             raise MonarchError("apply(client_script=...) is not supported: run the script where the client runs")
         self._apply_id = uuid.uuid4().hex
@@ -225,56 +237,84 @@ class LocalJob(JobTrait):
 class ProcessJob(JobTrait):
     """Meshes of local hosts (``monarch_local`` agents on this machine): mesh name -> hosts."""
 
-    def __init__(self, meshes: Dict[str, int], env: Optional[Dict[str, str]] = None):
+    def __init__(self, meshes: dict[str, int], env: dict[str, str] | None = None):
         super().__init__()
         self.meshes = _check_meshes(meshes)
         self.env = dict(env or {})
         if self.env:
             raise MonarchError("ProcessJob(env=...) is not supported: pass env to spawn_procs(env=...) instead")
 
-    def _meshes(self) -> Dict[str, int]:
+    def _meshes(self) -> dict[str, int]:
         return self.meshes
 
-    def _pool(self) -> Tuple[str, str, Dict[str, Any]]:
+    def _pool(self) -> tuple[str, str, dict[str, Any]]:
         return "monarch_local", _pool_name("process-job-" + "-".join(self.meshes), "local"), {}
 
 
 class SlurmJob(JobTrait):
     """One SLURM allocation for all the meshes (a ``monarch_slurm`` pool), nodes split among them in order."""
 
-    def __init__(self, meshes: Dict[str, int], python_exe: str = "python", slurm_args: Sequence[str] = (),
-                 monarch_port: int = 22222, job_name: str = "monarch_job", ntasks_per_node: int = 1,
-                 time_limit: Optional[str] = None, partition: Optional[str] = None, log_dir: Optional[str] = None,
-                 exclusive: bool = True, gpus_per_node: Optional[int] = None, cpus_per_task: Optional[int] = None,
-                 mem: Optional[str] = None, job_start_timeout: Optional[int] = None, account: Optional[str] = None,
-                 qos: Optional[str] = None, out_of_cluster: bool = False, attach_to: Optional[str] = None):
+    def __init__(
+        self,
+        meshes: dict[str, int],
+        python_exe: str = "python",
+        slurm_args: Sequence[str] = (),
+        monarch_port: int = 22222,
+        job_name: str = "monarch_job",
+        ntasks_per_node: int = 1,
+        time_limit: str | None = None,
+        partition: str | None = None,
+        log_dir: str | None = None,
+        exclusive: bool = True,
+        gpus_per_node: int | None = None,
+        cpus_per_task: int | None = None,
+        mem: str | None = None,
+        job_start_timeout: int | None = None,
+        account: str | None = None,
+        qos: str | None = None,
+        out_of_cluster: bool = False,
+        attach_to: str | None = None,
+    ):
         super().__init__()
         self.meshes = _check_meshes(meshes)
         if slurm_args:
-            raise MonarchError("SlurmJob(slurm_args=...) is not supported: use the named arguments "
-                               "(partition, time_limit, account, qos, gpus_per_node, cpus_per_task, mem, exclusive)")
+            raise MonarchError(
+                "SlurmJob(slurm_args=...) is not supported: use the named arguments "
+                "(partition, time_limit, account, qos, gpus_per_node, cpus_per_task, mem, exclusive)"
+            )
         if ntasks_per_node != 1:
-            raise MonarchError("SlurmJob(ntasks_per_node=...): one agent per node serves every proc of the node; "
-                               "ask for procs with spawn_procs(per_host=...)")
+            raise MonarchError(
+                "SlurmJob(ntasks_per_node=...): one agent per node serves every proc of the node; "
+                "ask for procs with spawn_procs(per_host=...)"
+            )
         if out_of_cluster or attach_to:
-            raise MonarchError("SlurmJob(out_of_cluster/attach_to): not supported; run the client where sbatch "
-                               "runs (a login node)")
+            raise MonarchError(
+                "SlurmJob(out_of_cluster/attach_to): not supported; run the client where sbatch runs (a login node)"
+            )
         self.python_exe, self.monarch_port, self.job_name = python_exe, monarch_port, job_name
         self.time_limit, self.partition, self.log_dir, self.exclusive = time_limit, partition, log_dir, exclusive
         self.gpus_per_node, self.cpus_per_task, self.mem = gpus_per_node, cpus_per_task, mem
         self.job_start_timeout, self.account, self.qos = job_start_timeout, account, qos
 
-    def _meshes(self) -> Dict[str, int]:
+    def _meshes(self) -> dict[str, int]:
         return self.meshes
 
-    def _spec(self) -> Dict[str, Any]:  # as Monarch's can_run: exclusive and log_dir do not decide reuse
+    def _spec(self) -> dict[str, Any]:  # as Monarch's can_run: exclusive and log_dir do not decide reuse
         return {k: v for k, v in super()._spec().items() if k not in ("exclusive", "log_dir")}
 
-    def _pool(self) -> Tuple[str, str, Dict[str, Any]]:
-        cfg = {"partition": self.partition, "time": self.time_limit, "account": self.account, "qos": self.qos,
-               "gpus_per_node": self.gpus_per_node, "cpus_per_task": self.cpus_per_task, "mem": self.mem,
-               "exclusive": self.exclusive, "job_dir": self.log_dir,
-               "start_timeout": f"{self.job_start_timeout}s" if self.job_start_timeout else None}
+    def _pool(self) -> tuple[str, str, dict[str, Any]]:
+        cfg = {
+            "partition": self.partition,
+            "time": self.time_limit,
+            "account": self.account,
+            "qos": self.qos,
+            "gpus_per_node": self.gpus_per_node,
+            "cpus_per_task": self.cpus_per_task,
+            "mem": self.mem,
+            "exclusive": self.exclusive,
+            "job_dir": self.log_dir,
+            "start_timeout": f"{self.job_start_timeout}s" if self.job_start_timeout else None,
+        }
         return "monarch_slurm", _pool_name(self.job_name, "slurm"), cfg
 
 
@@ -284,12 +324,19 @@ class ImageSpec:
     ``resources`` as Kubernetes writes them, e.g. {"cpu": "2", "memory": "4Gi", "nvidia.com/gpu": 1}."""
 
     image: str
-    resources: Optional[Dict[str, Any]] = None
+    resources: dict[str, Any] | None = None
 
 
 def _mebibytes(quantity: Any) -> int:
-    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1 << 20, "K": 1e3 / (1 << 20), "M": 1e6 / (1 << 20),
-             "G": 1e9 / (1 << 20)}
+    units = {
+        "Ki": 1 / 1024,
+        "Mi": 1,
+        "Gi": 1024,
+        "Ti": 1 << 20,
+        "K": 1e3 / (1 << 20),
+        "M": 1e6 / (1 << 20),
+        "G": 1e9 / (1 << 20),
+    }
     text = str(quantity)
     for unit, mib in units.items():
         if text.endswith(unit):
@@ -300,28 +347,41 @@ def _mebibytes(quantity: Any) -> int:
 class KubernetesJob(JobTrait):
     """Meshes of pods in one namespace (a ``monarch_kubernetes`` pool), added with ``add_mesh``."""
 
-    def __init__(self, namespace: str, timeout: Optional[int] = None, kubeconfig: Any = None,
-                 attach_to: Optional[str] = None):
+    def __init__(
+        self, namespace: str, timeout: int | None = None, kubeconfig: Any = None, attach_to: str | None = None
+    ):
         super().__init__()
         if kubeconfig is not None or attach_to:
-            raise MonarchError("KubernetesJob(kubeconfig/attach_to): not supported; set KUBECONFIG (and its "
-                               "current context) where the client runs, with pod IPs reachable from it")
+            raise MonarchError(
+                "KubernetesJob(kubeconfig/attach_to): not supported; set KUBECONFIG (and its "
+                "current context) where the client runs, with pod IPs reachable from it"
+            )
         self.namespace, self.timeout = namespace, timeout
-        self.meshes: Dict[str, int] = {}
-        self.images: Dict[str, ImageSpec] = {}
-        self.ports: Dict[str, int] = {}
+        self.meshes: dict[str, int] = {}
+        self.images: dict[str, ImageSpec] = {}
+        self.ports: dict[str, int] = {}
 
-    def add_mesh(self, name: str, num_replicas: int, label_selector: Optional[str] = None,
-                 pod_rank_label: str = "apps.kubernetes.io/pod-index", image_spec: Optional[ImageSpec] = None,
-                 port: int = 26600, pod_template: Any = None, labels: Optional[Dict[str, str]] = None,
-                 annotations: Optional[Dict[str, str]] = None) -> None:
+    def add_mesh(
+        self,
+        name: str,
+        num_replicas: int,
+        label_selector: str | None = None,
+        pod_rank_label: str = "apps.kubernetes.io/pod-index",
+        image_spec: ImageSpec | None = None,
+        port: int = 26600,
+        pod_template: Any = None,
+        labels: dict[str, str] | None = None,
+        annotations: dict[str, str] | None = None,
+    ) -> None:
         """Adds a mesh of ``num_replicas`` pods, as Monarch's. The pods are made for the job (our
         agents run in them): attaching to pods found by ``label_selector`` is not supported."""
         if not re.fullmatch(r"[a-z][a-z0-9]{0,62}", name):
             raise ValueError(f"mesh name {name!r}: lowercase letters and digits, starting with a letter, at most 63")
         if label_selector or pod_template is not None or labels or annotations:
-            raise MonarchError("add_mesh(label_selector/pod_template/labels/annotations): not supported; "
-                               "the job makes its own pods from image_spec")
+            raise MonarchError(
+                "add_mesh(label_selector/pod_template/labels/annotations): not supported; "
+                "the job makes its own pods from image_spec"
+            )
         if image_spec is None:
             raise MonarchError("add_mesh needs image_spec=ImageSpec(image, resources): the job makes its pods")
         if self.images and (next(iter(self.images.values())) != image_spec or next(iter(self.ports.values())) != port):
@@ -329,17 +389,21 @@ class KubernetesJob(JobTrait):
         self.meshes[name] = _check_meshes({name: num_replicas})[name]
         self.images[name], self.ports[name] = image_spec, port
 
-    def _meshes(self) -> Dict[str, int]:
+    def _meshes(self) -> dict[str, int]:
         if not self.meshes:
             raise MonarchError("the job has no meshes: add_mesh(name, num_replicas, image_spec=...) first")
         return self.meshes
 
-    def _pool(self) -> Tuple[str, str, Dict[str, Any]]:
+    def _pool(self) -> tuple[str, str, dict[str, Any]]:
         spec = next(iter(self.images.values()), None)
         res = dict(spec.resources or {}) if spec else {}
-        cfg: Dict[str, Any] = {"namespace": self.namespace, "image": spec.image if spec else None,
-                               "port": next(iter(self.ports.values()), None), "access": "pod_ip",
-                               "start_timeout": f"{self.timeout}s" if self.timeout else None}
+        cfg: dict[str, Any] = {
+            "namespace": self.namespace,
+            "image": spec.image if spec else None,
+            "port": next(iter(self.ports.values()), None),
+            "access": "pod_ip",
+            "start_timeout": f"{self.timeout}s" if self.timeout else None,
+        }
         if "cpu" in res:
             cfg["cpu"] = str(res.pop("cpu"))
         if "memory" in res:
@@ -372,12 +436,14 @@ def check_cache_file(path: str) -> bool:
     except OSError:
         return False
     if st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise MonarchError(f"refusing to load the cached job {path}: it is not yours or others can write it "
-                           "(remove it, or pass cached_path=None)")
+        raise MonarchError(
+            f"refusing to load the cached job {path}: it is not yours or others can write it "
+            "(remove it, or pass cached_path=None)"
+        )
     return True
 
 
-def _load_cached(path: str) -> Optional[JobTrait]:
+def _load_cached(path: str) -> JobTrait | None:
     """The cached job, or None (no file, or one that does not load: it is replaced)."""
     if not check_cache_file(path):
         return None

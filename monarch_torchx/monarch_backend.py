@@ -26,7 +26,7 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from .errors import MonarchError
 from .monarch_shared import REFUSAL, TRUST_ENV, private_monarch_log_dir
@@ -44,7 +44,6 @@ __all__ = ["WarmPoolJob"]
 WORKER_ROLE = "monarch_worker"
 
 
-
 class WarmPoolJob(JobTrait):
     """Monarch's job contract over one warm pool: mesh name -> hosts, laid out on the pool in order.
 
@@ -59,9 +58,15 @@ class WarmPoolJob(JobTrait):
             and client on an unauthenticated local socket (``monarch_shared.py``).
     """
 
-    def __init__(self, meshes: Dict[str, int], scheduler: str = "monarch_local", pool: Optional[str] = None,
-                 cfg: Optional[Dict[str, Any]] = None, stop_pool_on_kill: bool = False,
-                 trust_local_users: bool = False):
+    def __init__(
+        self,
+        meshes: dict[str, int],
+        scheduler: str = "monarch_local",
+        pool: str | None = None,
+        cfg: dict[str, Any] | None = None,
+        stop_pool_on_kill: bool = False,
+        trust_local_users: bool = False,
+    ):
         from .job import _check_meshes
         from .schedulers import PROVISIONERS
 
@@ -75,16 +80,18 @@ class WarmPoolJob(JobTrait):
         self.pool = pool or "monarch-" + "-".join(self.meshes)
         self.cfg = dict(cfg or {})
         self.stop_pool_on_kill = stop_pool_on_kill
-        self._app_id: Optional[str] = None
-        self._workers: List[str] = []  # one proc address per host, in mesh order
+        self._app_id: str | None = None
+        self._workers: list[str] = []  # one proc address per host, in mesh order
         self._client_ip = "127.0.0.1"
 
     # ------------------------------------------------------------ Monarch's contract
 
-    def _create(self, client_script: Optional[str]) -> None:
+    def _create(self, client_script: str | None) -> None:
         if client_script is not None:
-            raise MonarchError("WarmPoolJob runs no batch client (apply(client_script=...)): run the script "
-                               "where the client runs; it reaches the pool from there")
+            raise MonarchError(
+                "WarmPoolJob runs no batch client (apply(client_script=...)): run the script "
+                "where the client runs; it reaches the pool from there"
+            )
         from . import apps
         from .credentials import new_monarch_tls
         from .specs import LaunchSpec
@@ -97,8 +104,10 @@ class WarmPoolJob(JobTrait):
         self._client_ip = _route_to(hosts[0].host)
         ports = {i: port for i, port, err in pool.ask("reserve_port", range(total), timeout=15.0) if err is None}
         if len(ports) < total:
-            raise MonarchError(f"hosts {sorted(set(range(total)) - set(ports))} of pool {self.pool!r} did not "
-                               "answer: `torchx pool status` says why")
+            raise MonarchError(
+                f"hosts {sorted(set(range(total)) - set(ports))} of pool {self.pool!r} did not "
+                "answer: `torchx pool status` says why"
+            )
         app_id = make_unique("monarch-workers")
         names = [self._client_ip, "127.0.0.1", "localhost", *(h.host for h in hosts), *(h.hostname for h in hosts)]
         bundle = new_monarch_tls(app_id, [n for n in names if n])
@@ -110,16 +119,39 @@ class WarmPoolJob(JobTrait):
 
         # the address (which names the worker's service proc) in its environment, which only its
         # owner can read, not on its command line, which every user of the node can
-        specs = [(i, LaunchSpec(app_id=app_id, role=WORKER_ROLE, replica_id=i,
-                                argv=["python", "-m", "monarch_torchx.monarch_worker"],
-                                env={TLS_ENV: bundle, ADDRESS_ENV: addr}))
-                 for i, addr in enumerate(workers)]
+        specs = [
+            (
+                i,
+                LaunchSpec(
+                    app_id=app_id,
+                    role=WORKER_ROLE,
+                    replica_id=i,
+                    argv=["python", "-m", "monarch_torchx.monarch_worker"],
+                    env={TLS_ENV: bundle, ADDRESS_ENV: addr},
+                ),
+            )
+            for i, addr in enumerate(workers)
+        ]
         try:
-            apps.launch(pool, app_id, "monarch-workers", [{"name": WORKER_ROLE, "image": "", "entrypoint": "python",
-                                                           "args": ["-m", "monarch_torchx.monarch_worker"],
-                                                           "num_replicas": total}], specs)
+            apps.launch(
+                pool,
+                app_id,
+                "monarch-workers",
+                [
+                    {
+                        "name": WORKER_ROLE,
+                        "image": "",
+                        "entrypoint": "python",
+                        "args": ["-m", "monarch_torchx.monarch_worker"],
+                        "num_replicas": total,
+                    }
+                ],
+                specs,
+            )
         except BaseException:
-            shutil.rmtree(tls_dir, ignore_errors=True)  # all or nothing, as the launch: no keys of workers that never ran
+            shutil.rmtree(
+                tls_dir, ignore_errors=True
+            )  # all or nothing, as the launch: no keys of workers that never ran
             raise
         self._app_id, self._workers = app_id, workers
 
@@ -136,16 +168,23 @@ class WarmPoolJob(JobTrait):
         enable_transport(f"tls://{_url_host(self._client_ip)}:0")
         meshes, start = {}, 0
         for name, n in self.meshes.items():
-            meshes[name] = attach_to_workers(name=name, ca="trust_all_connections",
-                                             workers=self._workers[start:start + n])
+            meshes[name] = attach_to_workers(
+                name=name, ca="trust_all_connections", workers=self._workers[start : start + n]
+            )
             start += n
         return JobState(meshes)
 
     def can_run(self, spec: JobTrait) -> bool:
         """A cached job serves ``spec`` while it asks for the same meshes of the same pool and every
         one of its workers still runs there."""
-        return (isinstance(spec, WarmPoolJob) and spec.meshes == self.meshes and spec.scheduler == self.scheduler
-                and spec.pool == self.pool and spec.cfg == self.cfg and self._workers_running())
+        return (
+            isinstance(spec, WarmPoolJob)
+            and spec.meshes == self.meshes
+            and spec.scheduler == self.scheduler
+            and spec.pool == self.pool
+            and spec.cfg == self.cfg
+            and self._workers_running()
+        )
 
     def _kill(self) -> None:
         from . import apps
@@ -165,7 +204,7 @@ class WarmPoolJob(JobTrait):
 
     # ------------------------------------------------------------ the cache, kept private
 
-    def _load_cached(self, cached_path: Optional[str]) -> Optional[JobTrait]:
+    def _load_cached(self, cached_path: str | None) -> JobTrait | None:
         """Monarch's, after a check: loading a pickle runs code, so a cache that is not ours, or
         that others could have written, is refused."""
         from .job import check_cache_file
@@ -195,12 +234,16 @@ class WarmPoolJob(JobTrait):
         if rec is None:
             return ensure_job_pool(self.scheduler, self.pool, self.cfg, hosts)
         if rec.scheduler != self.scheduler:
-            raise MonarchError(f"pool {self.pool!r} runs on {rec.scheduler}, not {self.scheduler}: pass "
-                               f"scheduler={rec.scheduler!r}, or another pool name")
+            raise MonarchError(
+                f"pool {self.pool!r} runs on {rec.scheduler}, not {self.scheduler}: pass "
+                f"scheduler={rec.scheduler!r}, or another pool name"
+            )
         if rec.num_hosts < hosts:
-            raise MonarchError(f"pool {self.pool!r} has {rec.num_hosts} host(s) and the job's meshes need {hosts}: "
-                               f"use another pool name (it is created with them), or {create_hint(self.pool, self.scheduler)} "
-                               "after `torchx pool stop`")
+            raise MonarchError(
+                f"pool {self.pool!r} has {rec.num_hosts} host(s) and the job's meshes need {hosts}: "
+                f"use another pool name (it is created with them), or {create_hint(self.pool, self.scheduler)} "
+                "after `torchx pool stop`"
+            )
         return ensure_pool(PoolRequest(rec.scheduler, self.pool, spec={}))
 
     def _workers_running(self) -> bool:
@@ -245,7 +288,7 @@ def _write_tls(directory: Path, bundle: str) -> None:
     install_tls(bundle, private_dir(directory, from_=directory.parent))
 
 
-def _client_tls_env(job: WarmPoolJob) -> Dict[str, str]:
+def _client_tls_env(job: WarmPoolJob) -> dict[str, str]:
     from .monarch_worker import tls_env
     from .registry import Registry
 

@@ -26,10 +26,12 @@ from .errors import MonarchError
 
 TRUST_ENV = "MONARCH_TORCHX_TRUST_LOCAL_USERS"  # "1": the same as trust_local_users=True
 
-REFUSAL = ("torchmonarch 0.7.0 serves every host and client on an unauthenticated abstract Unix socket "
-           "(listed in /proc/net/unix): any other user of these machines could run code as you. Use WarmPoolJob "
-           "only where nobody else can log into them, and say so: WarmPoolJob(..., trust_local_users=True) "
-           f"or {TRUST_ENV}=1 (docs/security.md)")
+REFUSAL = (
+    "torchmonarch 0.7.0 serves every host and client on an unauthenticated abstract Unix socket "
+    "(listed in /proc/net/unix): any other user of these machines could run code as you. Use WarmPoolJob "
+    "only where nobody else can log into them, and say so: WarmPoolJob(..., trust_local_users=True) "
+    f"or {TRUST_ENV}=1 (docs/security.md)"
+)
 
 
 def monarch_log_dir() -> Path:
@@ -48,11 +50,14 @@ def private_monarch_log_dir() -> Path:
         pass
     st = os.lstat(d)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise MonarchError(f"{d} is not a directory (a symlink or a file is there): Monarch writes its log "
-                           "there; remove it")
+        raise MonarchError(
+            f"{d} is not a directory (a symlink or a file is there): Monarch writes its log there; remove it"
+        )
     if st.st_uid != os.geteuid():
-        raise MonarchError(f"{d} belongs to uid {st.st_uid}: Monarch writes its log there and they could read "
-                           "or redirect it; ask them (or root) to remove it")
+        raise MonarchError(
+            f"{d} belongs to uid {st.st_uid}: Monarch writes its log there and they could read "
+            "or redirect it; ask them (or root) to remove it"
+        )
     if st.st_mode & 0o077:
         os.chmod(d, 0o700)
     return d

@@ -24,14 +24,13 @@ import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Dict
 
 TLS_ENV = "MONARCH_TORCHX_MONARCH_TLS"
 ADDRESS_ENV = "MONARCH_TORCHX_MONARCH_ADDRESS"  # this worker's address, when --address is not given
 _BLOCKS = ("ca", "cert", "key")
 
 
-def split_bundle(text: str) -> Dict[str, str]:
+def split_bundle(text: str) -> dict[str, str]:
     """The bundle's three PEM blocks, in order: the CA certificate, our certificate, its key."""
     blocks, current = [], []
     for line in text.strip().splitlines():
@@ -44,12 +43,12 @@ def split_bundle(text: str) -> Dict[str, str]:
     return dict(zip(_BLOCKS, blocks))
 
 
-def tls_env(directory: Path) -> Dict[str, str]:
+def tls_env(directory: Path) -> dict[str, str]:
     """The HYPERACTOR_TLS_* env that points Monarch at the job's files in ``directory``."""
     return {f"HYPERACTOR_TLS_{name.upper()}": str(directory / f"{name}.pem") for name in _BLOCKS}
 
 
-def install_tls(bundle: str, directory: Path) -> Dict[str, str]:
+def install_tls(bundle: str, directory: Path) -> dict[str, str]:
     """Writes the bundle's files (0600) into ``directory`` and returns the HYPERACTOR_TLS_* env."""
     from .private import write_private_bytes
 
@@ -60,8 +59,11 @@ def install_tls(bundle: str, directory: Path) -> Dict[str, str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", default=os.environ.pop(ADDRESS_ENV, None),
-                   help=f"this worker's Monarch address (a tls:// proc address; default: ${ADDRESS_ENV})")
+    p.add_argument(
+        "--address",
+        default=os.environ.pop(ADDRESS_ENV, None),
+        help=f"this worker's Monarch address (a tls:// proc address; default: ${ADDRESS_ENV})",
+    )
     a = p.parse_args()
     if not a.address:
         sys.exit(f"monarch_worker: no address: pass --address or set {ADDRESS_ENV}")
@@ -73,8 +75,9 @@ def main() -> None:
 
     from .private import agent_temp_dir
 
-    workdir = agent_temp_dir("monarch", os.environ.get("MONARCH_TORCHX_POOL", "pool"),
-                             int(os.environ.get("MONARCH_TORCHX_HOST_INDEX", "0")))
+    workdir = agent_temp_dir(
+        "monarch", os.environ.get("MONARCH_TORCHX_POOL", "pool"), int(os.environ.get("MONARCH_TORCHX_HOST_INDEX", "0"))
+    )
     os.environ.update(install_tls(bundle, workdir))
     os.environ["TMPDIR"] = str(workdir)  # the runtime's own sockets and files (its log does not move)
     import tempfile

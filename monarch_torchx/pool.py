@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 from . import wire
 from .credentials import TLS_FILE, TOKEN_FILE
@@ -65,33 +65,34 @@ class Provisioner(Protocol):
     def add_run_opts(self, opts: Any) -> None:
         """Engine-specific TorchX run options."""
 
-    def pool_spec(self, cfg: Dict[str, Any], spec: Dict[str, Any], options: Dict[str, Any]) -> None:
+    def pool_spec(self, cfg: dict[str, Any], spec: dict[str, Any], options: dict[str, Any]) -> None:
         """Copies engine options from a run's cfg: into ``spec`` (must match to reuse) or ``options``."""
 
     def create(self, rec: PoolRecord) -> None:
         """Start one agent per host (or submit the allocation that will), filling rec.allocation."""
 
-    def repair(self, rec: PoolRecord, indices: List[int]) -> List[int]:
+    def repair(self, rec: PoolRecord, indices: list[int]) -> list[int]:
         """Bring back lost hosts; returns the indices that will publish a new incarnation."""
 
     def release(self, rec: PoolRecord) -> None:
         """Free what the agents could not free themselves (leftover processes, the allocation)."""
 
-    def end_leftovers(self, rec: PoolRecord, lost: List[int]) -> List[str]:
+    def end_leftovers(self, rec: PoolRecord, lost: list[int]) -> list[str]:
         """End what the lost hosts' agents left on their nodes (sync store, mounts, temp dirs)
         while the allocation still runs; returns what was found, a line each."""
 
-    def wait_ready(self, rec: PoolRecord, indices: List[int], old: Dict[int, str], timeout: float,
-                   progress: Callable[[str], None]) -> None:
+    def wait_ready(
+        self, rec: PoolRecord, indices: list[int], old: dict[int, str], timeout: float, progress: Callable[[str], None]
+    ) -> None:
         """Block until the given hosts published a new incarnation; raise MonarchError otherwise."""
 
-    def loss_reason(self, rec: PoolRecord) -> Optional[str]:
+    def loss_reason(self, rec: PoolRecord) -> str | None:
         """Why hosts may be gone (e.g. "allocation 12 was CANCELLED"), or None."""
 
-    def describe(self, rec: PoolRecord) -> Dict[str, Any]:
+    def describe(self, rec: PoolRecord) -> dict[str, Any]:
         """Engine facts for `pool status` (allocation id, state, walltime left, ...)."""
 
-    def submission(self, rec: PoolRecord) -> "Submission":
+    def submission(self, rec: PoolRecord) -> Submission:
         """What ``create(rec)`` would send (for dry-runs): built by the code ``create`` uses, making nothing."""
 
     # optional: ``resize(rec, hosts) -> (indices to wait for, their old incarnations)``,
@@ -106,8 +107,8 @@ class PoolRequest:
 
     scheduler: str
     name: str
-    spec: Dict[str, Any]
-    options: Dict[str, Any] = field(default_factory=dict)
+    spec: dict[str, Any]
+    options: dict[str, Any] = field(default_factory=dict)
     replace: bool = False
 
     def __post_init__(self) -> None:
@@ -129,9 +130,9 @@ OK, LOST, UNREACHABLE = "ok", "lost", "unreachable"  # a host's health: only "lo
 @dataclass
 class HostHealth:
     index: int
-    addr: Optional[HostAddr]
+    addr: HostAddr | None
     ok: bool
-    info: Dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
     error: str = ""
     state: str = OK
 
@@ -142,18 +143,18 @@ class Pool:
     def __init__(self, rec: PoolRecord, registry: Registry):
         self.record = rec
         self.registry = registry
-        self._hosts: Optional[List[Optional[HostAddr]]] = None
-        self._provisioner: Optional[Provisioner] = None
-        self._engine_loss: Optional[Tuple[float, Optional[str]]] = None  # (when asked, the answer)
-        self._patient: Dict[Tuple[int, str, int], bool] = {}  # (index, incarnation, port) -> answered a patient ping
-        self.unreachable: List[int] = []  # hosts ensure_pool's check left be: unreachable, not known to be lost
+        self._hosts: list[HostAddr | None] | None = None
+        self._provisioner: Provisioner | None = None
+        self._engine_loss: tuple[float, str | None] | None = None  # (when asked, the answer)
+        self._patient: dict[tuple[int, str, int], bool] = {}  # (index, incarnation, port) -> answered a patient ping
+        self.unreachable: list[int] = []  # hosts ensure_pool's check left be: unreachable, not known to be lost
 
     @property
     def name(self) -> str:
         return self.record.name
 
     @property
-    def hosts(self) -> List[Optional[HostAddr]]:
+    def hosts(self) -> list[HostAddr | None]:
         """Every host's address: from the pool's view (one file), else from each host's file,
         which then become the view. Heartbeats in it may be old: ``fresh_host`` reads one host's."""
         if self._hosts is None:
@@ -165,7 +166,7 @@ class Pool:
             self._hosts = hosts
         return self._hosts
 
-    def fresh_host(self, index: int) -> Optional[HostAddr]:
+    def fresh_host(self, index: int) -> HostAddr | None:
         """Host ``index`` as its own file says now (its heartbeat, whether it exited or moved). If
         it moved, the address this handle and the pool's view had was stale: both are corrected."""
         if not 0 <= index < self.record.num_hosts:
@@ -178,7 +179,7 @@ class Pool:
                 self.registry.drop_view(self.record.path)
         return fresh
 
-    def host(self, index: int) -> Optional[HostAddr]:
+    def host(self, index: int) -> HostAddr | None:
         """Host ``index``'s address: from the pool's list if it was read, else from its own file
         alone (a call to one host need not read the addresses of all)."""
         if self._hosts is not None:
@@ -212,8 +213,14 @@ class Pool:
             except MonarchError as e:  # the pod behind it is gone or not running
                 raise HostLost(f"host {index} of pool {self.name!r} is lost: {e}", index) from None
         try:
-            return wire.Client(addr.host, addr.port, self.record.credentials, timeout=timeout,
-                               identity=addr.identity(self.name), sock=tunnel.sock if tunnel else None)
+            return wire.Client(
+                addr.host,
+                addr.port,
+                self.record.credentials,
+                timeout=timeout,
+                identity=addr.identity(self.name),
+                sock=tunnel.sock if tunnel else None,
+            )
         except wire.WireError as e:
             why = tunnel.error() if tunnel else ""
             raise HostUnreachable(f"host {index} of pool {self.name!r} is unreachable: {why or e}", index, e) from None
@@ -221,7 +228,7 @@ class Pool:
     def call(self, index: int, op: str, timeout: float = 30.0, **args: Any) -> Any:
         return self._calls(index, op, timeout, [args])[0]
 
-    def _calls(self, index: int, op: str, timeout: float, arg_list: List[Dict[str, Any]]) -> List[Any]:
+    def _calls(self, index: int, op: str, timeout: float, arg_list: list[dict[str, Any]]) -> list[Any]:
         """``op`` with each of ``arg_list`` in turn, on one connection to host ``index``."""
         with self.connect(index) as c:
             c.settimeout(timeout)
@@ -230,7 +237,7 @@ class Pool:
             except wire.WireError as e:
                 raise HostUnreachable(f"host {index} of pool {self.name!r} is unreachable: {e}", index, e) from None
 
-    def loss_evidence(self, index: int, err: Optional[BaseException] = None) -> Optional[str]:
+    def loss_evidence(self, index: int, err: BaseException | None = None) -> str | None:
         """Why host ``index`` is gone, on evidence, or None.
 
         Evidence: its engine says it ended (process gone, allocation or pod over), the agent
@@ -258,8 +265,10 @@ class Pool:
             return f"nothing listens on host {index}'s agent port ({addr.address}): its agent is gone"
         age = Registry.host_file_age(Path(self.record.state_dir), index)
         if age is not None and age > HEARTBEAT_GRACE_S and not self._answers_patiently(addr):
-            return (f"host {index} has not heartbeaten for {age:.0f} s and did not answer a patient probe "
-                    f"({SLOW_PING_TIMEOUT_S:.0f} s)")
+            return (
+                f"host {index} has not heartbeaten for {age:.0f} s and did not answer a patient probe "
+                f"({SLOW_PING_TIMEOUT_S:.0f} s)"
+            )
         return None
 
     def _answers_patiently(self, addr: HostAddr) -> bool:
@@ -280,7 +289,7 @@ class Pool:
                 self._patient[key] = True
         return self._patient[key]
 
-    def _engine_loss_reason(self) -> Optional[str]:
+    def _engine_loss_reason(self) -> str | None:
         """The provisioner's ``loss_reason``, asked once a second at most: on SLURM it runs squeue,
         and one health check may weigh the evidence for every host of a pool."""
         now = time.monotonic()
@@ -288,8 +297,14 @@ class Pool:
             self._engine_loss = (now, self.provisioner.loss_reason(self.record))
         return self._engine_loss[1]
 
-    def ask(self, op: str, indices: Sequence[int], timeout: float = 10.0, calls: Optional[Dict[int, List[dict]]] = None,
-            **args: Any) -> List[Tuple[int, Any, Optional[Exception]]]:
+    def ask(
+        self,
+        op: str,
+        indices: Sequence[int],
+        timeout: float = 10.0,
+        calls: dict[int, list[dict]] | None = None,
+        **args: Any,
+    ) -> list[tuple[int, Any, Exception | None]]:
         """Runs agent operation ``op`` on each host of ``indices`` (with ``args``, or with each of
         ``calls[i]`` in turn, giving the list of their values); returns (index, value, error) in
         order, the errors as a direct call would raise them (HostUnreachable when a host was not
@@ -305,13 +320,14 @@ class Pool:
             return self.fan_out(lambda i: self._calls(i, op, timeout, [args])[0], indices)
         return self._ask_tree(op, indices, timeout, calls, args)
 
-    def _ask_tree(self, op: str, indices: List[int], timeout: float, calls: Optional[Dict[int, List[dict]]],
-                  args: Dict[str, Any]) -> List[Tuple[int, Any, Optional[Exception]]]:
+    def _ask_tree(
+        self, op: str, indices: list[int], timeout: float, calls: dict[int, list[dict]] | None, args: dict[str, Any]
+    ) -> list[tuple[int, Any, Exception | None]]:
         from .agent.relay import ask_tree
 
         targets, errors, tunnel = self.tree_targets(indices)
         outcomes = ask_tree(targets, self.record.credentials, op, args or None, calls, timeout, tunnel)
-        out: List[Tuple[int, Any, Optional[Exception]]] = []
+        out: list[tuple[int, Any, Exception | None]] = []
         for i in indices:
             o = outcomes.get(i)
             if i in errors:
@@ -324,15 +340,17 @@ class Pool:
                 out.append((i, None, _outcome_error(self.name, i, o)))
         return out
 
-    def tree_targets(self, indices: Sequence[int]) -> Tuple[List[Any], Dict[int, Exception], Callable[[Any, float], Any]]:
+    def tree_targets(
+        self, indices: Sequence[int]
+    ) -> tuple[list[Any], dict[int, Exception], Callable[[Any, float], Any]]:
         """What a request through the relay tree needs for hosts ``indices``: a Target for each
         host with a live address, the error of each other one, and the dialer of a group's first
         member behind a port-forward (None: dial it directly)."""
         from .agent.relay import Target
 
-        errors: Dict[int, Exception] = {}
-        targets: List[Target] = []
-        by_index: Dict[int, HostAddr] = {}
+        errors: dict[int, Exception] = {}
+        targets: list[Target] = []
+        by_index: dict[int, HostAddr] = {}
         for i in indices:
             h = self.host(i)
             if h is None:
@@ -353,15 +371,18 @@ class Pool:
                 raise
             except MonarchError as e:  # the pod behind it is gone or not running (as in ``connect``)
                 raise HostLost(f"host {head.index} of pool {self.name!r} is lost: {e}", head.index) from None
+
         return targets, errors, tunnel
 
-    def fan_out(self, fn: Callable[[int], Any], indices: Sequence[int]) -> List[Tuple[int, Any, Optional[Exception]]]:
+    def fan_out(self, fn: Callable[[int], Any], indices: Sequence[int]) -> list[tuple[int, Any, Exception | None]]:
         """Runs fn(index) for each index concurrently; returns (index, result, error) in order."""
-        def one(i: int) -> Tuple[int, Any, Optional[Exception]]:
+
+        def one(i: int) -> tuple[int, Any, Exception | None]:
             try:
                 return i, fn(i), None
             except (MonarchError, wire.WireError, wire.RemoteError, OSError) as e:
                 return i, None, e
+
         if len(indices) <= 1:
             return [one(i) for i in indices]
         from concurrent.futures import ThreadPoolExecutor
@@ -369,8 +390,14 @@ class Pool:
         with ThreadPoolExecutor(max_workers=min(32, len(indices))) as ex:
             return list(ex.map(one, indices))
 
-    def sync(self, src: str, target: str, hosts: Optional[List[int]] = None, exclude: Sequence[str] = (),
-             progress: Callable[[str], None] = lambda _m: None) -> Any:
+    def sync(
+        self,
+        src: str,
+        target: str,
+        hosts: list[int] | None = None,
+        exclude: Sequence[str] = (),
+        progress: Callable[[str], None] = lambda _m: None,
+    ) -> Any:
         """Syncs directory ``src`` to ``target`` on every host; returns a ``syncfs.SyncReport``."""
         from .syncfs import sync
 
@@ -385,7 +412,7 @@ class Pool:
 
         return run(self, query, timeout=timeout).table
 
-    def health(self, touch: bool = False) -> List[HostHealth]:
+    def health(self, touch: bool = False) -> list[HostHealth]:
         """Pings every agent; ``touch`` counts as work on the pool (resets agents' idle clocks)."""
         hosts = self.hosts
 
@@ -401,8 +428,12 @@ class Pool:
         res = self.ask("info", range(len(hosts)), timeout=PING_TIMEOUT_S, touch=touch)
         # no evidence it is gone, or it was asked at an address it had left: ask once more,
         # patiently (connecting included); loss_evidence reads each failed host's own file
-        again = [i for i, _, err in res if isinstance(err, HostUnreachable) and
-                 (not self.loss_evidence(i, err) or not self.hosts[i] or not self.hosts[i].same_agent(cached[i]))]
+        again = [
+            i
+            for i, _, err in res
+            if isinstance(err, HostUnreachable)
+            and (not self.loss_evidence(i, err) or not self.hosts[i] or not self.hosts[i].same_agent(cached[i]))
+        ]
         if again:
             retried = {i: (v, e) for i, v, e in self.fan_out(patient_ping, again)}
             res = [(i, *retried[i]) if i in retried else (i, v, e) for i, v, e in res]
@@ -417,11 +448,12 @@ class Pool:
                 continue
             evidence = self.loss_evidence(i, err)
             state = LOST if evidence or not isinstance(err, HostUnreachable) else UNREACHABLE
-            out.append(HostHealth(i, hosts[i], False, {}, self.lost_message(i, evidence, err) if evidence else str(err),
-                                  state))
+            out.append(
+                HostHealth(i, hosts[i], False, {}, self.lost_message(i, evidence, err) if evidence else str(err), state)
+            )
         return out
 
-    def lost_message(self, index: int, evidence: str, err: Optional[BaseException] = None) -> str:
+    def lost_message(self, index: int, evidence: str, err: BaseException | None = None) -> str:
         """One line for a host lost on ``evidence`` (with what the last connection said, if any)."""
         cause = err.cause if isinstance(err, HostUnreachable) else None
         return f"host {index} of pool {self.name!r} is lost: {evidence}" + (f" (last try: {cause})" if cause else "")
@@ -432,25 +464,33 @@ def tree_min_hosts() -> int:
     return int(os.environ.get("MONARCH_TORCHX_TREE_MIN_HOSTS", "32"))
 
 
-_WIRE_KINDS = {"ConnectFailed": wire.ConnectFailed, "PeerTimeout": wire.PeerTimeout, "PeerClosed": wire.PeerClosed,
-               "ProofRejected": wire.ProofRejected, "HandshakeRefused": wire.HandshakeRefused,
-               "MalformedFrame": wire.MalformedFrame}
+_WIRE_KINDS = {
+    "ConnectFailed": wire.ConnectFailed,
+    "PeerTimeout": wire.PeerTimeout,
+    "PeerClosed": wire.PeerClosed,
+    "ProofRejected": wire.ProofRejected,
+    "HandshakeRefused": wire.HandshakeRefused,
+    "MalformedFrame": wire.MalformedFrame,
+}
 
 
-def _outcome_error(pool: str, index: int, o: Dict[str, Any]) -> Exception:
+def _outcome_error(pool: str, index: int, o: dict[str, Any]) -> Exception:
     """A relayed host's failure as the exception a direct call would have raised."""
     if o.get("kind") == HostLost.__name__:  # (its tunnel: the client's own finding, carried by the tree)
         return HostLost(o["error"], index)
     kind = _WIRE_KINDS.get(o.get("kind", ""))
     via = f" (through host {o['via']})" if o.get("via") is not None else ""
     if kind is not None:  # the host was not reached
-        cause = wire.ConnectFailed(o["error"], refused=bool(o.get("refused"))) if kind is wire.ConnectFailed \
+        cause = (
+            wire.ConnectFailed(o["error"], refused=bool(o.get("refused")))
+            if kind is wire.ConnectFailed
             else kind(o["error"])
+        )
         return HostUnreachable(f"host {index} of pool {pool!r} is unreachable{via}: {o['error']}", index, cause)
     return wire.RemoteError(o["error"], o.get("kind", ""))
 
 
-def _fingerprint_diff(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> List[str]:
+def _fingerprint_diff(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> list[str]:
     diffs = []
     for k in prov.fingerprint:
         want = req.spec.get(k)
@@ -467,13 +507,12 @@ def get_provisioner(scheduler: str) -> Provisioner:
     return provisioner_for(scheduler)
 
 
-def _new_spec(req: PoolRequest, prov: Provisioner, defaults: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+def _new_spec(req: PoolRequest, prov: Provisioner, defaults: dict[str, Any] | None) -> dict[str, Any]:
     """A new pool's spec: the engine's TLS default, then the caller's defaults, then what was asked."""
     return {"tls": prov.tls_default, **(defaults or {}), **{k: v for k, v in req.spec.items() if v is not None}}
 
 
-def plan_pool(req: PoolRequest, registry: Optional[Registry] = None,
-              defaults: Optional[Dict[str, Any]] = None) -> "PoolPlan":
+def plan_pool(req: PoolRequest, registry: Registry | None = None, defaults: dict[str, Any] | None = None) -> PoolPlan:
     """What ``ensure_pool(req)`` would do, decided the same way, with nothing made or changed:
     for a pool it would create (or replace), what its engine would submit."""
     from .submission import PoolPlan, draft_record
@@ -489,7 +528,9 @@ def plan_pool(req: PoolRequest, registry: Optional[Registry] = None,
         diffs = _fingerprint_diff(rec, req, prov)
         if not diffs:
             notes = "".join(f"; warning: {w}" for w in reuse_warnings(rec, req, prov))
-            return PoolPlan("reuse", f"pool {req.name!r} exists with {rec.num_hosts} host(s): nothing is submitted{notes}")
+            return PoolPlan(
+                "reuse", f"pool {req.name!r} exists with {rec.num_hosts} host(s): nothing is submitted{notes}"
+            )
         if not req.replace:
             return PoolPlan("refused", f"pool {req.name!r} has {', '.join(diffs)}; use -cfg replace=True")
         action, reason = "replace", ", ".join(diffs)
@@ -498,7 +539,7 @@ def plan_pool(req: PoolRequest, registry: Optional[Registry] = None,
     return PoolPlan(action, reason, prov.submission(draft))
 
 
-def reuse_warnings(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> List[str]:
+def reuse_warnings(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> list[str]:
     """What the pool ``rec``, reused for ``req``, gives less of than asked (see Provisioner)."""
     warn = getattr(prov, "reuse_warnings", None)
     return list(warn(rec, dict(req.options))) if warn is not None else []
@@ -509,8 +550,12 @@ def _say_reuse_warnings(rec: PoolRecord, req: PoolRequest, prov: Provisioner, pr
         progress(f"warning: {w}")
 
 
-def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults: Optional[Dict[str, Any]] = None,
-                progress: Callable[[str], None] = lambda _m: None) -> Pool:
+def ensure_pool(
+    req: PoolRequest,
+    registry: Registry | None = None,
+    defaults: dict[str, Any] | None = None,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> Pool:
     """Returns a healthy pool serving ``req``: reused, repaired, replaced or created.
 
     Serialized per pool name across processes, so two concurrent runs never create two pools.
@@ -521,13 +566,17 @@ def ensure_pool(req: PoolRequest, registry: Optional[Registry] = None, defaults:
     with registry.lock(req.name, on_wait=progress):
         rec = registry.get(req.name)
         if rec is not None and rec.scheduler != req.scheduler:
-            raise MonarchError(f"pool {req.name!r} runs on {rec.scheduler}, not {req.scheduler}: "
-                               f"use -s {rec.scheduler} or another pool name")
+            raise MonarchError(
+                f"pool {req.name!r} runs on {rec.scheduler}, not {req.scheduler}: "
+                f"use -s {rec.scheduler} or another pool name"
+            )
         if rec is not None:
             diffs = _fingerprint_diff(rec, req, prov)
             if diffs and not req.replace:
-                raise MonarchError(f"pool {req.name!r} has {', '.join(diffs)}; "
-                                   f"use -cfg replace=True to replace it, or another pool name")
+                raise MonarchError(
+                    f"pool {req.name!r} has {', '.join(diffs)}; "
+                    f"use -cfg replace=True to replace it, or another pool name"
+                )
             if diffs:
                 progress(f"replacing pool {req.name!r} ({', '.join(diffs)})")
                 _stop(Pool(rec, registry), prov, "replaced")
@@ -591,11 +640,13 @@ def _interrupt_after() -> Iterator[None]:
     only: elsewhere the handler is the caller's to keep.)"""
     import threading
 
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield
         return
-    interrupted: List[int] = []
+    interrupted: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, _frame: interrupted.append(signum))
     try:
         yield
@@ -616,8 +667,9 @@ def _undo_start(rec: PoolRecord, registry: Registry, prov: Provisioner) -> bool:
         return False
 
 
-def reuse_unchecked(req: PoolRequest, registry: Optional[Registry] = None,
-                    progress: Callable[[str], None] = lambda _m: None) -> Optional[Pool]:
+def reuse_unchecked(
+    req: PoolRequest, registry: Registry | None = None, progress: Callable[[str], None] = lambda _m: None
+) -> Pool | None:
     """The existing pool that serves ``req``, with none of its hosts asked: for a run whose first
     request to the hosts checks them too (``apps.start``'s launch, a submitit submission's ask
     for the hosts' load). None where ``ensure_pool`` checks first: no such pool, another engine
@@ -643,12 +695,12 @@ def reuse_unchecked(req: PoolRequest, registry: Optional[Registry] = None,
         return pool
 
 
-def warming_hosts(infos: Sequence[Dict[str, Any]]) -> List[int]:
+def warming_hosts(infos: Sequence[dict[str, Any]]) -> list[int]:
     """Indices of hosts whose warm fork server is still importing the pool's preloads."""
     return [i for i, info in enumerate(infos) if (info or {}).get("warm", {}).get("state") == "importing"]
 
 
-def preload_failure(infos: Sequence[Dict[str, Any]]) -> str:
+def preload_failure(infos: Sequence[dict[str, Any]]) -> str:
     """The first host's failed preload, as one line ("" when none failed): a module that could
     not be imported, or a warm fork server that died importing."""
     for i, info in enumerate(infos):
@@ -660,8 +712,9 @@ def preload_failure(infos: Sequence[Dict[str, Any]]) -> str:
     return ""
 
 
-def _check_preloads(pool: Pool, req: PoolRequest, prov: Provisioner, infos: Sequence[Dict[str, Any]],
-                    progress: Callable[[str], None]) -> None:
+def _check_preloads(
+    pool: Pool, req: PoolRequest, prov: Provisioner, infos: Sequence[dict[str, Any]], progress: Callable[[str], None]
+) -> None:
     """A new pool whose asked-for preloads failed is stopped and the creation fails, in one line:
     a typo would otherwise give a "healthy" pool that silently starts everything cold. The
     default preload (torch, not asked for) only warns: a pool for apps without torch is fine."""
@@ -676,7 +729,7 @@ def _check_preloads(pool: Pool, req: PoolRequest, prov: Provisioner, infos: Sequ
     raise MonarchError(f"{failure}; fix -cfg preload=... (none = no preloads)")
 
 
-def wait_warm(pool: Pool, progress: Callable[[str], None], timeout: float) -> List[Dict[str, Any]]:
+def wait_warm(pool: Pool, progress: Callable[[str], None], timeout: float) -> list[dict[str, Any]]:
     """Blocks until every host has imported its preloads, so "ready" means the next run starts warm.
     Returns the hosts' last info (``{}`` for one that did not answer).
 
@@ -703,7 +756,7 @@ def _start_timeout(rec: PoolRecord) -> float:
     return float(rec.options.get("start_timeout", 120))
 
 
-def attach(name: str, registry: Optional[Registry] = None) -> Pool:
+def attach(name: str, registry: Registry | None = None) -> Pool:
     registry = registry or Registry()
     return Pool(registry.require(name), registry)
 
@@ -716,7 +769,7 @@ def _ending_own_procs(name: str) -> None:
         session.pool_ending(name)
 
 
-def _stop(pool: Pool, prov: Provisioner, reason: str) -> List[str]:
+def _stop(pool: Pool, prov: Provisioner, reason: str) -> list[str]:
     """Stops the pool; returns what lost hosts had left on their nodes and was ended, a line each."""
     _ending_own_procs(pool.name)
     live = [i for i, h in enumerate(pool.hosts) if h is not None and not h.exited]
@@ -733,7 +786,7 @@ def _stop(pool: Pool, prov: Provisioner, reason: str) -> List[str]:
     return left
 
 
-def _hear_ends(pool: Pool, hosts: List[int]) -> None:
+def _hear_ends(pool: Pool, hosts: list[int]) -> None:
     """Hosts that do not share this file system (Kubernetes) record their replicas' ends on their
     own disks only: before they go, the ends no client asked about are recorded here, so their
     apps still read as they ended once the pool is stopped (``history.py``)."""
@@ -744,11 +797,12 @@ def _hear_ends(pool: Pool, hosts: List[int]) -> None:
         for st in res or []:
             if st.get("state") in TERMINAL:
                 with contextlib.suppress(OSError, ValueError, KeyError):
-                    history.record_end(pool.record.path, history.ReplicaEnd.from_status(
-                        st["app_id"], st["role"], st["replica_id"], st))
+                    history.record_end(
+                        pool.record.path, history.ReplicaEnd.from_status(st["app_id"], st["role"], st["replica_id"], st)
+                    )
 
 
-def stop_pool(name: str, registry: Optional[Registry] = None) -> List[str]:
+def stop_pool(name: str, registry: Registry | None = None) -> list[str]:
     """Stops every agent (their processes with them), releases the allocation, forgets the pool.
     Returns what agents that had died left on their nodes and was ended, a line each."""
     registry = registry or Registry()
@@ -757,14 +811,14 @@ def stop_pool(name: str, registry: Optional[Registry] = None) -> List[str]:
         return _stop(pool, get_provisioner(pool.record.scheduler), "pool stopped")
 
 
-def force_stop(name: str, registry: Optional[Registry] = None) -> List[str]:
+def force_stop(name: str, registry: Registry | None = None) -> list[str]:
     """Ends a pool whose record cannot be read, from what this machine can find of it by name:
     its local agents (by their command line), the SLURM allocation the raw record still names,
     and the record itself. Returns what it did, a line each."""
     _ending_own_procs(name)
     registry = registry or Registry()
     path = registry.record_path(name)
-    raw: Dict[str, Any] = {}
+    raw: dict[str, Any] = {}
     try:
         loaded = json.loads(path.read_text())
         raw = loaded if isinstance(loaded, dict) else {}
@@ -776,11 +830,15 @@ def force_stop(name: str, registry: Optional[Registry] = None) -> List[str]:
     done = []
     from . import procfs
 
-    pids = [pid for pid, argv in procfs.processes()
-            for cmd in [[a.decode(errors="replace") for a in argv]]
-            if "monarch_torchx.agent" in cmd and "--pool" in cmd
-            and cmd[cmd.index("--pool") + 1:cmd.index("--pool") + 2] == [name]
-            and any(d in cmd for d in state_dirs)]
+    pids = [
+        pid
+        for pid, argv in procfs.processes()
+        for cmd in [[a.decode(errors="replace") for a in argv]]
+        if "monarch_torchx.agent" in cmd
+        and "--pool" in cmd
+        and cmd[cmd.index("--pool") + 1 : cmd.index("--pool") + 2] == [name]
+        and any(d in cmd for d in state_dirs)
+    ]
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
@@ -804,8 +862,9 @@ def force_stop(name: str, registry: Optional[Registry] = None) -> List[str]:
     return done
 
 
-def resize_pool(name: str, hosts: int, registry: Optional[Registry] = None,
-                progress: Callable[[str], None] = lambda _m: None) -> Pool:
+def resize_pool(
+    name: str, hosts: int, registry: Registry | None = None, progress: Callable[[str], None] = lambda _m: None
+) -> Pool:
     """Grows or shrinks a pool in place, where its engine can (``resize`` on the provisioner)."""
     registry = registry or Registry()
     with registry.lock(name, on_wait=progress):
@@ -813,8 +872,10 @@ def resize_pool(name: str, hosts: int, registry: Optional[Registry] = None,
         prov = get_provisioner(rec.scheduler)
         resize = getattr(prov, "resize", None)
         if resize is None:
-            raise MonarchError(f"pool {name!r} runs on {rec.scheduler}, which cannot resize in place: "
-                               f"use -cfg {prov.hosts_option}={hosts},replace=True on the next run")
+            raise MonarchError(
+                f"pool {name!r} runs on {rec.scheduler}, which cannot resize in place: "
+                f"use -cfg {prov.hosts_option}={hosts},replace=True on the next run"
+            )
         if hosts < 1:
             raise MonarchError(f"a pool needs at least 1 host (asked {hosts}); `pool stop {name}` ends it")
         grow, old = resize(rec, hosts)
@@ -823,8 +884,13 @@ def resize_pool(name: str, hosts: int, registry: Optional[Registry] = None,
         return Pool(rec, registry)
 
 
-def wait_for_hosts(rec: PoolRecord, indices: List[int], old: Dict[int, str], timeout: float,
-                   check: Callable[[int], Optional[str]] = lambda _i: None) -> None:
+def wait_for_hosts(
+    rec: PoolRecord,
+    indices: list[int],
+    old: dict[int, str],
+    timeout: float,
+    check: Callable[[int], str | None] = lambda _i: None,
+) -> None:
     """Polls the pool's host files until each index has a new, live incarnation.
 
     ``check(i)`` returns a reason when host i can no longer come up (its process died, the

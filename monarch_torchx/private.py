@@ -15,7 +15,6 @@ import secrets
 import stat
 import tempfile
 from pathlib import Path
-from typing import Optional, Union
 
 
 class PrivatePathError(PermissionError):
@@ -59,18 +58,20 @@ def _check_ours(path: Path, st: os.stat_result, fix: str) -> None:
         raise PrivatePathError(f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): {fix}")
 
 
-def _untrusted_why(d: str, st: os.stat_result) -> Optional[str]:
+def _untrusted_why(d: str, st: os.stat_result) -> str | None:
     """Why directory ``d`` lets someone else replace what we keep below it, or None."""
     if st.st_uid not in (0, os.getuid()):
         return f"it belongs to uid {st.st_uid}, who can rename or replace what is in it"
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
         who = "others" if st.st_mode & 0o002 else "its group"
-        return (f"{who} can write it (mode {stat.S_IMODE(st.st_mode):o}, no sticky bit), so they can rename "
-                "what is in it and put theirs there")
+        return (
+            f"{who} can write it (mode {stat.S_IMODE(st.st_mode):o}, no sticky bit), so they can rename "
+            "what is in it and put theirs there"
+        )
     return None
 
 
-def check_trusted_parents(path: Union[str, Path]) -> None:
+def check_trusted_parents(path: str | Path) -> None:
     """Raises PrivatePathError unless every directory above ``path`` up to ``/`` is safe to keep
     our state under: owned by us or root, and not writable by others unless sticky (``/tmp``).
 
@@ -95,11 +96,13 @@ def check_trusted_parents(path: Union[str, Path]) -> None:
                 continue  # its directory is on this chain and its target on the real one
             why = _untrusted_why(key, st)
             if why:
-                raise PrivatePathError(f"refusing to keep state under {d}: {why}; choose a directory "
-                                       "only you (or root) can write, e.g. under your home")
+                raise PrivatePathError(
+                    f"refusing to keep state under {d}: {why}; choose a directory "
+                    "only you (or root) can write, e.g. under your home"
+                )
 
 
-def private_dir(path: Union[str, Path], check: bool = True, from_: Optional[Path] = None) -> Path:
+def private_dir(path: str | Path, check: bool = True, from_: Path | None = None) -> Path:
     """mkdir -p where each level made here is 0700. With ``check``, the leaf, and every level from
     ``from_`` down to it (the part of the path that must be ours), is checked before anything is
     made inside it (see check_private_dir), so nothing is ever created under a planted directory."""
@@ -141,7 +144,7 @@ def write_private_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def open_private(path: Path) -> "object":
+def open_private(path: Path) -> object:
     """A new file, 0600, for writing bytes (fails if something is already there)."""
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
 
@@ -179,5 +182,3 @@ def agent_temp_dir(kind: str, pool: str, index: int) -> Path:
         if rest.endswith(f"-{host}") and pid.isdigit() and int(pid) != os.getpid() and not procfs.alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
     return private_dir(parent / f"{pool}-{index}-{host}-{os.getpid()}")
-
-

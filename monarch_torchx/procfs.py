@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator
 
 
-def cmdline(pid: int) -> Optional[List[bytes]]:
+def cmdline(pid: int) -> list[bytes] | None:
     """A process's argv (None when it is gone or not readable)."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -35,7 +35,7 @@ def owned(pid: int) -> bool:
     return False
 
 
-def processes() -> Iterator[Tuple[int, List[bytes]]]:
+def processes() -> Iterator[tuple[int, list[bytes]]]:
     """(pid, argv) of every process of this user, except this one (see ``owned``)."""
     me = os.getpid()
     for p in Path("/proc").iterdir():
@@ -45,7 +45,7 @@ def processes() -> Iterator[Tuple[int, List[bytes]]]:
                 yield int(p.name), argv
 
 
-def pids_with(*needles: bytes) -> List[int]:
+def pids_with(*needles: bytes) -> list[int]:
     """The processes whose argv holds every one of ``needles`` (each as a substring of an argument
     or of the whole command line)."""
     out = []
@@ -65,7 +65,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def mounts_under(root: Path) -> List[str]:
+def mounts_under(root: Path) -> list[str]:
     """Mount points below ``root`` in this process's mount namespace, deepest first. Read from
     the mount table: a FUSE mount whose server died still shows there (stat on it fails)."""
     prefix = str(root).rstrip("/") + "/"

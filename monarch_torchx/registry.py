@@ -18,6 +18,7 @@ nodes publish their addresses through it.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import fcntl
@@ -31,7 +32,7 @@ import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Iterator
 
 from . import history
 from .credentials import TLS_FILE, TOKEN_FILE, PoolCredentials, check_tls_pem, new_tls_pem
@@ -55,11 +56,12 @@ def home() -> Path:
     except FileNotFoundError:
         return path  # made on first use (Registry._ensure_dirs)
     except OSError as e:  # a parent we may not search: another user's tree
-        raise HomeUnusable(f"the monarch-torchx home {path} cannot be reached ({e.strerror}): "
-                           f"{_OTHER_HOME}") from None
+        raise HomeUnusable(f"the monarch-torchx home {path} cannot be reached ({e.strerror}): {_OTHER_HOME}") from None
     if not os.access(path, os.R_OK | os.X_OK):
-        raise HomeUnusable(f"the monarch-torchx home {path} is not readable by you ({_whose(path, st)}): "
-                           + (_OTHER_HOME if st.st_uid != os.getuid() else f"`chmod 700 {path}`"))
+        raise HomeUnusable(
+            f"the monarch-torchx home {path} is not readable by you ({_whose(path, st)}): "
+            + (_OTHER_HOME if st.st_uid != os.getuid() else f"`chmod 700 {path}`")
+        )
     return path
 
 
@@ -74,7 +76,7 @@ def _whose(path: Path, st: os.stat_result) -> str:
     return f"mode {stat.S_IMODE(st.st_mode):o}"
 
 
-def _unwritable(path: Path, err: Optional[OSError]) -> str:
+def _unwritable(path: Path, err: OSError | None) -> str:
     """Why this user cannot write ``path`` (or, where it is not there yet, the directory it
     would be made in): a read-only file system, its owner or its mode; and what to do, as one line."""
     where = path if path.exists() else path.parent
@@ -90,11 +92,14 @@ def _unwritable(path: Path, err: Optional[OSError]) -> str:
 
 
 # how each engine's pool is sized, with the option a first pool most often needs
-_CREATE_EXAMPLES = {"monarch_local": "hosts=2", "monarch_slurm": "nodes=2,partition=PARTITION,time=01:00:00",
-                    "monarch_kubernetes": "replicas=2,image=IMAGE,namespace=NAMESPACE"}
+_CREATE_EXAMPLES = {
+    "monarch_local": "hosts=2",
+    "monarch_slurm": "nodes=2,partition=PARTITION,time=01:00:00",
+    "monarch_kubernetes": "replicas=2,image=IMAGE,namespace=NAMESPACE",
+}
 
 
-def create_hint(name: str, scheduler: Optional[str] = None) -> str:
+def create_hint(name: str, scheduler: str | None = None) -> str:
     """The command that creates pool ``name``: for ``scheduler``, else for each engine."""
     engines = [scheduler] if scheduler in _CREATE_EXAMPLES else list(_CREATE_EXAMPLES)
     cmds = [f"`torchx pool create {name} -s {s} -cfg {_CREATE_EXAMPLES[s]}`" for s in engines]
@@ -114,7 +119,7 @@ def write_private(path: Path, data: str) -> None:
     write_private_bytes(path, data.encode())
 
 
-def _read_json(path: Path) -> Optional[dict]:
+def _read_json(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -124,8 +129,10 @@ def _read_json(path: Path) -> Optional[dict]:
     except OSError as e:
         raise MonarchError(f"cannot read registry file {path}: {e.strerror}") from None
     except ValueError as e:
-        raise MonarchError(f"corrupt registry file {path}: {e}; remove it to start over "
-                           "(for a pool's record: `torchx pool stop --force NAME`)") from None
+        raise MonarchError(
+            f"corrupt registry file {path}: {e}; remove it to start over "
+            "(for a pool's record: `torchx pool stop --force NAME`)"
+        ) from None
     if not isinstance(data, dict):
         raise MonarchError(f"corrupt registry file {path}: not a JSON object; remove it to start over")
     return data
@@ -165,10 +172,16 @@ class HostAddr:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def same_agent(self, other: Optional["HostAddr"]) -> bool:
+    def same_agent(self, other: HostAddr | None) -> bool:
         """Whether ``other`` is this very agent, reached the same way (heartbeats aside)."""
-        return other is not None and (self.host, self.port, self.incarnation, self.pid, self.via, bool(self.exited)) == \
-            (other.host, other.port, other.incarnation, other.pid, other.via, bool(other.exited))
+        return other is not None and (
+            self.host,
+            self.port,
+            self.incarnation,
+            self.pid,
+            self.via,
+            bool(self.exited),
+        ) == (other.host, other.port, other.incarnation, other.pid, other.via, bool(other.exited))
 
     def identity(self, pool: str) -> bytes:
         """What both handshake MACs cover: this agent and no other."""
@@ -181,12 +194,12 @@ class PoolRecord:
 
     name: str
     scheduler: str
-    spec: Dict[str, Any]
+    spec: dict[str, Any]
     token: str
     state_dir: str
     created: float = field(default_factory=time.time)
-    allocation: Dict[str, Any] = field(default_factory=dict)
-    options: Dict[str, Any] = field(default_factory=dict)
+    allocation: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
     tls_pem: str = ""  # the pool's certificate and key ("" = plaintext frames: a loopback pool)
 
     @property
@@ -222,12 +235,12 @@ class AppRecord:
     app_id: str
     pool: str
     name: str
-    roles: List[Dict[str, Any]]
-    placement: List[Placement]
+    roles: list[dict[str, Any]]
+    placement: list[Placement]
     created: float = field(default_factory=time.time)
 
     @classmethod
-    def from_json(cls, data: dict) -> "AppRecord":
+    def from_json(cls, data: dict) -> AppRecord:
         data = dict(data)
         data["placement"] = [Placement(**p) for p in data["placement"]]
         return cls(**data)
@@ -236,7 +249,7 @@ class AppRecord:
 class Registry:
     """Reads and writes pool and app records under one home directory."""
 
-    def __init__(self, root: Optional[Path] = None):
+    def __init__(self, root: Path | None = None):
         self.root = Path(root) if root else home()
         self.pools_dir = self.root / "pools"
         self.stopped_dir = self.root / "stopped"  # stopped pools' state dirs, by name (history.py)
@@ -277,29 +290,37 @@ class Registry:
 
     # ------------------------------------------------------------ pools
 
-    def new_record(self, name: str, scheduler: str, spec: Dict[str, Any], options: Dict[str, Any]) -> PoolRecord:
+    def new_record(self, name: str, scheduler: str, spec: dict[str, Any], options: dict[str, Any]) -> PoolRecord:
         """A fresh record with a new secret; the state dir is created (0700), not yet saved.
 
         The state dir is ``pools/NAME`` unless ``options["job_dir"]`` names a (shared) directory.
         """
         self._ensure_dirs()
-        state = Path(options["job_dir"]).expanduser().absolute() / name if options.get("job_dir") else self.state_dir(name)
+        state = (
+            Path(options["job_dir"]).expanduser().absolute() / name if options.get("job_dir") else self.state_dir(name)
+        )
         try:  # on shared scratch: JOB_DIR/NAME must be ours and closed, or someone could swap the token
             private_dir(state, from_=state)
         except PrivatePathError as e:
             raise MonarchError(f"refusing the pool's state dir: {e}") from None
         for sub in ("hosts", "apps", "logs"):
             private_dir(state / sub)
-        return PoolRecord(name=name, scheduler=scheduler, spec=spec, token=secrets.token_hex(32),
-                          state_dir=str(state), options=options,
-                          tls_pem=new_tls_pem(name) if spec.get("tls") else "")
+        return PoolRecord(
+            name=name,
+            scheduler=scheduler,
+            spec=spec,
+            token=secrets.token_hex(32),
+            state_dir=str(state),
+            options=options,
+            tls_pem=new_tls_pem(name) if spec.get("tls") else "",
+        )
 
     def save(self, rec: PoolRecord) -> None:
         self._ensure_dirs()
         write_private(self.record_path(rec.name), json.dumps(asdict(rec), indent=1))
         PoolCredentials.install(Path(rec.state_dir), rec.token, rec.tls_pem)
 
-    def get(self, name: str) -> Optional[PoolRecord]:
+    def get(self, name: str) -> PoolRecord | None:
         path = self.record_path(name)
         data = _read_json(path)
         if not data:
@@ -311,19 +332,22 @@ class Registry:
                 check_tls_pem(rec.tls_pem)
             return rec
         except (TypeError, ValueError, KeyError, AttributeError) as e:
-            raise MonarchError(f"corrupt registry file {path} ({type(e).__name__}: {e}); "
-                               f"`torchx pool stop --force {name}` ends its agents and removes it") from None
+            raise MonarchError(
+                f"corrupt registry file {path} ({type(e).__name__}: {e}); "
+                f"`torchx pool stop --force {name}` ends its agents and removes it"
+            ) from None
 
-    def require(self, name: str, scheduler: Optional[str] = None) -> PoolRecord:
+    def require(self, name: str, scheduler: str | None = None) -> PoolRecord:
         rec = self.get(name)
         if rec is None or (scheduler and rec.scheduler != scheduler):
             known = ", ".join(r.name for r in self.list(scheduler)) or "none"
             where = f" on {scheduler}" if scheduler else ""
-            raise PoolNotFound(f"no pool named {name!r}{where} (known: {known}); create it with "
-                               f"{create_hint(name, scheduler)}")
+            raise PoolNotFound(
+                f"no pool named {name!r}{where} (known: {known}); create it with {create_hint(name, scheduler)}"
+            )
         return rec
 
-    def list(self, scheduler: Optional[str] = None) -> List[PoolRecord]:
+    def list(self, scheduler: str | None = None) -> builtins.list[PoolRecord]:
         if not self.pools_dir.is_dir():
             return []
         out = []
@@ -383,21 +407,24 @@ class Registry:
         finally:
             os.close(fd)
 
-    def stopped(self, name: Optional[str] = None, scheduler: Optional[str] = None) -> List["history.StoppedPool"]:
+    def stopped(self, name: str | None = None, scheduler: str | None = None) -> builtins.list[history.StoppedPool]:
         """Stopped pools whose apps are kept (``history.py``): named ``name`` (newest first), or all."""
         names = [name] if name else history.stopped_names(self.stopped_dir)
         out = []
         for n in names:
             with contextlib.suppress(MonarchError):
                 check_pool_name(n)
-                out += [p for p in history.stopped_pools(self.stopped_dir, n)
-                        if scheduler is None or p.scheduler == scheduler]
+                out += [
+                    p
+                    for p in history.stopped_pools(self.stopped_dir, n)
+                    if scheduler is None or p.scheduler == scheduler
+                ]
         return out
 
     # ------------------------------------------------------------ hosts
 
     @staticmethod
-    def read_host(state_dir: Path, index: int) -> Optional[HostAddr]:
+    def read_host(state_dir: Path, index: int) -> HostAddr | None:
         path = Path(state_dir) / "hosts" / f"{index}.json"
         data = _read_json(path)
         try:
@@ -406,7 +433,7 @@ class Registry:
             raise MonarchError(f"corrupt host file {path} ({e}); the host's agent rewrites it, or remove it") from None
 
     @staticmethod
-    def host_file_age(state_dir: Path, index: int) -> Optional[float]:
+    def host_file_age(state_dir: Path, index: int) -> float | None:
         """Seconds since agent ``index`` last wrote its host file (its heartbeat), or None if that
         cannot be told. Read on one clock, the file system's: the file's mtime against a file we
         touch now. Comparing the agent's clock with ours would call a healthy host dead as soon
@@ -426,7 +453,7 @@ class Registry:
         return max(0.0, now - written)
 
     @staticmethod
-    def hosts(rec: PoolRecord) -> List[Optional[HostAddr]]:
+    def hosts(rec: PoolRecord) -> builtins.list[HostAddr | None]:
         """The agents' published addresses by index, each from its own file (fresh heartbeats
         included); None where one has not published (yet). A client reads ``read_view`` first."""
         return [Registry.read_host(Path(rec.state_dir), i) for i in range(rec.num_hosts)]
@@ -448,7 +475,7 @@ class Registry:
     # that host's own file (Pool.fresh_host), which drops the view.
 
     @staticmethod
-    def read_view(rec: PoolRecord) -> Optional[List[Optional[HostAddr]]]:
+    def read_view(rec: PoolRecord) -> builtins.list[HostAddr | None] | None:
         """The pool's view of addresses, or None if there is none (or it is not this pool's size)."""
         path = Path(rec.state_dir) / VIEW_FILE
         try:
@@ -461,7 +488,7 @@ class Registry:
         return list(hosts)
 
     @staticmethod
-    def write_view(rec: PoolRecord, hosts: List[HostAddr]) -> None:
+    def write_view(rec: PoolRecord, hosts: builtins.list[HostAddr]) -> None:
         with contextlib.suppress(OSError):  # a view is an optimisation: without one, files are read
             write_private(Path(rec.state_dir) / VIEW_FILE, json.dumps({"hosts": [asdict(h) for h in hosts]}))
 
@@ -508,11 +535,11 @@ class Registry:
         write_private(Path(rec.state_dir) / "apps" / f"{app.app_id}.json", json.dumps(asdict(app)))
 
     @staticmethod
-    def get_app(rec: PoolRecord, app_id: str) -> Optional[AppRecord]:
+    def get_app(rec: PoolRecord, app_id: str) -> AppRecord | None:
         return Registry.app_in(Path(rec.state_dir), app_id)
 
     @staticmethod
-    def app_in(state_dir: Path, app_id: str) -> Optional[AppRecord]:
+    def app_in(state_dir: Path, app_id: str) -> AppRecord | None:
         """The record of app ``app_id`` in a (live or stopped) pool's state dir, if there."""
         if not _NAME.match(app_id):
             return None
@@ -528,11 +555,11 @@ class Registry:
             history.forget_app(Path(rec.state_dir), app_id)
 
     @staticmethod
-    def list_apps(rec: PoolRecord) -> List[AppRecord]:
+    def list_apps(rec: PoolRecord) -> builtins.list[AppRecord]:
         return Registry.apps_in(Path(rec.state_dir))
 
     @staticmethod
-    def apps_in(state_dir: Path) -> List[AppRecord]:
+    def apps_in(state_dir: Path) -> builtins.list[AppRecord]:
         d = Path(state_dir) / "apps"
         out = []
         for p in sorted(d.glob("*.json")) if d.is_dir() else []:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
 
 # Replica states, spelled as TorchX's AppState names so they map one to one.
 PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
@@ -18,21 +17,21 @@ class LaunchSpec:
     app_id: str
     role: str
     replica_id: int
-    argv: List[str]
-    env: Dict[str, str] = field(default_factory=dict)
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
     # the submitting shell's environment, under ``env`` (as TorchX's local_cwd and slurm pass it);
     # its PATH goes after the agent's interpreter dir, so `python` stays the pool's (see procs.py)
-    inherited_env: Dict[str, str] = field(default_factory=dict)
-    cwd: Optional[str] = None
+    inherited_env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
     max_retries: int = 0
     # optional: also append the raw output to these files (submitit's %j_%t_log.out/err)
-    stdout_path: Optional[str] = None
-    stderr_path: Optional[str] = None
+    stdout_path: str | None = None
+    stderr_path: str | None = None
     # optional: SIGUSR2 at timeout_s - signal_delay_s (checkpoint), then killed at timeout_s
-    timeout_s: Optional[float] = None
+    timeout_s: float | None = None
     signal_delay_s: float = 30.0
     # optional: an exit with this code means "run me again" (a requeue), not a failure
-    requeue_code: Optional[int] = None
+    requeue_code: int | None = None
 
     def __post_init__(self) -> None:
         for what, name in (("app id", self.app_id), ("role", self.role)):  # (they name directories on the host)

@@ -11,7 +11,7 @@ import json
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from .registry import PoolRecord, Registry
 
@@ -23,10 +23,10 @@ class Submission:
     """One engine's submission, as it would be sent."""
 
     engine: str  # "processes" (monarch_local), "sbatch" (monarch_slurm), "kubernetes"
-    commands: List[List[str]] = field(default_factory=list)  # argv of each command that would run
+    commands: list[list[str]] = field(default_factory=list)  # argv of each command that would run
     script: str = ""  # the sbatch batch script
-    objects: List[Dict[str, Any]] = field(default_factory=list)  # Kubernetes objects, in creation order
-    notes: List[str] = field(default_factory=list)
+    objects: list[dict[str, Any]] = field(default_factory=list)  # Kubernetes objects, in creation order
+    notes: list[str] = field(default_factory=list)
 
     def render(self) -> str:
         import shlex
@@ -53,23 +53,32 @@ class PoolPlan:
 
     action: str
     reason: str = ""
-    submission: Optional[Submission] = None
+    submission: Submission | None = None
 
     def render(self) -> str:
         head = f"pool: {self.action}" + (f" ({self.reason})" if self.reason else "")
         return head + ("\n" + self.submission.render() if self.submission else "")
 
 
-def draft_record(name: str, scheduler: str, spec: Dict[str, Any], options: Dict[str, Any],
-                 registry: Registry) -> PoolRecord:
+def draft_record(
+    name: str, scheduler: str, spec: dict[str, Any], options: dict[str, Any], registry: Registry
+) -> PoolRecord:
     """The record a new pool would get, made in memory only (its state dir is not created)."""
-    state = (Path(options["job_dir"]).expanduser().absolute() / name if options.get("job_dir")
-             else registry.state_dir(name))
-    return PoolRecord(name=name, scheduler=scheduler, spec=spec, token=secrets.token_hex(32), state_dir=str(state),
-                      options=options, tls_pem=SECRET_PLACEHOLDER if spec.get("tls") else "")
+    state = (
+        Path(options["job_dir"]).expanduser().absolute() / name if options.get("job_dir") else registry.state_dir(name)
+    )
+    return PoolRecord(
+        name=name,
+        scheduler=scheduler,
+        spec=spec,
+        token=secrets.token_hex(32),
+        state_dir=str(state),
+        options=options,
+        tls_pem=SECRET_PLACEHOLDER if spec.get("tls") else "",
+    )
 
 
-def redact_secrets(obj: Dict[str, Any]) -> Dict[str, Any]:
+def redact_secrets(obj: dict[str, Any]) -> dict[str, Any]:
     """A Kubernetes object with each Secret value replaced by the placeholder."""
     if obj.get("kind") != "Secret":
         return obj

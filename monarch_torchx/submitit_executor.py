@@ -29,8 +29,14 @@ from .errors import MonarchError
 from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec
 
 REQUEUE_CODE = 144
-_SUBMITIT_STATE = {PENDING: "PENDING", RUNNING: "RUNNING", SUCCEEDED: "COMPLETED", FAILED: "FAILED",
-                   CANCELLED: "CANCELLED", UNKNOWN: "UNKNOWN"}
+_SUBMITIT_STATE = {
+    PENDING: "PENDING",
+    RUNNING: "RUNNING",
+    SUCCEEDED: "COMPLETED",
+    FAILED: "FAILED",
+    CANCELLED: "CANCELLED",
+    UNKNOWN: "UNKNOWN",
+}
 ENV_PREFIX = "MONARCH_SUBMITIT_"
 
 
@@ -42,7 +48,7 @@ def _meta_path(folder: Path, job_id: str) -> Path:
 class MonarchJob(core.Job[core.R]):
     """A submitit job whose tasks run on a pool's agents. Picklable; state is asked of the agents."""
 
-    def _where(self) -> tp.Tuple[tp.Any, tp.Any]:
+    def _where(self) -> tuple[tp.Any, tp.Any]:
         from .pool import attach
         from .registry import Registry
 
@@ -53,7 +59,7 @@ class MonarchJob(core.Job[core.R]):
             raise MonarchError(f"job {self.job_id} is not known to pool {meta['pool']!r}")
         return pool, arec
 
-    def _ended_on_stopped_pool(self) -> tp.Optional[tp.Dict[tp.Tuple[str, int], tp.Dict[str, tp.Any]]]:
+    def _ended_on_stopped_pool(self) -> dict[tuple[str, int], dict[str, tp.Any]] | None:
         """The job's states as recorded, if its pool was stopped (``history.py``); else None."""
         from . import apps
         from .registry import Registry
@@ -86,7 +92,7 @@ class MonarchJob(core.Job[core.R]):
             return _SUBMITIT_STATE[st["state"]] if st else "FAILED"
         return _SUBMITIT_STATE[apps.app_state([s["state"] for s in states.values()])]
 
-    def get_info(self, mode: str = "force") -> tp.Dict[str, str]:  # pylint: disable=unused-argument
+    def get_info(self, mode: str = "force") -> dict[str, str]:  # pylint: disable=unused-argument
         return {"State": self.state}
 
     def done(self, force_check: bool = False) -> bool:  # pylint: disable=unused-argument
@@ -136,7 +142,7 @@ class MonarchJobEnvironment(job_environment.JobEnvironment):
     }
 
     @property
-    def hostnames(self) -> tp.List[str]:
+    def hostnames(self) -> list[str]:
         return os.environ.get(f"{ENV_PREFIX}HOSTNAMES", self.hostname).split(",")
 
     def _requeue(self, countdown: int) -> None:
@@ -150,8 +156,14 @@ class MonarchExecutor(core.PicklingExecutor):
 
     job_class = MonarchJob
 
-    def __init__(self, folder: tp.Union[str, Path], pool: str = "default", max_num_timeout: int = 3,
-                 max_pickle_size_gb: float = 1.0, python: str = "python"):
+    def __init__(
+        self,
+        folder: str | Path,
+        pool: str = "default",
+        max_num_timeout: int = 3,
+        max_pickle_size_gb: float = 1.0,
+        python: str = "python",
+    ):
         super().__init__(folder, max_num_timeout=max_num_timeout, max_pickle_size_gb=max_pickle_size_gb)
         self.parameters["pool"] = pool
         self.python = python  # resolved on the hosts: the pool's interpreter, so tasks start warm
@@ -162,23 +174,33 @@ class MonarchExecutor(core.PicklingExecutor):
         return 0  # only when asked for by name: cluster="monarch"
 
     @classmethod
-    def _valid_parameters(cls) -> tp.Set[str]:
+    def _valid_parameters(cls) -> set[str]:
         return {"pool", "signal_delay_s", "env"}
 
-    _GENERIC = {"name", "timeout_min", "mem_gb", "nodes", "cpus_per_task", "gpus_per_node", "tasks_per_node",
-                "stderr_to_stdout"}
+    _GENERIC = {
+        "name",
+        "timeout_min",
+        "mem_gb",
+        "nodes",
+        "cpus_per_task",
+        "gpus_per_node",
+        "tasks_per_node",
+        "stderr_to_stdout",
+    }
 
     def _internal_update_parameters(self, **kwargs: tp.Any) -> None:
         bad = sorted(set(kwargs) - self._valid_parameters() - self._GENERIC)
         if bad:
-            raise ValueError(f"unknown parameter(s) {bad} for the monarch executor; valid: "
-                             f"{sorted(self._valid_parameters() | self._GENERIC)}")
+            raise ValueError(
+                f"unknown parameter(s) {bad} for the monarch executor; valid: "
+                f"{sorted(self._valid_parameters() | self._GENERIC)}"
+            )
         for k in ("nodes", "tasks_per_node"):
             if k in kwargs and (not isinstance(kwargs[k], int) or kwargs[k] < 1):
                 raise ValueError(f"{k}={kwargs[k]!r}: must be a positive integer")
         super()._internal_update_parameters(**kwargs)
 
-    def _task_argv(self) -> tp.List[str]:
+    def _task_argv(self) -> list[str]:
         return [self.python, "-u", "-m", "submitit.core._submit", str(self.folder)]
 
     @property
@@ -192,13 +214,15 @@ class MonarchExecutor(core.PicklingExecutor):
         return ""
 
     @staticmethod
-    def _get_job_id_from_submission_command(string: tp.Union[bytes, str]) -> str:
+    def _get_job_id_from_submission_command(string: bytes | str) -> str:
         return "0"
 
-    def _make_submission_command(self, submission_file_path: Path) -> tp.List[str]:
+    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
         return []
 
-    def _internal_process_submissions(self, delayed_submissions: tp.List[utils.DelayedSubmission]) -> tp.List[core.Job[tp.Any]]:
+    def _internal_process_submissions(
+        self, delayed_submissions: list[utils.DelayedSubmission]
+    ) -> list[core.Job[tp.Any]]:
         """Like PicklingExecutor's, but the pickle is in place before the tasks start (no 1 s wait)."""
         from .pool import PoolRequest, ensure_pool, reuse_unchecked, warming_hosts
         from .registry import Registry
@@ -224,24 +248,29 @@ class MonarchExecutor(core.PicklingExecutor):
         if len(load) < nodes:
             raise MonarchError(f"pool {name!r} has only {len(load)} healthy host(s) for nodes={nodes}")
         timeout_min = self.parameters.get("timeout_min", 5)
-        jobs: tp.List[core.Job[tp.Any]] = []
+        jobs: list[core.Job[tp.Any]] = []
         for i, delayed in enumerate(delayed_submissions):
             job_id = uuid.uuid4().hex[:16]
             paths = utils.JobPaths(self.folder, job_id=job_id)
             paths.folder.mkdir(parents=True, exist_ok=True)
             delayed.set_timeout(timeout_min, self.max_num_timeout)
             delayed.dump(paths.submitted_pickle)
-            if i == 0 and len(delayed_submissions) * paths.submitted_pickle.stat().st_size / 1024**3 > self.max_pickle_size_gb:
+            if (
+                i == 0
+                and len(delayed_submissions) * paths.submitted_pickle.stat().st_size / 1024**3 > self.max_pickle_size_gb
+            ):
                 paths.submitted_pickle.unlink()
-                raise RuntimeError(f"submitting {len(delayed_submissions)} pickles above max_pickle_size_gb="
-                                   f"{self.max_pickle_size_gb}; raise executor.max_pickle_size_gb if intended")
+                raise RuntimeError(
+                    f"submitting {len(delayed_submissions)} pickles above max_pickle_size_gb="
+                    f"{self.max_pickle_size_gb}; raise executor.max_pickle_size_gb if intended"
+                )
             hosts = sorted(load, key=lambda h: (load[h], h))[:nodes]
             for h in hosts:
                 load[h] += int(self.parameters.get("tasks_per_node", 1))
             jobs.append(self._launch(pool, job_id, hosts, float(timeout_min)))
         return jobs
 
-    def _launch(self, pool: tp.Any, job_id: str, hosts: tp.List[int], timeout_min: float) -> MonarchJob[tp.Any]:
+    def _launch(self, pool: tp.Any, job_id: str, hosts: list[int], timeout_min: float) -> MonarchJob[tp.Any]:
         from . import apps
 
         tpn = int(self.parameters.get("tasks_per_node", 1))
@@ -254,20 +283,44 @@ class MonarchExecutor(core.PicklingExecutor):
             for local in range(tpn):
                 rank = node * tpn + local
                 paths = utils.JobPaths(self.folder, job_id=job_id, task_id=rank)
-                env = {**base_env, "SUBMITIT_EXECUTOR": "monarch", f"{ENV_PREFIX}JOB_ID": job_id,
-                       f"{ENV_PREFIX}NTASKS": str(ntasks), f"{ENV_PREFIX}NUM_NODES": str(len(hosts)),
-                       f"{ENV_PREFIX}NODEID": str(node), f"{ENV_PREFIX}GLOBALID": str(rank),
-                       f"{ENV_PREFIX}LOCALID": str(local), f"{ENV_PREFIX}HOSTNAMES": names}
+                env = {
+                    **base_env,
+                    "SUBMITIT_EXECUTOR": "monarch",
+                    f"{ENV_PREFIX}JOB_ID": job_id,
+                    f"{ENV_PREFIX}NTASKS": str(ntasks),
+                    f"{ENV_PREFIX}NUM_NODES": str(len(hosts)),
+                    f"{ENV_PREFIX}NODEID": str(node),
+                    f"{ENV_PREFIX}GLOBALID": str(rank),
+                    f"{ENV_PREFIX}LOCALID": str(local),
+                    f"{ENV_PREFIX}HOSTNAMES": names,
+                }
                 err = paths.stdout if self.parameters.get("stderr_to_stdout") else paths.stderr
-                replicas.append((h, LaunchSpec(
-                    app_id=app_id, role="task", replica_id=rank, argv=self._task_argv(),
-                    env=env, cwd=os.getcwd(), stdout_path=str(paths.stdout), stderr_path=str(err),
-                    timeout_s=timeout_min * 60, signal_delay_s=float(self.parameters.get("signal_delay_s", 30)),
-                    requeue_code=REQUEUE_CODE)))
+                replicas.append(
+                    (
+                        h,
+                        LaunchSpec(
+                            app_id=app_id,
+                            role="task",
+                            replica_id=rank,
+                            argv=self._task_argv(),
+                            env=env,
+                            cwd=os.getcwd(),
+                            stdout_path=str(paths.stdout),
+                            stderr_path=str(err),
+                            timeout_s=timeout_min * 60,
+                            signal_delay_s=float(self.parameters.get("signal_delay_s", 30)),
+                            requeue_code=REQUEUE_CODE,
+                        ),
+                    )
+                )
         folder = utils.JobPaths(self.folder, job_id=job_id).folder
         _meta_path(folder, job_id).write_text(json.dumps({"pool": pool.name, "app_id": app_id}))
         argv = self._task_argv()
-        apps.launch(pool, app_id, str(self.parameters.get("name", "submitit")),
-                    [{"name": "task", "image": str(folder), "entrypoint": argv[0], "args": argv[1:],
-                      "num_replicas": ntasks}], replicas)
+        apps.launch(
+            pool,
+            app_id,
+            str(self.parameters.get("name", "submitit")),
+            [{"name": "task", "image": str(folder), "entrypoint": argv[0], "args": argv[1:], "num_replicas": ntasks}],
+            replicas,
+        )
         return MonarchJob(folder=self.folder, job_id=job_id, tasks=list(range(ntasks)))

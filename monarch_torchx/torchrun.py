@@ -15,7 +15,7 @@ import argparse
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Sequence
 
 from .errors import MonarchError
 
@@ -24,12 +24,15 @@ PLAN_ENV = "MONARCH_TORCHX_TORCHRUN"  # the node's placement (json), set per rep
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # a node's forked workers apply these themselves
 WARM_BACKENDS = ("c10d",)  # rendezvous backends the pool stands in for
 # what a node process imports beyond torch; the warm fork server imports them with torch
-TORCH_MODULES = ("torch.distributed.run", "torch.distributed.launcher.api",
-                 "torch.distributed.elastic.agent.server.local_elastic_agent")
+TORCH_MODULES = (
+    "torch.distributed.run",
+    "torch.distributed.launcher.api",
+    "torch.distributed.elastic.agent.server.local_elastic_agent",
+)
 
 # torchrun's options as (names, takes a value, default); `torch.distributed.run.get_args_parser()`
 # is the source, and tests/test_torchrun.py fails when the two differ.
-OPTIONS: Tuple[Tuple[Tuple[str, ...], bool, object], ...] = (
+OPTIONS: tuple[tuple[tuple[str, ...], bool, object], ...] = (
     (("--nnodes",), True, "1:1"),
     (("--nproc-per-node", "--nproc_per_node"), True, "1"),
     (("--rdzv-backend", "--rdzv_backend"), True, "static"),
@@ -90,7 +93,7 @@ def _parser() -> _Parser:
     return p
 
 
-def parse_args(args: Sequence[str], env: Dict[str, str]) -> argparse.Namespace:
+def parse_args(args: Sequence[str], env: dict[str, str]) -> argparse.Namespace:
     """torchrun's arguments; ``PET_*`` variables stand in for absent options, as in torchrun."""
     ns = _parser().parse_args(list(args))
     for names, takes_value, default in OPTIONS:
@@ -107,7 +110,7 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _UNSUPPORTED = set(";&|<>()`*?[~\n")
 
 
-def shell_words(cmd: str, env: Optional[Dict[str, str]] = None) -> List[str]:
+def shell_words(cmd: str, env: dict[str, str] | None = None) -> list[str]:
     """Splits and expands ``cmd`` as bash would, for the subset dist.ddp produces.
 
     Quotes, backslashes, ``$NAME``, ``${NAME}``, ``${NAME:=word}``, ``${NAME:-word}`` (and the
@@ -115,24 +118,24 @@ def shell_words(cmd: str, env: Optional[Dict[str, str]] = None) -> List[str]:
     the words' shape). Anything else (pipes, lists, redirections, globs, command substitution,
     assignments, ``~``) raises ShellTooComplex.
     """
-    words: List[str] = []
-    cur: List[str] = []
+    words: list[str] = []
+    cur: list[str] = []
     in_word = False
     i, n = 0, len(cmd)
 
-    def expand(j: int) -> Tuple[str, int]:
+    def expand(j: int) -> tuple[str, int]:
         if j + 1 < n and cmd[j + 1] == "{":
             end = cmd.find("}", j + 2)
             if end < 0:
                 raise ShellTooComplex("unterminated ${")
-            body = cmd[j + 2:end]
+            body = cmd[j + 2 : end]
             m = _NAME.match(body)
             if not m:
                 raise ShellTooComplex(f"${{{body}}}")
-            name, rest = m.group(0), body[m.end():]
+            name, rest = m.group(0), body[m.end() :]
             if rest and not re.match(r"^:?[-=]", rest):
                 raise ShellTooComplex(f"${{{body}}}")
-            raw = cmd[j:end + 1]
+            raw = cmd[j : end + 1]
             if env is None:
                 return raw, end + 1
             colon = rest.startswith(":")
@@ -153,7 +156,7 @@ def shell_words(cmd: str, env: Optional[Dict[str, str]] = None) -> List[str]:
             if j + 1 < n and (cmd[j + 1].isdigit() or cmd[j + 1] in "@*#?$!-"):
                 raise ShellTooComplex(f"${cmd[j + 1]}")
             return "$", j + 1
-        raw = cmd[j:m.end()]
+        raw = cmd[j : m.end()]
         return (raw if env is None else env.get(m.group(0), "")), m.end()
 
     while i < n:
@@ -167,7 +170,7 @@ def shell_words(cmd: str, env: Optional[Dict[str, str]] = None) -> List[str]:
             end = cmd.find("'", i + 1)
             if end < 0:
                 raise ShellTooComplex("unterminated '")
-            cur.append(cmd[i + 1:end])
+            cur.append(cmd[i + 1 : end])
             in_word, i = True, end + 1
         elif c == '"':
             i += 1
@@ -235,12 +238,12 @@ class TorchrunPlan:
     warm: bool
     reason: str
     # warm: the node process's argv; not warm: the role's argv unchanged
-    argv: List[str] = field(default_factory=list)
+    argv: list[str] = field(default_factory=list)
     nnodes: int = 1
     restarts: int = 0  # warm: the role's scheduler retries, as torchrun restarts of all its nodes
 
 
-def _torchrun_args(argv: Sequence[str]) -> Tuple[Optional[List[str]], Optional[str], str]:
+def _torchrun_args(argv: Sequence[str]) -> tuple[list[str] | None, str | None, str]:
     """(torchrun args, shell command or None, how it was found) for a torchrun role, else (None, None, why not)."""
     if not argv:
         return None, None, ""
@@ -259,16 +262,16 @@ def _torchrun_args(argv: Sequence[str]) -> Tuple[Optional[List[str]], Optional[s
         inner, _, how = _torchrun_args(words)
         if inner is None:
             return None, None, ""
-        return inner, argv[2], f"{prog} -c \"{how} ...\""
+        return inner, argv[2], f'{prog} -c "{how} ..."'
     return None, None, ""
 
 
-def torchrun_args(argv: Sequence[str]) -> Optional[List[str]]:
+def torchrun_args(argv: Sequence[str]) -> list[str] | None:
     """torchrun's own arguments when ``argv`` runs torchrun (directly or in ``sh -c``), else None."""
     return _torchrun_args(argv)[0]
 
 
-def plan_role(argv: Sequence[str], env: Dict[str, str], num_replicas: int, role: str) -> Optional[TorchrunPlan]:
+def plan_role(argv: Sequence[str], env: dict[str, str], num_replicas: int, role: str) -> TorchrunPlan | None:
     """None when the role is not torchrun; else whether (and how) it runs warm, or why not.
 
     Raises MonarchError for a command that cannot work on the pool at all (``--nnodes`` that
@@ -296,14 +299,18 @@ def plan_role(argv: Sequence[str], env: Dict[str, str], num_replicas: int, role:
     if backend == "static" and not ns.rdzv_endpoint and ns.master_port is None and hi == 1:
         backend = "c10d"  # torchrun's own rewrite of a single-node static run
     if not ns.standalone and backend not in WARM_BACKENDS:
-        return real(f"--rdzv_backend {backend} is served by the real torchrun only "
-                    f"(the warm path stands in for {', '.join(WARM_BACKENDS)}, --standalone and single-node runs)")
+        return real(
+            f"--rdzv_backend {backend} is served by the real torchrun only "
+            f"(the warm path stands in for {', '.join(WARM_BACKENDS)}, --standalone and single-node runs)"
+        )
     if not lo <= num_replicas <= hi:
         raise MonarchError(_nodes_mismatch(role, ns, lo, hi, num_replicas))
     node_argv = ["python", "-m", NODE_MODULE]
     node_argv += ["-c", shell] if shell else ["--", *args]
-    why = (f"{how}: torch's elastic agent starts from the warm fork server, workers are forked "
-           f"(torch imported), the pool is the rendezvous ({num_replicas} node(s))")
+    why = (
+        f"{how}: torch's elastic agent starts from the warm fork server, workers are forked "
+        f"(torch imported), the pool is the rendezvous ({num_replicas} node(s))"
+    )
     return TorchrunPlan(True, why, node_argv, nnodes=num_replicas)
 
 
@@ -314,12 +321,14 @@ def _nodes_mismatch(role: str, ns: argparse.Namespace, lo: int, hi: int, replica
     nodes = lo if replicas < lo else hi
     procs = ns.nproc_per_node if str(ns.nproc_per_node).isdigit() else "PROCS"
     why = "torchrun would wait for nodes that never come" if replicas < lo else "torchrun admits no more"
-    return (f"role {role!r}: torchrun --nnodes {ns.nnodes} asks for {want} node(s) but the role has {replicas} "
-            f"replica(s) ({why}); pass -j {nodes}x{procs} (dist.ddp, dist.torchrun) or --num_replicas {nodes} "
-            f"(utils.sh)")
+    return (
+        f"role {role!r}: torchrun --nnodes {ns.nnodes} asks for {want} node(s) but the role has {replicas} "
+        f"replica(s) ({why}); pass -j {nodes}x{procs} (dist.ddp, dist.torchrun) or --num_replicas {nodes} "
+        f"(utils.sh)"
+    )
 
 
-def _nnodes(value: str) -> Tuple[int, int]:
+def _nnodes(value: str) -> tuple[int, int]:
     try:
         if ":" in value:
             lo, hi = value.split(":", 1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List
+from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -42,8 +42,8 @@ def _components_found_once() -> Iterator[None]:
 
     metadata = entrypoints.metadata  # importlib.metadata, or the importlib_metadata backport (torchx 0.7.0)
     real_scan, real_parse = metadata.entry_points, ast.parse
-    scanned: List[Any] = []
-    parsed: Dict[str, Any] = {}
+    scanned: list[Any] = []
+    parsed: dict[str, Any] = {}
 
     def entry_points(**params: Any) -> Any:
         if params:
@@ -92,8 +92,10 @@ def check_scheduler(scheduler: str) -> None:
     if scheduler not in known:
         close = difflib.get_close_matches(scheduler, known, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise MonarchError(f"no scheduler {scheduler!r} (from -s, or .torchxconfig's [cli:run] scheduler): "
-                           f"{hint}known: {', '.join(known)}")
+        raise MonarchError(
+            f"no scheduler {scheduler!r} (from -s, or .torchxconfig's [cli:run] scheduler): "
+            f"{hint}known: {', '.join(known)}"
+        )
 
 
 def check_config_files(scheduler: str, cfg_str: str) -> None:
@@ -122,19 +124,22 @@ def check_config_files(scheduler: str, cfg_str: str) -> None:
             if ":" not in section and section not in known:  # (cli:run, component:X, tracker:X: TorchX's own)
                 close = difflib.get_close_matches(section, known, n=1)
                 hint = f" (did you mean [{close[0]}]?)" if close else ""
-                print(f"torchx: warning: {path}: section [{section}] is not a scheduler, so it is ignored{hint}; "
-                      f"schedulers: {', '.join(known)}", file=sys.stderr)
+                print(
+                    f"torchx: warning: {path}: section [{section}] is not a scheduler, so it is ignored{hint}; "
+                    f"schedulers: {', '.join(known)}",
+                    file=sys.stderr,
+                )
         if parser.has_section(scheduler):
             _check_config_values(path, parser, scheduler, given)
 
 
-def _cfg_keys(cfg_str: str) -> List[str]:
+def _cfg_keys(cfg_str: str) -> list[str]:
     import re
 
     return re.findall(r"(?:^|[,;])\s*([A-Za-z_][\w.-]*)\s*=", cfg_str or "")
 
 
-def _check_config_values(path: str, parser: Any, scheduler: str, given: "set[str]") -> None:
+def _check_config_values(path: str, parser: Any, scheduler: str, given: set[str]) -> None:
     """Each value of the scheduler's section casts to its run option's type (as TorchX will cast it)."""
     from torchx.schedulers import get_scheduler_factories
 
@@ -151,8 +156,9 @@ def _check_config_values(path: str, parser: Any, scheduler: str, given: "set[str
                 kind(value)
         except ValueError:
             what = {bool: "true or false", int: "an integer", float: "a number"}[kind]
-            raise MonarchError(f"{path}: [{scheduler}] {key} = {value} is not {what}; fix it there "
-                               f"(or give -cfg {key}=...)") from None
+            raise MonarchError(
+                f"{path}: [{scheduler}] {key} = {value} is not {what}; fix it there (or give -cfg {key}=...)"
+            ) from None
 
 
 def check_run_options(scheduler: str, cfg_str: str) -> None:
@@ -202,14 +208,18 @@ class _PromptWaitRunner:
         return status
 
 
-def dryrun_json(info: Any, scheduler: str) -> Dict[str, Any]:
+def dryrun_json(info: Any, scheduler: str) -> dict[str, Any]:
     """``torchx run --dryrun --json``'s object on torchx 0.7.0 (whose AppDryRunInfo keeps ``_app``
     and ``_cfg``), in torchx-nightly's schema: scheduler, cfg, app, request."""
     from dataclasses import asdict, is_dataclass
 
     request = info.request
-    return {"scheduler": scheduler, "cfg": dict(info._cfg or {}), "app": asdict(info._app) if info._app else None,
-            "request": asdict(request) if is_dataclass(request) else str(info)}
+    return {
+        "scheduler": scheduler,
+        "cfg": dict(info._cfg or {}),
+        "app": asdict(info._app) if info._app else None,
+        "request": asdict(request) if is_dataclass(request) else str(info),
+    }
 
 
 class _CaptureDryrun:
@@ -241,8 +251,9 @@ class CmdRun(_OneLineErrors, _Run):
                 action.default = "monarch_local"
         self._own_json = not any("--json" in a.option_strings for a in subparser._actions)
         if self._own_json:
-            subparser.add_argument("--json", action="store_true", default=False,
-                                   help="with --dryrun: print the dry-run as one JSON object")
+            subparser.add_argument(
+                "--json", action="store_true", default=False, help="with --dryrun: print the dry-run as one JSON object"
+            )
 
     def _run(self, runner: Any, args: argparse.Namespace) -> None:
         if not (getattr(self, "_own_json", False) and args.json):
@@ -294,8 +305,10 @@ class CmdRun(_OneLineErrors, _Run):
             with _components_found_once():
                 super().run(args)
         except InvalidRunConfigException as e:  # TorchX's own refusal of -cfg (torchx-nightly raises it as a traceback)
-            print(f"torchx: error: {str(e).splitlines()[0]} (`torchx runopts {args.scheduler}` lists them)",
-                  file=sys.stderr)
+            print(
+                f"torchx: error: {str(e).splitlines()[0]} (`torchx runopts {args.scheduler}` lists them)",
+                file=sys.stderr,
+            )
             sys.exit(1)
 
 
@@ -333,8 +346,11 @@ class CmdDelete(_OneLineErrors, SubCommand):
             handle = parse_app_handle(args.app_handle)
             sched = runner._scheduler(handle.scheduler_backend)
             if not hasattr(sched, "delete"):
-                print(f"torchx: error: {handle.scheduler_backend} cannot delete apps on torchx 0.7.0; use "
-                      "`torchx cancel`", file=sys.stderr)
+                print(
+                    f"torchx: error: {handle.scheduler_backend} cannot delete apps on torchx 0.7.0; use "
+                    "`torchx cancel`",
+                    file=sys.stderr,
+                )
                 sys.exit(1)
             sched.delete(handle.app_id)
 
@@ -363,7 +379,7 @@ class CmdList(_OneLineErrors, _List):
     pass
 
 
-def log_time(text: str) -> "datetime":
+def log_time(text: str) -> datetime:
     """A ``--since``/``--until`` value: a duration ago (90s, 10m, 2h, 1d) or an ISO 8601 time."""
     from datetime import datetime, timedelta
 
@@ -376,8 +392,9 @@ def log_time(text: str) -> "datetime":
     try:
         return datetime.fromisoformat(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a time: use a duration ago (90s, 10m, 2h) or an "
-                                         "ISO time (2026-12-02T10:30)") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a time: use a duration ago (90s, 10m, 2h) or an ISO time (2026-12-02T10:30)"
+        ) from None
 
 
 class _TimeWindow:
@@ -390,26 +407,53 @@ class _TimeWindow:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
 
-    def log_lines(self, app_handle: str, role_name: str, k: int = 0, regex: Any = None, since: Any = None,
-                  until: Any = None, should_tail: bool = False, streams: Any = None) -> Any:
-        return self._runner.log_lines(app_handle, role_name, k, regex, since=since or self._since,
-                                      until=until or self._until, should_tail=should_tail, streams=streams)
+    def log_lines(
+        self,
+        app_handle: str,
+        role_name: str,
+        k: int = 0,
+        regex: Any = None,
+        since: Any = None,
+        until: Any = None,
+        should_tail: bool = False,
+        streams: Any = None,
+    ) -> Any:
+        return self._runner.log_lines(
+            app_handle,
+            role_name,
+            k,
+            regex,
+            since=since or self._since,
+            until=until or self._until,
+            should_tail=should_tail,
+            streams=streams,
+        )
 
 
 class CmdLog(_OneLineErrors, _Log):
     def add_arguments(self, subparser: argparse.ArgumentParser) -> None:
         super().add_arguments(subparser)
-        subparser.add_argument("--since", type=log_time, default=None, metavar="WHEN",
-                               help="only lines logged at or after WHEN: a duration ago (10m) or an ISO time")
-        subparser.add_argument("--until", type=log_time, default=None, metavar="WHEN",
-                               help="only lines logged before WHEN: a duration ago (10m) or an ISO time")
+        subparser.add_argument(
+            "--since",
+            type=log_time,
+            default=None,
+            metavar="WHEN",
+            help="only lines logged at or after WHEN: a duration ago (10m) or an ISO time",
+        )
+        subparser.add_argument(
+            "--until",
+            type=log_time,
+            default=None,
+            metavar="WHEN",
+            help="only lines logged before WHEN: a duration ago (10m) or an ISO time",
+        )
 
     def run(self, args: argparse.Namespace) -> None:
         import threading
 
         default_hook = threading.excepthook
 
-        def quiet(hook_args: "threading.ExceptHookArgs") -> None:  # TorchX re-raises it in the main thread
+        def quiet(hook_args: threading.ExceptHookArgs) -> None:  # TorchX re-raises it in the main thread
             if not isinstance(hook_args.exc_value, MonarchError):
                 default_hook(hook_args)
 
@@ -444,8 +488,14 @@ class CmdLog(_OneLineErrors, _Log):
 
         try:
             with get_runner() as runner:
-                get_logs(sys.stdout, args.identifier, args.regex, args.tail,
-                         runner=_TimeWindow(runner, args.since, args.until), streams=args.streams)
+                get_logs(
+                    sys.stdout,
+                    args.identifier,
+                    args.regex,
+                    args.tail,
+                    runner=_TimeWindow(runner, args.since, args.until),
+                    streams=args.streams,
+                )
         except MonarchError as e:
             print(f"torchx: error: {e}", file=sys.stderr)
             sys.exit(1)
@@ -456,7 +506,7 @@ def _no_such_app(app_id: str, scheduler: str) -> None:
     sys.exit(1)
 
 
-def _print_app_logs(sched: Any, scheduler: str, parts: "list[str]", args: argparse.Namespace) -> None:
+def _print_app_logs(sched: Any, scheduler: str, parts: list[str], args: argparse.Namespace) -> None:
     """``torchx log`` of an app on a pool, without ``--tail``: TorchX's output (each line prefixed
     with its ``role/replica``, in TorchX's colours), but asked of the pool once per host through its
     relay tree (``MonarchScheduler.app_logs``), not by one thread and one stream per replica, so
@@ -478,7 +528,7 @@ def _print_app_logs(sched: Any, scheduler: str, parts: "list[str]", args: argpar
         sys.exit(1)
 
 
-def _follow_app_logs(sched: Any, scheduler: str, parts: "list[str]", args: argparse.Namespace) -> None:
+def _follow_app_logs(sched: Any, scheduler: str, parts: list[str], args: argparse.Namespace) -> None:
     """``torchx log --tail`` of an app on a pool: TorchX's output (lines as they are written, each
     prefixed with its ``role/replica``), through the relay tree (``MonarchScheduler.follow_logs``):
     the client holds a few streams, not one thread and one stream per replica. A host that cannot
@@ -501,7 +551,7 @@ def _follow_app_logs(sched: Any, scheduler: str, parts: "list[str]", args: argpa
         sys.exit(1)
 
 
-def _replicas_to_show(sched: Any, scheduler: str, parts: "list[str]") -> "tuple[str, list[tuple[str, int]]]":
+def _replicas_to_show(sched: Any, scheduler: str, parts: list[str]) -> tuple[str, list[tuple[str, int]]]:
     """The app id and the (role, replica) pairs a ``torchx log`` identifier names, once the app
     has started (as TorchX: it waits for a submitted app, saying so)."""
     import time
@@ -536,16 +586,16 @@ class CmdRunopts(SubCommand):
     saying so, instead of an error line or a traceback that ends the listing."""
 
     def add_arguments(self, subparser: argparse.ArgumentParser) -> None:
-        subparser.add_argument("scheduler", type=str, nargs="?",
-                               help="scheduler to print the run options of (default: every scheduler)")
+        subparser.add_argument(
+            "scheduler", type=str, nargs="?", help="scheduler to print the run options of (default: every scheduler)"
+        )
 
     def run(self, args: argparse.Namespace) -> None:
         from torchx.schedulers import get_scheduler_factories
 
         factories = get_scheduler_factories()
         if args.scheduler and args.scheduler not in factories:
-            print(f"torchx: error: no scheduler {args.scheduler!r}: use one of {', '.join(factories)}",
-                  file=sys.stderr)
+            print(f"torchx: error: no scheduler {args.scheduler!r}: use one of {', '.join(factories)}", file=sys.stderr)
             sys.exit(1)
         for name, factory in factories.items():
             if args.scheduler and name != args.scheduler:

@@ -44,7 +44,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
 
 from .credentials import PoolCredentials
 
@@ -154,9 +154,9 @@ class HandshakeGate:
     def __init__(self, limit: int = MAX_HANDSHAKES, name: str = ""):
         self.limit = limit
         self.name = name
-        self.pending: Dict[Any, Callable[[], None]] = {}  # insertion order: oldest first
+        self.pending: dict[Any, Callable[[], None]] = {}  # insertion order: oldest first
         self._lock = threading.Lock()
-        self._drops: Dict[str, Tuple[float, int]] = {}  # reason -> (last logged, dropped since)
+        self._drops: dict[str, tuple[float, int]] = {}  # reason -> (last logged, dropped since)
 
     def admit(self, conn: Any, evict: Callable[[], None]) -> None:
         with self._lock:
@@ -203,12 +203,12 @@ def _mac(key: bytes, tag: bytes, identity: bytes, a: bytes, b: bytes) -> bytes:
     return hmac.new(key, tag + struct.pack("!H", len(identity)) + identity + a + b, hashlib.sha256).digest()
 
 
-def server_hello() -> Tuple[bytes, bytes]:
+def server_hello() -> tuple[bytes, bytes]:
     nonce = os.urandom(NONCE)
     return nonce, MAGIC + nonce
 
 
-def client_answer(key: bytes, hello: bytes, identity: bytes = b"") -> Tuple[bytes, bytes, bytes]:
+def client_answer(key: bytes, hello: bytes, identity: bytes = b"") -> tuple[bytes, bytes, bytes]:
     """Returns (answer to send, nonce_s, nonce_c).
 
     ``identity`` names the server the client means to reach (pool/host/incarnation): both MACs
@@ -216,7 +216,7 @@ def client_answer(key: bytes, hello: bytes, identity: bytes = b"") -> Tuple[byte
     """
     if len(hello) != len(MAGIC) + NONCE or not hello.startswith(MAGIC):
         raise HandshakeRefused("peer is not a monarch-torchx agent (bad greeting)")
-    nonce_s = hello[len(MAGIC):]
+    nonce_s = hello[len(MAGIC) :]
     nonce_c = os.urandom(NONCE)
     return MAGIC + nonce_c + _mac(key, b"c", identity, nonce_s, nonce_c), nonce_s, nonce_c
 
@@ -225,7 +225,7 @@ def server_check(key: bytes, nonce_s: bytes, answer: bytes, identity: bytes = b"
     """Verifies the client's answer; returns the server's proof to send back."""
     if len(answer) != len(MAGIC) + NONCE + MAC or not answer.startswith(MAGIC):
         raise HandshakeRefused("malformed handshake")
-    nonce_c = answer[len(MAGIC):len(MAGIC) + NONCE]
+    nonce_c = answer[len(MAGIC) : len(MAGIC) + NONCE]
     if not hmac.compare_digest(answer[-MAC:], _mac(key, b"c", identity, nonce_s, nonce_c)):
         raise HandshakeRefused("authentication failed (wrong pool token, or meant for another agent)")
     return _mac(key, b"s", identity, nonce_c, nonce_s)
@@ -243,11 +243,11 @@ HELLO_LEN = len(MAGIC) + NONCE
 # ---------------------------------------------------------------- framing (pure)
 
 
-def encode(msg: Any, gathered: bool = False) -> List[Any]:
+def encode(msg: Any, gathered: bool = False) -> list[Any]:
     """Returns the frame as a list of byte-like parts (header, body, out-of-band buffers), not
     joined. ``gathered``: the message may hold ``Gathered`` buffers, whose parts (``FileRegion``s
     among them) only ``send_msg`` can write; anywhere else one is refused."""
-    bufs: List[pickle.PickleBuffer] = []
+    bufs: list[pickle.PickleBuffer] = []
     _gathering.on = gathered
     try:
         body = pickle.dumps(msg, protocol=5, buffer_callback=bufs.append)
@@ -256,11 +256,11 @@ def encode(msg: Any, gathered: bool = False) -> List[Any]:
     return frame_parts(body, bufs)
 
 
-def frame_parts(body: bytes, bufs: List[Any]) -> List[Any]:
+def frame_parts(body: bytes, bufs: list[Any]) -> list[Any]:
     """The frame for an already pickled body and its out-of-band buffers (PickleBuffers or bytes-like), not joined.
     A ``Gathered`` buffer is one buffer on the wire, written from its parts."""
-    raws: List[Any] = []
-    lens: List[int] = []
+    raws: list[Any] = []
+    lens: list[int] = []
     for b in bufs:
         raw = b.raw() if isinstance(b, pickle.PickleBuffer) else memoryview(b)
         if isinstance(raw.obj, _GatheredToken):
@@ -288,7 +288,7 @@ class _GatheredToken(bytearray):
     """Stands in for a ``Gathered`` buffer while its message is pickled; ``frame_parts`` writes
     its parts in its place."""
 
-    def __init__(self, parts: List[Any], total: int):
+    def __init__(self, parts: list[Any], total: int):
         super().__init__()
         self.parts, self.total = parts, total
 
@@ -302,7 +302,7 @@ class Gathered:
     bytes-like or a ``FileRegion``. Only the blocking transport (``send_msg``, so ``Client``)
     sends one, and only ``encode`` pickles one."""
 
-    def __init__(self, parts: List[Any]):
+    def __init__(self, parts: list[Any]):
         self.parts = [p if isinstance(p, FileRegion) else memoryview(p).cast("B") for p in parts]
         self.nbytes = sum(p.size if isinstance(p, FileRegion) else p.nbytes for p in self.parts)
 
@@ -347,8 +347,7 @@ class FrameParser:
 
     BIG = 64 * 1024  # segments at least this large are received in place
 
-    def __init__(self, chunk: int = 16 * 1024, alloc: Callable[[int], Any] = big_buffer,
-                 max_chunk: int = 256 * 1024):
+    def __init__(self, chunk: int = 16 * 1024, alloc: Callable[[int], Any] = big_buffer, max_chunk: int = 256 * 1024):
         """``alloc(n)``: the memory a large segment is received into (``big_buffer``: huge-page
         maps for tensors; ``bytearray`` where handlers expect ordinary picklable bytes)."""
         self._alloc = alloc
@@ -356,21 +355,21 @@ class FrameParser:
         self._max_chunk = max(chunk, max_chunk)
         self._start = 0
         self._end = 0
-        self._big: Optional[Any] = None
+        self._big: Any | None = None
         self._bigpos = 0
         self._stage = 0  # 0: head, 1: buffer lengths, 2: body, 3: buffers
         self._body_len = 0
-        self._lens: List[int] = []
+        self._lens: list[int] = []
         self._body: Any = b""
-        self._bufs: List[bytearray] = []
-        self.pending: List[Tuple[Any, List[bytearray]]] = []  # for pulling readers: parsed, not yet taken
+        self._bufs: list[bytearray] = []
+        self.pending: list[tuple[Any, list[bytearray]]] = []  # for pulling readers: parsed, not yet taken
 
     def get_buffer(self) -> memoryview:
         if self._big is not None:
-            return memoryview(self._big)[self._bigpos:]
+            return memoryview(self._big)[self._bigpos :]
         if self._end == len(self._buf):
             self._compact()
-        return memoryview(self._buf)[self._end:]
+        return memoryview(self._buf)[self._end :]
 
     def wanted(self) -> int:
         """Bytes still missing from the part being read: reading no more than this never reads
@@ -379,7 +378,7 @@ class FrameParser:
             return len(self._big) - self._bigpos
         return max(1, self._need() - (self._end - self._start))
 
-    def feed(self, n: int) -> List[Tuple[Any, List[bytearray]]]:
+    def feed(self, n: int) -> list[tuple[Any, list[bytearray]]]:
         """Accounts for ``n`` bytes written into the last ``get_buffer``; returns complete frames."""
         if self._big is not None:
             self._bigpos += n
@@ -398,13 +397,13 @@ class FrameParser:
             need = self._need()
             avail = self._end - self._start
             if avail >= need:
-                seg = self._buf[self._start:self._start + need]
+                seg = self._buf[self._start : self._start + need]
                 self._start += need
                 frames += self._segment(seg)
                 continue
             if need >= self.BIG:
                 self._big = self._alloc(need)
-                self._big[:avail] = self._buf[self._start:self._end]
+                self._big[:avail] = self._buf[self._start : self._end]
                 self._bigpos = avail
                 self._start = self._end = 0
             elif need > len(self._buf):  # a segment under BIG, larger than the chunk so far
@@ -417,7 +416,7 @@ class FrameParser:
                 self._compact()
             return frames
 
-    def _whole_frames(self, frames: List[Tuple[Any, List[bytearray]]]) -> None:
+    def _whole_frames(self, frames: list[tuple[Any, list[bytearray]]]) -> None:
         """Fast path: small frames that arrived whole are cut out in one step each."""
         buf, start, end = self._buf, self._start, self._end
         while end - start >= _HEAD.size:
@@ -432,11 +431,11 @@ class FrameParser:
                 break
             if any(n > MAX_BUF for n in lens):
                 raise MalformedFrame("malformed frame (buffer too large)")
-            body = buf[pos:pos + body_len]
+            body = buf[pos : pos + body_len]
             pos += body_len
             bufs = []
             for n in lens:
-                bufs.append(buf[pos:pos + n])
+                bufs.append(buf[pos : pos + n])
                 pos += n
             frames.append((body, bufs))
             start = pos
@@ -444,7 +443,7 @@ class FrameParser:
 
     def _compact(self) -> None:
         rest = self._end - self._start
-        self._buf[:rest] = self._buf[self._start:self._end]
+        self._buf[:rest] = self._buf[self._start : self._end]
         self._start, self._end = 0, rest
 
     def _grow(self, size: int) -> None:
@@ -452,7 +451,7 @@ class FrameParser:
         caller may still hold a view of the old one from ``get_buffer``)."""
         rest = self._end - self._start
         new = bytearray(max(size, rest))
-        new[:rest] = self._buf[self._start:self._end]
+        new[:rest] = self._buf[self._start : self._end]
         self._buf, self._start, self._end = new, 0, rest
 
     def _need(self) -> int:
@@ -464,7 +463,7 @@ class FrameParser:
             return self._body_len
         return self._lens[len(self._bufs)]
 
-    def _segment(self, seg: bytearray) -> List[Tuple[Any, List[bytearray]]]:
+    def _segment(self, seg: bytearray) -> list[tuple[Any, list[bytearray]]]:
         if self._stage == 0:
             self._body_len, nbufs = _HEAD.unpack(seg)
             _check_head(self._body_len, nbufs)
@@ -494,7 +493,7 @@ def _check_head(body_len: int, nbufs: int) -> None:
         raise MalformedFrame(f"malformed frame (body {body_len} bytes, {nbufs} buffers)")
 
 
-def decode(body: bytes, bufs: List[bytearray]) -> Any:
+def decode(body: bytes, bufs: list[bytearray]) -> Any:
     try:
         return pickle.loads(body, buffers=bufs)
     except Exception as e:  # a frame from an authenticated peer that does not unpickle
@@ -553,18 +552,23 @@ class Server:
     with a logged reason; nothing is unpickled before the peer authenticates.
     """
 
-    def __init__(self, creds: PoolCredentials, handlers: Dict[str, Handler],
-                 on_activity: Optional[Callable[[str], None]] = None, identity: bytes = b""):
+    def __init__(
+        self,
+        creds: PoolCredentials,
+        handlers: dict[str, Handler],
+        on_activity: Callable[[str], None] | None = None,
+        identity: bytes = b"",
+    ):
         self.creds = creds
         self.identity = identity
         self._handlers = handlers
         self.on_activity = on_activity or (lambda _op: None)
-        self._server: Optional[asyncio.base_events.Server] = None
+        self._server: asyncio.base_events.Server | None = None
         self.connections = 0  # authenticated ones open now
         self.accepted = 0  # authenticated ones ever (what a client's operation cost this server)
         self.gate = HandshakeGate()  # the ones in their handshake
 
-    async def start(self, host: str, port: int = 0, sock: Optional[socket.socket] = None) -> int:
+    async def start(self, host: str, port: int = 0, sock: socket.socket | None = None) -> int:
         from .wire_conn import ServerConnection, serve
 
         self._server = await serve(lambda: ServerConnection(self), host, port, sock=sock)
@@ -611,8 +615,14 @@ class Server:
             try:
                 parts = encode(reply)
             except Exception as e:  # a value that cannot be pickled: the caller still gets an answer
-                parts = encode({"id": rid, "ok": False, "error": f"the result of {op!r} cannot be sent: {e}",
-                                "kind": type(e).__name__})
+                parts = encode(
+                    {
+                        "id": rid,
+                        "ok": False,
+                        "error": f"the result of {op!r} cannot be sent: {e}",
+                        "kind": type(e).__name__,
+                    }
+                )
             conn.write(parts)
             await conn.drain()
         except (ConnectionError, OSError, RuntimeError):
@@ -663,8 +673,9 @@ def _self_connected(sock: socket.socket) -> bool:
         return False
 
 
-def dial(host: str, port: int, creds: PoolCredentials, identity: bytes, timeout: float,
-         sock: Optional[socket.socket] = None) -> socket.socket:
+def dial(
+    host: str, port: int, creds: PoolCredentials, identity: bytes, timeout: float, sock: socket.socket | None = None
+) -> socket.socket:
     """The one way to open a connection to a member of a pool: connect, TLS where the pool uses
     it, then the handshake. Returns a blocking socket (``timeout`` set) ready for frames.
 
@@ -678,7 +689,7 @@ def dial(host: str, port: int, creds: PoolCredentials, identity: bytes, timeout:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.settimeout(timeout)
                 try:
-                    sock.connect(host[len(UNIX):])
+                    sock.connect(host[len(UNIX) :])
                 except OSError:
                     sock.close()
                     raise
@@ -688,8 +699,10 @@ def dial(host: str, port: int, creds: PoolCredentials, identity: bytes, timeout:
                     sock.close()  # at once: it holds the very port the peer is about to listen on
                     raise ConnectionRefusedError(111, "nothing listens there (the connection met itself)")
         except OSError as e:
-            raise ConnectFailed(f"cannot reach {address}: {e.strerror or e}",
-                                refused=isinstance(e, (ConnectionRefusedError, FileNotFoundError))) from None
+            raise ConnectFailed(
+                f"cannot reach {address}: {e.strerror or e}",
+                refused=isinstance(e, (ConnectionRefusedError, FileNotFoundError)),
+            ) from None
     sock.settimeout(timeout)
     with contextlib.suppress(OSError):  # (a tunnel may not be TCP)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -703,11 +716,13 @@ def dial(host: str, port: int, creds: PoolCredentials, identity: bytes, timeout:
             sock = ctx.wrap_socket(sock)
         except ssl.SSLEOFError:
             sock.close()
-            raise PeerClosed(f"{address}: the peer closed the connection during TLS (busy, or not one of ours)") from None
+            raise PeerClosed(
+                f"{address}: the peer closed the connection during TLS (busy, or not one of ours)"
+            ) from None
         except ssl.SSLError as e:
             sock.close()
             raise HandshakeRefused(f"{address}: TLS refused ({e.reason or e}): not this pool's certificate") from None
-        except socket.timeout:
+        except TimeoutError:
             sock.close()
             raise PeerTimeout(f"peer at {address} did not answer the TLS handshake") from None
         except OSError as e:
@@ -753,9 +768,16 @@ class ThreadedAcceptor:
     may serve it there, or pass it on). ``max_conns`` bounds connections open at once.
     """
 
-    def __init__(self, bind: str, creds: PoolCredentials, identity: bytes,
-                 on_connection: Callable[[socket.socket, Any], None], name: str, backlog: int = 128,
-                 max_conns: int = 1 << 30):
+    def __init__(
+        self,
+        bind: str,
+        creds: PoolCredentials,
+        identity: bytes,
+        on_connection: Callable[[socket.socket, Any], None],
+        name: str,
+        backlog: int = 128,
+        max_conns: int = 1 << 30,
+    ):
         self.creds, self.identity, self.on_connection = creds, identity, on_connection
         self.max_conns = max_conns
         self.gate = HandshakeGate(name=f"{name}: ")
@@ -828,7 +850,7 @@ IOV_MAX = 512  # parts per sendmsg call, well under the kernel's 1024
 TLS_WRITE = 256 << 10  # a TLS write takes one contiguous buffer: small parts are joined up to this
 
 
-def consume(views: List[memoryview], sent: int) -> None:
+def consume(views: list[memoryview], sent: int) -> None:
     """Drops what a send wrote from ``views``; a partly sent part continues where it stopped."""
     while sent:
         n = views[0].nbytes
@@ -842,7 +864,7 @@ def consume(views: List[memoryview], sent: int) -> None:
         views.pop(0)
 
 
-def send_some(sock: socket.socket, views: List[memoryview]) -> int:
+def send_some(sock: socket.socket, views: list[memoryview]) -> int:
     """One gathered write of the front of ``views``; returns what was sent (see ``consume``).
 
     Plain sockets gather with sendmsg (nothing copied). TLS sockets take one buffer per write:
@@ -853,13 +875,13 @@ def send_some(sock: socket.socket, views: List[memoryview]) -> int:
     if not isinstance(sock, ssl.SSLSocket):
         return sock.sendmsg(views[:IOV_MAX])
     if views[0].nbytes >= TLS_WRITE or len(views) == 1:
-        data: Any = views[0][:TLS_WRITE * 16]
+        data: Any = views[0][: TLS_WRITE * 16]
     else:
         k, total = 0, 0
         while k < len(views) and total + views[k].nbytes <= TLS_WRITE:
             total += views[k].nbytes
             k += 1
-        data = b"".join(views[:max(k, 1)])
+        data = b"".join(views[: max(k, 1)])
     try:
         return sock.send(data)
     except (ssl.SSLWantWriteError, ssl.SSLWantReadError):
@@ -884,7 +906,7 @@ def send_msg(sock: socket.socket, msg: Any) -> None:
     """Blocking write of one frame: the parts are gathered, not joined (see ``send_some``); a
     ``FileRegion`` goes by ``send_region``."""
     parts = [p if isinstance(p, FileRegion) else memoryview(p).cast("B") for p in encode(msg, gathered=True)]
-    views: List[Any] = []
+    views: list[Any] = []
     for p in parts:
         if not isinstance(p, FileRegion):
             if p.nbytes:
@@ -915,7 +937,7 @@ def send_region(sock: socket.socket, region: FileRegion) -> None:
             slice_ = memoryview(bytearray(min(TLS_WRITE * 16, region.size)))
             while sent < region.size:
                 try:
-                    n = os.preadv(f.fileno(), [slice_[:region.size - sent]], region.offset + sent)
+                    n = os.preadv(f.fileno(), [slice_[: region.size - sent]], region.offset + sent)
                 except OSError as e:
                     raise FileRegionError(f"reading {region.path}: {e.strerror or e}") from None
                 if not n:
@@ -925,8 +947,9 @@ def send_region(sock: socket.socket, region: FileRegion) -> None:
                     consume(views, send_some(sock, views))
                 sent += n
     if sent < region.size:
-        raise FileRegionError(f"{region.path} ended {region.size - sent} byte(s) before the part being sent "
-                              "(it shrank meanwhile)")
+        raise FileRegionError(
+            f"{region.path} ended {region.size - sent} byte(s) before the part being sent (it shrank meanwhile)"
+        )
 
 
 class FrameReader:
@@ -944,7 +967,7 @@ class FrameReader:
         frames = self.parser.pending
         while not frames:
             into = self.parser.get_buffer()
-            n = self.sock.recv_into(into[:self.parser.wanted()] if self.exact else into)
+            n = self.sock.recv_into(into[: self.parser.wanted()] if self.exact else into)
             if n == 0:
                 raise PeerClosed("connection closed by peer")
             frames.extend(self.parser.feed(n))
@@ -957,8 +980,15 @@ class Client:
     Not thread-safe: one request in flight at a time (streams included). Open one per thread.
     """
 
-    def __init__(self, host: str, port: int, creds: PoolCredentials, timeout: float = 10.0, identity: bytes = b"",
-                 sock: Optional[socket.socket] = None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        creds: PoolCredentials,
+        timeout: float = 10.0,
+        identity: bytes = b"",
+        sock: socket.socket | None = None,
+    ):
         """``sock``: an already connected stream (a tunnel, e.g. Kubernetes port-forward) to use
         instead of connecting to host:port; TLS and the handshake are the same."""
         self.address = f"{host}:{port}"
@@ -982,13 +1012,13 @@ class Client:
             return ""
         return name[0] if isinstance(name, tuple) and self._sock.family in (socket.AF_INET, socket.AF_INET6) else ""
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def settimeout(self, timeout: Optional[float]) -> None:
+    def settimeout(self, timeout: float | None) -> None:
         self._sock.settimeout(timeout)
 
     def _send(self, msg: dict) -> None:
@@ -1012,7 +1042,7 @@ class Client:
                     yield msg
                     if "item" not in msg:
                         return
-        except socket.timeout:
+        except TimeoutError:
             self.close()  # mid-frame: the stream can no longer be trusted to be in step
             raise PeerTimeout(f"agent at {self.address} timed out on {op!r}") from None
         except (OSError, WireError) as e:

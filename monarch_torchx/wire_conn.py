@@ -13,7 +13,7 @@ import asyncio
 import logging
 import socket
 import ssl
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable
 
 from . import wire
 from .credentials import PoolCredentials
@@ -22,19 +22,24 @@ log = logging.getLogger("monarch_torchx.wire")
 HANDSHAKE_BUF = 4 << 10  # the answer is 80 bytes; the client sends nothing more before the proof
 
 
-async def serve(factory: Callable[[], "AuthenticatedConnection"], host: str, port: int,
-                backlog: int = 256, sock: Optional[socket.socket] = None) -> asyncio.base_events.Server:
+async def serve(
+    factory: Callable[[], AuthenticatedConnection],
+    host: str,
+    port: int,
+    backlog: int = 256,
+    sock: socket.socket | None = None,
+) -> asyncio.base_events.Server:
     """Listens for a pool's connections on an asyncio loop; each is ``factory()``'s protocol,
     which does TLS (where the pool uses it) and the handshake itself, under its gate.
     ``sock``: an already bound socket to listen on instead (one a launcher opened for us)."""
     if sock is not None:
         return await asyncio.get_running_loop().create_server(factory, sock=sock, backlog=backlog)
     if host.startswith(wire.UNIX):
-        return await asyncio.get_running_loop().create_unix_server(factory, host[len(wire.UNIX):], backlog=backlog)
+        return await asyncio.get_running_loop().create_unix_server(factory, host[len(wire.UNIX) :], backlog=backlog)
     return await asyncio.get_running_loop().create_server(factory, host, port, backlog=backlog)
 
 
-def write_frame(transport: asyncio.Transport, parts: List[Any]) -> None:
+def write_frame(transport: asyncio.Transport, parts: list[Any]) -> None:
     """Queues one frame on a transport: small frames joined (one write, one TLS record), large
     ones part by part, so a tensor's memory is not copied into a joined bytes object."""
     if sum(memoryview(p).nbytes for p in parts) < (256 << 10):
@@ -52,11 +57,16 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
     ``gate`` (a HandshakeGate) bounds the handshakes in progress, shared by every connection of
     one server."""
 
-    def __init__(self, gate: wire.HandshakeGate, creds: PoolCredentials, identity: bytes,
-                 alloc: Callable[[int], Any] = wire.big_buffer):
+    def __init__(
+        self,
+        gate: wire.HandshakeGate,
+        creds: PoolCredentials,
+        identity: bytes,
+        alloc: Callable[[int], Any] = wire.big_buffer,
+    ):
         self.gate, self.key, self.identity = gate, creds.key, identity
         self.tls = creds.server_context
-        self.transport: Optional[asyncio.Transport] = None
+        self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.authed = False
         self._hs = bytearray(HANDSHAKE_BUF)  # more than the answer: what follows it is kept, and a
@@ -65,7 +75,7 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
         self._nonce = b""
         self._counted = False  # in the gate's pending handshakes
         self._dropped = False
-        self._timer: Optional[asyncio.TimerHandle] = None
+        self._timer: asyncio.TimerHandle | None = None
         self.parser = wire.FrameParser(alloc=alloc)
 
     # ------------------------------------------------------------ what subclasses add
@@ -73,7 +83,7 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
     def on_authenticated(self) -> None:
         pass
 
-    def on_frame(self, body: Any, bufs: List[Any]) -> None:
+    def on_frame(self, body: Any, bufs: list[Any]) -> None:
         raise NotImplementedError
 
     def on_lost(self) -> None:
@@ -100,8 +110,9 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
 
     async def _start_tls(self, loop: asyncio.AbstractEventLoop, raw: asyncio.Transport) -> None:
         try:
-            tls = await loop.start_tls(raw, self, self.tls, server_side=True,
-                                       ssl_handshake_timeout=wire.HANDSHAKE_TIMEOUT_S)
+            tls = await loop.start_tls(
+                raw, self, self.tls, server_side=True, ssl_handshake_timeout=wire.HANDSHAKE_TIMEOUT_S
+            )
         except (ssl.SSLError, OSError, ConnectionError, asyncio.TimeoutError) as e:
             if not self._dropped:
                 self.drop(f"TLS refused ({getattr(e, 'reason', None) or e or type(e).__name__})")
@@ -144,7 +155,7 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if not self.authed:
-            return memoryview(self._hs)[self._hs_len:]
+            return memoryview(self._hs)[self._hs_len :]
         return self.parser.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -158,14 +169,14 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
                 return
             self._release_slot()
             try:
-                proof = wire.server_check(self.key, self._nonce, bytes(self._hs[:wire.ANSWER_LEN]), self.identity)
+                proof = wire.server_check(self.key, self._nonce, bytes(self._hs[: wire.ANSWER_LEN]), self.identity)
             except wire.WireError as e:
                 self.drop(str(e))
                 return
             self.transport.write(proof)
             self.authed = True
             self.on_authenticated()
-            early = memoryview(self._hs)[wire.ANSWER_LEN:self._hs_len]  # sent right after the answer
+            early = memoryview(self._hs)[wire.ANSWER_LEN : self._hs_len]  # sent right after the answer
             self._hs = bytearray()
             while early.nbytes and self.transport is not None and not self.transport.is_closing():
                 into = self.parser.get_buffer()
@@ -186,7 +197,7 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
         except MemoryError:  # an authenticated peer declared a buffer larger than this host can hold
             self.drop("a frame larger than this host's free memory")
 
-    def eof_received(self) -> Optional[bool]:
+    def eof_received(self) -> bool | None:
         if not self.authed and self._hs_len == 0:
             # connected and closed without a byte: a TCP readiness probe (Kubernetes) or a port check
             log.debug("connection from %s closed before the handshake", self.peer)
@@ -194,7 +205,7 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
             self.gate.note_drop(self.peer, "closed during the handshake")
         return False
 
-    def connection_lost(self, exc: Optional[Exception]) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self._release_slot()
         authed, self.transport = self.authed, None
         if authed:
@@ -204,19 +215,19 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
 class ServerConnection(AuthenticatedConnection):
     """One peer of a ``wire.Server``: requests dispatched as tasks, replies written back."""
 
-    def __init__(self, server: "wire.Server"):
+    def __init__(self, server: wire.Server):
         # handlers get bytearrays (not maps), as they may pickle them again
         super().__init__(server.gate, server.creds, server.identity, alloc=bytearray)
         self.server = server
-        self.tasks: Dict[int, asyncio.Task] = {}
+        self.tasks: dict[int, asyncio.Task] = {}
         self._paused = False
-        self._drained: Optional[asyncio.Future] = None
+        self._drained: asyncio.Future | None = None
 
     def on_authenticated(self) -> None:
         self.server.connections += 1
         self.server.accepted += 1
 
-    def on_frame(self, body: Any, bufs: List[Any]) -> None:
+    def on_frame(self, body: Any, bufs: list[Any]) -> None:
         self._dispatch(wire.check_msg(wire.decode(body, bufs)))
 
     def _dispatch(self, msg: dict) -> None:
@@ -228,7 +239,8 @@ class ServerConnection(AuthenticatedConnection):
             return
         self.server.on_activity(str(msg.get("op")))
         task = asyncio.get_running_loop().create_task(
-            self.server.run_request(self, wire.Peer(self.peer), rid, msg.get("op"), msg.get("args") or {}))
+            self.server.run_request(self, wire.Peer(self.peer), rid, msg.get("op"), msg.get("args") or {})
+        )
         self.tasks[rid] = task
         task.add_done_callback(lambda _t, rid=rid: self.tasks.pop(rid, None))
 
@@ -241,7 +253,7 @@ class ServerConnection(AuthenticatedConnection):
 
     # ------------------------------------------------------------ writing
 
-    def write(self, parts: List[Any]) -> None:
+    def write(self, parts: list[Any]) -> None:
         if self.transport is None or self.transport.is_closing():
             raise ConnectionError("connection closed")
         write_frame(self.transport, parts)

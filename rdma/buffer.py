@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from ..actor.future import Future
 from . import cma, ibverbs
@@ -26,11 +26,11 @@ from .owner import DROP, IBV_CONNECT, READ, WRITE, owner_for
 BACKENDS = ("ibverbs", "tcp", "cma")
 INLINE_MAX = 4 << 20  # same-host copies up to this size run in the caller's thread
 CMA_SPLIT = 4 << 20  # larger same-host copies run as parallel kernel copies
-_state: Dict[str, Any] = {}
+_state: dict[str, Any] = {}
 _lock = threading.Lock()
 
 
-def _forced() -> Optional[str]:
+def _forced() -> str | None:
     v = os.environ.get("MONARCH_TORCHX_RDMA", "").strip().lower()
     if v in ("", "auto"):
         return None
@@ -97,7 +97,7 @@ def _tcp(pool: str) -> Any:
         return client
 
 
-def _current_pool(pool: Optional[str]) -> str:
+def _current_pool(pool: str | None) -> str:
     from ..actor import session
 
     me = session.this_proc()
@@ -119,23 +119,23 @@ class _Handle:
     generation: int
     size: int
     pid: int
-    start_time: Optional[int]
+    start_time: int | None
     host_key: str
     table_address: int
     address: int
-    rkey: Optional[int]
+    rkey: int | None
     owner: str
     readonly: bool
 
     @property
-    def owner_addr(self) -> Tuple[str, int, str]:
+    def owner_addr(self) -> tuple[str, int, str]:
         return (self.host, self.port, self.identity)
 
 
 class RDMABuffer:
     """A region of this process's memory that other processes of the pool may read and write."""
 
-    def __init__(self, data: Any, *, pool: Optional[str] = None, bind: Optional[str] = None):
+    def __init__(self, data: Any, *, pool: str | None = None, bind: str | None = None):
         """``bind``: where this process serves its buffers, when it is not a proc of the pool
         (an agent, a sync client): the address its peers reach it on."""
         from ..actor import context
@@ -157,13 +157,27 @@ class RDMABuffer:
             own.drop(slot, gen)  # nothing registered half-way stays pinned
             raise
         who = context().actor_instance
-        self._h = _Handle(pool, own.host, own.port, own.identity, slot, gen, mem.nbytes, os.getpid(),
-                          cma.start_time(os.getpid()), cma.host_key(), own.table_address, mem.address, rkey,
-                          f"{who.name}[{who.rank.rank}] pid {os.getpid()} on {socket.gethostname()}", mem.readonly)
+        self._h = _Handle(
+            pool,
+            own.host,
+            own.port,
+            own.identity,
+            slot,
+            gen,
+            mem.nbytes,
+            os.getpid(),
+            cma.start_time(os.getpid()),
+            cma.host_key(),
+            own.table_address,
+            mem.address,
+            rkey,
+            f"{who.name}[{who.rank.rank}] pid {os.getpid()} on {socket.gethostname()}",
+            mem.readonly,
+        )
         self._dropped = False
 
     @classmethod
-    def _from_handle(cls, h: _Handle) -> "RDMABuffer":
+    def _from_handle(cls, h: _Handle) -> RDMABuffer:
         buf = cls.__new__(cls)
         buf._h = h
         buf._dropped = False
@@ -207,6 +221,7 @@ class RDMABuffer:
 
         def remote() -> None:
             _tcp(h.pool).request(h.owner_addr, DROP, h.slot, h.generation, 30.0)
+
         _run(fut, [remote])
         return fut
 
@@ -223,13 +238,13 @@ class RDMAAction:
     """A batch of reads and writes, submitted as one unit (they run concurrently)."""
 
     def __init__(self) -> None:
-        self._ops: List[_Op] = []
+        self._ops: list[_Op] = []
 
-    def read_remote(self, dst: Any, src: RDMABuffer, *, offset: int = 0) -> "RDMAAction":
+    def read_remote(self, dst: Any, src: RDMABuffer, *, offset: int = 0) -> RDMAAction:
         self._ops.append(_check(src, local_memory(dst, "read_into dst"), offset, write=False))
         return self
 
-    def write_remote(self, dst: RDMABuffer, src: Any, *, offset: int = 0) -> "RDMAAction":
+    def write_remote(self, dst: RDMABuffer, src: Any, *, offset: int = 0) -> RDMAAction:
         self._ops.append(_check(dst, local_memory(src, "write_from src"), offset, write=True))
         return self
 
@@ -250,7 +265,7 @@ class RDMAAction:
         return fut
 
 
-def _check_overlaps(ops: List["_Op"]) -> None:
+def _check_overlaps(ops: list[_Op]) -> None:
     """Like Monarch: a batch runs concurrently, so it may not both write and use the same bytes."""
     remote = [((op.buf._h.identity, op.buf._h.slot), op.offset, op.offset + op.local.nbytes, op.write) for op in ops]
     local = [(op.local.address, op.local.address + op.local.nbytes, not op.write) for op in ops]  # a read writes dst
@@ -284,10 +299,10 @@ def _check(buf: RDMABuffer, mem: LocalMemory, offset: int, write: bool) -> _Op:
     return _Op(buf, LocalMemory(mem.view[:n], mem.address, False, mem.keepalive), offset, False)
 
 
-def _run(fut: Future[None], jobs: List[Any]) -> None:
+def _run(fut: Future[None], jobs: list[Any]) -> None:
     ex = _executor()
     remaining = [len(jobs)]
-    errors: List[BaseException] = []
+    errors: list[BaseException] = []
     lock = threading.Lock()
 
     def one(job: Any) -> None:
@@ -352,11 +367,12 @@ def _transfer(op: _Op, deadline: float) -> None:
         qp = v.qp_to(h.owner_addr, lambda info: _ibv_exchange(h, info))
         v.transfer(h.owner_addr, qp, h.rkey, h.address, op.local, op.offset, op.write, deadline)
         return
-    _tcp(h.pool).transfer(h.owner_addr, WRITE if op.write else READ, h.slot, h.generation, op.offset,
-                          op.local.view, deadline)
+    _tcp(h.pool).transfer(
+        h.owner_addr, WRITE if op.write else READ, h.slot, h.generation, op.offset, op.local.view, deadline
+    )
 
 
-def _ibv_exchange(h: _Handle, info: Dict[str, Any]) -> Dict[str, Any]:
+def _ibv_exchange(h: _Handle, info: dict[str, Any]) -> dict[str, Any]:
     return _tcp(h.pool).exchange(h.owner_addr, IBV_CONNECT, h.slot, h.generation, info, 30.0)
 
 
@@ -380,7 +396,9 @@ def _transfer_cma(h: _Handle, op: _Op) -> None:
         if not own.owns(h.identity):
             raise RDMAError(f"the buffer's owner ({h.owner}) has exited")
         mem = own.lookup(h.slot, h.generation)  # held: it cannot be freed during the copy
-        src, dst = (op.local.address, mem.address + op.offset) if op.write else (mem.address + op.offset, op.local.address)
+        src, dst = (
+            (op.local.address, mem.address + op.offset) if op.write else (mem.address + op.offset, op.local.address)
+        )
         ctypes.memmove(dst, src, n)
         return
     try:
@@ -403,7 +421,15 @@ def _copy_cma(h: _Handle, op: _Op, n: int) -> None:
     else:  # the copies run in the kernel with the GIL released: use the cores
         parts = min(4, os.cpu_count() or 1, n // CMA_SPLIT)
         step = -(-n // parts)
-        wait_all([_executor("parts").submit(cma.transfer, h.pid, op.local.address + i, h.address + op.offset + i,
-                                            min(step, n - i), op.write) for i in range(0, n, step)])
+        wait_all(
+            [
+                _executor("parts").submit(
+                    cma.transfer, h.pid, op.local.address + i, h.address + op.offset + i, min(step, n - i), op.write
+                )
+                for i in range(0, n, step)
+            ]
+        )
     if cma.generation(h.pid, h.table_address, h.slot) != h.generation:
-        raise RDMAError("the buffer was dropped by its owner during the transfer; the destination may hold partial data")
+        raise RDMAError(
+            "the buffer was dropped by its owner during the transfer; the destination may hold partial data"
+        )

@@ -11,7 +11,6 @@ import ctypes.util
 import errno
 import os
 import socket
-from typing import Optional
 
 from .memory import RDMAError
 
@@ -22,8 +21,14 @@ class _IOVec(ctypes.Structure):
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 for _fn in (_libc.process_vm_readv, _libc.process_vm_writev):
-    _fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.POINTER(_IOVec), ctypes.c_ulong,
-                    ctypes.c_ulong]
+    _fn.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_IOVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IOVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
     _fn.restype = ctypes.c_ssize_t
 CHUNK = 1 << 30
 
@@ -53,7 +58,7 @@ def _read_host_key() -> str:
     return f"{boot}/{pidns}/{socket.gethostname()}"
 
 
-def start_time(pid: int) -> Optional[int]:
+def start_time(pid: int) -> int | None:
     """The process's start time in clock ticks: tells a live owner from a reused pid (None: gone or a zombie)."""
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -19,12 +19,12 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, Tuple
+from typing import Any
 
 from .memory import LocalMemory, RDMAError
 
 DEBIAN_DIST = "/usr/lib/python3/dist-packages"
-_cache: Dict[str, Any] = {}
+_cache: dict[str, Any] = {}
 _lock = threading.Lock()
 
 
@@ -34,8 +34,9 @@ def _import_pyverbs() -> Any:
         import pyverbs.device  # noqa: F401
     except ImportError:
         if not os.path.isdir(os.path.join(DEBIAN_DIST, "pyverbs")):
-            raise RDMAError("pyverbs is not installed: `apt install python3-pyverbs` (it must match the "
-                            "system's rdma-core)") from None
+            raise RDMAError(
+                "pyverbs is not installed: `apt install python3-pyverbs` (it must match the system's rdma-core)"
+            ) from None
         sys.path.append(DEBIAN_DIST)
         try:
             import pyverbs.device  # noqa: F401
@@ -55,15 +56,17 @@ def _import_pyverbs() -> Any:
     return pyverbs
 
 
-def devices() -> Tuple[list, str]:
+def devices() -> tuple[list, str]:
     """(device names, why none) -- never raises."""
     with _lock:
         if "devices" not in _cache:
             try:
                 pv = _import_pyverbs()
                 try:
-                    found = [d.name.decode() if isinstance(d.name, bytes) else str(d.name)
-                             for d in pv.device.get_device_list()]
+                    found = [
+                        d.name.decode() if isinstance(d.name, bytes) else str(d.name)
+                        for d in pv.device.get_device_list()
+                    ]
                     why = "" if found else "no RDMA devices"
                 except Exception as e:  # pyverbs raises rather than returning [] when there are none
                     found, why = [], f"no RDMA device ({type(e).__name__}: {e})"
@@ -99,19 +102,19 @@ class Verbs:
         self.gid = str(self.ctx.query_gid(self.port, self.gid_index))
         e = pv.enums
         self.remote_access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
-        self.mrs: Dict[int, Any] = {}  # owner side: slot -> MR
-        self.qps: Dict[Tuple[str, int], Tuple[Any, Any]] = {}  # reader side: owner (host, port) -> (qp, cq)
+        self.mrs: dict[int, Any] = {}  # owner side: slot -> MR
+        self.qps: dict[tuple[str, int], tuple[Any, Any]] = {}  # reader side: owner (host, port) -> (qp, cq)
         self.peer_qps: list = []  # owner side
         self._qps_lock = threading.Lock()  # never held across the network
         self._peer_lock = threading.Lock()
-        self._connecting: Dict[Tuple[str, int], threading.Lock] = {}
+        self._connecting: dict[tuple[str, int], threading.Lock] = {}
         self._poll_lock = threading.Lock()
-        self._completions: Dict[int, int] = {}  # wr_id -> status, for whoever posted it
+        self._completions: dict[int, int] = {}  # wr_id -> status, for whoever posted it
         self._wr_ids = itertools.count(1)
 
     # ------------------------------------------------------------ memory
 
-    def register(self, slot: int, mem: LocalMemory) -> Tuple[int, int]:
+    def register(self, slot: int, mem: LocalMemory) -> tuple[int, int]:
         mr = self.pv.mr.MR(self.pd, mem.nbytes, self.remote_access, address=mem.address)
         self.mrs[slot] = mr
         return mr.rkey, mem.address
@@ -123,7 +126,7 @@ class Verbs:
 
     # ------------------------------------------------------------ queue pairs
 
-    def _new_qp(self) -> Tuple[Any, Any]:
+    def _new_qp(self) -> tuple[Any, Any]:
         pv = self.pv
         cq = pv.cq.CQ(self.ctx, 256)
         cap = pv.qp.QPCap(max_send_wr=128, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
@@ -132,10 +135,10 @@ class Verbs:
         attr.qp_access_flags = self.remote_access
         return pv.qp.QP(self.pd, init, attr), cq
 
-    def _info(self, qp: Any) -> Dict[str, Any]:
+    def _info(self, qp: Any) -> dict[str, Any]:
         return {"qpn": qp.qp_num, "lid": self.lid, "gid": self.gid, "psn": 0}
 
-    def _connect(self, qp: Any, peer: Dict[str, Any]) -> None:
+    def _connect(self, qp: Any, peer: dict[str, Any]) -> None:
         pv = self.pv
         attr = pv.qp.QPAttr(port_num=self.port)
         attr.qp_access_flags = self.remote_access
@@ -153,7 +156,7 @@ class Verbs:
         attr.ah_attr = pv.addr.AHAttr(dlid=peer["lid"], port_num=self.port, is_global=1, gr=gr)
         qp.to_rts(attr)
 
-    def accept_peer(self, peer: Dict[str, Any]) -> Dict[str, Any]:
+    def accept_peer(self, peer: dict[str, Any]) -> dict[str, Any]:
         """Owner side: a QP for a new reader, connected to its QP."""
         qp, cq = self._new_qp()
         try:
@@ -166,7 +169,7 @@ class Verbs:
             self.peer_qps.append((qp, cq))
         return self._info(qp)
 
-    def qp_to(self, owner: Tuple[str, int, str], handshake: Any) -> Tuple[Any, Any]:
+    def qp_to(self, owner: tuple[str, int, str], handshake: Any) -> tuple[Any, Any]:
         """Reader side: our QP to ``owner``, created and connected on first use (no lock held
         across the exchange: the owner may be this very process)."""
         key = (owner[0], owner[1])
@@ -189,7 +192,7 @@ class Verbs:
                 self.qps[key] = (qp, cq)
             return qp, cq
 
-    def _forget_qp(self, owner: Tuple[str, int, str]) -> None:
+    def _forget_qp(self, owner: tuple[str, int, str]) -> None:
         """An RC QP that saw an error (or a lost completion) is unusable: the next transfer makes a new one."""
         with self._qps_lock:
             pair = self.qps.pop((owner[0], owner[1]), None)
@@ -202,8 +205,17 @@ class Verbs:
 
     # ------------------------------------------------------------ one-sided operations
 
-    def transfer(self, owner: Tuple[str, int, str], qp_cq: Tuple[Any, Any], rkey: int, remote_addr: int,
-                 local: LocalMemory, offset: int, write: bool, deadline: float) -> None:
+    def transfer(
+        self,
+        owner: tuple[str, int, str],
+        qp_cq: tuple[Any, Any],
+        rkey: int,
+        remote_addr: int,
+        local: LocalMemory,
+        offset: int,
+        write: bool,
+        deadline: float,
+    ) -> None:
         pv = self.pv
         qp, cq = qp_cq
         # registered for this transfer only: a cached registration could outlive the memory
@@ -222,8 +234,10 @@ class Verbs:
             for wr_id in ids:
                 status = self._wait(cq, wr_id, deadline)
                 if status != pv.enums.IBV_WC_SUCCESS:
-                    raise RDMAError(f"RDMA {'WRITE' if write else 'READ'} failed: work completion status {status} "
-                                    f"(the owner is gone, or the buffer was dropped)")
+                    raise RDMAError(
+                        f"RDMA {'WRITE' if write else 'READ'} failed: work completion status {status} "
+                        f"(the owner is gone, or the buffer was dropped)"
+                    )
         except RDMAError:
             self._forget_qp(owner)  # after a timeout or an error completion the QP cannot be trusted
             raise
@@ -245,7 +259,9 @@ class Verbs:
                 if wr_id in self._completions:
                     return self._completions.pop(wr_id)
             if time.monotonic() > deadline:
-                raise RDMAError("the RDMA transfer timed out")  # the caller forgets the QP: a late completion dies with it
+                raise RDMAError(
+                    "the RDMA transfer timed out"
+                )  # the caller forgets the QP: a late completion dies with it
             time.sleep(0.00005)
 
 

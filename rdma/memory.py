@@ -35,11 +35,15 @@ def local_memory(obj: Any, what: str = "buffer") -> LocalMemory:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu":
-            raise RDMAError(f"{what}: a {obj.device.type} tensor needs the ibverbs backend with dma-buf, which "
-                            f"this build does not support yet: use a CPU tensor")
+            raise RDMAError(
+                f"{what}: a {obj.device.type} tensor needs the ibverbs backend with dma-buf, which "
+                f"this build does not support yet: use a CPU tensor"
+            )
         if not obj.is_contiguous():
-            raise RDMAError(f"{what}: the tensor is not contiguous (strides {tuple(obj.stride())}); "
-                            f"pass t.contiguous() and keep that copy alive")
+            raise RDMAError(
+                f"{what}: the tensor is not contiguous (strides {tuple(obj.stride())}); "
+                f"pass t.contiguous() and keep that copy alive"
+            )
         flat = obj.detach().reshape(-1).view(torch.uint8)
         arr = flat.numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
         return LocalMemory(memoryview(arr), int(obj.data_ptr()), False, obj)
@@ -48,10 +52,8 @@ def local_memory(obj: Any, what: str = "buffer") -> LocalMemory:
         if not mv.c_contiguous:
             raise RDMAError(f"{what}: the memory is not contiguous; pass a contiguous copy")
         arr = np.frombuffer(mv, dtype=np.uint8) if mv.nbytes else np.empty(0, dtype=np.uint8)
-        return LocalMemory(mv.cast("B") if mv.nbytes else memoryview(b""), int(arr.ctypes.data),
-                           mv.readonly, obj)
-    raise RDMAError(f"{what}: expected a torch tensor, memoryview, bytearray or numpy array, "
-                    f"not {type(obj).__name__}")
+        return LocalMemory(mv.cast("B") if mv.nbytes else memoryview(b""), int(arr.ctypes.data), mv.readonly, obj)
+    raise RDMAError(f"{what}: expected a torch tensor, memoryview, bytearray or numpy array, not {type(obj).__name__}")
 
 
 def wait_all(futures: Any) -> None:

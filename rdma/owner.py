@@ -27,7 +27,7 @@ import struct
 import threading
 import time
 import uuid
-from typing import Any, Deque, Dict, Optional, Tuple
+from typing import Any
 
 from .. import wire
 from .memory import LocalMemory, RDMAError, collapse_to_huge_pages
@@ -50,11 +50,11 @@ def send_error(sock: socket.socket, msg: str) -> None:
 def time_left(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
-        raise socket.timeout("deadline passed")
+        raise TimeoutError("deadline passed")
     return left
 
 
-def recv_exact(sock: socket.socket, view: memoryview, deadline: Optional[float] = None) -> None:
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     """Fills ``view``. With a deadline, it bounds the whole read (a trickle stops there), not each recv."""
     got = 0
     if deadline is not None:
@@ -102,22 +102,23 @@ class Owner:
         self.creds = creds
         self.generations = array.array("I", [0]) * SLOTS  # fixed size: its address never moves
         self.table_address = self.generations.buffer_info()[0]
-        self._buffers: Dict[int, Tuple[int, LocalMemory]] = {}
+        self._buffers: dict[int, tuple[int, LocalMemory]] = {}
         self._free = list(range(SLOTS - 1, 0, -1))
         self._next_gen = 1
         self._lock = threading.Lock()
         self.identity = f"{pool}/rdma/{os.getpid()}/{uuid.uuid4().hex[:8]}"
         self.host = advertise
-        self._huge: Dict[int, threading.Event] = {}
-        self._quarantine: Deque[Tuple[float, LocalMemory]] = collections.deque()
+        self._huge: dict[int, threading.Event] = {}
+        self._quarantine: collections.deque[tuple[float, LocalMemory]] = collections.deque()
         self.ibv: Any = None  # the ibverbs side, when that backend is in use
-        self.acceptor = wire.ThreadedAcceptor(bind, creds, self.identity.encode(), self._serve, name="rdma",
-                                              max_conns=MAX_CONNS)
+        self.acceptor = wire.ThreadedAcceptor(
+            bind, creds, self.identity.encode(), self._serve, name="rdma", max_conns=MAX_CONNS
+        )
         self.port = self.acceptor.port
 
     # ------------------------------------------------------------ the table
 
-    def register(self, mem: LocalMemory) -> Tuple[int, int]:
+    def register(self, mem: LocalMemory) -> tuple[int, int]:
         with self._lock:
             if not self._free:
                 raise RDMAError(f"this process already owns {SLOTS - 1} RDMA buffers: drop() some")
@@ -128,9 +129,11 @@ class Owner:
             self.generations[slot] = gen
             done = self._huge[slot] = threading.Event()
         if mem.nbytes >= HUGE_MIN and not mem.readonly:
+
             def collapse() -> None:  # in the background: transfers meanwhile just run at 4 KiB-page speed
                 collapse_to_huge_pages(mem.address, mem.nbytes)
                 done.set()
+
             threading.Thread(target=collapse, name="monarch-torchx-rdma-hugepages", daemon=True).start()
         else:
             done.set()
@@ -202,9 +205,9 @@ class Owner:
             return
         if op == READ:
             sock.sendall(b"\x00")
-            sock.sendall(mem.view[offset:offset + length])
+            sock.sendall(mem.view[offset : offset + length])
         elif op == WRITE:
-            recv_exact(sock, mem.view[offset:offset + length])
+            recv_exact(sock, mem.view[offset : offset + length])
             sock.sendall(b"\x00")
         elif op == INFO:
             sock.sendall(b"\x00" + struct.pack("!Q", mem.nbytes))
@@ -235,11 +238,11 @@ def _drain(sock: socket.socket, n: int) -> None:
         n -= k
 
 
-_owners: Dict[str, Owner] = {}
+_owners: dict[str, Owner] = {}
 _owners_lock = threading.Lock()
 
 
-def owner_for(pool: str, bind: Optional[str] = None) -> Owner:
+def owner_for(pool: str, bind: str | None = None) -> Owner:
     """This process's owner for ``pool`` (started on first use; ``bind``: the address its data
     plane listens on, for a process that is not a proc, e.g. an agent or a sync client)."""
     with _owners_lock:
@@ -248,9 +251,11 @@ def owner_for(pool: str, bind: Optional[str] = None) -> Owner:
             raise RDMAError(f"this process already serves pool {pool!r}'s buffers on {own.host}, not {bind}")
         if own is None and bind:
             from ..actor import session
+
             own = _owners[pool] = Owner(pool, session.hub_for(pool).creds, bind, bind)
         if own is None:
             from ..actor import session
+
             hub = session.hub_for(pool)
             me = session.this_proc()
             if me is not None and me.pool == pool:

@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 from .. import wire
 from .memory import RDMAError, wait_all
@@ -16,7 +16,7 @@ from .owner import REQ, WRITE, recv_exact, recv_json, recv_status, send_json, ti
 STREAM_MIN = 8 << 20  # a transfer this large is split over several connections
 MAX_STREAMS = 4
 MAX_IDLE = 8  # connections kept per owner between transfers
-Owner = Tuple[str, int, str]
+Owner = tuple[str, int, str]
 
 
 class TcpClient:
@@ -24,7 +24,7 @@ class TcpClient:
 
     def __init__(self, creds: Any):
         self.creds = creds
-        self._idle: Dict[Owner, List[socket.socket]] = {}
+        self._idle: dict[Owner, list[socket.socket]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="monarch-torchx-rdma-tcp")
 
@@ -49,8 +49,10 @@ class TcpClient:
         except wire.PeerTimeout as e:
             raise RDMAError(f"the buffer's owner did not answer in time ({e})") from None
         except wire.WireError as e:
-            raise RDMAError(f"the buffer's owner at {host}:{port} closed or refused the connection "
-                            f"(too busy, gone, or another pool's): {e}") from None
+            raise RDMAError(
+                f"the buffer's owner at {host}:{port} closed or refused the connection "
+                f"(too busy, gone, or another pool's): {e}"
+            ) from None
 
     def _release(self, owner: Owner, sock: socket.socket) -> None:
         with self._lock:
@@ -65,7 +67,7 @@ class TcpClient:
         sock = self._connect(owner, deadline)
         try:
             result = body(sock)
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             sock.close()
             raise RDMAError("the transfer timed out (the owner is busy, hung or unreachable)") from None
         except (ConnectionError, OSError) as e:
@@ -77,8 +79,7 @@ class TcpClient:
         self._release(owner, sock)
         return result
 
-    def _one(self, owner: Owner, op: int, slot: int, gen: int, offset: int, view: memoryview,
-             deadline: float) -> None:
+    def _one(self, owner: Owner, op: int, slot: int, gen: int, offset: int, view: memoryview, deadline: float) -> None:
         def body(sock: socket.socket) -> None:
             sock.settimeout(time_left(deadline))
             sock.sendall(REQ.pack(op, slot, gen, offset, view.nbytes))
@@ -91,18 +92,24 @@ class TcpClient:
                 sock.settimeout(time_left(deadline))
                 recv_status(sock)
                 recv_exact(sock, view, deadline)
+
         self._call(owner, deadline, body)
 
-    def transfer(self, owner: Owner, op: int, slot: int, gen: int, offset: int, view: memoryview,
-                 deadline: float) -> None:
+    def transfer(
+        self, owner: Owner, op: int, slot: int, gen: int, offset: int, view: memoryview, deadline: float
+    ) -> None:
         n = view.nbytes
         streams = 1 if n < STREAM_MIN else min(MAX_STREAMS, n // (STREAM_MIN // 2))
         if streams == 1:
             self._one(owner, op, slot, gen, offset, view, deadline)
             return
         step = -(-n // streams)
-        wait_all([self._pool.submit(self._one, owner, op, slot, gen, offset + i, view[i:i + step], deadline)
-                  for i in range(0, n, step)])
+        wait_all(
+            [
+                self._pool.submit(self._one, owner, op, slot, gen, offset + i, view[i : i + step], deadline)
+                for i in range(0, n, step)
+            ]
+        )
 
     def exchange(self, owner: Owner, op: int, slot: int, gen: int, payload: Any, timeout: float) -> Any:
         """A request with a JSON payload and a JSON answer (the ibverbs queue-pair exchange)."""
@@ -114,6 +121,7 @@ class TcpClient:
             send_json(sock, payload)
             recv_status(sock)
             return recv_json(sock)
+
         return self._call(owner, deadline, body)
 
     def request(self, owner: Owner, op: int, slot: int, gen: int, timeout: float) -> bytes:
@@ -127,4 +135,5 @@ class TcpClient:
             extra = bytearray(8 if op == 3 else 0)
             recv_exact(sock, memoryview(extra), deadline)
             return bytes(extra)
+
         return self._call(owner, deadline, body)

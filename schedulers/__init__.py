@@ -26,7 +26,7 @@ ENGINES = {
 }
 
 
-def provisioner_for(scheduler: str) -> "Provisioner":
+def provisioner_for(scheduler: str) -> Provisioner:
     target = PROVISIONERS.get(scheduler) or ENGINES.get(scheduler)
     if target is None:
         raise MonarchError(f"unknown scheduler {scheduler!r}: use one of {', '.join(PROVISIONERS)}")

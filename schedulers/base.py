@@ -6,6 +6,7 @@ An app handle is ``monarch_local://SESSION/POOL:APP``; the pool part tells any l
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import os
@@ -16,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from torchx.schedulers.api import DescribeAppResponse, ListAppResponse, Scheduler, Stream
 from torchx.schedulers.ids import make_unique
@@ -57,25 +58,30 @@ class MonarchRequest:
     pool: PoolRequest
     app_id: str
     app_name: str
-    roles: List[Dict[str, Any]]
-    replicas: List[ReplicaLaunch] = field(default_factory=list)
-    workspace: Optional[ws.Workspace] = None  # synced to the hosts of role 0 before it starts
-    torchrun: Dict[str, TorchrunPlan] = field(default_factory=dict)  # by role name, torchrun roles only
-    pool_plan: Optional[PoolPlan] = None  # what the run does to the pool, and what it would submit
-    inherited_env: Dict[str, str] = field(default_factory=dict)  # this shell's, under each replica's env
+    roles: list[dict[str, Any]]
+    replicas: list[ReplicaLaunch] = field(default_factory=list)
+    workspace: ws.Workspace | None = None  # synced to the hosts of role 0 before it starts
+    torchrun: dict[str, TorchrunPlan] = field(default_factory=dict)  # by role name, torchrun roles only
+    pool_plan: PoolPlan | None = None  # what the run does to the pool, and what it would submit
+    inherited_env: dict[str, str] = field(default_factory=dict)  # this shell's, under each replica's env
 
     def __repr__(self) -> str:
         spec = ", ".join(f"{k}={v}" for k, v in self.pool.spec.items() if v is not None) or "existing spec"
-        lines = [f"pool {self.pool.name!r} on {self.pool.scheduler} ({spec}; replace={self.pool.replace})",
-                 *([self.pool_plan.render()] if self.pool_plan else []),
-                 f"app {self.app_id}:"]
+        lines = [
+            f"pool {self.pool.name!r} on {self.pool.scheduler} ({spec}; replace={self.pool.replace})",
+            *([self.pool_plan.render()] if self.pool_plan else []),
+            f"app {self.app_id}:",
+        ]
         if self.workspace:
-            lines.append(f"workspace {self.workspace.src} synced to {self.workspace.mount} "
-                         f"(shown below as {ws.MOUNT_TOKEN})")
+            lines.append(
+                f"workspace {self.workspace.src} synced to {self.workspace.mount} (shown below as {ws.MOUNT_TOKEN})"
+            )
         if self.inherited_env:
             cold = cold_env_names(self.inherited_env)
-            lines.append(f"environment: this shell's {len(self.inherited_env)} variables, under each replica's env below"
-                         + (f" ({', '.join(cold)}: read as Python starts; see `{COLD_ENV_DOC}`)" if cold else ""))
+            lines.append(
+                f"environment: this shell's {len(self.inherited_env)} variables, under each replica's env below"
+                + (f" ({', '.join(cold)}: read as Python starts; see `{COLD_ENV_DOC}`)" if cold else "")
+            )
         for role, plan in self.torchrun.items():
             path = "warm torchrun" if plan.warm else "real torchrun"
             retried = f"; --max_retries {plan.restarts}: all its nodes restart together" if plan.restarts else ""
@@ -97,13 +103,12 @@ _NOT_INHERITED = frozenset({"PWD", "OLDPWD", "SHLVL", "_", "HOSTNAME", "TMPDIR",
 COLD_ENV_DOC = "README: Run options, environment"
 
 
-def inherited_env(environ: Mapping[str, str]) -> Dict[str, str]:
+def inherited_env(environ: Mapping[str, str]) -> dict[str, str]:
     """What replicas get of the submitting shell's environment (all of it, but the above)."""
-    return {k: v for k, v in environ.items()
-            if k not in _NOT_INHERITED and not k.startswith(_NOT_INHERITED_PREFIXES)}
+    return {k: v for k, v in environ.items() if k not in _NOT_INHERITED and not k.startswith(_NOT_INHERITED_PREFIXES)}
 
 
-def cold_env_names(env: Mapping[str, str]) -> List[str]:
+def cold_env_names(env: Mapping[str, str]) -> list[str]:
     """The variables of ``env`` an interpreter reads as it starts: a Python replica given a value
     its pool's warm interpreter did not start with is started afresh (cold), not forked warm."""
     from ..agent.forkserver import INIT_ENV
@@ -122,16 +127,18 @@ def _warn_cold_env_once(pool: Pool, env: Mapping[str, str]) -> None:
     with contextlib.suppress(OSError):
         if marker.read_text() == said:
             return
-    _progress(f"note: this shell sets {', '.join(cold)}, read as Python starts: Python replicas whose value "
-              f"differs from the pool's agents' start cold (no warm import); unset them, or create the pool "
-              f"from a shell that sets them ({COLD_ENV_DOC})")
+    _progress(
+        f"note: this shell sets {', '.join(cold)}, read as Python starts: Python replicas whose value "
+        f"differs from the pool's agents' start cold (no warm import); unset them, or create the pool "
+        f"from a shell that sets them ({COLD_ENV_DOC})"
+    )
     with contextlib.suppress(OSError):
         from ..registry import write_private
 
         write_private(marker, said)
 
 
-def split_app_id(app_id: str) -> Tuple[str, str]:
+def split_app_id(app_id: str) -> tuple[str, str]:
     pool, sep, app = app_id.partition(":")
     if not sep or not pool or not app:
         raise MonarchError(f"app id {app_id!r} is not of the form POOL:APP (as printed by `torchx run`)")
@@ -147,7 +154,7 @@ class _SingleFlight:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._running: Dict[str, "Future[Any]"] = {}
+        self._running: dict[str, Future[Any]] = {}
 
     def get(self, key: str, compute: Callable[[], Any]) -> Any:
         with self._lock:
@@ -173,7 +180,7 @@ class _SingleFlight:
 class MonarchScheduler(WorkspaceMixin[None], Scheduler):
     """One TorchX scheduler per pool engine; the engine is the provisioner behind ``backend``."""
 
-    def __init__(self, session_name: str, backend: str, registry: Optional[Registry] = None):
+    def __init__(self, session_name: str, backend: str, registry: Registry | None = None):
         super().__init__(backend, session_name)
         self.registry = registry or Registry()
         self._describes = _SingleFlight()
@@ -184,33 +191,65 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         prov = get_provisioner(self.backend)
         opts = runopts()
         opts.add("pool", type_=str, default="default", help="name of the warm pool to run on; created on first use")
-        opts.add(prov.hosts_option, type_=int, default=None,
-                 help="hosts in the pool (default: the existing pool's size, else the largest role's replicas)")
-        opts.add("replace", type_=bool, default=False,
-                 help="replace the pool when it differs from what is asked (else such a run is refused)")
-        opts.add("idle_timeout", type_=str, default="30m",
-                 help="agents exit after this long with nothing running (e.g. 90s, 30m, 2h; 0 = never)")
-        opts.add("preload", type_=str, default=None,
-                 help="comma-separated modules agents pre-import so Python entrypoints start warm "
-                      "(default: the existing pool's, else torch; none = no preloads)")
-        opts.add("log_max_mb", type_=float, default=REPLICA_MAX_MB,
-                 help="MiB of output each replica keeps on its host; past it the oldest is dropped, and "
-                      "`torchx log` says how much (set when the pool is created)")
-        opts.add("log_pool_max_mb", type_=float, default=POOL_MAX_MB,
-                 help="MiB of replica output the pool keeps in all, each host its share: the oldest output "
-                      "of ended replicas goes first (set when the pool is created)")
-        opts.add("tls", type_=bool, default=None,
-                 help="TLS 1.3 on every connection of the pool, with a certificate made for it (default: "
-                      f"{'on' if prov.tls_default else 'off'} here; on for pools whose hosts are other machines)")
+        opts.add(
+            prov.hosts_option,
+            type_=int,
+            default=None,
+            help="hosts in the pool (default: the existing pool's size, else the largest role's replicas)",
+        )
+        opts.add(
+            "replace",
+            type_=bool,
+            default=False,
+            help="replace the pool when it differs from what is asked (else such a run is refused)",
+        )
+        opts.add(
+            "idle_timeout",
+            type_=str,
+            default="30m",
+            help="agents exit after this long with nothing running (e.g. 90s, 30m, 2h; 0 = never)",
+        )
+        opts.add(
+            "preload",
+            type_=str,
+            default=None,
+            help="comma-separated modules agents pre-import so Python entrypoints start warm "
+            "(default: the existing pool's, else torch; none = no preloads)",
+        )
+        opts.add(
+            "log_max_mb",
+            type_=float,
+            default=REPLICA_MAX_MB,
+            help="MiB of output each replica keeps on its host; past it the oldest is dropped, and "
+            "`torchx log` says how much (set when the pool is created)",
+        )
+        opts.add(
+            "log_pool_max_mb",
+            type_=float,
+            default=POOL_MAX_MB,
+            help="MiB of replica output the pool keeps in all, each host its share: the oldest output "
+            "of ended replicas goes first (set when the pool is created)",
+        )
+        opts.add(
+            "tls",
+            type_=bool,
+            default=None,
+            help="TLS 1.3 on every connection of the pool, with a certificate made for it (default: "
+            f"{'on' if prov.tls_default else 'off'} here; on for pools whose hosts are other machines)",
+        )
         prov.add_run_opts(opts)
         return opts
 
     def workspace_opts(self) -> runopts:
         opts = runopts()
-        opts.add("workspace_mount", type_=str, default=None,
-                 help="sync the workspace (--workspace, default: the current directory; .torchxignore honoured) "
-                      "to this path on the pool's hosts and run role 0 there: relative = in the pool's own sync "
-                      "area, absolute = under an allowed root (/workspace, /env); default: no sync")
+        opts.add(
+            "workspace_mount",
+            type_=str,
+            default=None,
+            help="sync the workspace (--workspace, default: the current directory; .torchxignore honoured) "
+            "to this path on the pool's hosts and run role 0 there: relative = in the pool's own sync "
+            "area, absolute = under an allowed root (/workspace, /env); default: no sync",
+        )
         return opts
 
     def build_workspace_and_update_role(self, role: Role, workspace: str, cfg: Mapping[str, CfgVal]) -> None:
@@ -227,7 +266,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
 
     # ------------------------------------------------------------ submit
 
-    def _pool_request(self, cfg: Dict[str, Any], want_hosts: int) -> PoolRequest:
+    def _pool_request(self, cfg: dict[str, Any], want_hosts: int) -> PoolRequest:
         prov = get_provisioner(self.backend)
         name = check_pool_name(str(cfg.get("pool") or "default"))
         opt = prov.hosts_option
@@ -241,12 +280,12 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         if preload is not None:
             preload = preload_list(str(preload))
         tls = cfg.get("tls")
-        spec: Dict[str, Any] = {"hosts": hosts, "preload": preload, "tls": None if tls is None else bool(tls)}
+        spec: dict[str, Any] = {"hosts": hosts, "preload": preload, "tls": None if tls is None else bool(tls)}
         options = {"idle_timeout": parse_duration(cfg.get("idle_timeout", "30m")), **_log_limits(cfg)}
         prov.pool_spec(cfg, spec, options)
         return PoolRequest(self.backend, name, spec, options, bool(cfg.get("replace")))
 
-    def _submit_dryrun(self, app: AppDef, cfg: Dict[str, Any]) -> AppDryRunInfo:
+    def _submit_dryrun(self, app: AppDef, cfg: dict[str, Any]) -> AppDryRunInfo:
         want_hosts = max(r.num_replicas for r in app.roles) if app.roles else 1
         pool_req = self._pool_request(dict(cfg), want_hosts)
         app_id = make_unique(_SAFE.sub("-", app.name).strip("-.")[:40] or "app")
@@ -262,8 +301,9 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             req.roles.append(role_to_record(role))
             root = ws.MOUNT_TOKEN if workspace else role.image if os.path.isdir(role.image) else (cwd or "")
             for i in range(role.num_replicas):
-                values = macros.Values(img_root=root,
-                                       app_id=f"{pool_req.name}:{app_id}", replica_id=str(i), rank0_env=RANK0_ENV)
+                values = macros.Values(
+                    img_root=root, app_id=f"{pool_req.name}:{app_id}", replica_id=str(i), rank0_env=RANK0_ENV
+                )
                 # only args and env reach a replica: substituting them is what ``values.apply`` does
                 # to them, without its deep copy of the whole role for every replica
                 env = {str(k): values.substitute(str(v)) for k, v in role.env.items()}
@@ -276,9 +316,16 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                         argv = list(plan.argv)
                         # its nodes restart together, as torchrun's restarts: never one alone (see NodePlan)
                         plan.restarts, retries = retries, 0
-                spec = LaunchSpec(app_id=app_id, role=role.name, replica_id=i, argv=argv,
-                                  env=env, inherited_env=inherited, cwd=ws.MOUNT_TOKEN if workspace else cwd,
-                                  max_retries=retries)
+                spec = LaunchSpec(
+                    app_id=app_id,
+                    role=role.name,
+                    replica_id=i,
+                    argv=argv,
+                    env=env,
+                    inherited_env=inherited,
+                    cwd=ws.MOUNT_TOKEN if workspace else cwd,
+                    max_retries=retries,
+                )
                 req.replicas.append(ReplicaLaunch(host_index=i, spec=spec))
         req.pool_plan = plan_pool(pool_req, self.registry, defaults={"hosts": want_hosts, "preload": "torch"})
         return AppDryRunInfo(req, repr)
@@ -287,13 +334,15 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         req: MonarchRequest = dryrun_info.request
         want = max(r.host_index for r in req.replicas) + 1
 
-        def place(pool: Pool) -> List[Tuple[int, LaunchSpec]]:
+        def place(pool: Pool) -> list[tuple[int, LaunchSpec]]:
             """The replicas, ready to start on ``pool`` (on copies: a launch made again places afresh)."""
             n = pool.record.num_hosts
             if want > n:
                 opt = get_provisioner(self.backend).hosts_option
-                raise MonarchError(f"the app needs {want} hosts (one per replica) but pool {pool.name!r} has {n}; "
-                                   f"use -cfg {opt}={want},replace=True or a bigger pool")
+                raise MonarchError(
+                    f"the app needs {want} hosts (one per replica) but pool {pool.name!r} has {n}; "
+                    f"use -cfg {opt}={want},replace=True or a bigger pool"
+                )
             hosts = pool.hosts
             rank0 = hosts[0].host if hosts[0] else "localhost"
             replicas = [ReplicaLaunch(r.host_index, replace(r.spec, env={**r.spec.env})) for r in req.replicas]
@@ -313,15 +362,23 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             return [(r.host_index, r.spec) for r in replicas]
 
         # a workspace is synced before the launch: its hosts are checked before the sync
-        pool, arec = apps.start(req.pool, req.app_id, req.app_name, req.roles, place, self.registry,
-                                defaults={"hosts": want, "preload": "torch"}, progress=_progress,
-                                check_first=req.workspace is not None)
+        pool, arec = apps.start(
+            req.pool,
+            req.app_id,
+            req.app_name,
+            req.roles,
+            place,
+            self.registry,
+            defaults={"hosts": want, "preload": "torch"},
+            progress=_progress,
+            check_first=req.workspace is not None,
+        )
         _warn_cold_env_once(pool, req.inherited_env)
         return f"{pool.name}:{arec.app_id}"
 
     # ------------------------------------------------------------ queries
 
-    def _lookup(self, app_id: str) -> Optional[Tuple[Pool, AppRecord]]:
+    def _lookup(self, app_id: str) -> tuple[Pool, AppRecord] | None:
         """The app on its live pool (one whose record exists, its agents up or not)."""
         try:
             pool_name, app = split_app_id(app_id)
@@ -333,7 +390,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         arec = Registry.get_app(rec, app)
         return (Pool(rec, self.registry), arec) if arec else None
 
-    def _lookup_stopped(self, app_id: str) -> Optional[Tuple[AppRecord, Path]]:
+    def _lookup_stopped(self, app_id: str) -> tuple[AppRecord, Path] | None:
         """The app on a stopped pool of its name (``history.py``): its record and that pool's state dir."""
         with contextlib.suppress(MonarchError):
             pool_name, app = split_app_id(app_id)
@@ -343,12 +400,12 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                     return arec, Path(p.state_dir)
         return None
 
-    def describe(self, app_id: str) -> Optional[DescribeAppResponse]:
+    def describe(self, app_id: str) -> DescribeAppResponse | None:
         """The app's state, asked of its hosts. Threads that ask for one app at once share one
         answer: ``torchx log`` of N replicas runs N threads that each begin with a describe."""
         return self._describes.get(app_id, lambda: self._describe(app_id))
 
-    def _describe(self, app_id: str) -> Optional[DescribeAppResponse]:
+    def _describe(self, app_id: str) -> DescribeAppResponse | None:
         found = self._lookup(app_id)
         failing = False
         if found is not None:
@@ -368,18 +425,27 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         # (failing: not FAILED while replicas run, which TorchX would take as the end)
         resp.state = AppState.RUNNING if failing else AppState[apps.app_state([s["state"] for s in states.values()])]
         resp.num_restarts = sum(max(0, s.get("attempts", 1) - 1) for s in states.values())
-        msgs = [f"{role}/{i}: {s['msg']}" for (role, i), s in states.items() if s.get("msg") and s["state"] != SUCCEEDED]
+        msgs = [
+            f"{role}/{i}: {s['msg']}" for (role, i), s in states.items() if s.get("msg") and s["state"] != SUCCEEDED
+        ]
         resp.msg = "; ".join(msgs)
         for r in arec.roles:
             resp.roles.append(role_from_record(r))
-            replicas = [ReplicaStatus(id=i, state=AppState[states[(r["name"], i)]["state"]], role=r["name"],
-                                      hostname=states[(r["name"], i)]["hostname"])
-                        for i in range(r["num_replicas"]) if (r["name"], i) in states]
+            replicas = [
+                ReplicaStatus(
+                    id=i,
+                    state=AppState[states[(r["name"], i)]["state"]],
+                    role=r["name"],
+                    hostname=states[(r["name"], i)]["hostname"],
+                )
+                for i in range(r["num_replicas"])
+                if (r["name"], i) in states
+            ]
             resp.roles_statuses.append(RoleStatus(role=r["name"], replicas=replicas))
         return resp
 
-    def list(self, cfg: Any = None) -> List[ListAppResponse]:
-        out: List[ListAppResponse] = []
+    def list(self, cfg: Any = None) -> builtins.list[ListAppResponse]:
+        out: list[ListAppResponse] = []
         for rec in self.registry.list(self.backend):
             pool = Pool(rec, self.registry)
             records = Registry.list_apps(rec)
@@ -387,8 +453,13 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             for a in records:
                 states = [seen.get((a.app_id, p.role, p.replica_id), FAILED) for p in a.placement]
                 app_id = f"{rec.name}:{a.app_id}"
-                out.append(ListAppResponse(app_id=app_id, state=AppState[apps.app_state(states)],
-                                           app_handle=f"{self.backend}://{self.session_name}/{app_id}"))
+                out.append(
+                    ListAppResponse(
+                        app_id=app_id,
+                        state=AppState[apps.app_state(states)],
+                        app_handle=f"{self.backend}://{self.session_name}/{app_id}",
+                    )
+                )
         live = {Path(r.state_dir) for r in self.registry.list()}
         for p in self.registry.stopped(scheduler=self.backend):  # their apps, as their recorded ends say
             if Path(p.state_dir) in live:  # (a pool of that name made again in the same dir lists them)
@@ -396,8 +467,13 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             for a in Registry.apps_in(Path(p.state_dir)):
                 states = [s["state"] for s in apps.stopped_states(a, Path(p.state_dir), p.name).values()]
                 app_id = f"{p.name}:{a.app_id}"
-                out.append(ListAppResponse(app_id=app_id, state=AppState[apps.app_state(states)],
-                                           app_handle=f"{self.backend}://{self.session_name}/{app_id}"))
+                out.append(
+                    ListAppResponse(
+                        app_id=app_id,
+                        state=AppState[apps.app_state(states)],
+                        app_handle=f"{self.backend}://{self.session_name}/{app_id}",
+                    )
+                )
         return out
 
     def wait_until_done(self, app_id: str, timeout: float = 30.0) -> None:
@@ -434,9 +510,17 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             apps.kill(pool, arec)
             Registry.delete_app(pool.record, arec.app_id)
 
-    def log_iter(self, app_id: str, role_name: str, k: int = 0, regex: Optional[str] = None,
-                 since: Optional[datetime] = None, until: Optional[datetime] = None,
-                 should_tail: bool = False, streams: Optional[Stream] = None) -> Iterable[str]:
+    def log_iter(
+        self,
+        app_id: str,
+        role_name: str,
+        k: int = 0,
+        regex: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        should_tail: bool = False,
+        streams: Stream | None = None,
+    ) -> Iterable[str]:
         """The replica's lines from its agent; from its files when the agent that ran it is gone
         (the pool idled out, was stopped, or the host restarted) and they are on this file system."""
         stream = streams.value if isinstance(streams, Stream) else (streams or "combined")
@@ -455,9 +539,17 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                 raise MonarchError(f"no app {app_id!r} on {self.backend}; see `torchx list -s {self.backend}`")
             arec, state_dir = stopped
             place = _replica_place(app_id, arec, role_name, k)
-            return _from_files(state_dir, place, arec, names, window,
-                               MonarchError(f"the logs of {role_name}/{k} are gone: its pool "
-                                            f"{split_app_id(app_id)[0]!r} was stopped and its files were removed"))
+            return _from_files(
+                state_dir,
+                place,
+                arec,
+                names,
+                window,
+                MonarchError(
+                    f"the logs of {role_name}/{k} are gone: its pool "
+                    f"{split_app_id(app_id)[0]!r} was stopped and its files were removed"
+                ),
+            )
         pool, arec = found
         place = _replica_place(app_id, arec, role_name, k)
         try:
@@ -465,14 +557,31 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         except MonarchError as e:
             return _from_files(pool.record.path, place, arec, names, window, e)
         client.settimeout(None if should_tail else 60.0)
-        agent_lines = _lines(client.stream("logs", app_id=arec.app_id, role=role_name, replica_id=k, streams=stream,
-                                           since=window[0], until=window[1], regex=regex, follow=should_tail),
-                             client)
+        agent_lines = _lines(
+            client.stream(
+                "logs",
+                app_id=arec.app_id,
+                role=role_name,
+                replica_id=k,
+                streams=stream,
+                since=window[0],
+                until=window[1],
+                regex=regex,
+                follow=should_tail,
+            ),
+            client,
+        )
         return _or_files(agent_lines, pool.record.path, place, arec, names, window)
 
-    def app_logs(self, app_id: str, replicas: List[Tuple[str, int]], regex: Optional[str] = None,
-                 since: Optional[datetime] = None, until: Optional[datetime] = None,
-                 streams: Optional[Stream] = None) -> Iterator[Tuple[str, int, Iterable[str]]]:
+    def app_logs(
+        self,
+        app_id: str,
+        replicas: builtins.list[tuple[str, int]],
+        regex: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        streams: Stream | None = None,
+    ) -> Iterator[tuple[str, int, Iterable[str]]]:
         """The lines so far of each of ``replicas``, in that order: one ``app_logs`` request per
         host, through the relay tree from 32 hosts on, instead of one stream per replica. A
         replica past its host's share of the request's budget, on a host not reached in time, or
@@ -482,13 +591,24 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
 
         if self._lookup(app_id) is None and self._lookup_stopped(app_id) is not None:  # from its files
             for role, k in replicas:
-                yield role, k, _later(lambda r=role, i=k: self.log_iter(app_id, r, i, regex, since, until, False, streams))
+                yield (
+                    role,
+                    k,
+                    _later(lambda r=role, i=k: self.log_iter(app_id, r, i, regex, since, until, False, streams)),
+                )
             return
         pool, arec, where = self._placed(app_id, replicas)
         hosts = sorted({where[r] for r in replicas})
-        outcomes = {i: (value, err) for i, value, err in pool.ask(
-            "app_logs", hosts, timeout=APP_LOGS_TIMEOUT_S, **_log_selection(arec, replicas, regex, since, until, streams),
-            max_bytes=max(APP_LOGS_HOST_MIN, min(APP_LOGS_HOST_MAX, APP_LOGS_TOTAL // len(hosts))))}
+        outcomes = {
+            i: (value, err)
+            for i, value, err in pool.ask(
+                "app_logs",
+                hosts,
+                timeout=APP_LOGS_TIMEOUT_S,
+                **_log_selection(arec, replicas, regex, since, until, streams),
+                max_bytes=max(APP_LOGS_HOST_MIN, min(APP_LOGS_HOST_MAX, APP_LOGS_TOTAL // len(hosts))),
+            )
+        }
         for role, k in replicas:
             host = where[(role, k)]
             value, err = outcomes[host]
@@ -501,7 +621,9 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             else:
                 yield role, k, entry["lines"]
 
-    def _placed(self, app_id: str, replicas: List[Tuple[str, int]]) -> Tuple[Pool, AppRecord, Dict[Tuple[str, int], int]]:
+    def _placed(
+        self, app_id: str, replicas: builtins.list[tuple[str, int]]
+    ) -> tuple[Pool, AppRecord, dict[tuple[str, int], int]]:
         """The app's pool and record, and each of its replicas' host; MonarchError naming what is not there."""
         found = self._lookup(app_id)
         if found is None:
@@ -514,9 +636,15 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             raise MonarchError(f"app {app_id!r} has no replica {', '.join(missing)} (it has {have})")
         return pool, arec, where
 
-    def follow_logs(self, app_id: str, replicas: List[Tuple[str, int]], regex: Optional[str] = None,
-                    since: Optional[datetime] = None, until: Optional[datetime] = None,
-                    streams: Optional[Stream] = None) -> Iterator["LogEvent"]:
+    def follow_logs(
+        self,
+        app_id: str,
+        replicas: builtins.list[tuple[str, int]],
+        regex: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        streams: Stream | None = None,
+    ) -> Iterator[LogEvent]:
         """``torchx log --tail`` of ``replicas``: their lines as they are written, as LogEvents
         (``agent/log_follow.py``), until every replica ended. One stream per group of the relay
         tree's first level, not one per replica; a host that cannot be followed is an ``error``
@@ -533,8 +661,9 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             for role, k in replicas:
                 host = where.get((role, k), -1)
                 try:
-                    yield LogEvent(host, role, k, lines=list(self.log_iter(app_id, role, k, regex, since, until,
-                                                                           False, streams)))
+                    yield LogEvent(
+                        host, role, k, lines=list(self.log_iter(app_id, role, k, regex, since, until, False, streams))
+                    )
                     yield LogEvent(host, role, k, replica_ended=True)
                 except MonarchError as e:
                     yield LogEvent(host, role, k, error=str(e), kind=type(e).__name__)
@@ -545,16 +674,16 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             check_filters(args["streams"], regex)
         except ValueError as e:
             raise MonarchError(str(e)) from None
-        events: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue(1024)  # full: the followers wait
+        events: queue.Queue[dict[str, Any] | None] = queue.Queue(1024)  # full: the followers wait
         hosts = sorted({where[r] for r in replicas})
         if len(hosts) > 1:
             pool.hosts  # noqa: B018 (many hosts: one read of the pool's view, not one file each)
         targets, errors, tunnel = pool.tree_targets(hosts)
         groups = relay.split(targets, relay.FANOUT)
         stop = threading.Event()
-        clients: List[Any] = []
+        clients: list[Any] = []
 
-        def put(ev: Optional[Dict[str, Any]]) -> None:  # never blocks a follower once the reader has gone
+        def put(ev: dict[str, Any] | None) -> None:  # never blocks a follower once the reader has gone
             while not stop.is_set():
                 try:
                     events.put(ev, timeout=0.5)
@@ -562,7 +691,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                 except queue.Full:
                     continue
 
-        def run(group: List[Any]) -> None:
+        def run(group: list[Any]) -> None:
             try:
                 follow_group(group, pool.record.credentials, args, relay.FANOUT, put, stop, clients.append, tunnel)
             finally:
@@ -577,6 +706,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                 put({"host": where[(role, k)], "role": role, "replica_id": k, "error": str(e), "kind": "MonarchError"})
             finally:
                 put(None)
+
         for g in groups:
             threading.Thread(target=run, args=(g,), daemon=True, name="monarch-torchx-log-follow").start()
         left = len(groups)
@@ -589,8 +719,10 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                 """A host that cannot be followed: its replicas that ended (recorded) from their
                 files, when they are on this file system (an idled-out pool); else the error."""
                 mine = [(r, k) for r, k in replicas if where[(r, k)] == i]
-                if mine and all(rk in recorded and _replica_dir(pool.record.path, _replica_place(
-                        app_id, arec, *rk), arec).is_dir() for rk in mine):
+                if mine and all(
+                    rk in recorded and _replica_dir(pool.record.path, _replica_place(app_id, arec, *rk), arec).is_dir()
+                    for rk in mine
+                ):
                     for r, k in mine:
                         lines = list(self.log_iter(app_id, r, k, regex, since, until, False, streams))
                         ended.add((r, k))
@@ -612,8 +744,9 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                     mine = [(r, k) for r, k in replicas if where[(r, k)] == ev.host]
                     for r, k in mine:
                         left += 1
-                        threading.Thread(target=old_agent, args=(r, k), daemon=True,
-                                         name="monarch-torchx-log-follow").start()
+                        threading.Thread(
+                            target=old_agent, args=(r, k), daemon=True, name="monarch-torchx-log-follow"
+                        ).start()
                     continue
                 if ev.replica_ended or (ev.error and ev.role):
                     ended.add((ev.role, ev.replica_id))
@@ -623,15 +756,29 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                 yield ev
             for r, k in replicas:  # each replica ends with its end or its host's failure: anything else is a gap
                 if (r, k) not in ended and where[(r, k)] not in failed_hosts:
-                    yield LogEvent(where[(r, k)], r, k, error=f"its host {where[(r, k)]} stopped following it before "
-                                                              "it ended", kind="LookupError")
+                    yield LogEvent(
+                        where[(r, k)],
+                        r,
+                        k,
+                        error=f"its host {where[(r, k)]} stopped following it before it ended",
+                        kind="LookupError",
+                    )
         finally:
             stop.set()
             for c in list(clients):
                 c.abort()
 
-    def _direct_logs(self, app_id: str, role: str, k: int, host: int, regex: Optional[str],
-                     since: Optional[datetime], until: Optional[datetime], streams: Optional[Stream]) -> Iterator[str]:
+    def _direct_logs(
+        self,
+        app_id: str,
+        role: str,
+        k: int,
+        host: int,
+        regex: str | None,
+        since: datetime | None,
+        until: datetime | None,
+        streams: Stream | None,
+    ) -> Iterator[str]:
         """``log_iter``'s own stream, opened when it is read (not before), its failure naming the replica."""
         try:
             yield from self.log_iter(app_id, role, k, regex, since, until, False, streams)
@@ -652,8 +799,14 @@ def _replica_dir(state_dir: Path, place: Placement, arec: AppRecord) -> Path:
     return Path(state_dir) / "logs" / f"host{place.host_index}" / arec.app_id / place.role / str(place.replica_id)
 
 
-def _from_files(state_dir: Path, place: Placement, arec: AppRecord, names: Tuple[str, ...],
-                window: Tuple[Optional[float], Optional[float], Optional[str]], unavailable: Exception) -> Iterator[str]:
+def _from_files(
+    state_dir: Path,
+    place: Placement,
+    arec: AppRecord,
+    names: tuple[str, ...],
+    window: tuple[float | None, float | None, str | None],
+    unavailable: Exception,
+) -> Iterator[str]:
     """The replica's lines from its files; ``unavailable`` (raised when read) if there are none here."""
     d = _replica_dir(state_dir, place, arec)
     if not d.is_dir():
@@ -661,8 +814,14 @@ def _from_files(state_dir: Path, place: Placement, arec: AppRecord, names: Tuple
     return read_files(d, names, *window)
 
 
-def _or_files(agent_lines: Iterable[str], state_dir: Path, place: Placement, arec: AppRecord,
-              names: Tuple[str, ...], window: Tuple[Optional[float], Optional[float], Optional[str]]) -> Iterator[str]:
+def _or_files(
+    agent_lines: Iterable[str],
+    state_dir: Path,
+    place: Placement,
+    arec: AppRecord,
+    names: tuple[str, ...],
+    window: tuple[float | None, float | None, str | None],
+) -> Iterator[str]:
     """The agent's lines; if the agent cannot give any (it no longer knows the replica: a
     restarted host), the files' instead."""
     it = iter(agent_lines)
@@ -677,20 +836,30 @@ def _or_files(agent_lines: Iterable[str], state_dir: Path, place: Placement, are
     yield from it
 
 
-def _log_selection(arec: AppRecord, replicas: List[Tuple[str, int]], regex: Optional[str],
-                   since: Optional[datetime], until: Optional[datetime], streams: Optional[Stream]) -> Dict[str, Any]:
+def _log_selection(
+    arec: AppRecord,
+    replicas: list[tuple[str, int]],
+    regex: str | None,
+    since: datetime | None,
+    until: datetime | None,
+    streams: Stream | None,
+) -> dict[str, Any]:
     """What an agent's ``app_logs`` and ``app_logs_follow`` take to pick ``replicas``' lines: a role
     and replica ids (None: all of them), the stream, the time window and the filter."""
     roles = {r for r, _ in replicas}
     every = len(replicas) == sum(1 for p in arec.placement if p.role in roles)
-    return {"app_id": arec.app_id, "role": next(iter(roles)) if len(roles) == 1 else None,
-            "replica_ids": None if every else sorted({k for _, k in replicas}),
-            "streams": streams.value if isinstance(streams, Stream) else (streams or "combined"),
-            "since": since.timestamp() if since else None, "until": until.timestamp() if until else None,
-            "regex": regex}
+    return {
+        "app_id": arec.app_id,
+        "role": next(iter(roles)) if len(roles) == 1 else None,
+        "replica_ids": None if every else sorted({k for _, k in replicas}),
+        "streams": streams.value if isinstance(streams, Stream) else (streams or "combined"),
+        "since": since.timestamp() if since else None,
+        "until": until.timestamp() if until else None,
+        "regex": regex,
+    }
 
 
-def _log_limits(cfg: Dict[str, Any]) -> Dict[str, float]:
+def _log_limits(cfg: dict[str, Any]) -> dict[str, float]:
     """The pool's log limits (MiB) from a run's cfg; MonarchError naming one that is not positive."""
     out = {}
     for name, default in (("log_max_mb", REPLICA_MAX_MB), ("log_pool_max_mb", POOL_MAX_MB)):
@@ -713,7 +882,7 @@ def _failed(error: Exception) -> Iterator[str]:
     raise error
 
 
-def _place_torchrun(pool: Pool, role: str, plan: TorchrunPlan, replicas: List[ReplicaLaunch]) -> None:
+def _place_torchrun(pool: Pool, role: str, plan: TorchrunPlan, replicas: list[ReplicaLaunch]) -> None:
     """Tells each node of a warm torchrun its rank and where the role's store is (a port host 0 reserved)."""
     first = min(replicas, key=lambda r: r.spec.replica_id)
     host = pool.hosts[first.host_index]
@@ -721,15 +890,22 @@ def _place_torchrun(pool: Pool, role: str, plan: TorchrunPlan, replicas: List[Re
         raise MonarchError(f"host {first.host_index} of pool {pool.name!r} has no agent")
     port = pool.call(first.host_index, "reserve_port", timeout=10.0, hold_for=first.spec.app_id)
     for r in replicas:
-        r.spec.env[PLAN_ENV] = json.dumps({"node_rank": r.spec.replica_id, "nnodes": plan.nnodes,
-                                           "store_host": host.host, "store_port": port, "restarts": plan.restarts})
+        r.spec.env[PLAN_ENV] = json.dumps(
+            {
+                "node_rank": r.spec.replica_id,
+                "nnodes": plan.nnodes,
+                "store_host": host.host,
+                "store_port": port,
+                "restarts": plan.restarts,
+            }
+        )
 
 
 def _progress(msg: str) -> None:
     print(f"monarch-torchx: {msg}", file=sys.stderr, flush=True)
 
 
-def _lines(batches: Iterable[List[str]], client: Any) -> Iterable[str]:
+def _lines(batches: Iterable[list[str]], client: Any) -> Iterable[str]:
     from ..wire import RemoteError, WireError
 
     try:

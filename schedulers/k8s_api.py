@@ -13,7 +13,7 @@ import re
 import threading
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable
 
 from ..errors import AccessError, MonarchError
 
@@ -37,10 +37,10 @@ def kube_client() -> ModuleType:
 class KubeApi:
     """The official client for one kubeconfig context (or the pod's own service account)."""
 
-    def __init__(self, context: Optional[str] = None):
+    def __init__(self, context: str | None = None):
         k8s = kube_client()
         client, config = k8s.client, k8s.config
-        self.context: Optional[str] = context
+        self.context: str | None = context
         kubeconfig = os.environ.get("KUBECONFIG") or None  # the client reads $KUBECONFIG at import: read it now
         try:
             if os.environ.get("KUBERNETES_SERVICE_HOST") and not kubeconfig and context is None:
@@ -54,16 +54,27 @@ class KubeApi:
                 self.api = config.new_client_from_config(config_file=kubeconfig, context=self.context)
         except config.ConfigException as e:
             where = kubeconfig or "~/.kube/config"
-            raise MonarchError(f"no usable Kubernetes configuration ({where}): {str(e).rstrip('.')}; "
-                               "set KUBECONFIG or run `kubectl config use-context`") from None
+            raise MonarchError(
+                f"no usable Kubernetes configuration ({where}): {str(e).rstrip('.')}; "
+                "set KUBECONFIG or run `kubectl config use-context`"
+            ) from None
         self.server = self.api.configuration.host
         self.core = client.CoreV1Api(self.api)
         self.apps = client.AppsV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
         self.rbac = client.RbacAuthorizationV1Api(self.api)
 
-    def call(self, verb: str, resource: str, namespace: Optional[str], fn: Callable[..., Any], *args: Any,
-             ok: Tuple[int, ...] = (), hints: Optional[Dict[int, str]] = None, **kwargs: Any) -> Any:
+    def call(
+        self,
+        verb: str,
+        resource: str,
+        namespace: str | None,
+        fn: Callable[..., Any],
+        *args: Any,
+        ok: tuple[int, ...] = (),
+        hints: dict[int, str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Runs one API call; statuses in ``ok`` come back as ``None`` instead of an error, and a
         status in ``hints`` adds what the caller knows about that refusal to the one line."""
         from kubernetes.client.exceptions import ApiException
@@ -79,8 +90,10 @@ class KubeApi:
             raise MonarchError(api_error(e, verb, resource, namespace) + (f" ({hint})" if hint else "")) from None
         except (HTTPError, OSError) as e:
             reason = getattr(e, "reason", None) or e
-            raise MonarchError(f"the Kubernetes API server at {self.server} is unreachable ({reason}); "
-                               "check KUBECONFIG, the cluster and your network") from None
+            raise MonarchError(
+                f"the Kubernetes API server at {self.server} is unreachable ({reason}); "
+                "check KUBECONFIG, the cluster and your network"
+            ) from None
 
     def one_off_core(self) -> Any:
         """The core API on a client of its own, with this one's configuration (nothing is read again)."""
@@ -92,7 +105,7 @@ class KubeApi:
         self.api.close()
 
 
-def api_error(e: Any, verb: str, resource: str, namespace: Optional[str]) -> str:
+def api_error(e: Any, verb: str, resource: str, namespace: str | None) -> str:
     try:
         message = json.loads(e.body).get("message", "") if e.body else ""
     except (ValueError, AttributeError):
@@ -100,8 +113,10 @@ def api_error(e: Any, verb: str, resource: str, namespace: Optional[str]) -> str
     message = message or e.reason or f"HTTP {e.status}"
     where = f" in namespace {namespace!r}" if namespace else ""
     if e.status == 403:
-        return (f"Kubernetes RBAC forbids {verb} {resource}{where}: {message} "
-                f"(ask for the right to {verb} {resource}, or use another namespace)")
+        return (
+            f"Kubernetes RBAC forbids {verb} {resource}{where}: {message} "
+            f"(ask for the right to {verb} {resource}, or use another namespace)"
+        )
     if e.status == 401:
         return f"Kubernetes rejected your credentials ({message}): refresh your kubeconfig"
     return f"Kubernetes refused to {verb} {resource}{where}: {message}"
@@ -136,13 +151,17 @@ def tunnel_error(reason: str, namespace: str, pod: str) -> MonarchError:
     except (IndexError, ValueError, AttributeError):
         message = ""
     if status in (401, 403):
-        return AccessError(f"Kubernetes RBAC forbids create pods/portforward in namespace {namespace!r}: "
-                           f"{message or reason} (ask for that right, or use access=pod_ip inside the cluster)")
+        return AccessError(
+            f"Kubernetes RBAC forbids create pods/portforward in namespace {namespace!r}: "
+            f"{message or reason} (ask for that right, or use access=pod_ip inside the cluster)"
+        )
     if status in (400, 404, 409, 500, 503):
         return MonarchError(f"port-forward to pod {namespace}/{pod}: {message or f'HTTP {status}'}")
     if status:
-        return AccessError(f"the API server refused port-forward to pod {namespace}/{pod} (HTTP {status}"
-                           f"{': ' + message if message else ''}); use access=pod_ip from inside the cluster")
+        return AccessError(
+            f"the API server refused port-forward to pod {namespace}/{pod} (HTTP {status}"
+            f"{': ' + message if message else ''}); use access=pod_ip from inside the cluster"
+        )
     return AccessError(f"port-forward to pod {namespace}/{pod} failed: {reason}")
 
 
@@ -158,8 +177,9 @@ def open_portforward(api: KubeApi, namespace: str, pod: str, port: int, timeout:
         try:
             # on a client of its own: ``portforward`` swaps the client's request method for the call's
             # length, and two at once on one client (a fan-out's threads) can leave the swap in place
-            box["forward"] = portforward(api.one_off_core().connect_get_namespaced_pod_portforward, pod, namespace,
-                                         ports=str(port))
+            box["forward"] = portforward(
+                api.one_off_core().connect_get_namespaced_pod_portforward, pod, namespace, ports=str(port)
+            )
         except Exception as e:  # the client wraps websocket failures in ApiException(0) (and then trips on it)
             box["error"] = e if isinstance(e, ApiException) else (e.__context__ or e)
 
@@ -167,8 +187,9 @@ def open_portforward(api: KubeApi, namespace: str, pod: str, port: int, timeout:
     t.start()
     t.join(timeout)
     if t.is_alive():
-        raise AccessError(f"port-forward to pod {namespace}/{pod} did not open within {timeout:.0f} s "
-                          f"(API server {api.server})")
+        raise AccessError(
+            f"port-forward to pod {namespace}/{pod} did not open within {timeout:.0f} s (API server {api.server})"
+        )
     if "error" in box:
         e = box["error"]
         raise tunnel_error(getattr(e, "reason", None) or str(e), namespace, pod)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 log = logging.getLogger("monarch_torchx.agent.k8s_idle")
 
@@ -26,10 +26,10 @@ class IdleWatch:
     def __init__(self, agent: Any, owner: str, limit: float, action: str):
         self.agent, self.owner, self.limit, self.action = agent, owner, limit, action
 
-    def operations(self) -> Dict[str, Any]:
+    def operations(self) -> dict[str, Any]:
         return {}
 
-    def background_tasks(self) -> List[Any]:
+    def background_tasks(self) -> list[Any]:
         return [_watch(self.agent, self.owner, self.limit, self.action)]
 
     def stop(self) -> None:
@@ -54,14 +54,19 @@ async def _watch(agent: Any, owner: str, limit: float, action: str) -> None:
             idle = await loop.run_in_executor(None, _pool_idle_seconds, agent)
             if idle is None or idle < limit or agent.idle_seconds() < limit:  # a run may have started meanwhile
                 continue
-            log.info("pool idle for %.0f s: %s %s", idle, "scaling to zero" if action == "scale_to_zero" else "deleting", owner)
+            log.info(
+                "pool idle for %.0f s: %s %s",
+                idle,
+                "scaling to zero" if action == "scale_to_zero" else "deleting",
+                owner,
+            )
             await loop.run_in_executor(None, _end_pool, owner, action)
             return
         except Exception as e:  # the API or a peer may be briefly unavailable: try again later
             log.warning("idle check failed: %s", e)
 
 
-def _pool_idle_seconds(agent: Any) -> Optional[float]:
+def _pool_idle_seconds(agent: Any) -> float | None:
     """The least idle time over the pool's ready pods; None when a ready peer does not answer
     (a network problem is not idleness: ask again next round)."""
     from .. import wire
@@ -71,8 +76,14 @@ def _pool_idle_seconds(agent: Any) -> Optional[float]:
     namespace = os.environ["MONARCH_TORCHX_POD_NAMESPACE"]
     api = KubeApi()
     try:
-        pods = api.call("list", "pods", namespace, api.core.list_namespaced_pod, namespace,
-                        label_selector=os.environ["MONARCH_TORCHX_K8S_SELECTOR"]).items
+        pods = api.call(
+            "list",
+            "pods",
+            namespace,
+            api.core.list_namespaced_pod,
+            namespace,
+            label_selector=os.environ["MONARCH_TORCHX_K8S_SELECTOR"],
+        ).items
     finally:
         api.close()
     least = agent.idle_seconds()
@@ -81,8 +92,13 @@ def _pool_idle_seconds(agent: Any) -> Optional[float]:
         if i is None or i == agent.index or not pod_ready(pod):
             continue
         try:
-            with wire.Client(pod.status.pod_ip, agent.addr.port, agent.creds, timeout=3.0,
-                             identity=f"{agent.pool}/{i}/{pod.metadata.uid}".encode()) as c:
+            with wire.Client(
+                pod.status.pod_ip,
+                agent.addr.port,
+                agent.creds,
+                timeout=3.0,
+                identity=f"{agent.pool}/{i}/{pod.metadata.uid}".encode(),
+            ) as c:
                 c.settimeout(5.0)
                 least = min(least, float(c.call("info")["idle_s"]))
         except (wire.WireError, wire.RemoteError, OSError, KeyError, ValueError) as e:
@@ -103,8 +119,16 @@ def _end_pool(owner: str, action: str) -> None:
     api = KubeApi()
     try:
         if action == "scale_to_zero" and kind == "StatefulSet":
-            api.call("patch", "statefulsets.apps/scale", namespace, api.apps.patch_namespaced_stateful_set_scale,
-                     name, namespace, {"spec": {"replicas": 0}}, _preload_content=False)
+            api.call(
+                "patch",
+                "statefulsets.apps/scale",
+                namespace,
+                api.apps.patch_namespaced_stateful_set_scale,
+                name,
+                namespace,
+                {"spec": {"replicas": 0}},
+                _preload_content=False,
+            )
         else:
             calls = KubernetesProvisioner()._owner_calls(api, kind)
             api.call("delete", calls["resource"], namespace, calls["delete"], namespace, name, ok=(404,))

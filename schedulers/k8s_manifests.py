@@ -15,7 +15,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from ..agent.logstore import POOL_MAX_MB, REPLICA_MAX_MB
 from ..errors import MonarchError
@@ -61,7 +61,7 @@ def mesh_name(pool: str) -> str:
 
 def label_value(pool: str) -> str:
     """Pool names may hold characters a label value may not: same rule as object_name."""
-    return object_name(pool)[len("monarch-"):]
+    return object_name(pool)[len("monarch-") :]
 
 
 @dataclass
@@ -73,15 +73,15 @@ class KubePoolSpec:
     namespace: str = "default"
     image: str = "ghcr.io/meta-pytorch/monarch-torchx:latest"
     port: int = DEFAULT_PORT
-    cpu: Optional[float] = None
-    mem_mb: Optional[int] = None
-    gpu: Optional[int] = None
-    queue: Optional[str] = None
-    priority_class: Optional[str] = None
-    service_account: Optional[str] = None
-    node_selector: Dict[str, str] = field(default_factory=dict)
-    tolerations: List[Dict[str, Any]] = field(default_factory=list)
-    pod_template: Dict[str, Any] = field(default_factory=dict)
+    cpu: float | None = None
+    mem_mb: int | None = None
+    gpu: int | None = None
+    queue: str | None = None
+    priority_class: str | None = None
+    service_account: str | None = None
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    pod_template: dict[str, Any] = field(default_factory=dict)
     preload: str = "torch"
     idle_timeout: float = 1800.0
     idle_action: str = "delete"
@@ -95,7 +95,7 @@ class KubePoolSpec:
         return mesh_name(self.pool) if self.kind == MESH_KIND else object_name(self.pool)
 
     @property
-    def labels(self) -> Dict[str, str]:
+    def labels(self) -> dict[str, str]:
         return {**MANAGED_BY, POOL_LABEL: label_value(self.pool)}
 
     @property
@@ -110,36 +110,65 @@ class KubePoolSpec:
         return self.service_account or self.name
 
 
-def owner_reference(owner: Dict[str, Any]) -> Dict[str, Any]:
+def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:
     """Makes an object die with the pool's owner object (Kubernetes' garbage collector)."""
     meta = owner["metadata"]
-    return {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": meta["name"], "uid": meta["uid"],
-            "controller": False, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": owner["apiVersion"],
+        "kind": owner["kind"],
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": False,
+        "blockOwnerDeletion": True,
+    }
 
 
-def _meta(spec: KubePoolSpec, name: str, kueue: bool = False) -> Dict[str, Any]:
+def _meta(spec: KubePoolSpec, name: str, kueue: bool = False) -> dict[str, Any]:
     labels = dict(spec.labels)
     if kueue and spec.queue:
         labels[KUEUE_QUEUE_LABEL] = spec.queue
     return {"name": name, "namespace": spec.namespace, "labels": labels}
 
 
-def agent_args(spec: KubePoolSpec) -> List[str]:
+def agent_args(spec: KubePoolSpec) -> list[str]:
     """The agent's command line in each pod; $(VAR) is expanded by the kubelet from the pod's env."""
-    return ["-m", "monarch_torchx.agent", "--state-dir", STATE_DIR, "--pool", spec.pool, "--bind", "0.0.0.0",
-            "--port", str(spec.port), "--advertise", "$(MONARCH_TORCHX_POD_IP)",
-            "--incarnation", "$(MONARCH_TORCHX_POD_UID)", "--token-file", f"{TOKEN_DIR}/token",
-            "--idle-timeout", "0", "--preload", spec.preload, "--module", IDLE_MODULE,
-            "--log-max-mb", str(spec.log_max_mb), "--log-host-max-mb", str(spec.log_host_max_mb)]
+    return [
+        "-m",
+        "monarch_torchx.agent",
+        "--state-dir",
+        STATE_DIR,
+        "--pool",
+        spec.pool,
+        "--bind",
+        "0.0.0.0",
+        "--port",
+        str(spec.port),
+        "--advertise",
+        "$(MONARCH_TORCHX_POD_IP)",
+        "--incarnation",
+        "$(MONARCH_TORCHX_POD_UID)",
+        "--token-file",
+        f"{TOKEN_DIR}/token",
+        "--idle-timeout",
+        "0",
+        "--preload",
+        spec.preload,
+        "--module",
+        IDLE_MODULE,
+        "--log-max-mb",
+        str(spec.log_max_mb),
+        "--log-host-max-mb",
+        str(spec.log_host_max_mb),
+    ]
 
 
-def _field_env(name: str, path: str) -> Dict[str, Any]:
+def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
-def pod_template(spec: KubePoolSpec) -> Dict[str, Any]:
+def pod_template(spec: KubePoolSpec) -> dict[str, Any]:
     """The pod every host of the pool runs: one agent, the pool secret, a node-local state dir."""
-    resources: Dict[str, Dict[str, Any]] = {}
+    resources: dict[str, dict[str, Any]] = {}
     if spec.cpu:
         resources.setdefault("requests", {})["cpu"] = f"{int(spec.cpu * 1000)}m"
         resources.setdefault("limits", {})["cpu"] = f"{int(spec.cpu * 1000)}m"
@@ -160,24 +189,31 @@ def pod_template(spec: KubePoolSpec) -> Dict[str, Any]:
         {"name": "MONARCH_TORCHX_K8S_IDLE_ACTION", "value": spec.idle_action},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
-    container: Dict[str, Any] = {
-        "name": "agent", "image": spec.image, "command": [spec.python], "args": agent_args(spec),
+    container: dict[str, Any] = {
+        "name": "agent",
+        "image": spec.image,
+        "command": [spec.python],
+        "args": agent_args(spec),
         "ports": [{"name": "agent", "containerPort": spec.port, "protocol": "TCP"}],
         "env": env,
         "readinessProbe": {"tcpSocket": {"port": spec.port}, "periodSeconds": 2, "failureThreshold": 3},
-        "volumeMounts": [{"name": "pool-token", "mountPath": TOKEN_DIR, "readOnly": True},
-                         {"name": "state", "mountPath": STATE_VOLUME}],
+        "volumeMounts": [
+            {"name": "pool-token", "mountPath": TOKEN_DIR, "readOnly": True},
+            {"name": "state", "mountPath": STATE_VOLUME},
+        ],
     }
     if resources:
         container["resources"] = resources
-    pod_spec: Dict[str, Any] = {
+    pod_spec: dict[str, Any] = {
         "containers": [container],
         "restartPolicy": "Always",
         "serviceAccountName": spec.account,
         # group-readable through fsGroup: the image runs as UID 1000, Secret files belong to root
         # (Kubernetes gives no other owner); the agent copies them to 0600 files in its 0700 state dir
-        "volumes": [{"name": "pool-token", "secret": {"secretName": f"{spec.name}-token", "defaultMode": 0o440}},
-                    {"name": "state", "emptyDir": {}}],
+        "volumes": [
+            {"name": "pool-token", "secret": {"secretName": f"{spec.name}-token", "defaultMode": 0o440}},
+            {"name": "state", "emptyDir": {}},
+        ],
         "securityContext": {"fsGroup": 1000, "fsGroupChangePolicy": "OnRootMismatch"},
     }
     if spec.priority_class:
@@ -196,7 +232,7 @@ def pod_template(spec: KubePoolSpec) -> Dict[str, Any]:
     return template
 
 
-def overlay(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
+def overlay(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """A ``pod_template`` overlay: dicts merge, lists of named items (containers, volumes, env)
     merge by name, other lists and values replace."""
     out = copy.deepcopy(base)
@@ -204,8 +240,11 @@ def overlay(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
         have = out.get(key)
         if isinstance(have, dict) and isinstance(value, dict):
             out[key] = overlay(have, value)
-        elif isinstance(have, list) and isinstance(value, list) and all(
-                isinstance(v, dict) and "name" in v for v in have + value):
+        elif (
+            isinstance(have, list)
+            and isinstance(value, list)
+            and all(isinstance(v, dict) and "name" in v for v in have + value)
+        ):
             merged = {v["name"]: v for v in have}
             for v in value:
                 merged[v["name"]] = overlay(merged[v["name"]], v) if v["name"] in merged else copy.deepcopy(v)
@@ -215,7 +254,7 @@ def overlay(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def with_owner_env(template: Dict[str, Any], owner: str) -> Dict[str, Any]:
+def with_owner_env(template: dict[str, Any], owner: str) -> dict[str, Any]:
     out = copy.deepcopy(template)
     for c in out["spec"]["containers"]:
         for e in c.get("env", []):
@@ -224,38 +263,52 @@ def with_owner_env(template: Dict[str, Any], owner: str) -> Dict[str, Any]:
     return out
 
 
-def statefulset(spec: KubePoolSpec) -> Dict[str, Any]:
+def statefulset(spec: KubePoolSpec) -> dict[str, Any]:
     return {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(spec, spec.name, kueue=True),
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(spec, spec.name, kueue=True),
         "spec": {
-            "replicas": spec.replicas, "serviceName": spec.name, "podManagementPolicy": "Parallel",
+            "replicas": spec.replicas,
+            "serviceName": spec.name,
+            "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": spec.labels},
             "template": with_owner_env(pod_template(spec), f"apps/v1/statefulsets/{spec.name}"),
         },
     }
 
 
-def monarch_mesh(spec: KubePoolSpec) -> Dict[str, Any]:
+def monarch_mesh(spec: KubePoolSpec) -> dict[str, Any]:
     """The monarch-operator 0.2 CRD: ``podTemplate`` is a pod *template* (metadata + spec), as
     Monarch's own ``KubernetesJob`` sends it. The operator merges its selector labels into the
     template's labels and keeps ours, so the pods carry both. The CRD's metadata knows only labels,
     annotations, finalizers, name and namespace: anything else would be pruned, so it is refused."""
     template = with_owner_env(pod_template(spec), f"{MESH_GROUP}/{MESH_VERSION}/{MESH_PLURAL}/{spec.name}")
     return {
-        "apiVersion": f"{MESH_GROUP}/{MESH_VERSION}", "kind": MESH_KIND, "metadata": _meta(spec, spec.name, kueue=True),
+        "apiVersion": f"{MESH_GROUP}/{MESH_VERSION}",
+        "kind": MESH_KIND,
+        "metadata": _meta(spec, spec.name, kueue=True),
         "spec": {"replicas": spec.replicas, "port": spec.port, "podTemplate": template},
     }
 
 
-def headless_service(spec: KubePoolSpec) -> Dict[str, Any]:
+def headless_service(spec: KubePoolSpec) -> dict[str, Any]:
     """Stable DNS names for a StatefulSet's pods (the mesh operator makes its own, NAME-svc)."""
     meta = _meta(spec, spec.name)
-    return {"apiVersion": "v1", "kind": "Service", "metadata": meta,
-            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": spec.labels,
-                     "ports": [{"name": "agent", "port": spec.port, "targetPort": spec.port, "protocol": "TCP"}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": spec.labels,
+            "ports": [{"name": "agent", "port": spec.port, "targetPort": spec.port, "protocol": "TCP"}],
+        },
+    }
 
 
-def token_secret(spec: KubePoolSpec, token: str, tls_pem: str = "") -> Dict[str, Any]:
+def token_secret(spec: KubePoolSpec, token: str, tls_pem: str = "") -> dict[str, Any]:
     """The pool's secret and, for a TLS pool, its certificate and key (tls.pem)."""
     meta = _meta(spec, f"{spec.name}-token")
     data = {"token": base64.b64encode(token.encode()).decode()}
@@ -264,34 +317,67 @@ def token_secret(spec: KubePoolSpec, token: str, tls_pem: str = "") -> Dict[str,
     return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque", "data": data}
 
 
-def agent_rbac(spec: KubePoolSpec) -> List[Dict[str, Any]]:
+def agent_rbac(spec: KubePoolSpec) -> list[dict[str, Any]]:
     """A service account that may list its pool's pods and delete (or scale) its own owner object,
     nothing more: what agent 0 needs to end an idle pool when no client is around. Scaling goes
     through the ``scale`` subresource, so code in a pod cannot rewrite the pod template."""
     if spec.kind == MESH_KIND:
-        owner_rules = [{"apiGroups": [MESH_GROUP], "resources": [MESH_PLURAL], "resourceNames": [spec.name],
-                        "verbs": ["get", "delete"]}]
+        owner_rules = [
+            {
+                "apiGroups": [MESH_GROUP],
+                "resources": [MESH_PLURAL],
+                "resourceNames": [spec.name],
+                "verbs": ["get", "delete"],
+            }
+        ]
     elif spec.idle_action == "scale_to_zero":
-        owner_rules = [{"apiGroups": ["apps"], "resources": ["statefulsets/scale"], "resourceNames": [spec.name],
-                        "verbs": ["get", "patch"]}]
+        owner_rules = [
+            {
+                "apiGroups": ["apps"],
+                "resources": ["statefulsets/scale"],
+                "resourceNames": [spec.name],
+                "verbs": ["get", "patch"],
+            }
+        ]
     else:
-        owner_rules = [{"apiGroups": ["apps"], "resources": ["statefulsets"], "resourceNames": [spec.name],
-                        "verbs": ["get", "delete"]}]
+        owner_rules = [
+            {
+                "apiGroups": ["apps"],
+                "resources": ["statefulsets"],
+                "resourceNames": [spec.name],
+                "verbs": ["get", "delete"],
+            }
+        ]
     sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(spec, spec.name)}
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(spec, spec.name),
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}, *owner_rules]}
-    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-               "metadata": _meta(spec, spec.name),
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": spec.name},
-               "subjects": [{"kind": "ServiceAccount", "name": spec.name, "namespace": spec.namespace}]}
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(spec, spec.name),
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}, *owner_rules],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(spec, spec.name),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": spec.name},
+        "subjects": [{"kind": "ServiceAccount", "name": spec.name, "namespace": spec.namespace}],
+    }
     return [sa, role, binding]
 
 
 # ---------------------------------------------------------------- schema checks
 
-MODEL_OF = {"StatefulSet": "V1StatefulSet", "Service": "V1Service", "Secret": "V1Secret",
-            "ServiceAccount": "V1ServiceAccount", "Role": "V1Role", "RoleBinding": "V1RoleBinding",
-            "Pod": "V1Pod", "PodTemplateSpec": "V1PodTemplateSpec", "Scale": "V1Scale"}
+MODEL_OF = {
+    "StatefulSet": "V1StatefulSet",
+    "Service": "V1Service",
+    "Secret": "V1Secret",
+    "ServiceAccount": "V1ServiceAccount",
+    "Role": "V1Role",
+    "RoleBinding": "V1RoleBinding",
+    "Pod": "V1Pod",
+    "PodTemplateSpec": "V1PodTemplateSpec",
+    "Scale": "V1Scale",
+}
 
 
 @dataclass
@@ -301,7 +387,7 @@ class _Body:
     data: str
 
 
-def schema_errors(obj: Dict[str, Any], model: Optional[str] = None) -> List[str]:
+def schema_errors(obj: dict[str, Any], model: str | None = None) -> list[str]:
     """Checks ``obj`` against the Kubernetes schema of the official client's models: wrong types
     and missing required fields raise in the models, unknown fields are dropped by them (found by
     comparing the round trip). A MonarchMesh is checked by its CRD's rules, its pod template by
@@ -320,12 +406,12 @@ def schema_errors(obj: Dict[str, Any], model: Optional[str] = None) -> List[str]
     return [f"unknown or invalid field {p}" for p in _unknown(obj, back, "")]
 
 
-def _mesh_errors(obj: Dict[str, Any]) -> List[str]:
+def _mesh_errors(obj: dict[str, Any]) -> list[str]:
     """The rules of the monarch-operator 0.2 CRD (``operator/api/v1alpha1/monarchmesh_types.go``
     in meta-pytorch/monarch-kubernetes): its CEL rule on the name, ``replicas`` >= 1, an integer
     ``port``, and ``podTemplate`` a PodTemplateSpec whose metadata has only the fields the CRD
     declares. Unknown fields are reported, as a strict API server would, not silently pruned."""
-    errs: List[str] = []
+    errs: list[str] = []
     name = obj.get("metadata", {}).get("name", "")
     if not re.match(r"^[a-z][a-z0-9]*$", name) or len(name) > 63:
         errs.append(f"metadata.name {name!r} must be lowercase alphanumeric, starting with a letter")
@@ -337,15 +423,20 @@ def _mesh_errors(obj: Dict[str, Any]) -> List[str]:
         errs.append("spec.port must be an integer")
     template = s.get("podTemplate")
     if not isinstance(template, dict) or not isinstance(template.get("spec"), dict):
-        return errs + [f"spec.podTemplate must be a pod template with metadata and spec (monarch-operator "
-                       f"{MESH_OPERATOR}), not {sorted(template) if isinstance(template, dict) else template!r}"]
+        return errs + [
+            f"spec.podTemplate must be a pod template with metadata and spec (monarch-operator "
+            f"{MESH_OPERATOR}), not {sorted(template) if isinstance(template, dict) else template!r}"
+        ]
     errs += [f"unknown field spec.podTemplate.{k}" for k in template if k not in ("metadata", "spec")]
-    errs += [f"unknown field spec.podTemplate.metadata.{k}" for k in template.get("metadata") or {}
-             if k not in MESH_TEMPLATE_META]
+    errs += [
+        f"unknown field spec.podTemplate.metadata.{k}"
+        for k in template.get("metadata") or {}
+        if k not in MESH_TEMPLATE_META
+    ]
     return errs + [f"spec.podTemplate: {e}" for e in schema_errors(template, "V1PodTemplateSpec")]
 
 
-def _unknown(sent: Any, kept: Any, path: str) -> List[str]:
+def _unknown(sent: Any, kept: Any, path: str) -> list[str]:
     if isinstance(sent, dict):
         out = []
         for k, v in sent.items():
@@ -359,8 +450,10 @@ def _unknown(sent: Any, kept: Any, path: str) -> List[str]:
     return []
 
 
-def check(obj: Dict[str, Any]) -> None:
+def check(obj: dict[str, Any]) -> None:
     errs = schema_errors(obj)
     if errs:
-        raise MonarchError(f"the {obj.get('kind')} for pool objects {obj['metadata'].get('name')!r} is invalid: "
-                           f"{'; '.join(errs[:3])} (check pod_template and the other run options)")
+        raise MonarchError(
+            f"the {obj.get('kind')} for pool objects {obj['metadata'].get('name')!r} is invalid: "
+            f"{'; '.join(errs[:3])} (check pod_template and the other run options)"
+        )

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any
 
 from . import k8s_manifests as mf
 
 # container states that will not get better by waiting: the pool fails at once, with the reason.
 # (ErrImagePull is not one: a registry hiccup or a slow large image often clears on the next try;
 # Kubernetes moves it to ImagePullBackOff when it does not.)
-FATAL_WAITING = ("ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull", "CreateContainerConfigError",
-                 "CreateContainerError", "CrashLoopBackOff")
+FATAL_WAITING = (
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "ErrImageNeverPull",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "CrashLoopBackOff",
+)
 KUEUE_GATE = "kueue.x-k8s.io/admission"
 
 
-def pod_index(pod: Any) -> Optional[int]:
+def pod_index(pod: Any) -> int | None:
     labels = pod.metadata.labels or {}
     raw = labels.get(mf.POD_INDEX_LABEL) or pod.metadata.name.rsplit("-", 1)[-1]
     return int(raw) if str(raw).isdigit() else None
@@ -30,7 +36,7 @@ def gated(pod: Any) -> bool:
     return bool(pod.spec and any(g.name == KUEUE_GATE for g in pod.spec.scheduling_gates or []))
 
 
-def pod_problem(pod: Any) -> Tuple[str, bool]:
+def pod_problem(pod: Any) -> tuple[str, bool]:
     """(what is wrong with a pod that is not ready, whether waiting cannot fix it)."""
     st = pod.status
     name = pod.metadata.name

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable
 
 from .. import procfs
 from ..agent import agent_argv
@@ -60,9 +60,11 @@ def check_local_hosts(n: int) -> None:
     raw = os.environ.get(MAX_HOSTS_ENV, "")
     limit = int(raw) if raw.isdigit() else MAX_HOSTS_DEFAULT
     if n > limit:
-        raise MonarchError(f"monarch_local would start {n} agent processes on this machine (one per host; "
-                           f"the limit is {limit}, docs/scale.md): use fewer replicas or hosts, or "
-                           f"set {MAX_HOSTS_ENV}={n} to allow it")
+        raise MonarchError(
+            f"monarch_local would start {n} agent processes on this machine (one per host; "
+            f"the limit is {limit}, docs/scale.md): use fewer replicas or hosts, or "
+            f"set {MAX_HOSTS_ENV}={n} to allow it"
+        )
 
 
 class LocalProvisioner:
@@ -75,7 +77,7 @@ class LocalProvisioner:
     def add_run_opts(self, opts: Any) -> None:
         pass
 
-    def pool_spec(self, cfg: Dict[str, Any], spec: Dict[str, Any], options: Dict[str, Any]) -> None:
+    def pool_spec(self, cfg: dict[str, Any], spec: dict[str, Any], options: dict[str, Any]) -> None:
         pass
 
     def create(self, rec: PoolRecord) -> None:
@@ -84,14 +86,17 @@ class LocalProvisioner:
 
     def submission(self, rec: PoolRecord) -> Submission:
         check_local_hosts(rec.num_hosts)  # (a dry run, and every run's plan for a pool it would create)
-        return Submission("processes", commands=[self._argv(rec, i) for i in range(rec.num_hosts)],
-                          notes=[f"one agent per host on this machine; logs in {rec.state_dir}/logs"])
+        return Submission(
+            "processes",
+            commands=[self._argv(rec, i) for i in range(rec.num_hosts)],
+            notes=[f"one agent per host on this machine; logs in {rec.state_dir}/logs"],
+        )
 
     @staticmethod
-    def _argv(rec: PoolRecord, index: int) -> List[str]:
+    def _argv(rec: PoolRecord, index: int) -> list[str]:
         return agent_argv(rec, index, "127.0.0.1")
 
-    def repair(self, rec: PoolRecord, indices: List[int]) -> List[int]:
+    def repair(self, rec: PoolRecord, indices: list[int]) -> list[int]:
         for i in indices:
             pid = rec.allocation.get("pids", {}).get(str(i))
             if pid and _is_our_agent(pid, rec.state_dir):
@@ -100,38 +105,47 @@ class LocalProvisioner:
         self._start(rec, indices)
         return indices
 
-    def loss_reason(self, rec: PoolRecord) -> Optional[str]:
+    def loss_reason(self, rec: PoolRecord) -> str | None:
         return None
 
-    def host_gone(self, rec: PoolRecord, addr: HostAddr) -> Optional[str]:
+    def host_gone(self, rec: PoolRecord, addr: HostAddr) -> str | None:
         """The engine's evidence for one host: its agent process is not running any more."""
         pid = rec.allocation.get("pids", {}).get(str(addr.index)) or addr.pid
         if pid and not _is_our_agent(pid, rec.state_dir):
             return f"agent {addr.index} (pid {pid}) is not running"
         return None
 
-    def describe(self, rec: PoolRecord) -> Dict[str, Any]:
+    def describe(self, rec: PoolRecord) -> dict[str, Any]:
         return {"agents": rec.allocation.get("pids", {})}
 
-    def _start(self, rec: PoolRecord, indices: List[int]) -> None:
-        pids: Dict[str, Any] = rec.allocation.setdefault("pids", {})
+    def _start(self, rec: PoolRecord, indices: list[int]) -> None:
+        pids: dict[str, Any] = rec.allocation.setdefault("pids", {})
         for i in indices:
             Registry.clear_host(rec, i)
             log_path = Path(rec.state_dir) / "logs" / f"agent{i}.log"
             with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as logf:
                 # in the pool's own (private) directory, not the client's cwd (see interpreter.py)
-                proc = subprocess.Popen(self._argv(rec, i), stdin=subprocess.DEVNULL, stdout=logf, cwd=rec.state_dir,
-                                        stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+                proc = subprocess.Popen(
+                    self._argv(rec, i),
+                    stdin=subprocess.DEVNULL,
+                    stdout=logf,
+                    cwd=rec.state_dir,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    close_fds=True,
+                )
             pids[str(i)] = proc.pid
 
-    def wait_ready(self, rec: PoolRecord, indices: List[int], old: Dict[int, str], timeout: float,
-                   progress: Callable[[str], None]) -> None:
-        def check(i: int) -> Optional[str]:
+    def wait_ready(
+        self, rec: PoolRecord, indices: list[int], old: dict[int, str], timeout: float, progress: Callable[[str], None]
+    ) -> None:
+        def check(i: int) -> str | None:
             pid = rec.allocation.get("pids", {}).get(str(i))
             if pid and not _alive(pid):
                 log = Path(rec.state_dir) / "logs" / f"agent{i}.log"
                 return f"agent {i} exited ({_tail(log) or 'no output'}); log: {log}"
             return None
+
         wait_for_hosts(rec, indices, old, timeout, check)
 
     def release(self, rec: PoolRecord) -> None:
@@ -150,7 +164,7 @@ class LocalProvisioner:
         if killed:
             self.end_leftovers(rec, killed)
 
-    def end_leftovers(self, rec: PoolRecord, lost: List[int]) -> List[str]:
+    def end_leftovers(self, rec: PoolRecord, lost: list[int]) -> list[str]:
         """The hosts are this machine: their leftovers are ended here, in this process."""
         from ..agent.leftovers import end_host
         from ..syncfs.host import pool_id

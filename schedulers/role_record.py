@@ -10,16 +10,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Dict
+from typing import Any
 
 from torchx.specs import Resource, RetryPolicy, Role
 
-_KEPT = ("name", "image", "entrypoint", "args", "num_replicas", "min_replicas", "env", "max_retries", "port_map",
-         "metadata")
+_KEPT = (
+    "name",
+    "image",
+    "entrypoint",
+    "args",
+    "num_replicas",
+    "min_replicas",
+    "env",
+    "max_retries",
+    "port_map",
+    "metadata",
+)
 
 
-def role_to_record(role: Role) -> Dict[str, Any]:
-    rec: Dict[str, Any] = {k: getattr(role, k) for k in _KEPT if hasattr(role, k)}
+def role_to_record(role: Role) -> dict[str, Any]:
+    rec: dict[str, Any] = {k: getattr(role, k) for k in _KEPT if hasattr(role, k)}
     rec["args"], rec["env"], rec["port_map"] = list(role.args), dict(role.env), dict(role.port_map)
     rec["retry_policy"] = role.retry_policy.name
     rec["resource"] = {f.name: getattr(role.resource, f.name) for f in dataclasses.fields(role.resource)}
@@ -28,7 +38,7 @@ def role_to_record(role: Role) -> Dict[str, Any]:
     return rec
 
 
-def role_from_record(rec: Dict[str, Any]) -> Role:
+def role_from_record(rec: dict[str, Any]) -> Role:
     known = {f.name for f in dataclasses.fields(Role)}
     kwargs = {k: rec[k] for k in _KEPT if k in rec and k in known}
     if "retry_policy" in rec:
@@ -39,7 +49,7 @@ def role_from_record(rec: Dict[str, Any]) -> Role:
     return Role(**kwargs)
 
 
-def _jsonable(meta: Dict[str, Any]) -> Dict[str, Any]:
+def _jsonable(meta: dict[str, Any]) -> dict[str, Any]:
     """The metadata entries that survive JSON (others are the submitting process's own objects)."""
     out = {}
     for k, v in meta.items():

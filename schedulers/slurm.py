@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable
 
 from ..agent import agent_argv
 from ..errors import MonarchError, StartTimeout
@@ -30,9 +30,22 @@ SPEC_OPTS = ("partition", "account", "qos", "constraint", "gpus_per_node", "cpus
 PLAIN_OPTS = ("time", "comment", "mail-user", "mail-type", "job_dir", "start_timeout")
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 # pending reasons that will not resolve by waiting: fail at once instead of an endless PENDING
-_HOPELESS = ("PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints", "InvalidAccount",
-             "InvalidQOS", "AccountNotAllowed", "QOSMaxNodePerJobLimit", "QOSMaxWallDurationPerJobLimit",
-             "QOSMaxGRESPerJob", "JobHeldAdmin", "PartitionDown", "PartitionInactive", "NodeDown")
+_HOPELESS = (
+    "PartitionNodeLimit",
+    "PartitionTimeLimit",
+    "PartitionConfig",
+    "BadConstraints",
+    "InvalidAccount",
+    "InvalidQOS",
+    "AccountNotAllowed",
+    "QOSMaxNodePerJobLimit",
+    "QOSMaxWallDurationPerJobLimit",
+    "QOSMaxGRESPerJob",
+    "JobHeldAdmin",
+    "PartitionDown",
+    "PartitionInactive",
+    "NodeDown",
+)
 _ALIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
 
 
@@ -62,7 +75,7 @@ def _human(seconds: int) -> str:
     return " ".join(p for p in parts if p)
 
 
-def _slurm_config_defaults() -> Dict[str, Any]:
+def _slurm_config_defaults() -> dict[str, Any]:
     """Values of a ``[slurm]`` section in .torchxconfig (cwd), cast as TorchX's slurm casts them.
 
     Read quietly: TorchX's ``config.apply`` logs "loaded configs from ..." at each call, and this
@@ -72,7 +85,7 @@ def _slurm_config_defaults() -> Dict[str, Any]:
     try:
         from torchx.runner import config
 
-        cfg: Dict[str, Any] = {}
+        cfg: dict[str, Any] = {}
         log = logging.getLogger(config.__name__)
         level = log.level
         log.setLevel(logging.WARNING)
@@ -85,18 +98,22 @@ def _slurm_config_defaults() -> Dict[str, Any]:
         return {}
 
 
-def _run(argv: List[str], timeout: float = 30) -> Tuple[int, str, str]:
+def _run(argv: list[str], timeout: float = 30) -> tuple[int, str, str]:
     if shutil.which(argv[0]) is None:
-        raise MonarchError(f"{argv[0]} not found on PATH: monarch_slurm needs the SLURM client commands "
-                           "(sbatch, squeue, scancel) on this machine")
+        raise MonarchError(
+            f"{argv[0]} not found on PATH: monarch_slurm needs the SLURM client commands "
+            "(sbatch, squeue, scancel) on this machine"
+        )
     try:
         res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise MonarchError(f"`{' '.join(argv[:2])} ...` did not answer within {timeout:.0f} s: is slurmctld up?") from None
+        raise MonarchError(
+            f"`{' '.join(argv[:2])} ...` did not answer within {timeout:.0f} s: is slurmctld up?"
+        ) from None
     return res.returncode, res.stdout.strip(), res.stderr.strip()
 
 
-def job_state(job_id: str) -> Tuple[str, str, str]:
+def job_state(job_id: str) -> tuple[str, str, str]:
     """(state, reason, time left) of a job; state from sacct once squeue forgot it ("" if unknown)."""
     rc, out, _ = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r|%L"])
     if rc == 0 and out:
@@ -132,24 +149,36 @@ class SlurmProvisioner:
     def add_run_opts(self, opts: Any) -> None:
         d = _slurm_config_defaults()
         opts.add("partition", type_=str, default=d.get("partition"), help="SLURM partition (default: the cluster's)")
-        opts.add("time", type_=str, default=d.get("time"),
-                 help="walltime of the pool's allocation, SLURM format (e.g. 30, 02:00:00, 1-00:00:00)")
+        opts.add(
+            "time",
+            type_=str,
+            default=d.get("time"),
+            help="walltime of the pool's allocation, SLURM format (e.g. 30, 02:00:00, 1-00:00:00)",
+        )
         opts.add("account", type_=str, default=d.get("account"), help="SLURM account to charge")
         opts.add("qos", type_=str, default=d.get("qos"), help="SLURM quality of service")
         opts.add("constraint", type_=str, default=d.get("constraint"), help="SLURM node feature constraint")
         opts.add("comment", type_=str, default=d.get("comment"), help="comment set on the allocation")
         opts.add("mail-user", type_=str, default=d.get("mail-user"), help="user to mail on allocation events")
         opts.add("mail-type", type_=str, default=d.get("mail-type"), help="allocation events to mail about")
-        opts.add("job_dir", type_=str, default=d.get("job_dir"),
-                 help="shared directory for the pool's state and logs (default: the registry home)")
+        opts.add(
+            "job_dir",
+            type_=str,
+            default=d.get("job_dir"),
+            help="shared directory for the pool's state and logs (default: the registry home)",
+        )
         opts.add("gpus_per_node", type_=int, default=None, help="GPUs per node of the allocation")
         opts.add("cpus_per_task", type_=int, default=None, help="CPUs for each node's agent and its processes")
         opts.add("mem", type_=str, default=None, help="memory per node, SLURM format (e.g. 16G)")
         opts.add("exclusive", type_=bool, default=False, help="whole nodes for the pool (sbatch --exclusive)")
-        opts.add("start_timeout", type_=str, default="10m",
-                 help="give up when the allocation is not running its agents after this long (e.g. 5m)")
+        opts.add(
+            "start_timeout",
+            type_=str,
+            default="10m",
+            help="give up when the allocation is not running its agents after this long (e.g. 5m)",
+        )
 
-    def pool_spec(self, cfg: Dict[str, Any], spec: Dict[str, Any], options: Dict[str, Any]) -> None:
+    def pool_spec(self, cfg: dict[str, Any], spec: dict[str, Any], options: dict[str, Any]) -> None:
         for k in SPEC_OPTS:
             v = cfg.get(k)
             spec[k] = v if v not in ("", False) else None
@@ -162,20 +191,41 @@ class SlurmProvisioner:
 
     # ------------------------------------------------------------ allocation
 
-    def _sbatch_argv(self, rec: PoolRecord, script: Path) -> List[str]:
+    def _sbatch_argv(self, rec: PoolRecord, script: Path) -> list[str]:
         spec, opt = rec.spec, rec.options
-        argv = ["sbatch", "--parsable", "-J", f"monarch-{rec.name}", "-N", str(rec.num_hosts),
-                "--ntasks-per-node=1", "-o", str(Path(rec.state_dir) / "logs" / "slurm-%j.out"),
-                "-D", rec.state_dir]
-        flags = {"partition": "-p", "account": "-A", "qos": "--qos", "constraint": "-C",
-                 "gpus_per_node": "--gpus-per-node", "cpus_per_task": "--cpus-per-task", "mem": "--mem"}
+        argv = [
+            "sbatch",
+            "--parsable",
+            "-J",
+            f"monarch-{rec.name}",
+            "-N",
+            str(rec.num_hosts),
+            "--ntasks-per-node=1",
+            "-o",
+            str(Path(rec.state_dir) / "logs" / "slurm-%j.out"),
+            "-D",
+            rec.state_dir,
+        ]
+        flags = {
+            "partition": "-p",
+            "account": "-A",
+            "qos": "--qos",
+            "constraint": "-C",
+            "gpus_per_node": "--gpus-per-node",
+            "cpus_per_task": "--cpus-per-task",
+            "mem": "--mem",
+        }
         for k, flag in flags.items():
             if spec.get(k) not in (None, ""):
                 argv += [flag, str(spec[k])]
         if spec.get("exclusive"):
             argv.append("--exclusive")
-        for k, flag in (("time", "-t"), ("comment", "--comment"), ("mail-user", "--mail-user"),
-                        ("mail-type", "--mail-type")):
+        for k, flag in (
+            ("time", "-t"),
+            ("comment", "--comment"),
+            ("mail-user", "--mail-user"),
+            ("mail-type", "--mail-type"),
+        ):
             if opt.get(k):
                 argv += [flag, str(opt[k])]
         return argv + [str(script)]
@@ -184,14 +234,20 @@ class SlurmProvisioner:
     def batch_script(rec: PoolRecord) -> str:
         """The batch script: one ``srun`` step with one agent per node."""
         agent = " ".join(shlex.quote(a) for a in agent_argv(rec, index=None, bind="0.0.0.0"))
-        return ("#!/bin/bash\n"
-                f"# monarch-torchx pool {rec.name}: one agent per node; agents exit when idle or told to stop\n"
-                f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {agent}\n")
+        return (
+            "#!/bin/bash\n"
+            f"# monarch-torchx pool {rec.name}: one agent per node; agents exit when idle or told to stop\n"
+            f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {agent}\n"
+        )
 
     def submission(self, rec: PoolRecord) -> Submission:
         script = Path(rec.state_dir) / "pool.sbatch"
-        return Submission("sbatch", commands=[self._sbatch_argv(rec, script)], script=self.batch_script(rec),
-                          notes=[f"the batch script is written to {script} (0700) before sbatch runs"])
+        return Submission(
+            "sbatch",
+            commands=[self._sbatch_argv(rec, script)],
+            script=self.batch_script(rec),
+            notes=[f"the batch script is written to {script} (0700) before sbatch runs"],
+        )
 
     def _submit(self, rec: PoolRecord) -> None:
         for i in range(rec.num_hosts):  # an address left from an earlier allocation is not this one's
@@ -208,7 +264,7 @@ class SlurmProvisioner:
     def create(self, rec: PoolRecord) -> None:
         self._submit(rec)
 
-    def repair(self, rec: PoolRecord, indices: List[int]) -> List[int]:
+    def repair(self, rec: PoolRecord, indices: list[int]) -> list[int]:
         """An agent cannot be re-added to a running allocation: replace the allocation."""
         self._cancel(rec)
         self._submit(rec)
@@ -219,7 +275,7 @@ class SlurmProvisioner:
         if job and shutil.which("scancel"):
             _run(["scancel", str(job)])
 
-    def end_leftovers(self, rec: PoolRecord, lost: List[int]) -> List[str]:
+    def end_leftovers(self, rec: PoolRecord, lost: list[int]) -> list[str]:
         """A job step on each lost host's node (the allocation still runs: its other agents do)
         ends what the dead agent left there, in that node's mount namespace."""
         from ..syncfs.host import pool_id
@@ -233,12 +289,33 @@ class SlurmProvisioner:
             h = hosts[i] if i < len(hosts) else None
             if h is None or not h.hostname:
                 continue
-            argv = ["srun", f"--jobid={job}", "--overlap", "-N1", "-n1", f"--nodelist={h.hostname.split('.')[0]}",
-                    "--quiet", f"--chdir={rec.state_dir}",
-                    *module_argv("monarch_torchx.agent.leftovers", "--pool", rec.name, "--pool-id", pool_id(rec.key),
-                                 "--index", str(i))]
-            steps.append((i, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                              stdin=subprocess.DEVNULL)))
+            argv = [
+                "srun",
+                f"--jobid={job}",
+                "--overlap",
+                "-N1",
+                "-n1",
+                f"--nodelist={h.hostname.split('.')[0]}",
+                "--quiet",
+                f"--chdir={rec.state_dir}",
+                *module_argv(
+                    "monarch_torchx.agent.leftovers",
+                    "--pool",
+                    rec.name,
+                    "--pool-id",
+                    pool_id(rec.key),
+                    "--index",
+                    str(i),
+                ),
+            ]
+            steps.append(
+                (
+                    i,
+                    subprocess.Popen(
+                        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL
+                    ),
+                )
+            )
         found = []
         for i, step in steps:
             try:
@@ -266,13 +343,14 @@ class SlurmProvisioner:
         if job_state(job)[0] in _ALIVE:
             self._cancel(rec)
 
-    def wait_ready(self, rec: PoolRecord, indices: List[int], old: Dict[int, str], timeout: float,
-                   progress: Callable[[str], None]) -> None:
+    def wait_ready(
+        self, rec: PoolRecord, indices: list[int], old: dict[int, str], timeout: float, progress: Callable[[str], None]
+    ) -> None:
         job = rec.allocation["job_id"]
         last = {"t": 0.0, "said": ""}
         log = Path(rec.state_dir) / "logs" / f"slurm-{job}.out"
 
-        def check(_i: int) -> Optional[str]:
+        def check(_i: int) -> str | None:
             if time.time() - last["t"] < 0.5:
                 return None
             last["t"] = time.time()
@@ -292,11 +370,13 @@ class SlurmProvisioner:
             wait_for_hosts(rec, indices, old, timeout, check)
         except StartTimeout:
             state, reason, _ = job_state(job)
-            raise MonarchError(f"pool {rec.name!r}: allocation {job} still {state or 'unknown'}"
-                               f"{f' ({reason})' if reason else ''} after {timeout:.0f} s; "
-                               f"cancelled it (raise start_timeout to wait longer)") from None
+            raise MonarchError(
+                f"pool {rec.name!r}: allocation {job} still {state or 'unknown'}"
+                f"{f' ({reason})' if reason else ''} after {timeout:.0f} s; "
+                f"cancelled it (raise start_timeout to wait longer)"
+            ) from None
 
-    def loss_reason(self, rec: PoolRecord) -> Optional[str]:
+    def loss_reason(self, rec: PoolRecord) -> str | None:
         job = rec.allocation.get("job_id")
         if not job:
             return None
@@ -309,7 +389,7 @@ class SlurmProvisioner:
             return None
         return f"allocation {job} is {state or 'gone'}" + (f" ({reason})" if reason and reason != "None" else "")
 
-    def reuse_warnings(self, rec: PoolRecord, options: Dict[str, Any]) -> List[str]:
+    def reuse_warnings(self, rec: PoolRecord, options: dict[str, Any]) -> list[str]:
         """A run asking for more walltime (``time=``) than the reused allocation has left: said,
         since the allocation cannot be extended and the run may be cut short."""
         want = options.get("walltime_s")
@@ -323,16 +403,22 @@ class SlurmProvisioner:
             return []
         if left_s >= want:
             return []
-        return [f"pool {rec.name!r} (allocation {job}) has {_human(left_s)} left, less than time={options.get('time')} "
-                f"asks; it is reused: to get a new allocation, `monarch-torchx pool stop {rec.name}` and run again"]
+        return [
+            f"pool {rec.name!r} (allocation {job}) has {_human(left_s)} left, less than time={options.get('time')} "
+            f"asks; it is reused: to get a new allocation, `monarch-torchx pool stop {rec.name}` and run again"
+        ]
 
-    def describe(self, rec: PoolRecord) -> Dict[str, Any]:
+    def describe(self, rec: PoolRecord) -> dict[str, Any]:
         job = rec.allocation.get("job_id")
         state, reason, left = job_state(job) if job else ("", "", "")
-        return {"job_id": job, "state": state, "reason": reason if reason != "None" else "",
-                "time_left": left, "walltime": rec.options.get("time")}
+        return {
+            "job_id": job,
+            "state": state,
+            "reason": reason if reason != "None" else "",
+            "time_left": left,
+            "walltime": rec.options.get("time"),
+        }
 
 
 def create_scheduler(session_name: str, **kwargs: Any) -> MonarchScheduler:
     return MonarchScheduler(session_name, "monarch_slurm")
-

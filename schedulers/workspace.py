@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable
 from urllib.parse import urlparse
 
 from ..errors import MonarchError
@@ -41,23 +41,25 @@ def local_dir(workspace: str) -> str:
     """The directory a TorchX workspace names (``file://PATH`` or a plain path)."""
     u = urlparse(workspace)
     if u.scheme not in ("", "file"):
-        raise MonarchError(f"workspace {workspace!r}: monarch schedulers sync local directories (file://PATH); "
-                           "pass --workspace PATH, or drop -cfg workspace_mount")
+        raise MonarchError(
+            f"workspace {workspace!r}: monarch schedulers sync local directories (file://PATH); "
+            "pass --workspace PATH, or drop -cfg workspace_mount"
+        )
     path = os.path.abspath(u.path if u.scheme else workspace)
     if not os.path.isdir(path):
         raise MonarchError(f"workspace {path} is not a directory; pass --workspace DIR")
     return path
 
 
-def attached(image: str, cfg: Dict[str, Any]) -> Workspace | None:
+def attached(image: str, cfg: dict[str, Any]) -> Workspace | None:
     """The workspace ``build_workspace_and_update_role`` attached to a role, if any."""
     mount = cfg.get("workspace_mount")
     if not mount or not image.startswith(IMAGE_PREFIX):
         return None
-    return Workspace(image[len(IMAGE_PREFIX):], str(mount))
+    return Workspace(image[len(IMAGE_PREFIX) :], str(mount))
 
 
-def sync_to_hosts(pool: Any, ws: Workspace, hosts: List[int], say: Callable[[str], None]) -> Dict[int, str]:
+def sync_to_hosts(pool: Any, ws: Workspace, hosts: list[int], say: Callable[[str], None]) -> dict[int, str]:
     """Syncs the workspace to ``hosts``; returns each host's path to it. Any host that did not
     get it stops the run before anything starts (its previous generation stays served)."""
     t0, last = time.time(), [0.0]
@@ -73,12 +75,14 @@ def sync_to_hosts(pool: Any, ws: Workspace, hosts: List[int], say: Callable[[str
     if failed:
         why = "; ".join(h.error for h in failed)  # each names its host
         raise MonarchError(f"workspace {ws.src} could not be synced to {ws.mount} ({why}); nothing was started")
-    say(f"workspace {ws.src} -> {ws.mount} on {len(report.hosts)} host(s): generation {report.generation}, "
-        f"{report.files} file(s), {report.bytes_sent / 1e6:.1f} MB sent in {report.seconds:.2f} s")
+    say(
+        f"workspace {ws.src} -> {ws.mount} on {len(report.hosts)} host(s): generation {report.generation}, "
+        f"{report.files} file(s), {report.bytes_sent / 1e6:.1f} MB sent in {report.seconds:.2f} s"
+    )
     return {h.index: h.path for h in report.hosts}
 
 
-def workdirs(pool: Any, ws: Workspace, hosts: List[int], say: Callable[[str], None] = _say) -> Dict[int, str]:
+def workdirs(pool: Any, ws: Workspace, hosts: list[int], say: Callable[[str], None] = _say) -> dict[int, str]:
     """Each host's writable working directory over its synced copy (outputs persist there): one
     directory for all of them where they share a file system, as ranks expect of their cwd (the
     DDP tutorial's rank 0 saves the snapshot every rank resumes from); else one per host, said."""
@@ -94,7 +98,7 @@ def workdirs(pool: Any, ws: Workspace, hosts: List[int], say: Callable[[str], No
     return {i: shared for i in hosts}
 
 
-def _failed(res: List[Any], what: str, ws: Workspace) -> None:
+def _failed(res: list[Any], what: str, ws: Workspace) -> None:
     """Stops the run, naming each host that could not make its working directory."""
     failed = [(i, e) for i, _, e in res if e]
     if failed:
@@ -102,14 +106,14 @@ def _failed(res: List[Any], what: str, ws: Workspace) -> None:
         raise MonarchError(f"no {what} for workspace {ws.mount} ({why}); nothing was started")
 
 
-def _own_workdirs(pool: Any, ws: Workspace, hosts: List[int]) -> Dict[int, str]:
+def _own_workdirs(pool: Any, ws: Workspace, hosts: list[int]) -> dict[int, str]:
     """A working directory per host, each over its own copy (``HOME/workspaces/POOL/MOUNT/hostN``)."""
     res = pool.ask("syncfs.workdir", hosts, timeout=120.0, target=ws.mount)
     _failed(res, "writable working directory", ws)
     return {i: out["path"] for i, out, _ in res}
 
 
-def _shared_workdir(pool: Any, ws: Workspace, hosts: List[int]) -> Tuple[Optional[str], str]:
+def _shared_workdir(pool: Any, ws: Workspace, hosts: list[int]) -> tuple[str | None, str]:
     """The pool's shared working directory for ``ws`` (``HOME/workspaces/POOL/MOUNT/shared``), or
     None and why the hosts cannot share one. Each host points the pool's view of the mount at its
     own copy, the first refreshes the directory, and every host then proves it sees that very
@@ -138,10 +142,12 @@ def _say_per_host_once(pool: Any, ws: Workspace, why: str, say: Callable[[str], 
     with contextlib.suppress(OSError):
         if ws.mount in marker.read_text().splitlines():
             return
-    say(f"warning: workspace {ws.mount}: each host runs in a working directory of its own ({why}), so what "
+    say(
+        f"warning: workspace {ws.mount}: each host runs in a working directory of its own ({why}), so what "
         f"one host's ranks write there (a snapshot) is not seen by the others; write what ranks share to a "
         f"file system every host mounts, or give workspace_mount an absolute path under an allowed root "
-        f"(the same path on every node) ({PER_HOST_DOC})")
+        f"(the same path on every node) ({PER_HOST_DOC})"
+    )
     with contextlib.suppress(OSError):
         from ..registry import write_private
 

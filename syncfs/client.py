@@ -19,7 +19,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, Sequence
 
 from ..errors import HostUnreachable, MonarchError
 from ..registry import home
@@ -40,7 +40,7 @@ CHAIN_LENGTH = transfer.CHAIN_LENGTH
 class HostResult:
     index: int
     ok: bool
-    generation: Optional[int] = None
+    generation: int | None = None
     path: str = ""
     bytes_sent: int = 0
     error: str = ""  # "host N: why" (it names the host), empty when ok
@@ -56,8 +56,8 @@ class SyncReport:
     bytes_sent: int
     bytes_skipped: int
     seconds: float
-    generation: Optional[int]
-    hosts: List[HostResult] = field(default_factory=list)
+    generation: int | None
+    hosts: list[HostResult] = field(default_factory=list)
     transfer: str = ""  # how the bytes went: "socket", or "rdma/<backend>" (as the first host pulled them)
 
     @property
@@ -74,7 +74,7 @@ class BatchBuffers:
     costs. At most one buffer per batch in flight is kept."""
 
     def __init__(self, keep: int = QUEUED_BATCHES + STREAMS):
-        self._free: List[bytearray] = []
+        self._free: list[bytearray] = []
         self._keep = keep
         self._lock = threading.Lock()
 
@@ -91,13 +91,13 @@ class BatchBuffers:
                 self._free.append(buf)
 
 
-def batch_parts(batch: List[str], sources: Dict[str, ChunkSource]) -> Tuple[List[Tuple[str, int]], Gathered]:
+def batch_parts(batch: list[str], sources: dict[str, ChunkSource]) -> tuple[list[tuple[str, int]], Gathered]:
     """A batch's chunks as the parts of one buffer that is never assembled here: a small file's
     bytes kept from hashing it, and each run of adjacent chunks of one file as a region of that
     file, which a plain socket sends from the page cache (``wire.send_region``; over TLS it is
     read in slices, to be encrypted). The host gets one buffer, as from ``read_batch``."""
-    index: List[Tuple[str, int]] = []
-    parts: List[Any] = []
+    index: list[tuple[str, int]] = []
+    parts: list[Any] = []
     for h in batch:
         src = sources[h]
         index.append((h, src.size))
@@ -113,8 +113,9 @@ def batch_parts(batch: List[str], sources: Dict[str, ChunkSource]) -> Tuple[List
     return index, Gathered(parts)
 
 
-def read_batch(batch: List[str], sources: Dict[str, ChunkSource],
-               buffers: Optional[BatchBuffers] = None) -> Tuple[List[Tuple[str, int]], memoryview]:
+def read_batch(
+    batch: list[str], sources: dict[str, ChunkSource], buffers: BatchBuffers | None = None
+) -> tuple[list[tuple[str, int]], memoryview]:
     """A batch's chunks read straight into one buffer (for rdma, which reads from registered
     memory), which travels out of band: neither side copies it into or out of a pickle, and a
     host forwards the very buffer it received. The buffer comes from ``buffers`` (give it back
@@ -126,14 +127,14 @@ def read_batch(batch: List[str], sources: Dict[str, ChunkSource],
         src = sources[h]
         data = src.data  # once: the scan loop may drop it meanwhile
         if data is not None and len(data) == n:
-            view[off:off + n] = data
+            view[off : off + n] = data
             off += n
             continue
         fd = os.open(src.path, os.O_RDONLY)
         try:
             got = 0
             while got < n:
-                k = os.preadv(fd, [view[off + got:off + n]], src.offset + got)
+                k = os.preadv(fd, [view[off + got : off + n]], src.offset + got)
                 if k == 0:
                     raise MonarchError(f"{src.path} shrank while it was synced; nothing was committed: sync again")
                 got += k
@@ -146,7 +147,7 @@ def read_batch(batch: List[str], sources: Dict[str, ChunkSource],
 class _Progress:
     """Calls ``say`` at most twice a second with files, bytes, rate and each host's state."""
 
-    def __init__(self, say: Callable[[str], None], total: int, hosts: List[int]):
+    def __init__(self, say: Callable[[str], None], total: int, hosts: list[int]):
         self.say, self.total, self.start = say, total, time.time()
         self.sent = {i: 0 for i in hosts}
         self.state = {i: "checking" for i in hosts}
@@ -155,7 +156,7 @@ class _Progress:
         self.files = 0  # read so far
         self.lock = threading.Lock()
 
-    def update(self, i: int, sent: int = 0, state: Optional[str] = None, force: bool = False) -> None:
+    def update(self, i: int, sent: int = 0, state: str | None = None, force: bool = False) -> None:
         with self.lock:
             self.sent[i] += sent
             self.client_bytes += sent
@@ -176,9 +177,17 @@ def _cache_for(src: str) -> HashCache:
     return HashCache(home() / "syncfs-cache" / f"{key}.cache")
 
 
-def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
-         progress: Callable[[str], None] = lambda _m: None, timeout: float = 600.0,
-         fanout: str = "chain", exclude: Sequence[str] = (), chain_length: int = CHAIN_LENGTH) -> SyncReport:
+def sync(
+    pool: Any,
+    src: str,
+    target: str,
+    hosts: list[int] | None = None,
+    progress: Callable[[str], None] = lambda _m: None,
+    timeout: float = 600.0,
+    fanout: str = "chain",
+    exclude: Sequence[str] = (),
+    chain_length: int = CHAIN_LENGTH,
+) -> SyncReport:
     """Syncs directory ``src`` to ``target`` on every host of ``pool`` (or ``hosts``).
 
     ``fanout="chain"``: the client sends each missing chunk once, to the first host, which
@@ -210,18 +219,18 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
     ignore = IgnoreRules.for_tree(src, list(exclude))
     meter = _Progress(progress, 0, indices)
     results = {i: HostResult(i, False) for i in indices}
-    conns: Dict[int, Any] = {}
-    entries: List[Any] = []
-    sources: Dict[str, ChunkSource] = {}
-    sizes: Dict[str, int] = {}
+    conns: dict[int, Any] = {}
+    entries: list[Any] = []
+    sources: dict[str, ChunkSource] = {}
+    sizes: dict[str, int] = {}
 
     def fail(i: int, why: str) -> None:
         """Records host ``i``'s first error, naming the host (a report lists many)."""
         if not results[i].error:
             results[i].error = f"host {i}: {why}"
 
-    def each(fn: Callable[[int], Any], which: List[int]) -> Dict[int, Any]:
-        out: Dict[int, Any] = {}
+    def each(fn: Callable[[int], Any], which: list[int]) -> dict[int, Any]:
+        out: dict[int, Any] = {}
 
         def guarded(i: int) -> None:
             try:
@@ -229,6 +238,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             except Exception as e:  # one host's failure is reported, the others carry on
                 fail(i, str(e) or type(e).__name__)
                 meter.update(i, state="FAILED")
+
         with ThreadPoolExecutor(max_workers=min(16, max(1, len(which)))) as ex:
             list(ex.map(guarded, which))
         return out
@@ -238,12 +248,12 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         c.settimeout(timeout)
         return c
 
-    def ask(op: str, which: List[int], **args: Any) -> Dict[int, Any]:
+    def ask(op: str, which: list[int], **args: Any) -> dict[int, Any]:
         """``op`` on each host of ``which``, through the pool's relay tree from 32 hosts on (the
         client opens a few connections, not one per host); the values by host. A host's failure
         is recorded, naming it; the others carry on."""
-        out: Dict[int, Any] = {}
-        again: List[int] = []
+        out: dict[int, Any] = {}
+        again: list[int] = []
         for i, value, err in pool.ask(op, which, timeout=timeout, **args) if which else []:
             if isinstance(err, HostUnreachable):  # not reached (a relay could not, in its dial time)
                 again.append(i)
@@ -256,10 +266,11 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
         def patiently(i: int) -> Any:  # every step may run twice: a commit done already says unchanged
             with connect(i) as c:
                 return c.call(op, **args)
+
         out.update(each(patiently, again))
         return out
 
-    def lacking(group: List[int], hashes: List[str]) -> set:
+    def lacking(group: list[int], hashes: list[str]) -> set:
         """The chunks some host of ``group`` lacks (a relay answers with its subtree's union)."""
         got = ask("syncfs.missing", ok(group), hashes=hashes)
         return set().union(*(v for v in got.values() if v is not None))  # None: in another host's answer
@@ -270,13 +281,13 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             conns[i] = connect(i)
         return conns[i]
 
-    vias: List[str] = []
+    vias: list[str] = []
     how = {"mode": "socket", "pool": pool.name, "bind": "", "vias": vias, "buffers": BatchBuffers()}
 
-    def ok(which: List[int]) -> List[int]:
+    def ok(which: list[int]) -> list[int]:
         return [i for i in which if not results[i].error]
 
-    def give_back(which: List[int]) -> None:
+    def give_back(which: list[int]) -> None:
         """Hosts where this sync failed (or all, when it fails as a whole) free what it stored
         there now, not after the store's grace (best effort: a host that cannot be asked keeps
         them until its sweep)."""
@@ -287,16 +298,18 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
     def sender(i: int, **extra: Any) -> transfer.Pump:
         """Feeds host ``i`` (a chain's head, or a host fed directly): the queue carries on from one
         group of the tree to the next without a pause."""
-        def send(conn: Any, batch: List[str]) -> None:
+
+        def send(conn: Any, batch: list[str]) -> None:
             _send(conn, batch, sources, how, **extra)
             meter.update(i, sum(sizes[h] for h in batch))
+
         return transfer.Pump(lambda: connect(i), send, QUEUED_BATCHES, STREAMS, "syncfs-send")
 
-    def submit(pump: transfer.Pump, hashes: List[str]) -> None:
+    def submit(pump: transfer.Pump, hashes: list[str]) -> None:
         for batch in _batches(hashes, sizes):
             pump.put(batch)
 
-    def finish(senders: Dict[int, transfer.Pump]) -> Dict[int, int]:
+    def finish(senders: dict[int, transfer.Pump]) -> dict[int, int]:
         """Waits for the senders; the bytes each host was sent (by the client)."""
         for i, pump in senders.items():
             if pump.finish():
@@ -307,7 +320,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
     try:
         groups = _read_errors_are_one_line(src, _prefetch(scan_groups(src, cache, ignore=ignore)))
         known, whole = _read_while_cached(groups, cache)
-        settled: Dict[int, Any] = {}
+        settled: dict[int, Any] = {}
         if whole:
             # the hash cache knew the whole tree, so its digest is at hand before any host is asked:
             # one request settles each host whose target already serves it (a no-op resync), and
@@ -316,7 +329,9 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             digest = manifest_digest(data)
             settled = _already_serving(ask("syncfs.prepare", indices, target=target, digest=digest))
         else:
-            ask("syncfs.missing", indices, hashes=[], target=target)  # does each accept the target? (before a byte moves)
+            ask(
+                "syncfs.missing", indices, hashes=[], target=target
+            )  # does each accept the target? (before a byte moves)
         live = [i for i in ok(indices) if i not in settled]
         if live:
             how["bind"] = head(live[0]).local_address
@@ -328,10 +343,26 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             meter.update(i, state="chain" if chained else "sending")
         addrs = pool.hosts
         # one sender per chain head (or per host fed directly), each with STREAMS connections of its own
-        senders = {c[0]: sender(c[0], session=session, chain_length=chain_length, chain=[
-            {"index": i, "host": addrs[i].host, "port": addrs[i].port, "identity": addrs[i].identity(pool.name).decode()}
-            for i in c[1:]]) if chained else sender(c[0], session=session) for c in chains}
-        recent: List[List[str]] = []
+        senders = {
+            c[0]: sender(
+                c[0],
+                session=session,
+                chain_length=chain_length,
+                chain=[
+                    {
+                        "index": i,
+                        "host": addrs[i].host,
+                        "port": addrs[i].port,
+                        "identity": addrs[i].identity(pool.name).decode(),
+                    }
+                    for i in c[1:]
+                ],
+            )
+            if chained
+            else sender(c[0], session=session)
+            for c in chains
+        }
+        recent: list[list[str]] = []
         try:
             # the tree is read and hashed group by group in a thread; each group's batches are queued
             # to the senders and the loop moves on, so the links stay busy from one group to the next
@@ -358,8 +389,13 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
                 data = Manifest(entries).dumps()
                 digest = manifest_digest(data)
             ready = ask("syncfs.prepare", ok(live), target=target, digest=digest)
-            ask("syncfs.prepare", [i for i, r in ready.items() if not r["unchanged"] and not r["prepared"]],
-                target=target, digest=digest, manifest=data)
+            ask(
+                "syncfs.prepare",
+                [i for i, r in ready.items() if not r["unchanged"] and not r["prepared"]],
+                target=target,
+                digest=digest,
+                manifest=data,
+            )
         except BaseException:
             for pump in senders.values():  # the sync is over: drop what is queued
                 pump.abort("cancelled")
@@ -367,7 +403,7 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
             raise
         finally:
             sent = finish(senders)
-        feed: List[int] = []
+        feed: list[int] = []
         for c in chains:
             first, rest = c[0], c[1:]
             down = {"failed": {}, "unreached": rest}
@@ -414,14 +450,21 @@ def sync(pool: Any, src: str, target: str, hosts: Optional[List[int]] = None,
     delivered = sum(r.bytes_sent for r in out)
     total = sum(e.size for e in entries if e.kind == "f")
     gens = {r.generation for r in out if r.ok}
-    return SyncReport(files=sum(1 for e in entries if e.kind in ("f", "h", "l")), bytes=total,
-                      bytes_sent=meter.client_bytes, bytes_skipped=max(0, total * len(indices) - delivered),
-                      seconds=round(time.time() - t0, 3), generation=max(gens) if gens else None, hosts=out,
-                      transfer=vias[0] if vias else how["mode"])
+    return SyncReport(
+        files=sum(1 for e in entries if e.kind in ("f", "h", "l")),
+        bytes=total,
+        bytes_sent=meter.client_bytes,
+        bytes_skipped=max(0, total * len(indices) - delivered),
+        seconds=round(time.time() - t0, 3),
+        generation=max(gens) if gens else None,
+        hosts=out,
+        transfer=vias[0] if vias else how["mode"],
+    )
 
 
-def _read_while_cached(groups: Iterator[Tuple[List[Any], Dict[str, ChunkSource]]],
-                       cache: HashCache) -> Tuple[List[Tuple[List[Any], Dict[str, ChunkSource]]], bool]:
+def _read_while_cached(
+    groups: Iterator[tuple[list[Any], dict[str, ChunkSource]]], cache: HashCache
+) -> tuple[list[tuple[list[Any], dict[str, ChunkSource]]], bool]:
     """The tree's first groups, taken while every file in them came from the hash cache (nothing
     read, so nothing held), and whether they are the whole tree. The first group with a file to
     read ends it (the scan runs a group or two ahead, so it may end one group early): that one is
@@ -434,7 +477,7 @@ def _read_while_cached(groups: Iterator[Tuple[List[Any], Dict[str, ChunkSource]]
     return taken, True
 
 
-def _already_serving(answers: Dict[int, Dict[str, Any]]) -> Dict[int, Dict[str, Any]]:
+def _already_serving(answers: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """The hosts whose ``syncfs.prepare`` said their target already serves the tree, each with
     what a commit would have answered."""
     return {i: {**r, "committed": True} for i, r in answers.items() if r["unchanged"] and "generation" in r}
@@ -451,7 +494,7 @@ def _prefetch(groups: Any, depth: int = 2) -> Any:
     """Runs a generator in a thread, ``depth`` items ahead of its consumer."""
     import queue
 
-    q: "queue.Queue[Any]" = queue.Queue(depth)
+    q: queue.Queue[Any] = queue.Queue(depth)
     done = object()
     stop = threading.Event()  # the consumer left early (an error): the reader stops too
 
@@ -486,8 +529,8 @@ def _prefetch(groups: Any, depth: int = 2) -> Any:
         stop.set()
 
 
-def _batches(todo: List[str], sizes: Dict[str, int]) -> List[List[str]]:
-    out: List[List[str]] = [[]]
+def _batches(todo: list[str], sizes: dict[str, int]) -> list[list[str]]:
+    out: list[list[str]] = [[]]
     size = 0
     for h in todo:
         if size >= BATCH_BYTES:
@@ -498,16 +541,16 @@ def _batches(todo: List[str], sizes: Dict[str, int]) -> List[List[str]]:
     return [b for b in out if b]
 
 
-def _send(client: Any, batch: List[str], sources: Dict[str, ChunkSource], how: Dict[str, Any], **extra: Any) -> None:
+def _send(client: Any, batch: list[str], sources: dict[str, ChunkSource], how: dict[str, Any], **extra: Any) -> None:
     from ..wire import RemoteError
 
     buffers: BatchBuffers = how["buffers"]
     for attempt in range(RETRIES):
-        blob: Optional[memoryview] = None
+        blob: memoryview | None = None
         if how["mode"] == "socket":  # sent from the files themselves
             index, parts = batch_parts(batch, sources)
-            args: Dict[str, Any] = {"data": parts}
-            release: Callable[[], None] = lambda: None
+            args: dict[str, Any] = {"data": parts}
+            release: Callable[[], None] = lambda: None  # noqa: E731
         else:  # rdma reads from one registered buffer
             index, blob = read_batch(batch, sources, buffers)
             args, release = transfer.outgoing(how["mode"], how["pool"], how["bind"], blob)

@@ -19,7 +19,6 @@ import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 import pyfuse3
 import trio
@@ -38,8 +37,8 @@ OPEN_FDS = 256
 class Node:
     entry: Entry
     ino: int
-    children: Dict[str, int] = field(default_factory=dict)  # name -> ino
-    offsets: List[int] = field(default_factory=list)  # chunk start offsets (files)
+    children: dict[str, int] = field(default_factory=dict)  # name -> ino
+    offsets: list[int] = field(default_factory=list)  # chunk start offsets (files)
     nlink: int = 1
 
 
@@ -48,9 +47,9 @@ class Generation:
 
     def __init__(self, number: int, manifest: Manifest):
         self.number = number
-        self.nodes: Dict[int, Node] = {}
-        self.root: Dict[str, int] = {}
-        by_path: Dict[str, int] = {}
+        self.nodes: dict[int, Node] = {}
+        self.root: dict[str, int] = {}
+        by_path: dict[str, int] = {}
         for k, e in enumerate(manifest.entries):
             ino = (number << GEN_SHIFT) | (k + 2)
             if e.kind == "h":  # a hard link is another name for its target's inode
@@ -84,14 +83,14 @@ class SyncFS(pyfuse3.Operations):
         super().__init__()
         self.target_dir, self.store = target_dir, store
         self.current = load(target_dir)
-        self.gens: "OrderedDict[int, Generation]" = OrderedDict({self.current.number: self.current})
-        self.fds: "OrderedDict[str, int]" = OrderedDict()
+        self.gens: OrderedDict[int, Generation] = OrderedDict({self.current.number: self.current})
+        self.fds: OrderedDict[str, int] = OrderedDict()
         self.packs = PackIndex(Path(store) / "packs")
         self.uid, self.gid = os.getuid(), os.getgid()
 
     # ------------------------------------------------------------ generations
 
-    def switch(self) -> List[str]:
+    def switch(self) -> list[str]:
         """Loads the generation ``current`` names; returns the root names to invalidate."""
         new = load(self.target_dir)
         old_names = list(self.current.root)
@@ -116,7 +115,7 @@ class SyncFS(pyfuse3.Operations):
 
     # ------------------------------------------------------------ attributes
 
-    def attrs(self, node: Optional[Node], ino: int = pyfuse3.ROOT_INODE) -> pyfuse3.EntryAttributes:
+    def attrs(self, node: Node | None, ino: int = pyfuse3.ROOT_INODE) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino if node is None else node.ino
         a.entry_timeout = a.attr_timeout = 1.0 if node is None else TIMEOUT_S
@@ -141,7 +140,9 @@ class SyncFS(pyfuse3.Operations):
             return self.attrs(None)
         return self.attrs(self.node(inode))
 
-    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext = None) -> pyfuse3.EntryAttributes:
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext = None
+    ) -> pyfuse3.EntryAttributes:
         children = self.current.root if parent_inode == pyfuse3.ROOT_INODE else self.node(parent_inode).children
         ino = children.get(os.fsdecode(name))
         if ino is None:
@@ -169,7 +170,9 @@ class SyncFS(pyfuse3.Operations):
             children = self.node(fh).children
         names = sorted(children)
         for k in range(start_id, len(names)):
-            if not pyfuse3.readdir_reply(token, os.fsencode(names[k]), self.attrs(self.node(children[names[k]])), k + 1):
+            if not pyfuse3.readdir_reply(
+                token, os.fsencode(names[k]), self.attrs(self.node(children[names[k]])), k + 1
+            ):
                 return
 
     async def releasedir(self, fh: int) -> None:
@@ -185,7 +188,7 @@ class SyncFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR if node.entry.kind == "d" else errno.EINVAL)
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)  # immutable: the page cache stays valid
 
-    def _where(self, h: str, n: int) -> Tuple[int, int]:
+    def _where(self, h: str, n: int) -> tuple[int, int]:
         """An open descriptor of the file holding chunk ``h`` (of size ``n``), and its offset there."""
         try:
             return self._open(*self._locate(h, n))
@@ -198,7 +201,7 @@ class SyncFS(pyfuse3.Operations):
             self.fds.clear()
             return self._open(*self._locate(h, n))
 
-    def _locate(self, h: str, n: int) -> Tuple[str, int]:
+    def _locate(self, h: str, n: int) -> tuple[str, int]:
         if h not in self.packs.where:
             self.packs.refresh()  # a pack written since this generation was loaded
         if h in self.packs.where:
@@ -206,7 +209,7 @@ class SyncFS(pyfuse3.Operations):
             return os.path.join(self.store, "packs", pack), off
         return os.path.join(self.store, "chunks", h[:2], h), 0  # a file of its own: an earlier store's
 
-    def _open(self, path: str, off: int) -> Tuple[int, int]:
+    def _open(self, path: str, off: int) -> tuple[int, int]:
         fd = self.fds.get(path)
         if fd is not None:
             self.fds.move_to_end(path)
@@ -292,7 +295,7 @@ async def _serve(fs: SyncFS, agent_pid: int) -> None:
         nursery.start_soon(on_switch)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     agent_pid = os.getppid()
     target_dir, mountpoint, store = (argv or sys.argv[1:])[:3]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s syncfs-fuse %(levelname)s %(message)s")

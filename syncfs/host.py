@@ -18,15 +18,15 @@ import shutil
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
-from . import transfer
-from .manifest import Manifest
 from ..interpreter import module_argv
 from ..private import node_temp_root, remove_empty_dirs
 from ..registry import home as registry_home
-from .store import ChunkStore, DiskFull, StoreError, manifest_digest
+from . import transfer
 from . import workdir as wd
+from .manifest import Manifest
+from .store import ChunkStore, DiskFull, StoreError, manifest_digest
 
 DEFAULT_ROOTS = ("/workspace", "/env")
 PIPELINE_DEPTH = 4  # batches a host holds for the next one before it slows its sender down
@@ -37,27 +37,35 @@ log = logging.getLogger("monarch_torchx.agent.syncfs")
 class _Link:
     """One group below this host: batches go to its first host, which passes them on to the rest."""
 
-    def __init__(self, fw: "Forwarder", group: List[Dict[str, Any]], streams: int):
+    def __init__(self, fw: Forwarder, group: list[dict[str, Any]], streams: int):
         self.fw, self.next, self.rest = fw, group[0], group[1:]
-        self.pump = transfer.Pump(self._connect, self._send, PIPELINE_DEPTH, streams,
-                                  f"syncfs-forward-{fw.session[:8]}")
-        self.failed: Dict[int, str] = {}  # host index -> why; hosts after a failed one are not reached
-        self.unreached: List[int] = []
+        self.pump = transfer.Pump(
+            self._connect, self._send, PIPELINE_DEPTH, streams, f"syncfs-forward-{fw.session[:8]}"
+        )
+        self.failed: dict[int, str] = {}  # host index -> why; hosts after a failed one are not reached
+        self.unreached: list[int] = []
 
     def _connect(self) -> Any:
         from .. import wire
 
-        c = wire.Client(self.next["host"], self.next["port"], self.fw.creds, timeout=10.0,
-                        identity=self.next["identity"].encode())
+        c = wire.Client(
+            self.next["host"], self.next["port"], self.fw.creds, timeout=10.0, identity=self.next["identity"].encode()
+        )
         c.settimeout(600.0)
         return c
 
-    def _send(self, client: Any, batch: Tuple[List[Tuple[str, int]], Any]) -> None:
+    def _send(self, client: Any, batch: tuple[list[tuple[str, int]], Any]) -> None:
         index, data = batch
         args, release = transfer.outgoing(self.fw.mode, self.fw.pool, client.local_address, data)
         try:
-            client.call("syncfs.put", chunks=index, session=self.fw.session, chain=self.rest,
-                        chain_length=self.fw.chain_length, **args)
+            client.call(
+                "syncfs.put",
+                chunks=index,
+                session=self.fw.session,
+                chain=self.rest,
+                chain_length=self.fw.chain_length,
+                **args,
+            )
         finally:
             release()
 
@@ -86,18 +94,26 @@ class Forwarder:
     client): the sender is answered as soon as a batch is stored here and queued, so each hop
     works on different batches at once."""
 
-    def __init__(self, pool: str, creds: Any, session: str, chain: List[Dict[str, Any]], mode: str,
-                 chain_length: int, streams: int = 4):
+    def __init__(
+        self,
+        pool: str,
+        creds: Any,
+        session: str,
+        chain: list[dict[str, Any]],
+        mode: str,
+        chain_length: int,
+        streams: int = 4,
+    ):
         self.pool, self.creds, self.session, self.chain_length = pool, creds, session, chain_length
         self.mode = mode  # socket or rdma: as the batches came here
         self.links = [_Link(self, g, streams) for g in transfer.downstream_groups(chain, chain_length)]
         self.last_used = time.monotonic()
 
     @property
-    def next_hosts(self) -> List[int]:
+    def next_hosts(self) -> list[int]:
         return [link.next["index"] for link in self.links]
 
-    def put(self, batch: Tuple[List[Tuple[str, int]], Any]) -> None:
+    def put(self, batch: tuple[list[tuple[str, int]], Any]) -> None:
         for link in self.links:  # the same buffer to each: it is only read
             link.pump.put(batch)
 
@@ -109,9 +125,9 @@ class Forwarder:
         for link in self.links:
             link.pump.finish()
 
-    def finish(self) -> Dict[str, Any]:
-        failed: Dict[int, str] = {}
-        unreached: List[int] = []
+    def finish(self) -> dict[str, Any]:
+        failed: dict[int, str] = {}
+        unreached: list[int] = []
         for link in self.links:
             link.finish()
             failed.update(link.failed)
@@ -128,7 +144,7 @@ def pool_id(key: bytes) -> str:
     return hashlib.sha256(b"monarch-torchx pool id\0" + key).hexdigest()[:12]
 
 
-def store_base() -> Tuple[Path, Path]:
+def store_base() -> tuple[Path, Path]:
     """(where hosts' stores go, the highest directory of it that must be ours alone)."""
     if os.environ.get("MONARCH_TORCHX_SYNC_STORE"):
         base = Path(os.environ["MONARCH_TORCHX_SYNC_STORE"])
@@ -141,7 +157,7 @@ def store_root(agent: Any) -> Path:
     return store_base()[0] / f"{agent.pool}-{pool_id(agent.key)}-host{agent.index}"
 
 
-def allowed_roots() -> List[Path]:
+def allowed_roots() -> list[Path]:
     extra = [p for p in os.environ.get("MONARCH_TORCHX_SYNC_ROOTS", "").split(":") if p]
     return [Path(p).resolve() for p in (*DEFAULT_ROOTS, *extra)]
 
@@ -158,8 +174,10 @@ def resolve_target(store: ChunkStore, target: str) -> Path:
     parent = path.parent.resolve()
     roots = allowed_roots()
     if not any(parent == r or r in parent.parents or path == r for r in roots):
-        raise ValueError(f"target {target} is outside what this agent allows ({', '.join(map(str, roots))}; "
-                         "more with MONARCH_TORCHX_SYNC_ROOTS when the pool is created); or use a relative --to")
+        raise ValueError(
+            f"target {target} is outside what this agent allows ({', '.join(map(str, roots))}; "
+            "more with MONARCH_TORCHX_SYNC_ROOTS when the pool is created); or use a relative --to"
+        )
     return path
 
 
@@ -192,15 +210,22 @@ class Mount:
         else:
             target.mkdir(parents=True, exist_ok=True)
         if any(target.iterdir()):
-            raise StoreError(f"{target} is a non-empty directory: syncfs mounts its generations there; "
-                             "empty it or choose another --to")
+            raise StoreError(
+                f"{target} is a non-empty directory: syncfs mounts its generations there; "
+                "empty it or choose another --to"
+            )
         store.make_dir(self.tdir)
         self.log_path = self.tdir / "fuse.log"
         log_fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         with os.fdopen(log_fd, "ab") as err:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen(module_argv("monarch_torchx.syncfs.fusefs", str(self.tdir), str(target),
-                                                     str(store.root)), stdout=subprocess.PIPE, stderr=err,
-                                         stdin=subprocess.PIPE, start_new_session=True, cwd=self.tdir)
+            self.proc = subprocess.Popen(
+                module_argv("monarch_torchx.syncfs.fusefs", str(self.tdir), str(target), str(store.root)),
+                stdout=subprocess.PIPE,
+                stderr=err,
+                stdin=subprocess.PIPE,
+                start_new_session=True,
+                cwd=self.tdir,
+            )
 
     def start(self) -> None:
         """Mounts ``current`` (the generation just committed); returns once the mount serves it."""
@@ -236,8 +261,9 @@ class Mount:
             if line == f"serving {n}":
                 return
             if not line or line.startswith("failed"):
-                raise StoreError(f"the file system at {self.target} did not switch to generation {n}: "
-                                 f"{line or 'it exited'}")
+                raise StoreError(
+                    f"the file system at {self.target} did not switch to generation {n}: {line or 'it exited'}"
+                )
         raise StoreError(f"the file system at {self.target} did not switch to generation {n} within {timeout:.0f} s")
 
     def stop(self) -> None:
@@ -282,27 +308,33 @@ class SyncfsModule:
     def __init__(self, agent: Any):
         self.agent = agent
         self.store = ChunkStore(store_root(self.agent), private_from=store_base()[1])
-        self.mounts: Dict[Path, Mount] = {}
+        self.mounts: dict[Path, Mount] = {}
         self.no_fuse = fuse_available()
-        self.locks: Dict[Path, asyncio.Lock] = {}
-        self.made: List[Path] = []
-        self.views: List[Path] = []  # the pool's views of targets this host pointed at its copies
-        self.sessions: Dict[str, Forwarder] = {}
-        self.abandoned: "OrderedDict[str, int]" = OrderedDict()  # session -> the next host, for a late flush
-        self.prepared: "OrderedDict[Tuple[Path, str], Tuple[Manifest, bytes]]" = OrderedDict()
+        self.locks: dict[Path, asyncio.Lock] = {}
+        self.made: list[Path] = []
+        self.views: list[Path] = []  # the pool's views of targets this host pointed at its copies
+        self.sessions: dict[str, Forwarder] = {}
+        self.abandoned: OrderedDict[str, int] = OrderedDict()  # session -> the next host, for a late flush
+        self.prepared: OrderedDict[tuple[Path, str], tuple[Manifest, bytes]] = OrderedDict()
         self.sweep_soon = asyncio.Event()  # a commit dropped a generation: its chunks may go
 
-    def operations(self) -> Dict[str, Any]:
-        return {"syncfs.missing": (self.missing, lambda _args, lists: sorted(set().union(*lists))),
-                "syncfs.put": (self.put, None), "syncfs.flush": (self.flush, None),
-                "syncfs.give_back": (self.give_back, None),
-                "syncfs.prepare": (self.prepare, None), "syncfs.commit": (self.commit, None),
-                "syncfs.where": (self.where, None), "syncfs.workdir": (self.workdir, None),
-                "syncfs.view": (self.view, None), "syncfs.shared_workdir": (self.shared_workdir, None),
-                "syncfs.check_shared": (self.check_shared, None),
-                "syncfs.sessions": (self.open_sessions, None)}
+    def operations(self) -> dict[str, Any]:
+        return {
+            "syncfs.missing": (self.missing, lambda _args, lists: sorted(set().union(*lists))),
+            "syncfs.put": (self.put, None),
+            "syncfs.flush": (self.flush, None),
+            "syncfs.give_back": (self.give_back, None),
+            "syncfs.prepare": (self.prepare, None),
+            "syncfs.commit": (self.commit, None),
+            "syncfs.where": (self.where, None),
+            "syncfs.workdir": (self.workdir, None),
+            "syncfs.view": (self.view, None),
+            "syncfs.shared_workdir": (self.shared_workdir, None),
+            "syncfs.check_shared": (self.check_shared, None),
+            "syncfs.sessions": (self.open_sessions, None),
+        }
 
-    def background_tasks(self) -> List[Any]:
+    def background_tasks(self) -> list[Any]:
         return [self.reap_abandoned(), self.sweep_store()]
 
     async def reap_abandoned(self) -> None:
@@ -321,22 +353,33 @@ class SyncfsModule:
                 await self.run(fw.drain)  # its threads drain the queues and close their connections
                 await self.run(self.store.give_back, sid)  # its client is gone: so is what it stored
 
-    async def open_sessions(self, peer: Any) -> List[Dict[str, Any]]:
+    async def open_sessions(self, peer: Any) -> list[dict[str, Any]]:
         """The chained syncs this host is forwarding now (session, next host, seconds idle)."""
         now = time.monotonic()
-        return [{"session": sid, "next": fw.next_hosts, "idle_s": round(now - fw.last_used, 1)}
-                for sid, fw in self.sessions.items()]
+        return [
+            {"session": sid, "next": fw.next_hosts, "idle_s": round(now - fw.last_used, 1)}
+            for sid, fw in self.sessions.items()
+        ]
+
     async def run(self, fn: Any, *args: Any) -> Any:  # a StoreError's type reaches the client, which names the host
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
-    async def missing(self, peer: Any, hashes: List[str], target: str = "") -> List[str]:
+    async def missing(self, peer: Any, hashes: list[str], target: str = "") -> list[str]:
         """The chunks this host lacks; the target is checked first, before any byte is sent."""
         if target:
             resolve_target(self.store, target)
         return await self.run(self.store.missing, hashes)
 
-    async def put(self, peer: Any, chunks: List[Tuple[str, int]], data: Any = None, rdma: Any = None, session: str = "",
-                  chain: Optional[List[Dict[str, Any]]] = None, chain_length: int = transfer.CHAIN_LENGTH) -> Dict[str, Any]:
+    async def put(
+        self,
+        peer: Any,
+        chunks: list[tuple[str, int]],
+        data: Any = None,
+        rdma: Any = None,
+        session: str = "",
+        chain: list[dict[str, Any]] | None = None,
+        chain_length: int = transfer.CHAIN_LENGTH,
+    ) -> dict[str, Any]:
         """Stores a batch (``data``, or what ``rdma`` points at: the ``chunks``, (name, size) each,
         end to end); with a ``chain`` (every host below this one), also passes it on to them."""
         data, via = await self.run(transfer.incoming, self.agent.pool, self.agent.creds, data, rdma)
@@ -350,8 +393,14 @@ class SyncfsModule:
         if chain:
             fw = self.sessions.get(session)
             if fw is None:  # no await between the check and the insert: parallel streams share one
-                fw = self.sessions[session] = Forwarder(self.agent.pool, self.agent.creds, session, chain, transfer.forwarding(via),
-                                                   max(1, int(chain_length)))
+                fw = self.sessions[session] = Forwarder(
+                    self.agent.pool,
+                    self.agent.creds,
+                    session,
+                    chain,
+                    transfer.forwarding(via),
+                    max(1, int(chain_length)),
+                )
             fw.last_used = time.monotonic()
             await self.run(fw.put, (chunks, data))
         return {"stored": stored, "via": via}
@@ -365,7 +414,7 @@ class SyncfsModule:
             await self.run(fw.drain)
         return await self.run(self.store.give_back, session)
 
-    async def flush(self, peer: Any, session: str) -> Dict[str, Any]:
+    async def flush(self, peer: Any, session: str) -> dict[str, Any]:
         """Waits until every batch of the session went down the chain; who failed, who was not reached."""
         fw = self.sessions.pop(session, None)
         if fw is None and session in self.abandoned:
@@ -394,7 +443,7 @@ class SyncfsModule:
         m = self.mounts.get(path)
         return m is not None and m.started and m.alive()
 
-    def unchanged(self, path: Path, digest: str) -> Optional[int]:
+    def unchanged(self, path: Path, digest: str) -> int | None:
         return self.store.unchanged(path, digest) if self.serving(path) else None
 
     def standby(self, path: Path) -> None:
@@ -405,7 +454,7 @@ class SyncfsModule:
                 m.stop()
             self.mounts[path] = Mount(self.store, path)
 
-    def commit_blocking(self, path: Path, manifest: Manifest, data: bytes) -> Tuple[Dict[str, Any], bool]:
+    def commit_blocking(self, path: Path, manifest: Manifest, data: bytes) -> tuple[dict[str, Any], bool]:
         """The commit's answer, and whether it dropped a generation (then a sweep is due)."""
         fuse = self.fuse_for(path)
         if fuse:
@@ -420,9 +469,13 @@ class SyncfsModule:
         self.store.committed(manifest.chunk_sizes())  # a kept generation now protects them
         # the sweep (which may rewrite packs) runs after the reply, on the module's own task
         dropped = self.store.collect(path, sweep_every_s=None)
-        return {"generation": n, "path": str(path), "served_by": "fuse" if fuse else f"symlink ({self.no_fuse})"}, dropped
+        return {
+            "generation": n,
+            "path": str(path),
+            "served_by": "fuse" if fuse else f"symlink ({self.no_fuse})",
+        }, dropped
 
-    async def prepare(self, peer: Any, target: str, digest: str, manifest: Optional[bytes] = None) -> Dict[str, Any]:
+    async def prepare(self, peer: Any, target: str, digest: str, manifest: bytes | None = None) -> dict[str, Any]:
         """Gets a commit ready while the sync's last chunks are still on their way: the manifest
         checked and kept (by its digest), the target's FUSE server started. Without a
         ``manifest``, says whether one is needed: not when the target already serves that tree
@@ -430,8 +483,13 @@ class SyncfsModule:
         path = resolve_target(self.store, target)
         n = self.unchanged(path, digest)
         if n is not None:  # what a commit would answer: the client need not ask for it
-            return {"unchanged": True, "prepared": False, "generation": n, "path": str(path),
-                    "served_by": "fuse" if self.fuse_for(path) else f"symlink ({self.no_fuse})"}
+            return {
+                "unchanged": True,
+                "prepared": False,
+                "generation": n,
+                "path": str(path),
+                "served_by": "fuse" if self.fuse_for(path) else f"symlink ({self.no_fuse})",
+            }
         if (path, digest) not in self.prepared:
             if manifest is None:
                 return {"unchanged": False, "prepared": False}
@@ -444,7 +502,7 @@ class SyncfsModule:
             await self.run(self.standby, path)
         return {"unchanged": False, "prepared": True}
 
-    async def commit(self, peer: Any, target: str, manifest: Optional[bytes] = None, digest: str = "") -> Dict[str, Any]:
+    async def commit(self, peer: Any, target: str, manifest: bytes | None = None, digest: str = "") -> dict[str, Any]:
         """Commits a generation: the one ``prepare`` made ready under ``digest``, or ``manifest``
         (its ``Manifest.dumps()``). ``committed`` is False when neither is at hand (then send the
         manifest); a target that already serves that tree changes nothing (``unchanged``)."""
@@ -455,8 +513,13 @@ class SyncfsModule:
                 n = self.unchanged(path, digest)
                 ready = self.prepared.pop((path, digest), None) if n is None else None
                 if ready is None:
-                    return {"committed": n is not None, "unchanged": n is not None, "generation": n,
-                            "path": str(path), "served_by": "fuse" if self.fuse_for(path) else f"symlink ({self.no_fuse})"}
+                    return {
+                        "committed": n is not None,
+                        "unchanged": n is not None,
+                        "generation": n,
+                        "path": str(path),
+                        "served_by": "fuse" if self.fuse_for(path) else f"symlink ({self.no_fuse})",
+                    }
                 out, dropped = await self.run(self.commit_blocking, path, *ready)  # off the event loop
             else:
                 out, dropped = await self.run(lambda: self.commit_blocking(path, self.parse(manifest), manifest))
@@ -466,7 +529,7 @@ class SyncfsModule:
             self.sweep_soon.set()
         return {**out, "committed": True, "unchanged": False}
 
-    def _served(self, target: str) -> Tuple[Path, int]:
+    def _served(self, target: str) -> tuple[Path, int]:
         """This host's copy of ``target`` and its generation; LookupError when nothing is synced there."""
         path = resolve_target(self.store, target)
         gen = self.store.current(path)
@@ -474,7 +537,7 @@ class SyncfsModule:
             raise LookupError(f"nothing is synced to {target} on host {self.agent.index}")
         return path, gen
 
-    async def workdir(self, peer: Any, target: str) -> Dict[str, Any]:
+    async def workdir(self, peer: Any, target: str) -> dict[str, Any]:
         """This host's own writable working directory over its copy of ``target`` (see workdir.py):
         where the hosts share no file system."""
         path, gen = self._served(target)
@@ -490,7 +553,7 @@ class SyncfsModule:
         rel = os.path.normpath(target)
         return store_base()[0] / f"{self.agent.pool}-{pool_id(self.agent.key)}-views" / rel
 
-    async def view(self, peer: Any, target: str) -> Dict[str, Any]:
+    async def view(self, peer: Any, target: str) -> dict[str, Any]:
         """Points the pool's view of ``target`` on this node at this host's copy."""
         path, _ = self._served(target)
         view = self.view_path(target)
@@ -500,7 +563,7 @@ class SyncfsModule:
                 self.views.append(view)
         return {"view": str(view)}
 
-    async def shared_workdir(self, peer: Any, target: str, view: str, nonce: str) -> Dict[str, Any]:
+    async def shared_workdir(self, peer: Any, target: str, view: str, nonce: str) -> dict[str, Any]:
         """Refreshes the pool's shared working directory over ``target`` (one host does, for all),
         its links through the pool's view (the ``view`` every host reported); ``nonce`` is left
         beside it for the others to read back."""
@@ -516,15 +579,17 @@ class SyncfsModule:
         out = await self.run(wd.refresh_shared, path, d, stamp, mine, nonce)
         return {"path": str(out), "generation": gen}
 
-    async def check_shared(self, peer: Any, target: str, view: str, nonce: str) -> Dict[str, Any]:
+    async def check_shared(self, peer: Any, target: str, view: str, nonce: str) -> dict[str, Any]:
         """Whether this host can run in the shared working directory: it sees the directory the
         other host refreshed (``nonce``), and the view leads to its own copy here. ``why`` if not."""
         path, _ = self._served(target)
         mine = self.view_path(target)
         d = wd.shared_root(registry_home(), self.agent.pool, target)
-        why = (await self.run(wd.sees_shared, d, nonce) or
-               (f"its view of {target} is {mine}, not {view}" if str(mine) != view else "") or
-               await self.run(wd.view_shows, mine, path))
+        why = (
+            await self.run(wd.sees_shared, d, nonce)
+            or (f"its view of {target} is {mine}, not {view}" if str(mine) != view else "")
+            or await self.run(wd.view_shows, mine, path)
+        )
         return {"why": why and f"host {self.agent.index}: {why}"}
 
     def drop_views(self) -> None:
@@ -537,7 +602,7 @@ class SyncfsModule:
                     os.unlink(v)
             remove_empty_dirs(v.parent, store_base()[0] / f"{self.agent.pool}-{pool_id(self.agent.key)}-views")
 
-    async def where(self, peer: Any, target: str) -> Dict[str, Any]:
+    async def where(self, peer: Any, target: str) -> dict[str, Any]:
         path = resolve_target(self.store, target)
         return {"path": str(path), "generation": self.store.current(path)}
 

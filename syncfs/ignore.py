@@ -13,21 +13,20 @@ import fnmatch
 import os
 import posixpath
 from dataclasses import dataclass, field
-from typing import List
 
 IGNORE_FILE = ".torchxignore"
 
 
 @dataclass
 class IgnoreRules:
-    patterns: List[str] = field(default_factory=list)
+    patterns: list[str] = field(default_factory=list)
 
     @classmethod
-    def for_tree(cls, root: str, extra: List[str] = ()) -> "IgnoreRules":
+    def for_tree(cls, root: str, extra: list[str] = ()) -> IgnoreRules:
         """The rules of ``root/.torchxignore`` (if there is one), then ``extra``."""
         from ..errors import MonarchError
 
-        patterns: List[str] = []
+        patterns: list[str] = []
         path = os.path.join(root, IGNORE_FILE)
         try:
             with open(path, encoding="utf-8") as f:

@@ -14,7 +14,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Iterator
 
 import blake3
 
@@ -38,33 +38,39 @@ class Entry:
     mode: int
     size: int = 0
     mtime_ns: int = 0
-    chunks: List[Tuple[str, int]] = field(default_factory=list)  # (blake3 hex, size), in file order
+    chunks: list[tuple[str, int]] = field(default_factory=list)  # (blake3 hex, size), in file order
     target: str = ""
 
 
 @dataclass
 class Manifest:
-    entries: List[Entry]
+    entries: list[Entry]
 
-    def chunk_sizes(self) -> Dict[str, int]:
+    def chunk_sizes(self) -> dict[str, int]:
         return {h: n for e in self.entries for h, n in e.chunks}
 
     @property
     def bytes(self) -> int:
         return sum(e.size for e in self.entries if e.kind == "f")
 
-    def rows(self) -> List[tuple]:
+    def rows(self) -> list[tuple]:
         """Compact: one tuple per entry, in ``Entry``'s field order (what travels and is stored)."""
         return [(e.path, e.kind, e.mode, e.size, e.mtime_ns, e.chunks, e.target) for e in self.entries]
 
     @classmethod
-    def from_rows(cls, rows: List[Any]) -> "Manifest":
+    def from_rows(cls, rows: list[Any]) -> Manifest:
         """Checks the shape of what a peer sent, then builds the manifest."""
         out = []
         for r in rows:
             p, k, m, sz, mt, ch, t = r
-            if not (isinstance(p, str) and k in ("f", "d", "l", "h") and isinstance(m, int) and isinstance(sz, int)
-                    and isinstance(mt, int) and isinstance(t, str)):
+            if not (
+                isinstance(p, str)
+                and k in ("f", "d", "l", "h")
+                and isinstance(m, int)
+                and isinstance(sz, int)
+                and isinstance(mt, int)
+                and isinstance(t, str)
+            ):
                 raise ValueError(f"malformed manifest entry {str(r)[:120]}")
             q = f"/{p}/"  # no absolute path, no empty, "." or ".." part (checked in C, not part by part)
             if p.startswith("/") or "//" in q or "/./" in q or "/../" in q or "\0" in p:
@@ -82,7 +88,7 @@ class Manifest:
         return marshal.dumps(self.rows(), 2)
 
     @classmethod
-    def loads(cls, data: bytes) -> "Manifest":
+    def loads(cls, data: bytes) -> Manifest:
         """A manifest this host's agent checked and wrote itself (not checked again: a 40k-path
         tree is read at every switch)."""
         return cls([Entry(*r) for r in marshal.loads(data)])
@@ -95,15 +101,15 @@ class ChunkSource:
     path: str
     offset: int
     size: int
-    data: Optional[bytes] = None  # a small file's bytes, kept from hashing it until they are sent
+    data: bytes | None = None  # a small file's bytes, kept from hashing it until they are sent
 
 
-def chunk_file(path: str, size: int) -> List[Tuple[str, int, int]]:
+def chunk_file(path: str, size: int) -> list[tuple[str, int, int]]:
     """(hash, offset, size) of each content-defined chunk of a file."""
     return read_and_chunk(path, size)[0]
 
 
-def read_and_chunk(path: str, size: int) -> Tuple[List[Tuple[str, int, int]], Optional[bytes]]:
+def read_and_chunk(path: str, size: int) -> tuple[list[tuple[str, int, int]], bytes | None]:
     """``chunk_file``, and a small file's bytes (read anyway to hash them: not read twice)."""
     if size == 0:
         return [], None
@@ -116,8 +122,10 @@ def read_and_chunk(path: str, size: int) -> Tuple[List[Tuple[str, int, int]], Op
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             view = memoryview(m)
             try:
-                return [(blake3.blake3(view[c.offset:c.offset + c.length]).hexdigest(), c.offset, c.length)
-                        for c in fastcdc.fastcdc(m, fat=False, hf=None, **CDC)], None
+                return [
+                    (blake3.blake3(view[c.offset : c.offset + c.length]).hexdigest(), c.offset, c.length)
+                    for c in fastcdc.fastcdc(m, fat=False, hf=None, **CDC)
+                ], None
             finally:
                 view.release()
 
@@ -130,13 +138,13 @@ class HashCache:
         self.path = path
         try:
             data = marshal.loads(path.read_bytes())
-            self.data: Dict[str, list] = data if isinstance(data, dict) else {}
+            self.data: dict[str, list] = data if isinstance(data, dict) else {}
         except (OSError, ValueError, EOFError, TypeError):
             self.data = {}
-        self.used: Dict[str, list] = {}
+        self.used: dict[str, list] = {}
         self.misses = 0  # files looked up and not found fresh: they are read and hashed
 
-    def get(self, rel: str, st: os.stat_result) -> Optional[List[Tuple[str, int, int]]]:
+    def get(self, rel: str, st: os.stat_result) -> list[tuple[str, int, int]] | None:
         hit = self.data.get(rel)
         if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns and hit[2] == st.st_ino:
             self.used[rel] = hit
@@ -144,7 +152,7 @@ class HashCache:
         self.misses += 1
         return None
 
-    def put(self, rel: str, st: os.stat_result, chunks: List[Tuple[str, int, int]]) -> None:
+    def put(self, rel: str, st: os.stat_result, chunks: list[tuple[str, int, int]]) -> None:
         self.used[rel] = [st.st_size, st.st_mtime_ns, st.st_ino, chunks]
 
     def save(self) -> None:
@@ -156,7 +164,7 @@ class HashCache:
         os.replace(tmp, self.path)
 
 
-def _walk(root: str, ignore: Optional[IgnoreRules] = None) -> Iterator[Tuple[str, os.DirEntry]]:
+def _walk(root: str, ignore: IgnoreRules | None = None) -> Iterator[tuple[str, os.DirEntry]]:
     stack = [""]
     while stack:
         rel_dir = stack.pop()
@@ -170,27 +178,32 @@ def _walk(root: str, ignore: Optional[IgnoreRules] = None) -> Iterator[Tuple[str
                     stack.append(rel)
 
 
-def scan_groups(root: str, cache: Optional[HashCache] = None, group_bytes: int = 64 << 20,
-                workers: int = 4, ignore: Optional[IgnoreRules] = None) -> Iterator[Tuple[List[Entry], Dict[str, ChunkSource]]]:
+def scan_groups(
+    root: str,
+    cache: HashCache | None = None,
+    group_bytes: int = 64 << 20,
+    workers: int = 4,
+    ignore: IgnoreRules | None = None,
+) -> Iterator[tuple[list[Entry], dict[str, ChunkSource]]]:
     """Walks ``root`` and yields its entries in groups of up to about ``group_bytes`` of file data
     (the first ones smaller, 4 MiB and doubling, so the first bytes go out early),
     each group hashed (in worker threads) when it is yielded: a caller can send one group while
     the next is read, so reading the tree from disk overlaps the transfer."""
     from concurrent.futures import ThreadPoolExecutor
 
-    seen_inodes: Dict[Tuple[int, int], str] = {}
-    entries: List[Entry] = []
-    todo: List[Tuple[Entry, str, os.stat_result]] = []
+    seen_inodes: dict[tuple[int, int], str] = {}
+    entries: list[Entry] = []
+    todo: list[tuple[Entry, str, os.stat_result]] = []
     size = 0
     limit = min(group_bytes, 4 << 20)
 
-    def finish() -> Tuple[List[Entry], Dict[str, ChunkSource]]:
-        found: List[Optional[List[Tuple[str, int, int]]]] = [cache.get(e.path, st) if cache else None
-                                                              for e, _, st in todo]
+    def finish() -> tuple[list[Entry], dict[str, ChunkSource]]:
+        found: list[list[tuple[str, int, int]] | None] = [cache.get(e.path, st) if cache else None for e, _, st in todo]
         misses = [k for k, hit in enumerate(found) if hit is None]
-        datas: Dict[int, bytes] = {}
+        datas: dict[int, bytes] = {}
         if misses:
-            def hash_some(some: List[int]) -> None:
+
+            def hash_some(some: list[int]) -> None:
                 for k in some:
                     found[k], data = read_and_chunk(todo[k][1], todo[k][2].st_size)
                     if data is not None:
@@ -198,7 +211,7 @@ def scan_groups(root: str, cache: Optional[HashCache] = None, group_bytes: int =
 
             with ThreadPoolExecutor(max_workers=workers) as ex:
                 list(ex.map(hash_some, [misses[k::workers] for k in range(workers)]))
-        sources: Dict[str, ChunkSource] = {}
+        sources: dict[str, ChunkSource] = {}
         for k, ((e, path, st), chunks) in enumerate(zip(todo, found)):
             assert chunks is not None
             if cache:
@@ -231,4 +244,3 @@ def scan_groups(root: str, cache: Optional[HashCache] = None, group_bytes: int =
                 limit = min(group_bytes, limit * 2)
         # sockets, fifos and devices are not synced
     yield finish()
-

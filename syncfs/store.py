@@ -33,9 +33,9 @@ import shutil
 import threading
 import time
 import uuid
-from pathlib import Path
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from pathlib import Path
+from typing import Any, Iterable
 
 import blake3
 
@@ -75,8 +75,8 @@ class PackIndex:
 
     def __init__(self, packs: Path):
         self.packs = packs
-        self.where: Dict[str, Tuple[str, int, int]] = {}
-        self.rows: Dict[str, List[Tuple[str, int, int]]] = {}  # pack name -> its chunks
+        self.where: dict[str, tuple[str, int, int]] = {}
+        self.rows: dict[str, list[tuple[str, int, int]]] = {}  # pack name -> its chunks
 
     def refresh(self) -> None:
         try:
@@ -93,7 +93,7 @@ class PackIndex:
                 continue  # unreadable: its chunks count as missing and are sent again
             self.add(pack, rows)
 
-    def add(self, pack: str, rows: List[Tuple[str, int, int]]) -> None:
+    def add(self, pack: str, rows: list[tuple[str, int, int]]) -> None:
         self.rows[pack] = rows
         for h, off, n in rows:
             self.where.setdefault(h, (pack, off, n))
@@ -106,11 +106,11 @@ class PackIndex:
             if any(r[0] == h for r in rows):
                 self.rows[pack] = [r for r in rows if r[0] != h]
 
-    def remove(self, packs: List[str]) -> set:
+    def remove(self, packs: list[str]) -> set:
         """Forgets packs; returns the chunks no remaining pack holds. ``where`` is replaced whole,
         never emptied in place: a reader without the lock sees the old map or the new one."""
         affected = {h for p in packs for h, _, _ in self.rows.pop(p, [])}
-        where: Dict[str, Tuple[str, int, int]] = {}
+        where: dict[str, tuple[str, int, int]] = {}
         for pack, rows in self.rows.items():
             for h, off, n in rows:
                 where.setdefault(h, (pack, off, n))
@@ -119,20 +119,20 @@ class PackIndex:
 
 
 class ChunkStore:
-    def __init__(self, root: Path, private_from: Optional[Path] = None):
+    def __init__(self, root: Path, private_from: Path | None = None):
         """``private_from``: the highest directory above ``root`` that must be ours alone too
         (default: root's parent), checked before anything is written."""
         self.root = root
         self.private_from = private_from or root.parent
-        self.pins: Dict[str, float] = {}  # chunks a sync in flight relies on -> when it said so
+        self.pins: dict[str, float] = {}  # chunks a sync in flight relies on -> when it said so
         # the packs each sync in flight stored, so a sync that fails gives their space back at once
         # (``give_back``) instead of after GC_GRACE_S; the oldest are forgotten past MAX_SESSIONS
-        self.session_packs: "OrderedDict[str, List[str]]" = OrderedDict()
-        self.manifest_chunks: Dict[Path, Tuple[int, set]] = {}  # a manifest file's chunks, by its mtime
+        self.session_packs: OrderedDict[str, list[str]] = OrderedDict()
+        self.manifest_chunks: dict[Path, tuple[int, set]] = {}  # a manifest file's chunks, by its mtime
         self.swept = 0.0
-        self._have: Optional[set] = None
+        self._have: set | None = None
         self._unverified: set = set()  # found on disk, not hashed yet in this life
-        self._index: Optional[PackIndex] = None
+        self._index: PackIndex | None = None
         self._dirs: set = set()  # chunk directories known to exist
         self.lock = threading.Lock()  # the pack index: stores and sweeps run in different threads
         self.commits = 0  # generations committed: a sweep that saw fewer deletes nothing (see committed)
@@ -200,7 +200,7 @@ class ChunkStore:
             self._index.refresh()
         return self._index
 
-    def open_chunk(self, h: str) -> Tuple[Any, int, Optional[int]]:
+    def open_chunk(self, h: str) -> tuple[Any, int, int | None]:
         """The file holding chunk ``h``, open, where in it the chunk starts, and its size in a
         pack (None: a file of its own). Found and opened under the lock a pack's rewrite deletes
         the old pack under: an open pack stays readable."""
@@ -218,7 +218,7 @@ class ChunkStore:
             for h in chunks:
                 self.pins.pop(h, None)
 
-    def missing(self, hashes: Iterable[str]) -> List[str]:
+    def missing(self, hashes: Iterable[str]) -> list[str]:
         """The chunks not stored here. The others are pinned: garbage collection spares them
         until the sync that is about to rely on them has committed (or for GC_GRACE_S)."""
         hashes = list(hashes)
@@ -237,7 +237,7 @@ class ChunkStore:
                     out.append(h)
         return out
 
-    def put(self, index: List[Tuple[str, int]], data: Any, session: str = "") -> int:
+    def put(self, index: list[tuple[str, int]], data: Any, session: str = "") -> int:
         """Stores a batch of verified chunks (``data``: those of ``index`` end to end); a batch with
         a chunk whose bytes do not hash to its name is refused whole. ``session``: the sync it
         belongs to; chunks of the batch already here are pinned for it, like those ``missing``
@@ -247,7 +247,7 @@ class ChunkStore:
             raise StoreError(f"a batch of {view.nbytes} bytes does not hold the {len(index)} chunk(s) it names")
         chunks, off = [], 0
         for h, n in index:
-            chunk = view[off:off + n]
+            chunk = view[off : off + n]
             off += n
             if blake3.blake3(chunk).hexdigest() != h:
                 raise ChunkCorrupt(f"chunk {h[:12]} does not match its hash (corrupted in transit); resend it")
@@ -305,7 +305,7 @@ class ChunkStore:
                 self.present().difference_update(index.remove(dead))
         return freed
 
-    def _manifest_chunks(self) -> Optional[set]:
+    def _manifest_chunks(self) -> set | None:
         """Every chunk a kept generation's manifest names (None if one could not be read)."""
         used: set = set()
         for man in self.targets.glob("*/gen-*.manifest"):
@@ -320,7 +320,7 @@ class ChunkStore:
                 return None
         return used
 
-    def _write_pack(self, chunks: Dict[str, Any], durable: bool = False) -> Tuple[str, int]:
+    def _write_pack(self, chunks: dict[str, Any], durable: bool = False) -> tuple[str, int]:
         """Writes chunks as one pack file, then its index (a pack without one is ignored, and
         removed by the next sweep): the chunks are stored once the index is in place. Returns
         the pack's name and size. ``durable``: both are on disk before this returns (a rewrite
@@ -393,11 +393,13 @@ class ChunkStore:
     def target_dir(self, target: Path) -> Path:
         return self.targets / hashlib.sha256(str(target).encode()).hexdigest()[:16]
 
-    def generations(self, target: Path) -> List[int]:
+    def generations(self, target: Path) -> list[int]:
         d = self.target_dir(target)
-        return sorted(int(p.name[4:-9]) for p in d.glob("gen-*.manifest") if p.name[4:-9].isdigit()) if d.is_dir() else []
+        return (
+            sorted(int(p.name[4:-9]) for p in d.glob("gen-*.manifest") if p.name[4:-9].isdigit()) if d.is_dir() else []
+        )
 
-    def current(self, target: Path) -> Optional[int]:
+    def current(self, target: Path) -> int | None:
         """The generation ``target`` shows: a symlink's (materialized) or the one FUSE serves."""
         try:
             base = os.path.basename(os.readlink(target))
@@ -409,7 +411,7 @@ class ChunkStore:
         except (OSError, ValueError):
             return None
 
-    def unchanged(self, target: Path, digest: str) -> Optional[int]:
+    def unchanged(self, target: Path, digest: str) -> int | None:
         """The current generation, when its manifest has this digest (a no-op sync commits nothing)."""
         n = self.current(target)
         if n is None:
@@ -419,13 +421,15 @@ class ChunkStore:
         except OSError:
             return None
 
-    def commit(self, target: Path, manifest: Manifest, fuse: bool, data: Optional[bytes] = None) -> int:
+    def commit(self, target: Path, manifest: Manifest, fuse: bool, data: bytes | None = None) -> int:
         """Records the next generation of ``target``; materializes it and switches the symlink
         unless ``fuse`` (then the caller switches the mounted file system to it). ``data``: the
         manifest's ``dumps()``, when the caller has it already."""
         if os.path.lexists(target) and not os.path.islink(target) and not fuse:
-            raise StoreError(f"{target} exists and is not a syncfs target (a symlink to a generation): "
-                             "remove it or choose another --to")
+            raise StoreError(
+                f"{target} exists and is not a syncfs target (a symlink to a generation): "
+                "remove it or choose another --to"
+            )
         have = self.present()
         missing = [h for h in manifest.chunk_sizes() if h not in have]
         if missing:
@@ -471,7 +475,7 @@ class ChunkStore:
         os.replace(link, target)  # the switch: atomic for every reader
         return n
 
-    def collect(self, target: Path, sweep_every_s: Optional[float] = 60.0) -> bool:
+    def collect(self, target: Path, sweep_every_s: float | None = 60.0) -> bool:
         """Keeps the newest generations of ``target``; says whether it dropped one. Then, now and
         then, drops chunks that no kept generation uses, no sync in flight pinned, and that are
         older than GC_GRACE_S (``sweep_every_s=None``: the caller sweeps, off its own path)."""
@@ -522,8 +526,7 @@ class ChunkStore:
                     pass
                 # a chunk counts where it is served from: a second copy (a rewrite that died
                 # before deleting its old pack) keeps nothing alive
-                live = [n for h, _, n in rows
-                        if (h in used or h in self.pins) and index.where.get(h, ("",))[0] == pack]
+                live = [n for h, _, n in rows if (h in used or h in self.pins) and index.where.get(h, ("",))[0] == pack]
                 if live:
                     if sum(live) < COMPACT_BELOW * sum(n for _, _, n in rows):
                         sparse.append(pack)
@@ -538,8 +541,9 @@ class ChunkStore:
             self._compact(pack, used, epoch)
         names = set(os.listdir(self.packs)) if self.packs.is_dir() else set()
         for name in names:  # packs a crash left without an index, indexes that could not be read
-            stray = (name.endswith(".idx") and name[:-4] + ".pack" not in index.rows) or \
-                (not name.endswith(".idx") and name not in index.rows)
+            stray = (name.endswith(".idx") and name[:-4] + ".pack" not in index.rows) or (
+                not name.endswith(".idx") and name not in index.rows
+            )
             if stray:
                 try:
                     if (self.packs / name).stat().st_mtime < old:
@@ -569,7 +573,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     write_private_bytes(path, data)
 
 
-def _previous_files(manifest_path: Path) -> Dict[str, Tuple[Tuple[Tuple[str, int], ...], int]]:
+def _previous_files(manifest_path: Path) -> dict[str, tuple[tuple[tuple[str, int], ...], int]]:
     try:
         man = Manifest.loads(manifest_path.read_bytes())
     except (OSError, ValueError, EOFError):
@@ -584,8 +588,13 @@ def _safe(rel: str) -> str:
     return rel
 
 
-def _materialize(build: Path, manifest: Manifest, store: ChunkStore, prev_dir: Optional[Path],
-                 prev_files: Dict[str, Tuple[Tuple[Tuple[str, int], ...], int]]) -> None:
+def _materialize(
+    build: Path,
+    manifest: Manifest,
+    store: ChunkStore,
+    prev_dir: Path | None,
+    prev_files: dict[str, tuple[tuple[tuple[str, int], ...], int]],
+) -> None:
     build.mkdir()
     for e in manifest.entries:
         dst = build / _safe(e.path)
@@ -627,7 +636,7 @@ def _copy_range(src: int, dst: int, off: int, n: int) -> None:
                 raise OSError(errno.EIO, "a chunk ends early in its pack") from None
             view = memoryview(data)
             while view:
-                view = view[os.write(dst, view):]
+                view = view[os.write(dst, view) :]
             off, n = off + len(data), n - len(data)
 
 

@@ -18,7 +18,7 @@ import os
 import pickle
 import queue
 import threading
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable
 
 from ..errors import MonarchError
 
@@ -40,8 +40,9 @@ def choose(local_address: str) -> str:
     """The way this sync sends; ``local_address``: where the hosts reach this machine ("" through a tunnel)."""
     mode = requested_mode()
     if mode == "rdma" and not local_address:
-        raise MonarchError(f"{ENV}=rdma, but the hosts are reached through a tunnel and cannot pull from this "
-                           "machine; unset it")
+        raise MonarchError(
+            f"{ENV}=rdma, but the hosts are reached through a tunnel and cannot pull from this machine; unset it"
+        )
     if mode != "auto":
         return mode
     if not local_address or not _rdma_devices():
@@ -62,7 +63,7 @@ def _rdma_devices() -> bool:
         return False
 
 
-def outgoing(mode: str, pool: str, bind: str, data: Any) -> Tuple[Dict[str, Any], Callable[[], None]]:
+def outgoing(mode: str, pool: str, bind: str, data: Any) -> tuple[dict[str, Any], Callable[[], None]]:
     """The put arguments that carry ``data``, and what to call once the put returned."""
     if mode == "socket":
         return {"data": pickle.PickleBuffer(data)}, lambda: None
@@ -76,7 +77,7 @@ def outgoing(mode: str, pool: str, bind: str, data: Any) -> Tuple[Dict[str, Any]
     return {"rdma": buf}, lambda: buf.drop()
 
 
-def incoming(pool: str, creds: Any, data: Any, rdma: Any, timeout: float = 120.0) -> Tuple[Any, str]:
+def incoming(pool: str, creds: Any, data: Any, rdma: Any, timeout: float = 120.0) -> tuple[Any, str]:
     """A received batch's bytes, pulled first when they came as an RDMABuffer; and how they came."""
     if rdma is None:
         if data is None:
@@ -104,20 +105,22 @@ class Pump:
     first send. The first failure is kept in ``error``; the items after it are dropped, so the
     producer never blocks on a dead peer."""
 
-    def __init__(self, connect: Callable[[], Any], send: Callable[[Any, Any], None], depth: int, streams: int,
-                 name: str):
+    def __init__(
+        self, connect: Callable[[], Any], send: Callable[[Any, Any], None], depth: int, streams: int, name: str
+    ):
         self.connect, self.send, self.streams, self.name = connect, send, streams, name
-        self.queue: "queue.Queue[Any]" = queue.Queue(depth)
+        self.queue: queue.Queue[Any] = queue.Queue(depth)
         self.error = ""
         self.lock = threading.Lock()
-        self.threads: List[threading.Thread] = []
+        self.threads: list[threading.Thread] = []
 
     def put(self, item: Any) -> None:
         if self.error:
             return
         if not self.threads:
-            self.threads = [threading.Thread(target=self._run, name=f"{self.name}-{k}", daemon=True)
-                            for k in range(self.streams)]
+            self.threads = [
+                threading.Thread(target=self._run, name=f"{self.name}-{k}", daemon=True) for k in range(self.streams)
+            ]
             for t in self.threads:
                 t.start()
         self.queue.put(item)
@@ -154,7 +157,7 @@ class Pump:
         return self.error
 
 
-def downstream_groups(hosts: List[Any], chain_length: int) -> List[List[Any]]:
+def downstream_groups(hosts: list[Any], chain_length: int) -> list[list[Any]]:
     """How one sender (the client, or a host passing batches on) feeds the hosts below it: up
     to ``chain_length`` of them, as one chain; more, as two halves, each fed the same way by its
     first host. No machine sends a byte more than twice, however many hosts (the client no longer

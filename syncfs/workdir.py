@@ -23,7 +23,7 @@ import fcntl
 import os
 import re
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
 from ..private import private_dir, read_private_file, write_private_bytes
 
@@ -75,7 +75,7 @@ def view_shows(view: Path, copy: Path) -> str:
     return ""
 
 
-def refresh(tree: Path, workdir: Path, generation: Optional[object], links_to: Optional[Path] = None) -> Path:
+def refresh(tree: Path, workdir: Path, generation: object | None, links_to: Path | None = None) -> Path:
     """Makes ``workdir`` mirror ``tree`` (dirs made, files linked); a no-op when ``generation`` is done.
 
     Links point into ``links_to`` (the view, for a shared directory) or else ``tree`` itself.
@@ -169,4 +169,6 @@ def sees_shared(workdir: Path, nonce: str) -> str:
         return f"{workdir.parent} is not on a file system this node shares with the others"
     except OSError as e:  # (PrivatePathError is one: not ours, or open to others)
         return str(e)
-    return "" if got == nonce else f"{workdir.parent} here is not the one the other hosts use (not a shared file system)"
+    return (
+        "" if got == nonce else f"{workdir.parent} here is not the one the other hosts use (not a shared file system)"
+    )

@@ -6,28 +6,29 @@ same encoding carries a host's streamed rows and a subtree's merged partial aggr
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any
 
 
-def to_ipc(table: Any, max_rows: int = 0) -> List[bytes]:
+def to_ipc(table: Any, max_rows: int = 0) -> list[bytes]:
     """``table`` as IPC streams of at most ``max_rows`` rows each (all in one when 0); at least one."""
     import pyarrow as pa
 
-    batches = table.to_batches(max_chunksize=max_rows or None) or [pa.record_batch(
-        [pa.array([], f.type) for f in table.schema], schema=table.schema)]
+    batches = table.to_batches(max_chunksize=max_rows or None) or [
+        pa.record_batch([pa.array([], f.type) for f in table.schema], schema=table.schema)
+    ]
     if not max_rows:
         return [_stream(table.schema, batches)]
     return [_stream(table.schema, [b]) for b in batches]
 
 
-def from_ipc(chunks: List[bytes]) -> Any:
+def from_ipc(chunks: list[bytes]) -> Any:
     """The table that ``to_ipc`` encoded (its chunks in order)."""
     import pyarrow as pa
 
     return pa.concat_tables([pa.ipc.open_stream(c).read_all() for c in chunks])
 
 
-def _stream(schema: Any, batches: List[Any]) -> bytes:
+def _stream(schema: Any, batches: list[Any]) -> bytes:
     import pyarrow as pa
 
     sink = pa.BufferOutputStream()

@@ -21,13 +21,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator
 
 from ..private import private_dir
 from .arrow_ipc import from_ipc, to_ipc
 from .partial import merge
-from .sandbox import (Inputs, QueryServer, QueryTimedOut, agent_limits, aligned, bounded_context, collect_query,
-                      memory_file, pwrite_all, run_query)
+from .sandbox import (
+    Inputs,
+    QueryServer,
+    QueryTimedOut,
+    agent_limits,
+    aligned,
+    bounded_context,
+    collect_query,
+    memory_file,
+    pwrite_all,
+    run_query,
+)
 from .schema import TABLES, arrow_schema
 
 _CHUNK = 8 << 20
@@ -79,7 +89,7 @@ class Stored:
     def batch(self) -> Any:
         return self.whole.slice(self.start, self.rows)
 
-    def without_first(self, n: int) -> "Stored":
+    def without_first(self, n: int) -> Stored:
         return Stored(self.segment, self.offset, self.length, self.start + n, self.rows - n, self.whole)
 
 
@@ -90,8 +100,8 @@ class BatchArena:
 
     def __init__(self, segment_bytes: int = 64 << 20):
         self.segment_bytes = segment_bytes
-        self.current: Optional[_Segment] = None
-        self.segments: List[_Segment] = []
+        self.current: _Segment | None = None
+        self.segments: list[_Segment] = []
 
     def put(self, batch: Any) -> Stored:
         """``batch`` written to the current memory file (a new one when it is full); its view."""
@@ -125,10 +135,10 @@ class BatchArena:
             seg.close()
             self.segments.remove(seg)
 
-    def sources(self, kept: List[Stored]) -> Tuple[List[List[int]], List[int]]:
+    def sources(self, kept: list[Stored]) -> tuple[list[list[int]], list[int]]:
         """``kept`` as a query process finds them: [fd, offset, length, first row, rows] each, and
         the fds (duplicates, the caller's to close), so that a file closed meanwhile stays valid."""
-        dups: Dict[int, int] = {}
+        dups: dict[int, int] = {}
         out = []
         try:
             for s in kept:
@@ -160,19 +170,19 @@ class LogIndex:
 
     def __init__(self, agent: Any, spill_dir: Path):
         self.agent = agent
-        self.offsets: Dict[Path, int] = {}
+        self.offsets: dict[Path, int] = {}
         self.arena = BatchArena()
-        self.batches: List[Stored] = []
+        self.batches: list[Stored] = []
         self.rows = 0
         self.spill_dir = spill_dir
-        self.spilled: List[Tuple[Path, int, int]] = []  # (file, newest ts in us, bytes)
+        self.spilled: list[tuple[Path, int, int]] = []  # (file, newest ts in us, bytes)
         self.max_rows = _env_int("MONARCH_TORCHX_TELEMETRY_MAX_ROWS", 5_000_000)
         self.max_spill_bytes = _env_int("MONARCH_TORCHX_TELEMETRY_MAX_SPILL_BYTES", 4 << 30)
         self.max_age_s = _env_int("MONARCH_TORCHX_TELEMETRY_MAX_AGE_S", 7 * 86400)
         self._lock = threading.Lock()  # the background refresh and queries run in worker threads
         self.queried = False  # from the first query on, new output is indexed in the background
 
-    def backlog(self) -> Tuple[int, int]:
+    def backlog(self) -> tuple[int, int]:
         """(bytes written to the replicas' logs in all, bytes on disk not indexed yet), from the
         sizes the agent keeps (``ReplicaLog.files``): a warm pool keeps hundreds of ended apps,
         and the loop is not to stat their files every second."""
@@ -230,13 +240,15 @@ class LogIndex:
             newest = table.column("ts").cast(pa.int64()).to_numpy().max() if table.num_rows else 0
             self.spilled.append((path, int(newest), path.stat().st_size))
         cutoff = (time.time() - self.max_age_s) * 1_000_000
-        while self.spilled and (self.spilled[0][1] < cutoff or sum(b for _, _, b in self.spilled) > self.max_spill_bytes):
+        while self.spilled and (
+            self.spilled[0][1] < cutoff or sum(b for _, _, b in self.spilled) > self.max_spill_bytes
+        ):
             path, _, _ = self.spilled.pop(0)
             path.unlink(missing_ok=True)
 
     def _append_new(self) -> None:
         hostname = socket.gethostname()
-        offsets: Dict[Path, int] = {}  # of the segments still on disk: a dropped one's entry goes
+        offsets: dict[Path, int] = {}  # of the segments still on disk: a dropped one's entry goes
         for (app_id, role, replica), rep in list(self.agent.procs.replicas.items()):
             for stream, path, size in rep.log.files():
                 off = self.offsets.get(path, 0)
@@ -259,8 +271,9 @@ class LogIndex:
         self.offsets = offsets
 
 
-def _parse_lines(body: bytes, host: int, hostname: str, app_id: str, role: str, replica: int,
-                 pid: Optional[int], stream: str) -> Any:
+def _parse_lines(
+    body: bytes, host: int, hostname: str, app_id: str, role: str, replica: int, pid: int | None, stream: str
+) -> Any:
     """``TS LINE`` lines -> one record batch without a Python object per line.
 
     Offsets of the lines come from numpy, the timestamp is the fixed-width prefix the agent wrote
@@ -286,21 +299,32 @@ def _parse_lines(body: bytes, host: int, hostname: str, app_id: str, role: str, 
     try:
         line = pc.cast(text, pa.string())
     except pa.ArrowInvalid:  # not UTF-8: decode as the log reader does
-        line = pa.array([b.decode("utf-8", errors="replace").rstrip("\n") if b is not None else "" for b in text.to_pylist()])
+        line = pa.array(
+            [b.decode("utf-8", errors="replace").rstrip("\n") if b is not None else "" for b in text.to_pylist()]
+        )
     zeros = pa.nulls(len(raw), pa.int32()).fill_null(0)
 
     def const(value: Any, typ: Any) -> Any:
         return pa.array([value], typ).take(zeros)
 
     schema = arrow_schema("logs")
-    return pa.record_batch([
-        ts.cast(pa.timestamp("us", tz="UTC")), const(host, pa.int32()), const(hostname, pa.string()),
-        const(app_id, pa.string()), const(role, pa.string()), const(replica, pa.int32()),
-        const(pid, pa.int64()), const(stream, pa.string()), line,
-    ], schema=schema)
+    return pa.record_batch(
+        [
+            ts.cast(pa.timestamp("us", tz="UTC")),
+            const(host, pa.int32()),
+            const(hostname, pa.string()),
+            const(app_id, pa.string()),
+            const(role, pa.string()),
+            const(replica, pa.int32()),
+            const(pid, pa.int64()),
+            const(stream, pa.string()),
+            line,
+        ],
+        schema=schema,
+    )
 
 
-def _proc_usage(pid: Optional[int]) -> Tuple[Optional[float], Optional[int]]:
+def _proc_usage(pid: int | None) -> tuple[float | None, int | None]:
     if not pid:
         return None, None
     try:
@@ -322,7 +346,7 @@ class Metrics:
 
     def __init__(self, agent: Any):
         self.agent = agent
-        self.rows: List[tuple] = []
+        self.rows: list[tuple] = []
         self._nvidia_smi = shutil.which("nvidia-smi")
 
     def sample(self) -> None:
@@ -348,8 +372,16 @@ class Metrics:
             import subprocess
 
             try:
-                out = subprocess.run([self._nvidia_smi, "--query-gpu=index,utilization.gpu,memory.used",
-                                      "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5).stdout
+                out = subprocess.run(
+                    [
+                        self._nvidia_smi,
+                        "--query-gpu=index,utilization.gpu,memory.used",
+                        "--format=csv,noheader,nounits",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
+                ).stdout
                 for line in out.strip().splitlines():
                     idx, util, used = (x.strip() for x in line.split(","))
                     add((now, h, "gpu.util_pct", float(util), json.dumps({"gpu": int(idx)})))
@@ -363,40 +395,61 @@ class Metrics:
 
         schema = arrow_schema("metrics")
         cols = list(zip(*self.rows)) if self.rows else [[] for _ in schema]
-        return pa.record_batch([pa.array(list(c), _storage(f.type)).cast(f.type) for c, f in zip(cols, schema)],
-                               schema=schema)
+        return pa.record_batch(
+            [pa.array(list(c), _storage(f.type)).cast(f.type) for c, f in zip(cols, schema)], schema=schema
+        )
 
 
 def procs_batch(agent: Any) -> Any:
     import pyarrow as pa
 
-    rows: Dict[str, list] = {name: [] for name, _, _ in TABLES["procs"]}
+    rows: dict[str, list] = {name: [] for name, _, _ in TABLES["procs"]}
     hostname = socket.gethostname()
     for (app_id, role, replica), rep in list(agent.procs.replicas.items()):
         live = rep.state == "RUNNING"
         cpu, rss = _proc_usage(rep.pid) if live else (None, None)
-        values = {"host": agent.index, "hostname": hostname, "pid": rep.pid, "app_id": app_id, "role": role,
-                  "replica": replica, "state": rep.state, "cpu_s": cpu, "rss_bytes": rss,
-                  "started": _us(rep.started), "ended": _us(rep.ended), "exit_code": rep.exit_code,
-                  "attempts": rep.attempts, "msg": rep.msg}
+        values = {
+            "host": agent.index,
+            "hostname": hostname,
+            "pid": rep.pid,
+            "app_id": app_id,
+            "role": role,
+            "replica": replica,
+            "state": rep.state,
+            "cpu_s": cpu,
+            "rss_bytes": rss,
+            "started": _us(rep.started),
+            "ended": _us(rep.ended),
+            "exit_code": rep.exit_code,
+            "attempts": rep.attempts,
+            "msg": rep.msg,
+        }
         for k, v in values.items():
             rows[k].append(v)
-    return pa.record_batch([pa.array(rows[f.name], _storage(f.type)).cast(f.type) for f in arrow_schema("procs")],
-                           schema=arrow_schema("procs"))
+    return pa.record_batch(
+        [pa.array(rows[f.name], _storage(f.type)).cast(f.type) for f in arrow_schema("procs")],
+        schema=arrow_schema("procs"),
+    )
 
 
 def events_batch(agent: Any) -> Any:
     import pyarrow as pa
 
-    rows: Dict[str, list] = {name: [] for name, _, _ in TABLES["events"]}
+    rows: dict[str, list] = {name: [] for name, _, _ in TABLES["events"]}
 
-    def add(ts: float, kind: str, name: str, app_id: Optional[str], duration: Optional[float], fields: dict) -> None:
+    def add(ts: float, kind: str, name: str, app_id: str | None, duration: float | None, fields: dict) -> None:
         for k, v in zip(rows, (_us(ts), agent.index, kind, name, app_id, duration, json.dumps(fields))):
             rows[k].append(v)
 
-    add(agent.started, "pool", "host_start", None, None, {"pid": os.getpid(), "incarnation": agent.incarnation,
-                                                            "pool": agent.pool})
-    by_app: Dict[str, List[Any]] = {}
+    add(
+        agent.started,
+        "pool",
+        "host_start",
+        None,
+        None,
+        {"pid": os.getpid(), "incarnation": agent.incarnation, "pool": agent.pool},
+    )
+    by_app: dict[str, list[Any]] = {}
     for (app_id, _, _), rep in list(agent.procs.replicas.items()):
         by_app.setdefault(app_id, []).append(rep)
     for app_id, reps in by_app.items():  # an app's life on this host: from its first launch to its last exit
@@ -409,14 +462,28 @@ def events_batch(agent: Any) -> Any:
     for (app_id, role, replica), rep in list(agent.procs.replicas.items()):
         add(rep.started, "replica", "start", app_id, None, {"role": role, "replica": replica, "argv": rep.spec.argv})
         if rep.ended:
-            add(rep.ended, "replica", "exit", app_id, rep.ended - rep.started,
-                {"role": role, "replica": replica, "state": rep.state, "exit_code": rep.exit_code,
-                 "attempts": rep.attempts, "msg": rep.msg})
-    return pa.record_batch([pa.array(rows[f.name], _storage(f.type)).cast(f.type) for f in arrow_schema("events")],
-                           schema=arrow_schema("events"))
+            add(
+                rep.ended,
+                "replica",
+                "exit",
+                app_id,
+                rep.ended - rep.started,
+                {
+                    "role": role,
+                    "replica": replica,
+                    "state": rep.state,
+                    "exit_code": rep.exit_code,
+                    "attempts": rep.attempts,
+                    "msg": rep.msg,
+                },
+            )
+    return pa.record_batch(
+        [pa.array(rows[f.name], _storage(f.type)).cast(f.type) for f in arrow_schema("events")],
+        schema=arrow_schema("events"),
+    )
 
 
-def _us(ts: Optional[float]) -> Optional[int]:
+def _us(ts: float | None) -> int | None:
     return None if ts is None else int(ts * 1_000_000)
 
 
@@ -426,7 +493,7 @@ def _storage(t: Any) -> Any:
     return pa.int64() if pa.types.is_timestamp(t) else t
 
 
-def query_inputs(agent: Any, logs: LogIndex, stacks: "Stacks", metrics: "Metrics", tables: List[str]) -> Inputs:
+def query_inputs(agent: Any, logs: LogIndex, stacks: Stacks, metrics: Metrics, tables: list[str]) -> Inputs:
     """This host's tables ``tables`` as a query process finds them (``sandbox.Inputs``): the log
     index's memory files and spilled Parquet, the small tables written out for this query."""
     import pyarrow as pa
@@ -493,7 +560,7 @@ class Stacks:
 
     def __init__(self, agent: Any):
         self.agent = agent
-        self.rows: List[dict] = []
+        self.rows: list[dict] = []
 
     def _py_spy(self) -> str:
         import shutil
@@ -505,17 +572,28 @@ class Stacks:
             raise ValueError("py-spy is not installed on this host (pip install py-spy)")
         return found
 
-    async def dump(self, app_id: Optional[str]) -> dict:
+    async def dump(self, app_id: str | None) -> dict:
         import asyncio
 
         exe = self._py_spy()
         now = _us(time.time())
-        reps = [(k, r) for k, r in list(self.agent.procs.replicas.items())
-                if r.state == "RUNNING" and r.pid and (app_id is None or k[0] == app_id)]
+        reps = [
+            (k, r)
+            for k, r in list(self.agent.procs.replicas.items())
+            if r.state == "RUNNING" and r.pid and (app_id is None or k[0] == app_id)
+        ]
         added, errors = 0, []
         for (a, role, replica), rep in reps:
-            proc = await asyncio.create_subprocess_exec(exe, "dump", "--pid", str(rep.pid), "--json", "--subprocesses",
-                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            proc = await asyncio.create_subprocess_exec(
+                exe,
+                "dump",
+                "--pid",
+                str(rep.pid),
+                "--json",
+                "--subprocesses",
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
             try:
                 out, err = await asyncio.wait_for(proc.communicate(), 20)
             except asyncio.TimeoutError:
@@ -524,19 +602,33 @@ class Stacks:
                 continue
             if proc.returncode != 0:  # exited meanwhile, or not a Python process
                 why = [x for x in (err or out).decode(errors="replace").splitlines() if x.startswith("Error")]
-                errors.append(f"{a} {role}/{replica} pid {rep.pid}: "
-                              f"{why[0].removeprefix('Error: ') if why else 'py-spy failed'}")
+                errors.append(
+                    f"{a} {role}/{replica} pid {rep.pid}: {why[0].removeprefix('Error: ') if why else 'py-spy failed'}"
+                )
                 continue
             for thread in json.loads(out or b"[]"):
                 frames = thread.get("frames") or []
                 # a warm-started replica sits on the fork server's frames: they are ours, not the user's
-                cut = next((k for k, fr in enumerate(frames) if str(fr.get("filename", "")).endswith(_FORKSERVER)), None)
+                cut = next(
+                    (k for k, fr in enumerate(frames) if str(fr.get("filename", "")).endswith(_FORKSERVER)), None
+                )
                 for depth, fr in enumerate(frames[:cut]):
-                    self.rows.append({"ts": now, "host": self.agent.index, "app_id": a, "role": role,
-                                      "replica": replica, "pid": thread.get("pid", rep.pid),
-                                      "thread": thread.get("os_thread_id") or thread.get("thread_id"),
-                                      "thread_name": thread.get("thread_name"), "depth": depth,
-                                      "function": fr.get("name"), "file": fr.get("filename"), "line": fr.get("line")})
+                    self.rows.append(
+                        {
+                            "ts": now,
+                            "host": self.agent.index,
+                            "app_id": a,
+                            "role": role,
+                            "replica": replica,
+                            "pid": thread.get("pid", rep.pid),
+                            "thread": thread.get("os_thread_id") or thread.get("thread_id"),
+                            "thread_name": thread.get("thread_name"),
+                            "depth": depth,
+                            "function": fr.get("name"),
+                            "file": fr.get("filename"),
+                            "line": fr.get("line"),
+                        }
+                    )
                     added += 1
         del self.rows[:-MAX_STACK_ROWS]
         return {"rows": added, "processes": len(reps), "errors": errors}
@@ -545,8 +637,9 @@ class Stacks:
         import pyarrow as pa
 
         schema = arrow_schema("stacks")
-        return pa.record_batch([pa.array([r[f.name] for r in self.rows], _storage(f.type)).cast(f.type)
-                                for f in schema], schema=schema)
+        return pa.record_batch(
+            [pa.array([r[f.name] for r in self.rows], _storage(f.type)).cast(f.type) for f in schema], schema=schema
+        )
 
 
 class TelemetryModule:
@@ -573,12 +666,15 @@ class TelemetryModule:
 
     # ------------------------------------------------------------ the seam
 
-    def operations(self) -> Dict[str, Any]:
-        return {"telemetry.stacks": (self.op_stacks, None), "telemetry.query": (self.op_query, None),
-                "telemetry.partial": (self.op_partial, self.merge_subtree),
-                "telemetry.rows": (self.op_rows, self.cut_subtree)}
+    def operations(self) -> dict[str, Any]:
+        return {
+            "telemetry.stacks": (self.op_stacks, None),
+            "telemetry.query": (self.op_query, None),
+            "telemetry.partial": (self.op_partial, self.merge_subtree),
+            "telemetry.rows": (self.op_rows, self.cut_subtree),
+        }
 
-    def background_tasks(self) -> List[Any]:
+    def background_tasks(self) -> list[Any]:
         return [self.index_in_background(), self.sample_metrics(), self.close_idle_server()]
 
     def stop(self) -> None:
@@ -593,10 +689,10 @@ class TelemetryModule:
 
     # ------------------------------------------------------------ operations
 
-    async def op_stacks(self, peer: Any, app_id: Optional[str] = None) -> dict:
+    async def op_stacks(self, peer: Any, app_id: str | None = None) -> dict:
         return await self.stacks.dump(app_id)
 
-    async def op_query(self, peer: Any, sql: str, tables: List[str], timeout_s: Optional[float] = None) -> Any:
+    async def op_query(self, peer: Any, sql: str, tables: list[str], timeout_s: float | None = None) -> Any:
         """A pushed-down query's rows, as Arrow IPC streams of at most ``sandbox.FRAME_ROWS`` rows
         each, passed on one frame at a time as the query process writes them. ``timeout_s``: the
         caller's time limit (the agent's own, ``MONARCH_TORCHX_SQL_TIMEOUT_S``, where that is less)."""
@@ -604,21 +700,21 @@ class TelemetryModule:
 
         return Stream(self.answer(sql, tables, "stream", timeout_s))
 
-    async def op_partial(self, peer: Any, sql: str, table: str, merge: str, timeout_s: Optional[float] = None) -> bytes:
+    async def op_partial(self, peer: Any, sql: str, table: str, merge: str, timeout_s: float | None = None) -> bytes:
         """This host's partial aggregates (``partial.py``); relays merge their subtree's with ``merge``."""
         return await self._one_answer(sql, table, timeout_s)
 
-    async def op_rows(self, peer: Any, sql: str, table: str, timeout_s: Optional[float] = None) -> bytes:
+    async def op_rows(self, peer: Any, sql: str, table: str, timeout_s: float | None = None) -> bytes:
         """A LIMIT-bounded pushed-down query's rows (``query.pushdowns``); relays cut their
         subtree's to the same limit (``cut_subtree``)."""
         return await self._one_answer(sql, table, timeout_s)
 
-    async def _one_answer(self, sql: str, table: str, timeout_s: Optional[float]) -> bytes:
+    async def _one_answer(self, sql: str, table: str, timeout_s: float | None) -> bytes:
         """This host's answer to ``sql`` over ``table``, as one Arrow IPC stream (for relays to combine)."""
         frames = [f async for f in self.answer(sql, [table], "one", timeout_s)]
         return frames[0]
 
-    async def answer(self, sql: str, tables: List[str], mode: str, timeout_s: Optional[float]) -> AsyncIterator[bytes]:
+    async def answer(self, sql: str, tables: list[str], mode: str, timeout_s: float | None) -> AsyncIterator[bytes]:
         """``sql`` over this host's ``tables``, run by a query process of its own (``sandbox.py``)
         under this host's limits: frames of its answer. Raises a ``sandbox.QueryStopped``."""
         import asyncio
@@ -627,17 +723,20 @@ class TelemetryModule:
         limits = self.limits.within(timeout_s)
         deadline = loop.time() + limits.timeout_s
         if not await _acquire(self.slots, limits.timeout_s):
-            raise QueryTimedOut(f"it waited its whole time limit of {limits.timeout_s:.3g} s for one of the "
-                                f"{QUERY_SLOTS} queries running on this host to end")
+            raise QueryTimedOut(
+                f"it waited its whole time limit of {limits.timeout_s:.3g} s for one of the "
+                f"{QUERY_SLOTS} queries running on this host to end"
+            )
         try:
             inputs = await self._inputs(tables)
-            async for frame in run_query(self.server, sql, inputs, limits.within(deadline - loop.time()), self.spill,
-                                         mode):
+            async for frame in run_query(
+                self.server, sql, inputs, limits.within(deadline - loop.time()), self.spill, mode
+            ):
                 yield frame
         finally:
             self.slots.release()
 
-    async def _inputs(self, tables: List[str]) -> Inputs:
+    async def _inputs(self, tables: list[str]) -> Inputs:
         """The tables, made on our thread; if the caller goes meanwhile, their memory files are closed."""
         import asyncio
 
@@ -648,7 +747,7 @@ class TelemetryModule:
             made.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or f.result().close())
             raise
 
-    def merge_subtree(self, args: dict, values: List[Any]) -> Any:
+    def merge_subtree(self, args: dict, values: list[Any]) -> Any:
         """The relay's combiner for ``telemetry.partial``: its subtree's partials, merged into one.
         Runs here: the SQL is ours (sums, minima and maxima by group, no function of the user's),
         whose memory DataFusion's pool bounds, spilling to this agent's private directory."""
@@ -657,7 +756,7 @@ class TelemetryModule:
         ctx = bounded_context(self.limits, private_dir(self.spill / "merge"))
         return to_ipc(merge([from_ipc([v]) for v in values], args["merge"], ctx))[0]
 
-    def cut_subtree(self, args: dict, values: List[Any]) -> Any:
+    def cut_subtree(self, args: dict, values: list[Any]) -> Any:
         """The relay's combiner for ``telemetry.rows``: its subtree's rows, cut to the query's LIMIT
         by running the hosts' query again over them (its filters hold already), in a query process
         as the hosts' own ran (the filters and order are the user's)."""
@@ -667,8 +766,9 @@ class TelemetryModule:
         except BaseException:
             inputs.close()
             raise
-        return collect_query(self.server, args["sql"], inputs, self.limits.within(args.get("timeout_s")), self.spill,
-                             "one")[0]
+        return collect_query(
+            self.server, args["sql"], inputs, self.limits.within(args.get("timeout_s")), self.spill, "one"
+        )[0]
 
     # ------------------------------------------------------------ background
 
@@ -684,8 +784,11 @@ class TelemetryModule:
             total, pending = self.logs.backlog()
             busy = total - last_total > BUSY_BYTES_PER_INTERVAL
             last_total = total
-            if not pending or (busy and pending < MAX_BACKLOG_BYTES) or (
-                    not self.logs.queried and pending < LAZY_BYTES):
+            if (
+                not pending
+                or (busy and pending < MAX_BACKLOG_BYTES)
+                or (not self.logs.queried and pending < LAZY_BYTES)
+            ):
                 continue
             try:
                 await loop.run_in_executor(self.worker, self.logs.refresh)

@@ -15,7 +15,7 @@ it always was: the filtered rows come to the client (``query.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Sequence
 
 PARTIALS = "partial"  # the table name merge_sql reads
 MERGE_OF = {"count": "sum", "sum": "sum", "min": "min", "max": "max"}  # avg: a sum and a count
@@ -28,7 +28,7 @@ class Output:
     """One output column of the pushed aggregate, and the partial columns it is finished from."""
 
     name: str  # the aggregate's output field name, as the plan above it refers to it
-    parts: Tuple[str, ...]  # one partial column, or (sum, count) for an average
+    parts: tuple[str, ...]  # one partial column, or (sum, count) for an average
     average: bool = False
 
 
@@ -39,8 +39,8 @@ class PartialAggregate:
     table: str  # the one table the aggregate reads
     host_sql: str  # every host: partial aggregates over its own rows (columns k0.. and p0..)
     merge_sql: str  # any set of partials -> one, over table PARTIALS (associative)
-    outputs: Tuple[Output, ...]  # the group keys first, then the aggregates
-    above: Tuple[Any, ...]  # the plan's nodes above the aggregate, root first (client side only)
+    outputs: tuple[Output, ...]  # the group keys first, then the aggregates
+    above: tuple[Any, ...]  # the plan's nodes above the aggregate, root first (client side only)
 
     def finish(self, merged: Any) -> Any:
         """The query's answer (a pyarrow.Table) from the merged partials of every host."""
@@ -81,9 +81,9 @@ def merge(tables: Sequence[Any], merge_sql: str, ctx: Any = None) -> Any:
     return ctx.sql_with_options(merge_sql, read_only_options()).to_arrow_table()
 
 
-def plan_partial(plan: Any) -> Optional[PartialAggregate]:
+def plan_partial(plan: Any) -> PartialAggregate | None:
     """The per-subtree form of an optimized logical plan, or None where it has none."""
-    above: List[Any] = []
+    above: list[Any] = []
     node = plan
     while True:
         kind = _kind(node)
@@ -96,7 +96,7 @@ def plan_partial(plan: Any) -> Optional[PartialAggregate]:
     return _partial_of(node, _scanned_table(node.inputs()[0]) or "", tuple(above))
 
 
-def _partial_of(agg_node: Any, table: str, above: Tuple[Any, ...]) -> Optional[PartialAggregate]:
+def _partial_of(agg_node: Any, table: str, above: tuple[Any, ...]) -> PartialAggregate | None:
     from datafusion import SessionContext
     from datafusion import functions as F
     from datafusion.expr import Expr
@@ -104,9 +104,9 @@ def _partial_of(agg_node: Any, table: str, above: Tuple[Any, ...]) -> Optional[P
 
     agg = agg_node.to_variant()
     keys = [Expr(g) for g in agg.group_by_exprs()]
-    outputs: List[Output] = []
-    host_cols: List[Any] = []
-    merge_cols: List[str] = []
+    outputs: list[Output] = []
+    host_cols: list[Any] = []
+    merge_cols: list[str] = []
     for j, key in enumerate(keys):
         outputs.append(Output(_output_name(key), (f"k{j}",)))
         host_cols.append(key.alias(f"k{j}"))
@@ -137,8 +137,10 @@ def _partial_of(agg_node: Any, table: str, above: Tuple[Any, ...]) -> Optional[P
     except Exception:  # DataFusion cannot express this one as SQL: the rows path answers it
         return None
     group = ", ".join(f'"k{j}"' for j in range(len(keys)))
-    merge_sql = (f"SELECT {', '.join([f'{chr(34)}k{j}{chr(34)}' for j in range(len(keys))] + merge_cols)} "
-                 f"FROM {PARTIALS}" + (f" GROUP BY {group}" if keys else ""))
+    merge_sql = (
+        f"SELECT {', '.join([f'{chr(34)}k{j}{chr(34)}' for j in range(len(keys))] + merge_cols)} "
+        f"FROM {PARTIALS}" + (f" GROUP BY {group}" if keys else "")
+    )
     return PartialAggregate(table, host_sql, merge_sql, tuple(outputs), above)
 
 
@@ -146,7 +148,7 @@ def _kind(node: Any) -> str:
     return type(node.to_variant()).__name__
 
 
-def _scanned_table(node: Any) -> Optional[str]:
+def _scanned_table(node: Any) -> str | None:
     """The table under a chain of projections and filters, or None if it is anything else."""
     while _kind(node) in _PUSHABLE_BELOW:
         if _kind(node) == "TableScan":
@@ -166,7 +168,7 @@ def _rebuildable(node: Any) -> bool:
     return True
 
 
-def _limit(v: Any) -> Tuple[int, int]:
+def _limit(v: Any) -> tuple[int, int]:
     """A Limit node's (fetch, skip) as integers; ValueError without a fetch."""
     from datafusion.expr import Expr
 
@@ -195,8 +197,9 @@ def _apply(df: Any, node: Any) -> Any:
     if kind == "Filter":
         return df.filter(Expr(v.predicate()))
     if kind == "Sort":
-        df = df.sort(*[Expr(s.expr()).sort(ascending=s.ascending(), nulls_first=s.nulls_first())
-                       for s in v.sort_exprs()])
+        df = df.sort(
+            *[Expr(s.expr()).sort(ascending=s.ascending(), nulls_first=s.nulls_first()) for s in v.sort_exprs()]
+        )
         fetch = v.get_fetch_val()
         return df.limit(fetch) if fetch is not None else df
     if kind == "Limit":
@@ -205,18 +208,18 @@ def _apply(df: Any, node: Any) -> Any:
     if kind == "Aggregate":
         keys = [Expr(g) for g in v.group_by_exprs()]
         named = _named(keys + [Expr(a) for a in v.aggregate_exprs()], v.schema().field_names())
-        return df.aggregate(named[:len(keys)], named[len(keys):])
+        return df.aggregate(named[: len(keys)], named[len(keys) :])
     raise ValueError(f"cannot finish a {kind} node at the client")
 
 
-def _named(exprs: List[Any], names: Sequence[str]) -> List[Any]:
+def _named(exprs: list[Any], names: Sequence[str]) -> list[Any]:
     """``exprs`` with the output names the original plan gave them. A column keeps its own (and
     its qualifier, which the nodes above may use); anything computed is named as it was, since
     over the rebuilt input its default name would spell its columns qualified."""
     return [e if e.variant_name() == "Column" else e.alias(n) for e, n in zip(exprs, names)]
 
 
-def record_batches(table: Any) -> List[Any]:
+def record_batches(table: Any) -> list[Any]:
     """``table``'s batches to register in a DataFusion context: one empty batch when it has none
     (a table registered with no batch has no schema)."""
     import pyarrow as pa

@@ -26,16 +26,27 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from .. import wire
 from ..errors import MonarchError
 from .arrow_ipc import from_ipc
 from .partial import PartialAggregate, merge, plan_partial
-from .sandbox import STOPPED, Inputs, Limits, QueryFailed, QueryOutOfMemory, QueryServer, QueryStopped, QueryTimedOut, \
-    QueryTooManyRows, client_limits, collect_query
+from .sandbox import (
+    STOPPED,
+    Inputs,
+    Limits,
+    QueryFailed,
+    QueryOutOfMemory,
+    QueryServer,
+    QueryStopped,
+    QueryTimedOut,
+    QueryTooManyRows,
+    client_limits,
+    collect_query,
+    read_only_options,  # noqa: F401 (where callers have found it)
+)
 from .sandbox import one_line as _one_line
-from .sandbox import read_only_options  # noqa: F401 (where callers have found it)
 from .schema import TABLES, arrow_schema
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -53,10 +64,10 @@ QUERYS_OWN = (QueryOutOfMemory, QueryFailed, QueryTooManyRows)
 @dataclass
 class QueryResult:
     table: Any  # pyarrow.Table
-    hosts: List[int]
-    missing: Dict[int, str] = field(default_factory=dict)  # host -> why it is not in the result
+    hosts: list[int]
+    missing: dict[int, str] = field(default_factory=dict)  # host -> why it is not in the result
     bytes_moved: int = 0
-    pushed: Dict[str, str] = field(default_factory=dict)  # table -> the SQL each host ran
+    pushed: dict[str, str] = field(default_factory=dict)  # table -> the SQL each host ran
     answers: int = 0  # Arrow answers the client read: one per host and table, or one per subtree merged by relays
 
     @property
@@ -92,7 +103,7 @@ class Pushdown:
     bounded: bool = False
 
 
-def plan_pushdown(sql: str, plan: Any = None) -> Dict[str, str]:
+def plan_pushdown(sql: str, plan: Any = None) -> dict[str, str]:
     """table -> the SQL every host runs for it. Raises MonarchError for bad or non-read-only SQL."""
     return {name: p.sql for name, p in pushdowns(sql, plan).items()}
 
@@ -155,9 +166,9 @@ def _bounded(node: Any, unparser: Any) -> Any:
         # the sort's own SQL is its input's, then ORDER BY ... LIMIT: that tail, over the filters'
         # rows with all their columns (a projection between may have dropped a filter's column)
         whole, head = str(unparser.plan_to_sql(node)), str(unparser.plan_to_sql(node.inputs()[0]))
-        if not whole.startswith(head) or not whole[len(head):].lstrip().upper().startswith("ORDER BY"):
+        if not whole.startswith(head) or not whole[len(head) :].lstrip().upper().startswith("ORDER BY"):
             return None
-        text = f"{unparser.plan_to_sql(base)}{whole[len(head):]}"
+        text = f"{unparser.plan_to_sql(base)}{whole[len(head) :]}"
     else:
         return None
     if not _cuttable(text, rows):
@@ -172,7 +183,7 @@ def _bounded(node: Any, unparser: Any) -> Any:
     return sub.to_variant().table_name(), text
 
 
-def pushdowns(sql: str, plan: Any = None, bound: bool = True) -> Dict[str, Pushdown]:
+def pushdowns(sql: str, plan: Any = None, bound: bool = True) -> dict[str, Pushdown]:
     """table -> what every host runs for it (``bound=False``: filters only, never a LIMIT above
     them). Raises MonarchError for bad or non-read-only SQL."""
     from datafusion.unparser import Dialect, Unparser
@@ -184,7 +195,7 @@ def pushdowns(sql: str, plan: Any = None, bound: bool = True) -> Dict[str, Pushd
         # every table the query reads comes whole, and the query runs here
         return {name: Pushdown(f'SELECT * FROM "{name}"') for name in re.findall(r"TableScan: (\w+)", shown)}
     unparser = Unparser(Dialect.default())
-    scans: List[Tuple[str, str, bool]] = []
+    scans: list[tuple[str, str, bool]] = []
 
     def walk(node: Any) -> None:
         kind = _kind(node)
@@ -200,14 +211,15 @@ def pushdowns(sql: str, plan: Any = None, bound: bool = True) -> Dict[str, Pushd
             if _kind(sub) == "TableScan":  # (a HAVING filter is above an aggregate)
                 text = str(unparser.plan_to_sql(node))
                 fetch = sub.to_variant().fetch()
-                scans.append((sub.to_variant().table_name(), text,
-                              bound and fetch is not None and _cuttable(text, fetch)))
+                scans.append(
+                    (sub.to_variant().table_name(), text, bound and fetch is not None and _cuttable(text, fetch))
+                )
                 return
         for child in node.inputs():
             walk(child)
 
     walk(plan)
-    counts: Dict[str, int] = {}
+    counts: dict[str, int] = {}
     for name, _, _ in scans:
         counts[name] = counts.get(name, 0) + 1
     pushed = {}
@@ -219,18 +231,19 @@ def pushdowns(sql: str, plan: Any = None, bound: bool = True) -> Dict[str, Pushd
 
 def _missing_why(err: Exception) -> str:
     if isinstance(err, wire.RemoteError) and err.kind == "UnknownOperation":
-        return ("the telemetry module is not loaded on this host, or its agent predates this query's "
-                "operation (see its agent log; `torchx pool stop` and a new pool bring every host up to date)")
+        return (
+            "the telemetry module is not loaded on this host, or its agent predates this query's "
+            "operation (see its agent log; `torchx pool stop` and a new pool bring every host up to date)"
+        )
     if isinstance(err, wire.RemoteError) and err.kind == "TypeError":
-        return (f"its agent predates this client ({err}; `torchx pool stop` and a new pool bring every host "
-                "up to date)")
+        return f"its agent predates this client ({err}; `torchx pool stop` and a new pool bring every host up to date)"
     return str(err)
 
 
-def _missing(answers: List[Tuple[int, Any, Optional[Exception]]]) -> Dict[int, str]:
+def _missing(answers: list[tuple[int, Any, Exception | None]]) -> dict[int, str]:
     """Hosts that gave no answer, and why. A host's error that is the query's own (``QUERYS_OWN``)
     is raised as the query's, naming the host."""
-    missing: Dict[int, str] = {}
+    missing: dict[int, str] = {}
     for i, _, err in answers:
         if err is None:
             continue
@@ -248,8 +261,9 @@ def _host_time(deadline: float) -> float:
     return max(0.0, left - min(1.0, 0.1 * left))
 
 
-def run(pool: Any, sql: str, timeout: float = DEFAULT_TIMEOUT_S, per_subtree: bool = True,
-        max_rows: Optional[int] = None) -> QueryResult:
+def run(
+    pool: Any, sql: str, timeout: float = DEFAULT_TIMEOUT_S, per_subtree: bool = True, max_rows: int | None = None
+) -> QueryResult:
     """Runs ``sql`` over the pool's hosts; returns the answer and which hosts are missing from it.
     ``per_subtree=False`` leaves the relays out: every host's filtered rows come to the client
     (no partial aggregates, no LIMIT cut per subtree), the reference the other ways are checked
@@ -267,13 +281,21 @@ def run(pool: Any, sql: str, timeout: float = DEFAULT_TIMEOUT_S, per_subtree: bo
     return _run_rows(pool, sql, pushdowns(sql, plan, bound=per_subtree), timeout, deadline, limits)
 
 
-def _run_partial(pool: Any, sql: str, partial: PartialAggregate, timeout: float, deadline: float,
-                 limits: Limits) -> QueryResult:
+def _run_partial(
+    pool: Any, sql: str, partial: PartialAggregate, timeout: float, deadline: float, limits: Limits
+) -> QueryResult:
     """Partial aggregates from every host, merged per subtree by the relays and here (their rows
     are groups: what the client does with them costs what they do)."""
     n = pool.record.num_hosts
-    answers = pool.ask("telemetry.partial", range(n), timeout=timeout, sql=partial.host_sql, table=partial.table,
-                       merge=partial.merge_sql, timeout_s=_host_time(deadline))
+    answers = pool.ask(
+        "telemetry.partial",
+        range(n),
+        timeout=timeout,
+        sql=partial.host_sql,
+        table=partial.table,
+        merge=partial.merge_sql,
+        timeout_s=_host_time(deadline),
+    )
     missing = _missing(answers)
     ok = [i for i, _, err in answers if err is None]
     if not ok:
@@ -284,26 +306,28 @@ def _run_partial(pool: Any, sql: str, partial: PartialAggregate, timeout: float,
     except Exception as e:  # DataFusion's own message, one line
         raise MonarchError(f"bad query: {_one_line(e)}") from None
     if limits.max_rows and answer.num_rows > limits.max_rows:
-        raise QueryTooManyRows(f"query stopped: its answer has {answer.num_rows:,} rows, more than "
-                               f"{limits.max_rows:,} (MONARCH_TORCHX_SQL_MAX_ROWS); add a LIMIT or filters")
-    return QueryResult(answer, ok, missing, sum(len(v) for v in values), {partial.table: partial.host_sql},
-                       len(values))
+        raise QueryTooManyRows(
+            f"query stopped: its answer has {answer.num_rows:,} rows, more than "
+            f"{limits.max_rows:,} (MONARCH_TORCHX_SQL_MAX_ROWS); add a LIMIT or filters"
+        )
+    return QueryResult(answer, ok, missing, sum(len(v) for v in values), {partial.table: partial.host_sql}, len(values))
 
 
-def _run_rows(pool: Any, sql: str, pushed: Dict[str, Pushdown], timeout: float, deadline: float,
-              limits: Limits) -> QueryResult:
+def _run_rows(
+    pool: Any, sql: str, pushed: dict[str, Pushdown], timeout: float, deadline: float, limits: Limits
+) -> QueryResult:
     """Every host's filtered rows, here; the query finishes at the client. One table bounded by a
     LIMIT is asked through the relay tree, each subtree's rows cut to the limit on the way; any
     other scan is streamed from each host."""
     import pyarrow as pa
 
     n = pool.record.num_hosts
-    per_host: Dict[int, Dict[str, Any]] = {i: {} for i in range(n)}
-    parts: Dict[str, List[Any]] = {}
-    missing: Dict[int, str] = {}
+    per_host: dict[int, dict[str, Any]] = {i: {} for i in range(n)}
+    parts: dict[str, list[Any]] = {}
+    missing: dict[int, str] = {}
     moved = answers = 0
 
-    def fetch(i: int, q: str, t: str) -> Tuple[Any, int]:
+    def fetch(i: int, q: str, t: str) -> tuple[Any, int]:
         """One host's answer, streamed back as Arrow IPC chunks."""
         with pool.connect(i) as client:
             client.settimeout(timeout)
@@ -314,10 +338,11 @@ def _run_rows(pool: Any, sql: str, pushed: Dict[str, Pushdown], timeout: float, 
         # (one table only: a host missing from one table of several must be missing from all)
         name, p = next(iter(pushed.items()))
         parts[name] = []
-        answered = pool.ask("telemetry.rows", range(n), timeout=timeout, sql=p.sql, table=name,
-                            timeout_s=_host_time(deadline))
+        answered = pool.ask(
+            "telemetry.rows", range(n), timeout=timeout, sql=p.sql, table=name, timeout_s=_host_time(deadline)
+        )
         missing = _missing(answered)
-        for i, value, err in answered:
+        for i, value, err in answered:  # noqa: B007
             if err is None and value is not None:  # None: this host's rows are in another's, cut with its subtree's
                 parts[name].append(from_ipc([value]))
                 moved += len(value)
@@ -343,7 +368,7 @@ def _run_rows(pool: Any, sql: str, pushed: Dict[str, Pushdown], timeout: float, 
     return QueryResult(answer, ok, missing, moved, {name: p.sql for name, p in pushed.items()}, answers)
 
 
-def _finish_at_client(sql: str, tables: Dict[str, Any], timeout: float, deadline: float, limits: Limits) -> Any:
+def _finish_at_client(sql: str, tables: dict[str, Any], timeout: float, deadline: float, limits: Limits) -> Any:
     """``sql`` over the hosts' rows (``tables``; any other table empty), finished in a query
     process of the client's (``sandbox.py``): a join, sort or window over them is work that can
     outgrow any budget, and it is stopped at the deadline, not only waited for."""
@@ -362,12 +387,20 @@ def _finish_at_client(sql: str, tables: Dict[str, Any], timeout: float, deadline
         raise
     tables.clear()
     try:
-        frames = collect_query(server, sql, inputs, limits.within(max(0.0, deadline - time.monotonic())),
-                               node_temp_root() / "sql", "stream")
+        frames = collect_query(
+            server,
+            sql,
+            inputs,
+            limits.within(max(0.0, deadline - time.monotonic())),
+            node_temp_root() / "sql",
+            "stream",
+        )
     except QueryTimedOut:
-        raise QueryTimedOut(f"query stopped at the client: finishing it (joins, sorts, windows over the hosts' rows) "
-                            f"ran past --timeout ({timeout:g} s); narrow it with filters or a LIMIT, or give it "
-                            "more time") from None
+        raise QueryTimedOut(
+            f"query stopped at the client: finishing it (joins, sorts, windows over the hosts' rows) "
+            f"ran past --timeout ({timeout:g} s); narrow it with filters or a LIMIT, or give it "
+            "more time"
+        ) from None
     except QueryFailed as e:  # DataFusion's own message, one line
         raise QueryFailed(f"bad query: {e}") from None
     except QueryStopped as e:
@@ -377,7 +410,7 @@ def _finish_at_client(sql: str, tables: Dict[str, Any], timeout: float, deadline
     return from_ipc(frames)
 
 
-_SERVER: Optional[QueryServer] = None
+_SERVER: QueryServer | None = None
 _SERVER_LOCK = threading.Lock()
 
 

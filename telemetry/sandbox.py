@@ -48,7 +48,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, Any, AsyncIterator, Dict, Iterator, List, Optional, Set, Tuple
+from typing import IO, Any, AsyncIterator, Iterator
 
 from ..errors import MonarchError
 
@@ -103,7 +103,7 @@ class Limits:
     max_rows: int = 0  # 0: any number of rows
     memory_knob: str = ""
 
-    def within(self, timeout_s: Optional[float]) -> "Limits":
+    def within(self, timeout_s: float | None) -> Limits:
         """These limits, with the time limit cut to ``timeout_s`` (the caller's own) where that is less."""
         if timeout_s is None:
             return self
@@ -111,26 +111,35 @@ class Limits:
 
 
 def _common(memory_env: str, memory_mb: float, timeout_s: float, max_rows: int, knob: str) -> Limits:
-    return Limits(memory_bytes=int(_env_number(memory_env, memory_mb) * (1 << 20)),
-                  timeout_s=timeout_s,
-                  batch_rows=max(1, int(_env_number("MONARCH_TORCHX_SQL_BATCH_ROWS", 2048))),
-                  threads=max(1, int(_env_number("MONARCH_TORCHX_SQL_THREADS", min(4, os.cpu_count() or 1)))),
-                  max_rows=max_rows, memory_knob=knob)
+    return Limits(
+        memory_bytes=int(_env_number(memory_env, memory_mb) * (1 << 20)),
+        timeout_s=timeout_s,
+        batch_rows=max(1, int(_env_number("MONARCH_TORCHX_SQL_BATCH_ROWS", 2048))),
+        threads=max(1, int(_env_number("MONARCH_TORCHX_SQL_THREADS", min(4, os.cpu_count() or 1)))),
+        max_rows=max_rows,
+        memory_knob=knob,
+    )
 
 
 def agent_limits() -> Limits:
     """A host's part of a query: ``MONARCH_TORCHX_SQL_MEMORY_MB`` (1024) and
     ``MONARCH_TORCHX_SQL_TIMEOUT_S`` (60) from the environment the pool was created in."""
-    return _common("MONARCH_TORCHX_SQL_MEMORY_MB", 1024, _env_number("MONARCH_TORCHX_SQL_TIMEOUT_S", 60.0), 0,
-                   "MONARCH_TORCHX_SQL_MEMORY_MB in the environment that created the pool")
+    return _common(
+        "MONARCH_TORCHX_SQL_MEMORY_MB",
+        1024,
+        _env_number("MONARCH_TORCHX_SQL_TIMEOUT_S", 60.0),
+        0,
+        "MONARCH_TORCHX_SQL_MEMORY_MB in the environment that created the pool",
+    )
 
 
-def client_limits(timeout_s: float, max_rows: Optional[int] = None) -> Limits:
+def client_limits(timeout_s: float, max_rows: int | None = None) -> Limits:
     """What the client finishes: ``MONARCH_TORCHX_SQL_CLIENT_MEMORY_MB`` (4096), the caller's
     timeout, and at most ``MONARCH_TORCHX_SQL_MAX_ROWS`` (10,000,000) rows in the answer."""
     rows = int(_env_number("MONARCH_TORCHX_SQL_MAX_ROWS", 10_000_000)) if max_rows is None else int(max_rows)
-    return _common("MONARCH_TORCHX_SQL_CLIENT_MEMORY_MB", 4096, timeout_s, max(0, rows),
-                   "MONARCH_TORCHX_SQL_CLIENT_MEMORY_MB")
+    return _common(
+        "MONARCH_TORCHX_SQL_CLIENT_MEMORY_MB", 4096, timeout_s, max(0, rows), "MONARCH_TORCHX_SQL_CLIENT_MEMORY_MB"
+    )
 
 
 def read_only_options() -> Any:
@@ -153,8 +162,11 @@ def bounded_context(limits: Limits, spill_dir: Path) -> Any:
     from datafusion import RuntimeEnvBuilder, SessionConfig, SessionContext
 
     config = SessionConfig().with_batch_size(limits.batch_rows).with_target_partitions(limits.threads)
-    runtime = RuntimeEnvBuilder().with_fair_spill_pool(max(1 << 20, limits.memory_bytes // 2)) \
+    runtime = (
+        RuntimeEnvBuilder()
+        .with_fair_spill_pool(max(1 << 20, limits.memory_bytes // 2))
         .with_disk_manager_specified(str(spill_dir))
+    )
     return SessionContext(config, runtime)
 
 
@@ -189,11 +201,11 @@ class Inputs:
     are written to one memory file of this query's own, as uncompressed IPC (mapped without a copy)."""
 
     def __init__(self) -> None:
-        self.tables: Dict[str, Dict[str, Any]] = {}
-        self.fds: List[int] = []
-        self._file: Optional[int] = None
+        self.tables: dict[str, dict[str, Any]] = {}
+        self.fds: list[int] = []
+        self._file: int | None = None
 
-    def _table(self, name: str, schema: Optional[str] = None) -> Dict[str, Any]:
+    def _table(self, name: str, schema: str | None = None) -> dict[str, Any]:
         return self.tables.setdefault(name, {"schema": schema, "sources": []})
 
     def _own_file(self) -> int:
@@ -215,7 +227,7 @@ class Inputs:
             length = f.tell() - offset
         self._table(name)["sources"].append({"stream": [fd, offset, length]})
 
-    def add_streams(self, name: str, streams: List[bytes]) -> None:
+    def add_streams(self, name: str, streams: list[bytes]) -> None:
         """Arrow IPC streams as they came over the wire (e.g. hosts' answers), as one table."""
         fd = self._own_file()
         for data in streams:
@@ -223,13 +235,13 @@ class Inputs:
             pwrite_all(fd, data, offset)
             self._table(name)["sources"].append({"stream": [fd, offset, len(data)]})
 
-    def add_batches(self, name: str, schema: str, sources: List[List[int]], fds: List[int]) -> None:
+    def add_batches(self, name: str, schema: str, sources: list[list[int]], fds: list[int]) -> None:
         """Serialized record batches of table schema ``schema`` in memory files that ``fds`` (now
         owned here) open: each source is [fd, offset, length, first row, rows]."""
         self.fds.extend(fds)
         self._table(name, schema)["sources"].extend({"batch": s} for s in sources)
 
-    def add_parquet(self, name: str, schema: str, paths: List[str]) -> None:
+    def add_parquet(self, name: str, schema: str, paths: list[str]) -> None:
         self._table(name, schema)["sources"].extend({"parquet": p} for p in paths)
 
     def close(self) -> None:
@@ -243,23 +255,25 @@ class Inputs:
 # ---------------------------------------------------------------- the owner: a server, its queries
 
 
-def _argv() -> List[str]:
+def _argv() -> list[str]:
     from ..interpreter import module_argv
 
     return module_argv(MODULE)
 
 
-def _server_env() -> Dict[str, str]:
+def _server_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update({
-        "MIMALLOC_ARENA_RESERVE": "0",  # DataFusion's allocator: no 1 GiB reserved up front (it counts)
-        "ARROW_DEFAULT_MEMORY_POOL": "system",  # nor Arrow's
-        # one thread only in the server, which forks: no jemalloc background thread, no BLAS pool
-        "JE_ARROW_MALLOC_CONF": "background_thread:false",
-        "OMP_NUM_THREADS": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-        "RUST_BACKTRACE": "0",
-    })
+    env.update(
+        {
+            "MIMALLOC_ARENA_RESERVE": "0",  # DataFusion's allocator: no 1 GiB reserved up front (it counts)
+            "ARROW_DEFAULT_MEMORY_POOL": "system",  # nor Arrow's
+            # one thread only in the server, which forks: no jemalloc background thread, no BLAS pool
+            "JE_ARROW_MALLOC_CONF": "background_thread:false",
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "RUST_BACKTRACE": "0",
+        }
+    )
     return env
 
 
@@ -276,8 +290,8 @@ class QueryServer:
     def __init__(self, cwd: Path, quiet: bool = False):
         self.cwd = cwd  # private
         self.quiet = quiet  # the client's terminal is not for DataFusion's own last words
-        self.proc: Optional[subprocess.Popen] = None
-        self.sock: Optional[socket.socket] = None
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
         self.lock = threading.Lock()
         self.last_submit = 0.0  # monotonic
 
@@ -294,9 +308,15 @@ class QueryServer:
     def _start(self) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.proc = subprocess.Popen(_argv(), stdin=theirs, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL if self.quiet else None, cwd=str(self.cwd),
-                                         env=_server_env(), start_new_session=True)  # (Ctrl-C is for its owner)
+            self.proc = subprocess.Popen(
+                _argv(),
+                stdin=theirs,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL if self.quiet else None,
+                cwd=str(self.cwd),
+                env=_server_env(),
+                start_new_session=True,
+            )  # (Ctrl-C is for its owner)
         except BaseException:
             mine.close()
             raise
@@ -304,7 +324,7 @@ class QueryServer:
             theirs.close()
         self.sock = mine
 
-    def submit(self, request: bytes, fds: List[int]) -> None:
+    def submit(self, request: bytes, fds: list[int]) -> None:
         """Starts one query process with ``fds`` (the answer's pipe first), which stay the caller's."""
         with self.lock:
             for attempt in (0, 1):
@@ -340,10 +360,20 @@ class QueryServer:
 
 
 def _request(sql: str, inputs: Inputs, limits: Limits, mode: str, cwd: Path) -> bytes:
-    return json.dumps({"sql": sql, "tables": inputs.tables, "fds": inputs.fds, "mode": mode, "cwd": str(cwd),
-                       "frame_rows": FRAME_ROWS, "memory_bytes": limits.memory_bytes,
-                       "batch_rows": limits.batch_rows, "threads": limits.threads,
-                       "max_rows": limits.max_rows}).encode()
+    return json.dumps(
+        {
+            "sql": sql,
+            "tables": inputs.tables,
+            "fds": inputs.fds,
+            "mode": mode,
+            "cwd": str(cwd),
+            "frame_rows": FRAME_ROWS,
+            "memory_bytes": limits.memory_bytes,
+            "batch_rows": limits.batch_rows,
+            "threads": limits.threads,
+            "max_rows": limits.max_rows,
+        }
+    ).encode()
 
 
 def _hand_over(server: QueryServer, request: bytes, inputs: Inputs, answer: int) -> None:
@@ -357,7 +387,7 @@ def _hand_over(server: QueryServer, request: bytes, inputs: Inputs, answer: int)
         inputs.close()
 
 
-def _prepare(spill_root: Path, inputs: Inputs, buffering: int = -1) -> Tuple[Path, IO[bytes], int]:
+def _prepare(spill_root: Path, inputs: Inputs, buffering: int = -1) -> tuple[Path, IO[bytes], int]:
     """A fresh private directory under ``spill_root`` for one query process (its cwd and its spill
     directory), and the pipe of its answer (read end as a file, write end); ``inputs`` is closed
     if either cannot be made."""
@@ -376,7 +406,7 @@ def _prepare(spill_root: Path, inputs: Inputs, buffering: int = -1) -> Tuple[Pat
     return work, os.fdopen(r, "rb", buffering=buffering), w
 
 
-def _died(status: Optional[int], timed_out: bool, limits: Limits) -> QueryStopped:
+def _died(status: int | None, timed_out: bool, limits: Limits) -> QueryStopped:
     """Why a query process ended without its last record (``status``: its exit code, negative
     for a signal, None where its supervisor did not say)."""
     if timed_out:
@@ -384,15 +414,20 @@ def _died(status: Optional[int], timed_out: bool, limits: Limits) -> QueryStoppe
     if status in (-signal.SIGABRT, -signal.SIGKILL, -signal.SIGSEGV, -signal.SIGBUS):
         # an allocation refused under the cap aborts (Rust, C++) or, for a thread's stack, faults
         return _out_of_memory(limits)
-    how = "was ended" if status is None else (f"ended with signal {-status}" if status < 0 else
-                                                f"ended with exit code {status}")
+    how = (
+        "was ended"
+        if status is None
+        else (f"ended with signal {-status}" if status < 0 else f"ended with exit code {status}")
+    )
     return QueryFailed(f"its process {how} before it answered")
 
 
 def _out_of_memory(limits: Limits) -> QueryOutOfMemory:
-    return QueryOutOfMemory(f"it needed more than the {limits.memory_bytes / (1 << 20):.0f} MiB of memory a query "
-                            f"may use ({limits.memory_knob}) and was stopped; narrow it with filters, a LIMIT or "
-                            "an aggregate")
+    return QueryOutOfMemory(
+        f"it needed more than the {limits.memory_bytes / (1 << 20):.0f} MiB of memory a query "
+        f"may use ({limits.memory_knob}) and was stopped; narrow it with filters, a LIMIT or "
+        "an aggregate"
+    )
 
 
 def _error(payload: bytes, limits: Limits) -> QueryStopped:
@@ -410,7 +445,7 @@ class _Run:
 
     def __init__(self, limits: Limits):
         self.limits = limits
-        self.group: Optional[int] = None
+        self.group: int | None = None
         self.timed_out = False
         self.finished = False  # it sent its last record (or its supervisor did)
 
@@ -427,7 +462,7 @@ class _Run:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.group, signal.SIGKILL)
 
-    def record(self, kind: bytes, payload: bytes) -> Optional[bytes]:
+    def record(self, kind: bytes, payload: bytes) -> bytes | None:
         """A frame to pass on, or None for a record that is not one; raises at the end."""
         self.finished = kind in (b"D", b"E", b"X")
         if kind == b"P":
@@ -452,8 +487,9 @@ class _Done(Exception):
     """The query's last record: its answer is complete."""
 
 
-async def run_query(server: QueryServer, sql: str, inputs: Inputs, limits: Limits, spill_root: Path,
-                    mode: str = "stream") -> AsyncIterator[bytes]:
+async def run_query(
+    server: QueryServer, sql: str, inputs: Inputs, limits: Limits, spill_root: Path, mode: str = "stream"
+) -> AsyncIterator[bytes]:
     """The answer to ``sql`` over ``inputs``, as lz4 Arrow IPC frames (``mode="one"``: one frame),
     from a query process of its own forked by ``server`` (see the module's docstring). Raises a
     ``QueryStopped``. Closing the iterator early kills the process; ``inputs`` is closed here."""
@@ -490,13 +526,14 @@ async def run_query(server: QueryServer, sql: str, inputs: Inputs, limits: Limit
         shutil.rmtree(work, ignore_errors=True)
 
 
-def collect_query(server: QueryServer, sql: str, inputs: Inputs, limits: Limits, spill_root: Path,
-                  mode: str = "stream") -> List[bytes]:
+def collect_query(
+    server: QueryServer, sql: str, inputs: Inputs, limits: Limits, spill_root: Path, mode: str = "stream"
+) -> list[bytes]:
     """``run_query`` for callers without an event loop (the client, a relay's combiner): every
     frame of the answer. An interrupt (Ctrl-C) kills the query process on the way out."""
     work, pipe, w = _prepare(spill_root, inputs)
     run = _Run(limits)
-    frames: List[bytes] = []
+    frames: list[bytes] = []
     try:
         try:
             _hand_over(server, _request(sql, inputs, limits, mode, work), inputs, w)
@@ -525,7 +562,7 @@ def collect_query(server: QueryServer, sql: str, inputs: Inputs, limits: Limits,
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _read_record(stream: IO[bytes]) -> Optional[Tuple[bytes, bytes]]:
+def _read_record(stream: IO[bytes]) -> tuple[bytes, bytes] | None:
     """(kind, payload) of the next record; None at the end of the pipe."""
     head = _read_exact(stream, _HEADER.size)
     if head is None:
@@ -535,7 +572,7 @@ def _read_record(stream: IO[bytes]) -> Optional[Tuple[bytes, bytes]]:
     return None if payload is None else (kind, payload)
 
 
-def _read_exact(stream: IO[bytes], n: int) -> Optional[bytes]:
+def _read_exact(stream: IO[bytes], n: int) -> bytes | None:
     parts, got = [], 0
     while got < n:
         chunk = stream.read(n - got)
@@ -555,7 +592,7 @@ def _record(out: IO[bytes], kind: bytes, payload: bytes) -> None:
     out.flush()
 
 
-def _vm_data() -> Optional[int]:
+def _vm_data() -> int | None:
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -581,7 +618,7 @@ class _Maps:
     """Read-only shared maps of the memory files this process was handed, one per fd."""
 
     def __init__(self) -> None:
-        self.views: Dict[int, Any] = {}
+        self.views: dict[int, Any] = {}
 
     def view(self, fd: int) -> Any:
         import pyarrow as pa
@@ -600,15 +637,15 @@ def _pieces(batch: Any, rows: int) -> Iterator[Any]:
         yield batch.slice(start, rows)
 
 
-def _register(ctx: Any, maps: _Maps, name: str, spec: Dict[str, Any], batch_rows: int) -> None:
+def _register(ctx: Any, maps: _Maps, name: str, spec: dict[str, Any], batch_rows: int) -> None:
     import pyarrow as pa
 
     from .schema import arrow_schema
 
     schema = arrow_schema(spec["schema"]) if spec.get("schema") else None
-    batches: List[Any] = []
-    streams: List[Any] = []
-    parquet: List[str] = []
+    batches: list[Any] = []
+    streams: list[Any] = []
+    parquet: list[str] = []
     for src in spec["sources"]:
         if "stream" in src:
             fd, offset, length = src["stream"]
@@ -643,8 +680,10 @@ def _batches(df: Any, max_rows: int) -> Iterator[Any]:
         batch = rb.to_pyarrow()
         total += batch.num_rows
         if max_rows and total > max_rows:
-            raise QueryTooManyRows(f"its answer has more than {max_rows:,} rows (MONARCH_TORCHX_SQL_MAX_ROWS); add a "
-                                   "LIMIT, filters or an aggregate")
+            raise QueryTooManyRows(
+                f"its answer has more than {max_rows:,} rows (MONARCH_TORCHX_SQL_MAX_ROWS); add a "
+                "LIMIT, filters or an aggregate"
+            )
         yield batch
 
 
@@ -654,7 +693,7 @@ def _frames(df: Any, frame_rows: int, max_rows: int) -> Iterator[bytes]:
 
     from .arrow_ipc import to_ipc
 
-    pending: List[Any] = []
+    pending: list[Any] = []
     held = size = 0
     schema = None
     for batch in _batches(df, max_rows):
@@ -669,17 +708,17 @@ def _frames(df: Any, frame_rows: int, max_rows: int) -> Iterator[bytes]:
         yield to_ipc(pa.Table.from_batches(pending, schema=schema or df.schema()))[0]
 
 
-def _serve(request: Dict[str, Any], out: IO[bytes]) -> None:
+def _serve(request: dict[str, Any], out: IO[bytes]) -> None:
     import pyarrow as pa
     from datafusion import RuntimeEnvBuilder, SessionConfig, SessionContext
 
     from .arrow_ipc import to_ipc
 
     budget = int(request["memory_bytes"])
-    config = SessionConfig().with_batch_size(int(request["batch_rows"])) \
-        .with_target_partitions(int(request["threads"]))
-    runtime = RuntimeEnvBuilder().with_fair_spill_pool(max(1 << 20, budget // 2)) \
-        .with_disk_manager_specified(os.getcwd())
+    config = SessionConfig().with_batch_size(int(request["batch_rows"])).with_target_partitions(int(request["threads"]))
+    runtime = (
+        RuntimeEnvBuilder().with_fair_spill_pool(max(1 << 20, budget // 2)).with_disk_manager_specified(os.getcwd())
+    )
     ctx = SessionContext(config, runtime)
     maps = _Maps()
     for name, spec in request["tables"].items():
@@ -700,7 +739,7 @@ def _serve(request: Dict[str, Any], out: IO[bytes]) -> None:
         _record(out, b"F", frame)
 
 
-def _query(request: Dict[str, Any], fds: List[int]) -> None:
+def _query(request: dict[str, Any], fds: list[int]) -> None:
     """The query process (forked by a supervisor): one request, its records on ``fds[0]``."""
     os.environ["TOKIO_WORKER_THREADS"] = str(request["threads"])  # DataFusion's runtime starts here
     os.chdir(request["cwd"])
@@ -725,7 +764,7 @@ def _query(request: Dict[str, Any], fds: List[int]) -> None:
         _record(out, b"D", b"")
 
 
-def _supervise(request: Dict[str, Any], fds: List[int]) -> int:
+def _supervise(request: dict[str, Any], fds: list[int]) -> int:
     """A query's supervisor (forked by the server), the leader of its own process group, which the
     owner kills at the deadline: it forks the query process, waits for it and says how it ended
     when that was not with a last record of its own (an abort under the memory cap)."""
@@ -751,10 +790,10 @@ def _supervise(request: Dict[str, Any], fds: List[int]) -> int:
 def _write_record(fd: int, kind: bytes, payload: bytes) -> None:
     left = memoryview(_HEADER.pack(kind, len(payload)) + payload)
     while left:
-        left = left[os.write(fd, left):]
+        left = left[os.write(fd, left) :]
 
 
-def _receive(sock: socket.socket) -> Optional[Tuple[Dict[str, Any], List[int]]]:
+def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     """One request and its fds from the owner; None once the owner is gone."""
     head, fds, _, _ = socket.recv_fds(sock, 8, 1024)
     if not head:
@@ -795,7 +834,7 @@ def serve_forever() -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    running: Set[int] = set()  # supervisors (each its own process group)
+    running: set[int] = set()  # supervisors (each its own process group)
     while True:
         ready, _, _ = select.select([sock, wake_r], [], [])
         if wake_r in ready:
@@ -823,7 +862,7 @@ def serve_forever() -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
-def _reap(running: Set[int]) -> None:
+def _reap(running: set[int]) -> None:
     while running:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)

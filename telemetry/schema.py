@@ -6,10 +6,8 @@ the pyarrow schema when a query needs it.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
-
 # table -> [(column, arrow type name, meaning)]
-TABLES: Dict[str, List[Tuple[str, str, str]]] = {
+TABLES: dict[str, list[tuple[str, str, str]]] = {
     "logs": [
         ("ts", "timestamp", "when the agent received the line (UTC)"),
         ("host", "int32", "host index in the pool"),
@@ -54,7 +52,11 @@ TABLES: Dict[str, List[Tuple[str, str, str]]] = {
     "metrics": [
         ("ts", "timestamp", "when it was sampled (every few seconds)"),
         ("host", "int32", "host index in the pool"),
-        ("name", "string", "host.load1, host.mem_used_bytes, proc.cpu_s, proc.rss_bytes, gpu.util_pct, gpu.mem_used_bytes"),
+        (
+            "name",
+            "string",
+            "host.load1, host.mem_used_bytes, proc.cpu_s, proc.rss_bytes, gpu.util_pct, gpu.mem_used_bytes",
+        ),
         ("value", "float64", "the value"),
         ("labels", "string", "JSON: app_id/role/replica/pid for proc.*, gpu index for gpu.*"),
     ],
@@ -73,8 +75,13 @@ TABLES: Dict[str, List[Tuple[str, str, str]]] = {
 def arrow_schema(table: str):  # -> pyarrow.Schema
     import pyarrow as pa
 
-    types = {"timestamp": pa.timestamp("us", tz="UTC"), "int32": pa.int32(), "int64": pa.int64(),
-             "string": pa.string(), "float64": pa.float64()}
+    types = {
+        "timestamp": pa.timestamp("us", tz="UTC"),
+        "int32": pa.int32(),
+        "int64": pa.int64(),
+        "string": pa.string(),
+        "float64": pa.float64(),
+    }
     return pa.schema([(name, types[t]) for name, t, _ in TABLES[table]])
 
 

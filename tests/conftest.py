@@ -14,7 +14,6 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Dict, List
 
 import pytest
 
@@ -26,7 +25,7 @@ BIN = Path(sys.executable).parent
 TORCHX = str(BIN / "torchx")
 
 
-def pids_running(module: str, path: Path) -> List[int]:
+def pids_running(module: str, path: Path) -> list[int]:
     """Processes whose command line names both ``module`` and ``path``."""
     pids = []
     for p in Path("/proc").iterdir():
@@ -41,7 +40,7 @@ def pids_running(module: str, path: Path) -> List[int]:
     return pids
 
 
-def agent_pids(home: Path) -> List[int]:
+def agent_pids(home: Path) -> list[int]:
     """Agents (and fork servers) whose command line names this home."""
     return pids_running("monarch_torchx.agent", home)
 
@@ -78,7 +77,7 @@ class FaultRecorder:
     or in none, never in the default hook. The default itself is tested in a child process."""
 
     def __init__(self) -> None:
-        self.current: List = []
+        self.current: list = []
 
     def __call__(self, failure) -> None:
         self.current.append(failure)
@@ -94,7 +93,7 @@ def _fault_recorder():
 
 
 @pytest.fixture
-def faults(_fault_recorder: FaultRecorder) -> List:
+def faults(_fault_recorder: FaultRecorder) -> list:
     """The supervision events that reach this process's fault hook during the test."""
     _fault_recorder.current = []
     return _fault_recorder.current
@@ -105,14 +104,16 @@ def pool_name() -> str:
     return f"t{uuid.uuid4().hex[:8]}"
 
 
-def cli_env(home: Path) -> Dict[str, str]:
+def cli_env(home: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["MONARCH_TORCHX_HOME"] = str(home)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     return env
 
 
-def torchx(home: Path, *args: str, cwd: Path | None = None, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+def torchx(
+    home: Path, *args: str, cwd: Path | None = None, timeout: float = 120, check: bool = True
+) -> subprocess.CompletedProcess:
     """Runs the real torchx CLI in a subprocess."""
     res = subprocess.run([TORCHX, *args], env=cli_env(home), cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if check and res.returncode != 0:
@@ -156,7 +157,9 @@ def _lab_up() -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     states = res.stdout.split()
-    return res.returncode == 0 and bool(states) and all(s in ("idle", "mixed", "allocated", "completing") for s in states)
+    return (
+        res.returncode == 0 and bool(states) and all(s in ("idle", "mixed", "allocated", "completing") for s in states)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -179,9 +182,11 @@ def slurm_lab():
         subprocess.run(["bash", str(LAB / "stop-cluster.sh")], capture_output=True, timeout=300)
 
 
-def squeue_ids(name_prefix: str) -> List[str]:
+def squeue_ids(name_prefix: str) -> list[str]:
     out = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.split()[1:] and line.split()[1].startswith(name_prefix)]
+    return [
+        line.split()[0] for line in out.splitlines() if line.split()[1:] and line.split()[1].startswith(name_prefix)
+    ]
 
 
 def node_store(base: Path, pool: str, index: int) -> Path:
@@ -191,7 +196,7 @@ def node_store(base: Path, pool: str, index: int) -> Path:
     return base / f"{pool}-{pool_id(Registry().require(pool).key)}-host{index}"
 
 
-def assert_launch_with_dead_hosts_is_all_or_nothing(pool, app: str, dead: List[int]) -> None:
+def assert_launch_with_dead_hosts_is_all_or_nothing(pool, app: str, dead: list[int]) -> None:
     """Kills the agents of ``dead``, launches one replica on every host of ``pool``: the launch
     fails naming each dead host, and nothing of it runs on the live ones."""
     from monarch_torchx import apps
@@ -217,16 +222,20 @@ def assert_host0_relays_to_host1(home: Path, pool_name: str, line: str):
     and the pool's status go that way too. Returns the pool and the hosts' ``info``."""
     import json
 
-    from monarch_torchx.pool import attach
     from monarch_torchx.telemetry.query import run
+
+    from monarch_torchx.pool import attach
 
     pool = attach(pool_name, Registry(home))
     before = {i: v["relayed"] for i, v, _ in pool.ask("info", range(3))}
     info = pool.ask("info", range(3))
     assert [(i, v["index"], e) for i, v, e in info] == [(0, 0, None), (1, 1, None), (2, 2, None)]
     assert {i: v["relayed"] - before[i] for i, v, _ in info} == {0: 1, 1: 0, 2: 0}  # host 0 passed it to host 1
-    wait_for(lambda: run(pool, f"SELECT count(*) AS n FROM logs WHERE line = '{line}'").table.to_pylist()
-             == [{"n": 3}], timeout=30, what="the lines in the logs table")
+    wait_for(
+        lambda: run(pool, f"SELECT count(*) AS n FROM logs WHERE line = '{line}'").table.to_pylist() == [{"n": 3}],
+        timeout=30,
+        what="the lines in the logs table",
+    )
     res = run(pool, f"SELECT host, count(*) AS n FROM logs WHERE line = '{line}' GROUP BY host ORDER BY host")
     assert res.table.to_pylist() == [{"host": i, "n": 1} for i in range(3)] and res.answers == 2
     status = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
@@ -245,11 +254,17 @@ def assert_a_relay_killed_mid_wait_is_passed_over(pool, app: str, victim: int) -
     from monarch_torchx.specs import LaunchSpec
 
     n = pool.record.num_hosts
-    apps.launch(pool, app, app, [{"name": "r"}],
-                [(i, LaunchSpec(app_id=app, role="r", replica_id=i, argv=["sleep", "60"])) for i in range(n)])
-    got: Dict[str, list] = {}
-    asking = threading.Thread(target=lambda: got.setdefault("res", pool.ask("wait", range(n), timeout=20.0, app_id=app,
-                                                                             within=4.0)))
+    apps.launch(
+        pool,
+        app,
+        app,
+        [{"name": "r"}],
+        [(i, LaunchSpec(app_id=app, role="r", replica_id=i, argv=["sleep", "60"])) for i in range(n)],
+    )
+    got: dict[str, list] = {}
+    asking = threading.Thread(
+        target=lambda: got.setdefault("res", pool.ask("wait", range(n), timeout=20.0, app_id=app, within=4.0))
+    )
     pid = pool.hosts[victim].pid
     asking.start()
     time.sleep(1.5)  # every host is waiting now (its answer comes at 4 s)

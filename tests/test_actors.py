@@ -21,9 +21,32 @@ from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
 from monarch_torchx.registry import Registry
 from tests.conftest import module_pool, wait_for
-from tests.fixtures.actors import (Aborter, Bad, Blaster, Caller, Cleaner, Counter, Fatal, FlakyOwner, Gate,
-                                   MonarchCleaner, Owner, Responder, Spawner, Store, StoreUser, CleanupCounter, Wrapper, Forever, Talker,
-                                   KeepsAFinalizer, MeshMate, Placement, RemoteSpawner, WrapperMarker)
+from tests.fixtures.actors import (
+    Aborter,
+    Bad,
+    Blaster,
+    Caller,
+    Cleaner,
+    CleanupCounter,
+    Counter,
+    Fatal,
+    FlakyOwner,
+    Forever,
+    Gate,
+    KeepsAFinalizer,
+    MeshMate,
+    MonarchCleaner,
+    Owner,
+    Placement,
+    RemoteSpawner,
+    Responder,
+    Spawner,
+    Store,
+    StoreUser,
+    Talker,
+    Wrapper,
+    WrapperMarker,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,7 +71,12 @@ def test_adverbs_values_and_ranks(procs):
     assert isinstance(vm, ValueMesh) and list(vm.values()) == [15] * 4
     assert vm.item(hosts=1, procs=0) == 15
     points = [dict(p) for p, _ in vm.items()]
-    assert points == [{"hosts": 0, "procs": 0}, {"hosts": 0, "procs": 1}, {"hosts": 1, "procs": 0}, {"hosts": 1, "procs": 1}]
+    assert points == [
+        {"hosts": 0, "procs": 0},
+        {"hosts": 0, "procs": 1},
+        {"hosts": 1, "procs": 0},
+        {"hosts": 1, "procs": 1},
+    ]
     ranks = [v[1] for v in counters.aget.call().get().values()]  # async endpoint, current_rank()
     assert ranks == points
     assert counters.aget.call().get().item(hosts=0, procs=0)[2] == {"hosts": 2, "procs": 2}
@@ -128,8 +156,9 @@ def test_actor_error_keeps_actor(procs, faults):
         bad.slice(hosts=1, procs=1).ping.call_one().get(timeout=30)
     # as in Monarch, each failed constructor is also a supervision event for the spawner
     wait_for(lambda: len(faults) >= 4, timeout=30, what="a fault per failed constructor")
-    assert all("The actor" in f.report() and "bad{" in f.report() and "constructor failed" in f.report()
-               for f in faults)
+    assert all(
+        "The actor" in f.report() and "bad{" in f.report() and "constructor failed" in f.report() for f in faults
+    )
 
 
 def test_tensors_out_of_band(procs):
@@ -137,7 +166,13 @@ def test_tensors_out_of_band(procs):
     t = torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024)
     back = c.echo.call_one(t).get()
     assert torch.equal(back, t)
-    for x in (t.t(), torch.ones(3, dtype=torch.bfloat16), torch.empty(0), torch.tensor(7), torch.ones(2, requires_grad=True)):
+    for x in (
+        t.t(),
+        torch.ones(3, dtype=torch.bfloat16),
+        torch.empty(0),
+        torch.tensor(7),
+        torch.ones(2, requires_grad=True),
+    ):
         y = c.echo.call_one(x).get()
         assert torch.equal(y.detach(), x.detach()) and y.dtype == x.dtype and y.requires_grad == x.requires_grad
 
@@ -157,8 +192,10 @@ def test_bad_input_errors_at_call_site(procs):
     assert list(c.incr.call().get().values()) == [1, 1, 1, 1]  # nothing was sent by the refused calls
 
 
-@pytest.mark.parametrize("how,reason", [("kill", "killed by signal SIGKILL"), ("segv", "killed by signal SIGSEGV"),
-                                        ("exit", "exited with code 3")])
+@pytest.mark.parametrize(
+    "how,reason",
+    [("kill", "killed by signal SIGKILL"), ("segv", "killed by signal SIGSEGV"), ("exit", "exited with code 3")],
+)
 def test_proc_death_fails_calls_with_reason(procs, how, reason):
     c = procs.spawn("c", Counter)
     victim = c.slice(hosts=1, procs=0)
@@ -229,6 +266,7 @@ def test_supervise_hook(procs, faults):
             return False
         except SupervisionError as e:
             return str(e)
+
     lingering = unhandled.linger.call_one(10)  # in flight while the owner fails: it fails too (Monarch's)
     msg = wait_for(failed, timeout=20, what="owner to fail")
     assert "a mesh it owns lost a proc" in msg and "SIGKILL" in msg
@@ -263,7 +301,9 @@ def test_module_globals_are_finalized_when_a_proc_stops(pool, tmp_path):
     pm.stop().get()
     wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), what="the procs to exit")
     assert sorted((p.name, p.read_text()) for p in tmp_path.iterdir()) == [
-        ("marker.0", "finalized"), ("marker.1", "finalized")]
+        ("marker.0", "finalized"),
+        ("marker.1", "finalized"),
+    ]
 
 
 def test_proc_bind_pins_each_proc_as_taskset_and_numactl_would(pool):
@@ -360,9 +400,12 @@ def test_a_base_exception_in_an_endpoint_fails_the_actor(procs, faults):
     proc's other actors go on."""
     a = procs.spawn("fa", Fatal)
     b = procs.spawn("fb", Fatal)
-    with pytest.raises(SupervisionError, match=r"Endpoint call fa.exit_sync\(\) failed, The actor "
-                       r"tests.fixtures.actors.Fatal fa\{'hosts': 0/2, 'procs': 0/2\} and all its descendants have "
-                       r"failed:\n.*SystemExit"):
+    with pytest.raises(
+        SupervisionError,
+        match=r"Endpoint call fa.exit_sync\(\) failed, The actor "
+        r"tests.fixtures.actors.Fatal fa\{'hosts': 0/2, 'procs': 0/2\} and all its descendants have "
+        r"failed:\n.*SystemExit",
+    ):
         a.exit_sync.call().get(timeout=30)
     with pytest.raises(SupervisionError, match="has failed"):
         a.ping.call().get(timeout=30)
@@ -445,8 +488,9 @@ def test_this_proc_in_an_actor_and_in_the_controller(procs):
 def test_smaller_monarch_apis(procs, home, pool_name):
     """current_actor_name(), Channel.open(once=True), ProcMesh.initialized, is_ibverbs_available(),
     HostMesh.stream_logs / is_fake_in_process, HostMesh.shutdown() (stops the pool) as in Monarch."""
-    from monarch_torchx.actor import current_actor_name
     from monarch_torchx.rdma import is_ibverbs_available
+
+    from monarch_torchx.actor import current_actor_name
 
     assert current_actor_name() == "client"
     c = procs.spawn("named", Counter)
@@ -481,6 +525,7 @@ def test_answers_written_by_the_actors_thread_and_the_loop_stay_whole_and_matche
             stalled.append(1)
             time.sleep(1.0)
         read(conn)
+
     sync_one = procs.spawn("echoes", Counter).slice(hosts=0, procs=1)  # only its sync endpoint is called
     async_one = procs.spawn("agets", Counter).slice(hosts=0, procs=1)  # the same proc: one connection
     sync_one.blob.call_one(0, 1).get(timeout=30)
@@ -513,8 +558,11 @@ def test_a_failing_broadcast_is_a_supervision_event(procs, monkeypatch):
     one.boom.broadcast()
     with pytest.raises(SupervisionError, match="boom from the actor.*has failed"):
         one.incr.call_one().get(timeout=30)
-    wait_for(lambda: seen or c.slice(hosts=1, procs=0).incr.call_one().get(timeout=30) and seen, timeout=30,
-             what="the controller's fault hook")
+    wait_for(
+        lambda: seen or c.slice(hosts=1, procs=0).incr.call_one().get(timeout=30) and seen,
+        timeout=30,
+        what="the controller's fault hook",
+    )
     assert seen[0].mesh_name == "flaky" and seen[0].rank == 1 and "boom from the actor" in seen[0].report()
     assert c.slice(hosts=1, procs=0).incr.call_one().get(timeout=30) >= 1  # the others serve on
     owner = procs.spawn("owner", FlakyOwner).slice(hosts=1, procs=1)
@@ -641,8 +689,9 @@ def test_procs_ring_their_agent_and_are_found_by_looking_where_no_bell_fits(home
             assert sorted(pm.spawn("c", Counter).incr.call(1).get(timeout=30).values()) == [1, 1, 1]
         finally:
             pm.stop().get()
-        rendezvous = glob.glob(os.path.join(str(tmp or tempfile.gettempdir()), f"monarch_torchx-{os.getuid()}",
-                                            "procs", f"{pool}-*"))
+        rendezvous = glob.glob(
+            os.path.join(str(tmp or tempfile.gettempdir()), f"monarch_torchx-{os.getuid()}", "procs", f"{pool}-*")
+        )
         assert len(rendezvous) == 1  # the agent's own directory, in that temp directory
         bells = glob.glob(os.path.join(rendezvous[0], "bell"))
         if tmp is None:
@@ -706,8 +755,14 @@ def test_controller_exit_cleans_up_procs(pool, tmp_path, how):
     script = tmp_path / "controller.py"
     script.write_text(CONTROLLER)
     env = {**os.environ, "MONARCH_TORCHX_HOME": str(pool[1])}
-    p = subprocess.Popen([sys.executable, str(script), pool[0], how], env=env, stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, str(script), pool[0], how],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = p.stdout.readline()
     pids = [int(x) for x in line.split()]
     assert len(pids) == 4, p.stderr.read()
@@ -715,8 +770,11 @@ def test_controller_exit_cleans_up_procs(pool, tmp_path, how):
     p.stdin.write("\n")
     p.stdin.flush()
     p.wait(timeout=30)
-    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) for pid in pids),
-             timeout=20, what="procs to exit after their controller")
+    wait_for(
+        lambda: not any(Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) for pid in pids),
+        timeout=20,
+        what="procs to exit after their controller",
+    )
     # the pool stays warm
     assert list(attach(pool[0]).spawn_procs().spawn("c", Counter).incr.call().get().values()) == [1, 1]
 
@@ -747,10 +805,16 @@ def test_this_host_says_once_which_pool_it_picked(home, tmp_path):
     script.write_text("from monarch_torchx import this_host\nthis_host(); this_host()\nprint('ok')\n")
 
     def run(**env):
-        res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                             env={**os.environ, "MONARCH_TORCHX_HOME": str(home), **env})
+        res = subprocess.run(
+            [sys.executable, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "MONARCH_TORCHX_HOME": str(home), **env},
+        )
         assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
         return [ln for ln in res.stderr.splitlines() if "this_host()" in ln]
+
     first = run()
     assert len(first) == 1 and "warm monarch_local pool 'local' (created now;" in first[0], first
     assert "`monarch-torchx pool stop local` ends it" in first[0] and "MONARCH_TORCHX_LOCAL_POOL=NAME" in first[0]
@@ -759,16 +823,24 @@ def test_this_host_says_once_which_pool_it_picked(home, tmp_path):
     assert len(again) == 1 and "'local' (reused;" in again[0], again
 
 
-@pytest.mark.parametrize("example,args,expect", [
-    ("actors_pingpong.py", ["--volleys", "50"], "50 volleys between two procs"),
-    ("actors_ddp.py", ["--procs", "2", "--steps", "3"], "replicas in sync: True"),
-    ("actors_rl.py", ["--generators", "2", "--rounds", "2"], "policy v2"),
-])
+@pytest.mark.parametrize(
+    "example,args,expect",
+    [
+        ("actors_pingpong.py", ["--volleys", "50"], "50 volleys between two procs"),
+        ("actors_ddp.py", ["--procs", "2", "--steps", "3"], "replicas in sync: True"),
+        ("actors_rl.py", ["--generators", "2", "--rounds", "2"], "policy v2"),
+    ],
+)
 def test_examples_run(pool, example, args, expect):
     """The examples' actor classes live in their __main__: they reach the procs by value."""
     env = {**os.environ, "MONARCH_TORCHX_HOME": str(pool[1])}
-    res = subprocess.run([sys.executable, str(REPO / "examples" / example), "--pool", pool[0], *args], env=env,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "examples" / example), "--pool", pool[0], *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0 and expect in res.stdout, res.stdout + res.stderr
 
 
@@ -782,6 +854,7 @@ def test_actor_output_is_in_telemetry(procs, pool):
     def rows():
         res = attach_pool(pool[0]).sql(query)
         return res.to_pylist() if res.num_rows == 4 else None
+
     got = wait_for(rows, timeout=30, interval=0.5, what="actor output in the logs table")
     assert sorted((r["host"], r["replica"]) for r in got) == [(0, 0), (0, 1), (1, 2), (1, 3)]
 
@@ -797,6 +870,7 @@ def test_a_dead_proc_of_the_controller_and_an_idle_controller_get_the_fault(proc
     def hook(failure):
         seen.append(failure)
         arrived.set()
+
     monkeypatch.setattr(actor_pkg, "unhandled_fault_hook", hook)
     c = procs.spawn("idle", Counter)
     c.slice(hosts=0, procs=1).boom.broadcast()
@@ -817,7 +891,8 @@ def test_the_default_fault_hook_ends_the_controller(pool, tmp_path, sigint):
     report), even while its main thread waits on something else, and even where the controller
     inherited SIGINT ignored (started in the background by a non-interactive shell)."""
     script = tmp_path / "controller.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import time
         from monarch_torchx import attach
         from tests.fixtures.actors import Counter
@@ -825,15 +900,23 @@ def test_the_default_fault_hook_ends_the_controller(pool, tmp_path, sigint):
         c.slice(hosts=0).boom.broadcast()
         time.sleep(60)
         print("still running")
-    """))
+    """)
+    )
     root = str(Path(__file__).resolve().parent.parent)
     import signal
 
     def start() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN if sigint == "ignored" else signal.SIG_DFL)
 
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, cwd=root,
-                         env={**os.environ, "PYTHONPATH": root}, preexec_fn=start)
+    res = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root},
+        preexec_fn=start,
+    )
     assert res.returncode != 0 and "still running" not in res.stdout
     assert "unhandled supervision event: The actor tests.fixtures.actors.Counter doomed" in res.stderr, res.stderr
 
@@ -843,7 +926,8 @@ def test_a_remote_traceback_names_the_scripts_file_and_line(pool, tmp_path):
     raises, the caller's error names that script's file and the line of the raise, with its
     source shown, even where the proc's host has no such file (here: deleted after start)."""
     script = tmp_path / "user_script.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import linecache, os, sys
         from monarch_torchx import Actor, attach, endpoint
 
@@ -870,12 +954,18 @@ def test_a_remote_traceback_names_the_scripts_file_and_line(pool, tmp_path):
                 call().get(timeout=60)
             except Exception as e:
                 print(e)
-    """))
+    """)
+    )
     lines = script.read_text().splitlines()
     raise_at = lines.index('        raise ValueError("bad input")') + 1
     helper_at = lines.index("    return 1 / x") + 1
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90,
-                         env={**os.environ, "MONARCH_TORCHX_HOME": str(pool[1])})
+    res = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "MONARCH_TORCHX_HOME": str(pool[1])},
+    )
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert "<dynamic-code>" not in out, out
@@ -986,6 +1076,7 @@ def test_logging_option_streams_proc_output_with_the_actor_prefix(procs, capsys)
         seen.append(capsys.readouterr().out)
         out = "".join(seen)
         return out if out.count("printed hi") == 4 and out.count("logged hi") == 4 else None
+
     out = wait_for(printed, timeout=30, what="every proc's output")
     assert "[3] printed hi" in out and "hidden" not in out
     assert "[actor=<root>.<tests.fixtures.actors.Talker talker{'hosts': 1/2, 'procs': 1/2}>] logged hi" in out
@@ -1016,6 +1107,7 @@ def test_proc_mesh_is_made_once_when_asked_and_travels_made():
     def source():
         made.append(1)
         return {"a mesh": len(made)}
+
     inst = ActorInstance("a", "a-1", Point((0,), Extent(("procs",), (1,))), 0, "m", 0, proc_mesh_source=source)
     assert made == []
     assert inst.proc_mesh == {"a mesh": 1} and inst.proc_mesh is inst.proc_mesh and made == [1]
@@ -1098,8 +1190,9 @@ def test_the_controller_owns_and_calls_each_proc_over_one_connection(procs):
     assert _our_connections_to(ports) == 0
 
 
-@pytest.mark.parametrize("header", [("call", 1, None, None, "a0", "incr"), b"not a pickle"],
-                         ids=["an-unnamed-tuple", "no-pickle"])
+@pytest.mark.parametrize(
+    "header", [("call", 1, None, None, "a0", "incr"), b"not a pickle"], ids=["an-unnamed-tuple", "no-pickle"]
+)
 def test_a_proc_drops_a_connection_whose_header_is_not_a_named_message(procs, header):
     """The actor protocol's headers are named types: a peer that sends anything else (an old
     positional tuple, garbage) loses that one connection; the proc and its actors go on."""

@@ -63,8 +63,10 @@ def test_heartbeats_keep_the_view_and_a_restarted_host_drops_it(pool, home):
     Registry.publish_host(pool.record.path, HostAddr(**{**h.__dict__, "heartbeat": h.heartbeat + 1}), moved=False)
     assert (pool.record.path / VIEW_FILE).read_text() == before
     os.kill(h.pid, signal.SIGKILL)
-    wait_for(lambda: not os.path.exists(f"/proc/{h.pid}") or "zombie" in open(f"/proc/{h.pid}/status").read(),
-             what="the agent to die")
+    wait_for(
+        lambda: not os.path.exists(f"/proc/{h.pid}") or "zombie" in open(f"/proc/{h.pid}/status").read(),
+        what="the agent to die",
+    )
     torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool.name}", "utils.echo", "--msg", "hi")  # repairs it
     fresh = attach(pool.name)
     assert [x.state for x in fresh.health()] == [OK] * HOSTS

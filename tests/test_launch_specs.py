@@ -8,8 +8,10 @@ from monarch_torchx.specs import LaunchSpec
 
 from .conftest import torchx, wait_for
 
-IGNORE_USR2 = ("import signal, sys, time; signal.signal(signal.SIGUSR2, lambda *a: print('got USR2', flush=True)); "
-               "print('out line', flush=True); print('err line', file=sys.stderr, flush=True); time.sleep(600)")
+IGNORE_USR2 = (
+    "import signal, sys, time; signal.signal(signal.SIGUSR2, lambda *a: print('got USR2', flush=True)); "
+    "print('out line', flush=True); print('err line', file=sys.stderr, flush=True); time.sleep(600)"
+)
 
 
 def _state(pool, arec):
@@ -19,9 +21,16 @@ def _state(pool, arec):
 def test_timeout_signals_first_then_kills_and_output_is_teed(home, pool_name, tmp_path):
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
     pool = attach(pool_name)
-    spec = LaunchSpec(app_id="timeout-1", role="r", replica_id=0, argv=["python", "-c", IGNORE_USR2],
-                      stdout_path=str(tmp_path / "out.txt"), stderr_path=str(tmp_path / "err.txt"),
-                      timeout_s=1.5, signal_delay_s=1.0)
+    spec = LaunchSpec(
+        app_id="timeout-1",
+        role="r",
+        replica_id=0,
+        argv=["python", "-c", IGNORE_USR2],
+        stdout_path=str(tmp_path / "out.txt"),
+        stderr_path=str(tmp_path / "err.txt"),
+        timeout_s=1.5,
+        signal_delay_s=1.0,
+    )
     arec = apps.launch(pool, "timeout-1", "t", [], [(0, spec)])
     st = wait_for(lambda: (s := _state(pool, arec))["state"] == "FAILED" and s, timeout=20, what="timeout")
     assert st["msg"].startswith("timed out after")
@@ -33,8 +42,10 @@ def test_requeue_code_restarts_without_spending_retries(home, pool_name, tmp_pat
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
     pool = attach(pool_name)
     counter = tmp_path / "n"
-    code = (f"import pathlib, sys; p = pathlib.Path({str(counter)!r}); n = int(p.read_text()) if p.exists() else 0; "
-            "p.write_text(str(n + 1)); sys.exit(144 if n < 2 else 0)")
+    code = (
+        f"import pathlib, sys; p = pathlib.Path({str(counter)!r}); n = int(p.read_text()) if p.exists() else 0; "
+        "p.write_text(str(n + 1)); sys.exit(144 if n < 2 else 0)"
+    )
     spec = LaunchSpec(app_id="rq-1", role="r", replica_id=0, argv=["python", "-c", code], requeue_code=144)
     arec = apps.launch(pool, "rq-1", "t", [], [(0, spec)])
     st = wait_for(lambda: (s := _state(pool, arec))["state"] == "SUCCEEDED" and s, timeout=20, what="requeues")

@@ -44,7 +44,9 @@ def warm_pool(home, pool_name):
 
 
 def _app(name, entrypoint, *args, env=None, cwd_image="."):
-    return AppDef(name=name, roles=[Role(name="r", image=cwd_image, entrypoint=entrypoint, args=list(args), env=env or {})])
+    return AppDef(
+        name=name, roles=[Role(name="r", image=cwd_image, entrypoint=entrypoint, args=list(args), env=env or {})]
+    )
 
 
 def _run(runner, pool_name, app, cfg=None):
@@ -68,8 +70,11 @@ def test_python_entrypoints_start_from_the_warm_fork_server(warm_pool):
     st, out, _ = _run(runner, pool, _app("e", "python", "-E", "-c", "import sys; print('torch' in sys.modules)"))
     assert st.state == AppState.SUCCEEDED and out == "False\n"
     # so does an env var read while an interpreter starts
-    st, out, _ = _run(runner, pool, _app("h", "python", "-c", "import sys; print('torch' in sys.modules)",
-                                         env={"PYTHONHASHSEED": "7"}))
+    st, out, _ = _run(
+        runner,
+        pool,
+        _app("h", "python", "-c", "import sys; print('torch' in sys.modules)", env={"PYTHONHASHSEED": "7"}),
+    )
     assert out == "False\n"
 
 
@@ -80,13 +85,22 @@ def test_forked_python_looks_exactly_like_an_exec(warm_pool, tmp_path, mode, mon
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "probe.py").write_text(PROBE)
     (tmp_path / "extra_pp").mkdir()
-    args = {"script": ["pkg/probe.py", "a", "b c"], "module": ["-m", "pkg.probe", "a", "b c"],
-            "code": ["-c", PROBE, "a", "b c"]}[mode]
+    args = {
+        "script": ["pkg/probe.py", "a", "b c"],
+        "module": ["-m", "pkg.probe", "a", "b c"],
+        "code": ["-c", PROBE, "a", "b c"],
+    }[mode]
     env = {"X": "role-env", "PYTHONPATH": str(tmp_path / "extra_pp"), "CODE": "3"}
     monkeypatch.chdir(tmp_path)
     st, _, out = _run(runner, pool, _app("p", "python", *args, env=env))
-    ref = subprocess.run([sys.executable, *args], cwd=tmp_path, env={**env, "PATH": "/usr/bin:/bin"},
-                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    ref = subprocess.run(
+        [sys.executable, *args],
+        cwd=tmp_path,
+        env={**env, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     assert st.state == AppState.FAILED and "exited with code 3" in st.msg
     assert ref.returncode == 3
     got, want = out.splitlines(), ref.stdout.splitlines()
@@ -99,9 +113,13 @@ def test_exit_status_rules(warm_pool):
     st, out, _ = _run(runner, pool, _app("raise", "python", "-c", "raise RuntimeError('bad thing')"))
     assert st.state == AppState.FAILED and "exited with code 1" in st.msg
     assert "Traceback" in out and "RuntimeError: bad thing" in out
-    st, _, _ = _run(runner, pool, _app("kill", "python", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"))
+    st, _, _ = _run(
+        runner, pool, _app("kill", "python", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    )
     assert "killed by signal SIGKILL" in st.msg
-    st, _, _ = _run(runner, pool, _app("term", "python", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"))
+    st, _, _ = _run(
+        runner, pool, _app("term", "python", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)")
+    )
     assert "killed by signal SIGTERM" in st.msg
     st, out, _ = _run(runner, pool, _app("int", "python", "-c", "raise KeyboardInterrupt"))
     assert "killed by signal SIGINT" in st.msg and "KeyboardInterrupt" in out
@@ -116,8 +134,11 @@ def test_a_role_with_its_own_copy_of_a_preloaded_module_gets_its_own(warm_pool, 
     fake = tmp_path / "devbuild"
     (fake / "torch").mkdir(parents=True)
     (fake / "torch" / "__init__.py").write_text("DEV = True\n")
-    st, out, _ = _run(runner, pool, _app("dev", "python", "-c", "import torch; print(getattr(torch, 'DEV', False))",
-                                         env={"PYTHONPATH": str(fake)}))
+    st, out, _ = _run(
+        runner,
+        pool,
+        _app("dev", "python", "-c", "import torch; print(getattr(torch, 'DEV', False))", env={"PYTHONPATH": str(fake)}),
+    )
     assert st.state == AppState.SUCCEEDED and out == "True\n"
 
 
@@ -125,9 +146,11 @@ def test_the_programs_module_globals_are_finalized_at_exit(warm_pool, tmp_path):
     """As under a real interpreter, a forked program's objects held in module globals (its
     __main__'s and its own modules') are collected at exit, after atexit: their __del__ runs."""
     runner, pool = warm_pool
-    (tmp_path / "helper.py").write_text("class Noisy:\n    def __init__(self, w):\n        self.w = w\n"
-                                        "    def __del__(self):\n        print('del', self.w, flush=True)\n"
-                                        "kept = Noisy('module')\n")
+    (tmp_path / "helper.py").write_text(
+        "class Noisy:\n    def __init__(self, w):\n        self.w = w\n"
+        "    def __del__(self):\n        print('del', self.w, flush=True)\n"
+        "kept = Noisy('module')\n"
+    )
     script = tmp_path / "main.py"
     script.write_text("import atexit, helper\nmine = helper.Noisy('main')\natexit.register(print, 'atexit')\n")
     st, out, _ = _run(runner, pool, _app("fin", "python", str(script)))
@@ -138,8 +161,10 @@ def test_the_programs_module_globals_are_finalized_at_exit(warm_pool, tmp_path):
 def test_script_main_outlives_the_script_for_atexit(warm_pool, tmp_path):
     runner, pool = warm_pool
     script = tmp_path / "s.py"
-    script.write_text("import atexit, pickle, sys\nclass C: pass\n"
-                      "atexit.register(lambda: print(len(pickle.dumps(C())) > 0, __file__ == sys.argv[0] or __file__))\n")
+    script.write_text(
+        "import atexit, pickle, sys\nclass C: pass\n"
+        "atexit.register(lambda: print(len(pickle.dumps(C())) > 0, __file__ == sys.argv[0] or __file__))\n"
+    )
     st, out, _ = _run(runner, pool, _app("s", "python", str(script)))
     assert st.state == AppState.SUCCEEDED and out.startswith("True"), out
 
@@ -165,8 +190,11 @@ def test_a_pool_without_preloads_imports_the_actor_runtime_once_per_host(home, p
     assert parents[0]["comm"] == "fs-actors" and "monarch_torchx.agent.forkserver" in parents[0]["argv"]
     assert "monarch_torchx.agent.forkserver" in parents[0]["grandparent_argv"]  # the plain server
     with get_runner() as runner:
-        st, out, _ = _run(runner, pool_name, _app("clean", sys.executable, "-c",
-                                                   "import sys; print('actor' in str(sorted(sys.modules)))"))
+        st, out, _ = _run(
+            runner,
+            pool_name,
+            _app("clean", sys.executable, "-c", "import sys; print('actor' in str(sorted(sys.modules)))"),
+        )
     assert st.state == AppState.SUCCEEDED and out.strip().endswith("False"), out
 
 
@@ -238,8 +266,14 @@ def test_an_execd_entrypoint_starts_as_a_fresh_process(home, pool_name, tmp_path
         st, _, out = _run(runner, pool_name, _app("x", "python", "-E", "-c", EXEC_PROBE, env={"X": "role-env"}))
         assert st.state == AppState.SUCCEEDED, st
         # listdir's own fd is the lowest free one: 3, when nothing else was inherited
-        assert json.loads(out) == {"cwd": str(work), "fds": [0, 1, 2, 3], "stdin": "", "x": "role-env",
-                                   "pgid_is_pid": True, "sid_is_pid": True}
+        assert json.loads(out) == {
+            "cwd": str(work),
+            "fds": [0, 1, 2, 3],
+            "stdin": "",
+            "x": "role-env",
+            "pgid_is_pid": True,
+            "sid_is_pid": True,
+        }
         st, _, out = _run(runner, pool_name, _app("sig", "cat", "/proc/self/status"))
         status = dict(line.split(":\t", 1) for line in out.splitlines() if ":\t" in line)
         assert int(status["SigBlk"], 16) == 0 and int(status["SigIgn"], 16) & ~GLIBC_INTERNAL == 0, status
@@ -274,19 +308,29 @@ def test_what_a_dead_fork_server_started_ends_with_it(home, pool_name):
     """A program the plain fork server exec'd has no parent-death signal: when that server is
     killed, its agent ends the program's process group (and stops, as it cannot start any more)."""
     with get_runner() as runner:
-        h = runner.run(_app("s", "sh", "-c", "sleep 600 & sleep 600"), "monarch_local",
-                       {"pool": pool_name, "hosts": 1, "preload": "none"})
+        h = runner.run(
+            _app("s", "sh", "-c", "sleep 600 & sleep 600"),
+            "monarch_local",
+            {"pool": pool_name, "hosts": 1, "preload": "none"},
+        )
         pool = attach(pool_name)
         app = h.rsplit(":", 1)[1]
-        pid = wait_for(lambda: [r["pid"] for r in pool.call(0, "describe", app_id=app) if r["state"] == "RUNNING"],
-                       what="the replica")[0]
+        pid = wait_for(
+            lambda: [r["pid"] for r in pool.call(0, "describe", app_id=app) if r["state"] == "RUNNING"],
+            what="the replica",
+        )[0]
         server = _stat(str(pid))[1]
         assert "monarch_torchx.agent.forkserver" in open(f"/proc/{server}/cmdline").read()
-        group = wait_for(lambda: (g := [p for p in os.listdir("/proc") if p.isdigit() and _pgid(p) == pid])
-                         and len(g) >= 2 and g, what="the shell and its background sleep")
+        group = wait_for(
+            lambda: (g := [p for p in os.listdir("/proc") if p.isdigit() and _pgid(p) == pid]) and len(g) >= 2 and g,
+            what="the shell and its background sleep",
+        )
         os.kill(server, signal.SIGKILL)
-        wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and _pgid(p) == pid for p in group), timeout=20,
-                 what="the replica's process group to end")
+        wait_for(
+            lambda: not any(os.path.exists(f"/proc/{p}") and _pgid(p) == pid for p in group),
+            timeout=20,
+            what="the replica's process group to end",
+        )
 
 
 def _pgid(pid: str) -> int:
@@ -298,7 +342,9 @@ def _pgid(pid: str) -> int:
 
 def _stat(pid: str) -> list:
     """/proc/PID/stat's fields after the command: [state, ppid, pgrp, session, ...], numbers as ints."""
-    return [int(f) if f.lstrip("-").isdigit() else f for f in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()]
+    return [
+        int(f) if f.lstrip("-").isdigit() else f for f in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    ]
 
 
 def test_an_exec_start_forks_where_posix_spawn_cannot_start_a_session(monkeypatch, tmp_path):
@@ -321,8 +367,16 @@ def test_an_exec_start_forks_where_posix_spawn_cannot_start_a_session(monkeypatc
     monkeypatch.setattr(forkserver.os, "posix_spawn", no_session)
     out = tmp_path / "out"
     fd = os.open(out, os.O_WRONLY | os.O_CREAT, 0o600)
-    server.spawn({"token": 7, "mode": "exec", "argv": ["sh", "-c", "echo $X $(pwd); echo err >&2"],
-                  "env": {"X": "forked", "PATH": os.defpath}, "cwd": str(tmp_path)}, [fd, os.dup(fd)])
+    server.spawn(
+        {
+            "token": 7,
+            "mode": "exec",
+            "argv": ["sh", "-c", "echo $X $(pwd); echo err >&2"],
+            "env": {"X": "forked", "PATH": os.defpath},
+            "cwd": str(tmp_path),
+        },
+        [fd, os.dup(fd)],
+    )
     reply = wire.FrameReader(evt, exact=True).recv()
     assert reply["token"] == 7 and reply["pid"] > 0 and not server.posix_spawn, reply
     _, status = os.waitpid(reply["pid"], 0)
@@ -352,22 +406,35 @@ def test_a_server_forked_from_the_plain_one_imports_its_preloads_and_ends_with_i
         plain = _Server("plain", [], lambda pid, code: exits.append(pid), lambda *a: deaths.append(a))
         await plain.start()
         await asyncio.wait_for(plain.ready.wait(), 60)
-        child = _Server("probe", ["tests.fixtures.preload_probe"], lambda pid, code: None, lambda *a: None,
-                        parent=plain)
+        child = _Server(
+            "probe", ["tests.fixtures.preload_probe"], lambda pid, code: None, lambda *a: None, parent=plain
+        )
         await child.start()
         await asyncio.wait_for(child.ready.wait(), 60)
         assert probe.read_text().split() == [str(child.pid)]  # imported once, by the forked server
         assert _stat(child.pid)[1] == plain.proc.pid and child.info["preloaded"] == ["tests.fixtures.preload_probe"]
         assert Path(f"/proc/{child.pid}/comm").read_text().strip() == "fs-probe"
         fds = {int(fd) for fd in os.listdir(f"/proc/{child.pid}/fd")}
-        plain_sockets = {os.readlink(f"/proc/{plain.proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{plain.proc.pid}/fd")
-                         if os.readlink(f"/proc/{plain.proc.pid}/fd/{fd}").startswith("socket:")}
-        child_links = {os.readlink(f"/proc/{child.pid}/fd/{fd}") for fd in fds if os.path.exists(f"/proc/{child.pid}/fd/{fd}")}
+        plain_sockets = {
+            os.readlink(f"/proc/{plain.proc.pid}/fd/{fd}")
+            for fd in os.listdir(f"/proc/{plain.proc.pid}/fd")
+            if os.readlink(f"/proc/{plain.proc.pid}/fd/{fd}").startswith("socket:")
+        }
+        child_links = {
+            os.readlink(f"/proc/{child.pid}/fd/{fd}") for fd in fds if os.path.exists(f"/proc/{child.pid}/fd/{fd}")
+        }
         assert not plain_sockets & child_links  # none of the plain server's sockets
         out = tmp_path / "out"
         fd = os.open(out, os.O_WRONLY | os.O_CREAT, 0o600)
-        pid = await child.spawn({"mode": "python", "argv": [sys.executable, "-c", "print(open('/proc/self/comm').read().strip())"],
-                                 "env": dict(os.environ), "cwd": str(tmp_path)}, [fd, os.dup(fd)])
+        pid = await child.spawn(
+            {
+                "mode": "python",
+                "argv": [sys.executable, "-c", "print(open('/proc/self/comm').read().strip())"],
+                "env": dict(os.environ),
+                "cwd": str(tmp_path),
+            },
+            [fd, os.dup(fd)],
+        )
         os.close(fd)
         await _until(lambda: pid not in child.pids, "the forked program to exit")
         assert out.read_text().strip() != "fs-probe"  # a program takes the interpreter's name back
@@ -378,8 +445,9 @@ def test_a_server_forked_from_the_plain_one_imports_its_preloads_and_ends_with_i
         assert child.pid not in exits and not deaths and not plain.pids
         child.close()
 
-        again = _Server("probe", ["tests.fixtures.preload_probe"], lambda pid, code: None, lambda *a: None,
-                        parent=plain)
+        again = _Server(
+            "probe", ["tests.fixtures.preload_probe"], lambda pid, code: None, lambda *a: None, parent=plain
+        )
         await again.start()
         await asyncio.wait_for(again.ready.wait(), 60)
         plain.close()  # the plain server ends, and the one forked from it with it
@@ -400,8 +468,9 @@ def test_a_server_forked_from_the_plain_one_imports_its_preloads_and_ends_with_i
 def _monarch_torchx(home, *args):
     from .conftest import BIN, cli_env
 
-    return subprocess.run([str(BIN / "monarch-torchx"), *args], env=cli_env(home), capture_output=True, text=True,
-                          timeout=180)
+    return subprocess.run(
+        [str(BIN / "monarch-torchx"), *args], env=cli_env(home), capture_output=True, text=True, timeout=180
+    )
 
 
 @pytest.mark.parametrize("how", ["pool create", "torchx run"])
@@ -416,11 +485,23 @@ def test_a_preload_that_fails_fails_the_pool_creation_in_one_line(home, pool_nam
     if how == "pool create":
         res = _monarch_torchx(home, "pool", "create", pool_name, "-cfg", "preload=typo_mod")
     else:
-        res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name},preload=typo_mod", "utils.echo",
-                     "--msg", "hi", check=False)
+        res = torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name},preload=typo_mod",
+            "utils.echo",
+            "--msg",
+            "hi",
+            check=False,
+        )
     assert res.returncode != 0, res.stdout + res.stderr
-    want = ("preload of 'typo_mod' failed on host 0: ModuleNotFoundError: No module named 'typo_mod'; "
-            "fix -cfg preload=... (none = no preloads)")
+    want = (
+        "preload of 'typo_mod' failed on host 0: ModuleNotFoundError: No module named 'typo_mod'; "
+        "fix -cfg preload=... (none = no preloads)"
+    )
     assert want in res.stderr.strip().splitlines()[-1], res.stderr
     assert "Traceback" not in res.stderr, res.stderr
     assert Registry(home).get(pool_name) is None
@@ -433,17 +514,25 @@ def test_a_default_preload_that_fails_warns_and_pool_status_shows_it(home, pool_
     from monarch_torchx.pool import PoolRequest, ensure_pool
 
     said = []
-    ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 2, "preload": None}),
-                defaults={"hosts": 2, "preload": "no_such_default_mod"}, progress=said.append)
-    line = ("warning: preload of 'no_such_default_mod' failed on host 0: ModuleNotFoundError: "
-            "No module named 'no_such_default_mod'; Python entrypoints start cold")
+    ensure_pool(
+        PoolRequest("monarch_local", pool_name, {"hosts": 2, "preload": None}),
+        defaults={"hosts": 2, "preload": "no_such_default_mod"},
+        progress=said.append,
+    )
+    line = (
+        "warning: preload of 'no_such_default_mod' failed on host 0: ModuleNotFoundError: "
+        "No module named 'no_such_default_mod'; Python entrypoints start cold"
+    )
     assert any(m.startswith(line) for m in said), said
     res = _monarch_torchx(home, "pool", "status", pool_name)
     assert res.returncode == 0, res.stderr
     hosts = [ln for ln in res.stdout.splitlines() if "warm=-" in ln]
     assert len(hosts) == 2, res.stdout
-    assert all("warning: preload of 'no_such_default_mod' failed: ModuleNotFoundError: No module named "
-               "'no_such_default_mod'" in ln for ln in hosts), res.stdout
+    assert all(
+        "warning: preload of 'no_such_default_mod' failed: ModuleNotFoundError: No module named "
+        "'no_such_default_mod'" in ln
+        for ln in hosts
+    ), res.stdout
 
 
 def test_a_failed_replicas_status_says_the_cause_from_its_stderr(home, pool_name, tmp_path):
@@ -454,11 +543,27 @@ def test_a_failed_replicas_status_says_the_cause_from_its_stderr(home, pool_name
 
     cfg = f"pool={pool_name},preload=none"
     missing = tmp_path / "nowhere" / "train.py"
-    h = torchx(home, "run", "--wait", "-s", "monarch_local", "-cfg", cfg, "utils.python", "--script", str(missing),
-               check=False).stdout.strip().splitlines()[-1]
+    h = (
+        torchx(
+            home,
+            "run",
+            "--wait",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            cfg,
+            "utils.python",
+            "--script",
+            str(missing),
+            check=False,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     st = torchx(home, "status", h).stdout
-    assert (f"exited with code 2: {sys.executable}: can't open file '{missing}': [Errno 2] No such file or directory"
-            in st), st
+    assert (
+        f"exited with code 2: {sys.executable}: can't open file '{missing}': [Errno 2] No such file or directory" in st
+    ), st
     with get_runner() as runner:
         code = "import sys; print('noise', file=sys.stderr); print('out'); raise ValueError('x' * 500 + ' the cause')"
         got, _, _ = _run(runner, pool_name, _app("v", sys.executable, "-c", code), {"pool": pool_name})

@@ -5,9 +5,8 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
-from pathlib import Path
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import pytest
 from torchx.runner import get_runner
@@ -20,8 +19,20 @@ from .conftest import wait_for
 
 
 def _app(name: str, entrypoint: str, *args: str, replicas: int = 1, env=None, max_retries: int = 0) -> AppDef:
-    return AppDef(name=name, roles=[Role(name=name, image=".", entrypoint=entrypoint, args=list(args),
-                                         num_replicas=replicas, env=env or {}, max_retries=max_retries)])
+    return AppDef(
+        name=name,
+        roles=[
+            Role(
+                name=name,
+                image=".",
+                entrypoint=entrypoint,
+                args=list(args),
+                num_replicas=replicas,
+                env=env or {},
+                max_retries=max_retries,
+            )
+        ],
+    )
 
 
 def _wait_done(runner, handle: str, timeout: float = 60):
@@ -54,8 +65,9 @@ def test_the_schedulers_are_ours_and_exactly_the_installed_torchxs_builtins():
 def test_torchx_runopts_prints_every_scheduler_and_no_error():
     from torchx.schedulers import DEFAULT_SCHEDULER_MODULES
 
-    res = subprocess.run([str(Path(sys.executable).with_name("torchx")), "runopts"], capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [str(Path(sys.executable).with_name("torchx")), "runopts"], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     headers = [line for line in res.stdout.splitlines() if line and not line[0].isspace()]
     names = [h.split(":")[0].split(" (")[0] for h in headers]
@@ -99,10 +111,12 @@ def test_first_run_creates_the_pool_and_later_runs_reuse_it(runner, home, pool_n
 
 
 def test_log_iter_options(runner, pool_name):
-    code = ("import sys, time\n"
-            "for i in range(3): print(f'out {i}', flush=True); time.sleep(0.05)\n"
-            "time.sleep(0.4)\n"
-            "print('late line', flush=True); print('an error', file=sys.stderr, flush=True)\n")
+    code = (
+        "import sys, time\n"
+        "for i in range(3): print(f'out {i}', flush=True); time.sleep(0.05)\n"
+        "time.sleep(0.4)\n"
+        "print('late line', flush=True); print('an error', file=sys.stderr, flush=True)\n"
+    )
     h = runner.run(_app("logs", "python", "-c", code), "monarch_local", {"pool": pool_name, "preload": ""})
     # should_tail follows the live replica to its end
     tailed = _logs(runner, h, "logs", should_tail=True)
@@ -131,8 +145,11 @@ def _replica_log_bytes(pool_name: str, app_id: str = "") -> int:
 
 def _dropped(first_line: str) -> int:
     """How many earlier lines ``torchx log`` says were dropped, from its notice line."""
-    m = re.fullmatch(r"\[monarch-torchx: ([\d,]+) earlier lines \(.+\) of this replica's output were dropped: "
-                     r"over the .*\]\n?", first_line)
+    m = re.fullmatch(
+        r"\[monarch-torchx: ([\d,]+) earlier lines \(.+\) of this replica's output were dropped: "
+        r"over the .*\]\n?",
+        first_line,
+    )
     assert m, first_line
     return int(m.group(1).replace(",", ""))
 
@@ -141,11 +158,16 @@ def test_a_chatty_replica_keeps_its_latest_lines_within_log_max_mb_and_torchx_lo
     """Issue 37: replica logs were unbounded, and one chatty job filled the state dir (on SLURM,
     the shared file system)."""
     n = 100_000  # ~2.8 MiB as stored
-    h = runner.run(_app("chatty", "python", "-c", f"for i in range({n}): print('line', i)"), "monarch_local",
-                   {"pool": pool_name, "preload": "", "log_max_mb": 0.25})
+    h = runner.run(
+        _app("chatty", "python", "-c", f"for i in range({n}): print('line', i)"),
+        "monarch_local",
+        {"pool": pool_name, "preload": "", "log_max_mb": 0.25},
+    )
     # followed as it is written: every line, or a notice of how many went before they were read
     tailed = _logs(runner, h, "chatty", should_tail=True).splitlines()
-    notices = [int(m.group(1).replace(",", "")) for m in map(re.compile(r"\[monarch-torchx: ([\d,]+) ").match, tailed) if m]
+    notices = [
+        int(m.group(1).replace(",", "")) for m in map(re.compile(r"\[monarch-torchx: ([\d,]+) ").match, tailed) if m
+    ]
     shown = [int(line.split()[1]) for line in tailed if line.startswith("line ")]
     assert len(shown) + sum(notices) == n and shown == sorted(shown) and shown[-1] == n - 1
     assert runner.status(h).state == AppState.SUCCEEDED
@@ -156,7 +178,7 @@ def test_a_chatty_replica_keeps_its_latest_lines_within_log_max_mb_and_torchx_lo
     assert "log limit 256 KiB per replica (-cfg log_max_mb)" in lines[0]
     assert lines[1:] == [f"line {i}\n" for i in range(dropped, n)]  # the latest lines, none missing
     sched = get_scheduler_factories()["monarch_local"]("torchx")
-    (_, _, printed), = sched.app_logs(app_id, [("chatty", 0)])  # what `torchx log APP` prints
+    ((_, _, printed),) = sched.app_logs(app_id, [("chatty", 0)])  # what `torchx log APP` prints
     assert list(printed) == lines
 
 
@@ -164,8 +186,9 @@ def test_the_pools_log_limit_drops_the_oldest_output_of_ended_apps_first(runner,
     cfg = {"pool": pool_name, "preload": "", "log_max_mb": 0.25, "log_pool_max_mb": 0.6}
     handles = []
     for k in range(3):  # each keeps up to 0.25 MiB: three are over the pool's 0.6 MiB
-        h = runner.run(_app(f"app{k}", "python", "-c", f"for i in range(30000): print('app{k}', i)"),
-                       "monarch_local", cfg)
+        h = runner.run(
+            _app(f"app{k}", "python", "-c", f"for i in range(30000): print('app{k}', i)"), "monarch_local", cfg
+        )
         assert _wait_done(runner, h).state == AppState.SUCCEEDED
         handles.append(h)
     last = _logs(runner, handles[2], "app2", should_tail=True).splitlines(keepends=True)  # (to the end of its output)
@@ -177,8 +200,11 @@ def test_the_pools_log_limit_drops_the_oldest_output_of_ended_apps_first(runner,
 
 
 def test_cancel_kills_the_app_and_the_pool_stays_warm(runner, home, pool_name):
-    h = runner.run(_app("sleeper", "sh", "-c", "echo started; sleep 600", replicas=2), "monarch_local",
-                   {"pool": pool_name, "preload": ""})
+    h = runner.run(
+        _app("sleeper", "sh", "-c", "echo started; sleep 600", replicas=2),
+        "monarch_local",
+        {"pool": pool_name, "preload": ""},
+    )
     wait_for(lambda: runner.status(h).state == AppState.RUNNING, what="running")
     wait_for(lambda: "started" in _logs(runner, h, "sleeper"), what="first output")
     runner.cancel(h)
@@ -193,9 +219,13 @@ def test_cancel_kills_the_app_and_the_pool_stays_warm(runner, home, pool_name):
 
 def test_max_retries_restarts_a_failed_replica(runner, tmp_path, pool_name):
     counter = tmp_path / "attempts"
-    code = (f"import pathlib, sys; p = pathlib.Path({str(counter)!r}); n = int(p.read_text()) if p.exists() else 0; "
-            "p.write_text(str(n + 1)); print('attempt', n + 1); sys.exit(0 if n >= 2 else 3)")
-    h = runner.run(_app("flaky", "python", "-c", code, max_retries=2), "monarch_local", {"pool": pool_name, "preload": ""})
+    code = (
+        f"import pathlib, sys; p = pathlib.Path({str(counter)!r}); n = int(p.read_text()) if p.exists() else 0; "
+        "p.write_text(str(n + 1)); print('attempt', n + 1); sys.exit(0 if n >= 2 else 3)"
+    )
+    h = runner.run(
+        _app("flaky", "python", "-c", code, max_retries=2), "monarch_local", {"pool": pool_name, "preload": ""}
+    )
     st = _wait_done(runner, h)
     assert st.state == AppState.SUCCEEDED and st.num_restarts == 2
     assert _logs(runner, h, "flaky").splitlines() == ["attempt 1", "attempt 2", "attempt 3"]
@@ -207,9 +237,14 @@ def test_max_retries_restarts_a_failed_replica(runner, tmp_path, pool_name):
 def test_macros_and_env_reach_every_replica(runner, pool_name):
     from torchx.specs import macros
 
-    role = Role(name="m", image=".", entrypoint="sh", num_replicas=2,
-                args=["-c", f"echo app={macros.app_id} rep={macros.replica_id} rank0=${{{macros.rank0_env}}} x=$X"],
-                env={"X": "from-role"})
+    role = Role(
+        name="m",
+        image=".",
+        entrypoint="sh",
+        num_replicas=2,
+        args=["-c", f"echo app={macros.app_id} rep={macros.replica_id} rank0=${{{macros.rank0_env}}} x=$X"],
+        env={"X": "from-role"},
+    )
     h = runner.run(AppDef("macros", roles=[role]), "monarch_local", {"pool": pool_name, "preload": ""})
     _wait_done(runner, h)
     app = h.split("/")[-1]
@@ -241,8 +276,11 @@ def test_pool_that_cannot_serve_the_request_is_refused_or_replaced(runner, home,
     with pytest.raises(MonarchError, match="at least 1 host"):
         runner.run(_app("zero", "true"), "monarch_local", {"pool": pool_name, "hosts": 0})
     old = [a.pid for a in Registry.hosts(Registry(home).get(pool_name))]
-    h = runner.run(_app("two", "true", replicas=2), "monarch_local",
-                   {"pool": pool_name, "hosts": 2, "preload": "", "replace": True})
+    h = runner.run(
+        _app("two", "true", replicas=2),
+        "monarch_local",
+        {"pool": pool_name, "hosts": 2, "preload": "", "replace": True},
+    )
     assert _wait_done(runner, h).state == AppState.SUCCEEDED
     new = Registry.hosts(Registry(home).get(pool_name))
     assert len(new) == 2 and not set(old) & {a.pid for a in new}
@@ -251,19 +289,36 @@ def test_pool_that_cannot_serve_the_request_is_refused_or_replaced(runner, home,
 def test_describe_returns_the_app_as_submitted(runner, home, pool_name, tmp_path):
     from torchx.specs import Resource, RetryPolicy
 
-    role = Role(name="trainer", image=str(tmp_path), entrypoint="python", args=["-c", "print('ok')"],
-                num_replicas=2, env={"LR": "0.1", "MODE": "warm"}, max_retries=2,
-                retry_policy=RetryPolicy.REPLICA, port_map={"tensorboard": 6006},
-                resource=Resource(cpu=2, gpu=0, memMB=1024, capabilities={"arch": "x86"}))
+    role = Role(
+        name="trainer",
+        image=str(tmp_path),
+        entrypoint="python",
+        args=["-c", "print('ok')"],
+        num_replicas=2,
+        env={"LR": "0.1", "MODE": "warm"},
+        max_retries=2,
+        retry_policy=RetryPolicy.REPLICA,
+        port_map={"tensorboard": 6006},
+        resource=Resource(cpu=2, gpu=0, memMB=1024, capabilities={"arch": "x86"}),
+    )
     h = runner.run(AppDef(name="described", roles=[role]), "monarch_local", {"pool": pool_name, "preload": ""})
     _wait_done(runner, h)
     (got,) = runner.describe(h).roles
-    assert (got.name, got.image, got.entrypoint, got.args, got.num_replicas) == \
-        ("trainer", str(tmp_path), "python", ["-c", "print('ok')"], 2)
+    assert (got.name, got.image, got.entrypoint, got.args, got.num_replicas) == (
+        "trainer",
+        str(tmp_path),
+        "python",
+        ["-c", "print('ok')"],
+        2,
+    )
     assert {"LR": "0.1", "MODE": "warm"}.items() <= got.env.items()
     assert (got.max_retries, got.retry_policy, got.port_map) == (2, RetryPolicy.REPLICA, {"tensorboard": 6006})
-    assert (got.resource.cpu, got.resource.gpu, got.resource.memMB, got.resource.capabilities) == \
-        (2, 0, 1024, {"arch": "x86"})
+    assert (got.resource.cpu, got.resource.gpu, got.resource.memMB, got.resource.capabilities) == (
+        2,
+        0,
+        1024,
+        {"arch": "x86"},
+    )
     # and the CLI, from another process
     from .conftest import torchx
 
@@ -274,8 +329,18 @@ def test_describe_returns_the_app_as_submitted(runner, home, pool_name, tmp_path
 def test_torchx_delete_cancels_the_app_and_forgets_it(home, pool_name, tmp_path):
     from .conftest import torchx
 
-    res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=1,preload=none", "utils.sh",
-                 "sleep", "600", cwd=tmp_path)
+    res = torchx(
+        home,
+        "run",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name},hosts=1,preload=none",
+        "utils.sh",
+        "sleep",
+        "600",
+        cwd=tmp_path,
+    )
     h = res.stdout.strip().splitlines()[-1]
     app = h.rsplit(":", 1)[1]
     assert app in torchx(home, "list", "-s", "monarch_local").stdout

@@ -9,7 +9,6 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import List
 
 from monarch_torchx.agent.logstore import LogLimits, LogStore, ReplicaLog
 from monarch_torchx.agent.procs import ProcTable, Replica
@@ -39,9 +38,10 @@ def _replica(table: ProcTable, tmp_path: Path, name: str) -> Replica:
     return rep
 
 
-def _read(table: ProcTable, rep: Replica, streams: str = "stdout") -> List[str]:
-    async def drain() -> List[str]:
+def _read(table: ProcTable, rep: Replica, streams: str = "stdout") -> list[str]:
+    async def drain() -> list[str]:
         return [line async for batch in table.logs(rep, streams, None, None, None, False) for line in batch]
+
     return asyncio.run(drain())
 
 
@@ -51,8 +51,11 @@ def test_a_replica_keeps_its_latest_lines_within_its_limit_and_a_reader_is_told_
     _write(rep.log, "stdout", 0, 5000)
     assert rep.log.size <= 16 * KIB and _on_disk(tmp_path / "logs") == rep.log.size
     lines = _read(table, rep)
-    m = re.fullmatch(r"\[monarch-torchx: ([\d,]+) earlier lines \(.+\) of this replica's stdout were dropped: "
-                     r"over the log limit 16 KiB per replica \(-cfg log_max_mb\)\]\n", lines[0])
+    m = re.fullmatch(
+        r"\[monarch-torchx: ([\d,]+) earlier lines \(.+\) of this replica's stdout were dropped: "
+        r"over the log limit 16 KiB per replica \(-cfg log_max_mb\)\]\n",
+        lines[0],
+    )
     assert m, lines[0]
     dropped = int(m.group(1).replace(",", ""))
     assert lines[1:] == [f"line {i}\n" for i in range(dropped, 5000)]  # the latest, none missing
@@ -62,8 +65,8 @@ def test_a_reader_that_falls_behind_is_told_how_many_lines_went_before_it_read_t
     table = ProcTable(None, tmp_path / "logs", {}, LogLimits(replica_bytes=16 * KIB, host_bytes=1 << 30))
     rep = _replica(table, tmp_path, "a")
 
-    async def follow() -> List[str]:
-        got: List[str] = []
+    async def follow() -> list[str]:
+        got: list[str] = []
         it = table.logs(rep, "stdout", None, None, None, True).__aiter__()
         _write(rep.log, "stdout", 0, 10)
         got += await it.__anext__()  # the first ten, read
@@ -72,10 +75,12 @@ def test_a_reader_that_falls_behind_is_told_how_many_lines_went_before_it_read_t
         async for batch in it:
             got += batch
         return got
+
     lines = asyncio.run(follow())
     assert lines[:10] == [f"line {i}\n" for i in range(10)]
-    m = re.fullmatch(r"\[monarch-torchx: ([\d,]+) lines here \(.+\) of this replica's stdout were dropped: .*\]\n",
-                     lines[10])
+    m = re.fullmatch(
+        r"\[monarch-torchx: ([\d,]+) lines here \(.+\) of this replica's stdout were dropped: .*\]\n", lines[10]
+    )
     assert m, lines[10]
     resumed = 10 + int(m.group(1).replace(",", ""))
     assert lines[11] == f"line {resumed}\n" and lines[-1] == "line 5009\n"
@@ -98,8 +103,10 @@ def test_the_host_limit_drops_what_earlier_agents_left_then_ended_replicas_oldes
     _write(running.log, "stdout", 0, 700)
     assert _on_disk(root) <= 40 * KIB and table.log_store.total == _on_disk(root)
     assert _read(table, first)[0].startswith("[monarch-torchx:") and "log_pool_max_mb" in _read(table, first)[0]
-    assert _read(table, running)[-1] == "line 699\n" and first.log.dropped(["stdout"]).lines > \
-        second.log.dropped(["stdout"]).lines  # the older ended replica lost more
+    assert (
+        _read(table, running)[-1] == "line 699\n"
+        and first.log.dropped(["stdout"]).lines > second.log.dropped(["stdout"]).lines
+    )  # the older ended replica lost more
 
 
 def test_a_write_that_fails_loses_its_lines_counted_and_the_next_one_goes_on(tmp_path):
@@ -109,7 +116,9 @@ def test_a_write_that_fails_loses_its_lines_counted_and_the_next_one_goes_on(tmp
     log = store.open(d)
     os.symlink("/dev/full", d / "stdout.log")  # every write: ENOSPC, as on a full disk
     _write(log, "stdout", 0, 3)
-    assert log.failed(["stdout"]).lines == 3 and "No space left" in store.warning() and "3 lines lost" in store.warning()
+    assert (
+        log.failed(["stdout"]).lines == 3 and "No space left" in store.warning() and "3 lines lost" in store.warning()
+    )
     (d / "stdout.log").unlink()
     _write(log, "stdout", 3, 2)
     assert (d / "stdout.log").read_text().splitlines() == ["1003.000000 line 3", "1004.000000 line 4"]
@@ -117,8 +126,11 @@ def test_a_write_that_fails_loses_its_lines_counted_and_the_next_one_goes_on(tmp
     assert store.warning(now=time.time() + 3600) == ""  # and no longer, an hour on
 
 
-def test_a_full_disk_loses_log_lines_counted_never_the_replica_and_pool_status_says_it(small_disk, pool_name,
-                                                                                       monkeypatch):
+def test_a_full_disk_loses_log_lines_counted_never_the_replica_and_pool_status_says_it(
+    small_disk,  # noqa: F811  (the fixture imported above)
+    pool_name,
+    monkeypatch,
+):
     """Issue 37: a write error in the capture was an exception in the agent's loop, logged for
     every chunk of output (to a full disk), and the lines went silently. Now they are counted,
     `torchx log` says so, `pool status` shows why, and the replica goes on as before."""
@@ -139,13 +151,19 @@ def test_a_full_disk_loses_log_lines_counted_never_the_replica_and_pool_status_s
             f.truncate(f.tell() - (64 << 10))
         code = "for i in range(50000): print('line', i)\nprint('done', flush=True)"
         with get_runner() as runner:
-            h = runner.run(AppDef("chatty", roles=[Role("chatty", image=".", entrypoint="python", args=["-c", code])]),
-                           "monarch_local", {"pool": pool_name})
+            h = runner.run(
+                AppDef("chatty", roles=[Role("chatty", image=".", entrypoint="python", args=["-c", code])]),
+                "monarch_local",
+                {"pool": pool_name},
+            )
             "".join(runner.log_lines(h, "chatty", 0, should_tail=True))  # (waits for the end of its output)
             assert runner.status(h).state == AppState.SUCCEEDED, runner.status(h)
             shown = "".join(runner.log_lines(h, "chatty", 0))
-        assert re.search(r"\[monarch-torchx: [\d,]+ lines \(.+\) of this replica's output could not be written "
-                         r"\(No space left on device\) and are lost\]", shown), shown[:500]
+        assert re.search(
+            r"\[monarch-torchx: [\d,]+ lines \(.+\) of this replica's output could not be written "
+            r"\(No space left on device\) and are lost\]",
+            shown,
+        ), shown[:500]
         out = torchx(home, "pool", "status", pool_name).stdout
         assert "warning: cannot write replica logs" in out and "No space left" in out, out
     finally:

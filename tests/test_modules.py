@@ -14,10 +14,11 @@ from .conftest import torchx, wait_for
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_modules_add_operations_and_a_broken_one_does_not_take_the_agent_down(home, pool_name, monkeypatch,
-                                                                               tmp_path):
-    monkeypatch.setenv("MONARCH_TORCHX_MODULES", "tests.fixtures.agent_module:setup,tests.fixtures.agent_module:bare,"
-                                                 "tests.fixtures.agent_module:broken")
+def test_modules_add_operations_and_a_broken_one_does_not_take_the_agent_down(home, pool_name, monkeypatch, tmp_path):
+    monkeypatch.setenv(
+        "MONARCH_TORCHX_MODULES",
+        "tests.fixtures.agent_module:setup,tests.fixtures.agent_module:bare,tests.fixtures.agent_module:broken",
+    )
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     monkeypatch.setenv("GREETER_STOPPED_DIR", str(tmp_path))
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2,preload=none")

@@ -26,8 +26,14 @@ PINGPONG = ROOT / "examples" / "monarch_pingpong.py"
 
 
 def _pingpong(home: Path, cwd: Path, *args: str, timeout: float = 240) -> str:
-    res = subprocess.run([sys.executable, "-u", str(PINGPONG), "--trust-local-users", *args], env=cli_env(home), cwd=cwd,
-                         capture_output=True, text=True, timeout=timeout)
+    res = subprocess.run(
+        [sys.executable, "-u", str(PINGPONG), "--trust-local-users", *args],
+        env=cli_env(home),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr[-4000:]}"
     return res.stdout
 
@@ -57,8 +63,7 @@ def _run_twice(home: Path, cwd: Path, pool: str, *args: str) -> tuple:
     return first, second
 
 
-def test_monarchs_pingpong_runs_twice_on_a_local_pool_and_the_second_run_reuses_the_workers(home, pool_name,
-                                                                                             tmp_path):
+def test_monarchs_pingpong_runs_twice_on_a_local_pool_and_the_second_run_reuses_the_workers(home, pool_name, tmp_path):
     first, second = _run_twice(home, tmp_path, pool_name)
     assert len({a[1] for a in first}) == 2  # two procs, one per host
     tls = Registry(home).state_dir(pool_name) / MONARCH_JOBS_DIR
@@ -69,8 +74,14 @@ def test_monarchs_pingpong_runs_twice_on_a_local_pool_and_the_second_run_reuses_
     cache = tmp_path / ".monarch" / "job_state.pkl"
     assert cache.stat().st_mode & 0o777 == 0o600
     cache.chmod(0o666)  # a cache others could have written is never loaded (a pickle runs code)
-    res = subprocess.run([sys.executable, "-u", str(PINGPONG), "--trust-local-users", "--pool", pool_name], env=cli_env(home), cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-u", str(PINGPONG), "--trust-local-users", "--pool", pool_name],
+        env=cli_env(home),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode != 0 and "refusing to load the cached job" in res.stderr
     cache.chmod(0o600)
 
@@ -126,8 +137,9 @@ try:
 except Exception as e:
     print("REFUSED", type(e).__name__)
 """)
-    res = subprocess.run([sys.executable, "-u", str(probe)], env=cli_env(home), cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-u", str(probe)], env=cli_env(home), cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert "REFUSED" in res.stdout and "ANSWERED" not in res.stdout, res.stdout + res.stderr[-2000:]
     # the job's own client still gets in
     assert len(_answers(_pingpong(home, tmp_path, "--pool", pool_name))) == 4
@@ -135,8 +147,9 @@ except Exception as e:
 
 @pytest.mark.usefixtures("slurm_lab")
 def test_monarchs_pingpong_runs_across_two_slurm_nodes_twice_with_one_allocation(home, pool_name, tmp_path):
-    first, second = _run_twice(home, tmp_path, pool_name, "--scheduler", "monarch_slurm",
-                               "--cfg", "partition=debug,time=00:20:00,preload=none")
+    first, second = _run_twice(
+        home, tmp_path, pool_name, "--scheduler", "monarch_slurm", "--cfg", "partition=debug,time=00:20:00,preload=none"
+    )
     assert len({a[2] for a in first}) == 2  # two nodes
     assert {a[2] for a in second} == {a[2] for a in first}
 
@@ -153,8 +166,14 @@ def test_an_existing_pool_is_used_as_it_is_and_one_too_small_is_refused(home, po
     torchx(home, "pool", "create", small, "-s", "monarch_local", "-cfg", "hosts=1,preload=none")
     other = tmp_path / "other"  # no cached job here
     other.mkdir()
-    res = subprocess.run([sys.executable, "-u", str(PINGPONG), "--trust-local-users", "--pool", small], env=cli_env(home), cwd=other,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-u", str(PINGPONG), "--trust-local-users", "--pool", small],
+        env=cli_env(home),
+        cwd=other,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode != 0 and f"pool {small!r} has 1 host(s) and the job's meshes need 2" in res.stderr
     assert len(Registry.hosts(Registry(home).require(small))) == 1  # not replaced
 
@@ -162,8 +181,14 @@ def test_an_existing_pool_is_used_as_it_is_and_one_too_small_is_refused(home, po
 def test_warm_pool_job_is_refused_in_one_line_unless_the_user_trusts_every_local_user(home, pool_name, tmp_path):
     """torchmonarch 0.7.0 serves every host and client on an abstract Unix socket that nothing
     authenticates: on a machine others can log into, that is code run as you. Refused, saying so."""
-    res = subprocess.run([sys.executable, "-u", str(PINGPONG), "--pool", pool_name], env=cli_env(home), cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-u", str(PINGPONG), "--pool", pool_name],
+        env=cli_env(home),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode != 0 and "unauthenticated abstract Unix socket" in res.stderr, res.stderr[-2000:]
     assert "trust_local_users=True" in res.stderr and Registry(home).get(pool_name) is None  # nothing started
 

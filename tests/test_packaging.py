@@ -17,8 +17,9 @@ NIGHTLY = "torchx-nightly==2026.10.26"
 
 
 def _pip(venv: Path, *args: str) -> subprocess.CompletedProcess:
-    res = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", *args], capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", *args], capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return res
 

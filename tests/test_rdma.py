@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from monarch_torchx.rdma import RDMAAction, RDMABuffer, RDMAError, get_rdma_backend, ibverbs
 
 from monarch_torchx import attach
-from monarch_torchx.rdma import RDMAAction, RDMABuffer, RDMAError, get_rdma_backend
-from monarch_torchx.rdma import ibverbs
 from tests.conftest import module_pool
 from tests.fixtures.rdma_actors import Weights
 
@@ -81,8 +80,9 @@ def test_proc_to_proc_and_batches(weights):
     assert weights.slice(hosts=1).read_from.call_one(b0, N).get() == expect  # an actor pulls another's memory
     d0, d1 = torch.empty(N), torch.empty(N - 2)
     # one batch, run concurrently: two reads and a write to a region the reads do not cover
-    RDMAAction().read_remote(as_bytes(d0), b0).read_remote(as_bytes(d1), b1, offset=8) \
-        .write_remote(b1, as_bytes(torch.full((2,), 7.0))).submit(timeout=30).get()
+    RDMAAction().read_remote(as_bytes(d0), b0).read_remote(as_bytes(d1), b1, offset=8).write_remote(
+        b1, as_bytes(torch.full((2,), 7.0))
+    ).submit(timeout=30).get()
     assert float(d0.double().sum()) == expect and float(d1.double().sum()) == expect - 1
     assert weights.slice(hosts=1).head.call_one(3).get() == [7.0, 7.0, 2.0]
 
@@ -196,7 +196,9 @@ def test_batch_refuses_overlapping_writes(weights):
         RDMAAction().read_remote(as_bytes(a), buf).write_remote(buf, as_bytes(b)).submit()
     with pytest.raises(ValueError, match="same local memory"):
         RDMAAction().read_remote(as_bytes(a), buf).read_remote(as_bytes(a), buf).submit()
-    RDMAAction().read_remote(as_bytes(a), buf).read_remote(as_bytes(torch.empty(N)), buf).submit().get()  # reads may share
+    RDMAAction().read_remote(as_bytes(a), buf).read_remote(
+        as_bytes(torch.empty(N)), buf
+    ).submit().get()  # reads may share
 
 
 def test_forked_child_gets_its_own_connections(weights, monkeypatch):

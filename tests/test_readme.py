@@ -14,7 +14,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Tuple
 
 import pytest
 from torchx.components import dist as dist_components
@@ -27,14 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 _FENCE = re.compile(r"^```(\w+)(?: (\w+))?\n(.*?)^```$", re.M | re.S)
 
 
-def readme_blocks(tag: str = "") -> List[Tuple[str, str]]:
+def readme_blocks(tag: str = "") -> list[tuple[str, str]]:
     """(language, code) of the README's runnable blocks of one kind, in order."""
     text = (ROOT / "README.md").read_text()
-    return [(m.group(1), m.group(3)) for m in _FENCE.finditer(text)
-            if m.group(1) in ("bash", "python") and (m.group(2) or "") == tag]
+    return [
+        (m.group(1), m.group(3))
+        for m in _FENCE.finditer(text)
+        if m.group(1) in ("bash", "python") and (m.group(2) or "") == tag
+    ]
 
 
-def _run_blocks(tag: str, home: Path, cwd: Path, env_extra: dict, timeout: float = 300) -> List[str]:
+def _run_blocks(tag: str, home: Path, cwd: Path, env_extra: dict, timeout: float = 300) -> list[str]:
     env = {**cli_env(home), **env_extra}
     outputs = []
     blocks = readme_blocks(tag)
@@ -44,8 +46,10 @@ def _run_blocks(tag: str, home: Path, cwd: Path, env_extra: dict, timeout: float
             code = code.replace("dist.torchrun", "dist.ddp")
         argv = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
         res = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-        assert res.returncode == 0, f"README {lang} block failed ({res.returncode}):\n{code}\n--- stdout\n" \
-                                    f"{res.stdout[-3000:]}\n--- stderr\n{res.stderr[-3000:]}"
+        assert res.returncode == 0, (
+            f"README {lang} block failed ({res.returncode}):\n{code}\n--- stdout\n"
+            f"{res.stdout[-3000:]}\n--- stderr\n{res.stderr[-3000:]}"
+        )
         outputs.append(res.stdout + res.stderr)
     return outputs
 

@@ -19,8 +19,12 @@ from monarch_torchx.errors import HostUnreachable
 from monarch_torchx.pool import LOST, OK, PoolRequest, attach, ensure_pool
 from monarch_torchx.registry import Registry
 
-from .conftest import (assert_a_relay_killed_mid_wait_is_passed_over, assert_launch_with_dead_hosts_is_all_or_nothing,
-                       torchx, wait_for)
+from .conftest import (
+    assert_a_relay_killed_mid_wait_is_passed_over,
+    assert_launch_with_dead_hosts_is_all_or_nothing,
+    torchx,
+    wait_for,
+)
 from .test_cli import _handle
 
 HOSTS = 10
@@ -160,8 +164,13 @@ def test_a_killed_relay_host_is_passed_over_and_named_as_lost(tree_pool):
     pool = tree_pool
     victim = 5  # the first host of the client's second group
     os.kill(pool.hosts[victim].pid, signal.SIGKILL)
-    wait_for(lambda: not os.path.exists(f"/proc/{pool.hosts[victim].pid}/status") or
-             "zombie" in open(f"/proc/{pool.hosts[victim].pid}/status").read(), what="the agent to die")
+    wait_for(
+        lambda: (
+            not os.path.exists(f"/proc/{pool.hosts[victim].pid}/status")
+            or "zombie" in open(f"/proc/{pool.hosts[victim].pid}/status").read()
+        ),
+        what="the agent to die",
+    )
     res = pool.ask("info", range(HOSTS), timeout=10.0)
     assert [i for i, _, e in res if e is None] == [i for i in range(HOSTS) if i != victim]
     err = res[victim][2]
@@ -206,8 +215,21 @@ def test_a_hung_relay_host_costs_its_group_a_bounded_wait(tree_pool):
 def test_torchx_run_status_and_stop_through_the_tree(home, pool_name, monkeypatch):
     monkeypatch.setenv("MONARCH_TORCHX_TREE_MIN_HOSTS", "2")
     torchx(home, "pool", "create", pool_name, "-cfg", f"hosts={HOSTS},preload=none")
-    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo",
-                       "--msg", "tree", "--num_replicas", str(HOSTS)))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name}",
+            "utils.echo",
+            "--msg",
+            "tree",
+            "--num_replicas",
+            str(HOSTS),
+        )
+    )
     wait_for(lambda: "SUCCEEDED" in torchx(home, "status", h).stdout, what="echo on every host")
     assert torchx(home, "log", h).stdout.count("tree") == HOSTS
     # a run on 3 hosts asks the other 7 in the same pass, with an empty request. One whose address
@@ -220,15 +242,37 @@ def test_torchx_run_status_and_stop_through_the_tree(home, pool_name, monkeypatc
     rec = Registry(home).get(pool_name)
     Registry.publish_host(rec.state_dir, replace(Registry.read_host(rec.state_dir, 7), port=port))
     Registry.write_view(rec, Registry.hosts(rec))  # as a check that found them well would have
-    res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "three",
-                 "--num_replicas", "3")
+    res = torchx(
+        home,
+        "run",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name}",
+        "utils.echo",
+        "--msg",
+        "three",
+        "--num_replicas",
+        "3",
+    )
     assert "host 7 of pool" in res.stderr and "the next run repairs it" in res.stderr, res.stderr
     assert "repairing" not in res.stderr and "again" not in res.stderr, res.stderr
     h3 = _handle(res)
     wait_for(lambda: "SUCCEEDED" in torchx(home, "status", h3).stdout, what="echo on 3 hosts")
     assert torchx(home, "log", h3).stdout.count("three") == 3
-    res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "four",
-                 "--num_replicas", "3")
+    res = torchx(
+        home,
+        "run",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name}",
+        "utils.echo",
+        "--msg",
+        "four",
+        "--num_replicas",
+        "3",
+    )
     assert "repairing" in res.stderr, res.stderr
     assert all(x.ok for x in attach(pool_name).health())
     torchx(home, "pool", "stop", pool_name)
@@ -269,8 +313,21 @@ def test_torchx_log_tail_follows_every_replica_through_the_tree(tree_pool, home,
     pool = tree_pool
     base = _relayed(pool)
     per_ask = _relayed(pool) - base  # what one relayed info adds to the counters
-    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool.name}", "utils.python",
-                       "--num_replicas", str(HOSTS), "-c", SLOW_COUNT))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool.name}",
+            "utils.python",
+            "--num_replicas",
+            str(HOSTS),
+            "-c",
+            SLOW_COUNT,
+        )
+    )
     before = _relayed(pool)
     res = torchx(home, "log", "--tail", h, timeout=60)
     relays = _relayed(pool) - before - per_ask
@@ -294,8 +351,21 @@ def test_torchx_log_tail_names_a_hung_host_and_follows_the_others(tree_pool, hom
     monkeypatch.setenv("MONARCH_TORCHX_TREE_FANOUT", "2")
     pool = tree_pool
     victim = 8  # host 5 splits 6..9 into [6, 7] and [8, 9]: 8 leads a group of two
-    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool.name}", "utils.python",
-                       "--num_replicas", str(HOSTS), "-c", SLOW_COUNT))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool.name}",
+            "utils.python",
+            "--num_replicas",
+            str(HOSTS),
+            "-c",
+            SLOW_COUNT,
+        )
+    )
     pid = pool.hosts[victim].pid
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -321,15 +391,31 @@ def test_torchx_log_tail_names_the_subtree_of_a_relay_killed_mid_follow(tree_poo
     monkeypatch.setenv("MONARCH_TORCHX_TREE_FANOUT", "2")
     pool = tree_pool
     victim = 5
-    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool.name}", "utils.python",
-                       "--num_replicas", str(HOSTS), "-c", SLOW_COUNT.replace("range(4)", "range(12)")))
-    follow = subprocess.Popen([TORCHX, "log", "--tail", h], env=cli_env(home), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool.name}",
+            "utils.python",
+            "--num_replicas",
+            str(HOSTS),
+            "-c",
+            SLOW_COUNT.replace("range(4)", "range(12)"),
+        )
+    )
+    follow = subprocess.Popen(
+        [TORCHX, "log", "--tail", h], env=cli_env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         # a line of the second group: its stream is open through host 5 (killed before, host 6 would
         # lead the rest of the group, and they would be followed to their end: nothing lost)
-        wait_for(lambda: int(_plain(follow.stdout.readline()).split(" ")[0].split("/")[-1] or -1) >= victim,
-                 what="a line of the second group")
+        wait_for(
+            lambda: int(_plain(follow.stdout.readline()).split(" ")[0].split("/")[-1] or -1) >= victim,
+            what="a line of the second group",
+        )
         os.kill(pool.hosts[victim].pid, signal.SIGKILL)
         out, err = follow.communicate(timeout=60)
     finally:

@@ -10,8 +10,13 @@ import pytest
 
 from monarch_torchx.pool import LOST, OK, UNREACHABLE, attach
 
-from .conftest import (assert_a_relay_killed_mid_wait_is_passed_over, assert_launch_with_dead_hosts_is_all_or_nothing,
-                       module_pool, torchx, wait_for)
+from .conftest import (
+    assert_a_relay_killed_mid_wait_is_passed_over,
+    assert_launch_with_dead_hosts_is_all_or_nothing,
+    module_pool,
+    torchx,
+    wait_for,
+)
 
 HOSTS = 64
 
@@ -50,8 +55,23 @@ def test_a_launch_on_64_with_3_dead_hosts_is_all_or_nothing(big):
     health = pool.health()
     assert [h.index for h in health if h.state == LOST] == dead
     # the next run repairs the dead hosts and runs on all 64
-    h = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={name}", "utils.echo", "--msg", "back",
-               "--num_replicas", str(HOSTS)).stdout.strip().splitlines()[-1]
+    h = (
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={name}",
+            "utils.echo",
+            "--msg",
+            "back",
+            "--num_replicas",
+            str(HOSTS),
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     wait_for(lambda: "SUCCEEDED" in torchx(home, "status", h).stdout, timeout=120, what="echo on 64 hosts")
 
 
@@ -64,6 +84,7 @@ def test_a_sync_to_64_hosts_is_asked_through_the_relay_tree_and_sent_down_a_tree
         (src / f"d{i % 5}" / f"f{i}.py").write_text(f"x = {i}\n" * 200)
     (src / "blob.bin").write_bytes(os.urandom(3 << 20))
     size = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+
     def relayed() -> int:  # (each ask counts its own relaying too)
         return sum(v["relayed"] for _, v, _ in pool.ask("info", range(HOSTS)))
 

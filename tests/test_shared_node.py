@@ -36,8 +36,9 @@ def _plant(directory: Path, marker: Path) -> None:
     pkg = directory / "monarch_torchx"
     pkg.mkdir()
     record = f"import os\nopen({str(marker)!r}, 'a').write(f'{{os.getpid()}} {{os.getuid()}}\\n')\n"
-    (pkg / "__init__.py").write_text(record + f"__path__[:] = [{real!r}]\n"
-                                     f"exec(compile(open({real + '/__init__.py'!r}).read(), 'x', 'exec'))\n")
+    (pkg / "__init__.py").write_text(
+        record + f"__path__[:] = [{real!r}]\nexec(compile(open({real + '/__init__.py'!r}).read(), 'x', 'exec'))\n"
+    )
     (directory / "torch.py").write_text(record)
 
 
@@ -47,19 +48,41 @@ def test_agents_and_fork_servers_started_from_a_writable_cwd_import_nothing_from
     group_dir.chmod(0o777)  # a group project directory, writable by others
     marker = tmp_path / "planted-code-ran"
     _plant(group_dir, marker)
-    res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name},hosts=2,preload=torch",
-                 "utils.echo", "--msg", "hi", cwd=group_dir)
+    res = torchx(
+        home,
+        "run",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name},hosts=2,preload=torch",
+        "utils.echo",
+        "--msg",
+        "hi",
+        cwd=group_dir,
+    )
     handle = res.stdout.strip().splitlines()[-1]
     wait_for(lambda: "SUCCEEDED" in torchx(home, "status", handle, cwd=group_dir).stdout, what="the echo")
     # a repair started from there too: host 1's agent is killed and brought back
     pool = attach(pool_name)
     os.kill(pool.hosts[1].pid, signal.SIGKILL)
-    torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "again",
-           cwd=group_dir)
+    torchx(
+        home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "again", cwd=group_dir
+    )
     assert not marker.exists(), f"planted code ran: {marker.read_text()}"
     # the replica itself still starts in the caller's cwd, as on local_cwd
-    res = torchx(home, "run", "--wait", "--log", "-s", "monarch_local", "-cfg", f"pool={pool_name}",
-                 "utils.sh", "pwd", cwd=group_dir)
+    res = torchx(
+        home,
+        "run",
+        "--wait",
+        "--log",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name}",
+        "utils.sh",
+        "pwd",
+        cwd=group_dir,
+    )
     assert str(group_dir) in res.stdout + res.stderr
 
 
@@ -72,8 +95,9 @@ def test_a_job_dir_whose_parent_others_can_write_is_refused_in_one_line(home, tm
     assert "\n" not in str(e.value)
     assert not (open_parent / "jobs").exists()  # refused before anything was made there
     # the same through the CLI a user runs (nothing is submitted: the state dir comes first)
-    res = torchx(home, "pool", "create", "p", "-s", "monarch_slurm", "-cfg", f"nodes=1,job_dir={open_parent}",
-                 check=False)
+    res = torchx(
+        home, "pool", "create", "p", "-s", "monarch_slurm", "-cfg", f"nodes=1,job_dir={open_parent}", check=False
+    )
     assert res.returncode != 0 and "others can write it" in res.stderr and "Traceback" not in res.stderr, res.stderr
     # sticky (like /tmp), or writable only by us: fine
     open_parent.chmod(0o1777)
@@ -111,9 +135,13 @@ def test_a_node_temp_root_someone_else_made_fails_pool_create_in_one_line(home, 
     planted = tmpdir / f"monarch_torchx-{os.getuid()}"
     planted.mkdir(mode=0o777)
     os.chown(planted, OTHER_UID, OTHER_UID)
-    res = subprocess.run([TORCHX, "pool", "create", pool_name,
-                          "-s", "monarch_local", "-cfg", "hosts=1,preload=none"],
-                         env=_pool_env(home, tmpdir), capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [TORCHX, "pool", "create", pool_name, "-s", "monarch_local", "-cfg", "hosts=1,preload=none"],
+        env=_pool_env(home, tmpdir),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode != 0, res.stdout
     assert f"{planted} belongs to uid {OTHER_UID}" in res.stderr and "Traceback" not in res.stderr, res.stderr
     wait_for(lambda: not agent_pids(home), what="no agent left")
@@ -121,9 +149,13 @@ def test_a_node_temp_root_someone_else_made_fails_pool_create_in_one_line(home, 
     open_tmp = tmp_path / "open_tmp"
     open_tmp.mkdir()
     open_tmp.chmod(0o777)
-    res = subprocess.run([TORCHX, "pool", "create", pool_name + "b",
-                          "-s", "monarch_local", "-cfg", "hosts=1,preload=none"],
-                         env=_pool_env(home, open_tmp), capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [TORCHX, "pool", "create", pool_name + "b", "-s", "monarch_local", "-cfg", "hosts=1,preload=none"],
+        env=_pool_env(home, open_tmp),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode != 0 and "others can write it" in res.stderr, res.stderr
 
 
@@ -177,8 +209,13 @@ def small_disk(tmp_path):
     """A 4 MiB tmpfs (root only); unmounted at the end."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if os.getuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)],
-                                          capture_output=True).returncode != 0:
+    if (
+        os.getuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("needs root to mount a small tmpfs")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
@@ -200,8 +237,10 @@ def test_a_full_disk_is_shown_in_pool_status_and_kills_nothing(small_disk, pool_
                     f.flush()
             except OSError:
                 pass
-        out = wait_for(lambda: (o := torchx(home, "pool", "status", pool_name, check=False).stdout)
-                       and "No space left" in o and o, what="the full disk in pool status")
+        out = wait_for(
+            lambda: (o := torchx(home, "pool", "status", pool_name, check=False).stdout) and "No space left" in o and o,
+            what="the full disk in pool status",
+        )
         assert "warning: cannot write its heartbeat" in out and " ok " in out, out
         assert attach(pool_name).hosts[0].pid == agent.pid
         (small_disk / "filler").unlink()
@@ -219,12 +258,35 @@ def test_stop_force_ends_only_our_own_agents_not_another_users_decoy(home, pool_
 
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2,preload=none")
     state_dir = Registry(home).state_dir(pool_name)
-    decoy = subprocess.Popen(["setpriv", "--reuid", str(OTHER_UID), "--regid", str(OTHER_UID), "--clear-groups",
-                              "/usr/bin/python3", "-c", "import time; time.sleep(60)", "monarch_torchx.agent", "--pool", pool_name, "--state-dir", str(state_dir)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    decoy = subprocess.Popen(
+        [
+            "setpriv",
+            "--reuid",
+            str(OTHER_UID),
+            "--regid",
+            str(OTHER_UID),
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+            "import time; time.sleep(60)",
+            "monarch_torchx.agent",
+            "--pool",
+            pool_name,
+            "--state-dir",
+            str(state_dir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
-        wait_for(lambda: os.path.exists(f"/proc/{decoy.pid}/status") and
-                 f"Uid:\t{OTHER_UID}" in Path(f"/proc/{decoy.pid}/status").read_text(), what="the decoy")
+        wait_for(
+            lambda: (
+                os.path.exists(f"/proc/{decoy.pid}/status")
+                and f"Uid:\t{OTHER_UID}" in Path(f"/proc/{decoy.pid}/status").read_text()
+            ),
+            what="the decoy",
+        )
         Registry(home).record_path(pool_name).write_text(json.dumps({"name": pool_name, "hosts": "two"}))
         res = torchx(home, "pool", "stop", "--force", pool_name)
         assert "ended 2 local agent(s)" in res.stdout, res.stdout
@@ -242,9 +304,25 @@ def test_a_store_port_reserved_for_an_app_cannot_be_taken_by_another_user_before
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
     pool = attach(pool_name)
     port = pool.call(0, "reserve_port", hold_for="some-app")
-    grab = ("import socket, sys; s = socket.socket(); "
-            "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1); "
-            f"s.bind(('127.0.0.1', {port})); s.listen(); print('took it')")
-    other = subprocess.run(["setpriv", "--reuid", str(OTHER_UID), "--regid", str(OTHER_UID), "--clear-groups",
-                            "/usr/bin/python3", "-c", grab], capture_output=True, text=True, timeout=30)
+    grab = (
+        "import socket, sys; s = socket.socket(); "
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1); "
+        f"s.bind(('127.0.0.1', {port})); s.listen(); print('took it')"
+    )
+    other = subprocess.run(
+        [
+            "setpriv",
+            "--reuid",
+            str(OTHER_UID),
+            "--regid",
+            str(OTHER_UID),
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+            grab,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert other.returncode != 0 and "Address already in use" in other.stderr, other.stdout + other.stderr

@@ -39,8 +39,18 @@ def _job(home, pool) -> str:
 
 
 def test_provision_once_then_iterate_on_warm_nodes(home, pool_name, tmp_path):
-    res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=2,partition=debug,time=00:30:00",
-                 "monarch.hostinfo", "--replicas", "2", cwd=tmp_path)
+    res = torchx(
+        home,
+        "run",
+        "-s",
+        "monarch_slurm",
+        "-cfg",
+        f"pool={pool_name},nodes=2,partition=debug,time=00:30:00",
+        "monarch.hostinfo",
+        "--replicas",
+        "2",
+        cwd=tmp_path,
+    )
     h = _handle(res)
     assert h.startswith(f"monarch_slurm://torchx/{pool_name}:")
     assert "allocation" in res.stderr  # progress while the allocation starts
@@ -57,8 +67,20 @@ def test_provision_once_then_iterate_on_warm_nodes(home, pool_name, tmp_path):
 
     # again: no sbatch, same allocation, same agents
     agents = [a.pid for a in Registry.hosts(Registry(home).get(pool_name))]
-    h2 = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.python", "-c",
-                        "import socket; print('on', socket.gethostname())", cwd=tmp_path))
+    h2 = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_slurm",
+            "-cfg",
+            f"pool={pool_name}",
+            "utils.python",
+            "-c",
+            "import socket; print('on', socket.gethostname())",
+            cwd=tmp_path,
+        )
+    )
     wait_for(lambda: _state(home, h2) == "SUCCEEDED", what="python")
     assert re.match(r"python/0 on node\d", torchx(home, "log", h2).stdout)
     assert _job(home, pool_name) == job and squeue_ids(f"monarch-{pool_name}") == [job]
@@ -85,8 +107,22 @@ def test_provision_once_then_iterate_on_warm_nodes(home, pool_name, tmp_path):
 
 def test_dist_ddp_gloo_all_reduce_across_two_nodes(home, pool_name, tmp_path):
     (tmp_path / "train.py").write_text(TRAIN)
-    h = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=2", "dist.ddp", "-j", "2x1",
-                       "--script", "train.py", cwd=tmp_path))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_slurm",
+            "-cfg",
+            f"pool={pool_name},nodes=2",
+            "dist.ddp",
+            "-j",
+            "2x1",
+            "--script",
+            "train.py",
+            cwd=tmp_path,
+        )
+    )
     wait_for(lambda: _state(home, h) in ("SUCCEEDED", "FAILED"), timeout=180, what="ddp")
     logs = torchx(home, "log", h).stdout
     assert _state(home, h) == "SUCCEEDED", logs
@@ -99,12 +135,15 @@ def test_warm_torchrun_trains_ddp_on_two_nodes_by_two_procs(home, pool_name, tmp
 
     (tmp_path / "train.py").write_text(DDP_TRAIN)
     args = ("dist.ddp", "-j", "2x2", "--script", "train.py")
-    dry = torchx(home, "run", "--dryrun", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=2", *args,
-                 cwd=tmp_path).stdout
+    dry = torchx(
+        home, "run", "--dryrun", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=2", *args, cwd=tmp_path
+    ).stdout
     assert "role train: warm torchrun" in dry
     outs = []
     for cfg in (f"pool={pool_name},nodes=2,partition=debug,time=00:30:00", f"pool={pool_name}"):  # create, then warm
-        res = torchx(home, "run", "--wait", "--log", "-s", "monarch_slurm", "-cfg", cfg, *args, cwd=tmp_path, timeout=240)
+        res = torchx(
+            home, "run", "--wait", "--log", "-s", "monarch_slurm", "-cfg", cfg, *args, cwd=tmp_path, timeout=240
+        )
         outs.append(res.stdout + res.stderr)
     for out in outs:
         found = re.findall(r"train/(\d) \[(\d)\]:params rank=(\d) world=4 init=(\w+) final=(\w+)", out)
@@ -126,8 +165,13 @@ def test_bad_requests_are_refused_in_one_line_and_leave_no_allocation(home, pool
         assert not squeue_ids(f"monarch-{pool_name}")
         assert Registry(home).get(pool_name) is None
     env = {**cli_env(home), "PATH": str(BIN)}  # no SLURM commands on PATH
-    res = subprocess.run([str(BIN / "torchx"), "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo"],
-                         env=env, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [str(BIN / "torchx"), "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 1 and "sbatch not found on PATH" in res.stderr and "SLURM" in res.stderr
 
 
@@ -143,8 +187,16 @@ def test_a_job_dir_someone_else_made_is_refused_before_anything_is_submitted(hom
         os.chmod(planted, 0o777 if how == "open" else 0o700)
         if how == "theirs":
             os.chown(planted, 65534, 65534)
-        res = torchx(home, "run", "-s", "monarch_slurm", "-cfg",
-                     f"pool={pool_name},nodes=1,partition=debug,job_dir={scratch}", "utils.echo", check=False)
+        res = torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_slurm",
+            "-cfg",
+            f"pool={pool_name},nodes=1,partition=debug,job_dir={scratch}",
+            "utils.echo",
+            check=False,
+        )
         assert res.returncode == 1 and "refusing the pool's state dir" in res.stderr, res.stderr
         assert ("open to other users" if how == "open" else "belongs to uid 65534") in res.stderr
         assert "Traceback" not in res.stderr and not list(planted.iterdir())
@@ -153,17 +205,26 @@ def test_a_job_dir_someone_else_made_is_refused_before_anything_is_submitted(hom
 
 def test_torchxconfig_slurm_section_is_honoured(home, pool_name, tmp_path):
     (tmp_path / ".torchxconfig").write_text("[slurm]\npartition = from_torchxconfig\n")
-    res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo", cwd=tmp_path, check=False)
+    res = torchx(
+        home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo", cwd=tmp_path, check=False
+    )
     assert res.returncode == 1 and "Invalid partition" in res.stderr  # the [slurm] default was used
-    dry = torchx(home, "run", "--dryrun", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo", cwd=tmp_path)
+    dry = torchx(
+        home, "run", "--dryrun", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo", cwd=tmp_path
+    )
     assert "partition=from_torchxconfig" in dry.stdout
-    h = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},partition=debug", "utils.echo",
-                       cwd=tmp_path))
+    h = _handle(
+        torchx(
+            home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},partition=debug", "utils.echo", cwd=tmp_path
+        )
+    )
     wait_for(lambda: _state(home, h) == "SUCCEEDED", what="echo with -cfg over [slurm]")
 
 
 def test_allocation_cancelled_outside_fails_apps_and_the_next_run_reprovisions(home, pool_name):
-    h = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=2", "utils.sh", "sleep", "600"))
+    h = _handle(
+        torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=2", "utils.sh", "sleep", "600")
+    )
     wait_for(lambda: _state(home, h) == "RUNNING", what="sleep")
     job = _job(home, pool_name)
     subprocess.run(["scancel", job], check=True)
@@ -179,7 +240,9 @@ def test_allocation_cancelled_outside_fails_apps_and_the_next_run_reprovisions(h
 
 
 def test_killed_node_agent_fails_its_apps_and_the_pool_is_replaced(home, pool_name):
-    h = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=2", "utils.sh", "sleep", "600"))
+    h = _handle(
+        torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=2", "utils.sh", "sleep", "600")
+    )
     wait_for(lambda: _state(home, h) == "RUNNING", what="sleep")
     job = _job(home, pool_name)
     victim = Registry.hosts(Registry(home).get(pool_name))[0]
@@ -204,18 +267,45 @@ def test_idle_timeout_releases_the_allocation(home, pool_name):
 
 
 def test_pending_allocation_shows_slurms_reason_until_it_starts(home, pool_name):
-    blocker = subprocess.run(["sbatch", "--parsable", "-N3", "--exclusive", "-J", f"blocker-{pool_name}", "-o", "/dev/null",
-                              "--wrap", "sleep 600"], capture_output=True, text=True, check=True).stdout.strip()
+    blocker = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "-N3",
+            "--exclusive",
+            "-J",
+            f"blocker-{pool_name}",
+            "-o",
+            "/dev/null",
+            "--wrap",
+            "sleep 600",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     try:
-        wait_for(lambda: blocker in subprocess.run(["squeue", "-h", "-t", "R", "-o", "%i"], capture_output=True,
-                                                   text=True).stdout.split(), what="the blocker to run")
-        create = subprocess.Popen([str(BIN / "torchx"), "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg",
-                                   "nodes=1,preload=none"], env=cli_env(home), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+        wait_for(
+            lambda: (
+                blocker
+                in subprocess.run(
+                    ["squeue", "-h", "-t", "R", "-o", "%i"], capture_output=True, text=True
+                ).stdout.split()
+            ),
+            what="the blocker to run",
+        )
+        create = subprocess.Popen(
+            [str(BIN / "torchx"), "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", "nodes=1,preload=none"],
+            env=cli_env(home),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
         def pending():
             res = torchx(home, "pool", "status", pool_name, "--json", check=False)
             return res.returncode == 0 and json.loads(res.stdout)
+
         st = wait_for(lambda: (s := pending()) and s["state"] == "pending" and s, timeout=30, what="pending pool")
         assert st["allocation"]["state"] == "PENDING" and st["allocation"]["reason"] in ("Resources", "Priority")
         assert "PENDING" in torchx(home, "pool", "status", pool_name).stdout
@@ -238,8 +328,19 @@ def test_job_dir_holds_the_pool_state(home, pool_name, tmp_path):
 
 def test_walltime_ends_the_allocation_and_its_apps_say_why(home, pool_name):
     """time=1 (one minute, SLURM's smallest): the allocation ends under a running app."""
-    h = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=1,time=1,preload=none",
-                       "utils.sh", "sleep", "600"))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_slurm",
+            "-cfg",
+            f"pool={pool_name},nodes=1,time=1,preload=none",
+            "utils.sh",
+            "sleep",
+            "600",
+        )
+    )
     job = _job(home, pool_name)
     wait_for(lambda: _state(home, h) == "FAILED", timeout=180, interval=1, what="the walltime to end the app")
     assert f"allocation {job} is TIMEOUT" in _msg(home, h)
@@ -288,9 +389,9 @@ def test_actor_mesh_on_a_slurm_pool_across_network_namespaces(home, pool_name):
 def test_rdma_buffers_across_slurm_nodes_use_tcp(home, pool_name):
     """Owner on one lab node, readers on another node and in the controller: tcp over veth."""
     import torch
+    from monarch_torchx.rdma import RDMAError
 
     from monarch_torchx import attach as attach_hosts
-    from monarch_torchx.rdma import RDMAError
 
     from .fixtures.rdma_actors import Weights
 
@@ -319,15 +420,34 @@ def test_torchx_workspace_is_synced_to_the_nodes_and_served_by_fuse_there(home, 
     monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))  # the agents inherit it
     ws = tmp_path / "proj"
     ws.mkdir()
-    (ws / "main.py").write_text("import os, socket\ncode = os.path.dirname(os.path.realpath('main.py'))\n"
-                                "print('ran', open('v.txt').read().strip(), socket.gethostname(), "
-                                "code, os.path.ismount(code), os.access('.', os.W_OK))\n")
+    (ws / "main.py").write_text(
+        "import os, socket\ncode = os.path.dirname(os.path.realpath('main.py'))\n"
+        "print('ran', open('v.txt').read().strip(), socket.gethostname(), "
+        "code, os.path.ismount(code), os.access('.', os.W_OK))\n"
+    )
 
     def run(version: str, *cfg: str) -> list:
         (ws / "v.txt").write_text(version + "\n")
-        res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", ",".join((f"pool={pool_name}", "workspace_mount=ws", *cfg)),
-                     "--wait", "--log", "utils.python", "--num_replicas", "2", "--script", "main.py", cwd=ws, timeout=240)
-        return sorted(line.split(" ", 1)[1].split() for line in (res.stdout + res.stderr).splitlines() if " ran " in line)
+        res = torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_slurm",
+            "-cfg",
+            ",".join((f"pool={pool_name}", "workspace_mount=ws", *cfg)),
+            "--wait",
+            "--log",
+            "utils.python",
+            "--num_replicas",
+            "2",
+            "--script",
+            "main.py",
+            cwd=ws,
+            timeout=240,
+        )
+        return sorted(
+            line.split(" ", 1)[1].split() for line in (res.stdout + res.stderr).splitlines() if " ran " in line
+        )
 
     for version, cfg in (("v1", ("nodes=2", "partition=debug", "time=00:30:00")), ("v2", ())):
         out = run(version, *cfg)
@@ -352,9 +472,25 @@ def test_the_ddp_tutorials_snapshot_by_rank_0_resumes_every_rank_across_nodes(ho
     ws, mount = write_tutorial(tmp_path), str(tmp_path / "roots" / "tut")
     cfg = f"pool={pool_name},nodes=2,partition=debug,time=00:30:00,idle_timeout=300s"
 
-    def run(epochs: int, mount: str = mount, script: tuple = ("dist.ddp", "-j", "2x1", "--script", "tutorial.py")) -> str:
-        res = torchx(home, "run", "--wait", "--log", "-s", "monarch_slurm", "-cfg", f"{cfg},workspace_mount={mount}",
-                     *script, "--", str(epochs), "1", cwd=ws, timeout=240)
+    def run(
+        epochs: int, mount: str = mount, script: tuple = ("dist.ddp", "-j", "2x1", "--script", "tutorial.py")
+    ) -> str:
+        res = torchx(
+            home,
+            "run",
+            "--wait",
+            "--log",
+            "-s",
+            "monarch_slurm",
+            "-cfg",
+            f"{cfg},workspace_mount={mount}",
+            *script,
+            "--",
+            str(epochs),
+            "1",
+            cwd=ws,
+            timeout=240,
+        )
         return res.stdout + res.stderr
 
     cwds = run_tutorial_twice(run)
@@ -382,12 +518,11 @@ class _Capture:
         self._t.start()
 
     def _run(self):
-        import socket as _socket
 
         while not self._stop.is_set():
             try:
                 frame, addr = self._sock.recvfrom(1 << 16)
-            except _socket.timeout:
+            except TimeoutError:
                 continue
             if addr[0].startswith("slveth"):
                 self.data += frame
@@ -402,8 +537,19 @@ class _Capture:
 def _echo_captured(home, pool: str, cfg: str, marker: str) -> bytes:
     cap = _Capture()
     try:
-        h = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool},nodes=1,partition=debug{cfg}",
-                           "utils.echo", "--msg", marker))
+        h = _handle(
+            torchx(
+                home,
+                "run",
+                "-s",
+                "monarch_slurm",
+                "-cfg",
+                f"pool={pool},nodes=1,partition=debug{cfg}",
+                "utils.echo",
+                "--msg",
+                marker,
+            )
+        )
         wait_for(lambda: _state(home, h) == "SUCCEEDED", what="echo")
         assert marker in torchx(home, "log", h).stdout  # the marker went out to the node and came back
     finally:
@@ -435,8 +581,12 @@ def _node_mounts(node: str) -> str:
             except OSError:
                 continue
             if cmd[:1] and cmd[0].endswith(b"slurmd") and node.encode() in cmd:
-                return subprocess.run(["nsenter", f"--mount=/proc/{p.name}/ns/mnt", "cat", "/proc/mounts"],
-                                      capture_output=True, text=True, check=True).stdout
+                return subprocess.run(
+                    ["nsenter", f"--mount=/proc/{p.name}/ns/mnt", "cat", "/proc/mounts"],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
     raise AssertionError(f"no slurmd for {node}")
 
 
@@ -480,7 +630,8 @@ def test_workers_started_by_the_users_own_sbatch_are_attached_over_tls(home, poo
     secret.write_text(os.urandom(32).hex())
     secret.chmod(0o600)
     port = 29000 + os.getpid() % 2000
-    (tmp_path / "worker.py").write_text(textwrap.dedent(f"""
+    (tmp_path / "worker.py").write_text(
+        textwrap.dedent(f"""
         import os, socket
         from monarch_torchx.actor import run_worker_loop_forever
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # this node's address toward the controller
@@ -489,16 +640,27 @@ def test_workers_started_by_the_users_own_sbatch_are_attached_over_tls(home, poo
         with open({str(tmp_path)!r} + "/addr-" + os.environ["SLURM_PROCID"], "w") as f:
             f.write(addr)
         run_worker_loop_forever(address=addr, ca={str(secret)!r})
-    """))
+    """)
+    )
     script = tmp_path / "workers.sh"
-    script.write_text(f"#!/bin/bash\n#SBATCH -J {pool_name} -N 2 -n 2 -p debug -t 00:10:00 -o {tmp_path}/workers.out\n"
-                      f"srun {BIN}/python {tmp_path}/worker.py\n")
-    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    script.write_text(
+        f"#!/bin/bash\n#SBATCH -J {pool_name} -N 2 -n 2 -p debug -t 00:10:00 -o {tmp_path}/workers.out\n"
+        f"srun {BIN}/python {tmp_path}/worker.py\n"
+    )
+    job = subprocess.run(
+        ["sbatch", "--parsable", str(script)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    ).stdout.strip()
     try:
         files = [tmp_path / f"addr-{i}" for i in range(2)]
-        wait_for(lambda: all(f.exists() and f.read_text() for f in files), timeout=60,
-                 what=f"the workers to start ({tmp_path}/workers.out)")
+        wait_for(
+            lambda: all(f.exists() and f.read_text() for f in files),
+            timeout=60,
+            what=f"the workers to start ({tmp_path}/workers.out)",
+        )
         addrs = [f.read_text() for f in files]
         hosts = attach_to_workers(ca=secret, workers=addrs, name=pool_name)
         assert Registry(home).get(pool_name).tls_pem  # off loopback: TLS, derived from the secret
@@ -508,8 +670,11 @@ def test_workers_started_by_the_users_own_sbatch_are_attached_over_tls(home, poo
         assert list(counters.incr.call().get(timeout=30).values()) == [1, 1, 1, 1]
         assert attach_to_workers(ca=secret, workers=addrs, name=pool_name).pool == pool_name  # reused
         hosts.shutdown().get(timeout=60)
-        wait_for(lambda: not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip(),
-                 timeout=60, what="the workers' job to end once its hosts were shut down")
+        wait_for(
+            lambda: not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip(),
+            timeout=60,
+            what="the workers' job to end once its hosts were shut down",
+        )
     finally:
         subprocess.run(["scancel", job], capture_output=True)
 
@@ -523,8 +688,21 @@ def test_the_relay_tree_runs_between_slurm_nodes_over_tls(home, pool_name, monke
     monkeypatch.setenv("MONARCH_TORCHX_TREE_MIN_HOSTS", "2")
     monkeypatch.setenv("MONARCH_TORCHX_TREE_FANOUT", "2")  # for the CLI runs below
     monkeypatch.setattr(relay, "FANOUT", 2)  # for this process
-    h = _handle(torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},nodes=3,preload=none",
-                       "utils.echo", "--msg", "through-the-tree", "--num_replicas", "3"))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_slurm",
+            "-cfg",
+            f"pool={pool_name},nodes=3,preload=none",
+            "utils.echo",
+            "--msg",
+            "through-the-tree",
+            "--num_replicas",
+            "3",
+        )
+    )
     wait_for(lambda: _state(home, h) == "SUCCEEDED", timeout=120, what="echo on 3 nodes")
     assert torchx(home, "log", h).stdout.count("through-the-tree") == 3
     assert Registry(home).get(pool_name).spec["tls"] is True

@@ -12,21 +12,23 @@ import signal
 import uuid
 
 import pytest
+from monarch_torchx.telemetry.query import run
 from torchx.runner import get_runner
 from torchx.specs import AppDef, Role
 
 import monarch_torchx.agent.relay as relay
 from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import attach
-from monarch_torchx.telemetry.query import run
 
 from .conftest import module_pool, wait_for
 
 HOSTS = 10
-CHATTY = ("import os, sys\n"
-          "h = int(os.environ['MONARCH_TORCHX_HOST_INDEX'])\n"
-          "for i in range(20 + 7 * h): print(f'step {i} loss {\"NaN\" if i % 5 == 0 else i}')\n"
-          "print('oops', file=sys.stderr)\n")
+CHATTY = (
+    "import os, sys\n"
+    "h = int(os.environ['MONARCH_TORCHX_HOST_INDEX'])\n"
+    "for i in range(20 + 7 * h): print(f'step {i} loss {\"NaN\" if i % 5 == 0 else i}')\n"
+    "print('oops', file=sys.stderr)\n"
+)
 
 QUERIES = [
     "SELECT count(*) AS n FROM logs",
@@ -49,8 +51,10 @@ def tree_pool(tmp_path_factory):
         mp.setattr(relay, "FANOUT", 2)
         with module_pool(tmp_path_factory, f"sqltree{uuid.uuid4().hex[:6]}", HOSTS, preload="none") as (name, _):
             with get_runner() as runner:
-                app = AppDef("chatty", roles=[Role(name="c", image=".", entrypoint="python", args=["-c", CHATTY],
-                                                   num_replicas=HOSTS)])
+                app = AppDef(
+                    "chatty",
+                    roles=[Role(name="c", image=".", entrypoint="python", args=["-c", CHATTY], num_replicas=HOSTS)],
+                )
                 h = runner.run(app, "monarch_local", {"pool": name})
                 wait_for(lambda: runner.status(h).is_terminal(), what="chatty app")
             yield attach(name)
@@ -88,12 +92,15 @@ def test_a_limit_cuts_each_subtree_and_answers_as_every_row_would(tree_pool, sql
         assert cut.answers <= 2 < rows.answers and cut.bytes_moved < rows.bytes_moved
 
 
-@pytest.mark.parametrize("sql", [
-    "SELECT count(*) AS n FROM logs WHERE pid > (SELECT avg(pid) FROM logs) - 1000000 AND length(line) > "
-    "(SELECT avg(length(line)) FROM logs)",
-    "SELECT host, line FROM logs WHERE length(line) > (SELECT avg(length(line)) FROM logs) "
-    "ORDER BY length(line) DESC, host, line LIMIT 3",
-])
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT count(*) AS n FROM logs WHERE pid > (SELECT avg(pid) FROM logs) - 1000000 AND length(line) > "
+        "(SELECT avg(length(line)) FROM logs)",
+        "SELECT host, line FROM logs WHERE length(line) > (SELECT avg(length(line)) FROM logs) "
+        "ORDER BY length(line) DESC, host, line LIMIT 3",
+    ],
+)
 def test_a_subquery_in_a_filter_is_answered_over_every_host_s_rows(tree_pool, sql):
     """Each host alone would compare its lines with its own average: the tables come whole."""
     from monarch_torchx.telemetry.query import _empty_ctx, read_only_options
@@ -126,13 +133,16 @@ def test_a_group_by_over_every_row_moves_groups_not_rows(tree_pool):
 
 
 def test_queries_that_do_not_decompose_are_answered_from_rows(tree_pool):
-    for sql in ("SELECT count(*) FILTER (WHERE stream = 'stderr') AS n FROM logs",
-                "SELECT median(length(line)) AS n FROM logs",
-                "SELECT l.host, count(*) AS n FROM logs l JOIN procs p ON l.host = p.host GROUP BY l.host"):
+    for sql in (
+        "SELECT count(*) FILTER (WHERE stream = 'stderr') AS n FROM logs",
+        "SELECT median(length(line)) AS n FROM logs",
+        "SELECT l.host, count(*) AS n FROM logs l JOIN procs p ON l.host = p.host GROUP BY l.host",
+    ):
         res = run(tree_pool, sql)
         assert res.answers == HOSTS * len(res.pushed), sql  # per host: the rows path
-    assert run(tree_pool, "SELECT count(*) FILTER (WHERE stream = 'stderr') AS n FROM logs").table.to_pylist() == \
-        [{"n": HOSTS}]
+    assert run(tree_pool, "SELECT count(*) FILTER (WHERE stream = 'stderr') AS n FROM logs").table.to_pylist() == [
+        {"n": HOSTS}
+    ]
 
 
 def test_bad_sql_is_one_line_and_a_hung_host_is_named_missing(tree_pool):
@@ -149,5 +159,8 @@ def test_bad_sql_is_one_line_and_a_hung_host_is_named_missing(tree_pool):
         os.kill(pid, signal.SIGCONT)
     assert list(res.missing) == [victim] and res.hosts == [i for i in range(HOSTS) if i != victim]
     assert list(cut.missing) == [victim] and [r["host"] for r in cut.table.to_pylist()] == res.hosts
-    per_host = {r["host"]: r["n"] for r in run(tree_pool, "SELECT host, count(*) AS n FROM logs GROUP BY host").table.to_pylist()}
+    per_host = {
+        r["host"]: r["n"]
+        for r in run(tree_pool, "SELECT host, count(*) AS n FROM logs GROUP BY host").table.to_pylist()
+    }
     assert res.table.to_pylist() == [{"n": sum(n for h, n in per_host.items() if h != victim)}]

@@ -21,9 +21,18 @@ from .conftest import squeue_ids, torchx, wait_for
 def where(x):
     env = submitit.JobEnvironment()
     print(f"task {env.global_rank} says hi", flush=True)
-    return {"x": x, "rank": env.global_rank, "local": env.local_rank, "node": env.node, "ntasks": env.num_tasks,
-            "nodes": env.num_nodes, "job_id": env.job_id, "hostnames": env.hostnames, "host": socket.gethostname(),
-            "index": os.environ["MONARCH_TORCHX_HOST_INDEX"]}
+    return {
+        "x": x,
+        "rank": env.global_rank,
+        "local": env.local_rank,
+        "node": env.node,
+        "ntasks": env.num_tasks,
+        "nodes": env.num_nodes,
+        "job_id": env.job_id,
+        "hostnames": env.hostnames,
+        "host": socket.gethostname(),
+        "index": os.environ["MONARCH_TORCHX_HOST_INDEX"],
+    }
 
 
 def boom():
@@ -89,8 +98,9 @@ def test_multi_task_jobs_map_array_and_batch_fan_out(local_pool, tmp_path):
     assert [j.result()["x"] for j in b] == [0, 1, 2]
 
 
-def test_a_submission_checks_the_pool_in_the_pass_that_reads_its_load_and_repairs_a_lost_host(local_pool, tmp_path,
-                                                                                             capfd):
+def test_a_submission_checks_the_pool_in_the_pass_that_reads_its_load_and_repairs_a_lost_host(
+    local_pool, tmp_path, capfd
+):
     from monarch_torchx.pool import attach
 
     pool = attach(local_pool)
@@ -101,8 +111,13 @@ def test_a_submission_checks_the_pool_in_the_pass_that_reads_its_load_and_repair
     assert sorted(r["node"] for r in job.results()) == [0, 1]
     victim = pool.hosts[1].pid
     os.kill(victim, signal.SIGKILL)
-    wait_for(lambda: not os.path.exists(f"/proc/{victim}") or
-             open(f"/proc/{victim}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", what="the agent to die")
+    wait_for(
+        lambda: (
+            not os.path.exists(f"/proc/{victim}")
+            or open(f"/proc/{victim}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+        ),
+        what="the agent to die",
+    )
     capfd.readouterr()
     assert sorted(r["x"] for r in ex.submit(where, 2).results()) == [2, 2]  # on both hosts, host 1 repaired
     assert "repairing" in capfd.readouterr().err
@@ -130,7 +145,7 @@ def test_cancel_at_deletion_cancels_the_job_when_it_is_deleted(local_pool, tmp_p
     import gc
 
     job = _executor(tmp_path, local_pool).submit(sleepy, 600).cancel_at_deletion()
-    wait_for(lambda: job.state == "RUNNING", what="running")
+    wait_for(lambda: job.state == "RUNNING", what="running")  # noqa: F821
     app_id = f"submitit-{job.job_id}"
     del job
     gc.collect()
@@ -138,14 +153,20 @@ def test_cancel_at_deletion_cancels_the_job_when_it_is_deleted(local_pool, tmp_p
     from monarch_torchx.pool import attach
 
     pool = attach(local_pool)
-    wait_for(lambda: apps.replica_states(pool, Registry.get_app(pool.record, app_id))[("task", 0)]["state"]
-             == "CANCELLED", timeout=20, what="the deleted job to be cancelled")
+    wait_for(
+        lambda: apps.replica_states(pool, Registry.get_app(pool.record, app_id))[("task", 0)]["state"] == "CANCELLED",
+        timeout=20,
+        what="the deleted job to be cancelled",
+    )
     kept = _executor(tmp_path, local_pool).submit(sleepy, 0)  # without it: deleting the handle leaves the job be
     kept_id = f"submitit-{kept.job_id}"
     del kept
     gc.collect()
-    wait_for(lambda: apps.replica_states(pool, Registry.get_app(pool.record, kept_id))[("task", 0)]["state"]
-             == "SUCCEEDED", timeout=20, what="the job kept running")
+    wait_for(
+        lambda: apps.replica_states(pool, Registry.get_app(pool.record, kept_id))[("task", 0)]["state"] == "SUCCEEDED",
+        timeout=20,
+        what="the job kept running",
+    )
 
 
 def test_timeout_signals_then_a_checkpointable_job_is_requeued_into_the_pool(local_pool, tmp_path):
@@ -166,6 +187,7 @@ def test_timeout_signals_then_a_checkpointable_job_is_requeued_into_the_pool(loc
     def final():  # the result file is written just before the task process exits
         st = apps.replica_states(pool, Registry.get_app(pool.record, f"submitit-{job.job_id}"))[("task", 0)]
         return st if st["state"] != "RUNNING" else None
+
     st = wait_for(final, timeout=30, what="the task to exit")
     assert st["attempts"] == 2 and st["state"] == "SUCCEEDED"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -151,7 +151,7 @@ def test_an_edit_in_a_large_file_resends_only_nearby_chunks(pool, tmp_path):
     (src / "weights.bin").write_bytes(data)
     first = pool.sync(str(src), "w", hosts=[0])
     assert first.ok and first.bytes_sent == 48 << 20
-    data[24 << 20: (24 << 20) + 100] = os.urandom(100)
+    data[24 << 20 : (24 << 20) + 100] = os.urandom(100)
     (src / "weights.bin").write_bytes(data)
     second = pool.sync(str(src), "w", hosts=[0])
     assert second.ok and 0 < second.bytes_sent <= 8 << 20, second.bytes_sent  # at most two 4 MiB chunks
@@ -207,8 +207,9 @@ def test_a_corrupted_chunk_is_refused_and_sent_again(pool, tmp_path, monkeypatch
     assert_same_tree(src, Path(report.hosts[0].path))
 
 
-def test_a_file_shorter_than_its_chunks_when_sent_fails_the_sync_in_one_line_and_commits_nothing(pool, tmp_path,
-                                                                                               monkeypatch):
+def test_a_file_shorter_than_its_chunks_when_sent_fails_the_sync_in_one_line_and_commits_nothing(
+    pool, tmp_path, monkeypatch
+):
     from monarch_torchx.syncfs import client
 
     monkeypatch.setenv("MONARCH_TORCHX_SYNC_TRANSFER", "socket")
@@ -243,8 +244,10 @@ def test_without_fuse_generations_are_trees_behind_a_symlink(home, pool_name, tm
         assert second.generation == 2 and "v2" in (dst / "pkg" / "run.sh").read_text()
         assert "echo hi" in f.read()  # opened in generation 1
     assert os.readlink(dst).endswith("gen-2")
-    assert os.stat(dst / "pkg" / "sub" / "big.bin").st_ino == os.stat(
-        Path(os.readlink(dst)).parent / "gen-1" / "pkg" / "sub" / "big.bin").st_ino  # unchanged: shared
+    assert (
+        os.stat(dst / "pkg" / "sub" / "big.bin").st_ino
+        == os.stat(Path(os.readlink(dst)).parent / "gen-1" / "pkg" / "sub" / "big.bin").st_ino
+    )  # unchanged: shared
 
 
 def test_a_dead_host_is_named_and_the_others_complete(pool, home, tmp_path):
@@ -317,8 +320,7 @@ def test_chain_reaches_every_host_and_routes_around_a_dead_one(home, pool_name, 
         assert_same_tree(src, Path(by[i].path))
 
 
-def test_a_big_group_is_fed_as_halves_and_a_dead_inner_host_is_routed_around(home, pool_name, tmp_path,
-                                                                             monkeypatch):
+def test_a_big_group_is_fed_as_halves_and_a_dead_inner_host_is_routed_around(home, pool_name, tmp_path, monkeypatch):
     from monarch_torchx.syncfs import client, transfer
 
     # 9 hosts, chains of at most 2: the client feeds hosts 0 and 5; host 0 feeds 1 (then 2) and
@@ -353,10 +355,15 @@ def test_a_client_killed_mid_sync_switches_no_host(pool, home, tmp_path):
     (src / "big.bin").write_bytes(os.urandom(400 << 20))
     store = node_store(tmp_path / "node-stores", pool.name, 0) / "packs"
     before = sum(1 for _ in store.rglob("*"))
-    proc = subprocess.Popen([CLI, "sync", str(src), "--pool", pool.name, "--to", "ws", "--hosts", "0"],
-                            env=cli_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for(lambda: sum(1 for _ in store.rglob("*")) > before + 2, timeout=60, interval=0.01,
-             what="some chunks to arrive")
+    proc = subprocess.Popen(
+        [CLI, "sync", str(src), "--pool", pool.name, "--to", "ws", "--hosts", "0"],
+        env=cli_env(home),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for(
+        lambda: sum(1 for _ in store.rglob("*")) > before + 2, timeout=60, interval=0.01, what="some chunks to arrive"
+    )
     proc.kill()
     proc.wait()
     assert pool.call(0, "syncfs.where", target="ws")["generation"] == 1 and not (target / "big.bin").exists()
@@ -374,8 +381,10 @@ def test_two_syncs_to_one_target_are_serialized_and_each_whole(pool, tmp_path):
             (t / f"f{k}.txt").write_text(f"tree {n} file {k}\n" * 1000)
         trees.append(t)
     reports = {}
-    threads = [threading.Thread(target=lambda n=n: reports.__setitem__(n, pool.sync(str(trees[n]), "same", hosts=[0])))
-               for n in range(2)]
+    threads = [
+        threading.Thread(target=lambda n=n: reports.__setitem__(n, pool.sync(str(trees[n]), "same", hosts=[0])))
+        for n in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -462,15 +471,30 @@ def test_torchx_workspace_is_synced_to_the_pool_and_role_0_runs_in_it(pool, home
         "os.path.exists('secret.key'), os.access('.', os.W_OK), os.path.dirname(os.path.realpath('train.py')), "
         "open('out.txt').read().strip().replace(' ', '_') if os.path.exists('out.txt') else '-')\n"
         "tmp = f'out.txt.{os.getpid()}'\n"  # both hosts write it in the one directory they share: atomically
-        "open(tmp, 'w').write('written by ' + open('version.txt').read())\nos.replace(tmp, 'out.txt')\n")
+        "open(tmp, 'w').write('written by ' + open('version.txt').read())\nos.replace(tmp, 'out.txt')\n"
+    )
     (ws / "version.txt").write_text("v1\n")
     (ws / "secret.key").write_text("not for the cluster\n")
     (ws / ".torchxignore").write_text("# local only\nsecret.key\n")
     (ws / ".torchxconfig").write_text(f"[monarch_local]\npool = {pool.name}\nworkspace_mount = proj\n")
 
     def run() -> list:
-        res = torchx(home, "run", "-s", "monarch_local", "--wait", "--log", "utils.python", "--num_replicas", "2",
-                     "--script", "train.py", "--", "${img_root}", cwd=ws)
+        res = torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "--wait",
+            "--log",
+            "utils.python",
+            "--num_replicas",
+            "2",
+            "--script",
+            "train.py",
+            "--",
+            "${img_root}",
+            cwd=ws,
+        )
         assert "workspace " in res.stderr and "on 2 host(s)" in res.stderr, res.stderr
         out = sorted(line.split(" ", 1)[1] for line in (res.stdout + res.stderr).splitlines() if " ran " in line)
         assert len(out) == 2, res.stdout + res.stderr
@@ -478,7 +502,7 @@ def test_torchx_workspace_is_synced_to_the_pool_and_role_0_runs_in_it(pool, home
 
     first = run()
     assert len(first) == 2, first
-    for k, line in enumerate(first):
+    for k, line in enumerate(first):  # noqa: B007
         _, version, cwd, img_root, secret, writable, code_dir, before = line.split()
         # role 0 runs in one writable directory that all its hosts share, over the read-only synced copy
         assert version == "v1" and cwd == img_root == str(home / "workspaces" / pool.name / "proj" / "shared")
@@ -496,8 +520,9 @@ def test_torchx_workspace_is_synced_to_the_pool_and_role_0_runs_in_it(pool, home
     gens = attach(pool.name).call(0, "syncfs.where", target="proj")
     assert gens["generation"] == 2
 
-    res = torchx(home, "run", "-s", "monarch_local", "-cfg", "workspace_mount=/etc/nope", "utils.echo",
-                 cwd=ws, check=False)
+    res = torchx(
+        home, "run", "-s", "monarch_local", "-cfg", "workspace_mount=/etc/nope", "utils.echo", cwd=ws, check=False
+    )
     assert res.returncode != 0 and "could not be synced to /etc/nope" in res.stderr
     assert "nothing was started" in res.stderr and "Traceback" not in res.stderr
 
@@ -508,7 +533,6 @@ def test_store_packs_each_batch_and_collects_what_no_generation_uses(tmp_path, m
     is mostly unused with the chunks still used (one mostly used stays as it is), removes chunk
     files an earlier store left that nothing uses, and packs a crash left without an index."""
     import blake3
-
     from monarch_torchx.syncfs import store as st
     from monarch_torchx.syncfs.manifest import Entry, Manifest
 
@@ -520,6 +544,7 @@ def test_store_packs_each_batch_and_collects_what_no_generation_uses(tmp_path, m
 
     s = st.ChunkStore(tmp_path / "store")
     old_small, kept_small, big = chunk(b"a" * 100), chunk(b"b" * 200), chunk(os.urandom(1 << 20))
+
     def put(chunks):
         s.put([(h, len(d)) for h, d in chunks], b"".join(d for _, d in chunks))
 
@@ -586,9 +611,13 @@ def test_a_mostly_unused_pack_is_rewritten_under_a_served_tree(home, pool_name, 
     assert (target / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
     assert sum(q.stat().st_size for q in packs.glob("*.pack")) < 5 << 20  # two big files' chunks, not three
     # the FUSE server lets go of the packs deleted under it, so their space is freed
-    servers = [int(d) for d in os.listdir("/proc") if d.isdigit() and
-               b"monarch_torchx.syncfs.fusefs" in Path(f"/proc/{d}/cmdline").read_bytes()
-               and str(tmp_path).encode() in Path(f"/proc/{d}/cmdline").read_bytes()]
+    servers = [
+        int(d)
+        for d in os.listdir("/proc")
+        if d.isdigit()
+        and b"monarch_torchx.syncfs.fusefs" in Path(f"/proc/{d}/cmdline").read_bytes()
+        and str(tmp_path).encode() in Path(f"/proc/{d}/cmdline").read_bytes()
+    ]
     assert first.hosts[0].served_by == "fuse" and servers
     held = [os.readlink(f"/proc/{pid}/fd/{fd}") for pid in servers for fd in os.listdir(f"/proc/{pid}/fd")]
     assert not [h for h in held if h.endswith(".pack (deleted)")], held
@@ -602,7 +631,6 @@ def test_a_pack_rewrite_is_undone_when_what_it_read_changed_under_it(tmp_path, m
     either way the rewrite is dropped, the old pack stays whole, and the chunk stays stored. The
     moment is made certain by acting between the new pack's write and the swap."""
     import blake3
-
     from monarch_torchx.syncfs import store as st
 
     s = st.ChunkStore(tmp_path / "store")
@@ -633,7 +661,6 @@ def test_a_pack_rewrite_leaves_out_a_used_chunk_whose_bytes_went_bad(tmp_path):
     """The rewrite hashes what it copies: a used chunk damaged on disk is not carried into the
     new pack, counts as missing, and is sent again; its good neighbour is kept and trusted."""
     import blake3
-
     from monarch_torchx.syncfs import store as st
 
     s = st.ChunkStore(tmp_path / "store")
@@ -657,7 +684,6 @@ def test_a_second_copy_of_a_chunk_keeps_nothing_alive_and_a_bad_one_is_forgotten
     is served from counts, the other one is collected. A chunk found bad loses every copy, so the
     one sent again is the one served."""
     import blake3
-
     from monarch_torchx.syncfs import store as st
 
     s = st.ChunkStore(tmp_path / "store")
@@ -681,7 +707,6 @@ def test_a_pack_rewrite_on_a_full_disk_leaves_the_pack_whole_and_the_sweep_quiet
     """A sweep runs after a commit: a rewrite that cannot write its new pack (disk full) must not
     fail the commit that called it, nor lose the chunks still used."""
     import blake3
-
     from monarch_torchx.syncfs import store as st
 
     s = st.ChunkStore(tmp_path / "store")
@@ -706,7 +731,6 @@ def test_a_chunk_found_on_disk_is_hashed_before_it_is_trusted(tmp_path):
     as an earlier version of the store wrote them) whose bytes do not hash to its name counts as
     missing, is not served, and is sent again; good ones are kept."""
     import blake3
-
     from monarch_torchx.syncfs import store as st
 
     s = st.ChunkStore(tmp_path / "store")
@@ -721,7 +745,7 @@ def test_a_chunk_found_on_disk_is_hashed_before_it_is_trusted(tmp_path):
     pack = next(s.packs.glob("*.pack"))
     data = bytearray(pack.read_bytes())
     off = data.find(small_bad)
-    data[off:off + 100] = b"u" * 100
+    data[off : off + 100] = b"u" * 100
     pack.write_bytes(bytes(data))
     later = st.ChunkStore(s.root)  # the next agent of the pool opens the same store
     assert sorted(later.missing([hg, hb, hsg, hsb])) == sorted([hb, hsb])
@@ -788,7 +812,6 @@ def test_fuse_server_finds_a_chunk_that_was_collected_and_sent_again(tmp_path, m
     """The FUSE server's own pack index: after a sweep removed the pack it knew for a chunk and a
     later sync brought the chunk again in a new pack, reads are served from the new pack."""
     import blake3
-
     from monarch_torchx.syncfs import store as st
     from monarch_torchx.syncfs.fusefs import SyncFS
     from monarch_torchx.syncfs.manifest import Entry, Manifest
@@ -834,8 +857,9 @@ def test_a_target_whose_fuse_server_died_is_mounted_again_by_the_next_sync(pool,
 
 def _as_nobody(*cmd: str) -> subprocess.CompletedProcess:
     """Runs a command as another local user (uid 65534): what a stranger on a shared node can do."""
-    return subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *cmd],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *cmd], capture_output=True, text=True
+    )
 
 
 def test_the_store_is_private_and_a_planted_root_is_refused(home, pool_name, tmp_path, monkeypatch):
@@ -895,7 +919,7 @@ def test_two_pools_of_one_name_in_two_homes_keep_their_own_stores(pool_name, tmp
     paths = [Path(pool.sync(str(src), "ws").hosts[0].path) for pool, _, src in pools]
     assert paths[0] != paths[1]
     assert [(p / "who.txt").read_text() for p in paths] == ["pool in home1\n", "pool in home2\n"]
-    for pool, reg, _ in pools:
+    for pool, reg, _ in pools:  # noqa: B007
         stop_pool(pool_name, reg)
 
 
@@ -907,8 +931,11 @@ def test_a_killed_agent_leaves_no_fuse_server_or_mount(pool, tmp_path):
     store = node_store(tmp_path / "node-stores", pool.name, 0)
     assert os.path.ismount(path) and fuse_servers(store)
     os.kill(pool.hosts[0].pid, signal.SIGKILL)
-    wait_for(lambda: not fuse_servers(store) and not os.path.ismount(path), timeout=15,
-             what="the FUSE server to end with its agent, and its mount with it")
+    wait_for(
+        lambda: not fuse_servers(store) and not os.path.ismount(path),
+        timeout=15,
+        what="the FUSE server to end with its agent, and its mount with it",
+    )
 
 
 def test_pool_stop_ends_what_a_killed_agent_left(home, pool_name, tmp_path, monkeypatch):

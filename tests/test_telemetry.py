@@ -9,33 +9,42 @@ import signal
 import subprocess
 
 import pytest
+from monarch_torchx.telemetry.query import plan_pushdown, run
 from torchx.runner import get_runner
 from torchx.specs import AppDef, Role
 
 from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import attach
-from monarch_torchx.telemetry.query import plan_pushdown, run
 
 from .conftest import BIN, cli_env, torchx, wait_for
 
-CHATTY = ("import sys\n"
-          "for i in range(200): print(f'step {i} loss {\"NaN\" if i % 50 == 7 else i}')\n"
-          "print('oops', file=sys.stderr)\n")
+CHATTY = (
+    "import sys\n"
+    "for i in range(200): print(f'step {i} loss {\"NaN\" if i % 50 == 7 else i}')\n"
+    "print('oops', file=sys.stderr)\n"
+)
 
 
 @pytest.fixture
 def busy_pool(home, pool_name):
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2,preload=none")
     with get_runner() as runner:
-        app = AppDef("chatty", roles=[Role(name="c", image=".", entrypoint="python", args=["-c", CHATTY], num_replicas=2)])
+        app = AppDef(
+            "chatty", roles=[Role(name="c", image=".", entrypoint="python", args=["-c", CHATTY], num_replicas=2)]
+        )
         h = runner.run(app, "monarch_local", {"pool": pool_name})
         wait_for(lambda: runner.status(h).is_terminal(), what="chatty app")
     return pool_name
 
 
 def _sql(home, pool, *args):
-    return subprocess.run([str(BIN / "monarch-torchx"), "sql", "--pool", pool, *args], env=cli_env(home),
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [str(BIN / "monarch-torchx"), "sql", "--pool", pool, *args],
+        env=cli_env(home),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_filtered_aggregate_over_every_host_with_pushdown(busy_pool):
@@ -48,17 +57,22 @@ def test_filtered_aggregate_over_every_host_with_pushdown(busy_pool):
     assert res.bytes_moved < everything.bytes_moved / 10  # the filter ran on the hosts
     assert pool.sql("SELECT count(*) AS n FROM logs WHERE stream = 'stderr'").to_pylist() == [{"n": 2}]
     procs = pool.sql("SELECT host, state, exit_code, role FROM procs WHERE app_id LIKE 'chatty%' ORDER BY host")
-    assert procs.to_pylist() == [{"host": 0, "state": "SUCCEEDED", "exit_code": 0, "role": "c"},
-                                 {"host": 1, "state": "SUCCEEDED", "exit_code": 0, "role": "c"}]
+    assert procs.to_pylist() == [
+        {"host": 0, "state": "SUCCEEDED", "exit_code": 0, "role": "c"},
+        {"host": 1, "state": "SUCCEEDED", "exit_code": 0, "role": "c"},
+    ]
     ev = pool.sql("SELECT name, count(*) AS n FROM events WHERE kind = 'replica' GROUP BY name ORDER BY name")
     assert ev.to_pylist() == [{"name": "exit", "n": 2}, {"name": "start", "n": 2}]
-    spans = pool.sql("SELECT host, name, duration_s FROM events WHERE kind = 'app' AND app_id LIKE 'chatty%' "
-                     "ORDER BY host, name").to_pylist()
+    spans = pool.sql(
+        "SELECT host, name, duration_s FROM events WHERE kind = 'app' AND app_id LIKE 'chatty%' ORDER BY host, name"
+    ).to_pylist()
     assert [(s["host"], s["name"]) for s in spans] == [(0, "end"), (0, "launch"), (1, "end"), (1, "launch")]
     assert all(s["duration_s"] > 0 for s in spans if s["name"] == "end")
     assert pool.sql("SELECT count(*) AS n FROM events WHERE kind = 'pool'").to_pylist() == [{"n": 2}]
-    joined = pool.sql("SELECT p.state, count(*) AS n FROM logs l JOIN procs p ON l.app_id = p.app_id AND "
-                      "l.host = p.host AND l.replica = p.replica GROUP BY p.state")
+    joined = pool.sql(
+        "SELECT p.state, count(*) AS n FROM logs l JOIN procs p ON l.app_id = p.app_id AND "
+        "l.host = p.host AND l.replica = p.replica GROUP BY p.state"
+    )
     assert joined.to_pylist() == [{"state": "SUCCEEDED", "n": 402}]
 
 
@@ -78,14 +92,17 @@ def test_cli_formats_and_default_row_limit(home, busy_pool):
     assert "logs" in tables and "procs" in tables and "events" in tables
 
 
-@pytest.mark.parametrize("query,want", [
-    ("SELEC 1", "ParserError"),
-    ("SELECT nope FROM logs", "No field named nope"),
-    ("SELECT * FROM passwd", "table 'datafusion.public.passwd' not found"),
-    ("CREATE EXTERNAL TABLE x STORED AS CSV LOCATION '/etc/passwd'", "DDL not supported"),
-    ("COPY (SELECT 1) TO '/tmp/x.csv'", "DML not supported"),
-    ("SELECT * FROM read_csv('/etc/passwd')", "read_csv"),
-])
+@pytest.mark.parametrize(
+    "query,want",
+    [
+        ("SELEC 1", "ParserError"),
+        ("SELECT nope FROM logs", "No field named nope"),
+        ("SELECT * FROM passwd", "table 'datafusion.public.passwd' not found"),
+        ("CREATE EXTERNAL TABLE x STORED AS CSV LOCATION '/etc/passwd'", "DDL not supported"),
+        ("COPY (SELECT 1) TO '/tmp/x.csv'", "DML not supported"),
+        ("SELECT * FROM read_csv('/etc/passwd')", "read_csv"),
+    ],
+)
 def test_bad_or_unsafe_sql_is_one_line_and_touches_nothing(home, busy_pool, query, want):
     with pytest.raises(MonarchError, match="bad query"):
         plan_pushdown(query)
@@ -109,28 +126,57 @@ SPIN = "import time\ndef inner():\n    while True:\n        time.sleep(0.05)\nde
 def test_stacks_of_running_replicas_become_rows(home, pool_name, tmp_path):
     (tmp_path / "spin.py").write_text(SPIN)
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
-    h = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.python", "--script",
-               str(tmp_path / "spin.py")).stdout.strip().splitlines()[-1]
+    h = (
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name}",
+            "utils.python",
+            "--script",
+            str(tmp_path / "spin.py"),
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "sleep", "60")
     pool = attach(pool_name)
-    wait_for(lambda: pool.sql("SELECT count(*) AS n FROM procs WHERE state = 'RUNNING'").to_pylist()[0]["n"] == 2,
-             what="both running")
-    out = subprocess.run([str(BIN / "monarch-torchx"), "stacks", "--pool", pool_name], env=cli_env(home),
-                         capture_output=True, text=True, timeout=120)
+    wait_for(
+        lambda: pool.sql("SELECT count(*) AS n FROM procs WHERE state = 'RUNNING'").to_pylist()[0]["n"] == 2,
+        what="both running",
+    )
+    out = subprocess.run(
+        [str(BIN / "monarch-torchx"), "stacks", "--pool", pool_name],
+        env=cli_env(home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "inner (" in out.stdout and "outer (" in out.stdout and "forkserver" not in out.stdout
     assert "Failed to find python version" in out.stderr  # the shell replica: said, not fatal
     rows = pool.sql("SELECT depth, function FROM stacks ORDER BY depth").to_pylist()
     assert [r["function"] for r in rows][:3] == ["inner", "outer", "<module>"]
-    only = subprocess.run([str(BIN / "monarch-torchx"), "stacks", "--pool", pool_name, "--app", h], env=cli_env(home),
-                          capture_output=True, text=True, timeout=120)
+    only = subprocess.run(
+        [str(BIN / "monarch-torchx"), "stacks", "--pool", pool_name, "--app", h],
+        env=cli_env(home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "inner (" in only.stdout and "Failed to find" not in only.stderr
 
 
 def _print_lines(home, pool_name, n):
     with get_runner() as runner:
-        app = AppDef("lines", roles=[Role(name="l", image=".", entrypoint="python",
-                                          args=["-c", f"for i in range({n}): print('line', i)"])])
+        app = AppDef(
+            "lines",
+            roles=[
+                Role(name="l", image=".", entrypoint="python", args=["-c", f"for i in range({n}): print('line', i)"])
+            ],
+        )
         h = runner.run(app, "monarch_local", {"pool": pool_name})
         wait_for(lambda: runner.status(h).is_terminal(), what="printer")
 
@@ -164,8 +210,9 @@ def test_retention_spills_to_parquet_stays_queryable_and_is_bounded(home, pool_n
     assert newest == [{"l": "line 4999"}]
 
 
-def test_background_indexing_keeps_every_attempt_of_a_retried_replica_and_every_ended_app(home, pool_name,
-                                                                                         monkeypatch, tmp_path):
+def test_background_indexing_keeps_every_attempt_of_a_retried_replica_and_every_ended_app(
+    home, pool_name, monkeypatch, tmp_path
+):
     """An ended replica's log files are not stat'ed again (their final sizes are remembered); a
     replica that fails and is retried writes to the same files again, and both attempts' lines,
     and those of apps that ended before, are indexed in the background."""
@@ -175,21 +222,33 @@ def test_background_indexing_keeps_every_attempt_of_a_retried_replica_and_every_
     for _ in range(3):
         _print_lines(home, pool_name, 10)
     flag = tmp_path / "second-attempt"
-    retried = (f"import pathlib, sys\nf = pathlib.Path({str(flag)!r})\n"
-               "if f.exists():\n    print('attempt two')\nelse:\n    f.touch(); print('attempt one'); sys.exit(3)\n")
+    retried = (
+        f"import pathlib, sys\nf = pathlib.Path({str(flag)!r})\n"
+        "if f.exists():\n    print('attempt two')\nelse:\n    f.touch(); print('attempt one'); sys.exit(3)\n"
+    )
     with get_runner() as runner:
-        app = AppDef("retried", roles=[Role(name="r", image=".", entrypoint="python", args=["-c", retried],
-                                            max_retries=1)])
+        app = AppDef(
+            "retried", roles=[Role(name="r", image=".", entrypoint="python", args=["-c", retried], max_retries=1)]
+        )
         h = runner.run(app, "monarch_local", {"pool": pool_name})
         wait_for(lambda: runner.status(h).is_terminal(), what="the retried app")
         assert runner.status(h).state.name == "SUCCEEDED"
     pool = attach(pool_name)
-    indexed = "SELECT line, count(*) AS n FROM logs WHERE line IN ('line 9', 'attempt one', 'attempt two') GROUP BY line"
-    wait_for(lambda: sorted(map(tuple, (r.values() for r in pool.sql(indexed).to_pylist()))) ==
-             [("attempt one", 1), ("attempt two", 1), ("line 9", 3)], what="every attempt's lines indexed")
+    indexed = (
+        "SELECT line, count(*) AS n FROM logs WHERE line IN ('line 9', 'attempt one', 'attempt two') GROUP BY line"
+    )
+    wait_for(
+        lambda: (
+            sorted(map(tuple, (r.values() for r in pool.sql(indexed).to_pylist())))
+            == [("attempt one", 1), ("attempt two", 1), ("line 9", 3)]
+        ),
+        what="every attempt's lines indexed",
+    )
     _print_lines(home, pool_name, 10)  # an app after those: its lines come in too
-    wait_for(lambda: pool.sql("SELECT count(*) AS n FROM logs WHERE line = 'line 9'").to_pylist() == [{"n": 4}],
-             what="a later app's lines indexed")
+    wait_for(
+        lambda: pool.sql("SELECT count(*) AS n FROM logs WHERE line = 'line 9'").to_pylist() == [{"n": 4}],
+        what="a later app's lines indexed",
+    )
 
 
 def test_metrics_are_sampled_for_hosts_and_running_replicas(home, pool_name, monkeypatch):
@@ -200,6 +259,7 @@ def test_metrics_are_sampled_for_hosts_and_running_replicas(home, pool_name, mon
 
     def names():
         return {r["name"] for r in pool.sql("SELECT DISTINCT name FROM metrics").to_pylist()}
+
     wait_for(lambda: {"host.load1", "host.mem_used_bytes", "proc.cpu_s", "proc.rss_bytes"} <= names(), what="metrics")
     rss = pool.sql("SELECT host, value, labels FROM metrics WHERE name = 'proc.rss_bytes' LIMIT 1").to_pylist()[0]
     assert rss["host"] == 0 and rss["value"] > 0 and json.loads(rss["labels"])["role"] == "sh"
@@ -210,19 +270,37 @@ def test_metrics_are_sampled_for_hosts_and_running_replicas(home, pool_name, mon
 def test_stacks_of_a_process_that_exits_meanwhile_is_named_not_fatal(home, pool_name):
     """Its fork server is paused so the exit is not reported yet: py-spy meets a dead process."""
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
-    torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.python", "-c",
-           "import time; time.sleep(600)")
+    torchx(
+        home,
+        "run",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name}",
+        "utils.python",
+        "-c",
+        "import time; time.sleep(600)",
+    )
     pool = attach(pool_name)
-    pid = wait_for(lambda: next(iter(r["pid"] for r in pool.sql(
-        "SELECT pid FROM procs WHERE state = 'RUNNING'").to_pylist()), None), what="running replica")
+    pid = wait_for(
+        lambda: next(
+            iter(r["pid"] for r in pool.sql("SELECT pid FROM procs WHERE state = 'RUNNING'").to_pylist()), None
+        ),
+        what="running replica",
+    )
     with open(f"/proc/{pid}/stat") as f:
         server = int(f.read().rsplit(")", 1)[1].split()[1])
     os.kill(server, signal.SIGSTOP)
     try:
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", what="zombie")
-        out = subprocess.run([str(BIN / "monarch-torchx"), "stacks", "--pool", pool_name], env=cli_env(home),
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [str(BIN / "monarch-torchx"), "stacks", "--pool", pool_name],
+            env=cli_env(home),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         os.kill(server, signal.SIGCONT)
     assert out.returncode == 0 and "Traceback" not in out.stderr
@@ -297,10 +375,12 @@ def test_a_query_over_the_memory_limit_fails_alone_and_the_agent_and_its_jobs_li
     os.kill(agent, 0)  # the same agent, alive and answering; its replica runs on
     assert attach(pool_name).hosts[0].pid == agent
     assert pool.sql(running).to_pylist() == [{"role": "sh", "state": "RUNNING"}]
-    assert pool.sql("SELECT count(*) AS n, max(length(line)) AS w FROM logs WHERE line LIKE 'line %'").to_pylist() == \
-        [{"n": 4000, "w": 31}]
-    assert pool.sql("SELECT sum(length(repeat(line, 10))) AS n FROM logs WHERE line LIKE 'line %'").to_pylist() == \
-        [{"n": 4000 * 310}]
+    assert pool.sql("SELECT count(*) AS n, max(length(line)) AS w FROM logs WHERE line LIKE 'line %'").to_pylist() == [
+        {"n": 4000, "w": 31}
+    ]
+    assert pool.sql("SELECT sum(length(repeat(line, 10))) AS n FROM logs WHERE line LIKE 'line %'").to_pylist() == [
+        {"n": 4000 * 310}
+    ]
 
 
 LONG = "for i in range(2000): print(f'{i:05d} ' + ''.join(chr(97 + (i * j) % 26) for j in range(3000)))\n"
@@ -346,11 +426,21 @@ def test_a_join_at_the_client_is_stopped_at_its_timeout_and_has_a_row_limit(home
     with pytest.raises(QueryTooManyRows, match="1,000 rows"):
         run(pool, pairs, max_rows=1000)
     env = {**cli_env(home), "MONARCH_TORCHX_SQL_MAX_ROWS": "1000"}
-    out = subprocess.run([str(BIN / "monarch-torchx"), "sql", "--pool", pool_name, pairs], env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and "MONARCH_TORCHX_SQL_MAX_ROWS" in out.stderr
-    assert run(pool, "SELECT count(*) AS n FROM logs l JOIN procs p ON l.app_id = p.app_id").table.to_pylist() == \
-        [{"n": 3000}]
+    out = subprocess.run(
+        [str(BIN / "monarch-torchx"), "sql", "--pool", pool_name, pairs],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        out.returncode == 1
+        and len(out.stderr.strip().splitlines()) == 1
+        and "MONARCH_TORCHX_SQL_MAX_ROWS" in out.stderr
+    )
+    assert run(pool, "SELECT count(*) AS n FROM logs l JOIN procs p ON l.app_id = p.app_id").table.to_pylist() == [
+        {"n": 3000}
+    ]
 
 
 def test_a_query_process_is_killed_at_its_time_limit(tmp_path):
@@ -358,7 +448,6 @@ def test_a_query_process_is_killed_at_its_time_limit(tmp_path):
     import asyncio
 
     import pyarrow as pa
-
     from monarch_torchx.telemetry.sandbox import Inputs, Limits, QueryServer, QueryTimedOut, run_query
 
     rows = pa.table({"k": pa.array([0] * 3000, pa.int32())})
@@ -369,8 +458,16 @@ def test_a_query_process_is_killed_at_its_time_limit(tmp_path):
     server = QueryServer(tmp_path)
 
     async def answer() -> list:
-        return [f async for f in run_query(server, "SELECT count(*) FROM t a JOIN t b ON a.k = b.k JOIN t c ON b.k = c.k",
-                                           inputs, limits, tmp_path / "spill")]
+        return [
+            f
+            async for f in run_query(
+                server,
+                "SELECT count(*) FROM t a JOIN t b ON a.k = b.k JOIN t c ON b.k = c.k",
+                inputs,
+                limits,
+                tmp_path / "spill",
+            )
+        ]
 
     try:
         with pytest.raises(QueryTimedOut, match="1 s"):

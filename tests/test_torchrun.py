@@ -77,10 +77,26 @@ while True:
     time.sleep(0.2)
 """
 
-CONTRACT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-            "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
-            "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+CONTRACT = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+    "OMP_NUM_THREADS",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
 
 
 def _free_port() -> int:
@@ -104,10 +120,15 @@ def _status(home: Path, handle: str) -> dict:
 def test_option_table_is_torchruns():
     from torch.distributed.run import get_args_parser
 
-    theirs = {tuple(a.option_strings): (a.nargs != 0, a.default) for a in get_args_parser()._actions
-              if a.option_strings and a.dest != "help"}
-    ours = {names: (takes, default if default is not None or not takes else None)
-            for names, takes, default in torchrun.OPTIONS}
+    theirs = {
+        tuple(a.option_strings): (a.nargs != 0, a.default)
+        for a in get_args_parser()._actions
+        if a.option_strings and a.dest != "help"
+    }
+    ours = {
+        names: (takes, default if default is not None or not takes else None)
+        for names, takes, default in torchrun.OPTIONS
+    }
     assert set(ours) == set(theirs), "torchrun's options changed: update monarch_torchx/torchrun.py OPTIONS"
     for names, (takes, default) in theirs.items():
         assert ours[names][0] == takes, names
@@ -116,27 +137,59 @@ def test_option_table_is_torchruns():
 
 
 def test_shell_words_follow_bash():
-    cmd = ("torchrun --rdzv_backend c10d --rdzv_endpoint ${TORCHX_RANK0_HOST:=localhost}:29500 --rdzv_id 'p:a-1' "
-           "--nnodes 2 --nproc_per_node 2 --tee 3 --role '' train.py --lr \"$LR\" 'it''s' a\\ b $EMPTY")
+    cmd = (
+        "torchrun --rdzv_backend c10d --rdzv_endpoint ${TORCHX_RANK0_HOST:=localhost}:29500 --rdzv_id 'p:a-1' "
+        "--nnodes 2 --nproc_per_node 2 --tee 3 --role '' train.py --lr \"$LR\" 'it''s' a\\ b $EMPTY"
+    )
     env = {"LR": "0.1 x"}
     assert torchrun.shell_words(cmd, env) == [
-        "torchrun", "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:29500", "--rdzv_id", "p:a-1",
-        "--nnodes", "2", "--nproc_per_node", "2", "--tee", "3", "--role", "", "train.py", "--lr", "0.1 x",
-        "its", "a b"]
+        "torchrun",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "localhost:29500",
+        "--rdzv_id",
+        "p:a-1",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "2",
+        "--tee",
+        "3",
+        "--role",
+        "",
+        "train.py",
+        "--lr",
+        "0.1 x",
+        "its",
+        "a b",
+    ]
     assert env["TORCHX_RANK0_HOST"] == "localhost"  # := assigns, as in bash
     assert torchrun.shell_words("a ${H:-x}", {"H": ""}) == ["a", "x"]
-    for bad in ("torchrun a.py | tee log", "cd x && torchrun a.py", "torchrun $(cat args)", "X=1 torchrun a.py",
-                "torchrun *.py", "torchrun a.py > out"):
+    for bad in (
+        "torchrun a.py | tee log",
+        "cd x && torchrun a.py",
+        "torchrun $(cat args)",
+        "X=1 torchrun a.py",
+        "torchrun *.py",
+        "torchrun a.py > out",
+    ):
         with pytest.raises(torchrun.ShellTooComplex):
             torchrun.shell_words(bad, {})
 
 
 def test_which_roles_run_warm_and_why():
-    ddp = ["bash", "-c", "torchrun --rdzv_backend c10d --rdzv_endpoint ${TORCHX_RANK0_HOST:=localhost}:29500 "
-                         "--rdzv_id x --nnodes 2 --nproc_per_node 2 --tee 3 --role '' train.py"]
+    ddp = [
+        "bash",
+        "-c",
+        "torchrun --rdzv_backend c10d --rdzv_endpoint ${TORCHX_RANK0_HOST:=localhost}:29500 "
+        "--rdzv_id x --nnodes 2 --nproc_per_node 2 --tee 3 --role '' train.py",
+    ]
     plan = torchrun.plan_role(ddp, {}, 2, "train")
     assert plan.warm and plan.argv[:3] == ["python", "-m", torchrun.NODE_MODULE] and plan.nnodes == 2
-    assert torchrun.plan_role(["torchrun", "--nnodes", "1:4", "--rdzv-backend=c10d", "-m", "pkg.train"], {}, 3, "r").warm
+    assert torchrun.plan_role(
+        ["torchrun", "--nnodes", "1:4", "--rdzv-backend=c10d", "-m", "pkg.train"], {}, 3, "r"
+    ).warm
     assert torchrun.plan_role(["python3", "-m", "torch.distributed.run", "--standalone", "t.py"], {}, 1, "r").warm
     assert torchrun.plan_role(["torchrun", "--nproc_per_node", "2", "t.py"], {}, 1, "r").warm  # static, 1 node
     assert torchrun.plan_role(["python", "train.py"], {}, 1, "r") is None  # not torchrun at all
@@ -152,8 +205,11 @@ def test_which_roles_run_warm_and_why():
     with pytest.raises(MonarchError, match=r"--nnodes 3 asks for 3 node\(s\) but the role has 2"):
         torchrun.plan_role(["torchrun", "--rdzv_backend", "c10d", "--nnodes", "3", "t.py"], {}, 2, "r")
     # the real torchrun (static rendezvous) with too few replicas would hang: refused too
-    with pytest.raises(MonarchError, match=r"the role has 1 replica\(s\) \(torchrun would wait for nodes that "
-                                           r"never come\); pass -j 3x2 .* or --num_replicas 3 \(utils.sh\)"):
+    with pytest.raises(
+        MonarchError,
+        match=r"the role has 1 replica\(s\) \(torchrun would wait for nodes that "
+        r"never come\); pass -j 3x2 .* or --num_replicas 3 \(utils.sh\)",
+    ):
         torchrun.plan_role(["torchrun", "--nnodes", "3", "--nproc_per_node", "2", "t.py"], {}, 1, "r")
     with pytest.raises(MonarchError, match=r"asks for 2 to 4 node\(s\) but the role has 1"):
         torchrun.plan_role(["torchrun", "--nnodes", "2:4", "--rdzv_backend", "etcd", "t.py"], {}, 1, "r")
@@ -167,12 +223,31 @@ def test_torchrun_with_more_nodes_than_replicas_is_refused_at_submit(home, pool_
     from .conftest import agent_pids
 
     (tmp_path / "train.py").write_text("print('hi')\n")
-    want = ("torchx: error: role 'sh': torchrun --nnodes 3 asks for 3 node(s) but the role has 1 replica(s) "
-            "(torchrun would wait for nodes that never come); pass -j 3x1 (dist.ddp, dist.torchrun) or "
-            "--num_replicas 3 (utils.sh)")
+    want = (
+        "torchx: error: role 'sh': torchrun --nnodes 3 asks for 3 node(s) but the role has 1 replica(s) "
+        "(torchrun would wait for nodes that never come); pass -j 3x1 (dist.ddp, dist.torchrun) or "
+        "--num_replicas 3 (utils.sh)"
+    )
     for dry in (["--dryrun"], []):
-        res = torchx(home, "run", *dry, "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "torchrun",
-                     "--nnodes", "3", "--nproc_per_node", "1", "train.py", cwd=tmp_path, check=False, timeout=60)
+        res = torchx(
+            home,
+            "run",
+            *dry,
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name}",
+            "utils.sh",
+            "torchrun",
+            "--nnodes",
+            "3",
+            "--nproc_per_node",
+            "1",
+            "train.py",
+            cwd=tmp_path,
+            check=False,
+            timeout=60,
+        )
         assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
         assert res.stderr.strip().splitlines()[-1] == want, res.stderr
     assert Registry(home).get(pool_name) is None and not agent_pids(home)
@@ -190,15 +265,40 @@ def warm(tmp_path_factory):
 
 
 def _run(home: Path, pool: str, cwd: Path, *args: str, check: bool = True):
-    return torchx(home, "run", "--wait", "--log", "-s", "monarch_local", "-cfg", f"pool={pool}", *args, cwd=cwd,
-                  check=check, timeout=180)
+    return torchx(
+        home,
+        "run",
+        "--wait",
+        "--log",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool}",
+        *args,
+        cwd=cwd,
+        check=check,
+        timeout=180,
+    )
 
 
 def test_ddp_trains_on_two_hosts_by_two_procs_and_replicas_agree(warm, tmp_path):
     pool, home = warm
     (tmp_path / "train.py").write_text(TRAIN)
-    dry = torchx(home, "run", "--dryrun", "-s", "monarch_local", "-cfg", f"pool={pool}", "dist.ddp", "-j", "2x2",
-                 "--script", "train.py", cwd=tmp_path).stdout
+    dry = torchx(
+        home,
+        "run",
+        "--dryrun",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool}",
+        "dist.ddp",
+        "-j",
+        "2x2",
+        "--script",
+        "train.py",
+        cwd=tmp_path,
+    ).stdout
     assert "role train: warm torchrun" in dry
     res = _run(home, pool, tmp_path, "dist.ddp", "-j", "2x2", "--script", "train.py")
     out = res.stdout + res.stderr
@@ -217,8 +317,26 @@ def test_env_contract_is_the_real_torchruns(warm, tmp_path):
         d = tmp_path / sched
         d.mkdir()
         cfg = [f"pool={pool}"] if sched == "monarch_local" else [f"log_dir={tmp_path / 'lcwd'}"]
-        torchx(home, "run", "--wait", "-s", sched, "-cfg", *cfg, "dist.ddp", "-j", "2x2", "--rdzv_port",
-               str(_free_port()), "--env", f"PROBE_DIR={d}", "--script", "probe.py", cwd=tmp_path, timeout=180)
+        torchx(
+            home,
+            "run",
+            "--wait",
+            "-s",
+            sched,
+            "-cfg",
+            *cfg,
+            "dist.ddp",
+            "-j",
+            "2x2",
+            "--rdzv_port",
+            str(_free_port()),
+            "--env",
+            f"PROBE_DIR={d}",
+            "--script",
+            "probe.py",
+            cwd=tmp_path,
+            timeout=180,
+        )
         envs[sched] = {int(p.stem): json.loads(p.read_text()) for p in d.glob("*.json")}
     stock, warm_envs = envs["local_cwd"], envs["monarch_local"]
     assert sorted(stock) == sorted(warm_envs) == [0, 1, 2, 3]
@@ -239,10 +357,27 @@ def test_env_contract_is_the_real_torchruns(warm, tmp_path):
 def _flaky_app(script: str, max_restarts: int, env: dict, nnodes: int):
     from torchx.specs import AppDef, Role
 
-    args = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{_free_port()}", "--rdzv_id", "flaky",
-            "--nnodes", str(nnodes), "--nproc_per_node", "2", "--max_restarts", str(max_restarts), "--tee", "3", script]
-    return AppDef(name="flaky", roles=[Role(name="flaky", image=".", entrypoint="torchrun", args=args,
-                                            num_replicas=nnodes, env=dict(env))])
+    args = [
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"localhost:{_free_port()}",
+        "--rdzv_id",
+        "flaky",
+        "--nnodes",
+        str(nnodes),
+        "--nproc_per_node",
+        "2",
+        "--max_restarts",
+        str(max_restarts),
+        "--tee",
+        "3",
+        script,
+    ]
+    return AppDef(
+        name="flaky",
+        roles=[Role(name="flaky", image=".", entrypoint="torchrun", args=args, num_replicas=nnodes, env=dict(env))],
+    )
 
 
 def _runner_outcome(sched: str, cfg: dict, app, cwd: Path):
@@ -256,11 +391,21 @@ def _runner_outcome(sched: str, cfg: dict, app, cwd: Path):
             # the app is FAILED as soon as one replica is; the others end a moment later
             done = ("SUCCEEDED", "FAILED", "CANCELLED")
             want = [True] * app.roles[0].num_replicas
-            st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal()  # (local_cwd lists no replicas)
-                          and (not s.roles or [r.state.name in done for rs in s.roles for r in rs.replicas] == want)
-                          and s, 120, what=f"flaky app on {sched}")
-            logs = "".join(line if line.endswith("\n") else line + "\n"
-                           for k in range(app.roles[0].num_replicas) for line in runner.log_lines(h, "flaky", k))
+            st = wait_for(
+                lambda: (
+                    (s := runner.status(h))
+                    and s.is_terminal()  # (local_cwd lists no replicas)
+                    and (not s.roles or [r.state.name in done for rs in s.roles for r in rs.replicas] == want)
+                    and s
+                ),
+                120,
+                what=f"flaky app on {sched}",
+            )
+            logs = "".join(
+                line if line.endswith("\n") else line + "\n"
+                for k in range(app.roles[0].num_replicas)
+                for line in runner.log_lines(h, "flaky", k)
+            )
             return st, sorted(set(re.findall(r"attempt rank=(\d) restart=(\d)", logs)))
     finally:
         os.chdir(old)
@@ -277,12 +422,15 @@ def flaky(warm, tmp_path, monkeypatch):
 
 def test_a_failure_ends_as_with_the_real_torchrun(flaky, tmp_path):
     env = {"FAIL_RANK": "1", "FAIL_TIMES": "99"}
-    stock, stock_attempts = _runner_outcome("local_cwd", {"log_dir": str(tmp_path / "lcwd")},
-                                            _flaky_app("flaky.py", 0, env, 1), tmp_path)
+    stock, stock_attempts = _runner_outcome(
+        "local_cwd", {"log_dir": str(tmp_path / "lcwd")}, _flaky_app("flaky.py", 0, env, 1), tmp_path
+    )
     ours, attempts = _runner_outcome("monarch_local", {"pool": flaky}, _flaky_app("flaky.py", 0, env, 1), tmp_path)
     assert (stock.state.name, stock_attempts) == (ours.state.name, attempts) == ("FAILED", [("0", "0"), ("1", "0")])
     # the replica's message names the failing rank and its exit code (torchrun's summary, in one line)
-    assert re.search(r"flaky/0: exited with code 1: .*rank 1 \(local_rank 1 on \S+\) exited with code 3", ours.msg), ours.msg
+    assert re.search(r"flaky/0: exited with code 1: .*rank 1 \(local_rank 1 on \S+\) exited with code 3", ours.msg), (
+        ours.msg
+    )
 
 
 # (stock torchrun 2.13 is no reference for restarts: after one, its new workers often hang in
@@ -307,8 +455,26 @@ def test_the_ddp_tutorial_runs_unchanged_in_a_workspace_and_resumes_from_its_sna
     (ws / "ddp_snapshot.py").write_text((Path(__file__).parents[1] / "examples" / "ddp_snapshot.py").read_text())
 
     def run(epochs: int) -> str:
-        res = torchx(home, "run", "--wait", "--log", "-s", "monarch_local", "-cfg", f"pool={pool},workspace_mount=tut",
-                     "dist.ddp", "-j", "2x2", "--script", "ddp_snapshot.py", "--", str(epochs), "2", cwd=ws, timeout=240)
+        res = torchx(
+            home,
+            "run",
+            "--wait",
+            "--log",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool},workspace_mount=tut",
+            "dist.ddp",
+            "-j",
+            "2x2",
+            "--script",
+            "ddp_snapshot.py",
+            "--",
+            str(epochs),
+            "2",
+            cwd=ws,
+            timeout=240,
+        )
         return res.stdout + res.stderr
 
     first = run(4)
@@ -323,10 +489,25 @@ def test_the_ddp_tutorial_runs_unchanged_in_a_workspace_and_resumes_from_its_sna
 def test_cancel_stops_every_worker_on_every_host(warm, tmp_path):
     pool, home = warm
     (tmp_path / "sleeper.py").write_text(SLEEPER)
-    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool}", "dist.ddp", "-j", "2x2",
-                       "--script", "sleeper.py", cwd=tmp_path))
-    wait_for(lambda: len(re.findall(r"sleeping rank", torchx(home, "log", h, check=False).stdout)) == 4, 60,
-             what="4 workers")
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool}",
+            "dist.ddp",
+            "-j",
+            "2x2",
+            "--script",
+            "sleeper.py",
+            cwd=tmp_path,
+        )
+    )
+    wait_for(
+        lambda: len(re.findall(r"sleeping rank", torchx(home, "log", h, check=False).stdout)) == 4, 60, what="4 workers"
+    )
     torchx(home, "cancel", h)
     wait_for(lambda: _status(home, h).get("State") == "CANCELLED", 30, what="cancelled")
     workers = [int(p) for p in re.findall(r"pid=(\d+)", torchx(home, "log", h).stdout)]
@@ -338,8 +519,23 @@ def test_bad_torchrun_input_fails_clearly(warm, tmp_path):
     (tmp_path / "train.py").write_text(TRAIN)
     (tmp_path / "broken.py").write_text("import torch\ndef f(:\n    pass\n")
     # --nnodes the role can never meet: refused before anything starts
-    res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool}", "utils.sh", "torchrun", "--rdzv_backend",
-                 "c10d", "--nnodes", "3", "train.py", cwd=tmp_path, check=False)
+    res = torchx(
+        home,
+        "run",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool}",
+        "utils.sh",
+        "torchrun",
+        "--rdzv_backend",
+        "c10d",
+        "--nnodes",
+        "3",
+        "train.py",
+        cwd=tmp_path,
+        check=False,
+    )
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert "torchx: error: role 'sh': torchrun --nnodes 3 asks for 3 node(s) but the role has 1" in res.stderr
     # a syntax error: FAILED naming the rank and code; the log has Python's own report
@@ -349,10 +545,26 @@ def test_bad_torchrun_input_fails_clearly(warm, tmp_path):
     assert "forkserver.py" not in out and "torchrun_node.py" not in out.split("SyntaxError")[0]
     assert re.search(r"rank \d \(local_rank \d on \S+\) exited with code 1", out), out
     # an unknown flag: the real torchrun runs and says what is wrong
-    dry = torchx(home, "run", "--dryrun", "-s", "monarch_local", "-cfg", f"pool={pool}", "utils.sh", "torchrun",
-                 "--rdzv_backend", "c10d", "--bogus", "train.py", cwd=tmp_path).stdout
+    dry = torchx(
+        home,
+        "run",
+        "--dryrun",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool}",
+        "utils.sh",
+        "torchrun",
+        "--rdzv_backend",
+        "c10d",
+        "--bogus",
+        "train.py",
+        cwd=tmp_path,
+    ).stdout
     assert "real torchrun: torchrun would not accept the command" in dry
-    res = _run(home, pool, tmp_path, "utils.sh", "torchrun", "--rdzv_backend", "c10d", "--bogus", "train.py", check=False)
+    res = _run(
+        home, pool, tmp_path, "utils.sh", "torchrun", "--rdzv_backend", "c10d", "--bogus", "train.py", check=False
+    )
     assert res.returncode == 1 and "unrecognized arguments: --bogus" in res.stdout + res.stderr  # torchrun's words
     # more procs than cores: a warning, then it works
     res = _run(home, pool, tmp_path, "dist.ddp", "-j", "1x3", "--script", "train.py")
@@ -366,10 +578,25 @@ def test_thread_counts_reach_forked_workers_and_spmd_runs_warm(warm, tmp_path):
     pool, home = warm
     (tmp_path / "threads.py").write_text(
         "import os, torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
-        "print('threads', os.environ['RANK'], os.environ['OMP_NUM_THREADS'], torch.get_num_threads(), flush=True)\n")
+        "print('threads', os.environ['RANK'], os.environ['OMP_NUM_THREADS'], torch.get_num_threads(), flush=True)\n"
+    )
     for component, env, want in (("dist.ddp", ["--env", "OMP_NUM_THREADS=2"], "2"), ("dist.spmd", [], "1")):
-        dry = torchx(home, "run", "--dryrun", "-s", "monarch_local", "-cfg", f"pool={pool}", component, "-j", "1x2",
-                     *env, "--script", "threads.py", cwd=tmp_path).stdout
+        dry = torchx(
+            home,
+            "run",
+            "--dryrun",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool}",
+            component,
+            "-j",
+            "1x2",
+            *env,
+            "--script",
+            "threads.py",
+            cwd=tmp_path,
+        ).stdout
         assert "warm torchrun" in dry, dry
         res = _run(home, pool, tmp_path, component, "-j", "1x2", *env, "--script", "threads.py")
         found = sorted(re.findall(r"threads (\d) (\d+) (\d+)", res.stdout + res.stderr))
@@ -379,10 +606,27 @@ def test_thread_counts_reach_forked_workers_and_spmd_runs_warm(warm, tmp_path):
 def test_two_ddp_apps_at_once_on_one_pool_need_no_port(warm, tmp_path):
     pool, home = warm
     (tmp_path / "train.py").write_text(TRAIN)
-    handles = [_handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool}", "dist.ddp", "-j", "2x1",
-                              "--script", "train.py", cwd=tmp_path)) for _ in range(2)]
+    handles = [
+        _handle(
+            torchx(
+                home,
+                "run",
+                "-s",
+                "monarch_local",
+                "-cfg",
+                f"pool={pool}",
+                "dist.ddp",
+                "-j",
+                "2x1",
+                "--script",
+                "train.py",
+                cwd=tmp_path,
+            )
+        )
+        for _ in range(2)
+    ]
     for h in handles:
-        wait_for(lambda: _status(home, h).get("State") in ("SUCCEEDED", "FAILED"), 120, what=h)
+        wait_for(lambda: _status(home, h).get("State") in ("SUCCEEDED", "FAILED"), 120, what=h)  # noqa: B023
         assert _status(home, h)["State"] == "SUCCEEDED", torchx(home, "log", h).stdout
 
 
@@ -393,11 +637,24 @@ def test_forked_traceback_is_line_for_line_the_interpreters(warm, tmp_path):
     pool, home = warm
     (tmp_path / "fail.py").write_text("import torch\n\ndef f():\n    raise ValueError('boom')\n\nf()\n")
     real = subprocess.run([sys.executable, "fail.py"], cwd=tmp_path, capture_output=True, text=True).stderr
-    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool}", "utils.python", "--script",
-                       "fail.py", cwd=tmp_path))
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool}",
+            "utils.python",
+            "--script",
+            "fail.py",
+            cwd=tmp_path,
+        )
+    )
     wait_for(lambda: _status(home, h).get("State") == "FAILED", 60, what="fail.py")
-    ours = "".join(line.split(" ", 1)[1] + "\n" if " " in line else "\n"
-                   for line in torchx(home, "log", h).stdout.splitlines())
+    ours = "".join(
+        line.split(" ", 1)[1] + "\n" if " " in line else "\n" for line in torchx(home, "log", h).stdout.splitlines()
+    )
     assert ours.strip() == real.strip()
 
 
@@ -424,24 +681,49 @@ def test_cancel_during_rendezvous_ends_the_waiting_node(home, pool_name, tmp_pat
     held = _warm_fork_server(pool.hosts[1].pid)
     os.kill(held, signal.SIGSTOP)  # host 1's node cannot start: host 0's node waits in the rendezvous
     try:
-        run = subprocess.Popen([TORCHX, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "dist.ddp", "-j",
-                                "2x1", "--script", "sleeper.py"], cwd=tmp_path, env=cli_env(home),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        run = subprocess.Popen(
+            [
+                TORCHX,
+                "run",
+                "-s",
+                "monarch_local",
+                "-cfg",
+                f"pool={pool_name}",
+                "dist.ddp",
+                "-j",
+                "2x1",
+                "--script",
+                "sleeper.py",
+            ],
+            cwd=tmp_path,
+            env=cli_env(home),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         rec = Registry().get(pool_name)
         app = wait_for(lambda: Registry.list_apps(rec), 60, what="the app record")[0]
-        node0 = wait_for(lambda: [r for r in pool.call(0, "describe", app_id=app.app_id) if r["state"] == "RUNNING"],
-                         30, what="node 0 to start")[0]
+        node0 = wait_for(
+            lambda: [r for r in pool.call(0, "describe", app_id=app.app_id) if r["state"] == "RUNNING"],
+            30,
+            what="node 0 to start",
+        )[0]
         time.sleep(1.0)
-        assert "sleeping" not in torchx(home, "log", f"monarch_local://torchx/{pool_name}:{app.app_id}/sleeper/0",
-                                         check=False).stdout  # still in the rendezvous
+        assert (
+            "sleeping"
+            not in torchx(home, "log", f"monarch_local://torchx/{pool_name}:{app.app_id}/sleeper/0", check=False).stdout
+        )  # still in the rendezvous
         torchx(home, "cancel", f"monarch_local://torchx/{pool_name}:{app.app_id}")
     finally:
         os.kill(held, signal.SIGCONT)
     out, err = run.communicate(timeout=60)
     handle = f"monarch_local://torchx/{pool_name}:{app.app_id}"
     wait_for(lambda: _status(home, handle).get("State") == "CANCELLED", 30, what="cancelled")
-    states = wait_for(lambda: (st := pool.call(1, "describe", app_id=app.app_id)) and st[0]["state"] != "RUNNING"
-                      and st, 30, what="node 1 to end")
+    states = wait_for(
+        lambda: (st := pool.call(1, "describe", app_id=app.app_id)) and st[0]["state"] != "RUNNING" and st,
+        30,
+        what="node 1 to end",
+    )
     assert states[0]["state"] == "CANCELLED"
     assert not os.path.exists(f"/proc/{node0['pid']}")
 
@@ -451,10 +733,25 @@ def test_a_lost_host_fails_the_role_instead_of_hanging(home, pool_name, tmp_path
     pool = attach(pool_name)
     wait_for(lambda: all(pool.call(i, "info")["warm"]["ready"] for i in range(2)), 120, what="warm")
     (tmp_path / "sleeper.py").write_text(SLEEPER)
-    h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "dist.ddp", "-j", "2x1",
-                       "--script", "sleeper.py", cwd=tmp_path))
-    wait_for(lambda: len(re.findall(r"sleeping rank", torchx(home, "log", h, check=False).stdout)) == 2, 60,
-             what="2 workers")
+    h = _handle(
+        torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name}",
+            "dist.ddp",
+            "-j",
+            "2x1",
+            "--script",
+            "sleeper.py",
+            cwd=tmp_path,
+        )
+    )
+    wait_for(
+        lambda: len(re.findall(r"sleeping rank", torchx(home, "log", h, check=False).stdout)) == 2, 60, what="2 workers"
+    )
     os.kill(pool.hosts[1].pid, signal.SIGKILL)  # host 1 is gone, with its fork servers and workers
     t0 = time.time()
     wait_for(lambda: _status(home, h).get("State") == "FAILED", 60, what="the app to fail")

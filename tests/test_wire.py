@@ -6,9 +6,9 @@ import asyncio
 import os
 import pickle
 import socket
-import time
 import struct
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -66,9 +66,11 @@ def server(creds):
             finally:
                 if n > 1000:
                     cancelled.set()
+
         return wire.Stream(items())
 
     loop = asyncio.new_event_loop()
+
     async def unsendable(peer):
         return threading.Lock()
 
@@ -78,8 +80,17 @@ def server(creds):
     async def gathered(peer):
         return wire.Gathered([b"only the blocking transport sends these"])
 
-    srv = wire.Server(key, {"echo": echo, "boom": boom, "count": count, "unsendable": unsendable, "as_bytes": as_bytes,
-                            "gathered": gathered})
+    srv = wire.Server(
+        key,
+        {
+            "echo": echo,
+            "boom": boom,
+            "count": count,
+            "unsendable": unsendable,
+            "as_bytes": as_bytes,
+            "gathered": gathered,
+        },
+    )
     port = loop.run_until_complete(srv.start("127.0.0.1", 0))
     t = threading.Thread(target=loop.run_forever, daemon=True)
     t.start()
@@ -131,9 +142,14 @@ def test_a_gathered_buffer_of_bytes_and_file_regions_arrives_as_one_buffer(serve
     (tmp_path / "empty").write_bytes(b"")
     small = b"small file bytes"
     n = (9 << 20) + 12345  # over TLS: several slices, the last one partial
-    parts = [small, wire.FileRegion(str(tmp_path / "big"), 1001, n), bytearray(b"x" * 70000),
-             wire.FileRegion(str(tmp_path / "empty"), 0, 0), wire.FileRegion(str(tmp_path / "big"), 0, 10)]
-    expected = small + big[1001:1001 + n] + b"x" * 70000 + big[:10]
+    parts = [
+        small,
+        wire.FileRegion(str(tmp_path / "big"), 1001, n),
+        bytearray(b"x" * 70000),
+        wire.FileRegion(str(tmp_path / "empty"), 0, 0),
+        wire.FileRegion(str(tmp_path / "big"), 0, 10),
+    ]
+    expected = small + big[1001 : 1001 + n] + b"x" * 70000 + big[:10]
     with wire.Client("127.0.0.1", port, key) as c:
         back = c.call("as_bytes", values=[wire.Gathered(parts), pickle.PickleBuffer(bytearray(b"after"))])
         assert back == [expected, b"after"]  # one buffer each, in order
@@ -261,7 +277,7 @@ def test_frame_parser_reassembles_frames_from_any_split(chunk):
     while pos < len(stream):
         view = parser.get_buffer()
         n = min(len(view), chunk, len(stream) - pos)
-        view[:n] = stream[pos:pos + n]
+        view[:n] = stream[pos : pos + n]
         pos += n
         frames += parser.feed(n)
     decoded = [wire.decode(body, bufs) for body, bufs in frames]
@@ -283,7 +299,7 @@ def test_frame_parser_starts_small_and_grows_only_as_the_stream_needs():
             view = parser.get_buffer()
             offered.append(len(view))
             n = min(len(view), step, len(stream) - pos)
-            view[:n] = stream[pos:pos + n]
+            view[:n] = stream[pos : pos + n]
             pos += n
             frames += parser.feed(n)
         return [wire.decode(body, bufs) for body, bufs in frames]
@@ -292,8 +308,9 @@ def test_frame_parser_starts_small_and_grows_only_as_the_stream_needs():
     small = b"".join(bytes(memoryview(p).cast("B")) for i in range(50) for p in wire.encode({"i": i}))
     assert [m["i"] for m in feed_all(parser, small, 100)] == list(range(50))
     assert max(offered) <= 16 * 1024  # trickled small frames: it stayed small
-    requests = [b"".join(bytes(memoryview(p).cast("B")) for p in wire.encode({"i": i, "pad": "x" * 150}))
-                for i in range(500)]  # 100 kB in all, one frame per read, as a request stream arrives
+    requests = [
+        b"".join(bytes(memoryview(p).cast("B")) for p in wire.encode({"i": i, "pad": "x" * 150})) for i in range(500)
+    ]  # 100 kB in all, one frame per read, as a request stream arrives
     got = []
     for frame in requests:
         got += feed_all(parser, frame, len(frame))
@@ -314,7 +331,7 @@ def test_frame_parser_refuses_oversized_headers():
     parser = wire.FrameParser()
     view = parser.get_buffer()
     head = struct.pack("!IH", wire.MAX_BODY + 1, 0)
-    view[:len(head)] = head
+    view[: len(head)] = head
     with pytest.raises(wire.WireError, match="malformed frame"):
         parser.feed(len(head))
 
@@ -343,7 +360,9 @@ def test_tls_peer_without_the_pools_certificate_is_refused_and_nothing_is_unpick
             wire.Client("127.0.0.1", port, PoolCredentials(key), timeout=1)
         s = socket.create_connection(("127.0.0.1", port))  # a pickle where the TLS hello should be
         s.settimeout(10)
-        s.sendall(b"".join(bytes(p) for p in wire.encode({"id": 1, "op": "echo", "args": {"value": _Pwn(str(marker))}})))
+        s.sendall(
+            b"".join(bytes(p) for p in wire.encode({"id": 1, "op": "echo", "args": {"value": _Pwn(str(marker))}}))
+        )
         assert s.recv(100) == b""
         s.close()
         # the threaded acceptor (controller inbox, rdma data plane) refuses it the same way

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import List
 
 from .conftest import torchx
 
@@ -60,7 +59,7 @@ def write_tutorial(tmp_path: Path) -> Path:
     return ws
 
 
-def run_tutorial_twice(run) -> List[str]:
+def run_tutorial_twice(run) -> list[str]:
     """Runs the tutorial to epoch 3 and then to 5 with ``run(total_epochs)`` (which returns its
     output); asserts the second run resumed, on every rank, from the snapshot rank 0 saved."""
     first = run(3)
@@ -77,9 +76,26 @@ def test_the_ddp_tutorials_snapshot_by_rank_0_resumes_every_rank_on_monarch_loca
     ws = write_tutorial(tmp_path)
 
     def run(epochs: int) -> str:
-        res = torchx(home, "run", "--wait", "--log", "-s", "monarch_local", "-cfg",
-                     f"pool={pool_name},hosts=2,idle_timeout=120s,workspace_mount=tut", "dist.ddp", "-j", "2x1",
-                     "--script", "tutorial.py", "--", str(epochs), "1", cwd=ws, timeout=240)
+        res = torchx(
+            home,
+            "run",
+            "--wait",
+            "--log",
+            "-s",
+            "monarch_local",
+            "-cfg",
+            f"pool={pool_name},hosts=2,idle_timeout=120s,workspace_mount=tut",
+            "dist.ddp",
+            "-j",
+            "2x1",
+            "--script",
+            "tutorial.py",
+            "--",
+            str(epochs),
+            "1",
+            cwd=ws,
+            timeout=240,
+        )
         return res.stdout + res.stderr
 
     cwds = run_tutorial_twice(run)
@@ -92,7 +108,26 @@ def test_the_ddp_tutorials_snapshot_by_rank_0_resumes_every_rank_on_monarch_loca
 
     # a shared directory others can open is refused before anything starts, in one line
     os.chmod(shared, 0o755)
-    res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name},workspace_mount=tut", "dist.ddp",
-                 "-j", "2x1", "--script", "tutorial.py", "--", "5", "1", cwd=ws, check=False)
+    res = torchx(
+        home,
+        "run",
+        "-s",
+        "monarch_local",
+        "-cfg",
+        f"pool={pool_name},workspace_mount=tut",
+        "dist.ddp",
+        "-j",
+        "2x1",
+        "--script",
+        "tutorial.py",
+        "--",
+        "5",
+        "1",
+        cwd=ws,
+        check=False,
+    )
     assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
-    assert f"{shared} is open to other users (mode 755): chmod 700 it" in res.stderr and "nothing was started" in res.stderr
+    assert (
+        f"{shared} is open to other users (mode 755): chmod 700 it" in res.stderr
+        and "nothing was started" in res.stderr
+    )

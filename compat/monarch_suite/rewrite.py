@@ -6,14 +6,15 @@ path it came by. A name only Monarch's runtime has (Rust bindings, config knobs,
 is bound to an :class:`stand_ins.monarch_internal.Internal` that skips the test using it, so such a
 test is counted as "Monarch-internal, left out" rather than as a failure of ours.
 """
+
 from __future__ import annotations
 
 import ast
 import re
-from typing import Dict, List, Sequence
+from typing import Sequence
 
 # where each of Monarch's public surfaces lives in ours
-OURS: Dict[str, str] = {
+OURS: dict[str, str] = {
     "monarch.actor": "monarch_torchx.actor",
     "monarch._src.actor": "monarch_torchx.actor",
     "monarch.job": "monarch_torchx.job",
@@ -46,7 +47,7 @@ def rewrite(source: str) -> str:
     """The test file with only its import statements changed."""
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
-    edits: List[tuple] = []  # (first line, last line, replacement lines, or a string literal's (start, end, text))
+    edits: list[tuple] = []  # (first line, last line, replacement lines, or a string literal's (start, end, text))
     in_fstrings = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
     for node in ast.walk(tree):
         if isinstance(node, ast.JoinedStr):
@@ -54,10 +55,13 @@ def rewrite(source: str) -> str:
             # its imports of public names, rewritten in the literal's source text
             first_b, last_b = lines[node.lineno - 1].encode(), lines[node.end_lineno - 1].encode()
             if node.lineno == node.end_lineno:
-                text = first_b[node.col_offset:node.end_col_offset].decode()
+                text = first_b[node.col_offset : node.end_col_offset].decode()
             else:
-                text = (first_b[node.col_offset:].decode() + "".join(lines[node.lineno:node.end_lineno - 1])
-                        + last_b[:node.end_col_offset].decode())
+                text = (
+                    first_b[node.col_offset :].decode()
+                    + "".join(lines[node.lineno : node.end_lineno - 1])
+                    + last_b[: node.end_col_offset].decode()
+                )
             new = _FSTRING_IMPORT.sub(_fstring_import, text)
             if new != text:
                 edits.append((node.lineno, node.end_lineno, None, (node.col_offset, node.end_col_offset, new)))
@@ -69,8 +73,12 @@ def rewrite(source: str) -> str:
             if inner is not None:
                 edits.append((node.lineno, node.end_lineno, None, (node.col_offset, node.end_col_offset, repr(inner))))
             continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and (
-                node.module == "monarch" or node.module.startswith("monarch.")):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.level == 0
+            and (node.module == "monarch" or node.module.startswith("monarch."))
+        ):
             edits.append((node.lineno, node.end_lineno, _from_import(node), None))
         elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "monarch" for a in node.names):
             edits.append((node.lineno, node.end_lineno, _plain_import(node), None))
@@ -79,10 +87,10 @@ def rewrite(source: str) -> str:
             start, end, new = literal[:3]
             first_b, last_b = lines[first - 1].encode(), lines[last - 1].encode()  # AST offsets are in bytes
             head, tail = first_b[:start].decode(), last_b[end:].decode()
-            lines[first - 1:last] = [head + new + tail]
+            lines[first - 1 : last] = [head + new + tail]
             continue
         indent = lines[first - 1][: len(lines[first - 1]) - len(lines[first - 1].lstrip())]
-        lines[first - 1:last] = [indent + t + "\n" for t in text]
+        lines[first - 1 : last] = [indent + t + "\n" for t in text]
     return "".join(lines)
 
 
@@ -92,10 +100,14 @@ def _rewrite_script(text: str):
         tree = ast.parse(text)
     except SyntaxError:
         return None
-    if not any(isinstance(n, (ast.Import, ast.ImportFrom)) and (
-            (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "monarch") or
-            (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "monarch" for a in n.names)))
-            for n in ast.walk(tree)):
+    if not any(
+        isinstance(n, (ast.Import, ast.ImportFrom))
+        and (
+            (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "monarch")
+            or (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "monarch" for a in n.names))
+        )
+        for n in ast.walk(tree)
+    ):
         return None
     return rewrite(text)
 
@@ -103,7 +115,7 @@ def _rewrite_script(text: str):
 _FSTRING_IMPORT = re.compile(r"from (monarch(?:\.\w+)*) import (\w+(?:, *\w+)*)")
 
 
-def _fstring_import(m: "re.Match[str]") -> str:
+def _fstring_import(m: re.Match[str]) -> str:
     ours = _ours_for(m.group(1))
     names = [n.strip() for n in m.group(2).split(",")]
     if ours and all(n in _exports(ours) for n in names):
@@ -131,8 +143,11 @@ def _plain_import(node: ast.Import) -> Sequence[str]:
     for a in node.names:
         ours = _ours_for(a.name)
         if a.asname:
-            out.append(f"import {ours} as {a.asname}" if ours else
-                       f"from monarch_internal import Internal as _I; {a.asname} = _I({a.name!r})")
+            out.append(
+                f"import {ours} as {a.asname}"
+                if ours
+                else f"from monarch_internal import Internal as _I; {a.asname} = _I({a.name!r})"
+            )
         elif ours:  # `import monarch.actor` then `monarch.actor.Actor`
             out.append(f"import {ours}; import monarch_internal; monarch = monarch_internal.package()")
         else:

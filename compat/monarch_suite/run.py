@@ -11,6 +11,7 @@ that need Monarch's runtime internals (``Monarch-internal: NAME``) or a device t
 (CUDA, ibverbs). As Monarch's own OSS CI does, tests marked ``oss_skip``
 are not run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,18 +24,28 @@ import tempfile
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
-from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from rewrite import HELPERS, rewrite  # noqa: E402
+from rewrite import rewrite  # noqa: E402
 
 # Monarch's tests of its public actor API (python/tests), as the issue that asked for this names them
 DEFAULT_FILES = [
-    "test_python_actors", "test_actor_error", "test_supervision_hierarchy", "test_proc_mesh",
-    "test_host_mesh", "test_concurrent_endpoints", "test_cookbook", "test_actor_logging",
-    "test_client_shutdown", "test_inter_mesh_ping_pong", "test_rdma", "test_rdma_unit",
-    "test_rdma_cpu_no_torch", "test_rdma_initialization", "test_rdma_action",
+    "test_python_actors",
+    "test_actor_error",
+    "test_supervision_hierarchy",
+    "test_proc_mesh",
+    "test_host_mesh",
+    "test_concurrent_endpoints",
+    "test_cookbook",
+    "test_actor_logging",
+    "test_client_shutdown",
+    "test_inter_mesh_ping_pong",
+    "test_rdma",
+    "test_rdma_unit",
+    "test_rdma_cpu_no_torch",
+    "test_rdma_initialization",
+    "test_rdma_action",
 ]
 PLUGINS = ["pytest-asyncio==1.5.0", "pytest-timeout==2.4.0"]  # what Monarch's suite runs under
 
@@ -42,12 +53,13 @@ PLUGINS = ["pytest-asyncio==1.5.0", "pytest-timeout==2.4.0"]  # what Monarch's s
 def _plugins(cache: Path) -> Path:
     if not (cache / "pytest_asyncio").exists():
         print(f"installing {' '.join(PLUGINS)} into {cache}", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(cache), *PLUGINS],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(cache), *PLUGINS], check=True
+        )
     return cache
 
 
-def prepare(monarch: Path, files: List[str], work: Path) -> None:
+def prepare(monarch: Path, files: list[str], work: Path) -> None:
     tests = monarch / "python" / "tests"
     if not tests.is_dir():
         raise SystemExit(f"error: {tests} is not there: --monarch takes a checkout of meta-pytorch/monarch")
@@ -59,8 +71,10 @@ def prepare(monarch: Path, files: List[str], work: Path) -> None:
     for f in (HERE / "stand_ins").glob("*.py"):
         shutil.copy(f, work / f.name)
     # Monarch's own pytest settings, and the marker its OSS CI deselects (-m "not oss_skip")
-    (work / "pytest.ini").write_text("[pytest]\nasyncio_mode = auto\nasyncio_default_fixture_loop_scope = function\n"
-                                     "markers =\n    oss_skip: marks tests to skip in OSS CI\n")
+    (work / "pytest.ini").write_text(
+        "[pytest]\nasyncio_mode = auto\nasyncio_default_fixture_loop_scope = function\n"
+        "markers =\n    oss_skip: marks tests to skip in OSS CI\n"
+    )
 
 
 def _why(fail: ET.Element) -> str:
@@ -72,8 +86,8 @@ def _why(fail: ET.Element) -> str:
     return (lines[-1].strip() if lines else "")[:200]
 
 
-def classify(junit: Path) -> Dict[str, Dict]:
-    out: Dict[str, Dict] = {}
+def classify(junit: Path) -> dict[str, dict]:
+    out: dict[str, dict] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         file = case.get("classname", "").split(".")[0]
         name = case.get("name", "")
@@ -98,8 +112,13 @@ def classify(junit: Path) -> Dict[str, Dict]:
             rec["failures"].append((name, _why(fail)))
         elif skip is not None:
             why = skip.get("message", "")
-            kind = "internal" if "Monarch-internal" in why else "device" if any(
-                k in why.lower() for k in ("cuda", "gpu", "ibverbs")) else "skipped"
+            kind = (
+                "internal"
+                if "Monarch-internal" in why
+                else "device"
+                if any(k in why.lower() for k in ("cuda", "gpu", "ibverbs"))
+                else "skipped"
+            )
             rec["counts"][kind] += 1
             rec["left_out"][why.split(":")[0] if kind == "internal" else why[:80]] += 1
         else:
@@ -120,13 +139,26 @@ def main() -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="monarch-suite-"))
     work.mkdir(parents=True, exist_ok=True)
     prepare(args.monarch, args.files, work)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_plugins(args.plugins)), str(work),
-                                                         os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(_plugins(args.plugins)), str(work), os.environ.get("PYTHONPATH", "")]),
+    )
     junit = work / "report.xml"
-    cmd = [sys.executable, "-m", "pytest", "-v", "--tb=no",  # the plugins load by their entry points
-           f"--timeout={args.timeout}", f"--junitxml={junit}", "-o", "junit_family=xunit1",
-           "-m", "not oss_skip",  # as Monarch's OSS CI runs its suite (scripts/common-setup.sh)
-           *(["-k", args.k] if args.k else []), *[f"{f}.py" for f in args.files]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-v",
+        "--tb=no",  # the plugins load by their entry points
+        f"--timeout={args.timeout}",
+        f"--junitxml={junit}",
+        "-o",
+        "junit_family=xunit1",
+        "-m",
+        "not oss_skip",  # as Monarch's OSS CI runs its suite (scripts/common-setup.sh)
+        *(["-k", args.k] if args.k else []),
+        *[f"{f}.py" for f in args.files],
+    ]
     print(f"running in {work}: {' '.join(cmd[2:])}", file=sys.stderr)
     subprocess.run(cmd, cwd=work, env=env)
     if not junit.exists():
@@ -138,18 +170,24 @@ def main() -> int:
     for file, rec in sorted(report.items()):
         c = rec["counts"]
         total.update(c)
-        print(f"{file:34} {c['passed']:7} {c['failed']:7} {c['reached']:8} {c['internal']:9} {c['device']:7} "
-              f"{c['skipped']:10}")
-    print(f"{'total':34} {total['passed']:7} {total['failed']:7} {total['reached']:8} {total['internal']:9} "
-          f"{total['device']:7} {total['skipped']:10}")
+        print(
+            f"{file:34} {c['passed']:7} {c['failed']:7} {c['reached']:8} {c['internal']:9} {c['device']:7} "
+            f"{c['skipped']:10}"
+        )
+    print(
+        f"{'total':34} {total['passed']:7} {total['failed']:7} {total['reached']:8} {total['internal']:9} "
+        f"{total['device']:7} {total['skipped']:10}"
+    )
     ran = total["passed"] + total["failed"] + total["reached"]
     runnable = total["passed"] + total["failed"]
-    print(f"\n{total['passed']} of {ran} items that ran pass ({100 * total['passed'] / max(1, ran):.0f}%); "
-          f"{total['reached']} of them failed on reaching Monarch's internals through a public object "
-          f"(\"reached\"); without those, {total['passed']} of {runnable} pass "
-          f"({100 * total['passed'] / max(1, runnable):.0f}%).\nLeft out before running: {total['internal']} "
-          f"Monarch-internal, {total['device']} for a device this host lacks, {total['skipped']} skipped by the "
-          f"tests themselves")
+    print(
+        f"\n{total['passed']} of {ran} items that ran pass ({100 * total['passed'] / max(1, ran):.0f}%); "
+        f"{total['reached']} of them failed on reaching Monarch's internals through a public object "
+        f'("reached"); without those, {total["passed"]} of {runnable} pass '
+        f"({100 * total['passed'] / max(1, runnable):.0f}%).\nLeft out before running: {total['internal']} "
+        f"Monarch-internal, {total['device']} for a device this host lacks, {total['skipped']} skipped by the "
+        f"tests themselves"
+    )
     for file, rec in sorted(report.items()):
         for name, why in rec["reached"]:
             print(f"REACHED {file}::{name}: {why}")
@@ -157,8 +195,20 @@ def main() -> int:
         for name, why in rec["failures"]:
             print(f"FAILED {file}::{name}: {why}")
     if args.json:
-        args.json.write_text(json.dumps({f: {"counts": r["counts"], "failures": r["failures"], "reached": r["reached"],
-                                             "left_out": r["left_out"]} for f, r in report.items()}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    f: {
+                        "counts": r["counts"],
+                        "failures": r["failures"],
+                        "reached": r["reached"],
+                        "left_out": r["left_out"],
+                    }
+                    for f, r in report.items()
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

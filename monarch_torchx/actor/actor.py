@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import logging
 import inspect
+import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, TypeVar, overload
+from typing import Any, Callable, TypeVar, overload
 
 from . import config
 from .shape import Extent, Point
@@ -32,7 +32,7 @@ class Endpoint:
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, obj: Any, objtype: Optional[type] = None) -> Any:
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         if obj is None:
             return self
         return self.fn.__get__(obj, objtype)
@@ -44,8 +44,9 @@ def endpoint(fn: F) -> F: ...
 def endpoint(fn: None = None, **options: Any) -> Callable[[F], F]: ...
 
 
-def endpoint(fn: Any = None, *, explicit_response_port: bool = False, propagate: Any = None,
-             instrument: bool = False) -> Any:
+def endpoint(
+    fn: Any = None, *, explicit_response_port: bool = False, propagate: Any = None, instrument: bool = False
+) -> Any:
     """``@endpoint`` or ``@endpoint(...)``: sync and ``async def`` bodies both work.
 
     ``explicit_response_port=True``: as Monarch's, the method takes the caller's response port
@@ -63,18 +64,21 @@ def concurrent_endpoint(fn: Any = None, *, explicit_response_port: bool = False)
     """As Monarch's ``@concurrent_endpoint``: calls to it do not wait for the actor's other
     messages to finish (each runs as its own task; many may be in flight at once), so the actor's
     state must be safe under that. It wraps an ``async def`` method, not an ``@endpoint``."""
+
     def wrap(f: Any) -> Endpoint:
         if isinstance(f, Endpoint):
             raise ValueError(f"@concurrent_endpoint does not wrap @endpoint ({f.name}): use one of the two")
         if not inspect.iscoroutinefunction(f):
-            raise ValueError(f"@concurrent_endpoint can only wrap async endpoints ({getattr(f, '__name__', f)} is not "
-                             "async def)")
+            raise ValueError(
+                f"@concurrent_endpoint can only wrap async endpoints ({getattr(f, '__name__', f)} is not async def)"
+            )
         return Endpoint(f, explicit_response_port, concurrent=True)
+
     return wrap if fn is None else wrap(fn)
 
 
-def endpoints_of(cls: type) -> Dict[str, Endpoint]:
-    found: Dict[str, Endpoint] = {}
+def endpoints_of(cls: type) -> dict[str, Endpoint]:
+    found: dict[str, Endpoint] = {}
     for klass in reversed(cls.__mro__):
         for name, value in vars(klass).items():
             if isinstance(value, Endpoint):
@@ -105,9 +109,9 @@ class CreatorInstance:
     who spawned it in turn; the controller is ``root``, with no class and an empty rank."""
 
     name: str
-    class_name: Optional[str]
+    class_name: str | None
     rank: Point
-    creator: Optional["CreatorInstance"] = None
+    creator: CreatorInstance | None = None
 
     def __str__(self) -> str:
         return _qualified_name(self)
@@ -135,9 +139,9 @@ class ActorInstance:
     mesh_id: str
     host_index: int
     cls_path: str = ""  # module.Class of the actor
-    creator: Optional[CreatorInstance] = None  # who spawned it (None for the controller itself)
+    creator: CreatorInstance | None = None  # who spawned it (None for the controller itself)
     # makes the ProcMesh it was spawned on (``proc_mesh``), on first use
-    proc_mesh_source: Optional[Callable[[], Any]] = field(default=None, repr=False, compare=False)
+    proc_mesh_source: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
     # the controller's own proc, for an actor running in the controller's process (session.this_proc())
     hosted_by: Any = field(default=None, repr=False, compare=False)
 
@@ -150,11 +154,11 @@ class ActorInstance:
             self.__dict__["_proc_mesh"] = source() if source is not None else None
         return self.__dict__["_proc_mesh"]
 
-    def __getstate__(self) -> Dict[str, Any]:  # sent elsewhere, it is a description, not a proc of theirs
+    def __getstate__(self) -> dict[str, Any]:  # sent elsewhere, it is a description, not a proc of theirs
         return {**self.__dict__, "hosted_by": None, "proc_mesh_source": None, "_proc_mesh": self.proc_mesh}
 
     @property
-    def class_name(self) -> Optional[str]:
+    def class_name(self) -> str | None:
         return None if self.actor_id == "client" else self.cls_path
 
     def as_creator(self) -> CreatorInstance:
@@ -179,7 +183,7 @@ class ActorInstance:
 
         return this_proc()
 
-    def abort(self, reason: Optional[str] = None) -> None:
+    def abort(self, reason: str | None = None) -> None:
         """Fails this actor now, as Monarch's: later calls to it are refused, and its owner gets a
         supervision event (``__supervise__``, or a controller's ``unhandled_fault_hook``)."""
         from . import session
@@ -218,7 +222,7 @@ def current_actor_name() -> str:
     return ai.actor_id if ai.actor_id == "client" else f"{ai.actor_id}{ai.rank!r}"
 
 
-def current_size() -> Dict[str, int]:
+def current_size() -> dict[str, int]:
     return dict(current_context.get().actor_instance.rank.extent)
 
 
@@ -231,7 +235,7 @@ def prefix_logs_with_actor() -> None:
 _PREFIX_LOCK = threading.Lock()
 
 
-@functools.lru_cache(maxsize=None)  # once per process: the record factory wraps itself otherwise
+@functools.cache  # once per process: the record factory wraps itself otherwise
 def _install_prefix() -> None:
     """A log record starts ``[actor=<root>.<module.Class name{point}>]`` (the emitting actor, or
     ``<root>`` in a controller), as Monarch's do; an empty message, as torch's structured logging
@@ -244,4 +248,5 @@ def _install_prefix() -> None:
         if config.prefix_python_logs_with_actor and isinstance(rec.msg, str) and rec.msg:
             rec.msg = f"[actor={current_context.get().actor_instance}] {rec.msg}"
         return rec
+
     logging.setLogRecordFactory(record)

@@ -35,7 +35,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Sequence, Union
+from typing import Any, Literal, Sequence, Union
 
 from .. import wire
 from ..credentials import PoolCredentials
@@ -45,7 +45,7 @@ from ..registry import HostAddr, Registry, check_pool_name, home
 
 log = logging.getLogger("monarch_torchx.actor")
 
-CA = Union[bytes, Path, str, Literal["trust_all_connections"]]
+CA = Union[bytes, Path, str, Literal["trust_all_connections"]]  # noqa: UP007
 TRUST_ALL = "trust_all_connections"
 SECRET_FILE = "worker_secret"
 SCHEDULER = "monarch_workers"  # the engine of pools made by attach_to_workers
@@ -74,16 +74,16 @@ class WorkerAddress:
     host: str  # what clients dial
     port: int  # 0 with ``fd``: the port is the socket's
     bind: str
-    fd: Optional[int] = None
+    fd: int | None = None
     text: str = ""
 
     @classmethod
-    def parse(cls, text: str) -> "WorkerAddress":
+    def parse(cls, text: str) -> WorkerAddress:
         if not isinstance(text, str):
             raise ValueError(f"a worker address is a string such as 'tcp://host:4444', not {type(text).__name__}")
         rest = text.strip()
         if rest.startswith("ipc://"):  # a Unix socket: a worker on this machine
-            path = rest[len("ipc://"):]
+            path = rest[len("ipc://") :]
             if not path or "@" in path:
                 raise ValueError(f"worker address {text!r}: expected ipc://PATH")
             host = wire.UNIX + os.path.abspath(path)
@@ -94,8 +94,10 @@ class WorkerAddress:
         host, port, fd = _host_port(dial, text)
         bind_host = _host_port(bind, text)[0] if bind else host
         if host in ("*", "0.0.0.0", "", "::"):
-            raise ValueError(f"worker address {text!r}: a wildcard is not an address clients can dial; give the "
-                             f"host's name, or tcp://NAME:PORT@tcp://0.0.0.0:PORT to listen on every interface")
+            raise ValueError(
+                f"worker address {text!r}: a wildcard is not an address clients can dial; give the "
+                f"host's name, or tcp://NAME:PORT@tcp://0.0.0.0:PORT to listen on every interface"
+            )
         return cls(host, port, bind_host, fd, text)
 
     @property
@@ -109,11 +111,13 @@ class WorkerAddress:
 
 def _host_port(part: str, text: str) -> tuple:
     if part.startswith(("unix:", "inproc://", "metatls://")):
-        raise ValueError(f"worker address {text!r}: only tcp:// and ipc:// addresses are served here (Monarch's "
-                         f"inproc:// and metatls:// are not)")
+        raise ValueError(
+            f"worker address {text!r}: only tcp:// and ipc:// addresses are served here (Monarch's "
+            f"inproc:// and metatls:// are not)"
+        )
     if not part.startswith("tcp://"):
         raise ValueError(f"worker address {text!r}: expected tcp://HOST:PORT")
-    host, sep, port = part[len("tcp://"):].rpartition(":")
+    host, sep, port = part[len("tcp://") :].rpartition(":")
     host = host.strip("[]")
     if not sep or not port:
         raise ValueError(f"worker address {text!r}: expected tcp://HOST:PORT")
@@ -148,8 +152,10 @@ def worker_secret(ca: CA) -> bytes:
     elif isinstance(ca, (str, Path)):
         secret = _read_secret(Path(ca).expanduser())
     else:
-        raise ValueError(f"ca must be 'trust_all_connections', the workers' secret (bytes) or a file holding it, "
-                         f"not {type(ca).__name__}")
+        raise ValueError(
+            f"ca must be 'trust_all_connections', the workers' secret (bytes) or a file holding it, "
+            f"not {type(ca).__name__}"
+        )
     if len(secret) < 16:
         raise ValueError("the workers' secret is too short: use at least 16 bytes (e.g. `openssl rand -hex 32`)")
     return secret
@@ -170,15 +176,23 @@ def worker_tls_pem(secret: bytes) -> str:
     seed = hmac.new(secret, b"monarch-torchx workers: tls key", hashlib.sha256).digest()
     key = ed25519.Ed25519PrivateKey.from_private_bytes(seed)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "monarch-torchx workers")])
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(int.from_bytes(seed[:8], "big") | 1)
-            .not_valid_before(datetime.datetime(2025, 1, 1, tzinfo=datetime.timezone.utc))
-            .not_valid_after(datetime.datetime(2125, 1, 1, tzinfo=datetime.timezone.utc))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .sign(key, None))
-    return (cert.public_bytes(serialization.Encoding.PEM).decode()
-            + key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption()).decode())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(int.from_bytes(seed[:8], "big") | 1)
+        .not_valid_before(datetime.datetime(2025, 1, 1, tzinfo=datetime.timezone.utc))
+        .not_valid_after(datetime.datetime(2125, 1, 1, tzinfo=datetime.timezone.utc))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, None)
+    )
+    return (
+        cert.public_bytes(serialization.Encoding.PEM).decode()
+        + key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ).decode()
+    )
 
 
 def _install(state_dir: Path, secret: bytes, tls: bool) -> PoolCredentials:
@@ -198,7 +212,7 @@ class Adoption:
     idle_timeout: float = 1800.0
     preload: str = "torch"
 
-    def check(self) -> "Adoption":
+    def check(self) -> Adoption:
         check_pool_name(self.pool)
         if not isinstance(self.index, int) or self.index < 0:
             raise ValueError(f"bad host index {self.index!r}")
@@ -259,17 +273,17 @@ def _hold_port(addr: WorkerAddress) -> WorkerAddress:
     return dataclasses.replace(addr, fd=sock.detach())
 
 
-def _listen_socket(addr: WorkerAddress) -> Optional[socket.socket]:
+def _listen_socket(addr: WorkerAddress) -> socket.socket | None:
     """A fresh handle on the inherited socket, for each server that listens on it (closing a
     server closes its socket)."""
     return socket.socket(fileno=os.dup(addr.fd)) if addr.fd is not None else None
 
 
-async def _wait_for_adoption(addr: WorkerAddress, creds: PoolCredentials) -> Optional[Adoption]:
+async def _wait_for_adoption(addr: WorkerAddress, creds: PoolCredentials) -> Adoption | None:
     loop = asyncio.get_running_loop()
-    adopted: "asyncio.Future[Optional[Adoption]]" = loop.create_future()
+    adopted: asyncio.Future[Adoption | None] = loop.create_future()
 
-    async def adopt(peer: wire.Peer, **args: Any) -> Dict[str, Any]:
+    async def adopt(peer: wire.Peer, **args: Any) -> dict[str, Any]:
         adoption = Adoption(**args).check()
         if adopted.done():
             raise wire.RemoteError(f"worker {addr.text} was adopted by another client just now")
@@ -293,9 +307,26 @@ def _serve_as_agent(addr: WorkerAddress, state: Path, adoption: Adoption) -> str
     """Runs this process as the pool's agent until it stops; returns "idle" if it idled out."""
     from ..agent.server import Agent, parse_args
 
-    argv = ["--state-dir", str(state), "--pool", adoption.pool, "--index", str(adoption.index),
-            "--incarnation", adoption.incarnation, "--bind", addr.bind, "--port", str(addr.port),
-            "--advertise", addr.host, "--idle-timeout", str(adoption.idle_timeout), "--preload", adoption.preload]
+    argv = [
+        "--state-dir",
+        str(state),
+        "--pool",
+        adoption.pool,
+        "--index",
+        str(adoption.index),
+        "--incarnation",
+        adoption.incarnation,
+        "--bind",
+        addr.bind,
+        "--port",
+        str(addr.port),
+        "--advertise",
+        addr.host,
+        "--idle-timeout",
+        str(adoption.idle_timeout),
+        "--preload",
+        adoption.preload,
+    ]
     if addr.fd is not None:
         argv += ["--listen-fd", str(os.dup(addr.fd))]
     for sub in ("hosts", "apps", "logs"):
@@ -308,8 +339,15 @@ def _serve_as_agent(addr: WorkerAddress, state: Path, adoption: Adoption) -> str
 # ---------------------------------------------------------------- the client
 
 
-def attach_to_workers(*, ca: CA, workers: Sequence[Any], name: Optional[str] = None,
-                      private_key: Any = None, idle_timeout: float = 1800.0, preload: str = "torch") -> Any:
+def attach_to_workers(
+    *,
+    ca: CA,
+    workers: Sequence[Any],
+    name: str | None = None,
+    private_key: Any = None,
+    idle_timeout: float = 1800.0,
+    preload: str = "torch",
+) -> Any:
     """As Monarch's: a HostMesh (dim ``hosts``) of the given workers, each running
     ``run_worker_loop_forever`` with the same secret. Workers may be strings or Futures of them.
 
@@ -326,8 +364,10 @@ def attach_to_workers(*, ca: CA, workers: Sequence[Any], name: Optional[str] = N
     if not addrs:
         raise ValueError("attach_to_workers needs at least one worker")
     if len({a.loopback for a in addrs}) > 1:
-        raise ValueError("attach_to_workers: some workers are on loopback and some are not; give every worker an "
-                         "address the others can reach")
+        raise ValueError(
+            "attach_to_workers: some workers are on loopback and some are not; give every worker an "
+            "address the others can reach"
+        )
     secret = worker_secret(ca)
     tls = not addrs[0].loopback
     spec = {"hosts": len(addrs), "workers": [f"{a.host}:{a.port}" for a in addrs], "tls": tls}
@@ -350,7 +390,7 @@ def attach_to_workers(*, ca: CA, workers: Sequence[Any], name: Optional[str] = N
     return attach(name)
 
 
-def _reusable(rec: Any, spec: Dict[str, Any], secret: bytes, registry: Registry) -> bool:
+def _reusable(rec: Any, spec: dict[str, Any], secret: bytes, registry: Registry) -> bool:
     """Whether a pool of these workers from an earlier attach still serves, with this secret."""
     from ..pool import Pool
 
@@ -368,7 +408,7 @@ def _forget(rec: Any, registry: Registry) -> None:
     registry.delete(rec)
 
 
-def _adopt_all(rec: Any, addrs: List[WorkerAddress], idle_timeout: float, preload: str) -> None:
+def _adopt_all(rec: Any, addrs: list[WorkerAddress], idle_timeout: float, preload: str) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     creds = rec.credentials  # the workers' key and certificate, installed in the pool's state dir
@@ -377,10 +417,19 @@ def _adopt_all(rec: Any, addrs: List[WorkerAddress], idle_timeout: float, preloa
     def one(i: int) -> None:
         adoption = Adoption(rec.name, i, uuid.uuid4().hex[:12], idle_timeout, preload)
         reply = _adopt(addrs[i], creds, adoption, deadline)
-        Registry.publish_host(Path(rec.state_dir), HostAddr(
-            index=i, host=addrs[i].host, port=addrs[i].port, hostname=str(reply.get("hostname", "")),
-            pid=int(reply.get("pid", 0)), incarnation=adoption.incarnation, started=time.time(),
-            last_work=time.time()))
+        Registry.publish_host(
+            Path(rec.state_dir),
+            HostAddr(
+                index=i,
+                host=addrs[i].host,
+                port=addrs[i].port,
+                hostname=str(reply.get("hostname", "")),
+                pid=int(reply.get("pid", 0)),
+                incarnation=adoption.incarnation,
+                started=time.time(),
+                last_work=time.time(),
+            ),
+        )
         _wait_serving(rec, i, addrs[i], deadline)
 
     with ThreadPoolExecutor(max_workers=min(32, len(addrs))) as ex:
@@ -390,7 +439,7 @@ def _adopt_all(rec: Any, addrs: List[WorkerAddress], idle_timeout: float, preloa
         raise failed[0] if isinstance(failed[0], MonarchError) else MonarchError(str(failed[0]))
 
 
-def _adopt(addr: WorkerAddress, creds: PoolCredentials, adoption: Adoption, deadline: float) -> Dict[str, Any]:
+def _adopt(addr: WorkerAddress, creds: PoolCredentials, adoption: Adoption, deadline: float) -> dict[str, Any]:
     """Asks one worker to serve as host ``adoption.index``, retrying while it is not listening yet."""
     delay = 0.02
     rejected = 0
@@ -401,14 +450,18 @@ def _adopt(addr: WorkerAddress, creds: PoolCredentials, adoption: Adoption, dead
         except (wire.HandshakeRefused, wire.ProofRejected) as e:
             rejected += 1
             if isinstance(e, wire.HandshakeRefused) or rejected >= 3:  # (once could be a flood shedding us)
-                raise WorkerRefused(f"worker {addr.text} refused us: it serves another client's hosts, or was "
-                                    f"started with another secret (ca=...)") from None
+                raise WorkerRefused(
+                    f"worker {addr.text} refused us: it serves another client's hosts, or was "
+                    f"started with another secret (ca=...)"
+                ) from None
         except wire.RemoteError as e:
             raise WorkerRefused(f"worker {addr.text}: {e}") from None
         except (wire.ConnectFailed, wire.PeerClosed, wire.PeerTimeout) as e:
             if time.monotonic() > deadline:
-                raise MonarchError(f"worker {addr.text} is not reachable ({e}); is run_worker_loop_forever running "
-                                   f"there? (waited {attach_timeout():.0f} s: MONARCH_TORCHX_ATTACH_TIMEOUT_S)") from None
+                raise MonarchError(
+                    f"worker {addr.text} is not reachable ({e}); is run_worker_loop_forever running "
+                    f"there? (waited {attach_timeout():.0f} s: MONARCH_TORCHX_ATTACH_TIMEOUT_S)"
+                ) from None
         time.sleep(delay)
         delay = min(delay * 2, 0.25)
 

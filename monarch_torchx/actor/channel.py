@@ -11,7 +11,7 @@ import collections
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any, Deque, Generic, Optional, Tuple, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ..errors import MonarchError
 from . import messages, session
@@ -54,15 +54,15 @@ class Port(Generic[T]):
 class _PortError:
     """What ``Port.exception`` sends: the error, as plain strings."""
 
-    payload: Tuple[str, str, str, str]
+    payload: tuple[str, str, str, str]
 
 
 class PortReceiver(Generic[T]):
-    def __init__(self, hub: Optional[Hub], loop_thread: Optional[int]):
+    def __init__(self, hub: Hub | None, loop_thread: int | None):
         self._hub = hub
         self._loop_thread = loop_thread
-        self._values: Deque[Any] = collections.deque()
-        self._waiting: Deque[Future[Any]] = collections.deque()
+        self._values: collections.deque[Any] = collections.deque()
+        self._waiting: collections.deque[Future[Any]] = collections.deque()
         self._lock = threading.Lock()
 
     def _deliver(self, value: Any) -> None:
@@ -95,7 +95,7 @@ def _settle(fut: Future[Any], value: Any) -> None:
 
 class Channel(Generic[T]):
     @staticmethod
-    def open(once: bool = False, pool: Optional[str] = None) -> Tuple[Port[T], PortReceiver[T]]:
+    def open(once: bool = False, pool: str | None = None) -> tuple[Port[T], PortReceiver[T]]:
         """A new port of this process. ``pool`` defaults to the pool last attached here.
         ``once`` (Monarch's once-port): the port takes one value; later ones are dropped."""
         me = session.this_proc()
@@ -113,10 +113,12 @@ class Channel(Generic[T]):
         port_id = uuid.uuid4().hex
         receiver: PortReceiver[T] = PortReceiver(hub_driven, loop_thread)
         if once:
+
             def deliver_once(value: Any) -> None:
                 if hub.ports.pop(port_id, None) is None:
                     return
                 receiver._deliver(value)
+
             hub.ports[port_id] = deliver_once
         else:
             hub.ports[port_id] = receiver._deliver

@@ -15,7 +15,7 @@ import asyncio
 import socket
 import threading
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 from ..errors import MonarchError
 from .hub import Hub, ProcAddr
@@ -34,7 +34,7 @@ class ClientProc:
         self.addr = addr
         self._loop = loop
         self._let_go = False
-        self._mesh: Optional[Any] = None
+        self._mesh: Any | None = None
 
     @property
     def ended(self) -> bool:
@@ -46,11 +46,18 @@ class ClientProc:
         return self.server.me
 
     @staticmethod
-    def start(pool: str, hub: Hub) -> "ClientProc":
+    def start(pool: str, hub: Hub) -> ClientProc:
         """Starts the proc's loop thread and waits until it listens, on the address this
         process's connections to the pool leave from (as its ports' inbox does)."""
-        settings = ProcSettings(pool, hub.creds, mesh_id=f"client-{uuid.uuid4().hex[:8]}", rank=0, host_index=-1,
-                                bind=hub.local_address(_first_host(pool)), in_client=True)
+        settings = ProcSettings(
+            pool,
+            hub.creds,
+            mesh_id=f"client-{uuid.uuid4().hex[:8]}",
+            rank=0,
+            host_index=-1,
+            bind=hub.local_address(_first_host(pool)),
+            in_client=True,
+        )
         server = ProcServer(settings)
         ready = threading.Event()
         got: dict = {}
@@ -62,6 +69,7 @@ class ClientProc:
             def listening(addr: ProcAddr) -> None:
                 got["addr"] = addr
                 ready.set()
+
             try:
                 loop.run_until_complete(server.run(on_ready=listening))
             except BaseException as e:  # noqa: BLE001 - told to the starting caller
@@ -72,8 +80,10 @@ class ClientProc:
 
         threading.Thread(target=serve, name=f"monarch-torchx-client-proc-{pool}", daemon=True).start()
         if not ready.wait(START_TIMEOUT_S) or "addr" not in got:
-            raise MonarchError(f"the controller's own proc on pool {pool!r} did not start: "
-                               f"{got.get('error') or 'no answer within %.0f s' % START_TIMEOUT_S}")
+            raise MonarchError(
+                f"the controller's own proc on pool {pool!r} did not start: "
+                f"{got.get('error') or 'no answer within {:.0f} s'.format(START_TIMEOUT_S)}"  # noqa: UP032
+            )
         return ClientProc(pool, server, got["addr"], got["loop"])
 
     def mesh(self) -> Any:
@@ -103,7 +113,7 @@ class ClientProc:
         done.wait(timeout)
 
 
-def _first_host(pool: str) -> Optional[str]:
+def _first_host(pool: str) -> str | None:
     """Host 0's address: the proc listens where the route toward the pool's hosts leaves from."""
     from ..registry import Registry
 

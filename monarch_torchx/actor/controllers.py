@@ -14,7 +14,7 @@ import contextvars
 import json
 import os
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 from ..errors import MonarchError
 from . import session
@@ -31,8 +31,8 @@ class NamedActors:
     def __init__(self, pool: str):
         self.pool = pool
         self._lock = threading.RLock()  # spawning its procs asks for port_env() again
-        self._meshes: Dict[str, Any] = {}
-        self._port: Optional[Port[Any]] = None
+        self._meshes: dict[str, Any] = {}
+        self._port: Port[Any] | None = None
 
     def get_or_spawn(self, name: str, cls: type, args: tuple, kwargs: dict) -> Any:
         with self._lock:
@@ -51,7 +51,7 @@ class NamedActors:
             p = self._port
         return json.dumps([p.pool, list(p.addr), p.port_id])
 
-    def answer(self, request: Tuple[str, type, tuple, dict, Port[Any]]) -> None:
+    def answer(self, request: tuple[str, type, tuple, dict, Port[Any]]) -> None:
         """On the inbox thread: one actor's request, answered on the port it sent."""
         try:
             name, cls, args, kwargs, reply = request
@@ -65,17 +65,18 @@ class NamedActors:
             reply.send(mesh)
 
 
-def _serve(names: "NamedActors", toward: str) -> Port[Any]:
+def _serve(names: NamedActors, toward: str) -> Port[Any]:
     hub = session.hub_for(names.pool)
     hub.listen(hub.local_address(toward))
     port, _rx = Channel.open(pool=names.pool)
     # requests are served as they arrive (on the inbox thread), not queued for a receiver
-    hub.ports[port.port_id] = lambda req: threading.Thread(target=names.answer, args=(req,), daemon=True,
-                                                           name="monarch-torchx-controllers").start()
+    hub.ports[port.port_id] = lambda req: threading.Thread(
+        target=names.answer, args=(req,), daemon=True, name="monarch-torchx-controllers"
+    ).start()
     return port
 
 
-def get_or_spawn_controller(name: str, cls: type, *args: Any, **kwargs: Any) -> "Future[Any]":
+def get_or_spawn_controller(name: str, cls: type, *args: Any, **kwargs: Any) -> Future[Any]:
     """The actor ``name`` of this program (an ActorMesh of one), spawned from ``cls(*args, **kwargs)``
     the first time it is asked for, as Monarch's. Later calls, from the controller or from any
     actor it started, get the same actor (the arguments of the first call count)."""
@@ -83,15 +84,20 @@ def get_or_spawn_controller(name: str, cls: type, *args: Any, **kwargs: Any) -> 
     if me is None or me.in_client:  # the controller, or one of the actors running in it
         fut: Future[Any] = Future()
         try:
-            fut.set_result(session.controllers(me.pool if me is not None else _controller_pool())
-                       .get_or_spawn(name, cls, args, kwargs))
+            fut.set_result(
+                session.controllers(me.pool if me is not None else _controller_pool()).get_or_spawn(
+                    name, cls, args, kwargs
+                )
+            )
         except Exception as e:
             fut.set_exception(e)
         return fut
     raw = os.environ.get(ENV)
     if not raw:
-        raise MonarchError("get_or_spawn_controller() in an actor needs the controller that started its proc "
-                           f"(${ENV} is not set: this proc was not spawned by a monarch_torchx controller)")
+        raise MonarchError(
+            "get_or_spawn_controller() in an actor needs the controller that started its proc "
+            f"(${ENV} is not set: this proc was not spawned by a monarch_torchx controller)"
+        )
     pool, addr, port_id = json.loads(raw)
     names_port: Port[Any] = Port(pool, ProcAddr(*addr), port_id)
     reply, rx = Channel.open(once=True, pool=me.pool)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any
 
 
 class ActorError(Exception):
@@ -48,8 +48,8 @@ class MeshFailure:
     actor: str = ""  # the failed actor's id, when it was an actor
     actor_class: str = ""  # module.Class of the failed actor
     point: str = ""  # its coordinates, as Monarch prints them: {'gpus': 0/2}
-    actors_on_proc: Tuple[str, ...] = ()  # a dead proc: the actors spawned on it (name{point})
-    exit_code: Optional[int] = None  # a dead proc's exit code (negative: the signal that killed it)
+    actors_on_proc: tuple[str, ...] = ()  # a dead proc: the actors spawned on it (name{point})
+    exit_code: int | None = None  # a dead proc's exit code (negative: the signal that killed it)
 
     def __str__(self) -> str:  # Monarch's shape: MeshFailure(mesh_name=.., crashed_ranks=[..], event=..)
         what = f"actor {self.mesh_name} (rank {self.rank})" if self.actor else f"proc {self.rank}"
@@ -63,9 +63,11 @@ class MeshFailure:
             return f"The actor {who} and all its descendants have failed:\n  {self.reason}"
         who = ", ".join(self.actors_on_proc) or f"on proc {self.rank} of mesh {self.mesh}"
         how = f"Killed(sig={-self.exit_code})" if self.exit_code is not None and self.exit_code < 0 else self.reason
-        return (f"The actor {who} and all its descendants have failed:\n  the process this actor was running on "
-                f"failed: {how} (proc {self.rank} of mesh {self.mesh} on host {self.host}, {self.hostname}: "
-                f"{self.reason})")
+        return (
+            f"The actor {who} and all its descendants have failed:\n  the process this actor was running on "
+            f"failed: {how} (proc {self.rank} of mesh {self.mesh} on host {self.host}, {self.hostname}: "
+            f"{self.reason})"
+        )
 
 
 def point_text(point: Any) -> str:
@@ -75,7 +77,7 @@ def point_text(point: Any) -> str:
     return repr(point) if isinstance(point, Point) else ""
 
 
-def error_payload(kind: str, message: str, tb: str = "", etype: str = "") -> Tuple[str, str, str, str]:
+def error_payload(kind: str, message: str, tb: str = "", etype: str = "") -> tuple[str, str, str, str]:
     return (kind, message, tb, etype)
 
 
@@ -94,7 +96,7 @@ def remote_error(payload: Any) -> BaseException:
     return ActorError(message, tb, etype)
 
 
-def supervision_reason(status: Optional[dict]) -> str:
+def supervision_reason(status: dict | None) -> str:
     if status is None:
         return "is gone (its host no longer knows it)"
     return status.get("msg") or f"ended ({status.get('state')})"

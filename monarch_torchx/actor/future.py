@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Generator, Generic, List, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generator, Generic, Sequence, TypeVar
 
 if TYPE_CHECKING:
     from .hub import Hub
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 _UNSET = object()
 log = logging.getLogger("monarch_torchx.actor")
-_executor: List[Any] = []
+_executor: list[Any] = []
 _executor_lock = threading.Lock()
 
 
@@ -34,18 +34,18 @@ def _waiters() -> Any:
 
 
 class Future(Generic[T]):
-    def __init__(self, hub: Optional["Hub"] = None):
+    def __init__(self, hub: Hub | None = None):
         self._hub = hub
         self._value: Any = _UNSET
-        self._exc: Optional[BaseException] = None
+        self._exc: BaseException | None = None
         self._lock = threading.Lock()
-        self._callbacks: List[Callable[["Future[T]"], None]] = []
-        self._event: Optional[threading.Event] = None
-        self.loop_thread: Optional[int] = None  # set when only that thread's asyncio loop can complete it
-        self._loop_parts: Optional[List["Future[Any]"]] = None  # for a gather: the parts only that loop completes
+        self._callbacks: list[Callable[[Future[T]], None]] = []
+        self._event: threading.Event | None = None
+        self.loop_thread: int | None = None  # set when only that thread's asyncio loop can complete it
+        self._loop_parts: list[Future[Any]] | None = None  # for a gather: the parts only that loop completes
         # an error's words for the caller, applied when it fails (an actor call's SupervisionError
         # says which endpoint and actor, as Monarch's does)
-        self.translate: Optional[Callable[[BaseException], BaseException]] = None
+        self.translate: Callable[[BaseException], BaseException] | None = None
 
     # ------------------------------------------------------------ completing
 
@@ -55,7 +55,7 @@ class Future(Generic[T]):
     def set_exception(self, exc: BaseException) -> None:
         self._complete(None, exc)
 
-    def _complete(self, value: Any, exc: Optional[BaseException]) -> None:
+    def _complete(self, value: Any, exc: BaseException | None) -> None:
         if exc is not None and self.translate is not None:
             exc = self.translate(exc)
         with self._lock:
@@ -73,7 +73,7 @@ class Future(Generic[T]):
             except Exception:  # on the reader thread: one bad callback must not drop other answers
                 log.exception("a future's done-callback raised")
 
-    def add_done_callback(self, fn: Callable[["Future[T]"], None]) -> None:
+    def add_done_callback(self, fn: Callable[[Future[T]], None]) -> None:
         with self._lock:
             if not self.done():
                 self._callbacks.append(fn)
@@ -85,14 +85,17 @@ class Future(Generic[T]):
     def done(self) -> bool:
         return self._value is not _UNSET or self._exc is not None
 
-    def _wait(self, timeout: Optional[float]) -> bool:
+    def _wait(self, timeout: float | None) -> bool:
         if self.done():
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.loop_thread == threading.get_ident() and (
-                self._loop_parts is None or any(not p.done() for p in self._loop_parts)):
-            raise RuntimeError("this future is answered by this proc's own event loop (a port here, or an actor "
-                               "of this same proc): use `await` in an async endpoint instead of .get()")
+            self._loop_parts is None or any(not p.done() for p in self._loop_parts)
+        ):
+            raise RuntimeError(
+                "this future is answered by this proc's own event loop (a port here, or an actor "
+                "of this same proc): use `await` in an async endpoint instead of .get()"
+            )
         if self._hub is not None:
             return self._hub.wait(self.done, deadline)
         with self._lock:
@@ -103,7 +106,7 @@ class Future(Generic[T]):
             return True
         return event.wait(timeout)
 
-    def get(self, timeout: Optional[float] = None) -> T:
+    def get(self, timeout: float | None = None) -> T:
         """Blocks for the value; a timeout raises TimeoutError and leaves the future pending."""
         if not self._wait(timeout):
             raise TimeoutError(f"no answer within {timeout} s (still pending: get() again to keep waiting)")
@@ -111,10 +114,10 @@ class Future(Generic[T]):
             raise self._exc
         return self._value
 
-    def result(self, timeout: Optional[float] = None) -> T:
+    def result(self, timeout: float | None = None) -> T:
         return self.get(timeout)
 
-    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+    def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self._wait(timeout):
             raise TimeoutError(f"no answer within {timeout} s")
         return self._exc
@@ -131,6 +134,7 @@ class Future(Generic[T]):
                 def wait() -> None:
                     while not stop.is_set() and not self._wait(0.5):
                         pass
+
                 try:
                     yield from loop.run_in_executor(_waiters(), wait).__await__()
                 finally:
@@ -139,7 +143,7 @@ class Future(Generic[T]):
                 waiter = loop.create_future()
                 on_loop = threading.get_ident()
 
-                def wake(_f: "Future[T]") -> None:
+                def wake(_f: Future[T]) -> None:
                     if threading.get_ident() == on_loop:  # completed by the loop's own reading
                         waiter.done() or waiter.set_result(None)
                     else:
@@ -156,14 +160,14 @@ class Future(Generic[T]):
     # ------------------------------------------------------------ combining
 
     @staticmethod
-    def resolved(value: Any) -> "Future[Any]":
+    def resolved(value: Any) -> Future[Any]:
         """A future that already holds ``value`` (what Monarch returns as a Future is often ready here)."""
         fut: Future[Any] = Future()
         fut.set_result(value)
         return fut
 
     @staticmethod
-    def gather(hub: Optional["Hub"], parts: Sequence["Future[Any]"], combine: Callable[[List[Any]], Any]) -> "Future[Any]":
+    def gather(hub: Hub | None, parts: Sequence[Future[Any]], combine: Callable[[list[Any]], Any]) -> Future[Any]:
         """A future for all ``parts``: their values combined, or the first failure in order."""
         out: Future[Any] = Future(hub)
         out.loop_thread = next((p.loop_thread for p in parts if p.loop_thread is not None), None)

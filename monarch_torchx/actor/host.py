@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any
 
 from ..private import agent_temp_dir, node_temp_root, remove_empty_dirs
 from ..specs import TERMINAL, LaunchSpec
@@ -50,15 +50,15 @@ class MeshModule:
         self.agent = agent
         self.root = node_temp_root()
         self.rendezvous = str(agent_temp_dir("procs", agent.pool, agent.index))  # where procs say they listen
-        self._bell: Optional[socket.socket] = None
-        self._bell_loop: Optional[asyncio.AbstractEventLoop] = None
+        self._bell: socket.socket | None = None
+        self._bell_loop: asyncio.AbstractEventLoop | None = None
         # mesh id -> its spawn's wake-up and the ranks that rang since it last looked
-        self._waiting: Dict[str, Tuple[asyncio.Event, Set[int]]] = {}
+        self._waiting: dict[str, tuple[asyncio.Event, set[int]]] = {}
 
-    def operations(self) -> Dict[str, Any]:
+    def operations(self) -> dict[str, Any]:
         return {"mesh.spawn": (self.op_spawn, None)}
 
-    def background_tasks(self) -> List[Any]:
+    def background_tasks(self) -> list[Any]:
         return []
 
     def stop(self) -> None:
@@ -69,7 +69,7 @@ class MeshModule:
         shutil.rmtree(self.rendezvous, ignore_errors=True)
         remove_empty_dirs(Path(self.rendezvous).parent, self.root)
 
-    def _bell_path(self) -> Optional[str]:
+    def _bell_path(self) -> str | None:
         """The socket procs ring once they listen (made at the first spawn), so a spawn wakes as
         each proc is ready instead of polling for its file while hundreds of procs start."""
         path = os.path.join(self.rendezvous, "bell")
@@ -103,8 +103,15 @@ class MeshModule:
                 waiting[1].add(int(rank))
                 waiting[0].set()
 
-    async def op_spawn(self, peer: Any, mesh_id: str, ranks: List[int], env: Optional[Dict[str, str]] = None,
-                    binds: Optional[List[Dict[str, str]]] = None, python: Optional[str] = None) -> List[Dict[str, Any]]:
+    async def op_spawn(
+        self,
+        peer: Any,
+        mesh_id: str,
+        ranks: list[int],
+        env: dict[str, str] | None = None,
+        binds: list[dict[str, str]] | None = None,
+        python: str | None = None,
+    ) -> list[dict[str, Any]]:
         """Starts one proc per rank; returns their addresses once every one listens. ``binds``:
         each proc's CPU and NUMA placement (``spawn_procs(proc_bind=...)``), which it applies
         to itself as it starts. ``python``: the interpreter to exec instead of forking a warm
@@ -128,9 +135,17 @@ class MeshModule:
         finally:
             self._waiting.pop(mesh_id, None)
 
-    async def _start(self, mesh_id: str, ranks: List[int], env: Optional[Dict[str, str]],
-                     binds: Optional[List[Dict[str, str]]], exe: str, advertise: str, bell: Optional[str],
-                     rung: Tuple[asyncio.Event, Set[int]]) -> List[Dict[str, Any]]:
+    async def _start(
+        self,
+        mesh_id: str,
+        ranks: list[int],
+        env: dict[str, str] | None,
+        binds: list[dict[str, str]] | None,
+        exe: str,
+        advertise: str,
+        bell: str | None,
+        rung: tuple[asyncio.Event, set[int]],
+    ) -> list[dict[str, Any]]:
         files = {}
         for i, rank in enumerate(ranks):
             path = os.path.join(self.rendezvous, f"{mesh_id}.{rank}.json")
@@ -138,20 +153,31 @@ class MeshModule:
             proc_env = dict(env or {})
             if binds is not None:
                 proc_env[placement.ENV] = json.dumps(binds[i])
-            proc_env.update({
-                "MONARCH_TORCHX_STATE_DIR": str(self.agent.state_dir), "MONARCH_TORCHX_MESH_ID": mesh_id,
-                "MONARCH_TORCHX_PROC_RANK": str(rank), "MONARCH_TORCHX_PROC_BIND": self.agent.tcp_bind,
-                "MONARCH_TORCHX_PROC_ADVERTISE": advertise, "MONARCH_TORCHX_PROC_ADDR_FILE": path,
-                **({BELL_ENV: bell} if bell else {}),
-            })
-            await self.agent.procs.launch(LaunchSpec(app_id=app_id(mesh_id), role="proc", replica_id=rank,
-                                                argv=[exe, "-m", "monarch_torchx.actor"],
-                                                env=proc_env))
+            proc_env.update(
+                {
+                    "MONARCH_TORCHX_STATE_DIR": str(self.agent.state_dir),
+                    "MONARCH_TORCHX_MESH_ID": mesh_id,
+                    "MONARCH_TORCHX_PROC_RANK": str(rank),
+                    "MONARCH_TORCHX_PROC_BIND": self.agent.tcp_bind,
+                    "MONARCH_TORCHX_PROC_ADVERTISE": advertise,
+                    "MONARCH_TORCHX_PROC_ADDR_FILE": path,
+                    **({BELL_ENV: bell} if bell else {}),
+                }
+            )
+            await self.agent.procs.launch(
+                LaunchSpec(
+                    app_id=app_id(mesh_id),
+                    role="proc",
+                    replica_id=rank,
+                    argv=[exe, "-m", "monarch_torchx.actor"],
+                    env=proc_env,
+                )
+            )
         out = []
         deadline = time.monotonic() + SPAWN_TIMEOUT_S
         delay = 0.001
         pending = dict(files)
-        found: Dict[int, Dict[str, Any]] = {}
+        found: dict[int, dict[str, Any]] = {}
         look = list(pending)  # every proc at first; then those that rang (all, now and then, without a bell)
         looked_at_all = time.monotonic()
         while pending:
@@ -171,14 +197,17 @@ class MeshModule:
                 if rep is not None and rep.state in TERMINAL:
                     await self.agent.procs.kill(self.agent.procs.select(app_id(mesh_id)), grace=1.0)
                     tail = _stderr_tail(rep)
-                    raise RuntimeError(f"proc {rank} on host {self.agent.index} {rep.msg or 'exited'} before it listened"
-                                       + (f": {tail}" if tail else ""))
+                    raise RuntimeError(
+                        f"proc {rank} on host {self.agent.index} {rep.msg or 'exited'} before it listened"
+                        + (f": {tail}" if tail else "")
+                    )
             if not pending:
                 break
             if time.monotonic() > deadline:
                 await self.agent.procs.kill(self.agent.procs.select(app_id(mesh_id)), grace=1.0)
-                raise RuntimeError(f"procs {sorted(pending)} on host {self.agent.index} did not start within "
-                                   f"{SPAWN_TIMEOUT_S:.0f} s")
+                raise RuntimeError(
+                    f"procs {sorted(pending)} on host {self.agent.index} did not start within {SPAWN_TIMEOUT_S:.0f} s"
+                )
             if bell is None:
                 await asyncio.sleep(delay)
                 delay = min(delay * 1.5, 0.02)
@@ -197,8 +226,16 @@ class MeshModule:
                 look, looked_at_all = list(pending), time.monotonic()
         for rank in ranks:
             info = found[rank]
-            out.append({"rank": rank, "host": info["host"], "port": info["port"], "pid": info["pid"],
-                        "host_index": self.agent.index, "hostname": os.uname().nodename})
+            out.append(
+                {
+                    "rank": rank,
+                    "host": info["host"],
+                    "port": info["port"],
+                    "pid": info["pid"],
+                    "host_index": self.agent.index,
+                    "hostname": os.uname().nodename,
+                }
+            )
         return out
 
 

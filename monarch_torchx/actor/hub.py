@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, NamedTuple
 
 from .. import wire
 from ..credentials import PoolCredentials
@@ -51,7 +51,7 @@ class ProcAddr(NamedTuple):
     identity: str
 
 
-def encode(header: "messages.Message", payload: Any = None, packed: Optional[List[Any]] = None) -> List[Any]:
+def encode(header: messages.Message, payload: Any = None, packed: list[Any] | None = None) -> list[Any]:
     """Frame parts for ``header`` + ``payload`` (or an already packed payload: [body, *bufs])."""
     if packed is None:
         body, bufs = pickling.dumps(payload)
@@ -59,17 +59,18 @@ def encode(header: "messages.Message", payload: Any = None, packed: Optional[Lis
     return wire.frame_parts(messages.dumps(header), packed)
 
 
-def pack(payload: Any) -> List[Any]:
+def pack(payload: Any) -> list[Any]:
     body, bufs = pickling.dumps(payload)
     return [pickle.PickleBuffer(body), *bufs]
 
 
-def unpack(bufs: List[bytearray]) -> Any:
+def unpack(bufs: list[bytearray]) -> Any:
     return pickling.loads(bufs[0], bufs[1:])
 
 
-def send_parts(sock: socket.socket, parts: List[Any], timeout: float = SEND_TIMEOUT_S,
-               io_lock: Optional[threading.Lock] = None) -> None:
+def send_parts(
+    sock: socket.socket, parts: list[Any], timeout: float = SEND_TIMEOUT_S, io_lock: threading.Lock | None = None
+) -> None:
     """Writes a whole frame on a non-blocking socket (gathered, nothing joined). ``io_lock``:
     held around each write (never while waiting), as OpenSSL takes one call at a time per socket."""
     views = [memoryview(p).cast("B") for p in parts]
@@ -109,7 +110,7 @@ def raise_open_files_limit() -> None:
             pass
 
 
-def _send_now(sock: socket.socket, parts: List[Any], io_lock: threading.Lock) -> List[memoryview]:
+def _send_now(sock: socket.socket, parts: list[Any], io_lock: threading.Lock) -> list[memoryview]:
     """Sends what the socket takes without waiting; returns what is left."""
     views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
     while views:
@@ -131,7 +132,7 @@ def _close_selected(sel: selectors.BaseSelector, sock: socket.socket) -> None:
     sock.close()
 
 
-def _copy(parts: List[Any]) -> bytes:
+def _copy(parts: list[Any]) -> bytes:
     """The unsent rest of a frame, copied: the sender may change its tensors once send() returns."""
     return b"".join(bytes(memoryview(p).cast("B")) for p in parts)
 
@@ -139,26 +140,26 @@ def _copy(parts: List[Any]) -> bytes:
 class Conn:
     """One authenticated connection; requests go out, replies (or port messages) come in."""
 
-    def __init__(self, hub: "Hub", addr: ProcAddr, sock: Optional[socket.socket]):
+    def __init__(self, hub: Hub, addr: ProcAddr, sock: socket.socket | None):
         self.hub = hub
         self.addr = addr
         self.sock = sock
         self.parser = wire.FrameParser()
         self.send_lock = threading.Lock()
         self.io_lock = threading.Lock()  # one socket call at a time (a TLS socket is not full duplex)
-        self.pending: Dict[int, Future[Any]] = {}
-        self.error: Optional[BaseException] = None
+        self.pending: dict[int, Future[Any]] = {}
+        self.error: BaseException | None = None
         self.inbound = False  # a peer's connection to our inbox: it only brings port messages
-        self.backlog: Optional[Deque[bytes]] = None  # frames a proc's loop handed to a writer thread
-        self.on_lost: Optional[Callable[[ProcAddr], None]] = None  # we own the proc: told if this breaks
+        self.backlog: collections.deque[bytes] | None = None  # frames a proc's loop handed to a writer thread
+        self.on_lost: Callable[[ProcAddr], None] | None = None  # we own the proc: told if this breaks
 
     @staticmethod
-    def open(hub: "Hub", addr: ProcAddr) -> socket.socket:
+    def open(hub: Hub, addr: ProcAddr) -> socket.socket:
         sock = wire.dial(addr.host, addr.port, hub.creds, addr.identity.encode(), CONNECT_TIMEOUT_S)
         sock.setblocking(False)
         return sock
 
-    def send(self, parts: List[Any], rid: int = 0, fut: Optional[Future[Any]] = None) -> None:
+    def send(self, parts: list[Any], rid: int = 0, fut: Future[Any] | None = None) -> None:
         with self.send_lock:
             if self.error is not None:
                 if fut is None:
@@ -167,7 +168,7 @@ class Conn:
                 return
             if fut is not None:
                 self.pending[rid] = fut  # before the send: the reply may be read at once
-            failure: Optional[BaseException] = None
+            failure: BaseException | None = None
             try:
                 if self.backlog is not None:  # a writer thread is still sending earlier frames: queue behind
                     self.backlog.append(_copy(parts))
@@ -244,25 +245,25 @@ class Hub:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self._conns: Dict[ProcAddr, Conn] = {}
+        self._conns: dict[ProcAddr, Conn] = {}
         self._lock = threading.Lock()
-        self._connecting: Dict[ProcAddr, threading.Lock] = {}
-        self.dead: Dict[ProcAddr, BaseException] = {}
-        self.explain: Dict[ProcAddr, Callable[[], str]] = {}  # why a proc is gone (asks its agent)
+        self._connecting: dict[ProcAddr, threading.Lock] = {}
+        self.dead: dict[ProcAddr, BaseException] = {}
+        self.explain: dict[ProcAddr, Callable[[], str]] = {}  # why a proc is gone (asks its agent)
         self._reading = False
         self._cond = threading.Condition()
-        self.closing: Dict[ProcAddr, BaseException] = {}  # procs being stopped on purpose
+        self.closing: dict[ProcAddr, BaseException] = {}  # procs being stopped on purpose
         # how a proc reaches actors of its own process (an actor proc's own; the controller's own proc)
-        self.locals: Dict[ProcAddr, "LocalConn"] = {}
+        self.locals: dict[ProcAddr, LocalConn] = {}
         self.mesh_refs_sent: set = set()  # (proc, mesh id, procs): that proc has the mesh's procs (proc_mesh)
         self.refs_lock = threading.Lock()
         self._waiters = 0
         self._ids = itertools.count(1)
-        self._seqs: Dict[ProcAddr, "itertools.count[int]"] = {}
-        self.ports: Dict[str, Callable[[Any], None]] = {}  # port id -> deliver(value)
-        self.actors_on: Dict[ProcAddr, List[str]] = {}  # what a supervision report says ran on a proc
-        self.listen_addr: Optional[ProcAddr] = None
-        self._losses: Optional["queue.SimpleQueue[Tuple[ProcAddr, Callable[[ProcAddr], None]]]"] = None
+        self._seqs: dict[ProcAddr, itertools.count[int]] = {}
+        self.ports: dict[str, Callable[[Any], None]] = {}  # port id -> deliver(value)
+        self.actors_on: dict[ProcAddr, list[str]] = {}  # what a supervision report says ran on a proc
+        self.listen_addr: ProcAddr | None = None
+        self._losses: queue.SimpleQueue[tuple[ProcAddr, Callable[[ProcAddr], None]]] | None = None
         # the idle reader: reads when no caller has for IDLE_READ_S, so a supervision event
         # reaches its hook while the program waits on something else (as Monarch's runtime does)
         self._idle_reader = False
@@ -270,7 +271,7 @@ class Hub:
         self._want_lead = False  # a caller asked the idle reader to hand the role over
         self._last_caller = time.monotonic()
         # an actor proc's event loop, reading when no thread does (read_on_loop)
-        self._loop: Optional[Any] = None
+        self._loop: Any | None = None
         self._loop_watching = False  # its reader is registered (taken off while a thread reads)
 
     # ------------------------------------------------------------ connections
@@ -344,18 +345,19 @@ class Hub:
         c = self._conns.get(addr)
         return len(c.pending) if c else 0
 
-    def _lost_error(self, addr: ProcAddr, cause: Optional[BaseException]) -> BaseException:
+    def _lost_error(self, addr: ProcAddr, cause: BaseException | None) -> BaseException:
         explain = self.explain.get(addr)
         if explain is not None:
             try:
                 return SupervisionError(explain())
             except Exception as e:  # the agent is gone too
-                return SupervisionError(f"proc {addr.identity} at {addr.host}:{addr.port} is lost "
-                                        f"and its host did not answer ({e})")
+                return SupervisionError(
+                    f"proc {addr.identity} at {addr.host}:{addr.port} is lost and its host did not answer ({e})"
+                )
         why = f": {cause}" if cause else " (connection closed)"
         return SupervisionError(f"proc {addr.identity} at {addr.host}:{addr.port} is lost{why}")
 
-    def lost(self, conn: Conn, cause: Optional[BaseException], remember: bool = True) -> None:
+    def lost(self, conn: Conn, cause: BaseException | None, remember: bool = True) -> None:
         """A connection broke: fail what waits on it, and (unless told not to) remember why."""
         if conn.error is not None:
             return
@@ -390,7 +392,7 @@ class Hub:
 
     # ------------------------------------------------------------ reading
 
-    def dispatch(self, conn: Conn, body: Any, bufs: List[bytearray]) -> None:
+    def dispatch(self, conn: Conn, body: Any, bufs: list[bytearray]) -> None:
         try:
             header = messages.decode(body, messages.TO_CALLER)
         except wire.MalformedFrame as e:
@@ -405,7 +407,7 @@ class Hub:
         if self._waiters:
             self.notify()
 
-    def _answer(self, conn: Conn, header: messages.Answer, bufs: List[bytearray]) -> None:
+    def _answer(self, conn: Conn, header: messages.Answer, bufs: list[bytearray]) -> None:
         fut = conn.pending.pop(header.rid, None)
         if fut is None:
             return
@@ -421,7 +423,7 @@ class Hub:
 
             fut.set_exception(remote_error(value))
 
-    def deliver_to_port(self, header: messages.PortValue, bufs: List[bytearray]) -> None:
+    def deliver_to_port(self, header: messages.PortValue, bufs: list[bytearray]) -> None:
         """A port's value, to the receiver this process opened (dropped when it is closed)."""
         deliver = self.ports.get(header.port_id)
         if deliver is not None:
@@ -430,7 +432,7 @@ class Hub:
             except Exception as e:
                 log.warning("dropped a message for port %s: %s", header.port_id, e)
 
-    def _fault(self, owner_actor: str, bufs: List[bytearray]) -> None:
+    def _fault(self, owner_actor: str, bufs: list[bytearray]) -> None:
         """An actor this process spawned failed: to the spawning actor's ``__supervise__`` in a
         proc, to ``unhandled_fault_hook`` in a controller."""
         from . import session, supervision
@@ -459,7 +461,7 @@ class Hub:
             pass
         self.notify()
 
-    def wait(self, done: Callable[[], bool], deadline: Optional[float]) -> bool:
+    def wait(self, done: Callable[[], bool], deadline: float | None) -> bool:
         """Blocks until ``done()``; the first waiter reads the sockets for everyone.
 
         Taking the reader role and going to sleep are decided under one lock, so a waiter can
@@ -532,6 +534,7 @@ class Hub:
 
         def watch() -> None:
             self._loop.add_reader(self.sel.fileno(), self._read_on_loop)
+
         try:
             self._loop.call_soon_threadsafe(watch)
         except RuntimeError:  # the loop is closed: the proc is ending
@@ -581,7 +584,7 @@ class Hub:
                     self._reading = self._idle_leads = self._want_lead = False
                     self._cond.notify_all()
 
-    def _pump(self, done: Callable[[], bool], deadline: Optional[float], idle: bool = False) -> None:
+    def _pump(self, done: Callable[[], bool], deadline: float | None, idle: bool = False) -> None:
         while not done():
             left = 1.0 if deadline is None else min(deadline - time.monotonic(), 1.0)
             if left <= 0:
@@ -601,7 +604,7 @@ class Hub:
 
     # ------------------------------------------------------------ ports (a controller's inbox)
 
-    def local_address(self, toward: Optional[str] = None) -> str:
+    def local_address(self, toward: str | None = None) -> str:
         """The local address procs can reach us on: the one our connections to them leave from,
         or (none yet) the one the route to host ``toward`` leaves from (no packet is sent)."""
         for conn in list(self._conns.values()):
@@ -649,13 +652,15 @@ class Hub:
     def ending_all(self) -> None:
         """Every proc this process owns in this pool is let go on purpose (the pool is stopping,
         or shutdown_context()): their connections close, so they stop as if it had exited."""
-        gone = {addr: self.closing.setdefault(addr, ProcStopped(f"proc {addr.identity} ended: its pool was stopped"))
-                for addr in list(self.explain)}  # (kept here: a stop() finishing meanwhile drops its closing entry)
+        gone = {
+            addr: self.closing.setdefault(addr, ProcStopped(f"proc {addr.identity} ended: its pool was stopped"))
+            for addr in list(self.explain)
+        }  # (kept here: a stop() finishing meanwhile drops its closing entry)
         self.unwatch_all(list(gone))
         for addr, err in gone.items():
             self.mark_dead(addr, err)
 
-    def unwatch_all(self, addrs: List[ProcAddr]) -> None:
+    def unwatch_all(self, addrs: list[ProcAddr]) -> None:
         """These procs are being stopped on purpose: their connections' end is not a failure."""
         for a in addrs:
             c = self._conns.get(a)
@@ -669,12 +674,13 @@ class Hub:
         with self._lock:
             if self._losses is None:
                 self._losses = queue.SimpleQueue()
-                threading.Thread(target=_report_losses, args=(self._losses,), name="monarch-torchx-supervision",
-                                 daemon=True).start()
+                threading.Thread(
+                    target=_report_losses, args=(self._losses,), name="monarch-torchx-supervision", daemon=True
+                ).start()
             self._losses.put((addr, on_lost))
 
 
-def _report_losses(losses: "queue.SimpleQueue[Tuple[ProcAddr, Callable[[ProcAddr], None]]]") -> None:
+def _report_losses(losses: queue.SimpleQueue[tuple[ProcAddr, Callable[[ProcAddr], None]]]) -> None:
     while True:
         addr, on_lost = losses.get()
         try:
@@ -690,15 +696,21 @@ class LocalConn:
     back the same way. From the loop's own thread only ``await`` can wait for it.
     """
 
-    def __init__(self, hub: Hub, addr: ProcAddr, deliver: Callable[[Any, Any, List[bytearray]], None],
-                 loop: Any, loop_thread: int):
+    def __init__(
+        self,
+        hub: Hub,
+        addr: ProcAddr,
+        deliver: Callable[[Any, Any, list[bytearray]], None],
+        loop: Any,
+        loop_thread: int,
+    ):
         self.hub = hub
         self.addr = addr
         self._deliver = deliver
         self._loop = loop
         self._loop_thread = loop_thread
-        self.pending: Dict[int, Future[Any]] = {}
-        self.error: Optional[BaseException] = None
+        self.pending: dict[int, Future[Any]] = {}
+        self.error: BaseException | None = None
 
     def on_loop_thread(self) -> bool:
         return threading.get_ident() == self._loop_thread
@@ -711,7 +723,7 @@ class LocalConn:
             fut.set_exception(err)
         self.hub.wake()
 
-    def send(self, parts: List[Any], rid: int = 0, fut: Optional[Future[Any]] = None) -> None:
+    def send(self, parts: list[Any], rid: int = 0, fut: Future[Any] | None = None) -> None:
         if self.error is not None:
             if fut is None:
                 raise self.error
@@ -752,7 +764,7 @@ class Inbox:
     def __init__(self, hub: Hub, host: str, identity: str):
         self.hub = hub
         self.sel = selectors.DefaultSelector()  # only the inbox thread touches it
-        self._new: "queue.SimpleQueue[Tuple[socket.socket, Any]]" = queue.SimpleQueue()
+        self._new: queue.SimpleQueue[tuple[socket.socket, Any]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self.sel.register(self._wake_r, selectors.EVENT_READ, None)
         self.acceptor = wire.ThreadedAcceptor(host, hub.creds, identity.encode(), self._add, name="inbox", backlog=64)
@@ -792,4 +804,3 @@ class Inbox:
         if conn.error is not None:
             _close_selected(self.sel, conn.sock)
             self.acceptor.forget(conn.sock)
-

@@ -21,7 +21,7 @@ import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
 
 from .. import wire
 from ..errors import MonarchError
@@ -54,7 +54,7 @@ class ProcRef:
     rank: int
     host_index: int
     hostname: str
-    agent: Optional[ProcAddr]  # None: the controller's own proc (no agent started it)
+    agent: ProcAddr | None  # None: the controller's own proc (no agent started it)
 
 
 class _MeshTrait:
@@ -79,10 +79,10 @@ class _MeshTrait:
         return self._shape.extent
 
     @property
-    def sizes(self) -> Dict[str, int]:
+    def sizes(self) -> dict[str, int]:
         return dict(self._shape.extent)
 
-    def size(self, dim: Optional[str] = None) -> int:
+    def size(self, dim: str | None = None) -> int:
         if dim is None:
             return len(self._shape)
         return self._shape.extent[self._shape.labels[self._shape._dim(dim)]]
@@ -100,28 +100,30 @@ PYTHON_ENV = "MONARCH_TORCHX_PROC_PYTHON"  # a proc's with_python_executable(), 
 class HostMesh(_MeshTrait):
     """The hosts of a warm pool. Spawning procs on it is cheap: the hosts stay up."""
 
-    def __init__(self, pool: str, hosts: Sequence[HostAddr], shape: Optional[Shape] = None):
+    def __init__(self, pool: str, hosts: Sequence[HostAddr], shape: Shape | None = None):
         self.pool = pool
         self._hosts = list(hosts)
         self._shape = shape or Shape.dense(("hosts",), (len(self._hosts),))
         self._shut_down = False
         self._received = False  # unpickled: a reference, which cannot end the hosts
-        self._spawned: List["ProcMesh"] = []  # what stop() ends
-        self._python: Optional[str] = None  # with_python_executable(): procs exec it, not a warm fork
+        self._spawned: list[ProcMesh] = []  # what stop() ends
+        self._python: str | None = None  # with_python_executable(): procs exec it, not a warm fork
 
-    def _with_shape(self, shape: Shape) -> "HostMesh":
+    def _with_shape(self, shape: Shape) -> HostMesh:
         mesh = HostMesh(self.pool, self._hosts, shape)
         mesh._received = self._received  # a slice of a reference is a reference
         mesh._python = self._python
         return mesh
 
-    def with_python_executable(self, python_executable: str) -> "HostMesh":
+    def with_python_executable(self, python_executable: str) -> HostMesh:
         """As Monarch's: this mesh, whose procs run under ``python_executable`` (a path on the
         hosts, such as a wrapper script or another venv's interpreter), and so do the procs their
         actors spawn with ``this_host()``. Such procs are started by exec, so they are not warm:
         they import what they need themselves."""
         if not isinstance(python_executable, str) or not python_executable:
-            raise ValueError(f"with_python_executable() needs the path of a Python executable, not {python_executable!r}")
+            raise ValueError(
+                f"with_python_executable() needs the path of a Python executable, not {python_executable!r}"
+            )
         mesh = self._with_shape(self._shape)
         mesh._python = python_executable
         return mesh
@@ -130,7 +132,7 @@ class HostMesh(_MeshTrait):
         return f"HostMesh(pool={self.pool!r}, {self.extent!r})"
 
     @property
-    def initialized(self) -> "Future[bool]":
+    def initialized(self) -> Future[bool]:
         """As Monarch's: completes (True) once the hosts are up; a pool's agents are up already."""
         return Future.resolved(True)
 
@@ -152,7 +154,7 @@ class HostMesh(_MeshTrait):
         if self._shut_down:
             raise RuntimeError(f"HostMesh has already been shut down (pool {self.pool!r} was stopped through it)")
 
-    def stop(self) -> "Future[None]":
+    def stop(self) -> Future[None]:
         """Stops the procs spawned through this HostMesh object, and no others, as Monarch's
         ``HostMesh.stop()``; the hosts stay up (the pool warm)."""
         spawned, self._spawned = self._spawned, []
@@ -160,21 +162,21 @@ class HostMesh(_MeshTrait):
             return Future.resolved(None)
         return Future.gather(session.hub_for(self.pool), [pm.stop() for pm in spawned], lambda _v: None)
 
-    def __enter__(self) -> "HostMesh":
+    def __enter__(self) -> HostMesh:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if not self._shut_down:
             self.shutdown().get()
 
-    async def __aenter__(self) -> "HostMesh":
+    async def __aenter__(self) -> HostMesh:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         if not self._shut_down:
             await self.shutdown()
 
-    def shutdown(self) -> "Future[None]":
+    def shutdown(self) -> Future[None]:
         """Ends the hosts, as Monarch's ``HostMesh.shutdown()``: here, stops the warm pool (its
         agents, procs and allocation). The Future completes once it is stopped; a second
         shutdown, or a spawn_procs after it, raises RuntimeError."""
@@ -182,8 +184,10 @@ class HostMesh(_MeshTrait):
 
         self._check_live()
         if self._received:
-            raise RuntimeError(f"this HostMesh of pool {self.pool!r} was received (unpickled), not created here: only "
-                               "the process that holds the original can shut the hosts down")
+            raise RuntimeError(
+                f"this HostMesh of pool {self.pool!r} was received (unpickled), not created here: only "
+                "the process that holds the original can shut the hosts down"
+            )
         self._shut_down = True
         done: Future[None] = Future()
 
@@ -194,12 +198,19 @@ class HostMesh(_MeshTrait):
                 done.set_exception(e)
             else:
                 done.set_result(None)
+
         threading.Thread(target=stop, name="monarch-torchx-shutdown", daemon=True).start()
         return done
 
-    def spawn_procs(self, per_host: Optional[Dict[str, int]] = None, *, env: Optional[Dict[str, str]] = None,
-                    name: str = "procs", bootstrap: Optional[Callable[[], Any]] = None,
-                    proc_bind: Optional[List[Dict[str, str]]] = None) -> "ProcMesh":
+    def spawn_procs(
+        self,
+        per_host: dict[str, int] | None = None,
+        *,
+        env: dict[str, str] | None = None,
+        name: str = "procs",
+        bootstrap: Callable[[], Any] | None = None,
+        proc_bind: list[dict[str, str]] | None = None,
+    ) -> ProcMesh:
         """Starts ``per_host`` procs on every host of this mesh (from the agents' warm fork servers).
         ``bootstrap`` (Monarch's): a function every proc runs before it makes any other actor
         (picklable by value, like an actor's arguments); spawn_procs returns at once, and if it
@@ -217,7 +228,10 @@ class HostMesh(_MeshTrait):
                     ready.set_result(True)
                     return
                 ready.set_exception(f._exc)
-                threading.Thread(target=lambda: procs.stop().get(), daemon=True, name="monarch-torchx-bootstrap").start()
+                threading.Thread(
+                    target=lambda: procs.stop().get(), daemon=True, name="monarch-torchx-bootstrap"
+                ).start()
+
             booted.add_done_callback(settle)
             procs._initialized = ready
             return procs
@@ -234,8 +248,11 @@ class HostMesh(_MeshTrait):
         hub = session.hub_for(self.pool)
         mesh_id = uuid.uuid4().hex[:12]
         hosts = [self._hosts[r] for r in self._shape.ranks]
-        proc_env = {"MONARCH_TORCHX_PROC_PATH": os.pathsep.join(_controller_paths()),
-                    "MONARCH_TORCHX_PROC_CWD": _controller_cwd(), **(env or {})}
+        proc_env = {
+            "MONARCH_TORCHX_PROC_PATH": os.pathsep.join(_controller_paths()),
+            "MONARCH_TORCHX_PROC_CWD": _controller_cwd(),
+            **(env or {}),
+        }
         if self._python is not None:  # and this_host() in its actors keeps it
             proc_env[PYTHON_ENV] = self._python
         from .controllers import ENV as CONTROLLERS
@@ -246,22 +263,35 @@ class HostMesh(_MeshTrait):
         elif os.environ.get(CONTROLLERS):  # and so can the procs those actors start
             proc_env[CONTROLLERS] = os.environ[CONTROLLERS]
 
-        def start(h: int) -> List[Dict[str, Any]]:
-            return _agent_call(hub, hosts[h], "mesh.spawn", timeout=180.0,
-                               **_spawn_args(mesh_id, list(range(h * local, (h + 1) * local)), proc_env, binds,
-                                             self._python))
+        def start(h: int) -> list[dict[str, Any]]:
+            return _agent_call(
+                hub,
+                hosts[h],
+                "mesh.spawn",
+                timeout=180.0,
+                **_spawn_args(mesh_id, list(range(h * local, (h + 1) * local)), proc_env, binds, self._python),
+            )
 
-        results: List[Optional[List[Dict[str, Any]]]] = [None] * len(hosts)
-        errors: List[str] = []
+        results: list[list[dict[str, Any]] | None] = [None] * len(hosts)
+        errors: list[str] = []
         from ..pool import tree_min_hosts
 
         if len(hosts) >= tree_min_hosts():  # through the agents' relay tree: a few connections, not N
             from ..agent.relay import Target, ask_tree
 
-            calls = {host.index: [_spawn_args(mesh_id, list(range(h * local, (h + 1) * local)), proc_env, binds,
-                                              self._python)] for h, host in enumerate(hosts)}
-            outcomes = ask_tree([Target(host.index, host.host, host.port, host.identity(self.pool).decode())
-                                 for host in hosts], hub.creds, "mesh.spawn", calls=calls, timeout=180.0)
+            calls = {
+                host.index: [
+                    _spawn_args(mesh_id, list(range(h * local, (h + 1) * local)), proc_env, binds, self._python)
+                ]
+                for h, host in enumerate(hosts)
+            }
+            outcomes = ask_tree(
+                [Target(host.index, host.host, host.port, host.identity(self.pool).decode()) for host in hosts],
+                hub.creds,
+                "mesh.spawn",
+                calls=calls,
+                timeout=180.0,
+            )
             for h, host in enumerate(hosts):
                 o = outcomes.get(host.index) or {"ok": False, "error": "no answer"}
                 if o["ok"]:
@@ -287,10 +317,22 @@ class HostMesh(_MeshTrait):
         for h, host in enumerate(hosts):
             agent = ProcAddr(host.host, host.port, host.identity(self.pool).decode())
             for info in results[h] or []:
-                procs.append(ProcRef(ProcAddr(info["host"], info["port"], f"{self.pool}/proc/{mesh_id}/{info['rank']}"),
-                                     mesh_id, info["rank"], host.index, info["hostname"], agent))
-        mesh = ProcMesh(self.pool, procs, Shape.dense(self._shape.labels + tuple(per_host),
-                                                      self._shape.sizes + tuple(per_host.values())), mesh_id)
+                procs.append(
+                    ProcRef(
+                        ProcAddr(info["host"], info["port"], f"{self.pool}/proc/{mesh_id}/{info['rank']}"),
+                        mesh_id,
+                        info["rank"],
+                        host.index,
+                        info["hostname"],
+                        agent,
+                    )
+                )
+        mesh = ProcMesh(
+            self.pool,
+            procs,
+            Shape.dense(self._shape.labels + tuple(per_host), self._shape.sizes + tuple(per_host.values())),
+            mesh_id,
+        )
         try:
             mesh._own(hub)
         except Exception as e:
@@ -302,7 +344,9 @@ class HostMesh(_MeshTrait):
                     _agent_call(hub, host, "kill", timeout=10.0, app_id=app_id(mesh_id), grace=1.0)
                 except Exception:
                     pass
-            raise MonarchError(f"spawn_procs on pool {self.pool!r} failed: could not connect to the procs: {e}") from None
+            raise MonarchError(
+                f"spawn_procs on pool {self.pool!r} failed: could not connect to the procs: {e}"
+            ) from None
         self._spawned.append(mesh)
         me = session.this_proc()
         if me is not None:  # an actor's procs: stopped with it, as in Monarch
@@ -310,14 +354,20 @@ class HostMesh(_MeshTrait):
         return mesh
 
 
-def _spawn_args(mesh_id: str, ranks: List[int], env: Dict[str, str], binds: Optional[List[Dict[str, str]]],
-                python: Optional[str]) -> Dict[str, Any]:
+def _spawn_args(
+    mesh_id: str, ranks: list[int], env: dict[str, str], binds: list[dict[str, str]] | None, python: str | None
+) -> dict[str, Any]:
     """The agent's ``mesh.spawn`` arguments for one host."""
-    return {"mesh_id": mesh_id, "ranks": ranks, "env": env, **({"binds": binds} if binds is not None else {}),
-            **({"python": python} if python is not None else {})}
+    return {
+        "mesh_id": mesh_id,
+        "ranks": ranks,
+        "env": env,
+        **({"binds": binds} if binds is not None else {}),
+        **({"python": python} if python is not None else {}),
+    }
 
 
-def _received_host_mesh(pool: str, hosts: Sequence[HostAddr], shape: Shape, python: Optional[str] = None) -> "HostMesh":
+def _received_host_mesh(pool: str, hosts: Sequence[HostAddr], shape: Shape, python: str | None = None) -> HostMesh:
     mesh = HostMesh(pool, hosts, shape)
     mesh._received = True
     mesh._python = python
@@ -338,11 +388,13 @@ class _LogLevel(Actor):
 def _stream_output(hub: Hub, ref: ProcRef) -> None:
     """Prints one proc's output here as its agent sees it, until the proc ends."""
     try:
-        with wire.Client(ref.agent.host, ref.agent.port, hub.creds, timeout=10.0,
-                         identity=ref.agent.identity.encode()) as c:
+        with wire.Client(
+            ref.agent.host, ref.agent.port, hub.creds, timeout=10.0, identity=ref.agent.identity.encode()
+        ) as c:
             c.settimeout(None)
-            for batch in c.stream("logs", app_id=app_id(ref.mesh_id), role="proc", replica_id=ref.rank,
-                                  streams="combined", follow=True):
+            for batch in c.stream(
+                "logs", app_id=app_id(ref.mesh_id), role="proc", replica_id=ref.rank, streams="combined", follow=True
+            ):
                 sys.stdout.write("".join(f"[{ref.rank}] {line}" for line in batch))
                 sys.stdout.flush()
     except (wire.WireError, OSError) as e:  # the proc or its host is gone: nothing more to show
@@ -368,7 +420,7 @@ def _controller_cwd() -> str:
     return os.getcwd()
 
 
-def _controller_paths() -> List[str]:
+def _controller_paths() -> list[str]:
     """Where the procs of a new mesh look for the controller's code: its script's directory and
     its cwd. An actor that spawns a mesh of its own passes on the paths its proc was given (a
     proc's cwd is its agent's directory, which holds no code of the user's)."""
@@ -392,8 +444,9 @@ def _agent_call(hub: Hub, host: HostAddr, op: str, timeout: float, **args: Any) 
     except wire.RemoteError as e:
         raise MonarchError(f"{where}: {e}") from None
     except wire.WireError as e:
-        raise MonarchError(f"{where} is not reachable ({e}); is the pool still running? "
-                           f"(`monarch-torchx pool status {hub.pool}`)") from None
+        raise MonarchError(
+            f"{where} is not reachable ({e}); is the pool still running? (`monarch-torchx pool status {hub.pool}`)"
+        ) from None
 
 
 def attach(pool: str) -> HostMesh:
@@ -407,12 +460,16 @@ def attach(pool: str) -> HostMesh:
         if h is None:
             raise MonarchError(f"host {i} of pool {pool!r} has not started (see `monarch-torchx pool status {pool}`)")
         if h.exited:
-            raise MonarchError(f"host {i} of pool {pool!r} is stopped ({h.exit_reason}); "
-                               f"a torchx run or `monarch-torchx pool create` brings it back")
+            raise MonarchError(
+                f"host {i} of pool {pool!r} is stopped ({h.exit_reason}); "
+                f"a torchx run or `monarch-torchx pool create` brings it back"
+            )
         if h.via:
-            raise MonarchError(f"pool {pool!r} is reached through a tunnel ({h.via.split(':')[0]}), but actors talk to "
-                               f"procs directly: run the controller where pod IPs are reachable (in the cluster, "
-                               f"access=pod_ip)")
+            raise MonarchError(
+                f"pool {pool!r} is reached through a tunnel ({h.via.split(':')[0]}), but actors talk to "
+                f"procs directly: run the controller where pod IPs are reachable (in the cluster, "
+                f"access=pod_ip)"
+            )
     session.hub_for(pool, rec.credentials)
     session.set_current_pool(pool)
     return HostMesh(pool, [h for h in hosts if h is not None])
@@ -430,9 +487,15 @@ def _say_implicit_pool(name: str, existed: bool, idle_timeout_s: float) -> None:
         return
     _said_implicit_pool = True
     stays = f"stays up until idle for {_duration(idle_timeout_s)}" if idle_timeout_s > 0 else "stays up until stopped"
-    log.warning("this_host(): actors run on the warm monarch_local pool %r (%s; it %s: `monarch-torchx pool stop "
-                "%s` ends it); set %s=NAME to pick another pool and silence this line",
-                name, "reused" if existed else "created now", stays, name, LOCAL_POOL_ENV)
+    log.warning(
+        "this_host(): actors run on the warm monarch_local pool %r (%s; it %s: `monarch-torchx pool stop "
+        "%s` ends it); set %s=NAME to pick another pool and silence this line",
+        name,
+        "reused" if existed else "created now",
+        stays,
+        name,
+        LOCAL_POOL_ENV,
+    )
 
 
 def _duration(seconds: float) -> str:
@@ -459,9 +522,12 @@ def this_host() -> HostMesh:
     name = os.environ.get(LOCAL_POOL_ENV, LOCAL_POOL)
     existed = Registry().get(name) is not None
     # idles out as a pool `torchx run` creates does (its default): made on the side, not kept forever
-    pool = ensure_pool(PoolRequest("monarch_local", name, {"hosts": 1, "preload": None},
-                                   options={"idle_timeout": parse_duration("30m")}),
-                       defaults={"hosts": 1, "preload": "torch"})
+    pool = ensure_pool(
+        PoolRequest(
+            "monarch_local", name, {"hosts": 1, "preload": None}, options={"idle_timeout": parse_duration("30m")}
+        ),
+        defaults={"hosts": 1, "preload": "torch"},
+    )
     if LOCAL_POOL_ENV not in os.environ:
         _say_implicit_pool(name, existed, float(pool.record.options.get("idle_timeout") or 0))
     session.hub_for(name, pool.record.credentials)
@@ -469,14 +535,14 @@ def this_host() -> HostMesh:
     return HostMesh(name, [h for h in pool.hosts if h is not None]).slice(hosts=0)
 
 
-def shutdown_context() -> "Future[None]":
+def shutdown_context() -> Future[None]:
     """As Monarch's: releases what this process started in the actor world. Every proc it owns
     stops (each actor's ``__cleanup__`` runs), as when it exits; the pools stay warm. Idempotent."""
     session.end_all()
     return Future.resolved(None)
 
 
-def this_proc() -> "ProcMesh":
+def this_proc() -> ProcMesh:
     """A proc to spawn actors on here, with no dims (as Monarch's ``this_proc()``). In an actor:
     the actor's own proc. In a controller (and in the actors running in it): the controller's
     own proc, as in Monarch: the actors spawned on it run in the controller's process."""
@@ -510,16 +576,16 @@ class ProcMesh(_MeshTrait):
         self._procs = list(procs)
         self._shape = shape
         self.mesh_id = mesh_id
-        self._initialized: Optional[Future[bool]] = None  # a bootstrap's outcome, where there is one
+        self._initialized: Future[bool] | None = None  # a bootstrap's outcome, where there is one
 
-    def _with_shape(self, shape: Shape) -> "ProcMesh":
+    def _with_shape(self, shape: Shape) -> ProcMesh:
         return ProcMesh(self.pool, self._procs, shape, self.mesh_id)
 
     def __repr__(self) -> str:
         return f"ProcMesh(pool={self.pool!r}, {self.extent!r})"
 
     @property
-    def initialized(self) -> "Future[bool]":
+    def initialized(self) -> Future[bool]:
         """As Monarch's: completes (True) once the procs are up and their ``bootstrap`` ran; raises
         the bootstrap's ActorError if it failed (the procs are then stopped)."""
         return self._initialized if self._initialized is not None else Future.resolved(True)
@@ -527,13 +593,13 @@ class ProcMesh(_MeshTrait):
     def __reduce__(self) -> Any:
         return ProcMesh, (self.pool, self._procs, self._shape, self.mesh_id)
 
-    def __enter__(self) -> "ProcMesh":
+    def __enter__(self) -> ProcMesh:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.stop().get()
 
-    async def __aenter__(self) -> "ProcMesh":
+    async def __aenter__(self) -> ProcMesh:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -547,6 +613,7 @@ class ProcMesh(_MeshTrait):
         def own(ref: ProcRef) -> None:
             hub.explain[ref.addr] = lambda: _explain(hub, ref)[0]
             hub.watch(ref.addr, functools.partial(_on_proc_lost, hub, ref, owner_actor))
+
         if len(self._procs) <= 2:
             for ref in self._procs:
                 own(ref)
@@ -554,7 +621,7 @@ class ProcMesh(_MeshTrait):
         with ThreadPoolExecutor(max_workers=min(32, len(self._procs))) as ex:  # a handshake per proc
             list(ex.map(own, self._procs))
 
-    def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> "ActorMesh[Any]":
+    def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> ActorMesh[Any]:
         """Creates one ``actor_class(*args, **kwargs)`` per proc and returns at once, as Monarch's
         spawn: calls sent now run after the constructors. A constructor that raises makes every
         call to that actor fail with SupervisionError saying why; ``mesh.initialized`` (a Future)
@@ -562,8 +629,10 @@ class ProcMesh(_MeshTrait):
         if not isinstance(actor_class, type) or not issubclass(actor_class, Actor):
             raise TypeError(f"spawn() needs an Actor subclass, not {actor_class!r}")
         hub = session.hub_for(self.pool)
-        if any(self._procs[b].addr in hub.closing or isinstance(hub.dead.get(self._procs[b].addr), ProcStopped)
-               for b in self._shape.ranks):
+        if any(
+            self._procs[b].addr in hub.closing or isinstance(hub.dead.get(self._procs[b].addr), ProcStopped)
+            for b in self._shape.ranks
+        ):
             raise RuntimeError(f"`ProcMesh` has already been stopped (mesh {self.mesh_id}): spawn_procs() a new one")
         try:
             packed = pack((actor_class, args, kwargs))
@@ -575,7 +644,7 @@ class ProcMesh(_MeshTrait):
         creator = spawner.as_creator()
         rid = hub.next_id()
         futs = []
-        refs_blob: Optional[bytes] = None  # the mesh's procs, pickled once for every proc that needs them
+        refs_blob: bytes | None = None  # the mesh's procs, pickled once for every proc that needs them
         in_order = [self._procs[b] for b in self._shape.ranks]
         links = _links(_tree(in_order)) if len(in_order) >= TREE_MIN else {}
         for point, base in zip(self._shape.points(), self._shape.ranks):
@@ -590,23 +659,41 @@ class ProcMesh(_MeshTrait):
                 hub.mesh_refs_sent.add(key)
             if first and refs_blob is None:  # N procs each get all N addresses, which repeat: compressed
                 refs_blob = zlib.compress(pickle.dumps(self._procs, protocol=5), 1)
-            header = messages.Spawn(rid, hub.sender, seq, actor_id, name, point.coords,
-                                    self._shape.labels, self._shape.sizes, owner, creator,
-                                    (self.mesh_id, self._shape, len(self._procs), refs_blob if first else None),
-                                    links.get(ref.rank, ()) if first else ())
+            header = messages.Spawn(
+                rid,
+                hub.sender,
+                seq,
+                actor_id,
+                name,
+                point.coords,
+                self._shape.labels,
+                self._shape.sizes,
+                owner,
+                creator,
+                (self.mesh_id, self._shape, len(self._procs), refs_blob if first else None),
+                links.get(ref.rank, ()) if first else (),
+            )
             _send(hub, ref.addr, encode(header, packed=packed), rid, fut)
             futs.append(fut)
             hub.actors_on.setdefault(ref.addr, []).append(f"{name}{point_text(point)}")
-        mesh: ActorMesh[Any] = ActorMesh(self.pool, self._procs, self._shape, actor_id, name, actor_class.__name__,
-                                          tuple(endpoints_of(actor_class)),
-                                          f"{actor_class.__module__}.{actor_class.__qualname__}")
+        mesh: ActorMesh[Any] = ActorMesh(
+            self.pool,
+            self._procs,
+            self._shape,
+            actor_id,
+            name,
+            actor_class.__name__,
+            tuple(endpoints_of(actor_class)),
+            f"{actor_class.__module__}.{actor_class.__qualname__}",
+        )
         mesh._initialized = Future.gather(hub, futs, lambda _v: None)
         if owner:  # an actor's: stopped with it, as in Monarch
             session.this_proc().record_owned(owner, mesh)  # type: ignore[union-attr]
         return mesh
 
-    def logging_option(self, stream_to_client: bool = False, aggregate_window_sec: Optional[int] = None,
-                       level: int = logging.INFO) -> "Future[None]":
+    def logging_option(
+        self, stream_to_client: bool = False, aggregate_window_sec: int | None = None, level: int = logging.INFO
+    ) -> Future[None]:
         """As Monarch's: sets the procs' root logger ``level``; ``stream_to_client`` prints each
         proc's output (stdout and stderr) on this process's stdout as it comes, each line led by
         ``[rank]``. ``aggregate_window_sec`` is accepted (it needs ``stream_to_client``) but lines
@@ -619,11 +706,12 @@ class ProcMesh(_MeshTrait):
             for b in self._shape.ranks:
                 if self._procs[b].agent is None:  # the controller's own proc: its output is already here
                     continue
-                threading.Thread(target=_stream_output, args=(hub, self._procs[b]), daemon=True,
-                                 name="monarch-torchx-proc-output").start()
+                threading.Thread(
+                    target=_stream_output, args=(hub, self._procs[b]), daemon=True, name="monarch-torchx-proc-output"
+                ).start()
         return Future.gather(session.hub_for(self.pool), [done], lambda _v: None)
 
-    def stop(self, timeout: float = 30.0) -> "Future[None]":
+    def stop(self, timeout: float = 30.0) -> Future[None]:
         """Stops every proc of this mesh (``__cleanup__`` runs in each actor first), as Monarch's
         ``ProcMesh.stop()``: the procs are told at once, and the returned Future completes once
         each has stopped (or ``timeout`` passed): ``pm.stop().get()`` or ``await pm.stop()``."""
@@ -632,7 +720,7 @@ class ProcMesh(_MeshTrait):
         for ref in refs:  # what the connections' ends will report (not as failures)
             hub.closing[ref.addr] = ProcStopped(f"proc {ref.rank} of mesh {ref.mesh_id} was stopped")
         rid = hub.next_id()
-        futs: List[Future[Any]] = []
+        futs: list[Future[Any]] = []
         for ref in refs:
             fut: Future[Any] = Future(hub)
             _send(hub, ref.addr, encode(messages.Stop(rid)), rid, fut)
@@ -651,11 +739,13 @@ class ProcMesh(_MeshTrait):
                 if err is not None:  # dead before no longer closing: its supervision report may be on its way now
                     hub.mark_dead(ref.addr, err)
                 hub.closing.pop(ref.addr, None)
+
             # the procs answered; done once their agents saw them exit (Monarch's stop() means gone)
             def exited() -> None:
                 _await_exits(hub, refs, EXIT_WAIT_S)
                 done.set_result(None)
                 hub.wake()  # completed off the reader's thread: whoever waits in the hub must look
+
             threading.Thread(target=exited, name="monarch-torchx-stop", daemon=True).start()
 
         def one(_f: Future[Any]) -> None:  # an answer, the proc's end (SupervisionError), or the deadline
@@ -678,7 +768,7 @@ class ProcMesh(_MeshTrait):
 
 def _await_exits(hub: Hub, refs: Sequence[ProcRef], within: float) -> None:
     """Waits (at most ``within`` s) until each proc's agent reports it ended."""
-    by_agent: Dict[Tuple[str, int], List[ProcRef]] = {}
+    by_agent: dict[tuple[str, int], list[ProcRef]] = {}
     for ref in refs:
         if ref.agent is not None:  # the controller's own proc has ended once it answered
             by_agent.setdefault((ref.agent.host, ref.agent.port), []).append(ref)
@@ -696,7 +786,7 @@ def _await_exits(hub: Hub, refs: Sequence[ProcRef], within: float) -> None:
             log.debug("waiting for procs of mesh %s to exit: %s", group[0].mesh_id, e)
 
 
-def _send(hub: Hub, addr: ProcAddr, parts: List[Any], rid: int, fut: Optional[Future[Any]]) -> None:
+def _send(hub: Hub, addr: ProcAddr, parts: list[Any], rid: int, fut: Future[Any] | None) -> None:
     """Sends one frame; a failure goes to ``fut``, or (fire and forget) is logged, never raised."""
     try:
         hub.conn(addr).send(parts, rid, fut)
@@ -707,13 +797,15 @@ def _send(hub: Hub, addr: ProcAddr, parts: List[Any], rid: int, fut: Optional[Fu
             fut.set_exception(e)
 
 
-def _explain(hub: Hub, ref: ProcRef) -> Tuple[str, Optional[int]]:
+def _explain(hub: Hub, ref: ProcRef) -> tuple[str, int | None]:
     """Asks the proc's agent how it ended (waits briefly for the agent to reap it): why, and its
     exit code (negative: the signal) when it has one."""
     who = f"proc {ref.rank} of mesh {ref.mesh_id} on host {ref.host_index} ({ref.hostname})"
     deadline = time.monotonic() + 3.0
     while True:
-        with wire.Client(ref.agent.host, ref.agent.port, hub.creds, timeout=3.0, identity=ref.agent.identity.encode()) as c:
+        with wire.Client(
+            ref.agent.host, ref.agent.port, hub.creds, timeout=3.0, identity=ref.agent.identity.encode()
+        ) as c:
             reps = c.call("describe", app_id=app_id(ref.mesh_id))
         st = next((r for r in reps if r["replica_id"] == ref.rank), None)
         if st is None:
@@ -725,21 +817,27 @@ def _explain(hub: Hub, ref: ProcRef) -> Tuple[str, Optional[int]]:
         time.sleep(0.05)
 
 
-def _on_proc_lost(hub: Hub, ref: ProcRef, owner_actor: Optional[str], addr: ProcAddr) -> None:
+def _on_proc_lost(hub: Hub, ref: ProcRef, owner_actor: str | None, addr: ProcAddr) -> None:
     """A proc this process spawned died: calls to it fail from now on, and (as in Monarch) its
     owner gets a supervision event: the spawning actor's ``__supervise__``, or in a controller
     ``unhandled_fault_hook``."""
     if addr in hub.closing or isinstance(hub.dead.get(addr), ProcStopped):  # stopped on purpose
         return
-    code: Optional[int] = None
+    code: int | None = None
     try:
         reason, code = _explain(hub, ref)
     except Exception as e:
         reason = f"proc {ref.rank} of mesh {ref.mesh_id} on host {ref.host_index} is lost (host unreachable: {e})"
     hub.mark_dead(addr, SupervisionError(reason))
-    failure = MeshFailure(ref.mesh_id, ref.rank, ref.host_index, ref.hostname,
-                          reason.split(f"({ref.hostname}) ", 1)[-1], exit_code=code,
-                          actors_on_proc=tuple(hub.actors_on.get(addr, ())))
+    failure = MeshFailure(
+        ref.mesh_id,
+        ref.rank,
+        ref.host_index,
+        ref.hostname,
+        reason.split(f"({ref.hostname}) ", 1)[-1],
+        exit_code=code,
+        actors_on_proc=tuple(hub.actors_on.get(addr, ())),
+    )
     me = session.proc_hosting(owner_actor) if owner_actor is not None else None
     if me is not None and me.on_child_lost is not None:
         me.on_child_lost(owner_actor, failure)
@@ -759,8 +857,17 @@ def _on_proc_lost(hub: Hub, ref: ProcRef, owner_actor: Optional[str], addr: Proc
 class ActorMesh(_MeshTrait, Generic[T]):
     """One actor per proc of a ProcMesh. ``mesh.endpoint`` gives the adverbs."""
 
-    def __init__(self, pool: str, procs: Sequence[ProcRef], shape: Shape, actor_id: str, name: str,
-                 cls_name: str, endpoints: Tuple[str, ...], cls_path: str = ""):
+    def __init__(
+        self,
+        pool: str,
+        procs: Sequence[ProcRef],
+        shape: Shape,
+        actor_id: str,
+        name: str,
+        cls_name: str,
+        endpoints: tuple[str, ...],
+        cls_path: str = "",
+    ):
         self.pool = pool
         self._procs = list(procs)
         self._shape = shape
@@ -770,51 +877,68 @@ class ActorMesh(_MeshTrait, Generic[T]):
         self._endpoints = endpoints
         self._cls_path = cls_path or cls_name  # module.Class, as supervision errors name the actor
 
-    _initialized: Optional["Future[None]"] = None  # the constructors' answers (in the process that spawned it)
+    _initialized: Future[None] | None = None  # the constructors' answers (in the process that spawned it)
 
-    def _with_shape(self, shape: Shape) -> "ActorMesh[T]":
-        mesh = ActorMesh(self.pool, self._procs, shape, self._actor_id, self._name, self._cls_name, self._endpoints,
-                         self._cls_path)
+    def _with_shape(self, shape: Shape) -> ActorMesh[T]:
+        mesh = ActorMesh(
+            self.pool, self._procs, shape, self._actor_id, self._name, self._cls_name, self._endpoints, self._cls_path
+        )
         mesh._initialized = self._initialized
         return mesh
 
     @property
-    def initialized(self) -> "Future[None]":
+    def initialized(self) -> Future[None]:
         """Completes once every constructor ran (raises the first failure's ActorError), as
         Monarch's. Where the mesh was received rather than spawned, a call shows the same."""
         return self._initialized if self._initialized is not None else Future.resolved(None)
 
     def __reduce__(self) -> Any:
-        return ActorMesh, (self.pool, self._procs, self._shape, self._actor_id, self._name, self._cls_name,
-                           self._endpoints, self._cls_path)
+        return ActorMesh, (
+            self.pool,
+            self._procs,
+            self._shape,
+            self._actor_id,
+            self._name,
+            self._cls_name,
+            self._endpoints,
+            self._cls_path,
+        )
 
     def __repr__(self) -> str:
         return f"ActorMesh({self._name!r}: {self._cls_name}, {self.extent!r})"
 
-    def stop(self) -> "Future[None]":
+    def stop(self) -> Future[None]:
         """Stops these actors, not their procs (as Monarch's ``ActorMesh.stop()``): calls already
         sent run first, then ``__cleanup__``; later calls get SupervisionError. The Future
         completes once every actor is gone."""
         hub = session.hub_for(self.pool)
         rid = hub.next_id()
-        futs: List[Future[Any]] = []
+        futs: list[Future[Any]] = []
         for base in self._shape.ranks:
             ref = self._procs[base]
             fut: Future[Any] = Future(hub)
-            _send(hub, ref.addr, encode(messages.StopActor(rid, hub.sender, hub.next_seq(ref.addr), self._actor_id)), rid, fut)
+            _send(
+                hub,
+                ref.addr,
+                encode(messages.StopActor(rid, hub.sender, hub.next_seq(ref.addr), self._actor_id)),
+                rid,
+                fut,
+            )
             futs.append(fut)
         return Future.gather(hub, futs, lambda _v: None)
 
-    def __getattr__(self, name: str) -> "EndpointMesh":
+    def __getattr__(self, name: str) -> EndpointMesh:
         if name.startswith("_"):
             raise AttributeError(name)
         if name not in self._endpoints:
-            raise AttributeError(f"{self._cls_name} has no endpoint {name!r} "
-                                 f"(endpoints: {', '.join(self._endpoints) or 'none'}; mark methods with @endpoint)")
+            raise AttributeError(
+                f"{self._cls_name} has no endpoint {name!r} "
+                f"(endpoints: {', '.join(self._endpoints) or 'none'}; mark methods with @endpoint)"
+            )
         return EndpointMesh(self, name)
 
 
-def _in_monarchs_words(ep: "EndpointMesh", position: int, exc: BaseException) -> BaseException:
+def _in_monarchs_words(ep: EndpointMesh, position: int, exc: BaseException) -> BaseException:
     """A call's SupervisionError as Monarch words it: which endpoint call failed, and which actor
     ("The actor MODULE.CLASS NAME{point} and all its descendants have failed"), then why. The
     error keeps its type (ProcStopped, ActorAborted)."""
@@ -823,8 +947,10 @@ def _in_monarchs_words(ep: "EndpointMesh", position: int, exc: BaseException) ->
     m = ep._mesh
     points = list(m._shape.points())
     point = repr(points[position]) if position < len(points) else ""
-    return type(exc)(f"Endpoint call {m._name}.{ep._name}() failed, The actor {m._cls_path} {m._name}{point} "
-                            f"and all its descendants have failed:\n  {exc}")
+    return type(exc)(
+        f"Endpoint call {m._name}.{ep._name}() failed, The actor {m._cls_path} {m._name}{point} "
+        f"and all its descendants have failed:\n  {exc}"
+    )
 
 
 class EndpointMesh:
@@ -837,13 +963,13 @@ class EndpointMesh:
     def _what(self) -> str:
         return f"{self._mesh._cls_name}.{self._name}"
 
-    def _pack(self, args: tuple, kwargs: dict) -> List[Any]:
+    def _pack(self, args: tuple, kwargs: dict) -> list[Any]:
         try:
             return pack((args, kwargs))
         except Exception as e:
             raise TypeError(f"cannot send the arguments of {self._what()}: {e}") from None
 
-    def _send(self, positions: Sequence[int], args: tuple, kwargs: dict, reply: bool) -> List[Future[Any]]:
+    def _send(self, positions: Sequence[int], args: tuple, kwargs: dict, reply: bool) -> list[Future[Any]]:
         """Sends to the members at ``positions`` (directly, or via a tree for large meshes)."""
         m = self._mesh
         hub = session.hub_for(m.pool)
@@ -852,10 +978,10 @@ class EndpointMesh:
         if len(refs) >= TREE_MIN:
             return self._cast(hub, refs, packed, reply, positions)
         rid = hub.next_id() if reply else 0
-        futs: List[Future[Any]] = []
+        futs: list[Future[Any]] = []
         frames = []
         for p, ref in zip(positions, refs):  # build every frame first, so the sends go out back to back
-            fut: Optional[Future[Any]] = Future(hub) if reply else None
+            fut: Future[Any] | None = Future(hub) if reply else None
             header = messages.Call(rid, hub.sender, hub.next_seq(ref.addr), m._actor_id, self._name)
             frames.append((ref.addr, encode(header, packed=packed), fut))
             if fut is not None:
@@ -865,18 +991,20 @@ class EndpointMesh:
             _send(hub, addr, parts, rid, fut)
         return futs
 
-    def _cast(self, hub: Hub, refs: List[ProcRef], packed: List[Any], reply: bool,
-              positions: Sequence[int] = ()) -> List[Future[Any]]:
+    def _cast(
+        self, hub: Hub, refs: list[ProcRef], packed: list[Any], reply: bool, positions: Sequence[int] = ()
+    ) -> list[Future[Any]]:
         seqs = {ref.rank: hub.next_seq(ref.addr) for ref in refs}
-        per_rank: Dict[int, Future[Any]] = {ref.rank: Future(hub) for ref in refs}
+        per_rank: dict[int, Future[Any]] = {ref.rank: Future(hub) for ref in refs}
         for p, ref in zip(positions, refs):
             per_rank[ref.rank].translate = functools.partial(_in_monarchs_words, self, p)
         rid = hub.next_id() if reply else 0
         for root, sub in _tree(refs):
             ranks = [root.rank] + [r.rank for r in _flatten(sub)]
             fut: Future[Any] = Future(hub)
-            header = messages.Cast(rid, hub.sender, {r: seqs[r] for r in ranks}, self._mesh._actor_id, self._name,
-                                   _wire_tree(sub))
+            header = messages.Cast(
+                rid, hub.sender, {r: seqs[r] for r in ranks}, self._mesh._actor_id, self._name, _wire_tree(sub)
+            )
             _send(hub, root.addr, encode(header, packed=packed), rid, fut if reply else None)
             if reply:
                 fut.add_done_callback(functools.partial(_fan_in, per_rank, ranks))
@@ -891,8 +1019,10 @@ class EndpointMesh:
     def call_one(self, *args: Any, **kwargs: Any) -> Future[Any]:
         n = len(self._mesh._shape)
         if n != 1:
-            raise ValueError(f"call_one() needs a mesh of exactly one actor, and {self._what()} is on {n} "
-                             f"({self._mesh.extent!r}): use call(), choose(), or slice() first")
+            raise ValueError(
+                f"call_one() needs a mesh of exactly one actor, and {self._what()} is on {n} "
+                f"({self._mesh.extent!r}): use call(), choose(), or slice() first"
+            )
         return self._send([0], args, kwargs, True)[0]
 
     def choose(self, *args: Any, **kwargs: Any) -> Future[Any]:
@@ -908,7 +1038,7 @@ class EndpointMesh:
         loop); ``.get()`` or ``await`` each future."""
         hub = session.hub_for(self._mesh.pool)
         sent = self._send(range(len(self._mesh._shape)), args, kwargs, True)
-        arrivals: List[Future[Any]] = []
+        arrivals: list[Future[Any]] = []
         for f in sent:
             out: Future[Any] = Future(hub)
             out.loop_thread = f.loop_thread
@@ -923,6 +1053,7 @@ class EndpointMesh:
                 out.set_exception(f._exc)
             else:
                 out.set_result(f._value)
+
         for f in sent:
             f.add_done_callback(arrived)
         return iter(arrivals)
@@ -942,8 +1073,13 @@ class EndpointMesh:
             _send(hub, ref.addr, encode(header, packed=packed), 0, None)
 
 
-def send(endpoint: "EndpointMesh", args: tuple, kwargs: Optional[Dict[str, Any]] = None, port: Any = None,
-         selection: str = "all") -> None:
+def send(
+    endpoint: EndpointMesh,
+    args: tuple,
+    kwargs: dict[str, Any] | None = None,
+    port: Any = None,
+    selection: str = "all",
+) -> None:
     """Monarch's ``send``: calls ``endpoint`` on every actor (``selection="all"``) or on one
     (``"choose"``), answers going to ``port`` (each actor's value, or its error: the receiver's
     ``recv()`` raises it), or nowhere (fire and forget) without one."""
@@ -953,15 +1089,16 @@ def send(endpoint: "EndpointMesh", args: tuple, kwargs: Optional[Dict[str, Any]]
     positions: Sequence[int] = range(len(m._shape))
     if selection == "choose":
         hub = session.hub_for(m.pool)
-        positions = [min((hub.pending_count(m._procs[b].addr), random.random(), i)
-                         for i, b in enumerate(m._shape.ranks))[2]]
+        positions = [
+            min((hub.pending_count(m._procs[b].addr), random.random(), i) for i, b in enumerate(m._shape.ranks))[2]
+        ]
     if port is None:
         endpoint._send(positions, tuple(args), dict(kwargs or {}), False)
     else:
         endpoint._send_to_port(positions, tuple(args), dict(kwargs or {}), port)
 
 
-def _fan_in(per_rank: Dict[int, Future[Any]], ranks: List[int], fut: Future[Any]) -> None:
+def _fan_in(per_rank: dict[int, Future[Any]], ranks: list[int], fut: Future[Any]) -> None:
     from .errors import remote_error
 
     exc = fut._exc
@@ -976,20 +1113,20 @@ def _fan_in(per_rank: Dict[int, Future[Any]], ranks: List[int], fut: Future[Any]
             per_rank[rank].set_exception(remote_error(value))
 
 
-def _tree(refs: List[ProcRef]) -> List[Tuple[ProcRef, list]]:
+def _tree(refs: list[ProcRef]) -> list[tuple[ProcRef, list]]:
     """Splits members into FANOUT groups; each group's head forwards to the rest, recursively."""
     if not refs:
         return []
     groups = []
     step = -(-len(refs) // FANOUT)
     for i in range(0, len(refs), step):
-        groups.append(refs[i:i + step])
+        groups.append(refs[i : i + step])
     return [(g[0], _tree(g[1:])) for g in groups]
 
 
-def _links(tree: List[Tuple[ProcRef, list]]) -> Dict[int, Tuple[Tuple[str, int, str], ...]]:
+def _links(tree: list[tuple[ProcRef, list]]) -> dict[int, tuple[tuple[str, int, str], ...]]:
     """For each proc of a multicast tree, the addresses of the procs it forwards to (by rank)."""
-    out: Dict[int, Tuple[Tuple[str, int, str], ...]] = {}
+    out: dict[int, tuple[tuple[str, int, str], ...]] = {}
     for ref, sub in tree:
         if sub:
             out[ref.rank] = tuple(tuple(child.addr) for child, _ in sub)
@@ -997,7 +1134,7 @@ def _links(tree: List[Tuple[ProcRef, list]]) -> Dict[int, Tuple[Tuple[str, int, 
     return out
 
 
-def _flatten(sub: list) -> List[ProcRef]:
+def _flatten(sub: list) -> list[ProcRef]:
     out = []
     for ref, s in sub:
         out.append(ref)
@@ -1022,5 +1159,8 @@ class Accumulator(Generic[T]):
         **kwargs)``), folded with ``combine`` from ``identity`` in the order they arrived; the
         first failure fails it; no actor at all gives ``identity``."""
         parts = list(self._endpoint.stream(*args, **kwargs))
-        return Future.gather(parts[0]._hub if parts else None, parts,
-                             lambda values: functools.reduce(self._combine, values, self._identity))
+        return Future.gather(
+            parts[0]._hub if parts else None,
+            parts,
+            lambda values: functools.reduce(self._combine, values, self._identity),
+        )

@@ -13,7 +13,7 @@ any frame is read); ``decode`` still refuses a frame whose header is not one of 
 from __future__ import annotations
 
 import pickle
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, NamedTuple, Union
 
 from .. import wire
 
@@ -23,8 +23,8 @@ class Call(NamedTuple):
     waits). ``sender``/``seq`` order one sender's messages to one proc."""
 
     rid: int
-    sender: Optional[str]
-    seq: Optional[int]
+    sender: str | None
+    seq: int | None
     actor_id: str
     endpoint: str
 
@@ -35,11 +35,11 @@ class Cast(NamedTuple):
     each rank's sequence number from the original sender."""
 
     rid: int
-    sender: Optional[str]
-    seqs: Dict[int, int]
+    sender: str | None
+    seqs: dict[int, int]
     actor_id: str
     endpoint: str
-    tree: List[Tuple[int, tuple, list]]
+    tree: list[tuple[int, tuple, list]]
 
 
 class Spawn(NamedTuple):
@@ -49,24 +49,24 @@ class Spawn(NamedTuple):
     one forwards a multicast of the whole mesh to, which it connects to at once."""
 
     rid: int
-    sender: Optional[str]
-    seq: Optional[int]
+    sender: str | None
+    seq: int | None
     actor_id: str
     name: str
-    coords: Tuple[int, ...]
-    labels: Tuple[str, ...]
-    sizes: Tuple[int, ...]
+    coords: tuple[int, ...]
+    labels: tuple[str, ...]
+    sizes: tuple[int, ...]
     owner: str
     creator: Any
-    mesh: Optional[Tuple[str, Any, int, Optional[bytes]]]
-    links: Tuple[Tuple[str, int, str], ...] = ()
+    mesh: tuple[str, Any, int, bytes | None] | None
+    links: tuple[tuple[str, int, str], ...] = ()
 
 
 class CallPort(NamedTuple):
     """Monarch's ``send(..., port=)``: run ``endpoint`` and send its value to ``port``."""
 
-    sender: Optional[str]
-    seq: Optional[int]
+    sender: str | None
+    seq: int | None
     actor_id: str
     endpoint: str
     port: Any
@@ -76,8 +76,8 @@ class StopActor(NamedTuple):
     """``ActorMesh.stop()`` on one proc: the queued calls run, then ``__cleanup__``."""
 
     rid: int
-    sender: Optional[str]
-    seq: Optional[int]
+    sender: str | None
+    seq: int | None
     actor_id: str
 
 
@@ -111,9 +111,9 @@ class Fault(NamedTuple):
     owner_actor: str
 
 
-ToProc = Union[Call, Cast, Spawn, CallPort, StopActor, Own, Stop, PortValue]
-ToCaller = Union[Answer, Fault, PortValue]
-Message = Union[ToProc, ToCaller]
+ToProc = Union[Call, Cast, Spawn, CallPort, StopActor, Own, Stop, PortValue]  # noqa: UP007
+ToCaller = Union[Answer, Fault, PortValue]  # noqa: UP007
+Message = Union[ToProc, ToCaller]  # noqa: UP007
 
 TO_PROC = (Call, Cast, Spawn, CallPort, StopActor, Own, Stop, PortValue)
 TO_CALLER = (Answer, Fault, PortValue)
@@ -123,7 +123,7 @@ def dumps(header: Message) -> bytes:
     return pickle.dumps(header, protocol=5)
 
 
-def decode(body: Any, expected: Tuple[type, ...]) -> Message:
+def decode(body: Any, expected: tuple[type, ...]) -> Message:
     """The header of a frame; raises ``wire.MalformedFrame`` when it is not one of ``expected``."""
     try:
         header = pickle.loads(body)

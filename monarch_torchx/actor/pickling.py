@@ -19,12 +19,12 @@ import pickle
 import sys
 import threading
 import types
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable
 
 import cloudpickle
 
 
-def _rebuild_tensor(buf: Any, dtype: str, shape: Tuple[int, ...], requires_grad: bool) -> Any:
+def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> Any:
     import torch
 
     dt = getattr(torch, dtype)
@@ -41,8 +41,9 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: Tuple[int, ...], requires_grad:
 _source_lock = threading.Lock()  # actors' threads unpickle at once: one merge of a file's lines at a time
 
 
-def _named_code(make: Callable[..., types.CodeType], args: tuple, filename: str, first: int,
-                lines: List[str]) -> types.CodeType:
+def _named_code(
+    make: Callable[..., types.CodeType], args: tuple, filename: str, first: int, lines: list[str]
+) -> types.CodeType:
     """Rebuilds a by-value code object with its original file name, and registers the source
     lines it spans with ``linecache`` so that tracebacks show them here too."""
     if lines:
@@ -50,7 +51,7 @@ def _named_code(make: Callable[..., types.CodeType], args: tuple, filename: str,
     return make(*args).replace(co_filename=filename)
 
 
-def _remember_source(filename: str, first: int, lines: List[str]) -> None:
+def _remember_source(filename: str, first: int, lines: list[str]) -> None:
     """Puts ``lines`` (from line ``first``) into linecache's entry for ``filename``: the source of
     the code that runs here, which a file of that name on this host (or none) may not match. The
     entry has no mtime, so ``linecache.checkcache`` keeps it (as for a module's loader source)."""
@@ -59,11 +60,11 @@ def _remember_source(filename: str, first: int, lines: List[str]) -> None:
         known = list(entry[2]) if entry is not None and len(entry) == 4 and entry[1] is None else []
         end = first - 1 + len(lines)
         known += ["\n"] * (end - len(known))
-        known[first - 1:end] = lines
+        known[first - 1 : end] = lines
         linecache.cache[filename] = (sum(map(len, known)), None, known, filename)
 
 
-def _source_span(code: types.CodeType) -> Tuple[int, List[str]]:
+def _source_span(code: types.CodeType) -> tuple[int, list[str]]:
     """(first line, the source lines) of ``code`` as the sender's linecache has them; none when
     it has no source (code made by exec of a string)."""
     numbers = [n for _, _, n in code.co_lines() if n is not None]
@@ -71,7 +72,7 @@ def _source_span(code: types.CodeType) -> Tuple[int, List[str]]:
     lines = linecache.getlines(code.co_filename)
     if not lines or not numbers:
         return first, []
-    return first, lines[first - 1:max(numbers)]
+    return first, lines[first - 1 : max(numbers)]
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -82,24 +83,33 @@ class _Pickler(cloudpickle.Pickler):
                 make, args = reduce(obj)  # cloudpickle's own, which names the file "<dynamic-code>"
                 return (_named_code, (make, args, obj.co_filename, *_source_span(obj)))
         torch = sys.modules.get("torch")
-        if torch is not None and type(obj) is torch.Tensor and obj.device.type == "cpu" \
-                and obj.layout == torch.strided and not obj.is_quantized:
+        if (
+            torch is not None
+            and type(obj) is torch.Tensor
+            and obj.device.type == "cpu"
+            and obj.layout == torch.strided
+            and not obj.is_quantized
+        ):
             t = obj.detach().resolve_conj().resolve_neg()
             if not t.is_contiguous():
                 t = t.contiguous()  # documented: a non-contiguous tensor is sent as a contiguous copy
             raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-            return _rebuild_tensor, (pickle.PickleBuffer(raw), str(t.dtype).rpartition(".")[2], tuple(t.shape),
-                                     obj.requires_grad)
+            return _rebuild_tensor, (
+                pickle.PickleBuffer(raw),
+                str(t.dtype).rpartition(".")[2],
+                tuple(t.shape),
+                obj.requires_grad,
+            )
         return super().reducer_override(obj)
 
 
-def dumps(obj: Any) -> Tuple[bytes, List[pickle.PickleBuffer]]:
+def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Pickles ``obj``; returns the body and its out-of-band buffers (not copied)."""
-    bufs: List[pickle.PickleBuffer] = []
+    bufs: list[pickle.PickleBuffer] = []
     f = io.BytesIO()
     _Pickler(f, protocol=5, buffer_callback=bufs.append).dump(obj)
     return f.getvalue(), bufs
 
 
-def loads(body: Any, bufs: List[bytearray]) -> Any:
+def loads(body: Any, bufs: list[bytearray]) -> Any:
     return pickle.loads(body, buffers=bufs)

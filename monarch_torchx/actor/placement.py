@@ -14,7 +14,7 @@ import ctypes
 import errno
 import os
 import platform
-from typing import Dict, List, Mapping, Optional, Sequence, Set
+from typing import Mapping, Sequence
 
 KEYS = ("cpunodebind", "membind", "physcpubind", "cpus")
 ENV = "MONARCH_TORCHX_PROC_PLACEMENT"
@@ -23,7 +23,7 @@ MPOL_BIND = 2
 SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
 
 
-def check(proc_bind: Optional[Sequence[Mapping[str, str]]], procs_per_host: int) -> Optional[List[Dict[str, str]]]:
+def check(proc_bind: Sequence[Mapping[str, str]] | None, procs_per_host: int) -> list[dict[str, str]] | None:
     """Monarch's rules, checked in the controller before anything starts."""
     if proc_bind is None:
         return None
@@ -44,9 +44,9 @@ def check(proc_bind: Optional[Sequence[Mapping[str, str]]], procs_per_host: int)
     return out
 
 
-def parse_list(text: str) -> Set[int]:
+def parse_list(text: str) -> set[int]:
     """``0-3,8,10-11`` as numactl and taskset read it."""
-    out: Set[int] = set()
+    out: set[int] = set()
     for part in text.split(","):
         lo, sep, hi = part.strip().partition("-")
         try:
@@ -59,9 +59,9 @@ def parse_list(text: str) -> Set[int]:
     return out
 
 
-def node_cpus(nodes: Set[int], root: str = NODES) -> Set[int]:
+def node_cpus(nodes: set[int], root: str = NODES) -> set[int]:
     """The CPUs of ``nodes`` (none for a memory-only node: HBM, CXL, a GPU's memory)."""
-    cpus: Set[int] = set()
+    cpus: set[int] = set()
     for node in sorted(nodes):
         where = os.path.join(root, f"node{node}")
         if not os.path.isdir(where):
@@ -78,7 +78,7 @@ def node_cpus(nodes: Set[int], root: str = NODES) -> Set[int]:
 
 def apply(bind: Mapping[str, str]) -> None:
     """Binds this process as numactl/taskset would have bound the command."""
-    cpus: Optional[Set[int]] = None
+    cpus: set[int] | None = None
     for key in ("physcpubind", "cpus"):
         if key in bind:
             cpus = parse_list(bind[key]) if cpus is None else cpus & parse_list(bind[key])
@@ -93,7 +93,7 @@ def apply(bind: Mapping[str, str]) -> None:
         _bind_memory(parse_list(bind["membind"]))
 
 
-def _bind_memory(nodes: Set[int]) -> None:
+def _bind_memory(nodes: set[int]) -> None:
     number = SYS_SET_MEMPOLICY.get(platform.machine())
     if number is None:
         raise ValueError(f"proc_bind membind is not supported on {platform.machine()}")

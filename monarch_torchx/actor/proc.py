@@ -24,7 +24,7 @@ import traceback
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable
 
 from .. import wire
 from ..credentials import PoolCredentials
@@ -57,17 +57,18 @@ class ActorThread:
 
     def __init__(self, name: str, loop: asyncio.AbstractEventLoop):
         self._loop = loop
-        self._jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         threading.Thread(target=self._serve, name=f"actor-{name}", daemon=True).start()
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> "asyncio.Future[Any]":
+    def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
         """``fn(*args)`` here, as an asyncio future of the loop."""
         done = self._loop.create_future()
         self.run_then(fn, args, lambda ok, value: _settle(done, ok, value))
         return done
 
-    def run_then(self, fn: Callable[..., Any], args: tuple, then: Callable[[bool, Any], None],
-                 on_loop: bool = True) -> None:
+    def run_then(
+        self, fn: Callable[..., Any], args: tuple, then: Callable[[bool, Any], None], on_loop: bool = True
+    ) -> None:
         """``fn(*args)`` here, then ``then(ok, result or exception)`` on the loop: one loop wake-up
         and no asyncio future. ``on_loop=False``: ``then`` runs here, right after, and wakes the
         loop only for what needs it (the path of every sync endpoint call)."""
@@ -97,7 +98,7 @@ class ActorThread:
                 log.exception("answering a call of this actor failed")
 
 
-def _settle(done: "asyncio.Future[Any]", ok: bool, value: Any) -> None:
+def _settle(done: asyncio.Future[Any], ok: bool, value: Any) -> None:
     if done.cancelled():
         return
     if ok:
@@ -113,21 +114,21 @@ class ActorSlot:
     cls_name: str
     instance: Any
     ctx: Context
-    endpoints: Dict[str, Endpoint]
-    queue: Deque[Tuple[Endpoint, tuple, dict, Reply]] = field(default_factory=collections.deque)
+    endpoints: dict[str, Endpoint]
+    queue: collections.deque[tuple[Endpoint, tuple, dict, Reply]] = field(default_factory=collections.deque)
     # busy: a call of it runs or waits. busy, on_thread and appends to queue change under lock;
     # _drain pops the queue without it, as it never runs while on_thread > 0
     busy: bool = False
     on_thread: int = 0  # sync calls handed straight to its thread, not yet done
     lock: threading.Lock = field(default_factory=threading.Lock)
-    failed: Optional[str] = None
+    failed: str | None = None
     failed_kind: str = "supervision"  # the error kind later calls get: "aborted" after abort()
-    owner: Optional[Tuple[Any, str]] = None  # (connection of the process that spawned it, its actor id or "")
+    owner: tuple[Any, str] | None = None  # (connection of the process that spawned it, its actor id or "")
     tasks: set = field(default_factory=set)  # its concurrent endpoints in flight (cancelled when it stops)
     qualname: str = ""  # module.Class, as a supervision report names the actor
-    thread: Optional[ActorThread] = None  # runs its synchronous code (made on first use)
+    thread: ActorThread | None = None  # runs its synchronous code (made on first use)
 
-    def refusal(self) -> Tuple[str, str, str, str]:
+    def refusal(self) -> tuple[str, str, str, str]:
         """What a call to this failed actor is answered with."""
         return error_payload(self.failed_kind, self.failed or "the actor has failed")
 
@@ -170,8 +171,11 @@ def _takes_an_argument(fn: Callable[..., Any]) -> bool:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return False
-    return bool(params) and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD,
-                                               params[0].VAR_POSITIONAL)
+    return bool(params) and params[0].kind in (
+        params[0].POSITIONAL_ONLY,
+        params[0].POSITIONAL_OR_KEYWORD,
+        params[0].VAR_POSITIONAL,
+    )
 
 
 class CallerReply:
@@ -179,7 +183,7 @@ class CallerReply:
     ``rank``: its subtree's answer list, of one). Written from an actor's thread as well as from
     the loop (``ProcConnection.write``)."""
 
-    def __init__(self, conn: ProcConnection, rid: int, rank: Optional[int] = None):
+    def __init__(self, conn: ProcConnection, rid: int, rank: int | None = None):
         self.conn, self.rid, self.rank = conn, rid, rank
 
     def __call__(self, ok: bool, value: Any) -> None:
@@ -194,7 +198,7 @@ class BroadcastReport:
     Monarch; a success needs nothing done, so an actor's thread does not wake the loop for it.
     Called on the loop or on the actor's thread (as ``_fatal`` is)."""
 
-    def __init__(self, server: "ProcServer", actor_id: str, endpoint: str):
+    def __init__(self, server: ProcServer, actor_id: str, endpoint: str):
         self.server, self.actor_id, self.endpoint = server, actor_id, endpoint
 
     def __call__(self, ok: bool, value: Any) -> None:
@@ -207,13 +211,13 @@ class BroadcastReport:
 class ProcConnection(AuthenticatedConnection):
     """One authenticated peer of this proc (a controller, another actor, a forwarding proc)."""
 
-    def __init__(self, server: "ProcServer"):
+    def __init__(self, server: ProcServer):
         super().__init__(server.gate, server.creds, server.identity.encode())
         self.server = server
         server.conns.add(self)
         # an actor's thread writes its answers itself (see write); these keep frames whole and in order
         self._write_lock = threading.Lock()
-        self._queued: List[List[Any]] = []  # frames a thread left for the loop to write, in order
+        self._queued: list[list[Any]] = []  # frames a thread left for the loop to write, in order
         self._fd = -1  # the plain TCP socket's descriptor (-1: TLS, or not connected)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -221,10 +225,10 @@ class ProcConnection(AuthenticatedConnection):
         self._fd = sock.fileno() if sock is not None and self.tls is None else -1
         super().connection_made(transport)
 
-    def on_frame(self, body: Any, bufs: List[Any]) -> None:
+    def on_frame(self, body: Any, bufs: list[Any]) -> None:
         self.server.on_frame(self, body, bufs)
 
-    def connection_lost(self, exc: Optional[Exception]) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         with self._write_lock:  # asyncio closes the socket right after: its number may be reused
             self._fd = -1
             self._queued.clear()
@@ -235,7 +239,7 @@ class ProcConnection(AuthenticatedConnection):
         if self.server.owner is self:
             self.server.begin_stop("its owner disconnected")
 
-    def write(self, parts: List[Any]) -> None:
+    def write(self, parts: list[Any]) -> None:
         """Writes one frame. From an actor's thread (a sync endpoint's answer), a small frame
         goes straight to the socket when nothing waits ahead of it, so the loop is not woken
         for it; anything else waits for the loop, behind what came before."""
@@ -247,13 +251,17 @@ class ProcConnection(AuthenticatedConnection):
             if self.transport is not None and not self.transport.is_closing():
                 write_frame(self.transport, parts)
 
-    def _write_off_loop(self, parts: List[Any]) -> None:
+    def _write_off_loop(self, parts: list[Any]) -> None:
         with self._write_lock:
             t = self.transport
             if t is None or t.is_closing():
                 return
-            if (not self._queued and self._fd >= 0 and t.get_write_buffer_size() == 0
-                    and sum(memoryview(p).nbytes for p in parts) < DIRECT_WRITE_MAX):
+            if (
+                not self._queued
+                and self._fd >= 0
+                and t.get_write_buffer_size() == 0
+                and sum(memoryview(p).nbytes for p in parts) < DIRECT_WRITE_MAX
+            ):
                 data = b"".join(parts)
                 try:
                     sent = os.write(self._fd, data)
@@ -287,8 +295,12 @@ class ProcConnection(AuthenticatedConnection):
         try:
             parts = encode(messages.Answer(rid, ok), value)
         except Exception as e:
-            parts = encode(messages.Answer(rid, False), error_payload(
-                "actor", f"could not send the answer back: {type(e).__name__}: {e}", "", type(e).__name__))
+            parts = encode(
+                messages.Answer(rid, False),
+                error_payload(
+                    "actor", f"could not send the answer back: {type(e).__name__}: {e}", "", type(e).__name__
+                ),
+            )
         self.write(parts)
 
 
@@ -305,17 +317,23 @@ class ProcSettings:
     bind: str = "127.0.0.1"
     advertise: str = ""
     addr_file: str = ""  # where it says it listens, for its agent (none for the controller's)
-    paths: Tuple[str, ...] = ()  # the controller's script dir and cwd, put on sys.path
+    paths: tuple[str, ...] = ()  # the controller's script dir and cwd, put on sys.path
     in_client: bool = False
 
     @staticmethod
-    def from_env(env: Dict[str, str]) -> "ProcSettings":
+    def from_env(env: dict[str, str]) -> ProcSettings:
         bind = env.get("MONARCH_TORCHX_PROC_BIND", "127.0.0.1")
-        return ProcSettings(env["MONARCH_TORCHX_POOL"], PoolCredentials.load(Path(env["MONARCH_TORCHX_STATE_DIR"])),
-                            env["MONARCH_TORCHX_MESH_ID"], int(env["MONARCH_TORCHX_PROC_RANK"]),
-                            int(env.get("MONARCH_TORCHX_HOST_INDEX", "0")), bind,
-                            env.get("MONARCH_TORCHX_PROC_ADVERTISE", bind), env["MONARCH_TORCHX_PROC_ADDR_FILE"],
-                            tuple(p for p in env.get("MONARCH_TORCHX_PROC_PATH", "").split(os.pathsep) if p))
+        return ProcSettings(
+            env["MONARCH_TORCHX_POOL"],
+            PoolCredentials.load(Path(env["MONARCH_TORCHX_STATE_DIR"])),
+            env["MONARCH_TORCHX_MESH_ID"],
+            int(env["MONARCH_TORCHX_PROC_RANK"]),
+            int(env.get("MONARCH_TORCHX_HOST_INDEX", "0")),
+            bind,
+            env.get("MONARCH_TORCHX_PROC_ADVERTISE", bind),
+            env["MONARCH_TORCHX_PROC_ADDR_FILE"],
+            tuple(p for p in env.get("MONARCH_TORCHX_PROC_PATH", "").split(os.pathsep) if p),
+        )
 
 
 class ProcServer:
@@ -327,28 +345,33 @@ class ProcServer:
         self.mesh_id = settings.mesh_id
         self.rank = settings.rank
         self.identity = f"{self.pool}/proc/{self.mesh_id}/{self.rank}"
-        self.actors: Dict[str, ActorSlot] = {}
-        self.expected: Dict[str, int] = {}
-        self.held: Dict[str, Dict[int, Callable[[], None]]] = {}
+        self.actors: dict[str, ActorSlot] = {}
+        self.expected: dict[str, int] = {}
+        self.held: dict[str, dict[int, Callable[[], None]]] = {}
         # spawn returns at once (Monarch's semantics), so a call can reach this proc before the
         # spawn it relies on, from another sender: it waits here for the actor, a bounded while
-        self.awaiting: Dict[str, List[Callable[[], None]]] = {}
-        self.ended: Dict[str, str] = {}  # actor id -> why it is not here (failed __init__, stopped)
+        self.awaiting: dict[str, list[Callable[[], None]]] = {}
+        self.ended: dict[str, str] = {}  # actor id -> why it is not here (failed __init__, stopped)
         self.constructing: set = set()  # actor ids whose constructor is running (their calls wait)
-        self.booting: Optional[List[Callable[[], None]]] = None  # spawns held while a bootstrap runs
-        self.owner: Optional[ProcConnection] = None
+        self.booting: list[Callable[[], None]] | None = None  # spawns held while a bootstrap runs
+        self.owner: ProcConnection | None = None
         self.gate = wire.HandshakeGate()
         self.stop_reason = ""
-        self.loop: Optional[asyncio.AbstractEventLoop] = None
-        self.loop_thread: Optional[int] = None
-        self.stopped: Optional[asyncio.Event] = None
-        self.me: Optional[session.ProcIdentity] = None
-        self.mesh_refs: Dict[Tuple[str, int], Any] = {}  # (mesh id, procs): its ProcRefs (packed until asked for)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop_thread: int | None = None
+        self.stopped: asyncio.Event | None = None
+        self.me: session.ProcIdentity | None = None
+        self.mesh_refs: dict[tuple[str, int], Any] = {}  # (mesh id, procs): its ProcRefs (packed until asked for)
         self.conns: set = set()  # accepted connections (closed when the controller's own proc stops)
-        self._handlers: Dict[type, Callable[[ProcConnection, Any, List[bytearray]], None]] = {
-            messages.Call: self._on_call, messages.Cast: self.cast, messages.Spawn: self._on_spawn,
-            messages.CallPort: self._on_call_port, messages.StopActor: self._on_stop_actor,
-            messages.Own: self._on_own, messages.Stop: self._on_stop, messages.PortValue: self._on_port_value,
+        self._handlers: dict[type, Callable[[ProcConnection, Any, list[bytearray]], None]] = {
+            messages.Call: self._on_call,
+            messages.Cast: self.cast,
+            messages.Spawn: self._on_spawn,
+            messages.CallPort: self._on_call_port,
+            messages.StopActor: self._on_stop_actor,
+            messages.Own: self._on_own,
+            messages.Stop: self._on_stop,
+            messages.PortValue: self._on_port_value,
         }
         for p in reversed(settings.paths):
             if os.path.isdir(p) and p not in sys.path:
@@ -359,7 +382,7 @@ class ProcServer:
 
     # ------------------------------------------------------------ lifecycle
 
-    async def run(self, on_ready: Optional[Callable[[ProcAddr], None]] = None) -> None:
+    async def run(self, on_ready: Callable[[ProcAddr], None] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.loop_thread = threading.get_ident()
         self.stopped = asyncio.Event()
@@ -367,10 +390,19 @@ class ProcServer:
         server = await serve(lambda: ProcConnection(self), cfg.bind, 0)
         port = server.sockets[0].getsockname()[1]
         addr = ProcAddr(cfg.advertise or cfg.bind, port, self.identity)
-        self.me = session.ProcIdentity(self.pool, self.creds, self.host_index, self.mesh_id, self.rank, addr,
-                                       on_child_lost=self.child_lost, loop_thread=self.loop_thread,
-                                       on_abort=self.abort_actor, in_client=cfg.in_client,
-                                       hosts=lambda actor_id: actor_id in self.actors)
+        self.me = session.ProcIdentity(
+            self.pool,
+            self.creds,
+            self.host_index,
+            self.mesh_id,
+            self.rank,
+            addr,
+            on_child_lost=self.child_lost,
+            loop_thread=self.loop_thread,
+            on_abort=self.abort_actor,
+            in_client=cfg.in_client,
+            hosts=lambda actor_id: actor_id in self.actors,
+        )
         if not cfg.in_client:
             session.set_proc(self.me)  # before its hub: a proc's hub takes this proc's credentials
         hub = session.hub_for(self.pool, self.creds)
@@ -409,14 +441,14 @@ class ProcServer:
         if self.owner is None and not self.stop_reason:
             self.begin_stop(f"no owner connected within {OWNER_WAIT_S:.0f} s")
 
-    def begin_stop(self, reason: str, then: Optional[Callable[[], None]] = None) -> None:
+    def begin_stop(self, reason: str, then: Callable[[], None] | None = None) -> None:
         if self.stop_reason:
             return
         self.stop_reason = reason
         assert self.loop is not None
         self.loop.create_task(self._shutdown(then))
 
-    async def _shutdown(self, then: Optional[Callable[[], None]]) -> None:
+    async def _shutdown(self, then: Callable[[], None] | None) -> None:
         assert self.loop is not None
         deadline = self.loop.time() + CONSTRUCTOR_WAIT_AT_STOP_S
         while self.constructing and self.loop.time() < deadline:  # their __cleanup__ runs too
@@ -497,20 +529,24 @@ class ProcServer:
                     m.stop().get(timeout=30)
                 except Exception as e:  # already gone: nothing more to stop
                     log.info("stopping what actor %s owned: %s", actor_id, e)
+
         assert self.loop is not None
         await self.loop.run_in_executor(_waiters(), stop_all)
 
     # ------------------------------------------------------------ messages
 
-    def on_frame(self, conn: ProcConnection, body: Any, bufs: List[bytearray]) -> None:
+    def on_frame(self, conn: ProcConnection, body: Any, bufs: list[bytearray]) -> None:
         header = messages.decode(body, messages.TO_PROC)
         self._handlers[type(header)](conn, header, bufs)
 
-    def _on_call(self, conn: ProcConnection, m: messages.Call, bufs: List[bytearray]) -> None:
-        self.ordered(m.sender, m.seq,
-                     lambda: self.call(self._replier(conn, m.rid, m.actor_id, m.endpoint), m.actor_id, m.endpoint, bufs))
+    def _on_call(self, conn: ProcConnection, m: messages.Call, bufs: list[bytearray]) -> None:
+        self.ordered(
+            m.sender,
+            m.seq,
+            lambda: self.call(self._replier(conn, m.rid, m.actor_id, m.endpoint), m.actor_id, m.endpoint, bufs),
+        )
 
-    def _on_spawn(self, conn: ProcConnection, m: messages.Spawn, bufs: List[bytearray]) -> None:
+    def _on_spawn(self, conn: ProcConnection, m: messages.Spawn, bufs: list[bytearray]) -> None:
         if m.links:  # this proc's part of the mesh's multicast tree: connected while the actors start
             hub = session.hub_for(self.pool)
             for link in m.links:
@@ -519,26 +555,30 @@ class ProcServer:
                 except Exception as e:  # a multicast that needs it says so; nothing to do here
                     log.info("could not connect to proc %s ahead of a multicast: %s", link[2], e)
         point = Point(m.coords, Extent(m.labels, m.sizes))
-        self.ordered(m.sender, m.seq, lambda: self.spawn(conn, m.rid, m.actor_id, m.name, point, bufs,
-                                                         m.owner, m.creator, m.mesh))
+        self.ordered(
+            m.sender,
+            m.seq,
+            lambda: self.spawn(conn, m.rid, m.actor_id, m.name, point, bufs, m.owner, m.creator, m.mesh),
+        )
 
-    def _on_call_port(self, conn: ProcConnection, m: messages.CallPort, bufs: List[bytearray]) -> None:
+    def _on_call_port(self, conn: ProcConnection, m: messages.CallPort, bufs: list[bytearray]) -> None:
         self.ordered(m.sender, m.seq, lambda: self.call(self._port_replier(m.port), m.actor_id, m.endpoint, bufs))
 
-    def _on_stop_actor(self, conn: ProcConnection, m: messages.StopActor, bufs: List[bytearray]) -> None:
-        self.ordered(m.sender, m.seq,
-                     lambda: self._begin_actor_stop(self._replier(conn, m.rid, m.actor_id, "stop"), m.actor_id))
+    def _on_stop_actor(self, conn: ProcConnection, m: messages.StopActor, bufs: list[bytearray]) -> None:
+        self.ordered(
+            m.sender, m.seq, lambda: self._begin_actor_stop(self._replier(conn, m.rid, m.actor_id, "stop"), m.actor_id)
+        )
 
-    def _on_own(self, conn: ProcConnection, m: messages.Own, bufs: List[bytearray]) -> None:
+    def _on_own(self, conn: ProcConnection, m: messages.Own, bufs: list[bytearray]) -> None:
         self.owner = conn
 
-    def _on_stop(self, conn: ProcConnection, m: messages.Stop, bufs: List[bytearray]) -> None:
+    def _on_stop(self, conn: ProcConnection, m: messages.Stop, bufs: list[bytearray]) -> None:
         self.begin_stop("stopped by its owner", lambda: conn.reply(m.rid, True, None))
 
-    def _on_port_value(self, conn: ProcConnection, m: messages.PortValue, bufs: List[bytearray]) -> None:
+    def _on_port_value(self, conn: ProcConnection, m: messages.PortValue, bufs: list[bytearray]) -> None:
         session.hub_for(self.pool).deliver_to_port(m, bufs)
 
-    def ordered(self, sender: Optional[str], seq: Optional[int], fn: Callable[[], None]) -> None:
+    def ordered(self, sender: str | None, seq: int | None, fn: Callable[[], None]) -> None:
         """Runs each sender's messages in the order it sent them (multicasts take other paths)."""
         if sender is None or seq is None:
             fn()
@@ -567,14 +607,15 @@ class ProcServer:
     def _skip_gap(self, sender: str, exp: int) -> None:
         held = self.held.get(sender)
         if self.expected.get(sender, 0) == exp and held:
-            log.warning("messages %d..%d from %s never arrived (a forwarding proc died?); going on",
-                        exp, min(held) - 1, sender)
+            log.warning(
+                "messages %d..%d from %s never arrived (a forwarding proc died?); going on", exp, min(held) - 1, sender
+            )
             self._advance(sender, min(held))
             if self.held.get(sender):  # a later gap gets its own grace period
                 assert self.loop is not None
                 self.loop.call_later(GAP_S, self._skip_gap, sender, self.expected[sender])
 
-    def _replier(self, conn: Optional[ProcConnection], rid: int, actor_id: str, ep: str) -> Reply:
+    def _replier(self, conn: ProcConnection | None, rid: int, actor_id: str, ep: str) -> Reply:
         if rid and isinstance(conn, ProcConnection):
             return CallerReply(conn, rid)
         if rid and conn is not None:
@@ -593,6 +634,7 @@ class ProcServer:
                 port.send(value if ok else _PortError(tuple(value)))
             except Exception as e:  # the port's owner is gone
                 log.warning("could not answer to port %s: %s", getattr(port, "port_id", port), e)
+
         return answer
 
     def abort_actor(self, actor_id: str, reason: str) -> None:
@@ -601,7 +643,7 @@ class ProcServer:
         that thread are refused from here on."""
         self._actor_failed(actor_id, reason, aborted=True)
 
-    def _actor_failed(self, actor_id: str, why: str, leaf: Optional[MeshFailure] = None, aborted: bool = False) -> None:
+    def _actor_failed(self, actor_id: str, why: str, leaf: MeshFailure | None = None, aborted: bool = False) -> None:
         """As in Monarch, an actor whose endpoint raised with no caller to tell has failed: later
         calls are refused, and its owner (the process that spawned it) gets a supervision event:
         about this actor, or (``leaf``) the unhandled event of one of its own meshes, passed up."""
@@ -613,18 +655,30 @@ class ProcServer:
                 return
             if aborted:
                 slot.failed_kind = "aborted"
-            slot.failed = why if leaf is not None or aborted else \
-                f"{why}: the actor has failed (an endpoint called by broadcast raised)"
+            slot.failed = (
+                why
+                if leaf is not None or aborted
+                else f"{why}: the actor has failed (an endpoint called by broadcast raised)"
+            )
         if slot.owner is not None:
-            self._tell_owner(slot.owner[0], slot.owner[1], dataclasses.asdict(leaf) if leaf else self._failure(slot, why))
+            self._tell_owner(
+                slot.owner[0], slot.owner[1], dataclasses.asdict(leaf) if leaf else self._failure(slot, why)
+            )
 
-    def _failure(self, slot: ActorSlot, why: str) -> Dict[str, Any]:
-        return {"mesh": slot.ctx.actor_instance.mesh_id, "rank": slot.ctx.actor_instance.rank.rank,
-                "host": self.host_index, "hostname": socket.gethostname(), "reason": why,
-                "mesh_name": slot.name, "actor": slot.actor_id, "actor_class": slot.qualname,
-                "point": point_text(slot.ctx.actor_instance.rank)}
+    def _failure(self, slot: ActorSlot, why: str) -> dict[str, Any]:
+        return {
+            "mesh": slot.ctx.actor_instance.mesh_id,
+            "rank": slot.ctx.actor_instance.rank.rank,
+            "host": self.host_index,
+            "hostname": socket.gethostname(),
+            "reason": why,
+            "mesh_name": slot.name,
+            "actor": slot.actor_id,
+            "actor_class": slot.qualname,
+            "point": point_text(slot.ctx.actor_instance.rank),
+        }
 
-    def _tell_owner(self, conn: Any, owner_actor: str, failure: Dict[str, Any]) -> None:
+    def _tell_owner(self, conn: Any, owner_actor: str, failure: dict[str, Any]) -> None:
         try:
             parts = encode(messages.Fault(owner_actor), failure)
             if isinstance(conn, ProcConnection):
@@ -632,14 +686,18 @@ class ProcServer:
             else:  # spawned from this same proc (this_proc()): no socket between them
                 payload = [bytearray(memoryview(x).cast("B")) for x in parts[2:]]
                 if self.settings.in_client:  # the controller's hook must not run (or raise) on this loop
-                    threading.Thread(target=_fault_off_loop, args=(session.hub_for(self.pool), owner_actor, payload),
-                                     daemon=True, name="monarch-torchx-fault").start()
+                    threading.Thread(
+                        target=_fault_off_loop,
+                        args=(session.hub_for(self.pool), owner_actor, payload),
+                        daemon=True,
+                        name="monarch-torchx-fault",
+                    ).start()
                 else:
                     session.hub_for(self.pool)._fault(owner_actor, payload)
         except Exception as e:  # the owner is gone: nobody to tell
             log.warning("could not report the failure of %s to its owner: %s", failure.get("actor"), e)
 
-    def call(self, reply: Reply, actor_id: str, ep_name: str, bufs: List[bytearray]) -> None:
+    def call(self, reply: Reply, actor_id: str, ep_name: str, bufs: list[bytearray]) -> None:
         slot = self.actors.get(actor_id)
         if slot is None:
             if actor_id in self.ended:
@@ -657,16 +715,24 @@ class ProcServer:
         try:
             args, kwargs = unpack(bufs)
         except Exception as e:
-            reply(False, error_payload("actor", f"could not unpickle the arguments of {slot.cls_name}.{ep_name} "
-                                       f"on proc {self.rank}: {type(e).__name__}: {e}", traceback.format_exc(),
-                                       type(e).__name__))
+            reply(
+                False,
+                error_payload(
+                    "actor",
+                    f"could not unpickle the arguments of {slot.cls_name}.{ep_name} "
+                    f"on proc {self.rank}: {type(e).__name__}: {e}",
+                    traceback.format_exc(),
+                    type(e).__name__,
+                ),
+            )
             return
         self.submit(slot, ep, args, kwargs, reply)
 
     def submit(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply) -> None:
         if ep.explicit_response_port:  # a sync endpoint answers from its actor's thread
-            port = ResponsePort(self._on_loop(reply), lambda e: self._error(slot, ep.name, e),
-                                lambda err: self._escaped_port(slot, err))
+            port = ResponsePort(
+                self._on_loop(reply), lambda e: self._error(slot, ep.name, e), lambda err: self._escaped_port(slot, err)
+            )
             args = (port, *args)
             reply = port.returned
         if ep.concurrent:
@@ -686,18 +752,19 @@ class ProcServer:
             start = not slot.busy and not direct
             slot.busy = True
         if direct:
-            self._actor_thread(slot).run_then(self._run_sync, (slot, ep, args, kwargs),
-                                              functools.partial(self._sync_ran, slot, reply), on_loop=False)
+            self._actor_thread(slot).run_then(
+                self._run_sync, (slot, ep, args, kwargs), functools.partial(self._sync_ran, slot, reply), on_loop=False
+            )
         elif start:
             assert self.loop is not None
             self.loop.create_task(self._drain(slot))
 
     @staticmethod
-    def _answer(slot: ActorSlot, reply: Reply, res: Tuple[bool, Any]) -> None:
+    def _answer(slot: ActorSlot, reply: Reply, res: tuple[bool, Any]) -> None:
         """Answers a call that ran; if the actor failed while it ran, Monarch's call fails too."""
         reply(*((False, slot.refusal()) if slot.failed and res[0] else res))
 
-    def _sync_ran(self, slot: ActorSlot, reply: Reply, ok: bool, res: Tuple[bool, Any]) -> None:
+    def _sync_ran(self, slot: ActorSlot, reply: Reply, ok: bool, res: tuple[bool, Any]) -> None:
         """On the actor's thread, after a sync endpoint it got straight: a caller's answer is
         written from here and a broadcast's success tells nobody (neither wakes the loop); a
         port's answer goes through the loop. Then the calls that waited behind it start."""
@@ -744,18 +811,20 @@ class ProcServer:
 
     def _on_loop(self, reply: Reply) -> Reply:
         """``reply`` made safe to call from an actor's thread (it writes to the loop's connections)."""
+
         def answer(ok: bool, value: Any) -> None:
             if threading.get_ident() == self.loop_thread:
                 reply(ok, value)
             else:
                 assert self.loop is not None
                 self.loop.call_soon_threadsafe(reply, ok, value)
+
         return answer
 
     async def _run_concurrent(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply) -> None:
         reply(*await self._run_async(slot, ep, args, kwargs))
 
-    async def _run_async(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict) -> Tuple[bool, Any]:
+    async def _run_async(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         token = current_context.set(slot.ctx)
         try:
             return True, await ep.fn(slot.instance, *args, **kwargs)
@@ -774,7 +843,7 @@ class ProcServer:
         finally:
             current_context.reset(token)
 
-    def _run_sync(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict) -> Tuple[bool, Any]:
+    def _run_sync(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         if slot.failed:  # it failed (a broadcast raised, abort()) while this call waited on its thread
             return False, slot.refusal()
         token = current_context.set(slot.ctx)
@@ -787,7 +856,7 @@ class ProcServer:
         finally:
             current_context.reset(token)
 
-    def _fatal(self, slot: ActorSlot, what: str, e: BaseException) -> Tuple[str, str, str, str]:
+    def _fatal(self, slot: ActorSlot, what: str, e: BaseException) -> tuple[str, str, str, str]:
         """An endpoint raised a BaseException that is not an Exception: as in Monarch, the actor
         has failed. The call is answered with SupervisionError (never left hanging, the connection
         kept), every later call to the actor is refused with why, and its owner is told."""
@@ -798,11 +867,15 @@ class ProcServer:
             self._tell_owner(slot.owner[0], slot.owner[1], self._failure(slot, why))
         return error_payload("supervision", why, err[2], err[3])
 
-    def _error(self, slot: ActorSlot, what: str, e: BaseException) -> Tuple[str, str, str, str]:
+    def _error(self, slot: ActorSlot, what: str, e: BaseException) -> tuple[str, str, str, str]:
         where = f"{slot.cls_name}.{what} on proc {self.rank} of mesh {self.mesh_id} (host {self.host_index})"
         # "Actor call NAME.ENDPOINT failed" leads, as Monarch's ActorError says it
-        return error_payload("actor", f"Actor call {slot.name}.{what} failed: {where} raised {type(e).__name__}: {e}",
-                             "".join(traceback.format_exception(type(e), e, e.__traceback__)), type(e).__name__)
+        return error_payload(
+            "actor",
+            f"Actor call {slot.name}.{what} failed: {where} raised {type(e).__name__}: {e}",
+            "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+            type(e).__name__,
+        )
 
     def _await_actor(self, actor_id: str, retry: Callable[[], None]) -> None:
         """Holds a call for an actor whose spawn has not arrived yet; after SPAWN_WAIT_S it is
@@ -819,8 +892,10 @@ class ProcServer:
             self.loop.call_later(SPAWN_WAIT_S, self._give_up_on, actor_id)
             return
         if actor_id in self.awaiting and actor_id not in self.actors:
-            self.ended.setdefault(actor_id, f"actor {actor_id} is not on proc {self.rank} of mesh {self.mesh_id} "
-                                            f"(never spawned here, or stopped)")
+            self.ended.setdefault(
+                actor_id,
+                f"actor {actor_id} is not on proc {self.rank} of mesh {self.mesh_id} (never spawned here, or stopped)",
+            )
             self._release_calls(actor_id)
 
     def _release_calls(self, actor_id: str) -> None:
@@ -833,17 +908,36 @@ class ProcServer:
             self.ended.pop(next(iter(self.ended)))
         self._release_calls(actor_id)
 
-    def spawn(self, conn: ProcConnection, rid: int, actor_id: str, name: str, point: Point,
-              bufs: List[bytearray], owner: str = "", creator: Optional[CreatorInstance] = None,
-              mesh: Optional[Tuple[str, Any, int, Optional[List[Any]]]] = None) -> None:
+    def spawn(
+        self,
+        conn: ProcConnection,
+        rid: int,
+        actor_id: str,
+        name: str,
+        point: Point,
+        bufs: list[bytearray],
+        owner: str = "",
+        creator: CreatorInstance | None = None,
+        mesh: tuple[str, Any, int, list[Any] | None] | None = None,
+    ) -> None:
         """Creates the actor; a failing constructor is answered to the spawner (its mesh's
         ``initialized``) and, as in Monarch, every call to the actor then fails with why."""
         if self.booting is not None:  # spawn_procs(bootstrap=...) runs before any other actor is made
             self.booting.append(lambda: self.spawn(conn, rid, actor_id, name, point, bufs, owner, creator, mesh))
             return
-        inst_ctx = Context(ActorInstance(name, actor_id, point, self.rank, self.mesh_id, self.host_index,
-                                         creator=creator, proc_mesh_source=self._proc_mesh(mesh),
-                                         hosted_by=self.me if self.settings.in_client else None))
+        inst_ctx = Context(
+            ActorInstance(
+                name,
+                actor_id,
+                point,
+                self.rank,
+                self.mesh_id,
+                self.host_index,
+                creator=creator,
+                proc_mesh_source=self._proc_mesh(mesh),
+                hosted_by=self.me if self.settings.in_client else None,
+            )
+        )
         slot = ActorSlot(actor_id, name, "?", None, inst_ctx, {})
         try:
             cls, args, kwargs = unpack(bufs)
@@ -853,8 +947,12 @@ class ProcServer:
             slot.endpoints = endpoints_of(cls)
             instance = cls.__new__(cls)
         except Exception as e:
-            err = error_payload("actor", f"could not create actor {name!r} on proc {self.rank}: "
-                                f"{type(e).__name__}: {e}", traceback.format_exc(), type(e).__name__)
+            err = error_payload(
+                "actor",
+                f"could not create actor {name!r} on proc {self.rank}: {type(e).__name__}: {e}",
+                traceback.format_exc(),
+                type(e).__name__,
+            )
             self._ended(actor_id, f"{err[1]}: the actor was never created")
             conn.reply(rid, False, err)
             return
@@ -877,7 +975,7 @@ class ProcServer:
         done = self._actor_thread(slot).run(self._in_context, slot, init, ())
         done.add_done_callback(lambda d: self._constructed(conn, rid, slot, instance, owner, d))
 
-    def _proc_mesh(self, mesh: Optional[Tuple[str, Any, int, Optional[bytes]]]) -> Optional[Callable[[], Any]]:
+    def _proc_mesh(self, mesh: tuple[str, Any, int, bytes | None] | None) -> Callable[[], Any] | None:
         """Makes the ProcMesh an actor was spawned on, when it asks (its procs come with the first
         spawn on each proc, compressed; they are unpacked once, at the first ask on this proc)."""
         if mesh is None:
@@ -895,10 +993,12 @@ class ProcServer:
             if isinstance(procs, bytes):
                 procs = self.mesh_refs[key] = pickle.loads(zlib.decompress(procs))
             return ProcMesh(self.pool, procs, shape, mesh_id) if procs else None
+
         return make
 
-    def _constructed(self, conn: ProcConnection, rid: int, slot: ActorSlot, instance: Any, owner: str,
-                     done: "asyncio.Future[Any]") -> None:
+    def _constructed(
+        self, conn: ProcConnection, rid: int, slot: ActorSlot, instance: Any, owner: str, done: asyncio.Future[Any]
+    ) -> None:
         if getattr(type(instance), "_gates_the_proc", False) and self.booting is not None:
             held, self.booting = self.booting, None
             self.loop.call_soon(lambda: [spawn() for spawn in held])  # type: ignore[union-attr]
@@ -926,16 +1026,17 @@ class ProcServer:
 
     # ------------------------------------------------------------ multicast through a tree
 
-    def cast(self, conn: ProcConnection, m: messages.Cast, bufs: List[bytearray]) -> None:
+    def cast(self, conn: ProcConnection, m: messages.Cast, bufs: list[bytearray]) -> None:
         """Forwards to each child subtree at once, runs locally in order, answers for the subtree."""
         hub = session.hub_for(self.pool)
         rid, sender, seqs, actor_id, ep = m.rid, m.sender, m.seqs, m.actor_id, m.endpoint
-        child_futs: List[Tuple[List[int], Future[Any]]] = []
+        child_futs: list[tuple[list[int], Future[Any]]] = []
         for rank, addr, sub in m.tree:
             ranks = _subtree_ranks(rank, sub)
             fut: Future[Any] = Future(hub)
-            header = messages.Cast(hub.next_id() if rid else 0, sender, {r: seqs[r] for r in ranks if r in seqs},
-                                   actor_id, ep, sub)
+            header = messages.Cast(
+                hub.next_id() if rid else 0, sender, {r: seqs[r] for r in ranks if r in seqs}, actor_id, ep, sub
+            )
             try:
                 hub.conn(ProcAddr(*addr)).send(encode(header, packed=bufs), header.rid, fut if rid else None)
             except Exception as e:
@@ -944,21 +1045,26 @@ class ProcServer:
                 fut.set_exception(e)
             child_futs.append((ranks, fut))
         if not rid:
-            self.ordered(sender, seqs.get(self.rank), lambda: self.call(self._replier(None, 0, actor_id, ep),
-                                                                        actor_id, ep, bufs))
+            self.ordered(
+                sender, seqs.get(self.rank), lambda: self.call(self._replier(None, 0, actor_id, ep), actor_id, ep, bufs)
+            )
             return
         if not child_futs and isinstance(conn, ProcConnection):  # a leaf answers for itself alone
-            self.ordered(sender, seqs.get(self.rank),
-                         lambda: self.call(CallerReply(conn, rid, self.rank), actor_id, ep, bufs))
+            self.ordered(
+                sender, seqs.get(self.rank), lambda: self.call(CallerReply(conn, rid, self.rank), actor_id, ep, bufs)
+            )
             return
         assert self.loop is not None
         loop = self.loop
-        local: asyncio.Future[Tuple[bool, Any]] = loop.create_future()
-        self.ordered(sender, seqs.get(self.rank),
-                     lambda: self.call(lambda ok, v: local.done() or local.set_result((ok, v)), actor_id, ep, bufs))
+        local: asyncio.Future[tuple[bool, Any]] = loop.create_future()
+        self.ordered(
+            sender,
+            seqs.get(self.rank),
+            lambda: self.call(lambda ok, v: local.done() or local.set_result((ok, v)), actor_id, ep, bufs),
+        )
 
         async def finish() -> None:
-            children: List[Tuple[int, bool, Any]] = []
+            children: list[tuple[int, bool, Any]] = []
             for ranks, fut in child_futs:  # answered on this loop, which reads the subtree's connections
                 try:
                     children += await fut
@@ -996,12 +1102,14 @@ class ProcServer:
                 current_context.reset(token)
         if not handled:  # as in Monarch, the owner fails too, and the event goes up to its own owner
             what = "had an actor fail" if failure.actor else "lost a proc"
-            why = f"actor {slot.name} failed: a mesh it owns {what} and it did not handle it{raised}: {failure.report()}"
+            why = (
+                f"actor {slot.name} failed: a mesh it owns {what} and it did not handle it{raised}: {failure.report()}"
+            )
             print(why, file=sys.stderr, flush=True)
             self._actor_failed(owner_actor_id, why, leaf=failure)
 
 
-def _fault_off_loop(hub: Any, owner_actor: str, payload: List[bytearray]) -> None:
+def _fault_off_loop(hub: Any, owner_actor: str, payload: list[bytearray]) -> None:
     """A supervision event of the controller's own proc, told on a thread of its own: what the
     controller's ``unhandled_fault_hook`` raises there ends the program as from the supervision thread."""
     from . import supervision
@@ -1012,7 +1120,7 @@ def _fault_off_loop(hub: Any, owner_actor: str, payload: List[bytearray]) -> Non
         supervision.unhandled_off_caller(e)
 
 
-def _subtree_ranks(rank: int, sub: list) -> List[int]:
+def _subtree_ranks(rank: int, sub: list) -> list[int]:
     out = [rank]
     for r, _addr, s in sub:
         out += _subtree_ranks(r, s)

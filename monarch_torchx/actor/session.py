@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable
 
 from ..credentials import PoolCredentials
 from .hub import Hub, ProcAddr
@@ -24,12 +24,12 @@ class ProcIdentity:
     host_index: int
     mesh_id: str
     rank: int
-    addr: Optional[ProcAddr] = None
-    on_child_lost: Optional[Callable[..., Any]] = None  # (owner actor id, MeshFailure)
-    loop_thread: Optional[int] = None  # the thread of the proc's event loop
-    on_abort: Optional[Callable[[str, str], None]] = None  # (actor id, reason): actor_instance.abort()
+    addr: ProcAddr | None = None
+    on_child_lost: Callable[..., Any] | None = None  # (owner actor id, MeshFailure)
+    loop_thread: int | None = None  # the thread of the proc's event loop
+    on_abort: Callable[[str, str], None] | None = None  # (actor id, reason): actor_instance.abort()
     # what each actor of this proc spawned (its ProcMeshes and ActorMeshes): stopped with it
-    owned: Dict[str, List[Any]] = field(default_factory=dict)
+    owned: dict[str, list[Any]] = field(default_factory=dict)
     in_client: bool = False  # the controller's own proc (its actors run in the controller's process)
     hosts: Callable[[str], bool] = lambda _actor_id: False  # whether an actor runs in this proc
 
@@ -39,16 +39,16 @@ class ProcIdentity:
 
 _lock = threading.Lock()
 _client_lock = threading.Lock()
-_hubs: Dict[str, Hub] = {}
-_proc: Dict[str, ProcIdentity] = {}
-_current: Dict[str, Any] = {}
+_hubs: dict[str, Hub] = {}
+_proc: dict[str, ProcIdentity] = {}
+_current: dict[str, Any] = {}
 
 
 def set_proc(ident: ProcIdentity) -> None:
     _proc["self"] = ident
 
 
-def this_proc() -> Optional[ProcIdentity]:
+def this_proc() -> ProcIdentity | None:
     """The proc the running code is in: this process, if it is an actor proc; in a controller,
     its own proc while one of that proc's actors runs (its identity rides on the actor's
     context); else None (the controller's own code)."""
@@ -60,7 +60,7 @@ def this_proc() -> Optional[ProcIdentity]:
     return current_context.get().actor_instance.hosted_by
 
 
-def proc_hosting(actor_id: str) -> Optional[ProcIdentity]:
+def proc_hosting(actor_id: str) -> ProcIdentity | None:
     """The proc of this process where actor ``actor_id`` runs (to tell it of what it owns),
     from any thread: this actor proc, or the controller's own proc."""
     me = _proc.get("self")
@@ -92,11 +92,11 @@ def set_current_pool(pool: str) -> None:
     _current["pool"] = pool
 
 
-def current_pool() -> Optional[str]:
+def current_pool() -> str | None:
     return _current.get("pool")
 
 
-def hub_for(pool: str, creds: Optional[PoolCredentials] = None) -> Hub:
+def hub_for(pool: str, creds: PoolCredentials | None = None) -> Hub:
     """This process's hub for ``pool``; ``creds`` (from a fresh registry read) replace stale ones."""
     hub = _hubs.get(pool)
     if hub is not None and (creds is None or hub.creds == creds):

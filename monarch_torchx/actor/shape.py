@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Mapping, Sequence, Tuple, Union
+from typing import Any, Iterator, Mapping, Sequence
 
 
 class Extent(Mapping[str, int]):
@@ -21,11 +21,11 @@ class Extent(Mapping[str, int]):
         self._sizes = tuple(sizes)
 
     @property
-    def labels(self) -> List[str]:
+    def labels(self) -> list[str]:
         return list(self._labels)
 
     @property
-    def sizes(self) -> List[int]:
+    def sizes(self) -> list[int]:
         return list(self._sizes)
 
     def __getitem__(self, label: str) -> int:
@@ -86,20 +86,23 @@ class Point(Mapping[str, int]):
         return hash((self.coords, self.extent._labels))
 
     def __repr__(self) -> str:  # as Monarch prints a point: {'hosts': 0/2, 'gpus': 1/4}
-        return "{" + ", ".join(f"'{k}': {v}/{n}" for k, v, n in
-                               zip(self.extent._labels, self.coords, self.extent._sizes)) + "}"
+        return (
+            "{"
+            + ", ".join(f"'{k}': {v}/{n}" for k, v, n in zip(self.extent._labels, self.coords, self.extent._sizes))
+            + "}"
+        )
 
 
 @dataclass(frozen=True)
 class Shape:
     """Named dims over a set of base ranks (row-major over ``sizes``)."""
 
-    labels: Tuple[str, ...]
-    sizes: Tuple[int, ...]
-    ranks: Tuple[int, ...]  # base rank of each member, row-major
+    labels: tuple[str, ...]
+    sizes: tuple[int, ...]
+    ranks: tuple[int, ...]  # base rank of each member, row-major
 
     @staticmethod
-    def dense(labels: Sequence[str], sizes: Sequence[int]) -> "Shape":
+    def dense(labels: Sequence[str], sizes: Sequence[int]) -> Shape:
         n = 1
         for s in sizes:
             n *= s
@@ -123,9 +126,9 @@ class Shape:
         except ValueError:
             raise ValueError(f"mesh has no dimension {label!r} (dims: {', '.join(self.labels) or 'none'})") from None
 
-    def slice(self, **dims: Union[int, slice]) -> "Shape":
+    def slice(self, **dims: int | slice) -> Shape:
         labels, sizes = list(self.labels), list(self.sizes)
-        grid: List[Any] = [list(range(s)) for s in sizes]
+        grid: list[Any] = [list(range(s)) for s in sizes]
         for label, sel in dims.items():
             d = self._dim(label)
             if isinstance(sel, bool) or not isinstance(sel, (int, slice)):
@@ -145,10 +148,10 @@ class Shape:
         keep = [i for i in range(len(labels)) if not (labels[i] in dims and isinstance(dims[labels[i]], int))]
         return Shape(tuple(labels[i] for i in keep), tuple(len(grid[i]) for i in keep), ranks)
 
-    def flatten(self, name: str) -> "Shape":
+    def flatten(self, name: str) -> Shape:
         return Shape((name,), (len(self.ranks),), self.ranks)
 
-    def rename(self, **names: str) -> "Shape":
+    def rename(self, **names: str) -> Shape:
         for old in names:
             self._dim(old)
         labels = tuple(names.get(label, label) for label in self.labels)
@@ -171,7 +174,7 @@ class ValueMesh:
     def __len__(self) -> int:
         return len(self._values)
 
-    def items(self) -> Iterator[Tuple[Point, Any]]:
+    def items(self) -> Iterator[tuple[Point, Any]]:
         return zip(self._shape.points(), self._values)
 
     def values(self) -> Iterator[Any]:
@@ -183,17 +186,17 @@ class ValueMesh:
         sub = self._shape.slice(**coords)
         return self._values[self._shape.ranks.index(sub.ranks[0])]
 
-    def slice(self, **dims: Union[int, slice]) -> "ValueMesh":
+    def slice(self, **dims: int | slice) -> ValueMesh:
         """The answers of part of the mesh (as Monarch's ``ValueMesh.slice``): an int drops its dim."""
         sub = self._shape.slice(**dims)
         at = {r: i for i, r in enumerate(self._shape.ranks)}
         return ValueMesh(sub, [self._values[at[r]] for r in sub.ranks])
 
-    def flatten(self, name: str) -> "ValueMesh":
+    def flatten(self, name: str) -> ValueMesh:
         """The same answers along one dim called ``name``."""
         return ValueMesh(self._shape.flatten(name), self._values)
 
-    def __iter__(self) -> Iterator[Tuple[Point, Any]]:
+    def __iter__(self) -> Iterator[tuple[Point, Any]]:
         return self.items()
 
     def __repr__(self) -> str:

@@ -36,8 +36,11 @@ def unhandled_off_caller(exc: BaseException) -> None:
     thread is interrupted. Where SIGINT does not reach Python (a controller started in the
     background by a non-interactive shell, or under nohup, inherits it ignored), the process
     ends at once with the hook's exit code instead: what raised must still end the program."""
-    print(f"monarch-torchx: the unhandled fault hook raised {exc!r}; interrupting the main thread",
-          file=sys.stderr, flush=True)
+    print(
+        f"monarch-torchx: the unhandled fault hook raised {exc!r}; interrupting the main thread",
+        file=sys.stderr,
+        flush=True,
+    )
     main = threading.main_thread()
     if not main.is_alive() or main.ident is None:
         return

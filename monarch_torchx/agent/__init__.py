@@ -5,7 +5,7 @@ Light on purpose: clients import ``agent_argv`` without loading the agent itself
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List, Optional  # noqa: F401
 
 from ..interpreter import module_argv
 
@@ -13,19 +13,33 @@ if TYPE_CHECKING:
     from ..registry import PoolRecord
 
 
-def agent_argv(rec: "PoolRecord", index: Optional[int], bind: str) -> List[str]:
+def agent_argv(rec: PoolRecord, index: int | None, bind: str) -> list[str]:
     """The agent command line every provisioner starts (the token is read from the state dir).
 
     ``index=None`` lets the agent take its index from the environment (SLURM_NODEID).
     """
-    argv = module_argv("monarch_torchx.agent", "--state-dir", rec.state_dir, "--pool", rec.name,
-                       "--bind", bind, "--idle-timeout", str(rec.options.get("idle_timeout", 1800)),
-                       "--preload", rec.spec.get("preload") or "")
+    argv = module_argv(
+        "monarch_torchx.agent",
+        "--state-dir",
+        rec.state_dir,
+        "--pool",
+        rec.name,
+        "--bind",
+        bind,
+        "--idle-timeout",
+        str(rec.options.get("idle_timeout", 1800)),
+        "--preload",
+        rec.spec.get("preload") or "",
+    )
     if index is not None:
         argv += ["--index", str(index)]
     from .logstore import POOL_MAX_MB, REPLICA_MAX_MB  # (standard library only: still light)
 
     # replica logs: a limit per replica, and each host's share of the pool's limit
-    argv += ["--log-max-mb", str(rec.options.get("log_max_mb", REPLICA_MAX_MB)),
-             "--log-host-max-mb", str(rec.options.get("log_pool_max_mb", POOL_MAX_MB) / max(1, rec.num_hosts))]
+    argv += [
+        "--log-max-mb",
+        str(rec.options.get("log_max_mb", REPLICA_MAX_MB)),
+        "--log-host-max-mb",
+        str(rec.options.get("log_pool_max_mb", POOL_MAX_MB) / max(1, rec.num_hosts)),
+    ]
     return argv

@@ -36,7 +36,7 @@ import traceback
 import types
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Iterable, NoReturn, Sequence
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -44,9 +44,21 @@ PR_SET_NAME = 15
 # env vars read while an interpreter initializes: a child asking for different values than
 # the fork server started with cannot be served from it, so it is exec'd instead.
 INIT_ENV = (
-    "PYTHONHOME", "PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONDEVMODE", "PYTHONOPTIMIZE",
-    "PYTHONWARNINGS", "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONSAFEPATH", "PYTHONNOUSERSITE",
-    "PYTHONPLATLIBDIR", "LD_PRELOAD", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+    "PYTHONHOME",
+    "PYTHONHASHSEED",
+    "PYTHONMALLOC",
+    "PYTHONDEVMODE",
+    "PYTHONOPTIMIZE",
+    "PYTHONWARNINGS",
+    "PYTHONIOENCODING",
+    "PYTHONUTF8",
+    "PYTHONSAFEPATH",
+    "PYTHONNOUSERSITE",
+    "PYTHONPLATLIBDIR",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
 )
 
 
@@ -56,12 +68,12 @@ class PyInvocation:
 
     kind: str  # "c" | "m" | "script"
     target: str
-    args: List[str]
+    args: list[str]
     unbuffered: bool = False
     no_bytecode: bool = False
 
 
-def parse_python_argv(args: Sequence[str]) -> Optional[PyInvocation]:
+def parse_python_argv(args: Sequence[str]) -> PyInvocation | None:
     """Parses interpreter flags we can honour in a forked child; None means "exec it"."""
     unbuffered = no_bytecode = False
     i = 0
@@ -74,11 +86,11 @@ def parse_python_argv(args: Sequence[str]) -> Optional[PyInvocation]:
         elif a in ("-c", "-m"):
             if i + 1 >= len(args):
                 return None
-            return PyInvocation(a[1], args[i + 1], list(args[i + 2:]), unbuffered, no_bytecode)
+            return PyInvocation(a[1], args[i + 1], list(args[i + 2 :]), unbuffered, no_bytecode)
         elif a.startswith("-"):
             return None  # -i, -E, -X ..., combined flags, stdin: let the real interpreter do it
         else:
-            return PyInvocation("script", a, list(args[i + 1:]), unbuffered, no_bytecode)
+            return PyInvocation("script", a, list(args[i + 1 :]), unbuffered, no_bytecode)
         i += 1
     return None
 
@@ -135,15 +147,20 @@ def _std_streams(unbuffered: bool) -> None:
     def writer(fd: int, line: bool) -> io.TextIOWrapper:
         raw = io.FileIO(fd, "w", closefd=False)
         buf = raw if unbuffered else io.BufferedWriter(raw)
-        return io.TextIOWrapper(buf, encoding="utf-8", errors="backslashreplace" if fd == 2 else "strict",
-                                line_buffering=line, write_through=unbuffered)
+        return io.TextIOWrapper(
+            buf,
+            encoding="utf-8",
+            errors="backslashreplace" if fd == 2 else "strict",
+            line_buffering=line,
+            write_through=unbuffered,
+        )
 
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8")
     sys.stdout = sys.__stdout__ = writer(1, False)
     sys.stderr = sys.__stderr__ = writer(2, True)
 
 
-def _sys_path(inv: PyInvocation, base: List[str], env: Dict[str, str]) -> List[str]:
+def _sys_path(inv: PyInvocation, base: list[str], env: dict[str, str]) -> list[str]:
     if inv.kind == "script":
         first = os.path.dirname(os.path.realpath(inv.target))
     elif inv.kind == "m":
@@ -154,14 +171,14 @@ def _sys_path(inv: PyInvocation, base: List[str], env: Dict[str, str]) -> List[s
     return [first, *extra, *base]
 
 
-def _user_frames(tb: Optional[types.TracebackType]) -> Optional[types.TracebackType]:
+def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     """The traceback from the user's first frame on, as a real interpreter prints it (not ours)."""
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
     return tb
 
 
-def run_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> int:
+def run_python(inv: PyInvocation, env: dict[str, str], base_path: list[str]) -> int:
     """Runs the invocation as ``__main__`` in this (forked) process; returns the exit code."""
     os.environ.clear()
     os.environ.update(env)
@@ -182,8 +199,11 @@ def run_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> 
             runpy._run_module_as_main(inv.target, alter_argv=True)  # type: ignore[attr-defined]
         else:
             if not os.path.exists(inv.target):  # as CPython says it, with its exit code
-                print(f"{sys.executable}: can't open file {os.path.abspath(inv.target)!r}: "
-                      "[Errno 2] No such file or directory", file=sys.stderr)
+                print(
+                    f"{sys.executable}: can't open file {os.path.abspath(inv.target)!r}: "
+                    "[Errno 2] No such file or directory",
+                    file=sys.stderr,
+                )
                 return 2
             sys.argv = [inv.target, *inv.args]
             if os.path.isfile(inv.target) and not zipfile.is_zipfile(inv.target):
@@ -256,7 +276,7 @@ def finalize_program_modules(inherited: Iterable[str]) -> None:
             names[key] = None  # a __del__ that raises is reported and ignored, as by CPython
 
 
-def _library_dirs() -> Tuple[str, ...]:
+def _library_dirs() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     dirs = {paths.get(k, "") for k in ("stdlib", "platstdlib", "purelib", "platlib")}
     dirs.update(p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages"))
@@ -271,7 +291,8 @@ def _is_program_code(module: object) -> bool:
     if not isinstance(path, str) or not path.endswith(".py"):  # built-in, frozen, namespace, extension
         return False
     return not os.path.realpath(path).startswith(LIBRARY_DIRS) and not getattr(module, "__name__", "").startswith(
-        "monarch_torchx")
+        "monarch_torchx"
+    )
 
 
 def detach_child(stdout_fd: int, stderr_fd: int, close: Iterable[int]) -> None:
@@ -296,7 +317,7 @@ def detach_child(stdout_fd: int, stderr_fd: int, close: Iterable[int]) -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def exit_as_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str]) -> NoReturn:
+def exit_as_python(inv: PyInvocation, env: dict[str, str], base_path: list[str]) -> NoReturn:
     """Runs the invocation in this detached fork and exits the way the interpreter would have."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     code = run_python(inv, env, base_path)
@@ -307,7 +328,7 @@ def exit_as_python(inv: PyInvocation, env: Dict[str, str], base_path: List[str])
     os._exit(code & 0xFF)
 
 
-def _child(req: dict, fds: List[int], errw: int, keep_closed: List[int], base_path: List[str]) -> None:
+def _child(req: dict, fds: list[int], errw: int, keep_closed: list[int], base_path: list[str]) -> None:
     try:
         detach_child(fds[0], fds[1], keep_closed)
         if req.get("cwd"):
@@ -327,7 +348,7 @@ def _child(req: dict, fds: List[int], errw: int, keep_closed: List[int], base_pa
         os._exit(127)
 
 
-def _close_all(fds: List[int]) -> None:
+def _close_all(fds: list[int]) -> None:
     """Closes the fds and empties the list, so that nothing closes them twice."""
     while fds:
         try:
@@ -347,11 +368,11 @@ def start_error(e: BaseException) -> str:
 
 
 class ForkServer:
-    def __init__(self, ctl: socket.socket, evt: socket.socket, base_path: List[str]):
+    def __init__(self, ctl: socket.socket, evt: socket.socket, base_path: list[str]):
         self.ctl = ctl
         self.evt = evt
         self.base_path = base_path
-        self.children: Dict[int, float] = {}
+        self.children: dict[int, float] = {}
         self.servers: set = set()  # fork servers forked from this one: their exits are no program's
         for sock in (ctl, evt):  # inherited from the agent, and no program's business
             os.set_inheritable(sock.fileno(), False)
@@ -368,7 +389,7 @@ class ForkServer:
 
         send_msg(self.evt, {"id": 0, **msg})
 
-    def spawn(self, req: dict, fds: List[int]) -> None:
+    def spawn(self, req: dict, fds: list[int]) -> None:
         token = req["token"]
         if req["mode"] == "server":
             self.send(self.spawn_server(token, req, fds))
@@ -391,8 +412,13 @@ class ForkServer:
         pid = os.fork()
         if pid == 0:
             os.close(errr)
-            _child(req, fds, errw, [self.ctl.fileno(), self.evt.fileno(), self.wake_r, self.wake_w, self.home],
-                   self.base_path)
+            _child(
+                req,
+                fds,
+                errw,
+                [self.ctl.fileno(), self.evt.fileno(), self.wake_r, self.wake_w, self.home],
+                self.base_path,
+            )
         os.close(errw)
         _close_all(fds)
         err = b""
@@ -409,7 +435,7 @@ class ForkServer:
             self.children[pid] = time.time()
             self.send({"token": token, "pid": pid})
 
-    def spawn_exec(self, token: Any, req: dict, fds: List[int]) -> Optional[Dict[str, Any]]:
+    def spawn_exec(self, token: Any, req: dict, fds: list[int]) -> dict[str, Any] | None:
         """Starts a program that is not this interpreter; returns the answer for the agent, or
         None (the fds untouched) where this Python's ``posix_spawn`` cannot start a session,
         which then forks as before. Unlike a fork, ``posix_spawn`` cannot set a parent-death
@@ -418,15 +444,25 @@ class ForkServer:
         for the length of the call. SIGTERM (``kill_all``) waits until the child is on record."""
         for fd in fds:  # received without close-on-exec: the child keeps only its 1 and 2
             os.set_inheritable(fd, False)
-        actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                   (os.POSIX_SPAWN_DUP2, fds[0], 1), (os.POSIX_SPAWN_DUP2, fds[1], 2)]
+        actions = [
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_DUP2, fds[0], 1),
+            (os.POSIX_SPAWN_DUP2, fds[1], 2),
+        ]
         cwd = req.get("cwd")
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             if cwd:
                 os.chdir(cwd)
-            pid = os.posix_spawn(req["exe"], req["argv"], req["env"], file_actions=actions, setsid=True,
-                                 setsigmask=(), setsigdef=EXEC_DEFAULT_SIGNALS)
+            pid = os.posix_spawn(
+                req["exe"],
+                req["argv"],
+                req["env"],
+                file_actions=actions,
+                setsid=True,
+                setsigmask=(),
+                setsigdef=EXEC_DEFAULT_SIGNALS,
+            )
         except NotImplementedError:  # built against a C library without POSIX_SPAWN_SETSID
             self.posix_spawn = False
             return None
@@ -442,7 +478,7 @@ class ForkServer:
                 self.go_home()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
-    def spawn_server(self, token: Any, req: dict, fds: List[int]) -> Dict[str, Any]:
+    def spawn_server(self, token: Any, req: dict, fds: list[int]) -> dict[str, Any]:
         """Forks a fork server of its own (``fds``: its ctl and evt) that imports ``preloads``.
         It stays in this server's session, and ends when this one does (its parent-death signal)."""
         if len(fds) != 2:
@@ -462,7 +498,7 @@ class ForkServer:
             _close_all(fds)
         return {"token": token, "pid": pid}
 
-    def _become_server(self, req: dict, fds: List[int]) -> NoReturn:
+    def _become_server(self, req: dict, fds: list[int]) -> NoReturn:
         """In the forked child: drop this server's descriptors and handlers, then serve as a new one."""
         try:
             # this server's handler would end this server's children: not the new one's business
@@ -545,7 +581,7 @@ class ForkServer:
                     self.send({"token": req.get("token"), "error": f"could not start: {type(e).__name__}: {e}"})
 
 
-def main(argv: List[str]) -> None:
+def main(argv: list[str]) -> None:
     ctl = socket.socket(fileno=int(argv[0]))
     evt = socket.socket(fileno=int(argv[1]))
     preloads = [m for m in argv[2:] if m]
@@ -581,8 +617,14 @@ def main(argv: List[str]) -> None:
     # would otherwise write to (and so copy) every page of the server's objects. No collection
     # first: the holes it would free are where a child's new objects would go, copying those pages.
     gc.freeze()
-    server.send({"ready": True, "preloaded": [m for m in preloads if m not in failed], "failed": failed,
-                 "seconds": round(time.time() - t0, 3)})
+    server.send(
+        {
+            "ready": True,
+            "preloaded": [m for m in preloads if m not in failed],
+            "failed": failed,
+            "seconds": round(time.time() - t0, 3),
+        }
+    )
     server.serve()
 
 

@@ -24,7 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Iterable
 
 from .. import wire
 from ..interpreter import module_argv
@@ -34,7 +34,7 @@ from .forkserver import INIT_ENV, parse_python_argv
 log = logging.getLogger(__name__)
 
 ExitCallback = Callable[[int, int], None]
-DeathCallback = Callable[[str, List[int], bool], None]  # reason, pids it took down, fatal to the agent
+DeathCallback = Callable[[str, list[int], bool], None]  # reason, pids it took down, fatal to the agent
 
 ACTOR_MODULE = "monarch_torchx.actor"  # an actor proc's entrypoint: python -m ACTOR_MODULE
 ACTOR_RUNTIME = "monarch_torchx.actor.proc"
@@ -51,7 +51,7 @@ def last_line(text: str, limit: int = 200) -> str:
     lines = [ln.strip() for ln in (message if sep else text).splitlines() if ln.strip()]
     line = lines[-1] if lines else ""
     line = f"{kind}: {line}" if sep else line
-    return line if len(line) <= limit else line[:limit - 3] + "..."
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 class SpawnError(OSError):
@@ -72,24 +72,30 @@ class _Server:
     """One fork server: started as a process of its own, or forked from ``parent`` (another fork
     server, so that it skips an interpreter's start-up)."""
 
-    def __init__(self, name: str, preloads: List[str], on_exit: ExitCallback, on_death: DeathCallback,
-                 parent: Optional["_Server"] = None):
+    def __init__(
+        self,
+        name: str,
+        preloads: list[str],
+        on_exit: ExitCallback,
+        on_death: DeathCallback,
+        parent: _Server | None = None,
+    ):
         self.name = name
         self.parent = parent
-        self.pid: Optional[int] = None
+        self.pid: int | None = None
         self._pidfd = -1  # a forked server's: it names that process even once its parent reaped it
         self._server_tokens: set = set()  # requests of this one that start servers, not programs
         self.preloads = preloads
         self._on_exit = on_exit
         self._on_death = on_death
-        self._pending: Dict[int, asyncio.Future] = {}
+        self._pending: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count(1)
         self.ready = asyncio.Event()
         self.dead = asyncio.Event()
         self.closing = False
         self.info: dict = {}
         self.death_reason = ""  # why it died, once it has (the warm one's is shown in `pool status`)
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         self.pids: set = set()
         self.spawned = 0  # processes it was asked to start, ever
 
@@ -98,16 +104,24 @@ class _Server:
         evt_parent, evt_child = socket.socketpair()
         try:
             if self.parent is not None:
-                self.pid = await self.parent.start_server(self.name, self.preloads, [ctl_child.fileno(), evt_child.fileno()])
+                self.pid = await self.parent.start_server(
+                    self.name, self.preloads, [ctl_child.fileno(), evt_child.fileno()]
+                )
                 try:
                     self._pidfd = os.pidfd_open(self.pid)
                 except OSError:  # gone already (its evt socket tells), or a kernel without pidfds
                     pass
             else:
                 self.proc = subprocess.Popen(
-                    module_argv("monarch_torchx.agent.forkserver", str(ctl_child.fileno()),
-                                str(evt_child.fileno()), *self.preloads),
-                    pass_fds=(ctl_child.fileno(), evt_child.fileno()), env=dict(os.environ), stdin=subprocess.DEVNULL,
+                    module_argv(
+                        "monarch_torchx.agent.forkserver",
+                        str(ctl_child.fileno()),
+                        str(evt_child.fileno()),
+                        *self.preloads,
+                    ),
+                    pass_fds=(ctl_child.fileno(), evt_child.fileno()),
+                    env=dict(os.environ),
+                    stdin=subprocess.DEVNULL,
                 )
                 self.pid = self.proc.pid
         except BaseException:
@@ -164,15 +178,15 @@ class _Server:
             end_process_groups(self.pids)
             self._on_death(reason, sorted(self.pids), self.name == "plain")
 
-    async def spawn(self, req: dict, fds: List[int]) -> int:
+    async def spawn(self, req: dict, fds: list[int]) -> int:
         return await self._request(req, fds)
 
-    async def start_server(self, name: str, preloads: List[str], fds: List[int]) -> int:
+    async def start_server(self, name: str, preloads: list[str], fds: list[int]) -> int:
         """Forks a fork server from this one (``fds``: its ctl and evt); returns its pid. Its exit
         is not reported as a program's: its own evt socket closing tells."""
         return await self._request({"mode": "server", "name": name, "preloads": preloads}, fds, server=True)
 
-    async def _request(self, req: dict, fds: List[int], server: bool = False) -> int:
+    async def _request(self, req: dict, fds: list[int], server: bool = False) -> int:
         """Sends one start request (a program, or ``server``: another fork server); returns the pid."""
         if self.dead.is_set():
             raise SpawnError(f"fork server '{self.name}' is not running")
@@ -187,7 +201,7 @@ class _Server:
         await self._send(b"F" + frame, fds)  # the fds ride on the marker byte the fork server reads first
         return await fut
 
-    async def _send(self, payload: bytes, fds: List[int]) -> None:
+    async def _send(self, payload: bytes, fds: list[int]) -> None:
         """Never blocks the agent's loop on a busy fork server; one request at a time on the socket."""
         loop = asyncio.get_running_loop()
         async with self._send_lock:
@@ -198,7 +212,7 @@ class _Server:
                     break
                 except BlockingIOError:
                     writable = loop.create_future()
-                    loop.add_writer(self._ctl.fileno(), lambda: writable.done() or writable.set_result(None))
+                    loop.add_writer(self._ctl.fileno(), lambda: writable.done() or writable.set_result(None))  # noqa: B023
                     try:
                         await writable
                     finally:
@@ -236,11 +250,11 @@ class _Server:
 class Launcher:
     """Starts processes for the agent; one interface whatever the entrypoint."""
 
-    def __init__(self, preloads: List[str], on_exit: ExitCallback, on_death: DeathCallback):
+    def __init__(self, preloads: list[str], on_exit: ExitCallback, on_death: DeathCallback):
         self._plain = _Server("plain", [], on_exit, on_death)
         self._warm = _Server("warm", preloads, on_exit, on_death) if preloads else None
         self._on_exit, self._on_death = on_exit, on_death
-        self._actors: Optional["asyncio.Future[Optional[_Server]]"] = None
+        self._actors: asyncio.Future[_Server | None] | None = None
         self._init_env = {k: os.environ.get(k) for k in INIT_ENV}
         self._preloads = [m.split(".")[0] for m in preloads]
         self._python_dir = os.path.dirname(os.path.abspath(sys.executable))
@@ -272,10 +286,16 @@ class Launcher:
         errors = [f"preload of {mod!r} failed: {err}" for mod, err in failed.items()]
         if state == "dead":
             errors.append(self._warm.death_reason or "the warm fork server died")
-        return {"preloads": self._warm.preloads, **self._warm.info, "ready": ready, "state": state,
-                "failed": failed, "error": "; ".join(errors)}
+        return {
+            "preloads": self._warm.preloads,
+            **self._warm.info,
+            "ready": ready,
+            "state": state,
+            "failed": failed,
+            "error": "; ".join(errors),
+        }
 
-    def is_our_python(self, argv: List[str], env: Dict[str, str]) -> bool:
+    def is_our_python(self, argv: list[str], env: dict[str, str]) -> bool:
         """True when the entrypoint is this interpreter and the fork can honour its flags and env."""
         if not argv or parse_python_argv(argv[1:]) is None:
             return False
@@ -289,7 +309,7 @@ class Launcher:
         exempt = THREAD_ENV if list(argv[1:3]) == ["-m", NODE_MODULE] else ()
         return all(env.get(k) == v for k, v in self._init_env.items() if k not in exempt)
 
-    def _shadows_preload(self, env: Dict[str, str]) -> bool:
+    def _shadows_preload(self, env: dict[str, str]) -> bool:
         """True when the role's PYTHONPATH has its own copy of a preloaded module (a dev build of torch):
         the warm server's already-imported one would win, so the role starts from the plain server."""
         for d in (p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p):
@@ -298,23 +318,30 @@ class Launcher:
                     return True
         return False
 
-    async def spawn(self, argv: List[str], env: Dict[str, str], cwd: Optional[str], stdout_fd: int, stderr_fd: int) -> int:
+    async def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None, stdout_fd: int, stderr_fd: int) -> int:
         """Returns the pid (also the process group id). Raises SpawnError with the OS reason."""
         mode = "python" if self.is_our_python(argv, env) else "exec"
         server = self._plain
-        if (mode == "python" and self._warm and self._warm.ready.is_set() and not self._warm.dead.is_set()
-                and not self._shadows_preload(env)):
+        if (
+            mode == "python"
+            and self._warm
+            and self._warm.ready.is_set()
+            and not self._warm.dead.is_set()
+            and not self._shadows_preload(env)
+        ):
             server = self._warm
         elif mode == "python" and self._warm is None and list(argv[1:3]) == ["-m", ACTOR_MODULE]:
             server = await self._actor_server() or self._plain
         try:
-            return await server.spawn({"mode": mode, "argv": list(argv), "env": env, "cwd": cwd}, [stdout_fd, stderr_fd])
+            return await server.spawn(
+                {"mode": mode, "argv": list(argv), "env": env, "cwd": cwd}, [stdout_fd, stderr_fd]
+            )
         except SpawnError:
             if server.name == "actors":  # its idle clock starts at a failed start too
                 self._arm_retire(server)
             raise
 
-    async def _actor_server(self) -> Optional[_Server]:
+    async def _actor_server(self) -> _Server | None:
         """The actors server, started by the first actor proc that asks (the others wait for the
         same start). One that served and has died since (killed, out of memory) is replaced by
         the next proc that asks. None when it could not start: procs then start from the plain one."""
@@ -328,9 +355,14 @@ class Launcher:
         server = await asyncio.shield(self._actors)
         return server if server is not None and not server.dead.is_set() else None
 
-    async def _start_actors(self) -> Optional[_Server]:
-        server = _Server("actors", [ACTOR_RUNTIME], lambda pid, code: self._actor_exited(server, pid, code),
-                         self._on_death, parent=self._plain)
+    async def _start_actors(self) -> _Server | None:
+        server = _Server(
+            "actors",
+            [ACTOR_RUNTIME],
+            lambda pid, code: self._actor_exited(server, pid, code),
+            self._on_death,
+            parent=self._plain,
+        )
         try:
             await server.start()
         except OSError as e:
@@ -347,13 +379,15 @@ class Launcher:
             ready.cancel()
             dead.cancel()
         if not server.ready.is_set() or server.dead.is_set():
-            log.warning("fork server actors was not ready within %.0f s; actor procs start from the plain one",
-                        ACTORS_START_TIMEOUT_S)
+            log.warning(
+                "fork server actors was not ready within %.0f s; actor procs start from the plain one",
+                ACTORS_START_TIMEOUT_S,
+            )
             server.close()
             return None
         return server
 
-    def _started_actors(self) -> Optional[_Server]:
+    def _started_actors(self) -> _Server | None:
         """The actors server once its start has finished well; None before, or after a failed one."""
         f = self._actors
         if f is None or not f.done() or f.cancelled() or f.exception() is not None:

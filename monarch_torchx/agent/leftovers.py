@@ -19,15 +19,14 @@ import signal
 import subprocess
 import sys
 import time
-from typing import List
 
 
-def end_host(pool: str, pool_id: str, index: int) -> List[str]:
+def end_host(pool: str, pool_id: str, index: int) -> list[str]:
     """Ends and removes what host ``index`` of the pool left here; returns what it found."""
     from .. import procfs
     from ..syncfs.host import store_base
 
-    found: List[str] = []
+    found: list[str] = []
     store = store_base()[0] / f"{pool}-{pool_id}-host{index}"
     if store.is_dir() and store.stat().st_uid == os.getuid():
         servers = procfs.pids_with(os.fsencode(str(store)))
@@ -46,14 +45,14 @@ def end_host(pool: str, pool_id: str, index: int) -> List[str]:
                 subprocess.run(["umount", "-l", m], capture_output=True)
             found.append(f"mount {m}")
         for d in store.glob("targets/*/gen-*"):  # generations are read-only trees
-            for sub, dirs, _files in os.walk(d):
+            for sub, dirs, _files in os.walk(d):  # noqa: B007
                 os.chmod(sub, 0o700)
         shutil.rmtree(store, ignore_errors=True)
         found.append(f"sync store {store}")
     return found + remove_dead_temp_dirs(pool, index)
 
 
-def remove_dead_temp_dirs(pool: str, index: int) -> List[str]:
+def remove_dead_temp_dirs(pool: str, index: int) -> list[str]:
     """Removes the temp dirs (``private.agent_temp_dir``) that processes of host ``index`` of the
     pool made on this node and left when they died without cleaning up: an agent SIGKILLed, or a
     Monarch worker killed in its runtime's code, where no signal handler runs (its TLS key
@@ -73,7 +72,7 @@ def remove_dead_temp_dirs(pool: str, index: int) -> List[str]:
     return found
 
 
-def main(argv: List[str]) -> None:
+def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pool", required=True)
     ap.add_argument("--pool-id", required=True)

@@ -19,7 +19,7 @@ import asyncio
 import queue
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from .. import wire
 from ..errors import MonarchError
@@ -42,19 +42,19 @@ class LogEvent:
     host: int
     role: str = ""
     replica_id: int = -1
-    lines: List[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
     replica_ended: bool = False  # this replica's output is complete
     host_ended: bool = False  # every followed replica of this host has ended
     error: str = ""  # this host (or, with a role, this replica) is not followed: why
     kind: str = ""  # the error's type name (UnknownOperation: an agent older than the client)
 
     @staticmethod
-    def from_wire(d: Dict[str, Any]) -> "LogEvent":
+    def from_wire(d: dict[str, Any]) -> LogEvent:
         """From its dict; fields a newer agent added are left out."""
         return LogEvent(**{k: v for k, v in d.items() if k in LogEvent.__dataclass_fields__})
 
 
-def check_filters(streams: str, regex: Optional[str]) -> None:
+def check_filters(streams: str, regex: str | None) -> None:
     """Raises ValueError, naming the bad one, before anything is followed."""
     import re
 
@@ -69,16 +69,23 @@ def check_filters(streams: str, regex: Optional[str]) -> None:
             raise ValueError(f"bad --regex {regex!r}: {e}") from None
 
 
-def follow_group(targets: Sequence[Target], creds: Any, args: Dict[str, Any], fanout: int,
-                 emit: Callable[[Dict[str, Any]], None], stop: threading.Event,
-                 opened: Callable[[wire.Client], None], sock_for: Any = None) -> None:
+def follow_group(
+    targets: Sequence[Target],
+    creds: Any,
+    args: dict[str, Any],
+    fanout: int,
+    emit: Callable[[dict[str, Any]], None],
+    stop: threading.Event,
+    opened: Callable[[wire.Client], None],
+    sock_for: Any = None,
+) -> None:
     """Blocking: follows one group through its first reachable member, passing each event (a
     dict) to ``emit``, until every host of the group ended or could not be followed; every host
     of the group ends with a ``host_ended`` or an ``error`` event. ``opened`` gets each client,
     so that another thread can ``abort()`` it once ``stop`` is set. A leader too slow to finish
     its handshake in the dial time (busy, or hung) is asked again alone, patiently, on a thread
     of its own, while the next member leads the rest; this returns once both have ended."""
-    retries: List[threading.Thread] = []
+    retries: list[threading.Thread] = []
     try:
         _follow_group(targets, creds, args, fanout, emit, stop, opened, sock_for, retries)
     finally:
@@ -86,9 +93,17 @@ def follow_group(targets: Sequence[Target], creds: Any, args: Dict[str, Any], fa
             t.join()
 
 
-def _follow_group(targets: Sequence[Target], creds: Any, args: Dict[str, Any], fanout: int,
-                  emit: Callable[[Dict[str, Any]], None], stop: threading.Event,
-                  opened: Callable[[wire.Client], None], sock_for: Any, retries: List[threading.Thread]) -> None:
+def _follow_group(
+    targets: Sequence[Target],
+    creds: Any,
+    args: dict[str, Any],
+    fanout: int,
+    emit: Callable[[dict[str, Any]], None],
+    stop: threading.Event,
+    opened: Callable[[wire.Client], None],
+    sock_for: Any,
+    retries: list[threading.Thread],
+) -> None:
     for pos, head in enumerate(targets):
         group = list(targets[pos:])
         if stop.is_set():
@@ -99,8 +114,12 @@ def _follow_group(targets: Sequence[Target], creds: Any, args: Dict[str, Any], f
             c = wire.Client(head.host, head.port, creds, timeout=dial, identity=head.identity.encode(), sock=sock)
         except (wire.WireError, OSError, MonarchError) as e:  # (MonarchError: a tunnel that did not open)
             if isinstance(e, wire.PeerTimeout) and len(group) > 1:
-                t = threading.Thread(target=follow_group, args=([head], creds, args, fanout, emit, stop, opened, sock_for),
-                                     name="log-follow", daemon=True)
+                t = threading.Thread(
+                    target=follow_group,
+                    args=([head], creds, args, fanout, emit, stop, opened, sock_for),
+                    name="log-follow",
+                    daemon=True,
+                )
                 t.start()
                 retries.append(t)
             else:
@@ -136,21 +155,35 @@ def _follow_group(targets: Sequence[Target], creds: Any, args: Dict[str, Any], f
             why = f"lost through host {head.index} ({e})"
         for t in group:  # (after a normal end too: a host that never said it ended is not complete)
             if t.index not in ended and not stop.is_set():
-                emit(asdict(LogEvent(t.index, error=why or f"its follow through host {head.index} ended early",
-                                     kind="PeerClosed")))
+                emit(
+                    asdict(
+                        LogEvent(
+                            t.index, error=why or f"its follow through host {head.index} ended early", kind="PeerClosed"
+                        )
+                    )
+                )
         return
 
 
 class LogFollow:
     """The agent's ``app_logs_follow`` op (see the module's docstring)."""
 
-    def __init__(self, agent: "Agent"):
+    def __init__(self, agent: Agent):
         self.agent = agent
 
-    async def op_app_logs_follow(self, peer: wire.Peer, targets: List[dict], fanout: int, app_id: str,
-                                 role: Optional[str] = None, replica_ids: Optional[List[int]] = None,
-                                 streams: str = "combined", since: Optional[float] = None,
-                                 until: Optional[float] = None, regex: Optional[str] = None) -> wire.Stream:
+    async def op_app_logs_follow(
+        self,
+        peer: wire.Peer,
+        targets: list[dict],
+        fanout: int,
+        app_id: str,
+        role: str | None = None,
+        replica_ids: list[int] | None = None,
+        streams: str = "combined",
+        since: float | None = None,
+        until: float | None = None,
+        regex: str | None = None,
+    ) -> wire.Stream:
         """Follows the logs of ``app_id``'s replicas (of ``role``, of ``replica_ids``) on this
         host and, through the tree, on every other host of ``targets``; streams LogEvents in
         batches until all of them ended."""
@@ -159,23 +192,31 @@ class LogFollow:
             raise ValueError("a followed group's first target must be the agent it is sent to")
         check_filters(streams, regex)
         fanout = max(2, min(int(fanout), 64))
-        args = {"app_id": app_id, "role": role, "replica_ids": replica_ids, "streams": streams, "since": since,
-                "until": until, "regex": regex}
+        args = {
+            "app_id": app_id,
+            "role": role,
+            "replica_ids": replica_ids,
+            "streams": streams,
+            "since": since,
+            "until": until,
+            "regex": regex,
+        }
         wanted = None if replica_ids is None else {int(i) for i in replica_ids}
         reps = [r for r in self.agent.procs.select(app_id, role) if wanted is None or r.spec.replica_id in wanted]
         groups = split(tree[1:], fanout)
         self.agent.relay.relayed += len(groups)
         return wire.Stream(self._events(reps, groups, args, fanout))
 
-    async def _events(self, reps: List[Any], groups: List[List[Target]], args: Dict[str, Any],
-                      fanout: int) -> AsyncIterator[List[Dict[str, Any]]]:
+    async def _events(
+        self, reps: list[Any], groups: list[list[Target]], args: dict[str, Any], fanout: int
+    ) -> AsyncIterator[list[dict[str, Any]]]:
         loop = asyncio.get_running_loop()
         # one bounded queue for every source: a subtree's thread waits on it (never twice for one
         # event), this host's own replicas poll it; `ready` wakes the loop below
-        items: "queue.Queue[Dict[str, Any]]" = queue.Queue(QUEUE_EVENTS)
+        items: queue.Queue[dict[str, Any]] = queue.Queue(QUEUE_EVENTS)
         ready = asyncio.Event()
         stop = threading.Event()
-        clients: List[wire.Client] = []
+        clients: list[wire.Client] = []
         lock = threading.Lock()
 
         def opened(c: wire.Client) -> None:
@@ -184,7 +225,7 @@ class LogFollow:
             if stop.is_set():
                 c.abort()
 
-        def emit(ev: Dict[str, Any]) -> None:  # from a subtree's thread
+        def emit(ev: dict[str, Any]) -> None:  # from a subtree's thread
             while not stop.is_set():
                 try:
                     items.put(ev, timeout=0.5)
@@ -196,7 +237,7 @@ class LogFollow:
                     pass
                 return
 
-        async def put(ev: Dict[str, Any]) -> None:  # from this host's own replicas
+        async def put(ev: dict[str, Any]) -> None:  # from this host's own replicas
             while True:
                 try:
                     items.put_nowait(ev)
@@ -206,17 +247,21 @@ class LogFollow:
                     await asyncio.sleep(0.01)
 
         local = asyncio.ensure_future(self._local(reps, args, put))
-        sources: List["asyncio.Future[Any]"] = [local]
+        sources: list[asyncio.Future[Any]] = [local]
         for g in groups:
-            done: "asyncio.Future[None]" = loop.create_future()
+            done: asyncio.Future[None] = loop.create_future()
             sources.append(done)
-            threading.Thread(target=_run_group, name="log-follow", daemon=True,
-                             args=(loop, done, g, self.agent.creds, args, fanout, emit, stop, opened)).start()
+            threading.Thread(
+                target=_run_group,
+                name="log-follow",
+                daemon=True,
+                args=(loop, done, g, self.agent.creds, args, fanout, emit, stop, opened),
+            ).start()
         pending = set(sources)
-        waiter: Optional["asyncio.Future[Any]"] = None
+        waiter: asyncio.Future[Any] | None = None
         try:
             while True:
-                batch: List[Dict[str, Any]] = []
+                batch: list[dict[str, Any]] = []
                 while len(batch) < BATCH_EVENTS:
                     try:
                         batch.append(items.get_nowait())
@@ -236,8 +281,13 @@ class LogFollow:
                 pending -= finished
                 if local in finished and not local.cancelled() and local.exception() is not None:
                     e = local.exception()
-                    await put(asdict(LogEvent(self.agent.index, error=f"following its replicas failed: {e}",
-                                              kind=type(e).__name__)))
+                    await put(
+                        asdict(
+                            LogEvent(
+                                self.agent.index, error=f"following its replicas failed: {e}", kind=type(e).__name__
+                            )
+                        )
+                    )
         finally:
             stop.set()
             if waiter is not None:
@@ -248,24 +298,34 @@ class LogFollow:
                 for c in clients:
                     c.abort()
 
-    async def _local(self, reps: List[Any], args: Dict[str, Any],
-                     put: Callable[[Dict[str, Any]], Awaitable[None]]) -> None:
+    async def _local(
+        self, reps: list[Any], args: dict[str, Any], put: Callable[[dict[str, Any]], Awaitable[None]]
+    ) -> None:
         index = self.agent.index
         if not reps:  # the client saw a replica here: this agent was restarted or replaced since
-            await put(asdict(LogEvent(index, error=f"host {index} has no replica of app {args['app_id']} "
-                                                   "(its agent was restarted since the launch?)",
-                                      kind="LookupError")))
+            await put(
+                asdict(
+                    LogEvent(
+                        index,
+                        error=f"host {index} has no replica of app {args['app_id']} "
+                        "(its agent was restarted since the launch?)",
+                        kind="LookupError",
+                    )
+                )
+            )
             return
 
         async def one(rep: Any) -> None:
             role, k = rep.spec.role, rep.spec.replica_id
             try:
-                async for lines in self.agent.procs.logs(rep, args["streams"], args["since"], args["until"],
-                                                         args["regex"], follow=True):
+                async for lines in self.agent.procs.logs(
+                    rep, args["streams"], args["since"], args["until"], args["regex"], follow=True
+                ):
                     await put(asdict(LogEvent(index, role, k, lines)))
             except (OSError, ValueError) as e:  # its log is unreadable, or a bad filter: said once, per replica
                 await put(asdict(LogEvent(index, role, k, error=f"logs of {role}/{k}: {e}", kind=type(e).__name__)))
             await put(asdict(LogEvent(index, role, k, replica_ended=True)))
+
         tasks = [asyncio.ensure_future(one(r)) for r in reps]
         try:
             await asyncio.gather(*tasks)
@@ -275,7 +335,7 @@ class LogFollow:
         await put(asdict(LogEvent(index, host_ended=True)))
 
 
-def _run_group(loop: asyncio.AbstractEventLoop, done: "asyncio.Future[None]", *args: Any) -> None:
+def _run_group(loop: asyncio.AbstractEventLoop, done: asyncio.Future[None], *args: Any) -> None:
     try:
         follow_group(*args)
     finally:

@@ -37,7 +37,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Iterable, Iterator, Sequence
 
 STREAMS = ("stdout", "stderr")
 MIB = 1 << 20
@@ -52,11 +52,11 @@ def segment_path(directory: Path, stream: str, seq: int) -> Path:
     return directory / (f"{stream}.log" if seq == 0 else f"{stream}.log.{seq}")
 
 
-def segments_on_disk(directory: Path, stream: str) -> List[Tuple[int, Path]]:
+def segments_on_disk(directory: Path, stream: str) -> list[tuple[int, Path]]:
     """(seq, path) of a stream's segments present in ``directory``, oldest first."""
     out = []
     for p in directory.glob(f"{stream}.log*"):
-        rest = p.name[len(stream) + len(".log"):]
+        rest = p.name[len(stream) + len(".log") :]
         if rest == "":
             out.append((0, p))
         elif rest[:1] == "." and rest[1:].isdigit():
@@ -64,18 +64,25 @@ def segments_on_disk(directory: Path, stream: str) -> List[Tuple[int, Path]]:
     return sorted(out)
 
 
-def read_files(directory: Path, names: Sequence[str], since: Optional[float] = None, until: Optional[float] = None,
-               regex: Optional[str] = None) -> Iterator[str]:
+def read_files(
+    directory: Path,
+    names: Sequence[str],
+    since: float | None = None,
+    until: float | None = None,
+    regex: str | None = None,
+) -> Iterator[str]:
     """A replica's lines from its files alone, streams merged by time, each ending in a newline:
     ``torchx log`` of a replica whose agent is gone (its pool idled out, was stopped or lost its
     allocation). Its first line says so when the oldest output was already dropped (the limits)."""
     pattern = re.compile(regex) if regex else None
     present = {n: segments_on_disk(directory, n) for n in names}
     if any(segs and segs[0][0] > 0 for segs in present.values()):
-        yield (f"[monarch-torchx: the oldest part of {'this replica' if len(names) > 1 else names[0]}'s "
-               "output was dropped (log limits); what is left follows]\n")
+        yield (
+            f"[monarch-torchx: the oldest part of {'this replica' if len(names) > 1 else names[0]}'s "
+            "output was dropped (log limits); what is left follows]\n"
+        )
 
-    def lines(segs: List[Tuple[int, Path]]) -> Iterator[Tuple[float, str]]:
+    def lines(segs: list[tuple[int, Path]]) -> Iterator[tuple[float, str]]:
         for _, path in segs:
             try:
                 with open(path, "rb") as f:
@@ -87,11 +94,15 @@ def read_files(directory: Path, names: Sequence[str], since: Optional[float] = N
 
     merged = heapq.merge(*(lines(segs) for segs in present.values()), key=lambda x: x[0])
     for ts, line in merged:
-        if (since is None or ts >= since) and (until is None or ts <= until) and (pattern is None or pattern.search(line)):
+        if (
+            (since is None or ts >= since)
+            and (until is None or ts <= until)
+            and (pattern is None or pattern.search(line))
+        ):
             yield line + "\n"
 
 
-def parse_line(raw: bytes) -> Tuple[float, str]:
+def parse_line(raw: bytes) -> tuple[float, str]:
     """A stored line: its time (as the agent read it) and its text."""
     ts, _, line = raw.partition(b" ")
     try:
@@ -116,7 +127,7 @@ class LogLimits:
     host_bytes: int = int(POOL_MAX_MB * MIB)
 
     @staticmethod
-    def from_mb(replica_mb: float, host_mb: float) -> "LogLimits":
+    def from_mb(replica_mb: float, host_mb: float) -> LogLimits:
         if not replica_mb > 0 or not host_mb > 0:
             raise ValueError(f"log limits must be positive (got {replica_mb} MiB per replica, {host_mb} MiB per host)")
         return LogLimits(int(replica_mb * MIB), int(host_mb * MIB))
@@ -154,7 +165,7 @@ class DropCount:
     until: float = 0.0  # when the newest of it was written
     reason: str = ""
 
-    def add(self, other: "DropCount") -> None:
+    def add(self, other: DropCount) -> None:
         self.lines += other.lines
         self.bytes += other.bytes
         self.until = max(self.until, other.until)
@@ -165,18 +176,18 @@ class DropCount:
 class StreamLog:
     """One stream of one replica: its segments (oldest first, the last one being written)."""
 
-    def __init__(self, directory: Path, name: str, owner: "ReplicaLog"):
+    def __init__(self, directory: Path, name: str, owner: ReplicaLog):
         self.name = name
         self.owner = owner
         first = _next_seq(directory, name)  # segments an earlier agent left here are not this replica's
-        self.segments: List[Segment] = [Segment(first, segment_path(directory, name, first))]
+        self.segments: list[Segment] = [Segment(first, segment_path(directory, name, first))]
         self.dropped_until = 0.0
         self.reason = ""  # why segments were dropped (the limit that was exceeded)
         self.failed = DropCount()  # lines whose write failed
         self.writers = 0  # pipes writing to it now (one per live attempt)
         self._fd = -1
 
-    def segment(self, seq: int) -> Optional[Segment]:
+    def segment(self, seq: int) -> Segment | None:
         """The live segment ``seq``, or None (dropped, or not begun)."""
         segs = self.segments
         i = seq - segs[0].seq
@@ -224,8 +235,12 @@ class StreamLog:
         self.close_file()
         seg = self.segments[-1]
         seg.closed_at = time.time()
-        nxt = Segment(seg.seq + 1, segment_path(seg.path.parent, self.name, seg.seq + 1),
-                      seg.lines_before + seg.lines, seg.bytes_before + seg.size)
+        nxt = Segment(
+            seg.seq + 1,
+            segment_path(seg.path.parent, self.name, seg.seq + 1),
+            seg.lines_before + seg.lines,
+            seg.bytes_before + seg.size,
+        )
         self.segments.append(nxt)
         return nxt
 
@@ -235,7 +250,7 @@ class StreamLog:
                 os.close(self._fd)
             self._fd = -1
 
-    def droppable(self) -> Optional[Segment]:
+    def droppable(self) -> Segment | None:
         """The oldest segment, if it may go: a closed one, or the last one of a stream no one writes."""
         seg = self.segments[0]
         if len(self.segments) > 1:
@@ -248,8 +263,14 @@ class StreamLog:
         if seg is None:
             return 0
         if len(self.segments) == 1:  # the stream's only one: later output starts the next
-            self.segments.append(Segment(seg.seq + 1, segment_path(seg.path.parent, self.name, seg.seq + 1),
-                                         seg.lines_before + seg.lines, seg.bytes_before + seg.size))
+            self.segments.append(
+                Segment(
+                    seg.seq + 1,
+                    segment_path(seg.path.parent, self.name, seg.seq + 1),
+                    seg.lines_before + seg.lines,
+                    seg.bytes_before + seg.size,
+                )
+            )
         self.segments.pop(0)
         self.dropped_until = max(self.dropped_until, seg.closed_at)
         self.reason = reason
@@ -262,14 +283,14 @@ class StreamLog:
 class ReplicaLog:
     """The streams of one replica (kept across its attempts)."""
 
-    def __init__(self, directory: Path, store: "LogStore"):
+    def __init__(self, directory: Path, store: LogStore):
         self.directory = directory
         self.store = store
-        self.streams: Dict[str, StreamLog] = {n: StreamLog(directory, n, self) for n in STREAMS}
+        self.streams: dict[str, StreamLog] = {n: StreamLog(directory, n, self) for n in STREAMS}
         self.finished = False
         self.size = 0  # bytes of its segments on disk (kept as they change: checked at every write)
 
-    def files(self) -> List[Tuple[str, Path, int]]:
+    def files(self) -> list[tuple[str, Path, int]]:
         """(stream, path, size) of each segment on disk, oldest first per stream: sizes as written
         (whole lines), so a reader in another thread needs no stat and reads no partial line."""
         return [(name, seg.path, seg.size) for name, s in self.streams.items() for seg in list(s.segments) if seg.size]
@@ -322,10 +343,10 @@ class LogStore:
     def __init__(self, root: Path, limits: LogLimits):
         self.root = root
         self.limits = limits
-        self.replicas: List[ReplicaLog] = []
+        self.replicas: list[ReplicaLog] = []
         self.leftovers = _scan(root)  # (mtime, path, size), oldest first
         self.total = sum(size for _, _, size in self.leftovers)
-        self.last_failure: Optional[Tuple[float, str, int]] = None  # (when, why, lines lost since the first)
+        self.last_failure: tuple[float, str, int] | None = None  # (when, why, lines lost since the first)
         self.enforce(None)
 
     def open(self, directory: Path) -> ReplicaLog:
@@ -345,7 +366,7 @@ class LogStore:
         lost = lines + (self.last_failure[2] if self.last_failure else 0)
         self.last_failure = (time.time(), f"cannot write replica logs in {path.parent}: {e.strerror or e}", lost)
 
-    def warning(self, now: Optional[float] = None) -> str:
+    def warning(self, now: float | None = None) -> str:
         """What `pool status` shows: the last failed write, for ``FAILURE_SHOWN_S`` after it.
 
         Kept after a later write succeeds (a full disk frees a little and fills again), so whoever
@@ -358,14 +379,17 @@ class LogStore:
             return ""
         return f"{why} ({lost:,} lines lost, the last {age:.0f}s ago)"
 
-    def enforce(self, log: Optional[ReplicaLog]) -> None:
+    def enforce(self, log: ReplicaLog | None) -> None:
         """Drops the oldest output until ``log`` (if given) is within the per-replica limit and the
         host within its share (see the module's docstring for the order)."""
         if log is not None and log.size > self.limits.replica_bytes:
             reason = self.limits.replica_reason()
             while log.size > self.limits.replica_bytes:
-                oldest = min((s for s in log.streams.values() if s.droppable()),
-                             key=lambda s: (s.segments[0].closed_at, s.segments[0].seq), default=None)
+                oldest = min(
+                    (s for s in log.streams.values() if s.droppable()),
+                    key=lambda s: (s.segments[0].closed_at, s.segments[0].seq),
+                    default=None,
+                )
                 if oldest is None:
                     break
                 self.total -= oldest.drop_oldest(reason)
@@ -393,7 +417,7 @@ class LogStore:
                 self.total -= size
         reason = self.limits.host_reason()
         order = itertools.count()
-        heap: List[Tuple[int, float, int, int, StreamLog]] = []
+        heap: list[tuple[int, float, int, int, StreamLog]] = []
 
         def push(s: StreamLog) -> None:
             seg = s.droppable()
@@ -414,7 +438,7 @@ class LogStore:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _next_seq(directory: Path, stream: str) -> int:
@@ -423,12 +447,15 @@ def _next_seq(directory: Path, stream: str) -> int:
         names = os.listdir(directory)
     except FileNotFoundError:
         return 0
-    seqs = [0 if n == f"{stream}.log" else int(n.rsplit(".", 1)[1]) for n in names
-            if n == f"{stream}.log" or (n.startswith(f"{stream}.log.") and n.rsplit(".", 1)[1].isdigit())]
+    seqs = [
+        0 if n == f"{stream}.log" else int(n.rsplit(".", 1)[1])
+        for n in names
+        if n == f"{stream}.log" or (n.startswith(f"{stream}.log.") and n.rsplit(".", 1)[1].isdigit())
+    ]
     return max(seqs) + 1 if seqs else 0
 
 
-def _scan(root: Path) -> List[Tuple[float, Path, int]]:
+def _scan(root: Path) -> list[tuple[float, Path, int]]:
     """The files under ``root`` (left by earlier agents of this host), oldest first."""
     found = []
     for dirpath, _, files in os.walk(root):
@@ -441,7 +468,7 @@ def _scan(root: Path) -> List[Tuple[float, Path, int]]:
     return found
 
 
-def _remove(path: Path, root: Path, keep: Set[Path]) -> None:
+def _remove(path: Path, root: Path, keep: set[Path]) -> None:
     """Deletes a leftover file and the directories it leaves empty, up to ``root`` (not those of
     live replicas, ``keep``: their next segment is created there)."""
     with contextlib.suppress(OSError):

@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import AsyncIterator, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Callable, Iterable, Sequence
 
 from ..history import ReplicaEnd, forget_end, record_end
 from ..private import private_dir
@@ -61,7 +61,7 @@ def last_stderr_line(log: StreamLog, limit: int = 200) -> str:
         for raw in reversed(data.split(b"\n")):
             line = parse_line(raw)[1].strip() if raw.strip() else ""
             if line:
-                return line if len(line) <= limit else line[:limit - 3] + "..."
+                return line if len(line) <= limit else line[: limit - 3] + "..."
     return ""
 
 
@@ -77,7 +77,7 @@ def describe_exit(code: int) -> str:
 class _Capture(asyncio.Protocol):
     """Timestamps each line of one pipe and appends it to the stream's log."""
 
-    def __init__(self, log: StreamLog, notify: Callable[[], None], tee: Optional[str] = None):
+    def __init__(self, log: StreamLog, notify: Callable[[], None], tee: str | None = None):
         self._tee = open(tee, "ab", buffering=0) if tee else None
         self._log = log
         log.writers += 1
@@ -98,7 +98,7 @@ class _Capture(asyncio.Protocol):
             self._log.write(b"".join(ts + line + b"\n" for line in lines), len(lines))
             self._notify()
 
-    def connection_lost(self, exc: Optional[Exception]) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         if self.closed.done():
             return
         if self._partial:
@@ -123,20 +123,20 @@ class Replica:
         self.log_dir = log_dir
         self.log = log  # its output on disk, across its attempts
         self.state = PENDING
-        self.pid: Optional[int] = None
-        self.exit_code: Optional[int] = None
+        self.pid: int | None = None
+        self.exit_code: int | None = None
         self.msg = ""
         self.attempts = 0
         self.started = time.time()
-        self.ended: Optional[float] = None
+        self.ended: float | None = None
         self.cancelled = False
         self.cancel_reason = "cancelled"
         self.record_end = True  # (an end its agent cannot vouch for, a signal's: the client records it)
         self.recorded = False  # its end is in the pool's state dir (so a client need not record it)
         self.timed_out = False
         self.requeues = 0
-        self.timers: List[asyncio.TimerHandle] = []
-        self.captures: List[_Capture] = []
+        self.timers: list[asyncio.TimerHandle] = []
+        self.captures: list[_Capture] = []
         self._changed = asyncio.Event()
 
     def notify(self) -> None:
@@ -159,16 +159,22 @@ class Replica:
 
     def status(self) -> dict:
         return {
-            "app_id": self.spec.app_id, "role": self.spec.role, "replica_id": self.spec.replica_id,
-            "state": self.state, "pid": self.pid, "exit_code": self.exit_code, "msg": self.msg,
-            "attempts": self.attempts, "started": self.started, "ended": self.ended,
+            "app_id": self.spec.app_id,
+            "role": self.spec.role,
+            "replica_id": self.spec.replica_id,
+            "state": self.state,
+            "pid": self.pid,
+            "exit_code": self.exit_code,
+            "msg": self.msg,
+            "attempts": self.attempts,
+            "started": self.started,
+            "ended": self.ended,
             # how long ago it ended, on this host's clock (a client compares no clocks)
             "age_s": None if self.ended is None else max(0.0, time.time() - self.ended),
             "recorded": self.recorded,
-            "argv": self.spec.argv, "log_dir": str(self.log_dir),
+            "argv": self.spec.argv,
+            "log_dir": str(self.log_dir),
         }
-
-
 
 
 class _Tail:
@@ -185,11 +191,17 @@ class _Tail:
 
     def _skip_to(self, seg: Segment) -> None:
         if seg.lines_before > self.lines:
-            self.gap.add(DropCount(seg.lines_before - self.lines, seg.bytes_before - self.bytes,
-                                   self.log.dropped_until, self.log.reason))
+            self.gap.add(
+                DropCount(
+                    seg.lines_before - self.lines,
+                    seg.bytes_before - self.bytes,
+                    self.log.dropped_until,
+                    self.log.reason,
+                )
+            )
         self.seq, self.offset, self.lines, self.bytes = seg.seq, 0, seg.lines_before, seg.bytes_before
 
-    def read(self) -> List[Tuple[float, str]]:
+    def read(self) -> list[tuple[float, str]]:
         while True:
             seg = self.log.segment(self.seq)
             if seg is None:  # not begun, or dropped since: on at the oldest one left
@@ -222,8 +234,14 @@ class _Tail:
 class ProcTable:
     """Replicas by (app_id, role, replica_id), started through the one Launcher."""
 
-    def __init__(self, launcher: Launcher, log_root: Path, base_env: Dict[str, str],
-                 log_limits: Optional[LogLimits] = None, history_dir: Optional[Path] = None):
+    def __init__(
+        self,
+        launcher: Launcher,
+        log_root: Path,
+        base_env: dict[str, str],
+        log_limits: LogLimits | None = None,
+        history_dir: Path | None = None,
+    ):
         """``history_dir``: the pool's state dir, where each replica's end is recorded as it ends
         (``history.py``); None: not recorded (a table without a pool)."""
         self._launcher = launcher
@@ -233,10 +251,10 @@ class ProcTable:
         self._log_root = log_root
         self.log_store = LogStore(log_root, log_limits or LogLimits())
         self._base_env = base_env
-        self.replicas: Dict[Tuple[str, str, int], Replica] = {}
-        self._by_pid: Dict[int, Replica] = {}
+        self.replicas: dict[tuple[str, str, int], Replica] = {}
+        self._by_pid: dict[int, Replica] = {}
         # an exit can be reported before the spawn's caller resumes and registers the pid
-        self._early_exits: Dict[int, int] = {}
+        self._early_exits: dict[int, int] = {}
         self._ignored: set = set()  # spawned, then killed because the rest of the start failed
         self._tasks: set = set()
         self.last_change = time.time()
@@ -263,7 +281,7 @@ class ProcTable:
         await asyncio.shield(self._start(rep))
         return rep.status()
 
-    def _start(self, rep: Replica) -> "asyncio.Task[None]":
+    def _start(self, rep: Replica) -> asyncio.Task[None]:
         task = asyncio.ensure_future(self._attempt(rep))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -278,14 +296,16 @@ class ProcTable:
         rep.attempts += 1
         env = {**self._base_env, **rep.spec.inherited_env, **rep.spec.env}
         if "PATH" in rep.spec.inherited_env and "PATH" not in rep.spec.env:  # the pool's python first, as in base_env
-            env["PATH"] = os.pathsep.join((os.path.dirname(os.path.abspath(sys.executable)), rep.spec.inherited_env["PATH"]))
+            env["PATH"] = os.pathsep.join(
+                (os.path.dirname(os.path.abspath(sys.executable)), rep.spec.inherited_env["PATH"])
+            )
         # where a torchrun (or any @record entrypoint) writes why it failed, as TorchX's local_cwd sets it
         env.setdefault(ERROR_FILE_ENV, str(rep.log_dir / "error.json"))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(rep.log_dir / "error.json")
-        fds: List[int] = []
-        pid: Optional[int] = None
-        captures: List[_Capture] = []
+        fds: list[int] = []
+        pid: int | None = None
+        captures: list[_Capture] = []
         try:
             for _ in STREAMS:
                 fds += os.pipe()
@@ -319,8 +339,10 @@ class ProcTable:
         rep.captures = captures
         if rep.spec.timeout_s:
             t = rep.spec.timeout_s
-            rep.timers = [loop.call_later(max(0.0, t - rep.spec.signal_delay_s), _signal_proc, pid, signal.SIGUSR2),
-                          loop.call_later(t, self._time_out, rep, pid)]
+            rep.timers = [
+                loop.call_later(max(0.0, t - rep.spec.signal_delay_s), _signal_proc, pid, signal.SIGUSR2),
+                loop.call_later(t, self._time_out, rep, pid),
+            ]
         rep.pid = pid
         rep.state = RUNNING
         self._by_pid[pid] = rep
@@ -331,7 +353,7 @@ class ProcTable:
         elif rep.cancelled:  # cancelled while it was starting
             _signal_group(pid, signal.SIGTERM)
 
-    def _finish(self, rep: Replica, state: str, code: Optional[int], msg: str) -> None:
+    def _finish(self, rep: Replica, state: str, code: int | None, msg: str) -> None:
         rep.state, rep.exit_code, rep.msg, rep.ended = state, code, msg, time.time()
         self.last_change = time.time()
         rep.log.finish()
@@ -345,14 +367,27 @@ class ProcTable:
             return
         s = rep.spec
         try:
-            record_end(self._history_dir, ReplicaEnd(s.app_id, s.role, s.replica_id, rep.state, rep.exit_code,
-                                                     rep.msg, rep.attempts, rep.started, rep.ended,
-                                                     socket.gethostname()), self._history_checked)
+            record_end(
+                self._history_dir,
+                ReplicaEnd(
+                    s.app_id,
+                    s.role,
+                    s.replica_id,
+                    rep.state,
+                    rep.exit_code,
+                    rep.msg,
+                    rep.attempts,
+                    rep.started,
+                    rep.ended,
+                    socket.gethostname(),
+                ),
+                self._history_checked,
+            )
             rep.recorded = True
         except OSError as e:  # a full disk: the agent still answers while it lives
             self.history_error = f"cannot record replica ends in {self._history_dir}: {e.strerror or e}"
 
-    def forget(self, key: Tuple[str, str, int]) -> None:
+    def forget(self, key: tuple[str, str, int]) -> None:
         """Drops an ended replica from the table; its files stay, counted in the host's log limit."""
         rep = self.replicas.pop(key, None)
         if rep is not None:
@@ -402,6 +437,7 @@ class ProcTable:
             def fail() -> None:
                 reason = read_error_file(rep.log_dir / "error.json") or last_stderr_line(rep.log.streams["stderr"])
                 self._finish(rep, FAILED, code, f"{describe_exit(code)}{retries}" + (f": {reason}" if reason else ""))
+
             self._after_output(rep, fail)
 
     def _after_output(self, rep: Replica, then: Callable[[], None], timeout: float = 1.0) -> None:
@@ -418,6 +454,7 @@ class ProcTable:
                 await asyncio.wait(pending, timeout=timeout)
             finally:
                 then()
+
         task = asyncio.ensure_future(wait())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -434,13 +471,18 @@ class ProcTable:
                 rep.record_end = False
                 self._finish(rep, FAILED, None, reason)
 
-    def select(self, app_id: Optional[str], role: Optional[str] = None, replica_id: Optional[int] = None) -> List[Replica]:
-        return [r for (a, ro, i), r in self.replicas.items()
-                if (app_id is None or a == app_id) and (role is None or ro == role)
-                and (replica_id is None or i == replica_id)]
+    def select(self, app_id: str | None, role: str | None = None, replica_id: int | None = None) -> list[Replica]:
+        return [
+            r
+            for (a, ro, i), r in self.replicas.items()
+            if (app_id is None or a == app_id)
+            and (role is None or ro == role)
+            and (replica_id is None or i == replica_id)
+        ]
 
-    async def kill(self, reps: List[Replica], grace: float = 5.0, reason: str = "cancelled",
-                   record: bool = True) -> int:
+    async def kill(
+        self, reps: list[Replica], grace: float = 5.0, reason: str = "cancelled", record: bool = True
+    ) -> int:
         """SIGTERM the replicas' process groups, SIGKILL what is left after ``grace`` seconds.
         ``reason``: what their end says (``torchx cancel``, the agent stopping and why);
         ``record``: whether that end is recorded (``history.py``)."""
@@ -460,8 +502,15 @@ class ProcTable:
                 _signal_group(r.pid, signal.SIGKILL)  # type: ignore[arg-type]
         return len(live)
 
-    async def logs(self, rep: Replica, streams: str, since: Optional[float], until: Optional[float],
-                   regex: Optional[str], follow: bool) -> AsyncIterator[List[str]]:
+    async def logs(
+        self,
+        rep: Replica,
+        streams: str,
+        since: float | None,
+        until: float | None,
+        regex: str | None,
+        follow: bool,
+    ) -> AsyncIterator[list[str]]:
         """Batches of lines (each ending in a newline), in time order; follows until the replica ends."""
         names = STREAMS if streams == "combined" else (streams,)
         if any(n not in STREAMS for n in names):
@@ -483,11 +532,15 @@ class ProcTable:
                 yield [_drop_notice(gap, names, first)]
             first = False
             lines = list(heapq.merge(*batches, key=lambda x: x[0])) if len(batches) > 1 else batches[0]
-            out = [line + "\n" for ts, line in lines
-                   if (since is None or ts >= since) and (until is None or ts <= until)
-                   and (pattern is None or pattern.search(line))]
+            out = [
+                line + "\n"
+                for ts, line in lines
+                if (since is None or ts >= since)
+                and (until is None or ts <= until)
+                and (pattern is None or pattern.search(line))
+            ]
             for i in range(0, len(out), BATCH_LINES):
-                yield out[i:i + BATCH_LINES]
+                yield out[i : i + BATCH_LINES]
             if lines:
                 continue
             if not follow or done:
@@ -502,13 +555,17 @@ def _what(names: Sequence[str]) -> str:
 def _drop_notice(gap: DropCount, names: Sequence[str], first: bool) -> str:
     """The line ``torchx log`` shows where output was dropped to keep the log within its limit."""
     where = "earlier lines" if first else "lines here"
-    return (f"[monarch-torchx: {gap.lines:,} {where} ({mib(gap.bytes)}) of {_what(names)} were dropped: "
-            f"over the {gap.reason}]\n")
+    return (
+        f"[monarch-torchx: {gap.lines:,} {where} ({mib(gap.bytes)}) of {_what(names)} were dropped: "
+        f"over the {gap.reason}]\n"
+    )
 
 
 def _lost_notice(failed: DropCount, names: Sequence[str]) -> str:
-    return (f"[monarch-torchx: {failed.lines:,} lines ({mib(failed.bytes)}) of {_what(names)} could not be "
-            f"written ({failed.reason}) and are lost]\n")
+    return (
+        f"[monarch-torchx: {failed.lines:,} lines ({mib(failed.bytes)}) of {_what(names)} could not be "
+        f"written ({failed.reason}) and are lost]\n"
+    )
 
 
 def _signal_proc(pid: int, sig: int) -> None:

@@ -18,7 +18,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .. import wire
 from ..errors import MonarchError
@@ -34,9 +34,21 @@ LOCAL_LAST = frozenset({"shutdown"})  # ops that end this agent: run after the s
 # ops a host may run twice without harm: when a relay dies holding one, the rest of its group is
 # asked again through the next member, and a kept connection that closes under one is dialled
 # afresh and the request sent again (others, e.g. launch, report the group as not answered)
-REPEATABLE = frozenset({"info", "describe", "list", "app_logs", "wait", "kill", "shutdown", "telemetry.partial",
-                        "telemetry.rows", "syncfs.missing",
-                        "syncfs.prepare"})
+REPEATABLE = frozenset(
+    {
+        "info",
+        "describe",
+        "list",
+        "app_logs",
+        "wait",
+        "kill",
+        "shutdown",
+        "telemetry.partial",
+        "telemetry.rows",
+        "syncfs.missing",
+        "syncfs.prepare",
+    }
+)
 
 
 class RelayRefused(RuntimeError):
@@ -53,7 +65,7 @@ class Target:
     port: int
     identity: str
 
-    def as_dict(self) -> Dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
 
 
@@ -66,16 +78,16 @@ class Outcome:
     error: str = ""
     kind: str = ""  # the exception's class name (a wire error: the host was not reached)
     refused: bool = False  # a ConnectFailed whose connection was refused (nothing listens there)
-    via: Optional[int] = None  # the agent that reported it, when not the host itself
-    merged_into: Optional[int] = None  # for a combined op: its value is part of that host's value
+    via: int | None = None  # the agent that reported it, when not the host itself
+    merged_into: int | None = None  # for a combined op: its value is part of that host's value
 
-    def as_dict(self) -> Dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
         """Its wire form, shallow: ``dataclasses.asdict`` would deep-copy the value (a host's
         whole answer) again at every level of the tree."""
         return dict(vars(self))
 
 
-def split(targets: Sequence[Target], fanout: int) -> List[List[Target]]:
+def split(targets: Sequence[Target], fanout: int) -> list[list[Target]]:
     """``targets`` in at most ``fanout`` contiguous groups of near-equal size."""
     n = len(targets)
     k = min(fanout, n)
@@ -90,9 +102,14 @@ def split(targets: Sequence[Target], fanout: int) -> List[List[Target]]:
     return out
 
 
-def failure(e: BaseException, via: Optional[int] = None) -> Outcome:
-    return Outcome(False, error=str(e) or type(e).__name__, kind=getattr(e, "kind", "") or type(e).__name__,
-                   refused=isinstance(e, wire.ConnectFailed) and e.refused, via=via)
+def failure(e: BaseException, via: int | None = None) -> Outcome:
+    return Outcome(
+        False,
+        error=str(e) or type(e).__name__,
+        kind=getattr(e, "kind", "") or type(e).__name__,
+        refused=isinstance(e, wire.ConnectFailed) and e.refused,
+        via=via,
+    )
 
 
 class ConnectionCache:
@@ -112,10 +129,10 @@ class ConnectionCache:
     def __init__(self) -> None:
         import threading
 
-        self._idle: Dict[Target, List[Tuple[float, wire.Client]]] = {}
+        self._idle: dict[Target, list[tuple[float, wire.Client]]] = {}
         self._lock = threading.Lock()
 
-    def take(self, peer: Target) -> Optional[wire.Client]:
+    def take(self, peer: Target) -> wire.Client | None:
         now = time.monotonic()
         with self._lock:
             kept = self._idle.get(peer, [])
@@ -146,15 +163,23 @@ class ConnectionCache:
             self._idle.clear()
 
 
-def call_group(targets: List[Target], creds: Any, op: str, args: Optional[dict], calls: Optional[Dict[int, list]],
-               fanout: int, timeout: float, sock_for: Any = None,
-               cache: Optional[ConnectionCache] = None) -> Dict[int, dict]:
+def call_group(
+    targets: list[Target],
+    creds: Any,
+    op: str,
+    args: dict | None,
+    calls: dict[int, list] | None,
+    fanout: int,
+    timeout: float,
+    sock_for: Any = None,
+    cache: ConnectionCache | None = None,
+) -> dict[int, dict]:
     """Blocking: sends one group to its first reachable member; returns its subtree's outcomes
     (as dicts). Used by agents and by the client alike. A member passed over because it did not
     finish its handshake in the dial time (busy, or hung) never got the request: once the rest
     has answered, it is asked once more, alone and patiently, with the time that is left."""
     deadline = time.monotonic() + timeout
-    slow: List[Target] = []
+    slow: list[Target] = []
     out = _lead_group(targets, creds, op, args, calls, fanout, deadline, sock_for, cache, slow)
     for head in slow:
         left = deadline - time.monotonic()
@@ -163,17 +188,28 @@ def call_group(targets: List[Target], creds: Any, op: str, args: Optional[dict],
     return out
 
 
-def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict], calls: Optional[Dict[int, list]],
-                fanout: int, deadline: float, sock_for: Any, cache: Optional[ConnectionCache],
-                slow: List[Target]) -> Dict[int, dict]:
+def _lead_group(
+    targets: list[Target],
+    creds: Any,
+    op: str,
+    args: dict | None,
+    calls: dict[int, list] | None,
+    fanout: int,
+    deadline: float,
+    sock_for: Any,
+    cache: ConnectionCache | None,
+    slow: list[Target],
+) -> dict[int, dict]:
     """``call_group``'s one pass over the group; members passed over for a slow handshake are
     added to ``slow``."""
-    out: Dict[int, dict] = {}
+    out: dict[int, dict] = {}
     for pos, head in enumerate(targets):
         left = deadline - time.monotonic()
         if left <= 0:
             for t in targets[pos:]:
-                out.setdefault(t.index, Outcome(False, error="no time was left to reach it", kind="PeerTimeout").as_dict())
+                out.setdefault(
+                    t.index, Outcome(False, error="no time was left to reach it", kind="PeerTimeout").as_dict()
+                )
             return out
         group = targets[pos:]
         # a hung first member leaves time for the next; a member alone in its group waits patiently
@@ -201,8 +237,9 @@ def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict]
             else:
                 try:
                     sock = sock_for(head, dial) if sock_for else None
-                    c = wire.Client(head.host, head.port, creds, timeout=dial, identity=head.identity.encode(),
-                                    sock=sock)
+                    c = wire.Client(
+                        head.host, head.port, creds, timeout=dial, identity=head.identity.encode(), sock=sock
+                    )
                     tunnelled = sock is not None
                 except (wire.WireError, OSError, MonarchError) as e:  # (MonarchError: a tunnel that did not open)
                     out[head.index] = failure(e).as_dict()  # the next member leads the rest of the group
@@ -212,8 +249,15 @@ def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict]
             try:
                 c.settimeout(max(0.1, deadline - time.monotonic()))
                 sub_calls = {t.index: calls[t.index] for t in group if t.index in calls} if calls else None
-                reply = c.call("relay", relayed=op, targets=[t.as_dict() for t in group], args=args, calls=sub_calls,
-                               fanout=fanout, timeout=max(0.1, deadline - time.monotonic() - LEVEL_MARGIN_S))
+                reply = c.call(
+                    "relay",
+                    relayed=op,
+                    targets=[t.as_dict() for t in group],
+                    args=args,
+                    calls=sub_calls,
+                    fanout=fanout,
+                    timeout=max(0.1, deadline - time.monotonic() - LEVEL_MARGIN_S),
+                )
             except wire.RemoteError as e:
                 c.close()
                 if e.kind == RelayRefused.__name__ or op in REPEATABLE:
@@ -223,8 +267,15 @@ def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict]
                 # it took the request and failed it as a whole (cancelled while stopping, say): part of
                 # its subtree may have run it, so the rest is not asked again
                 for t in group:
-                    out.setdefault(t.index, Outcome(False, error=f"no answer through host {head.index} ({e})",
-                                                    kind=e.kind or "RemoteError", via=head.index).as_dict())
+                    out.setdefault(
+                        t.index,
+                        Outcome(
+                            False,
+                            error=f"no answer through host {head.index} ({e})",
+                            kind=e.kind or "RemoteError",
+                            via=head.index,
+                        ).as_dict(),
+                    )
                 return out
             except (wire.WireError, OSError) as e:  # it took the request and did not answer: its subtree waited
                 c.close()
@@ -233,12 +284,20 @@ def _lead_group(targets: List[Target], creds: Any, op: str, args: Optional[dict]
                     continue
                 if op in REPEATABLE and len(group) > 1 and _closed(e):
                     # it died mid-operation (a hung one times out instead): the rest is led by the next member
-                    out[head.index] = Outcome(False, kind="PeerClosed",
-                                              error=f"closed the connection while relaying ({e})").as_dict()
+                    out[head.index] = Outcome(
+                        False, kind="PeerClosed", error=f"closed the connection while relaying ({e})"
+                    ).as_dict()
                     break
                 for t in group:
-                    out.setdefault(t.index, Outcome(False, kind=type(e).__name__, via=head.index,
-                                                    error=f"no answer through host {head.index} ({e})").as_dict())
+                    out.setdefault(
+                        t.index,
+                        Outcome(
+                            False,
+                            kind=type(e).__name__,
+                            via=head.index,
+                            error=f"no answer through host {head.index} ({e})",
+                        ).as_dict(),
+                    )
                 return out
             if cache is not None and not tunnelled:
                 cache.give(head, c)
@@ -255,16 +314,23 @@ def _closed(e: BaseException) -> bool:
     return isinstance(e, wire.PeerClosed) or (isinstance(e, ConnectionError) and not isinstance(e, wire.WireError))
 
 
-def ask_tree(targets: List[Target], creds: Any, op: str, args: Optional[dict] = None,
-             calls: Optional[Dict[int, list]] = None, timeout: float = 10.0, sock_for: Any = None,
-             fanout: Optional[int] = None) -> Dict[int, dict]:
+def ask_tree(
+    targets: list[Target],
+    creds: Any,
+    op: str,
+    args: dict | None = None,
+    calls: dict[int, list] | None = None,
+    timeout: float = 10.0,
+    sock_for: Any = None,
+    fanout: int | None = None,
+) -> dict[int, dict]:
     """Blocking, for a client: ``op`` on every target through the tree (the client sends one
     request per group, ``fanout`` groups); returns each target's outcome (as a dict) by index."""
     from concurrent.futures import ThreadPoolExecutor as Threads
 
     k = fanout or FANOUT
     groups = split(targets, k)
-    out: Dict[int, dict] = {}
+    out: dict[int, dict] = {}
     if groups:
         with Threads(max_workers=len(groups)) as ex:
             for part in ex.map(lambda g: call_group(g, creds, op, args, calls, k, timeout, sock_for), groups):
@@ -275,9 +341,9 @@ def ask_tree(targets: List[Target], creds: Any, op: str, args: Optional[dict] = 
 class Relay:
     """The agent's ``relay`` op (see the module's docstring)."""
 
-    def __init__(self, agent: "Agent"):
+    def __init__(self, agent: Agent):
         self.agent = agent
-        self._threads: Optional[ThreadPoolExecutor] = None
+        self._threads: ThreadPoolExecutor | None = None
         self.relayed = 0  # requests this agent passed on to a subtree (shown in its info)
         self.connections = ConnectionCache()
 
@@ -291,9 +357,16 @@ class Relay:
             self._threads.shutdown(wait=False, cancel_futures=True)
         self.connections.close()
 
-    async def op_relay(self, peer: wire.Peer, relayed: str, targets: List[dict], args: Optional[dict] = None,
-                       calls: Optional[Dict[int, list]] = None, fanout: int = FANOUT,
-                       timeout: float = 10.0) -> Dict[int, dict]:
+    async def op_relay(
+        self,
+        peer: wire.Peer,
+        relayed: str,
+        targets: list[dict],
+        args: dict | None = None,
+        calls: dict[int, list] | None = None,
+        fanout: int = FANOUT,
+        timeout: float = 10.0,
+    ) -> dict[int, dict]:
         """Runs operation ``relayed`` here (with ``args``, or each of ``calls[my index]`` in
         turn) and on every other target through the tree; returns each target's outcome by host
         index."""
@@ -309,9 +382,13 @@ class Relay:
         loop = asyncio.get_running_loop()
         groups = split(tree[1:], fanout)
         self.relayed += len(groups)
-        subtrees = [loop.run_in_executor(self._pool(), call_group, g, self.agent.creds, op, args, calls, fanout,
-                                         timeout, None, self.connections) for g in groups]
-        out: Dict[int, dict] = {}
+        subtrees = [
+            loop.run_in_executor(
+                self._pool(), call_group, g, self.agent.creds, op, args, calls, fanout, timeout, None, self.connections
+            )
+            for g in groups
+        ]
+        out: dict[int, dict] = {}
         if op not in LOCAL_LAST:
             out[self.agent.index] = (await self._local(peer, op, args, (calls or {}).get(self.agent.index))).as_dict()
         for done in await asyncio.gather(*subtrees, return_exceptions=True):
@@ -319,8 +396,12 @@ class Relay:
                 continue
             out.update(done)
         for t in tree[1:]:
-            out.setdefault(t.index, Outcome(False, error=f"not reached through host {self.agent.index}",
-                                            kind="PeerClosed", via=self.agent.index).as_dict())
+            out.setdefault(
+                t.index,
+                Outcome(
+                    False, error=f"not reached through host {self.agent.index}", kind="PeerClosed", via=self.agent.index
+                ).as_dict(),
+            )
         if op in LOCAL_LAST:
             out[self.agent.index] = (await self._local(peer, op, args, (calls or {}).get(self.agent.index))).as_dict()
         combine = self.agent.combiners.get(op)
@@ -328,7 +409,7 @@ class Relay:
             out = await loop.run_in_executor(self._pool(), combined, out, combine, args or {})
         return out
 
-    async def _local(self, peer: wire.Peer, op: str, args: Optional[dict], calls: Optional[list]) -> Outcome:
+    async def _local(self, peer: wire.Peer, op: str, args: dict | None, calls: list | None) -> Outcome:
         handler = self.agent.handlers.get(op)
         if handler is None:  # (e.g. its module is not loaded here): the subtree is asked all the same
             return failure(wire.UnknownOperation(op))
@@ -346,7 +427,7 @@ class Relay:
             return failure(e)
 
 
-def combined(out: Dict[int, dict], combine: Any, args: dict) -> Dict[int, dict]:
+def combined(out: dict[int, dict], combine: Any, args: dict) -> dict[int, dict]:
     """A subtree's outcomes with every answered value combined into one, carried by the lowest
     host that answered; the others say ``merged_into`` it. Failures stay as they are, so the
     answer still names every host it lacks. If combining fails, the values travel as they came

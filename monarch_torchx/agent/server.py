@@ -17,10 +17,10 @@ import socket
 import sys
 import time
 import uuid
-from importlib.metadata import entry_points
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Coroutine, Protocol
 
 from .. import wire
 from ..credentials import TLS_FILE, PoolCredentials
@@ -31,9 +31,10 @@ from ..registry import HostAddr, Registry
 from ..specs import TERMINAL, LaunchSpec
 from .launcher import Launcher
 from .leftovers import remove_dead_temp_dirs
+from .log_follow import OP as LOG_FOLLOW_OP
+from .log_follow import LogFollow
 from .logstore import POOL_MAX_MB, REPLICA_MAX_MB, LogLimits
 from .procs import ProcTable
-from .log_follow import OP as LOG_FOLLOW_OP, LogFollow
 from .relay import Relay, RelayRefused
 
 log = logging.getLogger("monarch_torchx.agent")
@@ -43,10 +44,25 @@ HEARTBEAT_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_S", "5"))
 # how often the host file is rewritten (1,024 hosts: ~2,000 writes a minute to the pool's dir)
 HEARTBEAT_WRITE_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_WRITE_S", str(6 * HEARTBEAT_S)))
 # asking about a pool must not keep it alive: only work (launches, module calls) resets idleness
-PASSIVE_OPS = frozenset({"relay", "ping", "info", "describe", "list", "logs", "app_logs", "app_logs_follow", "kill",
-                         "shutdown", "wait",
-                         "telemetry.query", "telemetry.rows",
-                         "telemetry.partial", "telemetry.stacks"})
+PASSIVE_OPS = frozenset(
+    {
+        "relay",
+        "ping",
+        "info",
+        "describe",
+        "list",
+        "logs",
+        "app_logs",
+        "app_logs_follow",
+        "kill",
+        "shutdown",
+        "wait",
+        "telemetry.query",
+        "telemetry.rows",
+        "telemetry.partial",
+        "telemetry.stacks",
+    }
+)
 BIND_RETRY_S = 3.0
 # per host and request: a relay holds its subtree's answers; a replica past it is streamed directly
 APP_LOGS_MAX_BYTES = int(os.environ.get("MONARCH_TORCHX_APP_LOGS_MAX_BYTES", str(1 << 20)))
@@ -55,7 +71,7 @@ HEARTBEAT_FIELDS = frozenset({"heartbeat", "last_work"})  # a publish of only th
 MAX_FINISHED_APPS = 500
 
 
-Operation = Tuple[Callable[..., Any], Optional[Callable[[dict, List[Any]], Any]]]
+Operation = tuple[Callable[..., Any], Callable[[dict, list[Any]], Any] | None]
 HELD_PORT_MAX_WAIT_S = 300.0  # a port held for an app none of whose replicas came here is let go after this
 
 
@@ -77,9 +93,9 @@ class AgentModule(Protocol):
     agent. ``stop``: runs once when the agent stops, after its processes were stopped.
     """
 
-    def operations(self) -> Dict[str, Operation]: ...
+    def operations(self) -> dict[str, Operation]: ...
 
-    def background_tasks(self) -> List[Coroutine[Any, Any, None]]: ...
+    def background_tasks(self) -> list[Coroutine[Any, Any, None]]: ...
 
     def stop(self) -> None: ...
 
@@ -93,24 +109,32 @@ class Agent:
         self.incarnation = args.incarnation or uuid.uuid4().hex[:12]
         if args.token_file:  # a mounted secret (Kubernetes): procs of this host read it from the state dir
             tls = Path(args.token_file).with_name(TLS_FILE)
-            Registry.install_credentials(self.state_dir, Path(args.token_file).read_text().strip(),
-                                         tls.read_text() if tls.exists() else "")
+            Registry.install_credentials(
+                self.state_dir, Path(args.token_file).read_text().strip(), tls.read_text() if tls.exists() else ""
+            )
         self.creds = PoolCredentials.load(self.state_dir)
         self.key = self.creds.key
         self.started = time.time()
         self.last_request = time.time()
-        self.modules: Dict[str, str] = {}
+        self.modules: dict[str, str] = {}
         self.heartbeat_error = ""  # why the last heartbeat could not be written (a full disk), for `pool status`
-        self.held_ports: List[HeldPort] = []  # ports reserved for an app's listener (op_reserve_port)
-        self._cleanups: List[Callable[[], None]] = []
-        self._background: List[Any] = []
-        self.handlers: Dict[str, Callable[..., Any]] = {
-            "info": self.op_info, "launch": self.op_launch, "describe": self.op_describe,
-            "list": self.op_list, "kill": self.op_kill, "logs": self.op_logs, "app_logs": self.op_app_logs,
+        self.held_ports: list[HeldPort] = []  # ports reserved for an app's listener (op_reserve_port)
+        self._cleanups: list[Callable[[], None]] = []
+        self._background: list[Any] = []
+        self.handlers: dict[str, Callable[..., Any]] = {
+            "info": self.op_info,
+            "launch": self.op_launch,
+            "describe": self.op_describe,
+            "list": self.op_list,
+            "kill": self.op_kill,
+            "logs": self.op_logs,
+            "app_logs": self.op_app_logs,
             "shutdown": self.op_shutdown,
-            "reserve_port": self.op_reserve_port, "wait": self.op_wait, "ping": self.op_ping,
+            "reserve_port": self.op_reserve_port,
+            "wait": self.op_wait,
+            "ping": self.op_ping,
         }
-        self.combiners: Dict[str, Callable[[dict, List[Any]], Any]] = {}
+        self.combiners: dict[str, Callable[[dict, list[Any]], Any]] = {}
         self.relay = Relay(self)
         self.handlers["relay"] = self.relay.op_relay
         self.log_follow = LogFollow(self)
@@ -123,11 +147,20 @@ class Agent:
         base_env = dict(os.environ)
         base_env["PATH"] = python_dir + os.pathsep + base_env.get("PATH", os.defpath)
         base_env.update({"MONARCH_TORCHX_POOL": self.pool, "MONARCH_TORCHX_HOST_INDEX": str(self.index)})
-        self.procs = ProcTable(self.launcher, self.state_dir / "logs" / f"host{self.index}", base_env,
-                               LogLimits.from_mb(args.log_max_mb, args.log_host_max_mb), history_dir=self.state_dir)
-        self.server = wire.Server(self.creds, self.handlers, on_activity=self.touch,
-                                  identity=f"{self.pool}/{self.index}/{self.incarnation}".encode())
-        self.addr: Optional[HostAddr] = None
+        self.procs = ProcTable(
+            self.launcher,
+            self.state_dir / "logs" / f"host{self.index}",
+            base_env,
+            LogLimits.from_mb(args.log_max_mb, args.log_host_max_mb),
+            history_dir=self.state_dir,
+        )
+        self.server = wire.Server(
+            self.creds,
+            self.handlers,
+            on_activity=self.touch,
+            identity=f"{self.pool}/{self.index}/{self.incarnation}".encode(),
+        )
+        self.addr: HostAddr | None = None
 
     @property
     def tcp_bind(self) -> str:
@@ -149,7 +182,7 @@ class Agent:
         """For modules: run a coroutine for the agent's life (cancelled when it stops)."""
         self._background.append(asyncio.get_running_loop().create_task(coro))
 
-    def install(self, module: "AgentModule") -> None:
+    def install(self, module: AgentModule) -> None:
         """For modules: plug one in through its typed seam (``AgentModule``): each of its
         operations served, its background tasks started, its ``stop`` run when the agent stops."""
         for op, (fn, combine) in module.operations().items():
@@ -158,8 +191,9 @@ class Agent:
             self.background(coro)
         self.on_stop(module.stop)
 
-    def add_handler(self, op: str, fn: Callable[..., Any],
-                    combine: Optional[Callable[[dict, List[Any]], Any]] = None) -> None:
+    def add_handler(
+        self, op: str, fn: Callable[..., Any], combine: Callable[[dict, list[Any]], Any] | None = None
+    ) -> None:
         """For modules: serve ``op`` on this agent's authenticated port. With ``combine``
         (blocking: the request's args and the values of hosts that answered -> one value), a relay
         answers for its whole subtree with one combined value instead of one per host."""
@@ -177,11 +211,14 @@ class Agent:
     def _on_exit(self, pid: int, code: int) -> None:
         self.procs.on_exit(pid, code)
 
-    def _on_launcher_death(self, reason: str, pids: List[int], fatal: bool) -> None:
+    def _on_launcher_death(self, reason: str, pids: list[int], fatal: bool) -> None:
         self.procs.on_launcher_death(reason, pids)
         if not fatal:  # the warm server: Python entrypoints now start cold from the plain one
-            log.error("%s; its starts now come from the plain fork server (an actors server is started again "
-                      "at the next actor proc)", reason)
+            log.error(
+                "%s; its starts now come from the plain fork server (an actors server is started again "
+                "at the next actor proc)",
+                reason,
+            )
             return
         if not self.stopping.is_set():
             log.error("%s; stopping the agent", reason)
@@ -226,12 +263,22 @@ class Agent:
         if touch:  # a run is about to use the pool
             self.last_request = time.time()
         return {
-            "pool": self.pool, "index": self.index, "hostname": socket.gethostname(), "pid": os.getpid(),
-            "incarnation": self.incarnation, "started": self.started, "now": time.time(),
-            "running": self.procs.running, "idle_s": round(idle, 1),
-            "idle_timeout": self.args.idle_timeout, "modules": self.modules, "warm": self.launcher.warm_info,
-            "connections": self.server.connections, "accepted": self.server.accepted,
-            "relayed": self.relay.relayed, "heartbeat_error": self.heartbeat_error,
+            "pool": self.pool,
+            "index": self.index,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "incarnation": self.incarnation,
+            "started": self.started,
+            "now": time.time(),
+            "running": self.procs.running,
+            "idle_s": round(idle, 1),
+            "idle_timeout": self.args.idle_timeout,
+            "modules": self.modules,
+            "warm": self.launcher.warm_info,
+            "connections": self.server.connections,
+            "accepted": self.server.accepted,
+            "relayed": self.relay.relayed,
+            "heartbeat_error": self.heartbeat_error,
             "log_error": "; ".join(w for w in (self.procs.log_store.warning(), self.procs.history_error) if w),
         }
 
@@ -281,10 +328,10 @@ class Agent:
                 held.sock.close()
         self.held_ports = keep
 
-    async def op_describe(self, peer: wire.Peer, app_id: str) -> List[dict]:
+    async def op_describe(self, peer: wire.Peer, app_id: str) -> list[dict]:
         return [r.status() for r in self.procs.select(app_id)]
 
-    async def op_wait(self, peer: wire.Peer, app_id: str, within: float = 30.0) -> List[dict]:
+    async def op_wait(self, peer: wire.Peer, app_id: str, within: float = 30.0) -> list[dict]:
         """Answers once every replica of the app on this host has ended, or after ``within`` seconds."""
         deadline = time.time() + max(0.0, min(float(within), 300.0))
         while True:
@@ -300,27 +347,51 @@ class Agent:
                 for w in waits:
                     w.cancel()
 
-    async def op_list(self, peer: wire.Peer) -> List[dict]:
+    async def op_list(self, peer: wire.Peer) -> list[dict]:
         return [r.status() for r in self.procs.replicas.values()]
 
-    async def op_kill(self, peer: wire.Peer, app_id: str, role: Optional[str] = None,
-                      replica_id: Optional[int] = None, grace: float = 5.0, reason: str = "cancelled") -> int:
+    async def op_kill(
+        self,
+        peer: wire.Peer,
+        app_id: str,
+        role: str | None = None,
+        replica_id: int | None = None,
+        grace: float = 5.0,
+        reason: str = "cancelled",
+    ) -> int:
         """Ends the app's (or one role's, or one replica's) live replicas; ``reason``: what their
         end says. Returns how many were live."""
         return await self.procs.kill(self.procs.select(app_id, role, replica_id), grace, reason=reason)
 
-    async def op_logs(self, peer: wire.Peer, app_id: str, role: str, replica_id: int, streams: str = "combined",
-                      since: Optional[float] = None, until: Optional[float] = None, regex: Optional[str] = None,
-                      follow: bool = False) -> wire.Stream:
+    async def op_logs(
+        self,
+        peer: wire.Peer,
+        app_id: str,
+        role: str,
+        replica_id: int,
+        streams: str = "combined",
+        since: float | None = None,
+        until: float | None = None,
+        regex: str | None = None,
+        follow: bool = False,
+    ) -> wire.Stream:
         reps = self.procs.select(app_id, role, replica_id)
         if not reps:
             raise LookupError(f"no replica {role}/{replica_id} of app {app_id} on host {self.index}")
         return wire.Stream(self.procs.logs(reps[0], streams, since, until, regex, follow))
 
-    async def op_app_logs(self, peer: wire.Peer, app_id: str, role: Optional[str] = None,
-                          replica_ids: Optional[List[int]] = None, streams: str = "combined",
-                          since: Optional[float] = None, until: Optional[float] = None, regex: Optional[str] = None,
-                          max_bytes: int = APP_LOGS_MAX_BYTES) -> List[Dict[str, Any]]:
+    async def op_app_logs(
+        self,
+        peer: wire.Peer,
+        app_id: str,
+        role: str | None = None,
+        replica_ids: list[int] | None = None,
+        streams: str = "combined",
+        since: float | None = None,
+        until: float | None = None,
+        regex: str | None = None,
+        max_bytes: int = APP_LOGS_MAX_BYTES,
+    ) -> list[dict[str, Any]]:
         """The logged lines so far of every replica of ``app_id`` on this host (of ``role``, of
         ``replica_ids``), one answer for the whole host, so that ``torchx log`` of N replicas is one
         request through the relay tree, not N streams. Past ``max_bytes`` characters in all (at
@@ -328,13 +399,15 @@ class Agent:
         little of long logs), a replica's lines are left out and it says ``"more": True``: the
         client streams that one directly."""
         wanted = None if replica_ids is None else {int(i) for i in replica_ids}
-        reps = sorted((r for r in self.procs.select(app_id, role) if wanted is None or r.spec.replica_id in wanted),
-                      key=lambda r: (r.spec.role, r.spec.replica_id))
-        out: List[Dict[str, Any]] = []
+        reps = sorted(
+            (r for r in self.procs.select(app_id, role) if wanted is None or r.spec.replica_id in wanted),
+            key=lambda r: (r.spec.role, r.spec.replica_id),
+        )
+        out: list[dict[str, Any]] = []
         budget = min(int(max_bytes), APP_LOGS_MAX_BYTES)
         deadline = time.monotonic() + APP_LOGS_MAX_S
         for rep in reps:
-            lines: List[str] = []
+            lines: list[str] = []
             more = budget <= 0 or time.monotonic() > deadline
             if not more:
                 async for batch in self.procs.logs(rep, streams, since, until, regex, follow=False):
@@ -344,8 +417,9 @@ class Agent:
                         more = True
                         break
                     await asyncio.sleep(0)  # reading a long log must not hold up heartbeats and other requests
-            out.append({"role": rep.spec.role, "replica_id": rep.spec.replica_id,
-                        "lines": [] if more else lines, "more": more})
+            out.append(
+                {"role": rep.spec.role, "replica_id": rep.spec.replica_id, "lines": [] if more else lines, "more": more}
+            )
         return out
 
     async def op_shutdown(self, peer: wire.Peer, reason: str = "pool stopped") -> bool:
@@ -380,7 +454,7 @@ class Agent:
         return now - latest
 
     def _trim_history(self) -> None:
-        apps: Dict[str, float] = {}
+        apps: dict[str, float] = {}
         for (app_id, _, _), r in self.procs.replicas.items():
             if r.state in TERMINAL:
                 apps[app_id] = max(apps.get(app_id, 0.0), r.ended or 0.0)
@@ -394,7 +468,7 @@ class Agent:
             setattr(self.addr, k, v)
         Registry.publish_host(self.state_dir, self.addr, moved=not set(extra) <= HEARTBEAT_FIELDS)
 
-    def _superseded(self) -> Optional[str]:
+    def _superseded(self) -> str | None:
         """Why another agent (or nobody) now owns this host's address file, or None if we do.
 
         A pool re-created under the same state dir (after its record was removed) starts new
@@ -443,7 +517,7 @@ class Agent:
                 else:
                     next_pool_check = now + (limit - pool_idle)
 
-    async def _listen(self, sock: Optional[socket.socket]) -> int:
+    async def _listen(self, sock: socket.socket | None) -> int:
         """Starts the server; returns its port. A given port that is briefly in use (a worker
         reopening the port its adoption listener just closed, while a stray connection still
         holds it) is tried again for up to BIND_RETRY_S."""
@@ -465,10 +539,19 @@ class Agent:
         await self.launcher.start()
         listen = socket.socket(fileno=self.args.listen_fd) if self.args.listen_fd is not None else None
         port = await self._listen(listen)
-        advertise = self.args.advertise or (self.args.bind if self.args.bind not in ("0.0.0.0", "") else socket.gethostname())
-        self.addr = HostAddr(index=self.index, host=advertise, port=port, hostname=socket.gethostname(),
-                             pid=os.getpid(), incarnation=self.incarnation, started=self.started,
-                             heartbeat=time.time())
+        advertise = self.args.advertise or (
+            self.args.bind if self.args.bind not in ("0.0.0.0", "") else socket.gethostname()
+        )
+        self.addr = HostAddr(
+            index=self.index,
+            host=advertise,
+            port=port,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            incarnation=self.incarnation,
+            started=self.started,
+            heartbeat=time.time(),
+        )
         self._publish()
         log.info("agent %d of pool %s listening on %s:%d", self.index, self.pool, advertise, port)
         hb = asyncio.create_task(self._heartbeat())
@@ -481,8 +564,12 @@ class Agent:
         # asked to stop (`pool stop`): what it ends is recorded so. A signal (scancel, walltime) or
         # a successor: not recorded here, so the client records the engine's word for it instead
         # ("allocation 12 is CANCELLED"), as it does for an agent that was killed outright
-        await self.procs.kill(list(self.procs.replicas.values()), grace=3.0,
-                              reason=f"ended: {self.stop_reason}", record=self.stop_requested)
+        await self.procs.kill(
+            list(self.procs.replicas.values()),
+            grace=3.0,
+            reason=f"ended: {self.stop_reason}",
+            record=self.stop_requested,
+        )
         self.launcher.close()
         self.relay.close()
         for fn in self._cleanups:
@@ -497,29 +584,54 @@ class Agent:
             self._publish(exited=time.time(), exit_reason=self.stop_reason)
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m monarch_torchx.agent",
-                                description="Host agent of a monarch-torchx pool (started by a provisioner).")
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m monarch_torchx.agent",
+        description="Host agent of a monarch-torchx pool (started by a provisioner).",
+    )
     p.add_argument("--state-dir", required=True, help="the pool's state dir (holds the token file)")
     p.add_argument("--pool", required=True)
-    p.add_argument("--index", type=int, default=None,
-                   help="host index (default: SLURM_NODEID, $MONARCH_TORCHX_HOST_INDEX, the hostname's -N suffix, or 0)")
-    p.add_argument("--incarnation", default=None,
-                   help="this agent's identity in handshakes (default: random; Kubernetes: the pod UID)")
+    p.add_argument(
+        "--index",
+        type=int,
+        default=None,
+        help="host index (default: SLURM_NODEID, $MONARCH_TORCHX_HOST_INDEX, the hostname's -N suffix, or 0)",
+    )
+    p.add_argument(
+        "--incarnation",
+        default=None,
+        help="this agent's identity in handshakes (default: random; Kubernetes: the pod UID)",
+    )
     p.add_argument("--token-file", default=None, help="read the pool secret from here (default: STATE_DIR/token)")
     p.add_argument("--bind", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--listen-fd", type=int, default=None,
-                   help="listen on this inherited, already bound socket instead of --bind/--port")
+    p.add_argument(
+        "--listen-fd",
+        type=int,
+        default=None,
+        help="listen on this inherited, already bound socket instead of --bind/--port",
+    )
     p.add_argument("--advertise", default=None, help="address clients use (default: bind address or hostname)")
     p.add_argument("--idle-timeout", type=float, default=1800.0, help="seconds; 0 disables")
     p.add_argument("--preload", action="append", default=None, help="module to pre-import for warm Python starts")
-    p.add_argument("--module", action="append", default=None,
-                   help="extra module setup, as pkg.mod:setup (default: $MONARCH_TORCHX_MODULES, comma-separated)")
-    p.add_argument("--log-max-mb", type=float, default=REPLICA_MAX_MB,
-                   help="MiB of output each replica keeps on disk (older output is dropped)")
-    p.add_argument("--log-host-max-mb", type=float, default=POOL_MAX_MB,
-                   help="MiB of replica output this host keeps on disk in all (its share of the pool's limit)")
+    p.add_argument(
+        "--module",
+        action="append",
+        default=None,
+        help="extra module setup, as pkg.mod:setup (default: $MONARCH_TORCHX_MODULES, comma-separated)",
+    )
+    p.add_argument(
+        "--log-max-mb",
+        type=float,
+        default=REPLICA_MAX_MB,
+        help="MiB of output each replica keeps on disk (older output is dropped)",
+    )
+    p.add_argument(
+        "--log-host-max-mb",
+        type=float,
+        default=POOL_MAX_MB,
+        help="MiB of replica output this host keeps on disk in all (its share of the pool's limit)",
+    )
     args = p.parse_args(argv)
     if args.index is None:
         args.index = _index_from_environment()
@@ -541,7 +653,7 @@ def _index_from_environment() -> int:
     return int(suffix[1]) if len(suffix) == 2 and suffix[1].isdigit() else 0
 
 
-def check_own_dirs(state_dir: Optional[Path]) -> None:
+def check_own_dirs(state_dir: Path | None) -> None:
     """Refuses to serve (one line, exit code 2) where another user could replace what this agent
     reads or keeps: its state dir (its token, its hosts' files) or this user's node temp root
     (actors, telemetry and sync keep their sockets and stores there). Without this check such a
@@ -556,7 +668,7 @@ def check_own_dirs(state_dir: Optional[Path]) -> None:
         raise SystemExit(2) from None
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent{args.index} %(levelname)s %(message)s")
     check_own_dirs(None if args.token_file else Path(args.state_dir))  # (a pod's state dir: made below)

@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from ..private import write_private_bytes
 from ..torchrun import PLAN_ENV, THREAD_ENV, shell_words, torchrun_args
@@ -53,7 +53,7 @@ class NodePlan:
     restarts: int = 0
 
     @classmethod
-    def from_env(cls) -> "NodePlan":
+    def from_env(cls) -> NodePlan:
         raw = os.environ.pop(PLAN_ENV, None)
         if not raw:
             raise SystemExit(f"torchrun_node: {PLAN_ENV} is not set (this module is started by a monarch-torchx pool)")
@@ -73,8 +73,17 @@ class PoolRendezvous:
     (fresh port), so keys of a failed attempt can never be read by the next.
     """
 
-    def __init__(self, run_id: str, node_rank: int, nnodes: int, host: str, port: int,
-                 join_timeout: float, keep_alive_s: float, keep_alive_misses: int):
+    def __init__(
+        self,
+        run_id: str,
+        node_rank: int,
+        nnodes: int,
+        host: str,
+        port: int,
+        join_timeout: float,
+        keep_alive_s: float,
+        keep_alive_misses: int,
+    ):
         self.run_id = run_id
         self.node_rank = node_rank
         self.nnodes = nnodes
@@ -103,8 +112,12 @@ class PoolRendezvous:
 
     def next_rendezvous(self) -> Any:
         from torch.distributed import DistError, PrefixStore
-        from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousConnectionError,
-                                                          RendezvousInfo, RendezvousStoreInfo)
+        from torch.distributed.elastic.rendezvous import (
+            RendezvousClosedError,
+            RendezvousConnectionError,
+            RendezvousInfo,
+            RendezvousStoreInfo,
+        )
 
         try:
             store = self._control()
@@ -122,7 +135,8 @@ class PoolRendezvous:
             port = int(store.get(prefix + "worker_port").decode())
         except DistError as e:
             raise RendezvousConnectionError(
-                f"the role's store at {self.host}:{self.port} (node 0) is unreachable: {e}") from None
+                f"the role's store at {self.host}:{self.port} (node 0) is unreachable: {e}"
+            ) from None
         info = RendezvousStoreInfo(self.host, port)
         return RendezvousInfo(PrefixStore(prefix + "agent/", store), self.node_rank, self.nnodes, info)
 
@@ -169,8 +183,15 @@ class PoolRendezvous:
         if self._store is None:
             timeout = datetime.timedelta(seconds=self.join_timeout)
             if self.node_rank == 0:
-                self._store = TCPStore(self.host, self.port, None, True, timeout, wait_for_workers=False,
-                                       master_listen_fd=_listen(self.host, self.port).detach())
+                self._store = TCPStore(
+                    self.host,
+                    self.port,
+                    None,
+                    True,
+                    timeout,
+                    wait_for_workers=False,
+                    master_listen_fd=_listen(self.host, self.port).detach(),
+                )
             else:
                 self._await_listener(timeout.total_seconds())
                 self._store = TCPStore(self.host, self.port, None, False, timeout)
@@ -196,8 +217,15 @@ class PoolRendezvous:
         self._worker_store = None  # the previous round's server (its workers are stopped by now)
         listen = _listen(self.host, 0)
         port = listen.getsockname()[1]
-        self._worker_store = TCPStore(self.host, port, None, True, datetime.timedelta(seconds=self.join_timeout),
-                                      wait_for_workers=False, master_listen_fd=listen.detach())
+        self._worker_store = TCPStore(
+            self.host,
+            port,
+            None,
+            True,
+            datetime.timedelta(seconds=self.join_timeout),
+            wait_for_workers=False,
+            master_listen_fd=listen.detach(),
+        )
         store.set(prefix + "worker_port", str(port))
 
     def _heartbeat(self) -> None:
@@ -214,7 +242,7 @@ class PoolRendezvous:
         from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
 
         deadline = time.monotonic() + self.join_timeout
-        seen: Dict[int, tuple] = {}
+        seen: dict[int, tuple] = {}
         delay = 0.002
         while not store.check([prefix + "complete"]):
             if store.check([f"{self.run_id}/closed"]):
@@ -232,7 +260,8 @@ class PoolRendezvous:
                 elif now - last[1] > self.keep_alive_s * self.keep_alive_misses:
                     raise RendezvousTimeoutError(
                         f"node {k} of the role stopped answering (no heartbeat for {now - last[1]:.0f} s); "
-                        "its host may be lost")
+                        "its host may be lost"
+                    )
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
@@ -263,11 +292,15 @@ def _listen(host: str, port: int) -> socket.socket:
 def _make_rendezvous(params: Any) -> Any:
     host, _, port = params.endpoint.rpartition(":")
     return PoolRendezvous(
-        run_id=params.run_id, node_rank=int(params.config["node_rank"]), nnodes=params.max_nodes,
-        host=host, port=int(port),
+        run_id=params.run_id,
+        node_rank=int(params.config["node_rank"]),
+        nnodes=params.max_nodes,
+        host=host,
+        port=int(port),
         join_timeout=float(params.get("join_timeout", 600)),
         keep_alive_s=float(params.get("keep_alive_interval", 5)),
-        keep_alive_misses=int(params.get("keep_alive_max_attempt", 3)))
+        keep_alive_misses=int(params.get("keep_alive_max_attempt", 3)),
+    )
 
 
 # ------------------------------------------------------------------ forked workers
@@ -278,9 +311,9 @@ class ForkedProcess:
 
     def __init__(self, pid: int):
         self.pid = pid
-        self.returncode: Optional[int] = None
+        self.returncode: int | None = None
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -291,7 +324,7 @@ class ForkedProcess:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
-    def wait(self, timeout: Optional[float] = None) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.001
         while self.poll() is None:
@@ -312,13 +345,13 @@ class ForkedProcess:
         self.send_signal(signal.SIGTERM)
 
 
-def _worker_handler_class(base_path: List[str]) -> type:
+def _worker_handler_class(base_path: list[str]) -> type:
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
     class ForkedWorker(SubprocessHandler):
         """A torchrun worker forked from the node process (torch imported), not exec'd."""
 
-        def _popen(self, args: tuple, env: Dict[str, str]) -> Any:  # type: ignore[override]
+        def _popen(self, args: tuple, env: dict[str, str]) -> Any:  # type: ignore[override]
             inv = parse_python_argv(list(args[1:])) if _is_this_python(args[0]) else None
             if inv is None or any(env.get(k) != os.environ.get(k) for k in INIT_ENV if k not in THREAD_ENV):
                 return super()._popen(args, env)
@@ -336,20 +369,21 @@ def _is_this_python(prog: str) -> bool:
     return os.path.realpath(prog) == os.path.realpath(sys.executable)
 
 
-def _base_path() -> List[str]:
+def _base_path() -> list[str]:
     extra = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     return [p for p in sys.path[1:] if p not in extra]
 
 
-def _become_worker(inv: Any, env: Dict[str, str], stdout: Any, stderr: Any, base_path: List[str]) -> None:
+def _become_worker(inv: Any, env: dict[str, str], stdout: Any, stderr: Any, base_path: list[str]) -> None:
     """In the forked child: look exec'd (as the fork server's children do), then run the script."""
     try:
         try:
             inherited = [int(f) for f in os.listdir("/proc/self/fd")]
         except OSError:
             inherited = list(range(3, 1024))
-        detach_child(stdout.fileno() if stdout is not None else 1, stderr.fileno() if stderr is not None else 2,
-                     inherited)
+        detach_child(
+            stdout.fileno() if stdout is not None else 1, stderr.fileno() if stderr is not None else 2, inherited
+        )
         threads = next((env[k] for k in THREAD_ENV if env.get(k)), None)
         if threads and threads.isdigit() and "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(int(threads))  # what the variable does at exec time
@@ -361,7 +395,7 @@ def _become_worker(inv: Any, env: Dict[str, str], stdout: Any, stderr: Any, base
 # ------------------------------------------------------------------ main
 
 
-def _torchrun_argv(argv: List[str]) -> List[str]:
+def _torchrun_argv(argv: list[str]) -> list[str]:
     if argv[:1] == ["-c"] and len(argv) == 2:
         # as bash would expand the words in this host's environment
         return torchrun_args(shell_words(argv[1], dict(os.environ))) or []
@@ -408,7 +442,7 @@ def _write_error_file(message: str) -> None:
         pass
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     plan = NodePlan.from_env()
     base_path = _base_path()
     import torch
@@ -441,8 +475,12 @@ def main(argv: List[str]) -> int:
         if nvml:
             os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
     if config.nproc_per_node > (os.cpu_count() or 1):
-        print(f"torchrun_node: warning: --nproc_per_node {config.nproc_per_node} is more than this host's "
-              f"{os.cpu_count()} cores; the workers will share them", file=sys.stderr, flush=True)
+        print(
+            f"torchrun_node: warning: --nproc_per_node {config.nproc_per_node} is more than this host's "
+            f"{os.cpu_count()} cores; the workers will share them",
+            file=sys.stderr,
+            flush=True,
+        )
     config.rdzv_backend = BACKEND
     config.rdzv_configs = {**config.rdzv_configs, "node_rank": plan.node_rank}
     config.max_restarts = max(config.max_restarts, plan.restarts)

@@ -1,12 +1,12 @@
 """The run's settings: a private home for the pools it makes, and those pools stopped at its end;
 which failures reached Monarch's internals (``monarch_internal.reached_internals``), recorded on
 the test's report for ``run.py`` to count."""
+
 import os
 import tempfile
 
-import pytest
-
 import monarch_internal
+import pytest
 
 os.environ.setdefault("MONARCH_TORCHX_HOME", os.path.join(tempfile.mkdtemp(prefix="mtx-monarch-suite-"), "home"))
 os.environ[monarch_internal.TEST_PID_ENV] = str(os.getpid())

@@ -4,6 +4,7 @@ Monarch's helper isolates per-process singletons of its runtime; ours has the sa
 that exits its process, or sets a process-wide hook, must not take the rest of the run with it).
 A fresh interpreter, not a fork: the parent holds threads and sockets a fork would share.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,8 +59,11 @@ def isolate_in_subprocess(test_fn=None, *, env=None):
     def wrapper(*args, **kwargs):
         fn_r, fn_w = os.pipe()
         res_r, res_w = os.pipe()
-        child = subprocess.Popen([sys.executable, "-c", _CHILD, str(fn_r), str(res_w)],
-                                 pass_fds=(fn_r, res_w), env={**os.environ, **(env or {})})
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(fn_r), str(res_w)],
+            pass_fds=(fn_r, res_w),
+            env={**os.environ, **(env or {})},
+        )
         os.close(fn_r)
         os.close(res_w)
         try:

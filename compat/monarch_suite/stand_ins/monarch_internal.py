@@ -9,15 +9,15 @@ attribute such as ``ProcMesh._proc_mesh``), or touch a stand-in only to patch it
 what the patch expected. ``reached_internals`` names those, by the failure's type and the names the
 test touched, so the report counts them apart from real failures.
 """
+
 from __future__ import annotations
 
 import os
-from typing import List, Optional
 
 import pytest
 
 TEST_PID_ENV = "MONARCH_SUITE_TEST_PID"  # the process that runs the tests (procs inherit it, with another pid)
-touched: List[str] = []  # stand-ins the running test used without being skipped (reset per test)
+touched: list[str] = []  # stand-ins the running test used without being skipped (reset per test)
 
 
 def in_test_process() -> bool:
@@ -41,13 +41,17 @@ def used_inside_an_actor(exc: BaseException) -> bool:
     return isinstance(exc, ActorError) and exc.exception_type == MonarchInternal.__name__
 
 
-def reached_internals(exc: BaseException) -> Optional[str]:
+def reached_internals(exc: BaseException) -> str | None:
     """Why a failure is Monarch-internal, or None: an AttributeError for a private attribute of one
     of our objects or classes, or any failure after the test touched a stand-in."""
     if isinstance(exc, ReachedInternals):
         return str(exc)
-    if isinstance(exc, AttributeError) and isinstance(exc.name, str) and exc.name.startswith("_") \
-            and _raised_in_a_test_file(exc):  # not one of our own bugs: the test asked for it
+    if (
+        isinstance(exc, AttributeError)
+        and isinstance(exc.name, str)
+        and exc.name.startswith("_")
+        and _raised_in_a_test_file(exc)
+    ):  # not one of our own bugs: the test asked for it
         owner = exc.obj if isinstance(exc.obj, type) else type(exc.obj)
         if getattr(owner, "__module__", "").startswith("monarch_torchx"):
             return f"{owner.__name__}.{exc.name}"
@@ -63,8 +67,10 @@ def _raised_in_a_test_file(exc: BaseException) -> bool:
     tb = exc.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
-        if f"{os.sep}monarch_torchx{os.sep}" in code.co_filename and code.co_name not in ("__getattr__",
-                                                                                          "__getattribute__"):
+        if f"{os.sep}monarch_torchx{os.sep}" in code.co_filename and code.co_name not in (
+            "__getattr__",
+            "__getattribute__",
+        ):
             return False
         tb = tb.tb_next
     return True
@@ -105,6 +111,7 @@ class Internal:
         class _Base:
             def __init__(self, *_a, **_k):
                 Internal(name)._skip()
+
         return (_Base,)
 
     def __repr__(self) -> str:

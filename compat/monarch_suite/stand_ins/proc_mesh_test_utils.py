@@ -1,4 +1,5 @@
 """Our stand-in for Monarch's helper: the procs a test spawned are stopped after it."""
+
 from __future__ import annotations
 
 import pytest

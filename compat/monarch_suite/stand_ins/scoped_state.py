@@ -1,4 +1,5 @@
 """Our stand-in for Monarch's helper: a job's state for one test, the job killed after it."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager
