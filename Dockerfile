@@ -19,10 +19,7 @@ RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 WORKDIR /opt/monarch-torchx
 COPY pyproject.toml README.md ./
 COPY monarch_torchx ./monarch_torchx
-COPY schedulers ./schedulers
-COPY components ./components
-COPY telemetry ./telemetry
-COPY rdma ./rdma
+COPY torchx_plugins ./torchx_plugins
 # the package itself, from this checkout (its dependencies are pinned by pyproject.toml's ranges)
 # hadolint ignore=DL3013
 RUN pip install ".[kubernetes]"

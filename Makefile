@@ -5,7 +5,7 @@ TORCHX_LINE ?= nightly
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-torchx07 bench bench-slurm bench-actors bench-ddp bench-ddp-slurm bench-history docs clean
+.PHONY: setup demo test test-fast test-torchx07 bench bench-slurm bench-actors bench-ddp bench-ddp-slurm bench-history docs clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# The fast lane: what needs no pool, agent, proc, CLI subprocess, SLURM lab or FUSE (tests/unit/ and the
+# pure modules), in well under a minute. `make test` still runs everything.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not integration" -p no:cacheprovider
 
 # The tests that meet TorchX's own API (schedulers, CLI, Runner, components, dry-runs, the README)
 # on the other TorchX line, torchx 0.7.0, in a venv of its own. FULL=1: the whole suite there.

@@ -70,9 +70,8 @@ def main() -> None:
     os.environ["MONARCH_TORCHX_HOME"] = str(root / "home")
     cluster = Cluster(root).start()
     os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
-    from monarch_torchx.schedulers.kubernetes import create_scheduler
-
     from monarch_torchx.pool import attach, stop_pool
+    from monarch_torchx.schedulers.kubernetes import create_scheduler
 
     sched = create_scheduler("bench")
     try:

@@ -80,9 +80,9 @@ def raw_read(host: str, port: int, dst: memoryview, streams: int) -> None:
 def measure(pool: str, sizes: list[int], remote: bool) -> list[dict[str, float]]:
     import numpy as np
     import torch
-    from monarch_torchx.rdma.tcp import MAX_STREAMS, STREAM_MIN
 
     from monarch_torchx import attach
+    from monarch_torchx.rdma.tcp import MAX_STREAMS, STREAM_MIN
     from tests.fixtures.rdma_actors import RawSender, Weights
 
     rows = []

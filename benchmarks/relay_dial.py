@@ -41,7 +41,7 @@ def _pid_cpu(pid: int) -> float:
 
 def per_connection(pool, n: int) -> dict[str, dict[str, float]]:
     """ms per connection: a fresh dial with one ping, against one ping on a kept connection."""
-    from monarch_torchx import wire
+    from monarch_torchx import net
 
     host = pool.hosts[1]
     creds, ident = pool.record.credentials, host.identity(pool.name)
@@ -58,11 +58,11 @@ def per_connection(pool, n: int) -> dict[str, dict[str, float]]:
         }
 
     def fresh() -> None:
-        c = wire.Client(host.host, host.port, creds, timeout=10, identity=ident)
+        c = net.Client(host.host, host.port, creds, timeout=10, identity=ident)
         c.call("ping")
         c.close()
 
-    kept = wire.Client(host.host, host.port, creds, timeout=10, identity=ident)
+    kept = net.Client(host.host, host.port, creds, timeout=10, identity=ident)
     timed("fresh dial + ping", fresh)
     timed("ping on a kept connection", lambda: kept.call("ping"))
     kept.close()
@@ -118,7 +118,7 @@ def main() -> None:
             stop_pool(name)
         finally:
             shutil.rmtree(home, ignore_errors=True)
-    from monarch_torchx.agent.relay import FANOUT
+    from monarch_torchx.net.fanout import FANOUT
 
     client_dials = 2 * min(FANOUT, args.hosts)  # the request's and the info's after it, at the tree's first level
     lines = [

@@ -73,11 +73,11 @@ def main() -> None:
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="sqltree-"))
     os.environ["MONARCH_TORCHX_HOME"] = str(home)
-    from monarch_torchx.telemetry.query import run
     from torchx.runner import get_runner
     from torchx.specs import AppDef, Role
 
     from monarch_torchx.pool import PoolRequest, attach, ensure_pool, stop_pool
+    from monarch_torchx.telemetry.query import run
 
     name = f"sqltree{os.getpid()}"
     try:

@@ -60,6 +60,7 @@ def floors(src: Path, scratch: Path) -> dict[str, float]:
 
     import blake3
     import fastcdc
+
     from monarch_torchx.syncfs.manifest import CDC
 
     files = sorted(src.iterdir())

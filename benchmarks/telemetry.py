@@ -58,9 +58,8 @@ def main() -> None:
     os.environ["MONARCH_TORCHX_HOME"] = str(home)
     os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
     torchx = str(BIN / "torchx")
-    from monarch_torchx.telemetry.query import run
-
     from monarch_torchx.pool import attach
+    from monarch_torchx.telemetry.query import run
 
     py = sys.executable
     try:

@@ -1,6 +1,6 @@
 """Apps on a pool: launch replicas on hosts, ask how they are doing, kill them.
 
-One mechanism for every front end: TorchX apps (``schedulers/base.py``) and submitit jobs
+One mechanism for every front end: TorchX apps (``monarch_torchx/schedulers/base.py``) and submitit jobs
 (``submitit_executor.py``) are both an ``AppRecord`` in the registry plus one ``LaunchSpec`` per
 replica on its host's agent, so `torchx list`, `pool status` and the telemetry see all of them.
 """
@@ -11,8 +11,10 @@ import contextlib
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import history, wire
+from . import history
 from .errors import AccessError, HostLost, HostUnreachable, MonarchError
+from .net import RemoteError
+from .net.fanout import RelayRefused
 from .pool import Pool, PoolRequest, ensure_pool, reuse_unchecked, tree_min_hosts
 from .registry import AppRecord, Placement, Registry
 from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, TERMINAL, UNKNOWN, LaunchSpec
@@ -95,9 +97,7 @@ def _launch(
 def _refused(e: Exception) -> bool:
     """The host's agent answered with an error of its own: not one that says it is stopping
     (``RelayRefused``, a host the pool's check counts as gone)."""
-    from .agent.relay import RelayRefused
-
-    return isinstance(e, wire.RemoteError) and e.kind != RelayRefused.__name__
+    return isinstance(e, RemoteError) and not isinstance(e, RelayRefused)
 
 
 def start(

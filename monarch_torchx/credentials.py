@@ -142,7 +142,7 @@ def new_monarch_tls(job: str, names: list[str]) -> str:
             .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
         )
         if not ca:
-            alt = []
+            alt: list[x509.GeneralName] = []
             for n in dict.fromkeys(names):
                 try:
                     alt.append(x509.IPAddress(ipaddress.ip_address(n)))

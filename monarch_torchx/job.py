@@ -190,7 +190,7 @@ def ensure_job_pool(scheduler: str, name: str, cfg: dict[str, Any], hosts: int) 
     return ensure_pool(req, defaults={"preload": "torch"})
 
 
-def _check_meshes(meshes: dict[str, int]) -> dict[str, int]:
+def check_meshes(meshes: dict[str, int]) -> dict[str, int]:
     if not isinstance(meshes, dict) or not meshes:
         raise ValueError("meshes must be a non-empty dict of mesh name -> number of hosts")
     for name, n in meshes.items():
@@ -211,7 +211,7 @@ class LocalJob(JobTrait):
     def __init__(self, hosts: Sequence[str] = ("hosts",)):
         super().__init__()
         self.hosts = tuple(hosts)
-        _check_meshes({h: 1 for h in self.hosts})
+        check_meshes({h: 1 for h in self.hosts})
 
     def _meshes(self) -> dict[str, int]:
         return {h: 1 for h in self.hosts}
@@ -239,7 +239,7 @@ class ProcessJob(JobTrait):
 
     def __init__(self, meshes: dict[str, int], env: dict[str, str] | None = None):
         super().__init__()
-        self.meshes = _check_meshes(meshes)
+        self.meshes = check_meshes(meshes)
         self.env = dict(env or {})
         if self.env:
             raise MonarchError("ProcessJob(env=...) is not supported: pass env to spawn_procs(env=...) instead")
@@ -276,7 +276,7 @@ class SlurmJob(JobTrait):
         attach_to: str | None = None,
     ):
         super().__init__()
-        self.meshes = _check_meshes(meshes)
+        self.meshes = check_meshes(meshes)
         if slurm_args:
             raise MonarchError(
                 "SlurmJob(slurm_args=...) is not supported: use the named arguments "
@@ -386,7 +386,7 @@ class KubernetesJob(JobTrait):
             raise MonarchError("add_mesh needs image_spec=ImageSpec(image, resources): the job makes its pods")
         if self.images and (next(iter(self.images.values())) != image_spec or next(iter(self.ports.values())) != port):
             raise MonarchError("every mesh of a job here shares one image, resources and port (one pool of pods)")
-        self.meshes[name] = _check_meshes({name: num_replicas})[name]
+        self.meshes[name] = check_meshes({name: num_replicas})[name]
         self.images[name], self.ports[name] = image_spec, port
 
     def _meshes(self) -> dict[str, int]:

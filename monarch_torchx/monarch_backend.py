@@ -67,7 +67,7 @@ class WarmPoolJob(JobTrait):
         stop_pool_on_kill: bool = False,
         trust_local_users: bool = False,
     ):
-        from .job import _check_meshes
+        from .job import check_meshes
         from .schedulers import PROVISIONERS
 
         if not (trust_local_users or os.environ.get(TRUST_ENV) == "1"):
@@ -75,7 +75,7 @@ class WarmPoolJob(JobTrait):
         super().__init__()
         if scheduler not in PROVISIONERS:
             raise ValueError(f"scheduler {scheduler!r}: use one of {', '.join(PROVISIONERS)}")
-        self.meshes = _check_meshes(meshes)
+        self.meshes = check_meshes(meshes)
         self.scheduler = scheduler
         self.pool = pool or "monarch-" + "-".join(self.meshes)
         self.cfg = dict(cfg or {})

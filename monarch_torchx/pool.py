@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
-from . import wire
+from . import net
 from .credentials import TLS_FILE, TOKEN_FILE
 from .errors import AccessError, CreateInterrupted, HostLost, HostUnreachable, MonarchError, StartTimeout
 from .registry import HostAddr, PoolRecord, Registry, check_pool_name
@@ -198,7 +198,7 @@ class Pool:
             self._provisioner = get_provisioner(self.record.scheduler)
         return self._provisioner
 
-    def connect(self, index: int, timeout: float = PING_TIMEOUT_S) -> wire.Client:
+    def connect(self, index: int, timeout: float = PING_TIMEOUT_S) -> net.Client:
         addr = self.host(index)
         if addr is None:
             raise MonarchError(f"host {index} of pool {self.name!r} has no agent address (not started yet?)")
@@ -213,7 +213,7 @@ class Pool:
             except MonarchError as e:  # the pod behind it is gone or not running
                 raise HostLost(f"host {index} of pool {self.name!r} is lost: {e}", index) from None
         try:
-            return wire.Client(
+            return net.Client(
                 addr.host,
                 addr.port,
                 self.record.credentials,
@@ -221,7 +221,7 @@ class Pool:
                 identity=addr.identity(self.name),
                 sock=tunnel.sock if tunnel else None,
             )
-        except wire.WireError as e:
+        except net.WireError as e:
             why = tunnel.error() if tunnel else ""
             raise HostUnreachable(f"host {index} of pool {self.name!r} is unreachable: {why or e}", index, e) from None
 
@@ -234,7 +234,7 @@ class Pool:
             c.settimeout(timeout)
             try:
                 return [c.call(op, **a) for a in arg_list]
-            except wire.WireError as e:
+            except net.WireError as e:
                 raise HostUnreachable(f"host {index} of pool {self.name!r} is unreachable: {e}", index, e) from None
 
     def loss_evidence(self, index: int, err: BaseException | None = None) -> str | None:
@@ -261,7 +261,7 @@ class Pool:
         if addr.exited:
             return f"host {index} stopped ({addr.exit_reason})"
         cause = err.cause if isinstance(err, HostUnreachable) else None
-        if isinstance(cause, wire.ConnectFailed) and cause.refused:
+        if isinstance(cause, net.ConnectFailed) and cause.refused:
             return f"nothing listens on host {index}'s agent port ({addr.address}): its agent is gone"
         age = Registry.host_file_age(Path(self.record.state_dir), index)
         if age is not None and age > HEARTBEAT_GRACE_S and not self._answers_patiently(addr):
@@ -283,9 +283,9 @@ class Pool:
                 self._patient[key] = True
             except AccessError:
                 self._patient[key] = True  # our access is broken, not the host: no evidence either way
-            except (HostUnreachable, HostLost, wire.WireError):
+            except (HostUnreachable, HostLost, net.WireError):
                 self._patient[key] = False
-            except (MonarchError, wire.RemoteError):  # it answered, with an error (e.g. shutting down): alive
+            except (MonarchError, net.RemoteError):  # it answered, with an error (e.g. shutting down): alive
                 self._patient[key] = True
         return self._patient[key]
 
@@ -323,7 +323,7 @@ class Pool:
     def _ask_tree(
         self, op: str, indices: list[int], timeout: float, calls: dict[int, list[dict]] | None, args: dict[str, Any]
     ) -> list[tuple[int, Any, Exception | None]]:
-        from .agent.relay import ask_tree
+        from .net.fanout import ask_tree
 
         targets, errors, tunnel = self.tree_targets(indices)
         outcomes = ask_tree(targets, self.record.credentials, op, args or None, calls, timeout, tunnel)
@@ -346,7 +346,7 @@ class Pool:
         """What a request through the relay tree needs for hosts ``indices``: a Target for each
         host with a live address, the error of each other one, and the dialer of a group's first
         member behind a port-forward (None: dial it directly)."""
-        from .agent.relay import Target
+        from .net.fanout import Target
 
         errors: dict[int, Exception] = {}
         targets: list[Target] = []
@@ -380,7 +380,7 @@ class Pool:
         def one(i: int) -> tuple[int, Any, Exception | None]:
             try:
                 return i, fn(i), None
-            except (MonarchError, wire.WireError, wire.RemoteError, OSError) as e:
+            except (MonarchError, net.WireError, net.RemoteError, OSError) as e:
                 return i, None, e
 
         if len(indices) <= 1:
@@ -389,28 +389,6 @@ class Pool:
 
         with ThreadPoolExecutor(max_workers=min(32, len(indices))) as ex:
             return list(ex.map(one, indices))
-
-    def sync(
-        self,
-        src: str,
-        target: str,
-        hosts: list[int] | None = None,
-        exclude: Sequence[str] = (),
-        progress: Callable[[str], None] = lambda _m: None,
-    ) -> Any:
-        """Syncs directory ``src`` to ``target`` on every host; returns a ``syncfs.SyncReport``."""
-        from .syncfs import sync
-
-        return sync(self, src, target, hosts=hosts, exclude=exclude, progress=progress)
-
-    def sql(self, query: str, timeout: float = 30.0) -> Any:
-        """One SQL question over every host's telemetry tables -> pyarrow.Table (see `monarch-torchx tables`).
-
-        Hosts that do not answer are left out; ``telemetry.query.run`` says which.
-        """
-        from .telemetry.query import run
-
-        return run(self, query, timeout=timeout).table
 
     def health(self, touch: bool = False) -> list[HostHealth]:
         """Pings every agent; ``touch`` counts as work on the pool (resets agents' idle clocks)."""
@@ -421,7 +399,7 @@ class Pool:
                 c.settimeout(SLOW_PING_TIMEOUT_S)
                 try:
                     return c.call("info", touch=touch)
-                except wire.WireError as e:
+                except net.WireError as e:
                     raise HostUnreachable(f"host {i} of pool {self.name!r} is unreachable: {e}", i, e) from None
 
         cached = list(hosts)
@@ -465,12 +443,12 @@ def tree_min_hosts() -> int:
 
 
 _WIRE_KINDS = {
-    "ConnectFailed": wire.ConnectFailed,
-    "PeerTimeout": wire.PeerTimeout,
-    "PeerClosed": wire.PeerClosed,
-    "ProofRejected": wire.ProofRejected,
-    "HandshakeRefused": wire.HandshakeRefused,
-    "MalformedFrame": wire.MalformedFrame,
+    "ConnectFailed": net.ConnectFailed,
+    "PeerTimeout": net.PeerTimeout,
+    "PeerClosed": net.PeerClosed,
+    "ProofRejected": net.ProofRejected,
+    "HandshakeRefused": net.HandshakeRefused,
+    "MalformedFrame": net.MalformedFrame,
 }
 
 
@@ -482,12 +460,12 @@ def _outcome_error(pool: str, index: int, o: dict[str, Any]) -> Exception:
     via = f" (through host {o['via']})" if o.get("via") is not None else ""
     if kind is not None:  # the host was not reached
         cause = (
-            wire.ConnectFailed(o["error"], refused=bool(o.get("refused")))
-            if kind is wire.ConnectFailed
+            net.ConnectFailed(o["error"], refused=bool(o.get("refused")))
+            if kind is net.ConnectFailed
             else kind(o["error"])
         )
         return HostUnreachable(f"host {index} of pool {pool!r} is unreachable{via}: {o['error']}", index, cause)
-    return wire.RemoteError(o["error"], o.get("kind", ""))
+    return net.remote_error(o["error"], o.get("kind", ""))
 
 
 def _fingerprint_diff(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> list[str]:
@@ -501,10 +479,27 @@ def _fingerprint_diff(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> l
     return diffs
 
 
-def get_provisioner(scheduler: str) -> Provisioner:
-    from .schedulers import provisioner_for
+# scheduler name -> "module:class" of its provisioner, imported only when used: the engines plug in
+# above this layer (``monarch_torchx.schedulers``), and a CLI run loads only the one it names
+PROVISIONERS = {
+    "monarch_local": "monarch_torchx.schedulers.local:LocalProvisioner",
+    "monarch_slurm": "monarch_torchx.schedulers.slurm:SlurmProvisioner",
+    "monarch_kubernetes": "monarch_torchx.schedulers.kubernetes:KubernetesProvisioner",
+}
+# engines with no TorchX scheduler of their own (pools made from Python, not by `torchx run`)
+ENGINES = {
+    "monarch_workers": "monarch_torchx.schedulers.workers:WorkersProvisioner",  # attach_to_workers
+}
 
-    return provisioner_for(scheduler)
+
+def get_provisioner(scheduler: str) -> Provisioner:
+    import importlib
+
+    target = PROVISIONERS.get(scheduler) or ENGINES.get(scheduler)
+    if target is None:
+        raise MonarchError(f"unknown scheduler {scheduler!r}: use one of {', '.join(PROVISIONERS)}")
+    mod, _, cls = target.partition(":")
+    return getattr(importlib.import_module(mod), cls)()
 
 
 def _new_spec(req: PoolRequest, prov: Provisioner, defaults: dict[str, Any] | None) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import secrets
 import stat
@@ -24,6 +25,15 @@ class PrivatePathError(PermissionError):
 def node_temp_root() -> Path:
     """This user's root in the node's temp directory, for what agents keep there (never shared)."""
     return Path(tempfile.gettempdir()) / f"monarch_torchx-{os.getuid()}"
+
+
+def sync_store_base() -> tuple[Path, Path]:
+    """(where hosts' sync stores go, the highest directory of it that must be ours alone). Here,
+    not in syncfs, because the agent removes a dead host's store without loading syncfs."""
+    if os.environ.get("MONARCH_TORCHX_SYNC_STORE"):
+        base = Path(os.environ["MONARCH_TORCHX_SYNC_STORE"])
+        return base, base
+    return node_temp_root() / "syncfs", node_temp_root()
 
 
 def check_private_dir(path: Path) -> None:
@@ -144,7 +154,7 @@ def write_private_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def open_private(path: Path) -> object:
+def open_private(path: Path) -> io.BufferedWriter:
     """A new file, 0600, for writing bytes (fails if something is already there)."""
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
 

@@ -222,9 +222,8 @@ def assert_host0_relays_to_host1(home: Path, pool_name: str, line: str):
     and the pool's status go that way too. Returns the pool and the hosts' ``info``."""
     import json
 
-    from monarch_torchx.telemetry.query import run
-
     from monarch_torchx.pool import attach
+    from monarch_torchx.telemetry.query import run
 
     pool = attach(pool_name, Registry(home))
     before = {i: v["relayed"] for i, v, _ in pool.ask("info", range(3))}

@@ -488,9 +488,8 @@ def test_this_proc_in_an_actor_and_in_the_controller(procs):
 def test_smaller_monarch_apis(procs, home, pool_name):
     """current_actor_name(), Channel.open(once=True), ProcMesh.initialized, is_ibverbs_available(),
     HostMesh.stream_logs / is_fake_in_process, HostMesh.shutdown() (stops the pool) as in Monarch."""
-    from monarch_torchx.rdma import is_ibverbs_available
-
     from monarch_torchx.actor import current_actor_name
+    from monarch_torchx.rdma import is_ibverbs_available
 
     assert current_actor_name() == "client"
     c = procs.spawn("named", Counter)

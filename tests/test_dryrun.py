@@ -12,9 +12,9 @@ import json
 import subprocess
 
 import pytest
-from monarch_torchx.schedulers import k8s_manifests as mf
 
 from monarch_torchx.registry import Registry
+from monarch_torchx.schedulers import k8s_manifests as mf
 from monarch_torchx.submission import SECRET_PLACEHOLDER
 
 from .conftest import squeue_ids, torchx

@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
-from monarch_torchx.schedulers import k8s_manifests as mf
-from monarch_torchx.schedulers.k8s_api import EXTRA, MISSING_CLIENT
 
 from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import attach
 from monarch_torchx.registry import Registry
+from monarch_torchx.schedulers import k8s_manifests as mf
+from monarch_torchx.schedulers.k8s_api import EXTRA, MISSING_CLIENT
 
 from .conftest import assert_host0_relays_to_host1, stop_all_pools, torchx, wait_for
 from .fixtures import k8s_schema
@@ -725,7 +725,7 @@ def test_the_relay_tree_runs_from_a_port_forward_to_pod_ips(cluster, home, pool_
     SQL aggregates and the pool's status go that way. A group's first member whose pod is gone
     fails the client's port-forward: the run takes that as a lost host (not an agent's refusal),
     repairs that pod alone and starts the app."""
-    import monarch_torchx.agent.relay as relay
+    import monarch_torchx.net.fanout as relay
 
     monkeypatch.setenv("MONARCH_TORCHX_TREE_MIN_HOSTS", "2")
     monkeypatch.setenv("MONARCH_TORCHX_TREE_FANOUT", "2")  # for the CLI runs below

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from monarch_torchx.rdma import RDMAAction, RDMABuffer, RDMAError, get_rdma_backend, ibverbs
 
 from monarch_torchx import attach
+from monarch_torchx.rdma import RDMAAction, RDMABuffer, RDMAError, get_rdma_backend, ibverbs
 from tests.conftest import module_pool
 from tests.fixtures.rdma_actors import Weights
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-import monarch_torchx.agent.relay as relay
+import monarch_torchx.net.fanout as relay
 from monarch_torchx.errors import HostUnreachable
 from monarch_torchx.pool import LOST, OK, PoolRequest, attach, ensure_pool
 from monarch_torchx.registry import Registry

@@ -389,9 +389,9 @@ def test_actor_mesh_on_a_slurm_pool_across_network_namespaces(home, pool_name):
 def test_rdma_buffers_across_slurm_nodes_use_tcp(home, pool_name):
     """Owner on one lab node, readers on another node and in the controller: tcp over veth."""
     import torch
-    from monarch_torchx.rdma import RDMAError
 
     from monarch_torchx import attach as attach_hosts
+    from monarch_torchx.rdma import RDMAError
 
     from .fixtures.rdma_actors import Weights
 
@@ -604,7 +604,9 @@ def test_pool_stop_ends_what_a_killed_node_agent_left(home, pool_name, tmp_path,
     src = tmp_path / "src"
     src.mkdir()
     (src / "train.py").write_text("print('hi')\n")
-    report = attach(pool_name).sync(str(src), "ws")
+    from monarch_torchx.syncfs import sync
+
+    report = sync(attach(pool_name), str(src), "ws")
     assert report.ok
     victim = Registry.hosts(Registry(home).get(pool_name))[1]
     store = node_store(stores, pool_name, 1)
@@ -683,7 +685,7 @@ def test_the_relay_tree_runs_between_slurm_nodes_over_tls(home, pool_name, monke
     """The tree forced on (fan-out 2) on a 3-node pool: the client asks hosts 0 and 2, and host 0
     relays to host 1 across the lab's network, with the pool's TLS; runs, logs, SQL aggregates
     and the pool's status all go that way."""
-    import monarch_torchx.agent.relay as relay
+    import monarch_torchx.net.fanout as relay
 
     monkeypatch.setenv("MONARCH_TORCHX_TREE_MIN_HOSTS", "2")
     monkeypatch.setenv("MONARCH_TORCHX_TREE_FANOUT", "2")  # for the CLI runs below

@@ -1,4 +1,4 @@
-"""Telemetry aggregates answered per subtree (telemetry/partial.py) on a real pool of agents.
+"""Telemetry aggregates answered per subtree (monarch_torchx/telemetry/partial.py) on a real pool of agents.
 
 10 local agents with the relay tree forced on and a fan-out of 2, so partial aggregates are
 merged at several levels of relays before the client finishes the query. Each answer is checked
@@ -12,13 +12,13 @@ import signal
 import uuid
 
 import pytest
-from monarch_torchx.telemetry.query import run
 from torchx.runner import get_runner
 from torchx.specs import AppDef, Role
 
-import monarch_torchx.agent.relay as relay
+import monarch_torchx.net.fanout as relay
 from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import attach
+from monarch_torchx.telemetry.query import run
 
 from .conftest import module_pool, wait_for
 

@@ -533,6 +533,7 @@ def test_store_packs_each_batch_and_collects_what_no_generation_uses(tmp_path, m
     is mostly unused with the chunks still used (one mostly used stays as it is), removes chunk
     files an earlier store left that nothing uses, and packs a crash left without an index."""
     import blake3
+
     from monarch_torchx.syncfs import store as st
     from monarch_torchx.syncfs.manifest import Entry, Manifest
 
@@ -631,6 +632,7 @@ def test_a_pack_rewrite_is_undone_when_what_it_read_changed_under_it(tmp_path, m
     either way the rewrite is dropped, the old pack stays whole, and the chunk stays stored. The
     moment is made certain by acting between the new pack's write and the swap."""
     import blake3
+
     from monarch_torchx.syncfs import store as st
 
     s = st.ChunkStore(tmp_path / "store")
@@ -661,6 +663,7 @@ def test_a_pack_rewrite_leaves_out_a_used_chunk_whose_bytes_went_bad(tmp_path):
     """The rewrite hashes what it copies: a used chunk damaged on disk is not carried into the
     new pack, counts as missing, and is sent again; its good neighbour is kept and trusted."""
     import blake3
+
     from monarch_torchx.syncfs import store as st
 
     s = st.ChunkStore(tmp_path / "store")
@@ -684,6 +687,7 @@ def test_a_second_copy_of_a_chunk_keeps_nothing_alive_and_a_bad_one_is_forgotten
     is served from counts, the other one is collected. A chunk found bad loses every copy, so the
     one sent again is the one served."""
     import blake3
+
     from monarch_torchx.syncfs import store as st
 
     s = st.ChunkStore(tmp_path / "store")
@@ -707,6 +711,7 @@ def test_a_pack_rewrite_on_a_full_disk_leaves_the_pack_whole_and_the_sweep_quiet
     """A sweep runs after a commit: a rewrite that cannot write its new pack (disk full) must not
     fail the commit that called it, nor lose the chunks still used."""
     import blake3
+
     from monarch_torchx.syncfs import store as st
 
     s = st.ChunkStore(tmp_path / "store")
@@ -731,6 +736,7 @@ def test_a_chunk_found_on_disk_is_hashed_before_it_is_trusted(tmp_path):
     as an earlier version of the store wrote them) whose bytes do not hash to its name counts as
     missing, is not served, and is sent again; good ones are kept."""
     import blake3
+
     from monarch_torchx.syncfs import store as st
 
     s = st.ChunkStore(tmp_path / "store")
@@ -812,6 +818,7 @@ def test_fuse_server_finds_a_chunk_that_was_collected_and_sent_again(tmp_path, m
     """The FUSE server's own pack index: after a sweep removed the pack it knew for a chunk and a
     later sync brought the chunk again in a new pack, reads are served from the new pack."""
     import blake3
+
     from monarch_torchx.syncfs import store as st
     from monarch_torchx.syncfs.fusefs import SyncFS
     from monarch_torchx.syncfs.manifest import Entry, Manifest

@@ -9,12 +9,13 @@ import signal
 import subprocess
 
 import pytest
-from monarch_torchx.telemetry.query import plan_pushdown, run
 from torchx.runner import get_runner
 from torchx.specs import AppDef, Role
 
 from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import attach
+from monarch_torchx.telemetry import sql
+from monarch_torchx.telemetry.query import plan_pushdown, run
 
 from .conftest import BIN, cli_env, torchx, wait_for
 
@@ -55,23 +56,25 @@ def test_filtered_aggregate_over_every_host_with_pushdown(busy_pool):
     everything = run(pool, "SELECT * FROM logs")
     assert everything.table.num_rows == 2 * 201
     assert res.bytes_moved < everything.bytes_moved / 10  # the filter ran on the hosts
-    assert pool.sql("SELECT count(*) AS n FROM logs WHERE stream = 'stderr'").to_pylist() == [{"n": 2}]
-    procs = pool.sql("SELECT host, state, exit_code, role FROM procs WHERE app_id LIKE 'chatty%' ORDER BY host")
+    assert sql(pool, "SELECT count(*) AS n FROM logs WHERE stream = 'stderr'").to_pylist() == [{"n": 2}]
+    procs = sql(pool, "SELECT host, state, exit_code, role FROM procs WHERE app_id LIKE 'chatty%' ORDER BY host")
     assert procs.to_pylist() == [
         {"host": 0, "state": "SUCCEEDED", "exit_code": 0, "role": "c"},
         {"host": 1, "state": "SUCCEEDED", "exit_code": 0, "role": "c"},
     ]
-    ev = pool.sql("SELECT name, count(*) AS n FROM events WHERE kind = 'replica' GROUP BY name ORDER BY name")
+    ev = sql(pool, "SELECT name, count(*) AS n FROM events WHERE kind = 'replica' GROUP BY name ORDER BY name")
     assert ev.to_pylist() == [{"name": "exit", "n": 2}, {"name": "start", "n": 2}]
-    spans = pool.sql(
-        "SELECT host, name, duration_s FROM events WHERE kind = 'app' AND app_id LIKE 'chatty%' ORDER BY host, name"
+    spans = sql(
+        pool,
+        "SELECT host, name, duration_s FROM events WHERE kind = 'app' AND app_id LIKE 'chatty%' ORDER BY host, name",
     ).to_pylist()
     assert [(s["host"], s["name"]) for s in spans] == [(0, "end"), (0, "launch"), (1, "end"), (1, "launch")]
     assert all(s["duration_s"] > 0 for s in spans if s["name"] == "end")
-    assert pool.sql("SELECT count(*) AS n FROM events WHERE kind = 'pool'").to_pylist() == [{"n": 2}]
-    joined = pool.sql(
+    assert sql(pool, "SELECT count(*) AS n FROM events WHERE kind = 'pool'").to_pylist() == [{"n": 2}]
+    joined = sql(
+        pool,
         "SELECT p.state, count(*) AS n FROM logs l JOIN procs p ON l.app_id = p.app_id AND "
-        "l.host = p.host AND l.replica = p.replica GROUP BY p.state"
+        "l.host = p.host AND l.replica = p.replica GROUP BY p.state",
     )
     assert joined.to_pylist() == [{"state": "SUCCEEDED", "n": 402}]
 
@@ -144,7 +147,7 @@ def test_stacks_of_running_replicas_become_rows(home, pool_name, tmp_path):
     torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "sleep", "60")
     pool = attach(pool_name)
     wait_for(
-        lambda: pool.sql("SELECT count(*) AS n FROM procs WHERE state = 'RUNNING'").to_pylist()[0]["n"] == 2,
+        lambda: sql(pool, "SELECT count(*) AS n FROM procs WHERE state = 'RUNNING'").to_pylist()[0]["n"] == 2,
         what="both running",
     )
     out = subprocess.run(
@@ -157,7 +160,7 @@ def test_stacks_of_running_replicas_become_rows(home, pool_name, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "inner (" in out.stdout and "outer (" in out.stdout and "forkserver" not in out.stdout
     assert "Failed to find python version" in out.stderr  # the shell replica: said, not fatal
-    rows = pool.sql("SELECT depth, function FROM stacks ORDER BY depth").to_pylist()
+    rows = sql(pool, "SELECT depth, function FROM stacks ORDER BY depth").to_pylist()
     assert [r["function"] for r in rows][:3] == ["inner", "outer", "<module>"]
     only = subprocess.run(
         [str(BIN / "monarch-torchx"), "stacks", "--pool", pool_name, "--app", h],
@@ -194,8 +197,8 @@ def test_retention_spills_to_parquet_stays_queryable_and_is_bounded(home, pool_n
     wait_for(lambda: list(tmp_path.glob(spills)), what="a spill to parquet")
     root = tmp_path / f"monarch_torchx-{os.getuid()}"
     assert all(os.stat(d).st_mode & 0o077 == 0 for d in (root, root / "telemetry", *root.glob("telemetry/*")))
-    assert pool.sql("SELECT count(*) AS n FROM logs").to_pylist() == [{"n": 6000}]  # memory + parquet
-    assert pool.sql("SELECT count(*) AS n FROM logs WHERE line = 'line 5'").to_pylist() == [{"n": 3}]
+    assert sql(pool, "SELECT count(*) AS n FROM logs").to_pylist() == [{"n": 6000}]  # memory + parquet
+    assert sql(pool, "SELECT count(*) AS n FROM logs WHERE line = 'line 5'").to_pylist() == [{"n": 3}]
     torchx(home, "pool", "stop", pool_name)
     wait_for(lambda: not root.exists(), what="spill removed with the pool")
 
@@ -205,8 +208,8 @@ def test_retention_spills_to_parquet_stays_queryable_and_is_bounded(home, pool_n
     torchx(home, "pool", "create", other, "-cfg", "hosts=1,preload=none")
     _print_lines(home, other, 5000)
     pool = attach(other)
-    wait_for(lambda: pool.sql("SELECT count(*) AS n FROM logs").to_pylist()[0]["n"] <= 1000, what="bounded rows")
-    newest = pool.sql("SELECT max(line) AS l FROM logs WHERE line = 'line 4999'").to_pylist()
+    wait_for(lambda: sql(pool, "SELECT count(*) AS n FROM logs").to_pylist()[0]["n"] <= 1000, what="bounded rows")
+    newest = sql(pool, "SELECT max(line) AS l FROM logs WHERE line = 'line 4999'").to_pylist()
     assert newest == [{"l": "line 4999"}]
 
 
@@ -239,14 +242,14 @@ def test_background_indexing_keeps_every_attempt_of_a_retried_replica_and_every_
     )
     wait_for(
         lambda: (
-            sorted(map(tuple, (r.values() for r in pool.sql(indexed).to_pylist())))
+            sorted(map(tuple, (r.values() for r in sql(pool, indexed).to_pylist())))
             == [("attempt one", 1), ("attempt two", 1), ("line 9", 3)]
         ),
         what="every attempt's lines indexed",
     )
     _print_lines(home, pool_name, 10)  # an app after those: its lines come in too
     wait_for(
-        lambda: pool.sql("SELECT count(*) AS n FROM logs WHERE line = 'line 9'").to_pylist() == [{"n": 4}],
+        lambda: sql(pool, "SELECT count(*) AS n FROM logs WHERE line = 'line 9'").to_pylist() == [{"n": 4}],
         what="a later app's lines indexed",
     )
 
@@ -258,12 +261,12 @@ def test_metrics_are_sampled_for_hosts_and_running_replicas(home, pool_name, mon
     pool = attach(pool_name)
 
     def names():
-        return {r["name"] for r in pool.sql("SELECT DISTINCT name FROM metrics").to_pylist()}
+        return {r["name"] for r in sql(pool, "SELECT DISTINCT name FROM metrics").to_pylist()}
 
     wait_for(lambda: {"host.load1", "host.mem_used_bytes", "proc.cpu_s", "proc.rss_bytes"} <= names(), what="metrics")
-    rss = pool.sql("SELECT host, value, labels FROM metrics WHERE name = 'proc.rss_bytes' LIMIT 1").to_pylist()[0]
+    rss = sql(pool, "SELECT host, value, labels FROM metrics WHERE name = 'proc.rss_bytes' LIMIT 1").to_pylist()[0]
     assert rss["host"] == 0 and rss["value"] > 0 and json.loads(rss["labels"])["role"] == "sh"
-    hosts = pool.sql("SELECT DISTINCT host FROM metrics WHERE name = 'host.load1' ORDER BY host").to_pylist()
+    hosts = sql(pool, "SELECT DISTINCT host FROM metrics WHERE name = 'host.load1' ORDER BY host").to_pylist()
     assert hosts == [{"host": 0}, {"host": 1}]
 
 
@@ -284,7 +287,7 @@ def test_stacks_of_a_process_that_exits_meanwhile_is_named_not_fatal(home, pool_
     pool = attach(pool_name)
     pid = wait_for(
         lambda: next(
-            iter(r["pid"] for r in pool.sql("SELECT pid FROM procs WHERE state = 'RUNNING'").to_pylist()), None
+            iter(r["pid"] for r in sql(pool, "SELECT pid FROM procs WHERE state = 'RUNNING'").to_pylist()), None
         ),
         what="running replica",
     )
@@ -361,7 +364,7 @@ def test_a_query_over_the_memory_limit_fails_alone_and_the_agent_and_its_jobs_li
     pool = attach(pool_name)
     agent = pool.hosts[0].pid
     running = "SELECT role, state FROM procs WHERE state = 'RUNNING'"
-    wait_for(lambda: pool.sql(running).to_pylist() == [{"role": "sh", "state": "RUNNING"}], what="a running replica")
+    wait_for(lambda: sql(pool, running).to_pylist() == [{"role": "sh", "state": "RUNNING"}], what="a running replica")
 
     blow = "SELECT sum(length(repeat(line, 20000))) AS n FROM logs"
     with pytest.raises(QueryOutOfMemory, match="256 MiB"):  # partial aggregates: one answer per host
@@ -374,11 +377,11 @@ def test_a_query_over_the_memory_limit_fails_alone_and_the_agent_and_its_jobs_li
 
     os.kill(agent, 0)  # the same agent, alive and answering; its replica runs on
     assert attach(pool_name).hosts[0].pid == agent
-    assert pool.sql(running).to_pylist() == [{"role": "sh", "state": "RUNNING"}]
-    assert pool.sql("SELECT count(*) AS n, max(length(line)) AS w FROM logs WHERE line LIKE 'line %'").to_pylist() == [
+    assert sql(pool, running).to_pylist() == [{"role": "sh", "state": "RUNNING"}]
+    assert sql(pool, "SELECT count(*) AS n, max(length(line)) AS w FROM logs WHERE line LIKE 'line %'").to_pylist() == [
         {"n": 4000, "w": 31}
     ]
-    assert pool.sql("SELECT sum(length(repeat(line, 10))) AS n FROM logs WHERE line LIKE 'line %'").to_pylist() == [
+    assert sql(pool, "SELECT sum(length(repeat(line, 10))) AS n FROM logs WHERE line LIKE 'line %'").to_pylist() == [
         {"n": 4000 * 310}
     ]
 
@@ -395,12 +398,12 @@ def test_a_host_s_query_past_its_time_limit_is_stopped_there(home, pool_name, mo
     _pool_that_printed(home, pool_name, LONG)
     pool = attach(pool_name)
     agent = pool.hosts[0].pid
-    assert pool.sql("SELECT count(*) AS n FROM logs WHERE length(line) > 3000").to_pylist() == [{"n": 2000}]
+    assert sql(pool, "SELECT count(*) AS n FROM logs WHERE length(line) > 3000").to_pylist() == [{"n": 2000}]
     with pytest.raises(MonarchError, match="host 0: it ran past its time limit of 2 s and was stopped"):
         run(pool, "SELECT count(*) AS n FROM logs WHERE levenshtein(line, reverse(line)) > 1")
 
     wait_for(lambda: len(_query_processes(agent)) == 1, what="only the query server left: the query process killed")
-    assert pool.sql("SELECT count(*) AS n FROM logs WHERE length(line) > 3000").to_pylist() == [{"n": 2000}]
+    assert sql(pool, "SELECT count(*) AS n FROM logs WHERE length(line) > 3000").to_pylist() == [{"n": 2000}]
 
 
 def test_a_join_at_the_client_is_stopped_at_its_timeout_and_has_a_row_limit(home, pool_name):
@@ -411,7 +414,7 @@ def test_a_join_at_the_client_is_stopped_at_its_timeout_and_has_a_row_limit(home
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
     _print_lines(home, pool_name, 3000)
     pool = attach(pool_name)
-    wait_for(lambda: pool.sql("SELECT count(*) AS n FROM logs").to_pylist() == [{"n": 3000}], what="lines indexed")
+    wait_for(lambda: sql(pool, "SELECT count(*) AS n FROM logs").to_pylist() == [{"n": 3000}], what="lines indexed")
     cube = "SELECT count(*) AS n FROM logs a JOIN logs b ON a.host = b.host JOIN logs c ON b.host = c.host"  # 2.7e10
     with pytest.raises(QueryTimedOut, match="--timeout"):
         run(pool, cube, timeout=3)
@@ -448,6 +451,7 @@ def test_a_query_process_is_killed_at_its_time_limit(tmp_path):
     import asyncio
 
     import pyarrow as pa
+
     from monarch_torchx.telemetry.sandbox import Inputs, Limits, QueryServer, QueryTimedOut, run_query
 
     rows = pa.table({"k": pa.array([0] * 3000, pa.int32())})
@@ -487,7 +491,7 @@ def test_an_idle_agent_ends_its_query_server_and_the_next_query_starts_it_again(
     pool = attach(pool_name)
     agent = pool.hosts[0].pid
 
-    assert pool.sql("SELECT count(*) AS n FROM procs").num_rows == 1
+    assert sql(pool, "SELECT count(*) AS n FROM procs").num_rows == 1
     assert _query_processes(agent)  # the server (and maybe the query's process, ending)
     wait_for(lambda: not _query_processes(agent), timeout=30, what="the idle query server to end")
-    assert pool.sql("SELECT count(*) AS n FROM procs").num_rows == 1
+    assert sql(pool, "SELECT count(*) AS n FROM procs").num_rows == 1

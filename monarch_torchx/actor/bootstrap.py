@@ -37,9 +37,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence, Union
 
-from .. import wire
+from .. import net
 from ..credentials import PoolCredentials
 from ..errors import MonarchError
+from ..net import aio
 from ..private import node_temp_root, private_dir, read_private_file
 from ..registry import HostAddr, Registry, check_pool_name, home
 
@@ -86,7 +87,7 @@ class WorkerAddress:
             path = rest[len("ipc://") :]
             if not path or "@" in path:
                 raise ValueError(f"worker address {text!r}: expected ipc://PATH")
-            host = wire.UNIX + os.path.abspath(path)
+            host = net.UNIX + os.path.abspath(path)
             return cls(host, 0, host, None, text)
         if not rest.startswith("tcp://") and "@tcp://" in rest:  # Monarch's "<proc id>@tcp://..."
             rest = rest.split("@", 1)[1]
@@ -102,7 +103,7 @@ class WorkerAddress:
 
     @property
     def loopback(self) -> bool:
-        return self.host.startswith(_LOOPBACK + (wire.UNIX,))
+        return self.host.startswith(_LOOPBACK + (net.UNIX,))
 
     def identity(self) -> bytes:
         """What a worker's handshake covers before adoption: this address and no other."""
@@ -234,7 +235,7 @@ def run_worker_loop_forever(*, ca: CA, address: str, private_key: Any = None) ->
     if not logging.getLogger().handlers:  # a worker's log is what its launcher shows of it
         logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     addr = WorkerAddress.parse(address)
-    if addr.fd is None and not addr.host.startswith(wire.UNIX):
+    if addr.fd is None and not addr.host.startswith(net.UNIX):
         addr = _hold_port(addr)
     if addr.fd is not None:  # clients dial the inherited socket's port
         with socket.socket(fileno=os.dup(addr.fd)) as s:
@@ -283,10 +284,10 @@ async def _wait_for_adoption(addr: WorkerAddress, creds: PoolCredentials) -> Ado
     loop = asyncio.get_running_loop()
     adopted: asyncio.Future[Adoption | None] = loop.create_future()
 
-    async def adopt(peer: wire.Peer, **args: Any) -> dict[str, Any]:
+    async def adopt(peer: aio.Peer, **args: Any) -> dict[str, Any]:
         adoption = Adoption(**args).check()
         if adopted.done():
-            raise wire.RemoteError(f"worker {addr.text} was adopted by another client just now")
+            raise net.RemoteError(f"worker {addr.text} was adopted by another client just now")
         adopted.set_result(adoption)
         return {"hostname": socket.gethostname(), "pid": os.getpid()}
 
@@ -294,7 +295,7 @@ async def _wait_for_adoption(addr: WorkerAddress, creds: PoolCredentials) -> Ado
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: adopted.done() or adopted.set_result(None))
-    server = wire.Server(creds, {"adopt": adopt}, identity=addr.identity())
+    server = aio.Server(creds, {"adopt": adopt}, identity=addr.identity())
     await server.start(addr.bind, addr.port, sock=_listen_socket(addr))
     log.info("worker waiting at %s for a client to attach", addr.text)
     try:
@@ -304,8 +305,13 @@ async def _wait_for_adoption(addr: WorkerAddress, creds: PoolCredentials) -> Ado
 
 
 def _serve_as_agent(addr: WorkerAddress, state: Path, adoption: Adoption) -> str:
-    """Runs this process as the pool's agent until it stops; returns "idle" if it idled out."""
-    from ..agent.server import Agent, parse_args
+    """Runs the pool's agent (``python -m monarch_torchx.agent``, a child of this worker, serving
+    the worker's own socket) until it stops; returns "idle" if it idled out. A child, not this
+    process: the worker outlives the agent and is adopted again (and the actor runtime never
+    imports the agent's code: a process boundary, as the fork server's)."""
+    import subprocess
+
+    from ..interpreter import module_argv
 
     argv = [
         "--state-dir",
@@ -327,13 +333,18 @@ def _serve_as_agent(addr: WorkerAddress, state: Path, adoption: Adoption) -> str
         "--preload",
         adoption.preload,
     ]
+    fds: tuple[int, ...] = ()
     if addr.fd is not None:
-        argv += ["--listen-fd", str(os.dup(addr.fd))]
+        argv += ["--listen-fd", str(addr.fd)]
+        fds = (addr.fd,)
     for sub in ("hosts", "apps", "logs"):
         private_dir(state / sub)
-    agent = Agent(parse_args(argv))
-    asyncio.run(agent.run())
-    return "idle" if agent.stop_reason.startswith("idle") else agent.stop_reason
+    code = subprocess.run(
+        [*module_argv("monarch_torchx.agent"), *argv], pass_fds=fds, stdin=subprocess.DEVNULL
+    ).returncode
+    host = Registry.read_host(state, adoption.index)
+    reason = (host.exit_reason if host is not None and host.exited else "") or f"agent exited with code {code}"
+    return "idle" if reason.startswith("idle") else reason
 
 
 # ---------------------------------------------------------------- the client
@@ -445,18 +456,18 @@ def _adopt(addr: WorkerAddress, creds: PoolCredentials, adoption: Adoption, dead
     rejected = 0
     while True:
         try:
-            with wire.Client(addr.host, addr.port, creds, timeout=10.0, identity=addr.identity()) as c:
+            with net.Client(addr.host, addr.port, creds, timeout=10.0, identity=addr.identity()) as c:
                 return c.call("adopt", **asdict(adoption))
-        except (wire.HandshakeRefused, wire.ProofRejected) as e:
+        except (net.HandshakeRefused, net.ProofRejected) as e:
             rejected += 1
-            if isinstance(e, wire.HandshakeRefused) or rejected >= 3:  # (once could be a flood shedding us)
+            if isinstance(e, net.HandshakeRefused) or rejected >= 3:  # (once could be a flood shedding us)
                 raise WorkerRefused(
                     f"worker {addr.text} refused us: it serves another client's hosts, or was "
                     f"started with another secret (ca=...)"
                 ) from None
-        except wire.RemoteError as e:
+        except net.RemoteError as e:
             raise WorkerRefused(f"worker {addr.text}: {e}") from None
-        except (wire.ConnectFailed, wire.PeerClosed, wire.PeerTimeout) as e:
+        except (net.ConnectFailed, net.PeerClosed, net.PeerTimeout) as e:
             if time.monotonic() > deadline:
                 raise MonarchError(
                     f"worker {addr.text} is not reachable ({e}); is run_worker_loop_forever running "
@@ -476,7 +487,7 @@ def _wait_serving(rec: Any, index: int, addr: WorkerAddress, deadline: float) ->
         try:
             pool.call(index, "info", timeout=10.0)
             return
-        except (MonarchError, wire.WireError) as e:
+        except (MonarchError, net.WireError) as e:
             if time.monotonic() > deadline:
                 raise MonarchError(f"worker {addr.text} was adopted but does not serve as host {index}: {e}") from None
         time.sleep(delay)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..private import agent_temp_dir, node_temp_root, remove_empty_dirs
+from ..seam import AgentHost, Operation
 from ..specs import TERMINAL, LaunchSpec
 from . import placement
 
@@ -46,7 +47,7 @@ class MeshModule:
     """The ``mesh`` module, plugged into its agent (``AgentModule``): ``mesh.spawn``, and the
     procs' rendezvous directory removed at stop."""
 
-    def __init__(self, agent: Any):
+    def __init__(self, agent: AgentHost):
         self.agent = agent
         self.root = node_temp_root()
         self.rendezvous = str(agent_temp_dir("procs", agent.pool, agent.index))  # where procs say they listen
@@ -55,11 +56,16 @@ class MeshModule:
         # mesh id -> its spawn's wake-up and the ranks that rang since it last looked
         self._waiting: dict[str, tuple[asyncio.Event, set[int]]] = {}
 
-    def operations(self) -> dict[str, Any]:
+    def operations(self) -> dict[str, Operation]:
         return {"mesh.spawn": (self.op_spawn, None)}
 
     def background_tasks(self) -> list[Any]:
         return []
+
+    def warm_imports(self) -> list[str]:
+        """An actor proc's runtime, whole (every lazily loaded name of ``monarch_torchx.actor``):
+        a proc forked from a warm server starts with it imported."""
+        return ["monarch_torchx.actor.proc", "monarch_torchx.actor:load_all"]
 
     def stop(self) -> None:
         if self._bell is not None:
@@ -239,7 +245,7 @@ class MeshModule:
         return out
 
 
-def setup(agent: Any) -> None:
+def setup(agent: AgentHost) -> None:
     agent.install(MeshModule(agent))
 
 

@@ -32,7 +32,7 @@ import time
 import uuid
 from typing import Any, Callable, NamedTuple
 
-from .. import wire
+from .. import net
 from ..credentials import PoolCredentials
 from . import messages, pickling
 from .errors import ProcStopped, SupervisionError
@@ -56,7 +56,7 @@ def encode(header: messages.Message, payload: Any = None, packed: list[Any] | No
     if packed is None:
         body, bufs = pickling.dumps(payload)
         packed = [pickle.PickleBuffer(body), *bufs]
-    return wire.frame_parts(messages.dumps(header), packed)
+    return net.frames.frame_parts(messages.dumps(header), packed)
 
 
 def pack(payload: Any) -> list[Any]:
@@ -80,14 +80,14 @@ def send_parts(
     while views:
         try:
             with lock:
-                sent = wire.send_some(sock, views)
+                sent = net.blocking.send_some(sock, views)
         except (BlockingIOError, InterruptedError):
             deadline = deadline or time.monotonic() + timeout
             left = deadline - time.monotonic()
             if left <= 0 or not _writable(sock, left):
                 raise TimeoutError(f"peer did not take data for {timeout:.0f} s") from None
             continue
-        wire.consume(views, sent)
+        net.blocking.consume(views, sent)
 
 
 def _writable(sock: socket.socket, timeout: float) -> bool:
@@ -116,10 +116,10 @@ def _send_now(sock: socket.socket, parts: list[Any], io_lock: threading.Lock) ->
     while views:
         try:
             with io_lock:
-                sent = wire.send_some(sock, views)
+                sent = net.blocking.send_some(sock, views)
         except (BlockingIOError, InterruptedError):
             break
-        wire.consume(views, sent)
+        net.blocking.consume(views, sent)
     return views
 
 
@@ -144,7 +144,7 @@ class Conn:
         self.hub = hub
         self.addr = addr
         self.sock = sock
-        self.parser = wire.FrameParser()
+        self.parser = net.FrameParser()
         self.send_lock = threading.Lock()
         self.io_lock = threading.Lock()  # one socket call at a time (a TLS socket is not full duplex)
         self.pending: dict[int, Future[Any]] = {}
@@ -155,7 +155,7 @@ class Conn:
 
     @staticmethod
     def open(hub: Hub, addr: ProcAddr) -> socket.socket:
-        sock = wire.dial(addr.host, addr.port, hub.creds, addr.identity.encode(), CONNECT_TIMEOUT_S)
+        sock = net.dial(addr.host, addr.port, hub.creds, addr.identity.encode(), CONNECT_TIMEOUT_S)
         sock.setblocking(False)
         return sock
 
@@ -211,8 +211,8 @@ class Conn:
             view = self.parser.get_buffer()
             try:
                 with self.io_lock:
-                    n = wire.recv_some(self.sock, view)
-                    more = wire.more_buffered(self.sock)
+                    n = net.blocking.recv_some(self.sock, view)
+                    more = net.more_buffered(self.sock)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
@@ -223,7 +223,7 @@ class Conn:
                 return
             try:
                 frames = self.parser.feed(n)
-            except wire.WireError as e:
+            except net.WireError as e:
                 self.hub.lost(self, e)
                 return
             for body, bufs in frames:
@@ -311,7 +311,7 @@ class Hub:
                 return c
             try:
                 sock = Conn.open(self, addr)
-            except wire.WireError as e:  # not remembered: a busy proc may answer the next time
+            except net.WireError as e:  # not remembered: a busy proc may answer the next time
                 raise self._lost_error(addr, e) from None
             c = Conn(self, addr, sock)
             self._conns[addr] = c
@@ -326,7 +326,7 @@ class Hub:
     def _connect_later(self, c: Conn) -> None:
         try:
             sock = Conn.open(self, c.addr)
-        except wire.WireError as e:
+        except net.WireError as e:
             self.lost(c, e, remember=False)
             return
         with c.send_lock:
@@ -362,7 +362,7 @@ class Hub:
         if conn.error is not None:
             return
         if conn.inbound:  # the inbox thread unregisters and closes it
-            conn.error = wire.PeerClosed("peer closed")
+            conn.error = net.PeerClosed("peer closed")
             return
         err = self.dead.get(conn.addr) or self.closing.get(conn.addr) or self._lost_error(conn.addr, cause)
         with conn.send_lock:
@@ -395,7 +395,7 @@ class Hub:
     def dispatch(self, conn: Conn, body: Any, bufs: list[bytearray]) -> None:
         try:
             header = messages.decode(body, messages.TO_CALLER)
-        except wire.MalformedFrame as e:
+        except net.MalformedFrame as e:
             self.lost(conn, e)
             return
         if type(header) is messages.Answer:
@@ -759,7 +759,7 @@ class LocalConn:
 
 class Inbox:
     """A controller's authenticated listener for port messages, served by its own thread
-    (connections are accepted by a ``wire.ThreadedAcceptor``, then read here)."""
+    (connections are accepted by a ``net.ThreadedAcceptor``, then read here)."""
 
     def __init__(self, hub: Hub, host: str, identity: str):
         self.hub = hub
@@ -767,7 +767,7 @@ class Inbox:
         self._new: queue.SimpleQueue[tuple[socket.socket, Any]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self.sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self.acceptor = wire.ThreadedAcceptor(host, hub.creds, identity.encode(), self._add, name="inbox", backlog=64)
+        self.acceptor = net.ThreadedAcceptor(host, hub.creds, identity.encode(), self._add, name="inbox", backlog=64)
         self.port = self.acceptor.port
         threading.Thread(target=self._run, name="monarch-torchx-inbox", daemon=True).start()
 
@@ -795,7 +795,7 @@ class Inbox:
             conn = Conn(self.hub, ProcAddr(str(peer[0]), int(peer[1]), "inbound"), sock)
             conn.inbound = True
             self.sel.register(sock, selectors.EVENT_READ, conn)
-            if wire.more_buffered(sock):  # a TLS record may already wait inside the socket
+            if net.more_buffered(sock):  # a TLS record may already wait inside the socket
                 self._read(conn)
 
     def _read(self, conn: Conn) -> None:

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
 
-from .. import wire
+from .. import net
 from ..errors import MonarchError
 from ..registry import HostAddr, Registry
 from ..specs import TERMINAL
@@ -277,7 +277,7 @@ class HostMesh(_MeshTrait):
         from ..pool import tree_min_hosts
 
         if len(hosts) >= tree_min_hosts():  # through the agents' relay tree: a few connections, not N
-            from ..agent.relay import Target, ask_tree
+            from ..net.fanout import Target, ask_tree
 
             calls = {
                 host.index: [
@@ -388,7 +388,7 @@ class _LogLevel(Actor):
 def _stream_output(hub: Hub, ref: ProcRef) -> None:
     """Prints one proc's output here as its agent sees it, until the proc ends."""
     try:
-        with wire.Client(
+        with net.Client(
             ref.agent.host, ref.agent.port, hub.creds, timeout=10.0, identity=ref.agent.identity.encode()
         ) as c:
             c.settimeout(None)
@@ -397,7 +397,7 @@ def _stream_output(hub: Hub, ref: ProcRef) -> None:
             ):
                 sys.stdout.write("".join(f"[{ref.rank}] {line}" for line in batch))
                 sys.stdout.flush()
-    except (wire.WireError, OSError) as e:  # the proc or its host is gone: nothing more to show
+    except (net.WireError, OSError) as e:  # the proc or its host is gone: nothing more to show
         log.debug("output of proc %d of mesh %s: %s", ref.rank, ref.mesh_id, e)
 
 
@@ -438,12 +438,12 @@ def _controller_paths() -> list[str]:
 def _agent_call(hub: Hub, host: HostAddr, op: str, timeout: float, **args: Any) -> Any:
     where = f"host {host.index} of pool {hub.pool!r}"
     try:
-        with wire.Client(host.host, host.port, hub.creds, timeout=10.0, identity=host.identity(hub.pool)) as c:
+        with net.Client(host.host, host.port, hub.creds, timeout=10.0, identity=host.identity(hub.pool)) as c:
             c.settimeout(timeout)
             return c.call(op, **args)
-    except wire.RemoteError as e:
+    except net.RemoteError as e:
         raise MonarchError(f"{where}: {e}") from None
-    except wire.WireError as e:
+    except net.WireError as e:
         raise MonarchError(
             f"{where} is not reachable ({e}); is the pool still running? (`monarch-torchx pool status {hub.pool}`)"
         ) from None
@@ -776,13 +776,13 @@ def _await_exits(hub: Hub, refs: Sequence[ProcRef], within: float) -> None:
     for group in by_agent.values():
         agent, want = group[0].agent, {r.rank for r in group}
         try:
-            with wire.Client(agent.host, agent.port, hub.creds, timeout=5.0, identity=agent.identity.encode()) as c:
+            with net.Client(agent.host, agent.port, hub.creds, timeout=5.0, identity=agent.identity.encode()) as c:
                 while time.monotonic() < deadline:
                     reps = c.call("describe", app_id=app_id(group[0].mesh_id))
                     if all(r["state"] in TERMINAL for r in reps if r["replica_id"] in want):
                         break
                     time.sleep(0.01)
-        except (wire.WireError, OSError, LookupError) as e:  # the host is gone: so are its procs
+        except (net.WireError, OSError, LookupError) as e:  # the host is gone: so are its procs
             log.debug("waiting for procs of mesh %s to exit: %s", group[0].mesh_id, e)
 
 
@@ -803,7 +803,7 @@ def _explain(hub: Hub, ref: ProcRef) -> tuple[str, int | None]:
     who = f"proc {ref.rank} of mesh {ref.mesh_id} on host {ref.host_index} ({ref.hostname})"
     deadline = time.monotonic() + 3.0
     while True:
-        with wire.Client(
+        with net.Client(
             ref.agent.host, ref.agent.port, hub.creds, timeout=3.0, identity=ref.agent.identity.encode()
         ) as c:
             reps = c.call("describe", app_id=app_id(ref.mesh_id))

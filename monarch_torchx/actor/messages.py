@@ -15,7 +15,7 @@ from __future__ import annotations
 import pickle
 from typing import Any, NamedTuple, Union
 
-from .. import wire
+from .. import net
 
 
 class Call(NamedTuple):
@@ -124,11 +124,11 @@ def dumps(header: Message) -> bytes:
 
 
 def decode(body: Any, expected: tuple[type, ...]) -> Message:
-    """The header of a frame; raises ``wire.MalformedFrame`` when it is not one of ``expected``."""
+    """The header of a frame; raises ``net.MalformedFrame`` when it is not one of ``expected``."""
     try:
         header = pickle.loads(body)
     except Exception as e:
-        raise wire.MalformedFrame(f"malformed message: {e}") from None
+        raise net.MalformedFrame(f"malformed message: {e}") from None
     if type(header) not in expected:
-        raise wire.MalformedFrame(f"unexpected message {type(header).__name__}")
+        raise net.MalformedFrame(f"unexpected message {type(header).__name__}")
     return header

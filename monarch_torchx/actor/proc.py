@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import wire
+from .. import net
 from ..credentials import PoolCredentials
-from ..wire_conn import AuthenticatedConnection, serve, write_frame
+from ..net.aio import AuthenticatedConnection, serve, write_frame
 from . import messages, placement, session
 from .actor import ActorInstance, Context, CreatorInstance, Endpoint, current_context, endpoints_of
 from .errors import MeshFailure, ProcStopped, error_payload, point_text
@@ -355,7 +355,7 @@ class ProcServer:
         self.constructing: set = set()  # actor ids whose constructor is running (their calls wait)
         self.booting: list[Callable[[], None]] | None = None  # spawns held while a bootstrap runs
         self.owner: ProcConnection | None = None
-        self.gate = wire.HandshakeGate()
+        self.gate = net.HandshakeGate()
         self.stop_reason = ""
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_thread: int | None = None

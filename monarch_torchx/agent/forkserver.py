@@ -508,7 +508,7 @@ class ForkServer:
             for fd in (self.ctl.detach(), self.evt.detach(), self.wake_r, self.wake_w, self.home):
                 os.close(fd)  # (detached: no socket object closes that number again once reused)
             set_process_name(f"fs-{req.get('name', 'child')}")
-            main([str(fds[0]), str(fds[1]), *req.get("preloads", [])])
+            main([str(fds[0]), str(fds[1]), *req.get("preloads", []), "--", *req.get("warm_imports", [])])
         except BaseException:  # noqa: BLE001 - its agent hears of it when the evt socket closes
             try:
                 traceback.print_exc()
@@ -584,7 +584,10 @@ class ForkServer:
 def main(argv: list[str]) -> None:
     ctl = socket.socket(fileno=int(argv[0]))
     evt = socket.socket(fileno=int(argv[1]))
-    preloads = [m for m in argv[2:] if m]
+    rest = argv[2:]
+    cut = rest.index("--") if "--" in rest else len(rest)
+    preloads = [m for m in rest[:cut] if m]
+    warm_imports = [m for m in rest[cut + 1 :] if m]  # the agent's modules' (seam.AgentModule.warm_imports)
     set_pdeathsig(signal.SIGTERM)
     # PYTHONPATH is recomputed per child, and so is a child's first entry (its script's directory,
     # or its cwd for -m), which this server's own sys.path never had (interpreter.module_argv)
@@ -599,12 +602,15 @@ def main(argv: list[str]) -> None:
             __import__(mod)
         except Exception as e:  # a missing preload costs warmth, not correctness
             failed[mod] = f"{type(e).__name__}: {e}"
-    if preloads:  # the warm server also starts actor procs: their runtime is imported once, here
-        try:
-            __import__("monarch_torchx.actor.proc")
-            sys.modules["monarch_torchx.actor"].load_all()
-        except Exception:
-            pass
+    if preloads:  # a warm server also starts the modules' processes (actor procs): imported once, here
+        for spec in warm_imports:
+            mod, _, fn = spec.partition(":")
+            try:
+                __import__(mod)
+                if fn:
+                    getattr(sys.modules[mod], fn)()
+            except Exception as e:  # noqa: BLE001 - a module's warm import costs warmth, not correctness
+                print(f"fork server: warm import {spec} failed ({type(e).__name__}: {e})", file=sys.stderr)
     if "torch" in sys.modules:  # a torchrun role's node process starts here: its part of torch too
         from ..torchrun import TORCH_MODULES
 

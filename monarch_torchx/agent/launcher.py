@@ -26,8 +26,9 @@ import subprocess
 import sys
 from typing import Callable, Iterable
 
-from .. import wire
+from .. import net
 from ..interpreter import module_argv
+from ..net import aio
 from ..torchrun import NODE_MODULE, THREAD_ENV
 from .forkserver import INIT_ENV, parse_python_argv
 
@@ -79,9 +80,11 @@ class _Server:
         on_exit: ExitCallback,
         on_death: DeathCallback,
         parent: _Server | None = None,
+        warm_imports: list[str] | None = None,
     ):
         self.name = name
         self.parent = parent
+        self.warm_imports = warm_imports if warm_imports is not None else []  # (the launcher's list, shared)
         self.pid: int | None = None
         self._pidfd = -1  # a forked server's: it names that process even once its parent reaped it
         self._server_tokens: set = set()  # requests of this one that start servers, not programs
@@ -105,7 +108,7 @@ class _Server:
         try:
             if self.parent is not None:
                 self.pid = await self.parent.start_server(
-                    self.name, self.preloads, [ctl_child.fileno(), evt_child.fileno()]
+                    self.name, self.preloads, [ctl_child.fileno(), evt_child.fileno()], self.warm_imports
                 )
                 try:
                     self._pidfd = os.pidfd_open(self.pid)
@@ -118,6 +121,8 @@ class _Server:
                         str(ctl_child.fileno()),
                         str(evt_child.fileno()),
                         *self.preloads,
+                        "--",
+                        *self.warm_imports,
                     ),
                     pass_fds=(ctl_child.fileno(), evt_child.fileno()),
                     env=dict(os.environ),
@@ -138,10 +143,10 @@ class _Server:
         self._task = asyncio.create_task(self._events())
 
     async def _events(self) -> None:
-        frames = wire.FrameParser()
+        frames = net.FrameParser()
         try:
             while True:
-                msg = await wire.read_frame(self._reader, frames)
+                msg = await aio.read_frame(self._reader, frames)
                 if "exit" in msg:
                     self.pids.discard(msg["exit"])
                     self._on_exit(msg["exit"], msg["code"])
@@ -160,7 +165,7 @@ class _Server:
                     if msg.get("failed"):
                         log.warning("fork server %s could not preload: %s", self.name, msg["failed"])
                     self.ready.set()
-        except (asyncio.IncompleteReadError, ConnectionError, wire.WireError):
+        except (asyncio.IncompleteReadError, ConnectionError, net.WireError):
             pass
         reason = f"fork server '{self.name}' exited unexpectedly"
         if self.proc is not None:
@@ -181,10 +186,11 @@ class _Server:
     async def spawn(self, req: dict, fds: list[int]) -> int:
         return await self._request(req, fds)
 
-    async def start_server(self, name: str, preloads: list[str], fds: list[int]) -> int:
+    async def start_server(self, name: str, preloads: list[str], fds: list[int], warm_imports: list[str]) -> int:
         """Forks a fork server from this one (``fds``: its ctl and evt); returns its pid. Its exit
         is not reported as a program's: its own evt socket closing tells."""
-        return await self._request({"mode": "server", "name": name, "preloads": preloads}, fds, server=True)
+        req = {"mode": "server", "name": name, "preloads": preloads, "warm_imports": warm_imports}
+        return await self._request(req, fds, server=True)
 
     async def _request(self, req: dict, fds: list[int], server: bool = False) -> int:
         """Sends one start request (a program, or ``server``: another fork server); returns the pid."""
@@ -197,7 +203,7 @@ class _Server:
             self.spawned += 1
         fut = asyncio.get_running_loop().create_future()
         self._pending[token] = fut
-        frame = b"".join(bytes(p) for p in wire.encode({"id": token, "token": token, **req}))
+        frame = b"".join(bytes(p) for p in net.encode({"id": token, "token": token, **req}))
         await self._send(b"F" + frame, fds)  # the fds ride on the marker byte the fork server reads first
         return await fut
 
@@ -251,14 +257,22 @@ class Launcher:
     """Starts processes for the agent; one interface whatever the entrypoint."""
 
     def __init__(self, preloads: list[str], on_exit: ExitCallback, on_death: DeathCallback):
+        # what the agent's modules import in every warm server after the preloads (``add_warm_imports``)
+        self._warm_imports: list[str] = []
         self._plain = _Server("plain", [], on_exit, on_death)
-        self._warm = _Server("warm", preloads, on_exit, on_death) if preloads else None
+        self._warm = _Server("warm", preloads, on_exit, on_death, warm_imports=self._warm_imports) if preloads else None
         self._on_exit, self._on_death = on_exit, on_death
         self._actors: asyncio.Future[_Server | None] | None = None
         self._init_env = {k: os.environ.get(k) for k in INIT_ENV}
         self._preloads = [m.split(".")[0] for m in preloads]
         self._python_dir = os.path.dirname(os.path.abspath(sys.executable))
         self._python_real = os.path.realpath(sys.executable)
+
+    def add_warm_imports(self, specs: list[str]) -> None:
+        """Modules a warm fork server imports after its preloads ("pkg.mod" or "pkg.mod:function",
+        called once imported): an agent module's (``seam.AgentModule.warm_imports``), so the
+        processes it starts there begin warm. Before ``start``."""
+        self._warm_imports.extend(s for s in specs if s not in self._warm_imports)
 
     async def start(self) -> None:
         """Returns once the plain fork server serves; the warm one keeps importing meanwhile."""
@@ -362,6 +376,7 @@ class Launcher:
             lambda pid, code: self._actor_exited(server, pid, code),
             self._on_death,
             parent=self._plain,
+            warm_imports=self._warm_imports,
         )
         try:
             await server.start()

@@ -24,10 +24,10 @@ import time
 def end_host(pool: str, pool_id: str, index: int) -> list[str]:
     """Ends and removes what host ``index`` of the pool left here; returns what it found."""
     from .. import procfs
-    from ..syncfs.host import store_base
+    from ..private import sync_store_base
 
     found: list[str] = []
-    store = store_base()[0] / f"{pool}-{pool_id}-host{index}"
+    store = sync_store_base()[0] / f"{pool}-{pool_id}-host{index}"
     if store.is_dir() and store.stat().st_uid == os.getuid():
         servers = procfs.pids_with(os.fsencode(str(store)))
         for pid in servers:

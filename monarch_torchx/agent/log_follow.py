@@ -21,9 +21,10 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence
 
-from .. import wire
+from .. import net
 from ..errors import MonarchError
-from .relay import DIAL_TIMEOUT_S, PATIENT_DIAL_S, Target, split
+from ..net import aio
+from ..net.fanout import DIAL_TIMEOUT_S, PATIENT_DIAL_S, Target, split
 
 if TYPE_CHECKING:
     from .server import Agent
@@ -32,7 +33,7 @@ OP = "app_logs_follow"
 QUEUE_EVENTS = 1024  # events an agent holds for a slow reader before its sources wait
 BATCH_EVENTS = 256  # events sent up in one frame
 # a refusal every member of the group would give too: an agent older than the client, bad arguments
-GROUP_REFUSALS = frozenset({wire.UnknownOperation.__name__, "ValueError", "TypeError"})
+GROUP_REFUSALS = frozenset({net.UnknownOperation.__name__, "ValueError", "TypeError"})
 
 
 @dataclass
@@ -52,6 +53,10 @@ class LogEvent:
     def from_wire(d: dict[str, Any]) -> LogEvent:
         """From its dict; fields a newer agent added are left out."""
         return LogEvent(**{k: v for k, v in d.items() if k in LogEvent.__dataclass_fields__})
+
+    def raised(self, *types: type[BaseException]) -> bool:
+        """Whether ``error`` came from one of ``types`` (``kind`` is its wire form: the type's name)."""
+        return self.kind in {t.__name__ for t in types}
 
 
 def check_filters(streams: str, regex: str | None) -> None:
@@ -76,7 +81,7 @@ def follow_group(
     fanout: int,
     emit: Callable[[dict[str, Any]], None],
     stop: threading.Event,
-    opened: Callable[[wire.Client], None],
+    opened: Callable[[net.Client], None],
     sock_for: Any = None,
 ) -> None:
     """Blocking: follows one group through its first reachable member, passing each event (a
@@ -100,7 +105,7 @@ def _follow_group(
     fanout: int,
     emit: Callable[[dict[str, Any]], None],
     stop: threading.Event,
-    opened: Callable[[wire.Client], None],
+    opened: Callable[[net.Client], None],
     sock_for: Any,
     retries: list[threading.Thread],
 ) -> None:
@@ -111,9 +116,9 @@ def _follow_group(
         dial = DIAL_TIMEOUT_S if len(group) > 1 else PATIENT_DIAL_S
         try:
             sock = sock_for(head, dial) if sock_for else None
-            c = wire.Client(head.host, head.port, creds, timeout=dial, identity=head.identity.encode(), sock=sock)
-        except (wire.WireError, OSError, MonarchError) as e:  # (MonarchError: a tunnel that did not open)
-            if isinstance(e, wire.PeerTimeout) and len(group) > 1:
+            c = net.Client(head.host, head.port, creds, timeout=dial, identity=head.identity.encode(), sock=sock)
+        except (net.WireError, OSError, MonarchError) as e:  # (MonarchError: a tunnel that did not open)
+            if isinstance(e, net.PeerTimeout) and len(group) > 1:
                 t = threading.Thread(
                     target=follow_group,
                     args=([head], creds, args, fanout, emit, stop, opened, sock_for),
@@ -140,7 +145,7 @@ def _follow_group(
                         if ev.get("host_ended") or (ev.get("error") and not ev.get("role")):
                             ended.add(ev.get("host"))
                         emit(ev)
-        except wire.RemoteError as e:  # it refused the follow, or failed while following
+        except net.RemoteError as e:  # it refused the follow, or failed while following
             if not streamed:
                 emit(asdict(LogEvent(head.index, error=str(e), kind=e.kind or type(e).__name__)))
                 if e.kind in GROUP_REFUSALS:  # the others would refuse it alike: said for each, asked of none
@@ -149,7 +154,7 @@ def _follow_group(
                     return
                 continue  # (e.g. it is shutting down): the next member leads the rest
             why = f"the follow failed on host {head.index} ({e})"
-        except (wire.WireError, OSError) as e:
+        except (net.WireError, OSError) as e:
             if stop.is_set():
                 return
             why = f"lost through host {head.index} ({e})"
@@ -173,7 +178,7 @@ class LogFollow:
 
     async def op_app_logs_follow(
         self,
-        peer: wire.Peer,
+        peer: aio.Peer,
         targets: list[dict],
         fanout: int,
         app_id: str,
@@ -183,7 +188,7 @@ class LogFollow:
         since: float | None = None,
         until: float | None = None,
         regex: str | None = None,
-    ) -> wire.Stream:
+    ) -> aio.Stream:
         """Follows the logs of ``app_id``'s replicas (of ``role``, of ``replica_ids``) on this
         host and, through the tree, on every other host of ``targets``; streams LogEvents in
         batches until all of them ended."""
@@ -205,7 +210,7 @@ class LogFollow:
         reps = [r for r in self.agent.procs.select(app_id, role) if wanted is None or r.spec.replica_id in wanted]
         groups = split(tree[1:], fanout)
         self.agent.relay.relayed += len(groups)
-        return wire.Stream(self._events(reps, groups, args, fanout))
+        return aio.Stream(self._events(reps, groups, args, fanout))
 
     async def _events(
         self, reps: list[Any], groups: list[list[Target]], args: dict[str, Any], fanout: int
@@ -216,10 +221,10 @@ class LogFollow:
         items: queue.Queue[dict[str, Any]] = queue.Queue(QUEUE_EVENTS)
         ready = asyncio.Event()
         stop = threading.Event()
-        clients: list[wire.Client] = []
+        clients: list[net.Client] = []
         lock = threading.Lock()
 
-        def opened(c: wire.Client) -> None:
+        def opened(c: net.Client) -> None:
             with lock:
                 clients.append(c)
             if stop.is_set():

@@ -20,14 +20,17 @@ import uuid
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Protocol
+from typing import Any, Callable
 
-from .. import wire
+from .. import net
 from ..credentials import TLS_FILE, PoolCredentials
 from ..errors import MonarchError
+from ..net import aio
+from ..net.fanout import RelayRefused
 from ..private import PrivatePathError, check_private_dir, check_trusted_parents, node_temp_root, private_dir
 from ..quick_exit import exit_without_finalizing
 from ..registry import HostAddr, Registry
+from ..seam import AgentHost, AgentModule
 from ..specs import TERMINAL, LaunchSpec
 from .launcher import Launcher
 from .leftovers import remove_dead_temp_dirs
@@ -35,7 +38,7 @@ from .log_follow import OP as LOG_FOLLOW_OP
 from .log_follow import LogFollow
 from .logstore import POOL_MAX_MB, REPLICA_MAX_MB, LogLimits
 from .procs import ProcTable
-from .relay import Relay, RelayRefused
+from .relay import Relay
 
 log = logging.getLogger("monarch_torchx.agent")
 
@@ -71,7 +74,6 @@ HEARTBEAT_FIELDS = frozenset({"heartbeat", "last_work"})  # a publish of only th
 MAX_FINISHED_APPS = 500
 
 
-Operation = tuple[Callable[..., Any], Callable[[dict, list[Any]], Any] | None]
 HELD_PORT_MAX_WAIT_S = 300.0  # a port held for an app none of whose replicas came here is let go after this
 
 
@@ -82,22 +84,6 @@ class HeldPort:
     app_id: str
     sock: socket.socket
     since: float  # monotonic
-
-
-class AgentModule(Protocol):
-    """What a module (``monarch_torchx.modules``) plugs into an agent, in one typed seam.
-
-    ``operations``: op name -> (handler, combine). A handler is ``async (peer, **args)`` and is
-    served on the agent's authenticated port; ``combine`` (or None) merges a relay subtree's
-    answers into one (``add_handler``). ``background_tasks``: coroutines that run as long as the
-    agent. ``stop``: runs once when the agent stops, after its processes were stopped.
-    """
-
-    def operations(self) -> dict[str, Operation]: ...
-
-    def background_tasks(self) -> list[Coroutine[Any, Any, None]]: ...
-
-    def stop(self) -> None: ...
 
 
 class Agent:
@@ -154,7 +140,7 @@ class Agent:
             LogLimits.from_mb(args.log_max_mb, args.log_host_max_mb),
             history_dir=self.state_dir,
         )
-        self.server = wire.Server(
+        self.server = aio.Server(
             self.creds,
             self.handlers,
             on_activity=self.touch,
@@ -166,13 +152,13 @@ class Agent:
     def tcp_bind(self) -> str:
         """Where this host's other listeners (procs, stores) bind: the agent's own address, or
         loopback for an agent on a Unix socket."""
-        return "127.0.0.1" if self.args.bind.startswith(wire.UNIX) else self.args.bind
+        return "127.0.0.1" if self.args.bind.startswith(net.UNIX) else self.args.bind
 
     @property
     def tcp_advertise(self) -> str:
         """The address others reach those listeners at (see tcp_bind)."""
         host = self.addr.host if self.addr else "127.0.0.1"
-        return "127.0.0.1" if host.startswith(wire.UNIX) else host
+        return "127.0.0.1" if host.startswith(net.UNIX) else host
 
     def on_stop(self, fn: Callable[[], None]) -> None:
         """For modules: run ``fn`` when the agent stops (after its processes were stopped)."""
@@ -189,6 +175,7 @@ class Agent:
             self.add_handler(op, fn, combine=combine)
         for coro in module.background_tasks():
             self.background(coro)
+        self.launcher.add_warm_imports(module.warm_imports())
         self.on_stop(module.stop)
 
     def add_handler(
@@ -250,13 +237,13 @@ class Agent:
 
     # ------------------------------------------------------------ operations
 
-    async def op_ping(self, peer: wire.Peer) -> bool:
+    async def op_ping(self, peer: aio.Peer) -> bool:
         """The cheapest answer: a relay asks it on a connection it kept, before reusing it."""
         if self.stopping.is_set():  # so it is not handed a request it would drop halfway
             raise RelayRefused(f"agent {self.index} is shutting down ({self.stop_reason})")
         return True
 
-    async def op_info(self, peer: wire.Peer, touch: bool = False) -> dict:
+    async def op_info(self, peer: aio.Peer, touch: bool = False) -> dict:
         if self.stopping.is_set():  # so a health check counts this host as gone, not as usable
             raise ValueError(f"agent {self.index} is shutting down ({self.stop_reason})")
         idle = self.idle_seconds()
@@ -282,14 +269,14 @@ class Agent:
             "log_error": "; ".join(w for w in (self.procs.log_store.warning(), self.procs.history_error) if w),
         }
 
-    async def op_launch(self, peer: wire.Peer, spec: dict) -> dict:
+    async def op_launch(self, peer: aio.Peer, spec: dict) -> dict:
         if self.stopping.is_set():
             raise ValueError(f"agent {self.index} is shutting down ({self.stop_reason})")
         status = await self.procs.launch(LaunchSpec(**spec))
         self._trim_history()
         return status
 
-    async def op_reserve_port(self, peer: wire.Peer, hold_for: str = "") -> int:
+    async def op_reserve_port(self, peer: aio.Peer, hold_for: str = "") -> int:
         """A port that is free on this host's pool address, for a role's store (a warm torchrun's).
 
         ``hold_for`` (an app id): the port stays bound here, with SO_REUSEPORT, until that app has
@@ -328,10 +315,10 @@ class Agent:
                 held.sock.close()
         self.held_ports = keep
 
-    async def op_describe(self, peer: wire.Peer, app_id: str) -> list[dict]:
+    async def op_describe(self, peer: aio.Peer, app_id: str) -> list[dict]:
         return [r.status() for r in self.procs.select(app_id)]
 
-    async def op_wait(self, peer: wire.Peer, app_id: str, within: float = 30.0) -> list[dict]:
+    async def op_wait(self, peer: aio.Peer, app_id: str, within: float = 30.0) -> list[dict]:
         """Answers once every replica of the app on this host has ended, or after ``within`` seconds."""
         deadline = time.time() + max(0.0, min(float(within), 300.0))
         while True:
@@ -347,12 +334,12 @@ class Agent:
                 for w in waits:
                     w.cancel()
 
-    async def op_list(self, peer: wire.Peer) -> list[dict]:
+    async def op_list(self, peer: aio.Peer) -> list[dict]:
         return [r.status() for r in self.procs.replicas.values()]
 
     async def op_kill(
         self,
-        peer: wire.Peer,
+        peer: aio.Peer,
         app_id: str,
         role: str | None = None,
         replica_id: int | None = None,
@@ -365,7 +352,7 @@ class Agent:
 
     async def op_logs(
         self,
-        peer: wire.Peer,
+        peer: aio.Peer,
         app_id: str,
         role: str,
         replica_id: int,
@@ -374,15 +361,15 @@ class Agent:
         until: float | None = None,
         regex: str | None = None,
         follow: bool = False,
-    ) -> wire.Stream:
+    ) -> aio.Stream:
         reps = self.procs.select(app_id, role, replica_id)
         if not reps:
             raise LookupError(f"no replica {role}/{replica_id} of app {app_id} on host {self.index}")
-        return wire.Stream(self.procs.logs(reps[0], streams, since, until, regex, follow))
+        return aio.Stream(self.procs.logs(reps[0], streams, since, until, regex, follow))
 
     async def op_app_logs(
         self,
-        peer: wire.Peer,
+        peer: aio.Peer,
         app_id: str,
         role: str | None = None,
         replica_ids: list[int] | None = None,
@@ -422,7 +409,7 @@ class Agent:
             )
         return out
 
-    async def op_shutdown(self, peer: wire.Peer, reason: str = "pool stopped") -> bool:
+    async def op_shutdown(self, peer: aio.Peer, reason: str = "pool stopped") -> bool:
         self.stop_requested = True  # (the ends of what it kills are recorded: see run())
         self.stop(reason)
         return True
@@ -678,3 +665,8 @@ def main(argv: list[str] | None = None) -> None:
         os.chdir(args.state_dir)
     asyncio.run(Agent(args).run())
     exit_without_finalizing()  # everything it owns was ended and cleaned up by run()
+
+
+def _is_an_agent_host(agent: Agent) -> AgentHost:
+    """Checked by mypy, never called: ``Agent`` offers modules all of ``seam.AgentHost``."""
+    return agent

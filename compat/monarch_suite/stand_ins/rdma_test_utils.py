@@ -10,6 +10,7 @@ import functools
 import inspect
 
 import pytest
+
 from monarch_torchx.rdma import is_ibverbs_available
 
 RDMA_BACKENDS = ["ibverbs", "tcp"]

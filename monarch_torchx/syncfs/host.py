@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from ..interpreter import module_argv
-from ..private import node_temp_root, remove_empty_dirs
+from ..private import remove_empty_dirs, sync_store_base
 from ..registry import home as registry_home
+from ..seam import AgentHost
 from . import transfer
 from . import workdir as wd
 from .manifest import Manifest
@@ -46,9 +47,9 @@ class _Link:
         self.unreached: list[int] = []
 
     def _connect(self) -> Any:
-        from .. import wire
+        from .. import net
 
-        c = wire.Client(
+        c = net.Client(
             self.next["host"], self.next["port"], self.fw.creds, timeout=10.0, identity=self.next["identity"].encode()
         )
         c.settimeout(600.0)
@@ -146,10 +147,7 @@ def pool_id(key: bytes) -> str:
 
 def store_base() -> tuple[Path, Path]:
     """(where hosts' stores go, the highest directory of it that must be ours alone)."""
-    if os.environ.get("MONARCH_TORCHX_SYNC_STORE"):
-        base = Path(os.environ["MONARCH_TORCHX_SYNC_STORE"])
-        return base, base
-    return node_temp_root() / "syncfs", node_temp_root()
+    return sync_store_base()
 
 
 def store_root(agent: Any) -> Path:
@@ -305,7 +303,7 @@ class SyncfsModule:
     operations (chunks in, chains on, manifests prepared and committed, targets served), two
     background sweeps, and at stop no mount, synced tree or chunk left on the node."""
 
-    def __init__(self, agent: Any):
+    def __init__(self, agent: AgentHost):
         self.agent = agent
         self.store = ChunkStore(store_root(self.agent), private_from=store_base()[1])
         self.mounts: dict[Path, Mount] = {}
@@ -336,6 +334,9 @@ class SyncfsModule:
 
     def background_tasks(self) -> list[Any]:
         return [self.reap_abandoned(), self.sweep_store()]
+
+    def warm_imports(self) -> list[str]:
+        return []
 
     async def reap_abandoned(self) -> None:
         """Drops the forwarders of syncs whose client went away without a flush (killed,
@@ -640,5 +641,5 @@ class SyncfsModule:
                 log.warning("syncfs: sweeping the chunk store failed: %s", e)
 
 
-def setup(agent: Any) -> None:
+def setup(agent: AgentHost) -> None:
     agent.install(SyncfsModule(agent))

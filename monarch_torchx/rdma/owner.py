@@ -29,7 +29,7 @@ import time
 import uuid
 from typing import Any
 
-from .. import wire
+from .. import net
 from .memory import LocalMemory, RDMAError, collapse_to_huge_pages
 
 log = logging.getLogger("monarch_torchx.rdma")
@@ -111,7 +111,7 @@ class Owner:
         self._huge: dict[int, threading.Event] = {}
         self._quarantine: collections.deque[tuple[float, LocalMemory]] = collections.deque()
         self.ibv: Any = None  # the ibverbs side, when that backend is in use
-        self.acceptor = wire.ThreadedAcceptor(
+        self.acceptor = net.ThreadedAcceptor(
             bind, creds, self.identity.encode(), self._serve, name="rdma", max_conns=MAX_CONNS
         )
         self.port = self.acceptor.port
@@ -183,7 +183,7 @@ class Owner:
                 except ConnectionError:
                     return
                 self._request(sock, *REQ.unpack(req))
-        except (OSError, wire.WireError, ConnectionError) as e:
+        except (OSError, net.WireError, ConnectionError) as e:
             log.debug("rdma connection from %s ended: %s", peer, e)
         finally:
             sock.close()

@@ -70,7 +70,9 @@ def sync_to_hosts(pool: Any, ws: Workspace, hosts: list[int], say: Callable[[str
             last[0] = now
             say(msg)
 
-    report = pool.sync(ws.src, ws.mount, hosts=hosts, progress=progress)
+    from ..syncfs import sync
+
+    report = sync(pool, ws.src, ws.mount, hosts=hosts, progress=progress)
     failed = [h for h in report.hosts if not h.ok]
     if failed:
         why = "; ".join(h.error for h in failed)  # each names its host

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import posixpath
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 IGNORE_FILE = ".torchxignore"
@@ -22,7 +23,7 @@ class IgnoreRules:
     patterns: list[str] = field(default_factory=list)
 
     @classmethod
-    def for_tree(cls, root: str, extra: list[str] = ()) -> IgnoreRules:
+    def for_tree(cls, root: str, extra: Sequence[str] = ()) -> IgnoreRules:
         """The rules of ``root/.torchxignore`` (if there is one), then ``extra``."""
         from ..errors import MonarchError
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from ..private import private_dir
+from ..seam import AgentHost
 from .arrow_ipc import from_ipc, to_ipc
 from .partial import merge
 from .sandbox import (
@@ -168,7 +169,7 @@ class LogIndex:
     a segment of them the agent dropped before it was indexed is not indexed.)
     """
 
-    def __init__(self, agent: Any, spill_dir: Path):
+    def __init__(self, agent: AgentHost, spill_dir: Path):
         self.agent = agent
         self.offsets: dict[Path, int] = {}
         self.arena = BatchArena()
@@ -344,7 +345,7 @@ QUERY_SERVER_IDLE_S = float(os.environ.get("MONARCH_TORCHX_SQL_SERVER_IDLE_S", "
 class Metrics:
     """Host, replica and GPU gauges sampled every few seconds into a bounded buffer."""
 
-    def __init__(self, agent: Any):
+    def __init__(self, agent: AgentHost):
         self.agent = agent
         self.rows: list[tuple] = []
         self._nvidia_smi = shutil.which("nvidia-smi")
@@ -558,7 +559,7 @@ _FORKSERVER = os.path.join("monarch_torchx", "agent", "forkserver.py")
 class Stacks:
     """py-spy dumps of replicas (and their children), kept as rows for the ``stacks`` table."""
 
-    def __init__(self, agent: Any):
+    def __init__(self, agent: AgentHost):
         self.agent = agent
         self.rows: list[dict] = []
 
@@ -646,7 +647,7 @@ class TelemetryModule:
     """This host's telemetry, plugged into its agent (``AgentModule``): the ``telemetry.*``
     operations, log indexing and metrics sampling in the background, the spill dropped at stop."""
 
-    def __init__(self, agent: Any):
+    def __init__(self, agent: AgentHost):
         import asyncio
 
         from ..private import agent_temp_dir, node_temp_root
@@ -676,6 +677,9 @@ class TelemetryModule:
 
     def background_tasks(self) -> list[Any]:
         return [self.index_in_background(), self.sample_metrics(), self.close_idle_server()]
+
+    def warm_imports(self) -> list[str]:
+        return []
 
     def stop(self) -> None:
         """The data lives as long as the pool: its spill goes with the agent."""
@@ -815,6 +819,6 @@ class TelemetryModule:
             await asyncio.get_running_loop().run_in_executor(self.worker, self.server.close_if_idle, idle_s)
 
 
-def setup(agent: Any) -> None:
+def setup(agent: AgentHost) -> None:
     """Entry point (group ``monarch_torchx.modules``): serve ``telemetry.*`` on this agent."""
     agent.install(TelemetryModule(agent))

@@ -9,7 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .. import wire
+from .. import net
 from .memory import RDMAError, wait_all
 from .owner import REQ, WRITE, recv_exact, recv_json, recv_status, send_json, time_left
 
@@ -43,12 +43,12 @@ class TcpClient:
                 return idle.pop()
         host, port, identity = owner
         try:
-            return wire.dial(host, port, self.creds, identity.encode(), min(time_left(deadline), 10.0))
-        except wire.ConnectFailed as e:
+            return net.dial(host, port, self.creds, identity.encode(), min(time_left(deadline), 10.0))
+        except net.ConnectFailed as e:
             raise RDMAError(f"cannot reach the buffer's owner ({e}): is it still running?") from None
-        except wire.PeerTimeout as e:
+        except net.PeerTimeout as e:
             raise RDMAError(f"the buffer's owner did not answer in time ({e})") from None
-        except wire.WireError as e:
+        except net.WireError as e:
             raise RDMAError(
                 f"the buffer's owner at {host}:{port} closed or refused the connection "
                 f"(too busy, gone, or another pool's): {e}"

@@ -72,8 +72,8 @@ def collapse_to_huge_pages(address: int, nbytes: int) -> bool:
     """Best effort: back [address, address+nbytes) with 2 MiB pages (Linux MADV_COLLAPSE, 6.1+).
 
     A same-host reader's kernel copy pins every source page: with huge pages that is 512x fewer
-    pins, and process_vm_readv of 256 MiB went from 4.1 to 8.5 GB/s here. The content is unchanged;
-    only its backing moves. Costs ~0.3 s per 256 MiB, once. MONARCH_TORCHX_RDMA_HUGEPAGES=0 turns it off.
+    pins, and a same-host read runs about twice as fast (benchmarks/RESULTS.md, "numbers behind the
+    code"). The content is unchanged; only its backing moves, once. MONARCH_TORCHX_RDMA_HUGEPAGES=0 turns it off.
     """
     if os.environ.get("MONARCH_TORCHX_RDMA_HUGEPAGES", "1") == "0" or not sys.platform.startswith("linux"):
         return False

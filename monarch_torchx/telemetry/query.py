@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import wire
+from .. import net
 from ..errors import MonarchError
 from .arrow_ipc import from_ipc
 from .partial import PartialAggregate, merge, plan_partial
@@ -230,12 +230,12 @@ def pushdowns(sql: str, plan: Any = None, bound: bool = True) -> dict[str, Pushd
 
 
 def _missing_why(err: Exception) -> str:
-    if isinstance(err, wire.RemoteError) and err.kind == "UnknownOperation":
+    if isinstance(err, net.UnknownOperation):
         return (
             "the telemetry module is not loaded on this host, or its agent predates this query's "
             "operation (see its agent log; `torchx pool stop` and a new pool bring every host up to date)"
         )
-    if isinstance(err, wire.RemoteError) and err.kind == "TypeError":
+    if isinstance(err, net.RemoteError) and err.raised(TypeError):
         return f"its agent predates this client ({err}; `torchx pool stop` and a new pool bring every host up to date)"
     return str(err)
 
@@ -247,7 +247,7 @@ def _missing(answers: list[tuple[int, Any, Exception | None]]) -> dict[int, str]
     for i, _, err in answers:
         if err is None:
             continue
-        kind = STOPPED.get(err.kind) if isinstance(err, wire.RemoteError) else None  # (its type, off the wire)
+        kind = STOPPED.get(err.kind) if isinstance(err, net.RemoteError) else None  # (its type, off the wire)
         if kind is not None and issubclass(kind, QUERYS_OWN):
             raise kind(f"query stopped on host {i}: {err}") from None
         missing[i] = _missing_why(err)

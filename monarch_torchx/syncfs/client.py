@@ -27,7 +27,7 @@ from ..wire import FileRegion, FileRegionError, Gathered
 from . import transfer
 from .ignore import IgnoreRules
 from .manifest import CDC, ChunkSource, HashCache, Manifest, scan_groups
-from .store import manifest_digest
+from .store import ChunkCorrupt, manifest_digest
 
 BATCH_BYTES = 8 << 20
 STREAMS = 4  # parallel connections to a host while sending
@@ -94,7 +94,7 @@ class BatchBuffers:
 def batch_parts(batch: list[str], sources: dict[str, ChunkSource]) -> tuple[list[tuple[str, int]], Gathered]:
     """A batch's chunks as the parts of one buffer that is never assembled here: a small file's
     bytes kept from hashing it, and each run of adjacent chunks of one file as a region of that
-    file, which a plain socket sends from the page cache (``wire.send_region``; over TLS it is
+    file, which a plain socket sends from the page cache (``net.send_region``; over TLS it is
     read in slices, to be encrypted). The host gets one buffer, as from ``read_batch``."""
     index: list[tuple[str, int]] = []
     parts: list[Any] = []
@@ -565,7 +565,7 @@ def _send(client: Any, batch: list[str], sources: dict[str, ChunkSource], how: d
             raise MonarchError(f"{e}; nothing was committed: sync again") from None
         except RemoteError as e:
             answered = True
-            if e.kind != "ChunkCorrupt" or attempt == RETRIES - 1:
+            if not e.raised(ChunkCorrupt) or attempt == RETRIES - 1:
                 raise
         finally:
             release()

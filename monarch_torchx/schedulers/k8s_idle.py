@@ -69,7 +69,7 @@ async def _watch(agent: Any, owner: str, limit: float, action: str) -> None:
 def _pool_idle_seconds(agent: Any) -> float | None:
     """The least idle time over the pool's ready pods; None when a ready peer does not answer
     (a network problem is not idleness: ask again next round)."""
-    from .. import wire
+    from .. import net
     from .k8s_api import KubeApi
     from .k8s_pods import pod_index, pod_ready
 
@@ -92,7 +92,7 @@ def _pool_idle_seconds(agent: Any) -> float | None:
         if i is None or i == agent.index or not pod_ready(pod):
             continue
         try:
-            with wire.Client(
+            with net.Client(
                 pod.status.pod_ip,
                 agent.addr.port,
                 agent.creds,
@@ -101,7 +101,7 @@ def _pool_idle_seconds(agent: Any) -> float | None:
             ) as c:
                 c.settimeout(5.0)
                 least = min(least, float(c.call("info")["idle_s"]))
-        except (wire.WireError, wire.RemoteError, OSError, KeyError, ValueError) as e:
+        except (net.WireError, net.RemoteError, OSError, KeyError, ValueError) as e:
             log.info("peer %s did not answer the idle check (%s): not ending the pool this round", pod.metadata.name, e)
             return None
     return least

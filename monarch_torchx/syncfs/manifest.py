@@ -8,6 +8,7 @@ by each file's size, mtime and inode: a no-op resync reads metadata only.
 
 from __future__ import annotations
 
+import builtins
 import marshal
 import mmap
 import os
@@ -80,7 +81,7 @@ class Manifest:
             out.append(Entry(p, k, m, sz, mt, list(ch), t))
         return cls(out)
 
-    def dumps(self) -> bytes:
+    def dumps(self) -> builtins.bytes:
         """What travels to the hosts and what they keep on disk: marshal is several times faster
         than pickle or JSON for 40k small tuples (a peer's bytes are loaded only after it
         authenticated, as pickles are, and then checked by ``from_rows``). Version 2 has no
@@ -88,7 +89,7 @@ class Manifest:
         return marshal.dumps(self.rows(), 2)
 
     @classmethod
-    def loads(cls, data: bytes) -> Manifest:
+    def loads(cls, data: builtins.bytes) -> Manifest:
         """A manifest this host's agent checked and wrote itself (not checked again: a 40k-path
         tree is read at every switch)."""
         return cls([Entry(*r) for r in marshal.loads(data)])

@@ -612,7 +612,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         for role, k in replicas:
             host = where[(role, k)]
             value, err = outcomes[host]
-            if isinstance(err, RemoteError) and err.kind != UnknownOperation.__name__:  # it ran there, and failed
+            if isinstance(err, RemoteError) and not isinstance(err, UnknownOperation):  # it ran there, and failed
                 yield role, k, _failed(MonarchError(f"logs of {role}/{k} (host {host}) unavailable: {err}"))
                 continue
             entry = next((e for e in value or [] if e["role"] == role and e["replica_id"] == k), None)
@@ -651,8 +651,8 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         event naming it, and the others go on."""
         import queue
 
-        from ..agent import relay
         from ..agent.log_follow import LogEvent, check_filters, follow_group
+        from ..net import fanout as relay
         from ..wire import UnknownOperation
 
         stopped = self._lookup_stopped(app_id) if self._lookup(app_id) is None else None
@@ -740,7 +740,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                     left -= 1
                     continue
                 ev = LogEvent.from_wire(raw)
-                if ev.error and not ev.role and ev.kind == UnknownOperation.__name__:
+                if ev.error and not ev.role and ev.raised(UnknownOperation):
                     mine = [(r, k) for r, k in replicas if where[(r, k)] == ev.host]
                     for r, k in mine:
                         left += 1
