@@ -5,7 +5,7 @@ TORCHX_LINE ?= nightly
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-torchx07 bench bench-slurm bench-actors bench-ddp bench-ddp-slurm bench-history docs clean
+.PHONY: setup demo lint test test-fast test-integration test-torchx07 bench bench-slurm bench-actors bench-ddp bench-ddp-slurm bench-history docs clean
 
 setup: $(STAMP)
 
@@ -16,8 +16,18 @@ $(STAMP): pyproject.toml compat/torchx07/pyproject.toml scripts/setup.sh
 demo: setup
 	$(BIN)/python examples/demo.py
 
-test: setup
-	$(BIN)/python -m pytest -q
+# The whole suite: the lint, then the fast lane (seconds: a broken codec or layer shows first),
+# then every test that starts pools. Each test runs once.
+test: lint test-fast test-integration
+
+# ruff (lint and format, one line length) and mypy, as configured in pyproject.toml
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test-integration: setup
+	$(BIN)/python -m pytest -q -m integration
 
 # The fast lane: what needs no pool, agent, proc, CLI subprocess, SLURM lab or FUSE (tests/unit/ and the
 # pure modules), in well under a minute. `make test` still runs everything.

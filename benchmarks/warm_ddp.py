@@ -2,13 +2,16 @@
 
     .venv/bin/python benchmarks/warm_ddp.py [--n 7]
     .venv/bin/python benchmarks/warm_ddp.py --slurm [--n 5]   # adds stock slurm vs monarch_slurm (lab, root)
+    .venv/bin/python benchmarks/warm_ddp.py --baseline /tmp/mtx-base [--n 5]  # adds an earlier commit's warm pool
 
 Each case runs the same script (gloo: init_process_group, one all_reduce, print "first-step",
 a few more steps, done) through the real torchx CLI, all cases interleaved, median of N:
   first step  from invoking `torchx run` to the first "first-step" line on the CLI's output
   completion  from invoking `torchx run` until it returned (the app SUCCEEDED)
 Cases: stock local_cwd -j 1x2; warm monarch_local -j 2x1 and -j 1x2 (pool up and warm before the
-first timed run); with --slurm, stock slurm -j 2x1 and warm monarch_slurm -j 2x1 on 2 lab nodes.
+first timed run); with --slurm, stock slurm -j 2x1 and warm monarch_slurm -j 2x1 on 2 lab nodes;
+with --baseline CHECKOUT (a worktree of an earlier commit), its warm monarch_local cases too, its
+code on PYTHONPATH (the CLI, its agents and their processes import it), and the ratio this / baseline.
 """
 
 from __future__ import annotations
@@ -110,6 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=7, help="timed runs per case (median reported)")
     ap.add_argument("--slurm", action="store_true", help="also stock slurm vs monarch_slurm on the SLURM lab")
+    ap.add_argument("--baseline", type=Path, help="an earlier commit's checkout: its warm cases side by side")
     a = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-ddp-"))
@@ -123,6 +127,13 @@ def main() -> None:
         "monarch_local -j 2x1 (warm)": ddp("monarch_local", f"pool={pool}", "2x1"),
         "monarch_local -j 1x2 (warm)": ddp("monarch_local", f"pool={pool}", "1x2"),
     }
+    envs: dict[str, dict[str, str]] = {}
+    if a.baseline:
+        base_env = {**env, "MONARCH_TORCHX_HOME": str(work / "home-base"), "PYTHONPATH": str(a.baseline.resolve())}
+        for j in ("2x1", "1x2"):
+            name = f"monarch_local -j {j} (warm, baseline)"
+            cases[name] = ddp("monarch_local", f"pool={pool}-b", j)
+            envs[name] = base_env
     if a.slurm:
         if os.geteuid() != 0:
             raise SystemExit("--slurm needs root (it uses the project's SLURM lab)")
@@ -134,11 +145,11 @@ def main() -> None:
         print("warming the pools ...", file=sys.stderr)
         for name, args in cases.items():
             if "warm" in name:
-                timed_run(args, work, env)  # creates the pool and warms it; not timed
+                timed_run(args, work, envs.get(name, env))  # creates the pool and warms it; not timed
         times: dict[str, list[tuple[float, float]]] = {k: [] for k in cases}
         for i in range(a.n):
             for name, args in cases.items():
-                times[name].append(timed_run(args, work, env, watch=watch.get(name)))
+                times[name].append(timed_run(args, work, envs.get(name, env), watch=watch.get(name)))
             print(
                 f"round {i + 1}/{a.n}: "
                 + ", ".join(f"{k.split()[0]} {v[-1][0]:.2f}/{v[-1][1]:.2f}" for k, v in times.items()),
@@ -147,6 +158,8 @@ def main() -> None:
     finally:
         for p in (pool, f"{pool}-s"):
             subprocess.run([str(BIN / "torchx"), "pool", "stop", p], env=env, capture_output=True)
+        if a.baseline:
+            subprocess.run([str(BIN / "torchx"), "pool", "stop", f"{pool}-b"], env=base_env, capture_output=True)
     med = {k: (statistics.median(t for t, _ in v), statistics.median(d for _, d in v)) for k, v in times.items()}
     rows = [f"| {k} | {f:.3f} | {d:.3f} |" for k, (f, d) in med.items()]
     stock = med["local_cwd -j 1x2 (stock)"]
@@ -156,6 +169,12 @@ def main() -> None:
             f"- {k}: **{stock[0] / med[k][0]:.1f}x** faster to the first step, "
             f"**{stock[1] / med[k][1]:.1f}x** to completion than local_cwd -j 1x2"
         )
+    if a.baseline:
+        for j in ("2x1", "1x2"):
+            t, b = med[f"monarch_local -j {j} (warm)"], med[f"monarch_local -j {j} (warm, baseline)"]
+            ratios.append(
+                f"- monarch_local -j {j}, this / baseline: {t[0] / b[0]:.2f}x first step, {t[1] / b[1]:.2f}x completion"
+            )
     if a.slurm:
         s, w = med["slurm -j 2x1 (stock)"], med["monarch_slurm -j 2x1 (warm)"]
         ratios.append(
@@ -184,7 +203,9 @@ def main() -> None:
     print(body)
     make = "make bench-ddp-slurm" if a.slurm else "make bench-ddp"
     command = f"{make}  # .venv/bin/python benchmarks/warm_ddp.py" + (" --slurm" if a.slurm else "") + f" --n {a.n}"
-    record("warm_ddp" + (" --slurm" if a.slurm else ""), command, body)
+    if a.baseline:
+        command = f".venv/bin/python benchmarks/warm_ddp.py --baseline <worktree of the baseline commit> --n {a.n}"
+    record("warm_ddp" + (" --slurm" if a.slurm else "") + (" --baseline" if a.baseline else ""), command, body)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,17 @@ from .net import RemoteError
 from .net.fanout import RelayRefused
 from .pool import Pool, PoolRequest, ensure_pool, reuse_unchecked, tree_min_hosts
 from .registry import AppRecord, Placement, Registry
-from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, TERMINAL, UNKNOWN, LaunchSpec
+from .specs import (
+    CANCELLED,
+    FAILED,
+    PENDING,
+    RUNNING,
+    SUCCEEDED,
+    UNKNOWN,
+    LaunchSpec,
+    ReplicaState,
+    ReplicaStatus,
+)
 
 _STATE_ORDER = [FAILED, CANCELLED, UNKNOWN, RUNNING, PENDING]
 
@@ -169,8 +179,8 @@ def _name_unanswered(pool: Pool, silent: list[tuple[int, Exception]], progress: 
     Registry.want_check(pool.record.path, f"host(s) {[i for i, _ in silent]} did not answer a launch")
 
 
-def replica_states(pool: Pool, arec: AppRecord) -> dict[tuple[str, int], dict[str, Any]]:
-    """(role, replica) -> the agent's status dict (state, msg, exit_code, attempts, ...) + hostname.
+def replica_states(pool: Pool, arec: AppRecord) -> dict[tuple[str, int], ReplicaStatus]:
+    """(role, replica) -> what is known of it (its agent's answer, with the hostname).
 
     A replica whose end is recorded (``history.py``) is that end, whatever became of its host
     since; only the others are asked of their hosts. Of those, one whose host is lost, or was
@@ -180,7 +190,7 @@ def replica_states(pool: Pool, arec: AppRecord) -> dict[tuple[str, int], dict[st
     """
     state_dir = pool.record.path
     ends = history.read_ends(state_dir, arec.app_id, ages=True)
-    out: dict[tuple[str, int], dict[str, Any]] = {k: e.status() for k, e in ends.items()}
+    out: dict[tuple[str, int], ReplicaStatus] = {k: e.status() for k, e in ends.items()}
     asked = [p for p in arec.placement if (p.role, p.replica_id) not in ends]
     if not asked:
         return out
@@ -189,29 +199,28 @@ def replica_states(pool: Pool, arec: AppRecord) -> dict[tuple[str, int], dict[st
     for p in asked:
         st = out[(p.role, p.replica_id)]
         # an agent's answer it did not record itself (hosts without this file system), or a loss on evidence
-        if st["state"] in TERMINAL and st.get("final", True) and not (shared and st.get("recorded")):
+        if st.state.terminal and st.final and not (shared and st.recorded):
             with contextlib.suppress(OSError, ValueError):
                 history.record_end(state_dir, history.ReplicaEnd.from_status(arec.app_id, p.role, p.replica_id, st))
     return out
 
 
-def stopped_states(arec: AppRecord, state_dir: Path, pool_name: str) -> dict[tuple[str, int], dict[str, Any]]:
+def stopped_states(arec: AppRecord, state_dir: Path, pool_name: str) -> dict[tuple[str, int], ReplicaStatus]:
     """``replica_states`` of an app whose pool was stopped: its recorded ends; a replica without
     one was running when the pool went and its end was never heard."""
     ends = history.read_ends(state_dir, arec.app_id)
     return {
         (p.role, p.replica_id): ends[(p.role, p.replica_id)].status()
         if (p.role, p.replica_id) in ends
-        else {
-            "state": FAILED,
-            "hostname": "",
-            "msg": f"its pool {pool_name!r} was stopped before its end was recorded (it was still running)",
-        }
+        else ReplicaStatus(
+            ReplicaState.FAILED,
+            msg=f"its pool {pool_name!r} was stopped before its end was recorded (it was still running)",
+        )
         for p in arec.placement
     }
 
 
-def _asked_states(pool: Pool, arec: AppRecord, asked: list[Placement]) -> dict[tuple[str, int], dict[str, Any]]:
+def _asked_states(pool: Pool, arec: AppRecord, asked: list[Placement]) -> dict[tuple[str, int], ReplicaStatus]:
     """The states of the replicas ``asked``, from their hosts (see ``replica_states``)."""
     indices = sorted({p.host_index for p in asked})
     answers = {i: (res, err) for i, res, err in pool.ask("describe", indices, timeout=10.0, app_id=arec.app_id)}
@@ -221,7 +230,7 @@ def _asked_states(pool: Pool, arec: AppRecord, asked: list[Placement]) -> dict[t
         for i, (_, err) in answers.items()
         if err is not None and not isinstance(err, AccessError)
     }
-    out: dict[tuple[str, int], dict[str, Any]] = {}
+    out: dict[tuple[str, int], ReplicaStatus] = {}
     for p in asked:
         res, err = answers[p.host_index]
         host = pool.hosts[p.host_index] if p.host_index < len(pool.hosts) else None
@@ -229,33 +238,30 @@ def _asked_states(pool: Pool, arec: AppRecord, asked: list[Placement]) -> dict[t
         key = (p.role, p.replica_id)
         lost = evidence.get(p.host_index)
         if isinstance(err, AccessError):  # we cannot reach the hosts: that says nothing about the replica
-            out[key] = {"state": UNKNOWN, "msg": str(err), "hostname": hostname}
+            out[key] = ReplicaStatus(ReplicaState.UNKNOWN, msg=str(err), hostname=hostname)
         elif err is not None and not lost and isinstance(err, HostUnreachable):
-            out[key] = {"state": UNKNOWN, "msg": str(err), "hostname": hostname}  # unreachable is not dead
+            out[key] = ReplicaStatus(ReplicaState.UNKNOWN, msg=str(err), hostname=hostname)  # unreachable: not dead
         elif err is not None:  # (final only on the evidence of a loss: else it may be answered later)
-            out[key] = {
-                "state": FAILED,
-                "msg": pool.lost_message(p.host_index, lost, err) if lost else str(err),
-                "hostname": hostname,
-                "final": bool(lost),
-            }
+            out[key] = ReplicaStatus(
+                ReplicaState.FAILED,
+                msg=pool.lost_message(p.host_index, lost, err) if lost else str(err),
+                hostname=hostname,
+                final=bool(lost),
+            )
         elif host is None or host.incarnation != p.incarnation:
-            out[key] = {
-                "state": FAILED,
-                "hostname": hostname,
-                "msg": f"host {p.host_index} was lost and restarted while the replica ran",
-            }
+            out[key] = ReplicaStatus(
+                ReplicaState.FAILED,
+                hostname=hostname,
+                msg=f"host {p.host_index} was lost and restarted while the replica ran",
+            )
         else:
             st = next((s for s in res if s["role"] == p.role and s["replica_id"] == p.replica_id), None)
             out[key] = (
-                {**st, "hostname": hostname}
+                ReplicaStatus.from_wire(st, hostname=hostname)
                 if st
-                else {
-                    "state": FAILED,
-                    "msg": f"replica not known to host {p.host_index}",
-                    "hostname": hostname,
-                    "final": False,
-                }
+                else ReplicaStatus(
+                    ReplicaState.FAILED, msg=f"replica not known to host {p.host_index}", hostname=hostname, final=False
+                )
             )  # (its launch may not have reached it yet)
     return out
 
@@ -284,35 +290,34 @@ def list_states(pool: Pool, records: Sequence[AppRecord]) -> dict[tuple[str, str
 FAILURE_GRACE_S = 10.0  # the other replicas of a failed app may end on their own first (a torchrun's nodes do)
 
 
-def ends_with_failure(states: dict[tuple[str, int], dict[str, Any]]) -> bool:
+def ends_with_failure(states: dict[tuple[str, int], ReplicaStatus]) -> bool:
     """The app has failed (a replica FAILED for good) while others still run: TorchX would call
     it FAILED and stop watching, and the others would run on unseen. ``end_failed`` ends them."""
-    values = [s["state"] for s in states.values()]
-    failed = any(s["state"] == FAILED and s.get("final", True) for s in states.values())
-    return failed and any(v in (PENDING, RUNNING) for v in values)
+    failed = any(s.failed_for_good for s in states.values())
+    return failed and any(s.state in (PENDING, RUNNING) for s in states.values())
 
 
-def failure_is_fresh(states: dict[tuple[str, int], dict[str, Any]]) -> bool:
+def failure_is_fresh(states: dict[tuple[str, int], ReplicaStatus]) -> bool:
     """A replica failed less than ``FAILURE_GRACE_S`` ago (on its host's or the file system's
     clock): the others get that long to end by themselves, with their own reason (the failing
     rank of a torchrun is on another node than the first to fail), before ``end_failed``."""
-    ages = [s.get("age_s") for s in states.values() if s["state"] == FAILED and s.get("final", True)]
+    ages = [s.age_s for s in states.values() if s.failed_for_good]
     return any(a is not None and a < FAILURE_GRACE_S for a in ages)
 
 
 def end_failed(
-    pool: Pool, arec: AppRecord, states: dict[tuple[str, int], dict[str, Any]]
-) -> dict[tuple[str, int], dict[str, Any]]:
+    pool: Pool, arec: AppRecord, states: dict[tuple[str, int], ReplicaStatus]
+) -> dict[tuple[str, int], ReplicaStatus]:
     """Ends the replicas still running of an app that failed, then reads its states again: an app
     is reported FAILED only once nothing of it runs (as a failed torchrun ends its other nodes)."""
-    failed = sorted(f"{r}/{k}" for (r, k), s in states.items() if s["state"] == FAILED and s.get("final", True))
+    failed = sorted(f"{r}/{k}" for (r, k), s in states.items() if s.failed_for_good)
     pool.ask(
         "kill",
         sorted(
             {
                 p.host_index
                 for p in arec.placement
-                if states.get((p.role, p.replica_id), {}).get("state") in (PENDING, RUNNING)
+                if (p.role, p.replica_id) in states and states[(p.role, p.replica_id)].state in (PENDING, RUNNING)
             }
         ),
         timeout=15.0,

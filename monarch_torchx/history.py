@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import quote
 
 from .private import private_dir, write_private_bytes
-from .specs import TERMINAL
+from .specs import TERMINAL, ReplicaState, ReplicaStatus
 
 ENDED_DIR = "ended"
 HISTORY_DAYS_ENV = "MONARCH_TORCHX_HISTORY_DAYS"
@@ -73,37 +73,40 @@ class ReplicaEnd:
         return end
 
     @classmethod
-    def from_status(cls, app_id: str, role: str, replica_id: int, st: dict[str, Any]) -> ReplicaEnd:
-        """From an agent's replica status (``Replica.status``, as ``describe`` and ``list`` answer),
-        or a loss inferred by a client; ValueError for one that is not an end."""
+    def from_status(cls, app_id: str, role: str, replica_id: int, st: ReplicaStatus) -> ReplicaEnd:
+        """From an agent's replica status (``describe`` and ``list`` answer it), or a loss a client
+        inferred; ValueError for one that is not an end."""
         return cls.from_json(
             {
                 "app_id": app_id,
                 "role": role,
                 "replica_id": replica_id,
-                "state": st.get("state"),
-                "exit_code": st.get("exit_code"),
-                "msg": st.get("msg", ""),
-                "attempts": st.get("attempts", 1),
-                "started": st.get("started"),
-                "ended": st.get("ended"),
-                "hostname": st.get("hostname", ""),
+                "state": st.state.value,
+                "exit_code": st.exit_code,
+                "msg": st.msg,
+                "attempts": st.attempts or 1,
+                "started": st.started,
+                "ended": st.ended,
+                "hostname": st.hostname,
             }
         )
 
-    def status(self) -> dict[str, Any]:
-        """As an agent's replica status reads (what ``apps.replica_states`` hands on)."""
-        return {
-            "state": self.state,
-            "exit_code": self.exit_code,
-            "msg": self.msg,
-            "attempts": self.attempts,
-            "started": self.started,
-            "ended": self.ended,
-            "hostname": self.hostname,
-            "recorded": True,
-            "age_s": self.age_s,
-        }
+    def status(self) -> ReplicaStatus:
+        """As an agent's answer for the replica reads (what ``apps.replica_states`` hands on)."""
+        return ReplicaStatus(
+            state=ReplicaState(self.state),
+            exit_code=self.exit_code,
+            msg=self.msg,
+            attempts=self.attempts,
+            started=self.started,
+            ended=self.ended,
+            hostname=self.hostname,
+            recorded=True,
+            age_s=self.age_s,
+            app_id=self.app_id,
+            role=self.role,
+            replica_id=self.replica_id,
+        )
 
 
 def _app_dir(state_dir: Path, app_id: str) -> Path:

@@ -262,7 +262,7 @@ class WarmPoolJob(JobTrait):
             states = apps.replica_states(attach(self.pool), arec)
         except MonarchError:
             return False
-        return len(states) == len(self._workers) and all(s["state"] == RUNNING for s in states.values())
+        return len(states) == len(self._workers) and all(s.state == RUNNING for s in states.values())
 
 
 def _route_to(host: str) -> str:

@@ -19,11 +19,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence, cast
 
 from . import net
+from .agent_client import AgentClient
 from .credentials import TLS_FILE, TOKEN_FILE
 from .errors import AccessError, CreateInterrupted, HostLost, HostUnreachable, MonarchError, StartTimeout
+from .net.fanout import tree_min_hosts
 from .registry import HostAddr, PoolRecord, Registry, check_pool_name
 
 if TYPE_CHECKING:
@@ -99,6 +101,13 @@ class Provisioner(Protocol):
     # ``open_tunnel(rec, addr, timeout)`` for hosts whose address has ``via`` set, and
     # ``reuse_warnings(rec, options) -> [line]``: what a reused pool gives less of than a run's
     # options ask, not part of its fingerprint (SLURM: less time left than time=): said, not refused
+
+
+class TunnelingProvisioner(Protocol):
+    """The optional part of a ``Provisioner`` for engines whose host addresses have ``via`` set."""
+
+    def open_tunnel(self, rec: PoolRecord, addr: HostAddr, timeout: float) -> Any:
+        """A stream to the agent at ``addr`` (its ``sock``, and ``error()`` to explain a failure)."""
 
 
 @dataclass
@@ -198,7 +207,7 @@ class Pool:
             self._provisioner = get_provisioner(self.record.scheduler)
         return self._provisioner
 
-    def connect(self, index: int, timeout: float = PING_TIMEOUT_S) -> net.Client:
+    def connect(self, index: int, timeout: float = PING_TIMEOUT_S) -> AgentClient:
         addr = self.host(index)
         if addr is None:
             raise MonarchError(f"host {index} of pool {self.name!r} has no agent address (not started yet?)")
@@ -207,13 +216,14 @@ class Pool:
         tunnel = None
         if addr.via:  # e.g. a Kubernetes port-forward: the engine opens the stream
             try:
-                tunnel = self.provisioner.open_tunnel(self.record, addr, timeout)
+                # only engines that define open_tunnel publish addresses with ``via``
+                tunnel = cast(TunnelingProvisioner, self.provisioner).open_tunnel(self.record, addr, timeout)
             except AccessError:
                 raise
             except MonarchError as e:  # the pod behind it is gone or not running
                 raise HostLost(f"host {index} of pool {self.name!r} is lost: {e}", index) from None
         try:
-            return net.Client(
+            return AgentClient(
                 addr.host,
                 addr.port,
                 self.record.credentials,
@@ -366,7 +376,7 @@ class Pool:
             if not h.via:
                 return None
             try:
-                return self.provisioner.open_tunnel(self.record, h, t).sock
+                return cast(TunnelingProvisioner, self.provisioner).open_tunnel(self.record, h, t).sock
             except AccessError:
                 raise
             except MonarchError as e:  # the pod behind it is gone or not running (as in ``connect``)
@@ -410,7 +420,7 @@ class Pool:
             i
             for i, _, err in res
             if isinstance(err, HostUnreachable)
-            and (not self.loss_evidence(i, err) or not self.hosts[i] or not self.hosts[i].same_agent(cached[i]))
+            and (not self.loss_evidence(i, err) or not (cur := self.hosts[i]) or not cur.same_agent(cached[i]))
         ]
         if again:
             retried = {i: (v, e) for i, v, e in self.fan_out(patient_ping, again)}
@@ -435,11 +445,6 @@ class Pool:
         """One line for a host lost on ``evidence`` (with what the last connection said, if any)."""
         cause = err.cause if isinstance(err, HostUnreachable) else None
         return f"host {index} of pool {self.name!r} is lost: {evidence}" + (f" (last try: {cause})" if cause else "")
-
-
-def tree_min_hosts() -> int:
-    """From how many hosts on ``Pool.ask`` goes through the agents' relay tree."""
-    return int(os.environ.get("MONARCH_TORCHX_TREE_MIN_HOSTS", "32"))
 
 
 _WIRE_KINDS = {
@@ -786,14 +791,15 @@ def _hear_ends(pool: Pool, hosts: list[int]) -> None:
     own disks only: before they go, the ends no client asked about are recorded here, so their
     apps still read as they ended once the pool is stopped (``history.py``)."""
     from . import history
-    from .specs import TERMINAL
+    from .specs import ReplicaStatus
 
     for _, res, _ in pool.ask("list", hosts, timeout=10.0):
         for st in res or []:
-            if st.get("state") in TERMINAL:
-                with contextlib.suppress(OSError, ValueError, KeyError):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # (a damaged answer: not an end)
+                rs = ReplicaStatus.from_wire(st)
+                if rs.state.terminal:
                     history.record_end(
-                        pool.record.path, history.ReplicaEnd.from_status(st["app_id"], st["role"], st["replica_id"], st)
+                        pool.record.path, history.ReplicaEnd.from_status(rs.app_id, rs.role, rs.replica_id, rs)
                     )
 
 
@@ -845,7 +851,9 @@ def force_stop(name: str, registry: Registry | None = None) -> list[str]:
             os.kill(pid, signal.SIGKILL)
     if pids:
         done.append(f"ended {len(pids)} local agent(s)")
-    alloc = raw.get("allocation") if isinstance(raw.get("allocation"), dict) else {}
+    alloc = raw.get("allocation")
+    if not isinstance(alloc, dict):
+        alloc = {}
     job = alloc.get("job_id")
     if job and shutil.which("scancel"):
         subprocess.run(["scancel", str(job)], capture_output=True)

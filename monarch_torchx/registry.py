@@ -424,7 +424,7 @@ class Registry:
     # ------------------------------------------------------------ hosts
 
     @staticmethod
-    def read_host(state_dir: Path, index: int) -> HostAddr | None:
+    def read_host(state_dir: str | Path, index: int) -> HostAddr | None:
         path = Path(state_dir) / "hosts" / f"{index}.json"
         data = _read_json(path)
         try:

@@ -1,13 +1,69 @@
-"""Typed requests that cross the wire between a scheduler and an agent."""
+"""Typed requests and replies that cross the wire between a client and an agent."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
 
-# Replica states, spelled as TorchX's AppState names so they map one to one.
+# Replica states as they travel (plain strings: an agent's answer and a recorded end are read by
+# clients of other versions), spelled as TorchX's AppState names so they map one to one.
 PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"
 UNKNOWN = "UNKNOWN"  # its host did not answer in time: maybe busy, maybe gone; asked again later
 TERMINAL = (SUCCEEDED, FAILED, CANCELLED)
+
+
+class ReplicaState(str, Enum):
+    """A replica's state, as ``ReplicaStatus`` holds it (equal to its wire string, as TorchX's
+    ``AppState`` names it)."""
+
+    PENDING = PENDING
+    RUNNING = RUNNING
+    SUCCEEDED = SUCCEEDED
+    FAILED = FAILED
+    CANCELLED = CANCELLED
+    UNKNOWN = UNKNOWN
+
+    @property
+    def terminal(self) -> bool:
+        return self.value in TERMINAL
+
+
+@dataclass
+class ReplicaStatus:
+    """What is known of one replica: an agent's answer (``describe``, ``list``), its recorded end
+    (``history.ReplicaEnd``), or what a client found (its host lost, unreachable)."""
+
+    state: ReplicaState
+    msg: str = ""
+    hostname: str = ""
+    exit_code: int | None = None
+    attempts: int = 0
+    started: float | None = None
+    ended: float | None = None
+    age_s: float | None = None  # how long ago it ended, on its host's (or the file system's) clock
+    recorded: bool = False  # its end is on record (written by the agent, or read from there)
+    final: bool = True  # False: a failure that may yet be answered otherwise (a launch not yet heard)
+    app_id: str = ""
+    role: str = ""
+    replica_id: int = -1
+    pid: int | None = None
+    argv: list[str] = field(default_factory=list)
+    log_dir: str = ""
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any], **more: Any) -> ReplicaStatus:
+        """From an agent's status dict (``Replica.status``); fields a newer agent added are left
+        out, and ``more`` (e.g. the hostname the client knows) is added."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in {**d, **more}.items() if k in known and v is not None or k == "exit_code"}
+        fields["state"] = ReplicaState(fields["state"])
+        return cls(**fields)
+
+    @property
+    def failed_for_good(self) -> bool:
+        return self.state == ReplicaState.FAILED and self.final
 
 
 @dataclass

@@ -26,7 +26,7 @@ from pathlib import Path
 from submitit.core import core, job_environment, utils
 
 from .errors import MonarchError
-from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec
+from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec, ReplicaStatus
 
 REQUEUE_CODE = 144
 _SUBMITIT_STATE = {
@@ -59,7 +59,7 @@ class MonarchJob(core.Job[core.R]):
             raise MonarchError(f"job {self.job_id} is not known to pool {meta['pool']!r}")
         return pool, arec
 
-    def _ended_on_stopped_pool(self) -> dict[tuple[str, int], dict[str, tp.Any]] | None:
+    def _ended_on_stopped_pool(self) -> dict[tuple[str, int], ReplicaStatus] | None:
         """The job's states as recorded, if its pool was stopped (``history.py``); else None."""
         from . import apps
         from .registry import Registry
@@ -89,8 +89,8 @@ class MonarchJob(core.Job[core.R]):
             return "FAILED"
         if self.task_id is not None and len(states) > 1:
             st = states.get(("task", self.task_id))
-            return _SUBMITIT_STATE[st["state"]] if st else "FAILED"
-        return _SUBMITIT_STATE[apps.app_state([s["state"] for s in states.values()])]
+            return _SUBMITIT_STATE[st.state.value] if st else "FAILED"
+        return _SUBMITIT_STATE[apps.app_state([s.state.value for s in states.values()])]
 
     def get_info(self, mode: str = "force") -> dict[str, str]:  # pylint: disable=unused-argument
         return {"State": self.state}

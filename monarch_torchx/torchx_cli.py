@@ -59,11 +59,11 @@ def _components_found_once() -> Iterator[None]:
             parsed[source] = real_parse(source)
         return parsed[source]
 
-    metadata.entry_points, ast.parse = entry_points, parse  # type: ignore[assignment]
+    metadata.entry_points, ast.parse = entry_points, parse
     try:
         yield
     finally:
-        metadata.entry_points, ast.parse = real_scan, real_parse  # type: ignore[assignment]
+        metadata.entry_points, ast.parse = real_scan, real_parse
 
 
 class _OneLineErrors:
@@ -115,7 +115,7 @@ def check_config_files(scheduler: str, cfg_str: str) -> None:
     given = set(_cfg_keys(cfg_str))
     for path in find_configs():
         parser = configparser.ConfigParser()
-        parser.optionxform = str  # type: ignore[assignment,method-assign]  (as TorchX's: run options are case-sensitive)
+        parser.optionxform = str  # type: ignore[assignment,method-assign]  # as TorchX's: case-sensitive options
         try:
             parser.read(path)
         except configparser.Error as e:
@@ -218,7 +218,7 @@ def dryrun_json(info: Any, scheduler: str) -> dict[str, Any]:
         "scheduler": scheduler,
         "cfg": dict(info._cfg or {}),
         "app": asdict(info._app) if info._app else None,
-        "request": asdict(request) if is_dataclass(request) else str(info),
+        "request": asdict(request) if is_dataclass(request) and not isinstance(request, type) else str(info),
     }
 
 
@@ -551,7 +551,7 @@ def _follow_app_logs(sched: Any, scheduler: str, parts: list[str], args: argpars
         sys.exit(1)
 
 
-def _replicas_to_show(sched: Any, scheduler: str, parts: list[str]) -> tuple[str, list[tuple[str, int]]]:
+def _replicas_to_show(sched: Any, scheduler: str, parts: list[str]) -> tuple[str, list[tuple[str | None, int]]]:
     """The app id and the (role, replica) pairs a ``torchx log`` identifier names, once the app
     has started (as TorchX: it waits for a submitted app, saying so)."""
     import time

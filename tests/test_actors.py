@@ -48,6 +48,8 @@ from tests.fixtures.actors import (
     WrapperMarker,
 )
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -845,13 +847,14 @@ def test_examples_run(pool, example, args, expect):
 
 def test_actor_output_is_in_telemetry(procs, pool):
     from monarch_torchx.pool import attach as attach_pool
+    from monarch_torchx.telemetry import sql
 
     c = procs.spawn("c", Counter)
     c.say.call("hello from an actor").get()
     query = f"SELECT host, replica, line FROM logs WHERE app_id = 'mesh-{procs.mesh_id}' AND line LIKE 'hello%'"
 
     def rows():
-        res = attach_pool(pool[0]).sql(query)
+        res = sql(attach_pool(pool[0]), query)
         return res.to_pylist() if res.num_rows == 4 else None
 
     got = wait_for(rows, timeout=30, interval=0.5, what="actor output in the logs table")

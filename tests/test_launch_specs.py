@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from monarch_torchx import apps
 from monarch_torchx.pool import attach
 from monarch_torchx.specs import LaunchSpec
 
 from .conftest import torchx, wait_for
+
+pytestmark = pytest.mark.integration
 
 IGNORE_USR2 = (
     "import signal, sys, time; signal.signal(signal.SIGUSR2, lambda *a: print('got USR2', flush=True)); "
@@ -32,8 +36,8 @@ def test_timeout_signals_first_then_kills_and_output_is_teed(home, pool_name, tm
         signal_delay_s=1.0,
     )
     arec = apps.launch(pool, "timeout-1", "t", [], [(0, spec)])
-    st = wait_for(lambda: (s := _state(pool, arec))["state"] == "FAILED" and s, timeout=20, what="timeout")
-    assert st["msg"].startswith("timed out after")
+    st = wait_for(lambda: (s := _state(pool, arec)).state == "FAILED" and s, timeout=20, what="timeout")
+    assert st.msg.startswith("timed out after")
     assert (tmp_path / "out.txt").read_text() == "out line\ngot USR2\n"
     assert (tmp_path / "err.txt").read_text() == "err line\n"
 
@@ -48,8 +52,8 @@ def test_requeue_code_restarts_without_spending_retries(home, pool_name, tmp_pat
     )
     spec = LaunchSpec(app_id="rq-1", role="r", replica_id=0, argv=["python", "-c", code], requeue_code=144)
     arec = apps.launch(pool, "rq-1", "t", [], [(0, spec)])
-    st = wait_for(lambda: (s := _state(pool, arec))["state"] == "SUCCEEDED" and s, timeout=20, what="requeues")
-    assert st["attempts"] == 3 and counter.read_text() == "3"
+    st = wait_for(lambda: (s := _state(pool, arec)).state == "SUCCEEDED" and s, timeout=20, what="requeues")
+    assert st.attempts == 3 and counter.read_text() == "3"
 
 
 def test_many_concurrent_launches_on_one_host(home, pool_name):
@@ -67,4 +71,4 @@ def test_many_concurrent_launches_on_one_host(home, pool_name):
     with ThreadPoolExecutor(8) as ex:
         recs = list(ex.map(one, range(40)))
     for arec in recs:
-        wait_for(lambda a=arec: _state(pool, a)["state"] == "SUCCEEDED", what=f"{arec.app_id}")
+        wait_for(lambda a=arec: _state(pool, a).state == "SUCCEEDED", what=f"{arec.app_id}")

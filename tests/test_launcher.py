@@ -17,6 +17,8 @@ from monarch_torchx.pool import attach
 
 from .conftest import wait_for
 
+pytestmark = pytest.mark.integration
+
 PROBE = """
 import atexit, json, os, sys, threading, time
 def late():
@@ -354,8 +356,9 @@ def test_an_exec_start_forks_where_posix_spawn_cannot_start_a_session(monkeypatc
     call refusing.)"""
     import socket
 
-    from monarch_torchx import wire
+    from monarch_torchx import net
     from monarch_torchx.agent import forkserver
+    from monarch_torchx.agent.forkserver_messages import Start, Started, StartMode
 
     ctl, ctl_server = socket.socketpair()
     evt, evt_server = socket.socketpair()
@@ -368,18 +371,18 @@ def test_an_exec_start_forks_where_posix_spawn_cannot_start_a_session(monkeypatc
     out = tmp_path / "out"
     fd = os.open(out, os.O_WRONLY | os.O_CREAT, 0o600)
     server.spawn(
-        {
-            "token": 7,
-            "mode": "exec",
-            "argv": ["sh", "-c", "echo $X $(pwd); echo err >&2"],
-            "env": {"X": "forked", "PATH": os.defpath},
-            "cwd": str(tmp_path),
-        },
+        Start(
+            token=7,
+            mode=StartMode.EXEC,
+            argv=["sh", "-c", "echo $X $(pwd); echo err >&2"],
+            env={"X": "forked", "PATH": os.defpath},
+            cwd=str(tmp_path),
+        ),
         [fd, os.dup(fd)],
     )
-    reply = wire.FrameReader(evt, exact=True).recv()
-    assert reply["token"] == 7 and reply["pid"] > 0 and not server.posix_spawn, reply
-    _, status = os.waitpid(reply["pid"], 0)
+    reply = net.FrameReader(evt, exact=True).recv()
+    assert isinstance(reply, Started) and reply.token == 7 and reply.pid > 0 and not server.posix_spawn, reply
+    _, status = os.waitpid(reply.pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0 and out.read_text() == f"forked {tmp_path}\nerr\n"
     assert os.getcwd() != str(tmp_path)  # the server's own cwd was never the role's
     for s in (ctl, evt, ctl_server, evt_server):
@@ -395,6 +398,7 @@ def test_a_server_forked_from_the_plain_one_imports_its_preloads_and_ends_with_i
     plain server does."""
     import asyncio
 
+    from monarch_torchx.agent.forkserver_messages import StartMode
     from monarch_torchx.agent.launcher import _Server
 
     probe = tmp_path / "imported_by"
@@ -412,7 +416,7 @@ def test_a_server_forked_from_the_plain_one_imports_its_preloads_and_ends_with_i
         await child.start()
         await asyncio.wait_for(child.ready.wait(), 60)
         assert probe.read_text().split() == [str(child.pid)]  # imported once, by the forked server
-        assert _stat(child.pid)[1] == plain.proc.pid and child.info["preloaded"] == ["tests.fixtures.preload_probe"]
+        assert _stat(child.pid)[1] == plain.proc.pid and child.info.preloaded == ["tests.fixtures.preload_probe"]
         assert Path(f"/proc/{child.pid}/comm").read_text().strip() == "fs-probe"
         fds = {int(fd) for fd in os.listdir(f"/proc/{child.pid}/fd")}
         plain_sockets = {
@@ -427,12 +431,10 @@ def test_a_server_forked_from_the_plain_one_imports_its_preloads_and_ends_with_i
         out = tmp_path / "out"
         fd = os.open(out, os.O_WRONLY | os.O_CREAT, 0o600)
         pid = await child.spawn(
-            {
-                "mode": "python",
-                "argv": [sys.executable, "-c", "print(open('/proc/self/comm').read().strip())"],
-                "env": dict(os.environ),
-                "cwd": str(tmp_path),
-            },
+            StartMode.PYTHON,
+            [sys.executable, "-c", "print(open('/proc/self/comm').read().strip())"],
+            dict(os.environ),
+            str(tmp_path),
             [fd, os.dup(fd)],
         )
         os.close(fd)

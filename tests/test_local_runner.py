@@ -17,6 +17,8 @@ from monarch_torchx.registry import Registry
 
 from .conftest import wait_for
 
+pytestmark = pytest.mark.integration
+
 
 def _app(name: str, entrypoint: str, *args: str, replicas: int = 1, env=None, max_retries: int = 0) -> AppDef:
     return AppDef(
@@ -349,7 +351,7 @@ def test_torchx_delete_cancels_the_app_and_forgets_it(home, pool_name, tmp_path)
     from monarch_torchx import apps, procfs
     from monarch_torchx.pool import attach
 
-    (pid,) = [s["pid"] for s in apps.replica_states(attach(pool_name, Registry(home)), arec).values()]
+    (pid,) = [s.pid for s in apps.replica_states(attach(pool_name, Registry(home)), arec).values()]
     torchx(home, "delete", h)
     assert app not in torchx(home, "list", "-s", "monarch_local").stdout
     assert Registry.list_apps(Registry(home).require(pool_name)) == []

@@ -19,6 +19,8 @@ from monarch_torchx.registry import MONARCH_JOBS_DIR, Registry
 
 from .conftest import cli_env, wait_for
 
+pytestmark = pytest.mark.integration
+
 pytest.importorskip("monarch.actor", reason="torchmonarch is not installed (pip install 'monarch-torchx[monarch]')")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +89,7 @@ def test_monarchs_pingpong_runs_twice_on_a_local_pool_and_the_second_run_reuses_
 
     # kill(): the workers end, their keys go, the pool stays warm for the next job
     (arec,) = _worker_apps(home, pool_name)
-    pids = [s["pid"] for s in apps.replica_states(attach(pool_name), arec).values()]
+    pids = [s.pid for s in apps.replica_states(attach(pool_name), arec).values()]
     assert len(pids) == 2 and all(procfs.alive(p) for p in pids)
     # a worker's address names its service proc: not on its command line, which anyone can read
     assert not [p for p in pids if b"tls://" in Path(f"/proc/{p}/cmdline").read_bytes()]

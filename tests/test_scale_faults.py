@@ -9,6 +9,7 @@ import time
 import pytest
 
 from monarch_torchx.pool import LOST, OK, UNREACHABLE, attach
+from monarch_torchx.syncfs import sync
 
 from .conftest import (
     assert_a_relay_killed_mid_wait_is_passed_over,
@@ -17,6 +18,8 @@ from .conftest import (
     torchx,
     wait_for,
 )
+
+pytestmark = pytest.mark.integration
 
 HOSTS = 64
 
@@ -91,7 +94,7 @@ def test_a_sync_to_64_hosts_is_asked_through_the_relay_tree_and_sent_down_a_tree
     r0 = relayed()
     per_ask = relayed() - r0
     r1 = r0 + per_ask
-    report = pool.sync(str(src), "code")
+    report = sync(pool, str(src), "code")
     assert report.ok and len(report.hosts) == HOSTS and len({h.generation for h in report.hosts}) == 1
     assert report.bytes_sent <= 2 * size + (1 << 20)  # two halves of 32, not 4 chains of 16
     # the target check, what lacks, prepare and commit went through the relays, as an info does

@@ -17,6 +17,8 @@ from monarch_torchx.registry import Registry
 
 from .conftest import squeue_ids, torchx, wait_for
 
+pytestmark = pytest.mark.integration
+
 
 def where(x):
     env = submitit.JobEnvironment()
@@ -154,7 +156,7 @@ def test_cancel_at_deletion_cancels_the_job_when_it_is_deleted(local_pool, tmp_p
 
     pool = attach(local_pool)
     wait_for(
-        lambda: apps.replica_states(pool, Registry.get_app(pool.record, app_id))[("task", 0)]["state"] == "CANCELLED",
+        lambda: apps.replica_states(pool, Registry.get_app(pool.record, app_id))[("task", 0)].state == "CANCELLED",
         timeout=20,
         what="the deleted job to be cancelled",
     )
@@ -163,7 +165,7 @@ def test_cancel_at_deletion_cancels_the_job_when_it_is_deleted(local_pool, tmp_p
     del kept
     gc.collect()
     wait_for(
-        lambda: apps.replica_states(pool, Registry.get_app(pool.record, kept_id))[("task", 0)]["state"] == "SUCCEEDED",
+        lambda: apps.replica_states(pool, Registry.get_app(pool.record, kept_id))[("task", 0)].state == "SUCCEEDED",
         timeout=20,
         what="the job kept running",
     )
@@ -186,10 +188,10 @@ def test_timeout_signals_then_a_checkpointable_job_is_requeued_into_the_pool(loc
 
     def final():  # the result file is written just before the task process exits
         st = apps.replica_states(pool, Registry.get_app(pool.record, f"submitit-{job.job_id}"))[("task", 0)]
-        return st if st["state"] != "RUNNING" else None
+        return st if st.state != "RUNNING" else None
 
     st = wait_for(final, timeout=30, what="the task to exit")
-    assert st["attempts"] == 2 and st["state"] == "SUCCEEDED"
+    assert st.attempts == 2 and st.state == "SUCCEEDED"
 
 
 def test_bad_pool_and_parameters_are_refused(home, tmp_path, local_pool):

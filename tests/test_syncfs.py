@@ -17,8 +17,11 @@ import pytest
 from monarch_torchx import wire
 from monarch_torchx.errors import MonarchError
 from monarch_torchx.pool import PoolRequest, attach, ensure_pool, stop_pool
+from monarch_torchx.syncfs import sync
 
 from .conftest import BIN, cli_env, node_store, pids_running, wait_for
+
+pytestmark = pytest.mark.integration
 
 CLI = str(BIN / "monarch-torchx")
 
@@ -132,14 +135,14 @@ def test_a_known_tree_settles_hosts_that_serve_it_and_feeds_the_others(pool, tmp
     # the hash cache knows the whole tree after the first sync, so the second asks every host by
     # the tree's digest first: host 0 already serves it, host 1 has nothing and is fed in full
     src = make_tree(tmp_path / "src")
-    first = pool.sync(str(src), "known", hosts=[0])
+    first = sync(pool, str(src), "known", hosts=[0])
     assert first.ok and first.generation == 1
-    both = pool.sync(str(src), "known", hosts=[0, 1])
+    both = sync(pool, str(src), "known", hosts=[0, 1])
     assert both.ok and [h.generation for h in both.hosts] == [1, 1]
     assert both.hosts[0].bytes_sent == 0 and both.hosts[1].bytes_sent >= 5 << 20
     for h in both.hosts:
         assert_same_tree(src, Path(h.path))
-    refused = pool.sync(str(src), "/etc/monarch-known", hosts=[0, 1])  # still checked before a byte moves
+    refused = sync(pool, str(src), "/etc/monarch-known", hosts=[0, 1])  # still checked before a byte moves
     assert not refused.ok and refused.bytes_sent == 0
     assert all("outside what this agent allows" in h.error for h in refused.hosts), refused.hosts
 
@@ -149,11 +152,11 @@ def test_an_edit_in_a_large_file_resends_only_nearby_chunks(pool, tmp_path):
     src.mkdir()
     data = bytearray(os.urandom(48 << 20))
     (src / "weights.bin").write_bytes(data)
-    first = pool.sync(str(src), "w", hosts=[0])
+    first = sync(pool, str(src), "w", hosts=[0])
     assert first.ok and first.bytes_sent == 48 << 20
     data[24 << 20 : (24 << 20) + 100] = os.urandom(100)
     (src / "weights.bin").write_bytes(data)
-    second = pool.sync(str(src), "w", hosts=[0])
+    second = sync(pool, str(src), "w", hosts=[0])
     assert second.ok and 0 < second.bytes_sent <= 8 << 20, second.bytes_sent  # at most two 4 MiB chunks
     assert Path(second.hosts[0].path, "weights.bin").read_bytes() == bytes(data)
 
@@ -162,10 +165,10 @@ def test_open_files_of_the_old_generation_keep_working(pool, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "cfg.txt").write_text("v1\n")
-    path = Path(pool.sync(str(src), "live", hosts=[0]).hosts[0].path)
+    path = Path(sync(pool, str(src), "live", hosts=[0]).hosts[0].path)
     with open(path / "cfg.txt") as f:
         (src / "cfg.txt").write_text("v2 longer\n")
-        r = pool.sync(str(src), "live", hosts=[0])
+        r = sync(pool, str(src), "live", hosts=[0])
         assert r.generation == 2 and (path / "cfg.txt").read_text() == "v2 longer\n"
         assert f.read() == "v1\n"  # the reader that opened generation 1 still sees it
 
@@ -202,7 +205,7 @@ def test_a_corrupted_chunk_is_refused_and_sent_again(pool, tmp_path, monkeypatch
 
     monkeypatch.setattr(client, "batch_parts", flaky)
     src = make_tree(tmp_path / "src")
-    report = pool.sync(str(src), "fixed", hosts=[0])
+    report = sync(pool, str(src), "fixed", hosts=[0])
     assert report.ok and corrupted
     assert_same_tree(src, Path(report.hosts[0].path))
 
@@ -221,7 +224,7 @@ def test_a_file_shorter_than_its_chunks_when_sent_fails_the_sync_in_one_line_and
         return index, wire.Gathered([wire.FileRegion(str(tmp_path / "short"), 0, data.nbytes)])
 
     monkeypatch.setattr(client, "batch_parts", shrunk)
-    report = pool.sync(str(make_tree(tmp_path / "src")), "shrinking", hosts=[0])
+    report = sync(pool, str(make_tree(tmp_path / "src")), "shrinking", hosts=[0])
     assert not report.ok
     error = report.hosts[0].error
     assert error.startswith("host 0: ") and "byte(s) before the part being sent" in error
@@ -234,13 +237,13 @@ def test_without_fuse_generations_are_trees_behind_a_symlink(home, pool_name, tm
     monkeypatch.setenv("MONARCH_TORCHX_SYNC_FUSE", "0")
     p = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}))
     src = make_tree(tmp_path / "src")
-    first = p.sync(str(src), "plain")
+    first = sync(p, str(src), "plain")
     dst = Path(first.hosts[0].path)
     assert first.hosts[0].served_by.startswith("symlink") and dst.is_symlink() and not os.path.ismount(dst)
     assert_same_tree(src, dst)
     with open(dst / "pkg" / "run.sh") as f:
         (src / "pkg" / "run.sh").write_text("#!/bin/sh\necho v2\n")
-        second = p.sync(str(src), "plain")
+        second = sync(p, str(src), "plain")
         assert second.generation == 2 and "v2" in (dst / "pkg" / "run.sh").read_text()
         assert "echo hi" in f.read()  # opened in generation 1
     assert os.readlink(dst).endswith("gen-2")
@@ -254,7 +257,7 @@ def test_a_dead_host_is_named_and_the_others_complete(pool, home, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_text("one\n")
-    first = pool.sync(str(src), "ws")
+    first = sync(pool, str(src), "ws")
     old = Path(first.hosts[1].path)
     os.kill(pool.hosts[1].pid, signal.SIGKILL)
     (src / "a.txt").write_text("two\n")
@@ -268,7 +271,7 @@ def test_a_dead_host_is_named_and_the_others_complete(pool, home, tmp_path):
     assert not list(node_store(tmp_path / "node-stores", pool.name, 1).glob("targets/*/gen-2.manifest"))
 
     # the host comes back (a new agent): it takes over its old mount and gets the new generation
-    report = attach(pool.name) and ensure_pool(PoolRequest("monarch_local", pool.name, {})).sync(str(src), "ws")
+    report = attach(pool.name) and sync(ensure_pool(PoolRequest("monarch_local", pool.name, {})), str(src), "ws")
     assert report.ok and (old / "a.txt").read_text() == "two\n"
 
 
@@ -291,14 +294,12 @@ def test_chain_reaches_every_host_and_routes_around_a_dead_one(home, pool_name, 
     monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))
     p = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 4, "preload": ""}))
     src = make_tree(tmp_path / "src")
-    report = p.sync(str(src), "ws")
+    report = sync(p, str(src), "ws")
     assert report.ok and report.bytes_sent < (5 << 20) + (1 << 20)  # once, not 4 times
     for h in report.hosts:
         assert_same_tree(src, Path(h.path))
-    star = p.sync(str(src), "ws2", hosts=[0, 1])
+    star = sync(p, str(src), "ws2", hosts=[0, 1])
     assert star.ok
-    from monarch_torchx.syncfs import sync
-
     assert sync(p, str(src), "ws3", hosts=[2, 3], fanout="star").bytes_sent == 0  # chunks already on both
     # several chains (here of 2 hosts each): each chunk leaves the client once per chain
     (src / "fresh.bin").write_bytes(os.urandom(3 << 20))
@@ -312,7 +313,7 @@ def test_chain_reaches_every_host_and_routes_around_a_dead_one(home, pool_name, 
     # the data directly, the dead one is named
     (src / "more.bin").write_bytes(os.urandom(20 << 20))
     _kill_after_the_first_batch(monkeypatch, p, 1)
-    report = p.sync(str(src), "ws")
+    report = sync(p, str(src), "ws")
     by = {h.index: h for h in report.hosts}
     assert not by[1].ok and "host 1" in by[1].error
     assert by[0].ok and by[2].ok and by[3].ok
@@ -351,7 +352,7 @@ def test_a_client_killed_mid_sync_switches_no_host(pool, home, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_text("old\n")
-    target = Path(pool.sync(str(src), "ws", hosts=[0]).hosts[0].path)
+    target = Path(sync(pool, str(src), "ws", hosts=[0]).hosts[0].path)
     (src / "big.bin").write_bytes(os.urandom(400 << 20))
     store = node_store(tmp_path / "node-stores", pool.name, 0) / "packs"
     before = sum(1 for _ in store.rglob("*"))
@@ -367,7 +368,7 @@ def test_a_client_killed_mid_sync_switches_no_host(pool, home, tmp_path):
     proc.kill()
     proc.wait()
     assert pool.call(0, "syncfs.where", target="ws")["generation"] == 1 and not (target / "big.bin").exists()
-    report = pool.sync(str(src), "ws", hosts=[0])  # and the next sync completes, sending only the rest
+    report = sync(pool, str(src), "ws", hosts=[0])  # and the next sync completes, sending only the rest
     assert report.ok and report.generation == 2 and report.bytes_sent < 400 << 20
     assert (target / "big.bin").stat().st_size == 400 << 20
 
@@ -382,7 +383,7 @@ def test_two_syncs_to_one_target_are_serialized_and_each_whole(pool, tmp_path):
         trees.append(t)
     reports = {}
     threads = [
-        threading.Thread(target=lambda n=n: reports.__setitem__(n, pool.sync(str(trees[n]), "same", hosts=[0])))
+        threading.Thread(target=lambda n=n: reports.__setitem__(n, sync(pool, str(trees[n]), "same", hosts=[0])))
         for n in range(2)
     ]
     for t in threads:
@@ -406,7 +407,7 @@ def test_disk_full_on_a_host_is_one_line_and_the_old_generation_stays(home, pool
         src = tmp_path / "src"
         src.mkdir()
         (src / "a.txt").write_text("fits\n")
-        target = Path(p.sync(str(src), "ws").hosts[0].path)
+        target = Path(sync(p, str(src), "ws").hosts[0].path)
         (src / "big.bin").write_bytes(os.urandom(8 << 20))
         used_before = shutil.disk_usage(small).used
         res = sync_cli(home, str(src), "--pool", pool_name, "--to", "ws", check=False)
@@ -417,7 +418,7 @@ def test_disk_full_on_a_host_is_one_line_and_the_old_generation_stays(home, pool
         small_file = src / "small.bin"  # so the next sync that fits goes through
         (src / "big.bin").unlink()
         small_file.write_bytes(os.urandom(1 << 20))
-        assert p.sync(str(src), "ws").hosts[0].ok
+        assert sync(p, str(src), "ws").hosts[0].ok
         assert (target / "small.bin").read_bytes() == small_file.read_bytes()
         from monarch_torchx.pool import stop_pool
 
@@ -598,14 +599,14 @@ def test_a_mostly_unused_pack_is_rewritten_under_a_served_tree(home, pool_name, 
     src.mkdir()
     (src / "kept.txt").write_text("kept across every generation\n")
     (src / "big.bin").write_bytes(os.urandom(2 << 20))
-    first = p.sync(str(src), "ws")
+    first = sync(p, str(src), "ws")
     target = Path(first.hosts[0].path)
     assert (target / "big.bin").read_bytes() == (src / "big.bin").read_bytes()  # the first pack is open there now
     packs = node_store(tmp_path / "node-stores", pool_name, 0) / "packs"
     first_pack = {q.name for q in packs.glob("*.pack")}
     for _ in range(2):  # the first generation is dropped: its big chunks are used no more
         (src / "big.bin").write_bytes(os.urandom(2 << 20))
-        assert p.sync(str(src), "ws").ok
+        assert sync(p, str(src), "ws").ok
     wait_for(lambda: not first_pack & {q.name for q in packs.glob("*.pack")}, timeout=30, what="the rewrite")
     assert (target / "kept.txt").read_text() == "kept across every generation\n"
     assert any(b"kept across every generation" in q.read_bytes() for q in packs.glob("*.pack"))  # moved, not lost
@@ -776,7 +777,7 @@ def test_chunks_of_a_sync_that_never_committed_are_collected(home, pool_name, tm
     monkeypatch.setenv("MONARCH_TORCHX_SYNC_SWEEP_S", "0.5")
     p = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}))
     kept = make_tree(tmp_path / "src")
-    assert p.sync(str(kept), "ws").ok  # a committed tree: its chunks stay
+    assert sync(p, str(kept), "ws").ok  # a committed tree: its chunks stay
     data = [os.urandom(300_000), b"x" * 1000]
     chunks = [(blake3.blake3(d).hexdigest(), len(d)) for d in data]
     assert p.call(0, "syncfs.missing", hashes=[h for h, _ in chunks], target="never") == [h for h, _ in chunks]
@@ -786,7 +787,7 @@ def test_chunks_of_a_sync_that_never_committed_are_collected(home, pool_name, tm
     assert len(packs) == 2  # the tree's pack and the aborted sync's
     wait_for(lambda: len(set((store / "packs").glob("*.pack"))) == 1, timeout=30, what="the sweep")
     assert p.call(0, "syncfs.missing", hashes=[h for h, _ in chunks]) == [h for h, _ in chunks]
-    report = p.sync(str(kept), "ws")  # the committed tree's chunks were kept: nothing to send
+    report = sync(p, str(kept), "ws")  # the committed tree's chunks were kept: nothing to send
     assert report.ok and report.bytes_sent < 100_000
 
 
@@ -804,14 +805,14 @@ def test_bulk_bytes_over_the_rdma_module(home, pool_name, tmp_path, monkeypatch,
         monkeypatch.setenv("MONARCH_TORCHX_RDMA", "tcp")  # the client's and (inherited) the agents'
     p = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 3, "preload": ""}))
     src = make_tree(tmp_path / "src")
-    report = p.sync(str(src), "ws")
+    report = sync(p, str(src), "ws")
     assert report.ok and report.transfer == f"rdma/{backend}"
     assert (5 << 20) <= report.bytes_sent < (6 << 20)  # still once: hosts 1 and 2 got it down the chain
     for h in report.hosts:
         assert_same_tree(src, Path(h.path))
     monkeypatch.setenv("MONARCH_TORCHX_SYNC_TRANSFER", "carrier-pigeon")
     with pytest.raises(MonarchError, match="use auto, socket or rdma"):
-        p.sync(str(src), "ws")
+        sync(p, str(src), "ws")
 
 
 def test_fuse_server_finds_a_chunk_that_was_collected_and_sent_again(tmp_path, monkeypatch):
@@ -850,14 +851,14 @@ def test_a_target_whose_fuse_server_died_is_mounted_again_by_the_next_sync(pool,
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_text("hello\n")
-    first = pool.sync(str(src), "ws", hosts=[0])
+    first = sync(pool, str(src), "ws", hosts=[0])
     path = Path(first.hosts[0].path)
     assert (path / "a.txt").read_text() == "hello\n"
     store = node_store(tmp_path / "node-stores", pool.name, 0)
     kill_orphans(store)  # the server goes away; the mount with it
 
     wait_for(lambda: not os.path.ismount(path) and not fuse_servers(store), timeout=10, what="the FUSE server to go")
-    again = pool.sync(str(src), "ws", hosts=[0])  # the same tree: not "unchanged", since nothing serves it
+    again = sync(pool, str(src), "ws", hosts=[0])  # the same tree: not "unchanged", since nothing serves it
     assert again.ok and again.generation == first.generation + 1 and again.hosts[0].served_by == "fuse"
     assert os.path.ismount(path) and (path / "a.txt").read_text() == "hello\n"
 
@@ -883,7 +884,7 @@ def test_the_store_is_private_and_a_planted_root_is_refused(home, pool_name, tmp
     (src / "main.py").write_text("print('mine')\n")
     (src / ".env").write_text("TOKEN=secret\n")
     os.chmod(src / ".env", 0o600)
-    report = pool.sync(str(src), "ws")
+    report = sync(pool, str(src), "ws")
     assert report.ok, report
     root = shared / f"monarch_torchx-{os.getuid()}"
     store = node_store(root / "syncfs", pool_name, 0)
@@ -923,7 +924,7 @@ def test_two_pools_of_one_name_in_two_homes_keep_their_own_stores(pool_name, tmp
         reg = Registry(home)
         pool = ensure_pool(PoolRequest("monarch_local", pool_name, {"hosts": 1, "preload": ""}), reg)
         pools.append((pool, reg, src))
-    paths = [Path(pool.sync(str(src), "ws").hosts[0].path) for pool, _, src in pools]
+    paths = [Path(sync(pool, str(src), "ws").hosts[0].path) for pool, _, src in pools]
     assert paths[0] != paths[1]
     assert [(p / "who.txt").read_text() for p in paths] == ["pool in home1\n", "pool in home2\n"]
     for pool, reg, _ in pools:  # noqa: B007
@@ -934,7 +935,7 @@ def test_a_killed_agent_leaves_no_fuse_server_or_mount(pool, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_text("hello\n")
-    path = Path(pool.sync(str(src), "ws", hosts=[0]).hosts[0].path)
+    path = Path(sync(pool, str(src), "ws", hosts=[0]).hosts[0].path)
     store = node_store(tmp_path / "node-stores", pool.name, 0)
     assert os.path.ismount(path) and fuse_servers(store)
     os.kill(pool.hosts[0].pid, signal.SIGKILL)
@@ -953,7 +954,7 @@ def test_pool_stop_ends_what_a_killed_agent_left(home, pool_name, tmp_path, monk
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_text("hello\n")
-    path = pool.sync(str(src), "ws").hosts[1].path
+    path = sync(pool, str(src), "ws").hosts[1].path
     store = node_store(tmp_path / "node-stores", pool_name, 1)
     for pid in [pool.hosts[1].pid, *fuse_servers(store)]:
         os.kill(pid, signal.SIGKILL)

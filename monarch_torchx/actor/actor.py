@@ -41,7 +41,9 @@ class Endpoint:
 @overload
 def endpoint(fn: F) -> F: ...
 @overload
-def endpoint(fn: None = None, **options: Any) -> Callable[[F], F]: ...
+def endpoint(
+    fn: None = None, *, explicit_response_port: bool = False, propagate: Any = None, instrument: bool = False
+) -> Callable[[F], F]: ...
 
 
 def endpoint(

@@ -293,8 +293,12 @@ async def _wait_for_adoption(addr: WorkerAddress, creds: PoolCredentials) -> Ado
 
     import signal
 
+    def stop_waiting() -> None:
+        if not adopted.done():
+            adopted.set_result(None)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: adopted.done() or adopted.set_result(None))
+        loop.add_signal_handler(sig, stop_waiting)
     server = aio.Server(creds, {"adopt": adopt}, identity=addr.identity())
     await server.start(addr.bind, addr.port, sock=_listen_socket(addr))
     log.info("worker waiting at %s for a client to attach", addr.text)
@@ -381,7 +385,7 @@ def attach_to_workers(
         )
     secret = worker_secret(ca)
     tls = not addrs[0].loopback
-    spec = {"hosts": len(addrs), "workers": [f"{a.host}:{a.port}" for a in addrs], "tls": tls}
+    spec: dict[str, Any] = {"hosts": len(addrs), "workers": [f"{a.host}:{a.port}" for a in addrs], "tls": tls}
     name = check_pool_name(name or "workers-" + hashlib.sha256("\n".join(spec["workers"]).encode()).hexdigest()[:10])
     registry = Registry()
     with registry.lock(name):

@@ -15,6 +15,7 @@ from typing import Any, Generic, TypeVar
 
 from ..errors import MonarchError
 from . import messages, session
+from .errors import ActorFailure
 from .future import Future
 from .hub import Hub, ProcAddr, encode
 
@@ -54,7 +55,7 @@ class Port(Generic[T]):
 class _PortError:
     """What ``Port.exception`` sends: the error, as plain strings."""
 
-    payload: tuple[str, str, str, str]
+    payload: ActorFailure
 
 
 class PortReceiver(Generic[T]):

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import MonarchError
 from . import session
-from .channel import Channel, Port
+from .channel import Channel, Port, PortReceiver
 from .future import Future
 from .hub import ProcAddr
 
@@ -68,6 +68,8 @@ class NamedActors:
 def _serve(names: NamedActors, toward: str) -> Port[Any]:
     hub = session.hub_for(names.pool)
     hub.listen(hub.local_address(toward))
+    port: Port[Any]
+    _rx: PortReceiver[Any]
     port, _rx = Channel.open(pool=names.pool)
     # requests are served as they arrive (on the inbox thread), not queued for a receiver
     hub.ports[port.port_id] = lambda req: threading.Thread(
@@ -100,6 +102,8 @@ def get_or_spawn_controller(name: str, cls: type, *args: Any, **kwargs: Any) -> 
         )
     pool, addr, port_id = json.loads(raw)
     names_port: Port[Any] = Port(pool, ProcAddr(*addr), port_id)
+    reply: Port[Any]
+    rx: PortReceiver[Any]
     reply, rx = Channel.open(once=True, pool=me.pool)
     names_port.send((name, cls, args, kwargs, reply))
     return rx.recv()

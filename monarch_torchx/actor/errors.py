@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 
@@ -77,23 +78,44 @@ def point_text(point: Any) -> str:
     return repr(point) if isinstance(point, Point) else ""
 
 
-def error_payload(kind: str, message: str, tb: str = "", etype: str = "") -> tuple[str, str, str, str]:
-    return (kind, message, tb, etype)
+class FailureKind(str, Enum):
+    """What failed, as the caller's exception type says it (``ActorFailure.to_exception``)."""
+
+    ACTOR = "actor"  # the endpoint raised: ActorError, with its traceback
+    SUPERVISION = "supervision"  # the actor (or its proc) has failed: SupervisionError
+    ABORTED = "aborted"  # the actor called abort(): ActorAborted
+    USAGE = "usage"  # the call itself was wrong (no such endpoint): ValueError
+
+
+@dataclass(frozen=True)
+class ActorFailure:
+    """An endpoint's failure as it travels back to its caller: named fields of plain strings,
+    never a pickled exception object (a proc unpickles nothing of a peer's classes for it)."""
+
+    kind: FailureKind
+    message: str
+    traceback: str = ""
+    exception_type: str = ""  # the name of the type the endpoint raised
+
+    def to_exception(self) -> BaseException:
+        if self.kind == FailureKind.SUPERVISION:
+            return SupervisionError(self.message)
+        if self.kind == FailureKind.ABORTED:
+            return ActorAborted(self.message)
+        if self.kind == FailureKind.USAGE:
+            return ValueError(self.message)
+        return ActorError(self.message, self.traceback, self.exception_type)
+
+
+def error_payload(kind: str, message: str, tb: str = "", etype: str = "") -> ActorFailure:
+    return ActorFailure(FailureKind(kind), message, tb, etype)
 
 
 def remote_error(payload: Any) -> BaseException:
     """Rebuilds the error an actor proc sent back (never unpickles exception objects)."""
-    try:
-        kind, message, tb, etype = payload
-    except (TypeError, ValueError):
-        return ActorError(f"malformed error from actor: {payload!r}")
-    if kind == "supervision":
-        return SupervisionError(message)
-    if kind == "aborted":
-        return ActorAborted(message)
-    if kind == "usage":
-        return ValueError(message)
-    return ActorError(message, tb, etype)
+    if not isinstance(payload, ActorFailure):
+        return ActorError(f"malformed error from actor: {payload!r:.200}")
+    return payload.to_exception()
 
 
 def supervision_reason(status: dict | None) -> str:

@@ -143,11 +143,15 @@ class Future(Generic[T]):
                 waiter = loop.create_future()
                 on_loop = threading.get_ident()
 
+                def settle() -> None:
+                    if not waiter.done():
+                        waiter.set_result(None)
+
                 def wake(_f: Future[T]) -> None:
                     if threading.get_ident() == on_loop:  # completed by the loop's own reading
-                        waiter.done() or waiter.set_result(None)
+                        settle()
                     else:
-                        loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+                        loop.call_soon_threadsafe(settle)
 
                 self.add_done_callback(wake)
                 yield from waiter.__await__()

@@ -188,13 +188,13 @@ class MeshModule:
         looked_at_all = time.monotonic()
         while pending:
             for rank in look:
-                path = pending.get(rank)
-                if path is None:
+                addr_file = pending.get(rank)
+                if addr_file is None:
                     continue
                 try:
-                    with open(path) as f:
+                    with open(addr_file) as f:
                         found[rank] = json.load(f)
-                    os.unlink(path)
+                    os.unlink(addr_file)
                     del pending[rank]
                     continue
                 except (FileNotFoundError, ValueError):

@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, cast
 
 from .. import net
 from ..credentials import PoolCredentials
@@ -159,6 +159,10 @@ class Conn:
         sock.setblocking(False)
         return sock
 
+    def write(self, parts: list[Any]) -> None:
+        """One frame, no reply awaited (``net.FrameSink``)."""
+        self.send(parts)
+
     def send(self, parts: list[Any], rid: int = 0, fut: Future[Any] | None = None) -> None:
         with self.send_lock:
             if self.error is not None:
@@ -173,11 +177,13 @@ class Conn:
                 if self.backlog is not None:  # a writer thread is still sending earlier frames: queue behind
                     self.backlog.append(_copy(parts))
                 elif self.hub.on_a_proc_loop():
+                    assert self.sock is not None  # connected: a backlog is kept until it is
                     rest = _send_now(self.sock, parts, self.io_lock)  # a proc's event loop must never block on a peer
                     if rest:
                         self.backlog = collections.deque([_copy(rest)])
                         threading.Thread(target=self._write_backlog, daemon=True).start()
                 else:
+                    assert self.sock is not None  # connected: a backlog is kept until it is
                     send_parts(self.sock, parts, io_lock=self.io_lock)
             except (OSError, TimeoutError) as e:
                 failure = e
@@ -194,6 +200,7 @@ class Conn:
                     self.backlog = None
                     return
                 data = self.backlog[0]
+            assert self.sock is not None  # the backlog is written once connected
             try:
                 send_parts(self.sock, [data], io_lock=self.io_lock)
             except (OSError, TimeoutError) as e:
@@ -207,6 +214,7 @@ class Conn:
 
     def on_readable(self) -> None:
         """Reads what is there (never blocks) and dispatches each whole frame."""
+        assert self.sock is not None  # watched for reading once connected
         while True:
             view = self.parser.get_buffer()
             try:
@@ -402,8 +410,8 @@ class Hub:
             self._answer(conn, header, bufs)
         elif type(header) is messages.Fault:  # an actor we spawned failed with nobody to tell (a broadcast raised)
             self._fault(header.owner_actor, bufs)
-        else:
-            self.deliver_to_port(header, bufs)
+        else:  # decode let only TO_CALLER's types through
+            self.deliver_to_port(cast(messages.PortValue, header), bufs)
         if self._waiters:
             self.notify()
 
@@ -515,6 +523,7 @@ class Hub:
     def _read_on_loop(self) -> None:
         with self._cond:
             if self._reading:  # a thread reads: the loop stands aside until it lets go (no spinning)
+                assert self._loop is not None  # read_on_loop set it before watching
                 self._loop.remove_reader(self.sel.fileno())
                 self._loop_watching = False
                 return
@@ -531,12 +540,13 @@ class Hub:
         if self._loop is None or self._loop_watching:
             return
         self._loop_watching = True
+        loop = self._loop  # set once (read_on_loop), never cleared
 
         def watch() -> None:
-            self._loop.add_reader(self.sel.fileno(), self._read_on_loop)
+            loop.add_reader(self.sel.fileno(), self._read_on_loop)
 
         try:
-            self._loop.call_soon_threadsafe(watch)
+            loop.call_soon_threadsafe(watch)
         except RuntimeError:  # the loop is closed: the proc is ending
             pass
 
@@ -723,6 +733,10 @@ class LocalConn:
             fut.set_exception(err)
         self.hub.wake()
 
+    def write(self, parts: list[Any]) -> None:
+        """One frame, no reply awaited (``net.FrameSink``)."""
+        self.send(parts)
+
     def send(self, parts: list[Any], rid: int = 0, fut: Future[Any] | None = None) -> None:
         if self.error is not None:
             if fut is None:
@@ -747,7 +761,9 @@ class LocalConn:
             body, bufs = pickling.dumps(value)
             value = pickling.loads(body, [bytearray(b.raw()) for b in bufs])
         except Exception as e:
-            ok, value = False, ("actor", f"could not send the answer back: {type(e).__name__}: {e}", "", "")
+            from .errors import error_payload
+
+            ok, value = False, error_payload("actor", f"could not send the answer back: {type(e).__name__}: {e}")
         if ok:
             fut.set_result(value)
         else:
@@ -802,5 +818,6 @@ class Inbox:
         if conn.error is None:
             conn.on_readable()
         if conn.error is not None:
+            assert conn.sock is not None  # an inbound connection has its socket from the start
             _close_selected(self.sel, conn.sock)
             self.acceptor.forget(conn.sock)

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
 
 from .. import net
+from ..agent_client import AgentClient
 from ..errors import MonarchError
+from ..net.fanout import Target, ask_tree, tree_min_hosts
 from ..registry import HostAddr, Registry
-from ..specs import TERMINAL
 from . import messages, placement, session
 from .actor import Actor, context, current_context, endpoint, endpoints_of
 from .errors import MeshFailure, ProcStopped, SupervisionError, point_text
@@ -219,8 +220,8 @@ class HostMesh(_MeshTrait):
         ``membind`` (NUMA nodes), as numactl and taskset take them (see ``placement``)."""
         self._check_live()
         if bootstrap is not None:  # as Monarch's: returns at once; a failing bootstrap fails `initialized`
-            procs = self.spawn_procs(per_host, env=env, name=name, proc_bind=proc_bind)
-            booted = procs.spawn("bootstrap", _Bootstrap, bootstrap).initialized
+            spawned = self.spawn_procs(per_host, env=env, name=name, proc_bind=proc_bind)
+            booted = spawned.spawn("bootstrap", _Bootstrap, bootstrap).initialized
             ready: Future[bool] = Future(session.hub_for(self.pool))
 
             def settle(f: Future[Any]) -> None:
@@ -229,12 +230,12 @@ class HostMesh(_MeshTrait):
                     return
                 ready.set_exception(f._exc)
                 threading.Thread(
-                    target=lambda: procs.stop().get(), daemon=True, name="monarch-torchx-bootstrap"
+                    target=lambda: spawned.stop().get(), daemon=True, name="monarch-torchx-bootstrap"
                 ).start()
 
             booted.add_done_callback(settle)
-            procs._initialized = ready
-            return procs
+            spawned._initialized = ready
+            return spawned
         per_host = dict(per_host if per_host is not None else {"procs": 1})
         for dim, n in per_host.items():
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -274,11 +275,7 @@ class HostMesh(_MeshTrait):
 
         results: list[list[dict[str, Any]] | None] = [None] * len(hosts)
         errors: list[str] = []
-        from ..pool import tree_min_hosts
-
         if len(hosts) >= tree_min_hosts():  # through the agents' relay tree: a few connections, not N
-            from ..net.fanout import Target, ask_tree
-
             calls = {
                 host.index: [
                     _spawn_args(mesh_id, list(range(h * local, (h + 1) * local)), proc_env, binds, self._python)
@@ -387,10 +384,10 @@ class _LogLevel(Actor):
 
 def _stream_output(hub: Hub, ref: ProcRef) -> None:
     """Prints one proc's output here as its agent sees it, until the proc ends."""
+    agent = ref.agent
+    assert agent is not None  # not called for the controller's own proc (its output is already here)
     try:
-        with net.Client(
-            ref.agent.host, ref.agent.port, hub.creds, timeout=10.0, identity=ref.agent.identity.encode()
-        ) as c:
+        with net.Client(agent.host, agent.port, hub.creds, timeout=10.0, identity=agent.identity.encode()) as c:
             c.settimeout(None)
             for batch in c.stream(
                 "logs", app_id=app_id(ref.mesh_id), role="proc", replica_id=ref.rank, streams="combined", follow=True
@@ -438,7 +435,7 @@ def _controller_paths() -> list[str]:
 def _agent_call(hub: Hub, host: HostAddr, op: str, timeout: float, **args: Any) -> Any:
     where = f"host {host.index} of pool {hub.pool!r}"
     try:
-        with net.Client(host.host, host.port, hub.creds, timeout=10.0, identity=host.identity(hub.pool)) as c:
+        with AgentClient(host.host, host.port, hub.creds, timeout=10.0, identity=host.identity(hub.pool)) as c:
             c.settimeout(timeout)
             return c.call(op, **args)
     except net.RemoteError as e:
@@ -755,7 +752,11 @@ class ProcMesh(_MeshTrait):
             if last:
                 finish()
 
-        timer = threading.Timer(timeout, lambda: [f.set_exception(TimeoutError("stop")) for f in futs])
+        def expire() -> None:
+            for f in futs:
+                f.set_exception(TimeoutError("stop"))
+
+        timer = threading.Timer(timeout, expire)
         timer.daemon = True
         timer.start()
         done.add_done_callback(lambda _f: timer.cancel())
@@ -775,11 +776,12 @@ def _await_exits(hub: Hub, refs: Sequence[ProcRef], within: float) -> None:
     deadline = time.monotonic() + within
     for group in by_agent.values():
         agent, want = group[0].agent, {r.rank for r in group}
+        assert agent is not None  # grouped by agent: only refs that have one
         try:
-            with net.Client(agent.host, agent.port, hub.creds, timeout=5.0, identity=agent.identity.encode()) as c:
+            with AgentClient(agent.host, agent.port, hub.creds, timeout=5.0, identity=agent.identity.encode()) as c:
                 while time.monotonic() < deadline:
-                    reps = c.call("describe", app_id=app_id(group[0].mesh_id))
-                    if all(r["state"] in TERMINAL for r in reps if r["replica_id"] in want):
+                    reps = c.describe(app_id(group[0].mesh_id))
+                    if all(r.state.terminal for r in reps if r.replica_id in want):
                         break
                     time.sleep(0.01)
         except (net.WireError, OSError, LookupError) as e:  # the host is gone: so are its procs
@@ -802,16 +804,16 @@ def _explain(hub: Hub, ref: ProcRef) -> tuple[str, int | None]:
     exit code (negative: the signal) when it has one."""
     who = f"proc {ref.rank} of mesh {ref.mesh_id} on host {ref.host_index} ({ref.hostname})"
     deadline = time.monotonic() + 3.0
+    agent = ref.agent
+    assert agent is not None  # asked only of procs a mesh spawned (through their agents)
     while True:
-        with net.Client(
-            ref.agent.host, ref.agent.port, hub.creds, timeout=3.0, identity=ref.agent.identity.encode()
-        ) as c:
-            reps = c.call("describe", app_id=app_id(ref.mesh_id))
-        st = next((r for r in reps if r["replica_id"] == ref.rank), None)
+        with AgentClient(agent.host, agent.port, hub.creds, timeout=3.0, identity=agent.identity.encode()) as c:
+            reps = c.describe(app_id(ref.mesh_id))
+        st = next((r for r in reps if r.replica_id == ref.rank), None)
         if st is None:
             return f"{who} is gone (its host no longer knows it)", None
-        if st["state"] in TERMINAL:
-            return f"{who} {st['msg'] or st['state'].lower()}", st.get("exit_code")
+        if st.state.terminal:
+            return f"{who} {st.msg or st.state.value.lower()}", st.exit_code
         if time.monotonic() > deadline:
             return f"{who} stopped answering (its host says it is still running: hung, or the network is cut)", None
         time.sleep(0.05)
@@ -880,7 +882,7 @@ class ActorMesh(_MeshTrait, Generic[T]):
     _initialized: Future[None] | None = None  # the constructors' answers (in the process that spawned it)
 
     def _with_shape(self, shape: Shape) -> ActorMesh[T]:
-        mesh = ActorMesh(
+        mesh: ActorMesh[T] = ActorMesh(
             self.pool, self._procs, shape, self._actor_id, self._name, self._cls_name, self._endpoints, self._cls_path
         )
         mesh._initialized = self._initialized

@@ -31,7 +31,7 @@ from ..credentials import PoolCredentials
 from ..net.aio import AuthenticatedConnection, serve, write_frame
 from . import messages, placement, session
 from .actor import ActorInstance, Context, CreatorInstance, Endpoint, current_context, endpoints_of
-from .errors import MeshFailure, ProcStopped, error_payload, point_text
+from .errors import ActorFailure, FailureKind, MeshFailure, ProcStopped, error_payload, point_text
 from .future import Future, _waiters
 from .host import BELL_ENV, ring
 from .hub import LocalConn, ProcAddr, encode, unpack
@@ -128,7 +128,7 @@ class ActorSlot:
     qualname: str = ""  # module.Class, as a supervision report names the actor
     thread: ActorThread | None = None  # runs its synchronous code (made on first use)
 
-    def refusal(self) -> tuple[str, str, str, str]:
+    def refusal(self) -> ActorFailure:
         """What a call to this failed actor is answered with."""
         return error_payload(self.failed_kind, self.failed or "the actor has failed")
 
@@ -203,9 +203,12 @@ class BroadcastReport:
 
     def __call__(self, ok: bool, value: Any) -> None:
         if not ok:
-            print(f"broadcast to {self.actor_id}.{self.endpoint} failed: {value[1]}\n{value[2]}", file=sys.stderr)
-            if value[0] == "actor":
-                self.server._actor_failed(self.actor_id, value[1])
+            print(
+                f"broadcast to {self.actor_id}.{self.endpoint} failed: {value.message}\n{value.traceback}",
+                file=sys.stderr,
+            )
+            if value.kind == FailureKind.ACTOR:
+                self.server._actor_failed(self.actor_id, value.message)
 
 
 class ProcConnection(AuthenticatedConnection):
@@ -623,15 +626,15 @@ class ProcServer:
         return BroadcastReport(self, actor_id, ep)
 
     def _escaped_port(self, slot: ActorSlot, err: Any) -> Any:
-        self._actor_failed(slot.actor_id, f"{err[1]} (instead of answering through its response port)")
-        return error_payload("supervision", slot.failed or err[1])
+        self._actor_failed(slot.actor_id, f"{err.message} (instead of answering through its response port)")
+        return error_payload("supervision", slot.failed or err.message)
 
     def _port_replier(self, port: Any) -> Reply:
         from .channel import _PortError
 
         def answer(ok: bool, value: Any) -> None:
             try:
-                port.send(value if ok else _PortError(tuple(value)))
+                port.send(value if ok else _PortError(value))
             except Exception as e:  # the port's owner is gone
                 log.warning("could not answer to port %s: %s", getattr(port, "port_id", port), e)
 
@@ -856,18 +859,18 @@ class ProcServer:
         finally:
             current_context.reset(token)
 
-    def _fatal(self, slot: ActorSlot, what: str, e: BaseException) -> tuple[str, str, str, str]:
+    def _fatal(self, slot: ActorSlot, what: str, e: BaseException) -> ActorFailure:
         """An endpoint raised a BaseException that is not an Exception: as in Monarch, the actor
         has failed. The call is answered with SupervisionError (never left hanging, the connection
         kept), every later call to the actor is refused with why, and its owner is told."""
         err = self._error(slot, what, e)
-        why = f"{err[1]}: the actor has failed and takes no more calls"
+        why = f"{err.message}: the actor has failed and takes no more calls"
         slot.failed = why
         if slot.owner is not None:  # and, as in Monarch, its owner gets a supervision event
             self._tell_owner(slot.owner[0], slot.owner[1], self._failure(slot, why))
-        return error_payload("supervision", why, err[2], err[3])
+        return error_payload("supervision", why, err.traceback, err.exception_type)
 
-    def _error(self, slot: ActorSlot, what: str, e: BaseException) -> tuple[str, str, str, str]:
+    def _error(self, slot: ActorSlot, what: str, e: BaseException) -> ActorFailure:
         where = f"{slot.cls_name}.{what} on proc {self.rank} of mesh {self.mesh_id} (host {self.host_index})"
         # "Actor call NAME.ENDPOINT failed" leads, as Monarch's ActorError says it
         return error_payload(
@@ -918,7 +921,7 @@ class ProcServer:
         bufs: list[bytearray],
         owner: str = "",
         creator: CreatorInstance | None = None,
-        mesh: tuple[str, Any, int, list[Any] | None] | None = None,
+        mesh: tuple[str, Any, int, bytes | None] | None = None,
     ) -> None:
         """Creates the actor; a failing constructor is answered to the spawner (its mesh's
         ``initialized``) and, as in Monarch, every call to the actor then fails with why."""
@@ -953,7 +956,7 @@ class ProcServer:
                 traceback.format_exc(),
                 type(e).__name__,
             )
-            self._ended(actor_id, f"{err[1]}: the actor was never created")
+            self._ended(actor_id, f"{err.message}: the actor was never created")
             conn.reply(rid, False, err)
             return
         # As in Monarch, the constructor runs where the endpoints do (thread-local state it sets is
@@ -1010,11 +1013,11 @@ class ProcServer:
         exc = done.exception()
         if exc is not None:
             err = self._error(slot, "__init__", exc)
-            self._ended(slot.actor_id, f"{err[1]}: the actor was never created")
+            self._ended(slot.actor_id, f"{err.message}: the actor was never created")
             conn.reply(rid, False, err)
             # as in Monarch, a constructor that raised is also a supervision event for the owner
             if getattr(type(instance), "_constructor_failure_is_a_fault", True):
-                self._tell_owner(conn, owner, self._failure(slot, f"{err[1]}: the actor was never created"))
+                self._tell_owner(conn, owner, self._failure(slot, f"{err.message}: the actor was never created"))
             if slot.thread is not None:
                 slot.thread.close()
             return
@@ -1057,11 +1060,12 @@ class ProcServer:
         assert self.loop is not None
         loop = self.loop
         local: asyncio.Future[tuple[bool, Any]] = loop.create_future()
-        self.ordered(
-            sender,
-            seqs.get(self.rank),
-            lambda: self.call(lambda ok, v: local.done() or local.set_result((ok, v)), actor_id, ep, bufs),
-        )
+
+        def settle(ok: bool, v: Any) -> None:
+            if not local.done():
+                local.set_result((ok, v))
+
+        self.ordered(sender, seqs.get(self.rank), lambda: self.call(settle, actor_id, ep, bufs))
 
         async def finish() -> None:
             children: list[tuple[int, bool, Any]] = []

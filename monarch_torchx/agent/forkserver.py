@@ -10,9 +10,10 @@ its own session and process group, fresh stdio on the given fds, the requested e
 
 Runs as ``python -m monarch_torchx.agent.forkserver CTL_FD EVT_FD [preload ...]``; it talks to
 its agent over two inherited socketpairs (nothing listens), framed by ``wire``:
-    ctl (agent -> here):  1 byte carrying stdout/stderr fds (SCM_RIGHTS), then a spawn request
-    evt (here -> agent):  {"ready"}, {"token", "pid"} | {"token", "error"}, {"exit": pid, "code"}
-A request of mode ``server`` (its fds: a new server's ctl and evt) forks another fork server from
+    ctl (agent -> here):  1 byte carrying stdout/stderr fds (SCM_RIGHTS), then a ``Start``
+    evt (here -> agent):  ``Ready``, ``Started`` | ``StartFailed`` (by token), ``Exited``
+(named types, ``forkserver_messages``)
+A ``StartServer`` (its fds: a new server's ctl and evt) forks another fork server from
 this one, which then imports its own preloads: it starts without an interpreter's start-up, and
 shares this one's pages until it writes to them. Its exit is not reported as a program's.
 """
@@ -36,7 +37,9 @@ import traceback
 import types
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Iterable, NoReturn, Sequence
+from typing import Iterable, NoReturn, Sequence
+
+from .forkserver_messages import Exited, Ready, Start, Started, StartFailed, StartMode, StartServer
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -155,9 +158,13 @@ def _std_streams(unbuffered: bool) -> None:
             write_through=unbuffered,
         )
 
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8")
-    sys.stdout = sys.__stdout__ = writer(1, False)
-    sys.stderr = sys.__stderr__ = writer(2, True)
+    # sys.__stdin__ and the others are Final in typeshed: set in sys's dict (which is what assigning them does)
+    std = vars(sys)
+    sys.stdin = std["__stdin__"] = io.TextIOWrapper(
+        io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8"
+    )
+    sys.stdout = std["__stdout__"] = writer(1, False)
+    sys.stderr = std["__stderr__"] = writer(2, True)
 
 
 def _sys_path(inv: PyInvocation, base: list[str], env: dict[str, str]) -> list[str]:
@@ -210,7 +217,7 @@ def run_python(inv: PyInvocation, env: dict[str, str], base_path: list[str]) -> 
                 # as CPython runs a script: in the real __main__ (which atexit handlers and threads
                 # still see afterwards), with an absolute __file__
                 path = os.path.abspath(inv.target)
-                main.__file__, main.__cached__, main.__spec__ = path, None, None
+                vars(main).update(__file__=path, __cached__=None, __spec__=None)  # (no __cached__ on ModuleType's stub)
                 with open(path, "rb") as f:
                     source = f.read()
                 exec(compile(source, path, "exec"), main.__dict__)
@@ -328,20 +335,20 @@ def exit_as_python(inv: PyInvocation, env: dict[str, str], base_path: list[str])
     os._exit(code & 0xFF)
 
 
-def _child(req: dict, fds: list[int], errw: int, keep_closed: list[int], base_path: list[str]) -> None:
+def _child(req: Start, fds: list[int], errw: int, keep_closed: list[int], base_path: list[str]) -> None:
     try:
         detach_child(fds[0], fds[1], keep_closed)
-        if req.get("cwd"):
-            os.chdir(req["cwd"])
-        if req["mode"] == "exec":  # (only where this Python cannot posix_spawn: see spawn_exec)
+        if req.cwd:
+            os.chdir(req.cwd)
+        if req.mode == StartMode.EXEC:  # (only where this Python cannot posix_spawn: see spawn_exec)
             for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGXFSZ):  # Python's own dispositions
                 signal.signal(sig, signal.SIG_DFL)
-            os.execve(req["exe"], req["argv"], req["env"])
+            os.execve(req.exe, req.argv, req.env)
         os.close(errw)
         errw = -1
-        inv = parse_python_argv(req["argv"][1:])
+        inv = parse_python_argv(req.argv[1:])
         assert inv is not None
-        exit_as_python(inv, req["env"], base_path)
+        exit_as_python(inv, req.env, base_path)
     except BaseException as e:
         if errw >= 0:
             os.write(errw, start_error(e).encode())
@@ -384,24 +391,24 @@ class ForkServer:
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
 
-    def send(self, msg: dict) -> None:
-        from monarch_torchx.wire import send_msg
+    def send(self, msg: Ready | Started | StartFailed | Exited) -> None:
+        from monarch_torchx.net.blocking import send_msg
 
-        send_msg(self.evt, {"id": 0, **msg})
+        send_msg(self.evt, msg)
 
-    def spawn(self, req: dict, fds: list[int]) -> None:
-        token = req["token"]
-        if req["mode"] == "server":
+    def spawn(self, req: Start | StartServer, fds: list[int]) -> None:
+        token = req.token
+        if isinstance(req, StartServer):
             self.send(self.spawn_server(token, req, fds))
             return
-        if req["mode"] == "exec":
-            prog = req["argv"][0]
-            exe = prog if "/" in prog else shutil.which(prog, path=req["env"].get("PATH", os.defpath))
+        if req.mode == StartMode.EXEC:
+            prog = req.argv[0]
+            exe = prog if "/" in prog else shutil.which(prog, path=req.env.get("PATH", os.defpath))
             if exe is None:
                 _close_all(fds)
-                self.send({"token": token, "error": f"No such file or directory: {prog!r} (not found on PATH)"})
+                self.send(StartFailed(token, f"No such file or directory: {prog!r} (not found on PATH)"))
                 return
-            req["exe"] = exe
+            req.exe = exe
             answer = self.spawn_exec(token, req, fds) if self.posix_spawn else None
             if answer is not None:
                 self.send(answer)
@@ -430,12 +437,12 @@ class ForkServer:
         os.close(errr)
         if err:
             os.waitpid(pid, 0)
-            self.send({"token": token, "error": err.decode(errors="replace")})
+            self.send(StartFailed(token, err.decode(errors="replace")))
         else:
             self.children[pid] = time.time()
-            self.send({"token": token, "pid": pid})
+            self.send(Started(token, pid))
 
-    def spawn_exec(self, token: Any, req: dict, fds: list[int]) -> dict[str, Any] | None:
+    def spawn_exec(self, token: int, req: Start, fds: list[int]) -> Started | StartFailed | None:
         """Starts a program that is not this interpreter; returns the answer for the agent, or
         None (the fds untouched) where this Python's ``posix_spawn`` cannot start a session,
         which then forks as before. Unlike a fork, ``posix_spawn`` cannot set a parent-death
@@ -449,15 +456,15 @@ class ForkServer:
             (os.POSIX_SPAWN_DUP2, fds[0], 1),
             (os.POSIX_SPAWN_DUP2, fds[1], 2),
         ]
-        cwd = req.get("cwd")
+        cwd = req.cwd
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             if cwd:
                 os.chdir(cwd)
             pid = os.posix_spawn(
-                req["exe"],
-                req["argv"],
-                req["env"],
+                req.exe,
+                req.argv,
+                req.env,
                 file_actions=actions,
                 setsid=True,
                 setsigmask=(),
@@ -468,22 +475,22 @@ class ForkServer:
             return None
         except OSError as e:
             _close_all(fds)
-            return {"token": token, "error": start_error(e)}
+            return StartFailed(token, start_error(e))
         else:
             self.children[pid] = time.time()
             _close_all(fds)
-            return {"token": token, "pid": pid}
+            return Started(token, pid)
         finally:
             if cwd:
                 self.go_home()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
-    def spawn_server(self, token: Any, req: dict, fds: list[int]) -> dict[str, Any]:
+    def spawn_server(self, token: int, req: StartServer, fds: list[int]) -> Started | StartFailed:
         """Forks a fork server of its own (``fds``: its ctl and evt) that imports ``preloads``.
         It stays in this server's session, and ends when this one does (its parent-death signal)."""
         if len(fds) != 2:
             _close_all(fds)
-            return {"token": token, "error": f"a server start carries its ctl and evt sockets, not {len(fds)} fds"}
+            return StartFailed(token, f"a server start carries its ctl and evt sockets, not {len(fds)} fds")
         for s in (sys.stdout, sys.stderr):
             s.flush()
         # a SIGTERM (kill_all) waits until the new server is on record to be ended with the rest
@@ -496,9 +503,9 @@ class ForkServer:
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
             _close_all(fds)
-        return {"token": token, "pid": pid}
+        return Started(token, pid)
 
-    def _become_server(self, req: dict, fds: list[int]) -> NoReturn:
+    def _become_server(self, req: StartServer, fds: list[int]) -> NoReturn:
         """In the forked child: drop this server's descriptors and handlers, then serve as a new one."""
         try:
             # this server's handler would end this server's children: not the new one's business
@@ -507,8 +514,8 @@ class ForkServer:
             signal.set_wakeup_fd(-1)
             for fd in (self.ctl.detach(), self.evt.detach(), self.wake_r, self.wake_w, self.home):
                 os.close(fd)  # (detached: no socket object closes that number again once reused)
-            set_process_name(f"fs-{req.get('name', 'child')}")
-            main([str(fds[0]), str(fds[1]), *req.get("preloads", []), "--", *req.get("warm_imports", [])])
+            set_process_name(f"fs-{req.name}")
+            main([str(fds[0]), str(fds[1]), *req.preloads, "--", *req.warm_imports])
         except BaseException:  # noqa: BLE001 - its agent hears of it when the evt socket closes
             try:
                 traceback.print_exc()
@@ -535,7 +542,7 @@ class ForkServer:
                 self.servers.discard(pid)
                 continue
             self.children.pop(pid, None)
-            self.send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+            self.send(Exited(pid, os.waitstatus_to_exitcode(status)))
 
     def kill_all(self, *_: object) -> None:
         for pid in list(self.children):
@@ -551,14 +558,15 @@ class ForkServer:
         os._exit(0)
 
     def serve(self) -> None:
-        from monarch_torchx.wire import FrameReader, WireError
+        from monarch_torchx.net import FrameReader, WireError
 
         requests = FrameReader(self.ctl, exact=True)
 
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         while True:
-            ready, _, _ = select.select([self.ctl, self.wake_r], [], [])
+            watched: list[socket.socket | int] = [self.ctl, self.wake_r]
+            ready, _, _ = select.select(watched, [], [])
             if self.wake_r in ready:
                 try:
                     os.read(self.wake_r, 4096)
@@ -574,11 +582,14 @@ class ForkServer:
                 except (OSError, WireError, EOFError):
                     self.kill_all()
                 fds = list(fds)  # (emptied by whoever closes them)
+                if not isinstance(req, (Start, StartServer)):
+                    _close_all(fds)
+                    self.kill_all()  # not our launcher's: out of step, end as if it closed the channel
                 try:
                     self.spawn(req, fds)
                 except Exception as e:  # fork/pipe failing (ENOMEM, EAGAIN, EMFILE) fails this start only
                     _close_all(fds)
-                    self.send({"token": req.get("token"), "error": f"could not start: {type(e).__name__}: {e}"})
+                    self.send(StartFailed(req.token, f"could not start: {type(e).__name__}: {e}"))
 
 
 def main(argv: list[str]) -> None:
@@ -623,14 +634,7 @@ def main(argv: list[str]) -> None:
     # would otherwise write to (and so copy) every page of the server's objects. No collection
     # first: the holes it would free are where a child's new objects would go, copying those pages.
     gc.freeze()
-    server.send(
-        {
-            "ready": True,
-            "preloaded": [m for m in preloads if m not in failed],
-            "failed": failed,
-            "seconds": round(time.time() - t0, 3),
-        }
-    )
+    server.send(Ready([m for m in preloads if m not in failed], failed, round(time.time() - t0, 3)))
     server.serve()
 
 

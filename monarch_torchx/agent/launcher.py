@@ -31,6 +31,7 @@ from ..interpreter import module_argv
 from ..net import aio
 from ..torchrun import NODE_MODULE, THREAD_ENV
 from .forkserver import INIT_ENV, parse_python_argv
+from .forkserver_messages import Exited, Ready, Start, Started, StartFailed, StartMode, StartServer
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class _Server:
         self.ready = asyncio.Event()
         self.dead = asyncio.Event()
         self.closing = False
-        self.info: dict = {}
+        self.info: Ready | None = None
         self.death_reason = ""  # why it died, once it has (the warm one's is shown in `pool status`)
         self.proc: subprocess.Popen | None = None
         self.pids: set = set()
@@ -121,8 +122,7 @@ class _Server:
                         str(ctl_child.fileno()),
                         str(evt_child.fileno()),
                         *self.preloads,
-                        "--",
-                        *self.warm_imports,
+                        *(["--", *self.warm_imports] if self.warm_imports else []),
                     ),
                     pass_fds=(ctl_child.fileno(), evt_child.fileno()),
                     env=dict(os.environ),
@@ -147,24 +147,26 @@ class _Server:
         try:
             while True:
                 msg = await aio.read_frame(self._reader, frames)
-                if "exit" in msg:
-                    self.pids.discard(msg["exit"])
-                    self._on_exit(msg["exit"], msg["code"])
-                elif "token" in msg:
-                    fut = self._pending.pop(msg["token"], None)
+                if isinstance(msg, Exited):
+                    self.pids.discard(msg.pid)
+                    self._on_exit(msg.pid, msg.code)
+                elif isinstance(msg, (Started, StartFailed)):
+                    fut = self._pending.pop(msg.token, None)
                     if fut and not fut.done():
-                        if "error" in msg:
-                            fut.set_exception(SpawnError(msg["error"]))
+                        if isinstance(msg, StartFailed):
+                            fut.set_exception(SpawnError(msg.error))
                         else:
-                            if msg["token"] not in self._server_tokens:  # (a server is no program to end)
-                                self.pids.add(msg["pid"])
-                            fut.set_result(msg["pid"])
-                    self._server_tokens.discard(msg["token"])
-                elif msg.get("ready"):
+                            if msg.token not in self._server_tokens:  # (a server is no program to end)
+                                self.pids.add(msg.pid)
+                            fut.set_result(msg.pid)
+                    self._server_tokens.discard(msg.token)
+                elif isinstance(msg, Ready):
                     self.info = msg
-                    if msg.get("failed"):
-                        log.warning("fork server %s could not preload: %s", self.name, msg["failed"])
+                    if msg.failed:
+                        log.warning("fork server %s could not preload: %s", self.name, msg.failed)
                     self.ready.set()
+                else:
+                    log.error("fork server %s sent %r: not one of its messages", self.name, type(msg).__name__)
         except (asyncio.IncompleteReadError, ConnectionError, net.WireError):
             pass
         reason = f"fork server '{self.name}' exited unexpectedly"
@@ -183,17 +185,18 @@ class _Server:
             end_process_groups(self.pids)
             self._on_death(reason, sorted(self.pids), self.name == "plain")
 
-    async def spawn(self, req: dict, fds: list[int]) -> int:
-        return await self._request(req, fds)
+    async def spawn(
+        self, mode: StartMode, argv: list[str], env: dict[str, str], cwd: str | None, fds: list[int]
+    ) -> int:
+        return await self._request(lambda token: Start(token, mode, argv, env, cwd), fds)
 
     async def start_server(self, name: str, preloads: list[str], fds: list[int], warm_imports: list[str]) -> int:
         """Forks a fork server from this one (``fds``: its ctl and evt); returns its pid. Its exit
         is not reported as a program's: its own evt socket closing tells."""
-        req = {"mode": "server", "name": name, "preloads": preloads, "warm_imports": warm_imports}
-        return await self._request(req, fds, server=True)
+        return await self._request(lambda token: StartServer(token, name, preloads, warm_imports), fds, server=True)
 
-    async def _request(self, req: dict, fds: list[int], server: bool = False) -> int:
-        """Sends one start request (a program, or ``server``: another fork server); returns the pid."""
+    async def _request(self, make: Callable[[int], Start | StartServer], fds: list[int], server: bool = False) -> int:
+        """Sends one start request (a program, or another fork server), made with its token; returns the pid."""
         if self.dead.is_set():
             raise SpawnError(f"fork server '{self.name}' is not running")
         token = next(self._tokens)
@@ -203,7 +206,7 @@ class _Server:
             self.spawned += 1
         fut = asyncio.get_running_loop().create_future()
         self._pending[token] = fut
-        frame = b"".join(bytes(p) for p in net.encode({"id": token, "token": token, **req}))
+        frame = b"".join(bytes(p) for p in net.encode(make(token)))
         await self._send(b"F" + frame, fds)  # the fds ride on the marker byte the fork server reads first
         return await fut
 
@@ -217,8 +220,13 @@ class _Server:
                     sent = self._ctl.sendmsg([payload], ancillary)
                     break
                 except BlockingIOError:
-                    writable = loop.create_future()
-                    loop.add_writer(self._ctl.fileno(), lambda: writable.done() or writable.set_result(None))  # noqa: B023
+                    writable: asyncio.Future[None] = loop.create_future()
+
+                    def wake(w: asyncio.Future[None] = writable) -> None:
+                        if not w.done():
+                            w.set_result(None)
+
+                    loop.add_writer(self._ctl.fileno(), wake)
                     try:
                         await writable
                     finally:
@@ -296,13 +304,15 @@ class Launcher:
             return {"preloaded": [], "ready": True, "state": "none", "failed": {}, "error": ""}
         ready = self._warm.ready.is_set() and not self._warm.dead.is_set()
         state = "ready" if ready else "dead" if self._warm.dead.is_set() else "importing"
-        failed = {mod: last_line(err) for mod, err in (self._warm.info.get("failed") or {}).items()}
+        info = self._warm.info
+        failed = {mod: last_line(err) for mod, err in (info.failed if info else {}).items()}
         errors = [f"preload of {mod!r} failed: {err}" for mod, err in failed.items()]
         if state == "dead":
             errors.append(self._warm.death_reason or "the warm fork server died")
         return {
             "preloads": self._warm.preloads,
-            **self._warm.info,
+            "preloaded": info.preloaded if info else [],
+            "seconds": info.seconds if info else None,
             "ready": ready,
             "state": state,
             "failed": failed,
@@ -334,22 +344,20 @@ class Launcher:
 
     async def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None, stdout_fd: int, stderr_fd: int) -> int:
         """Returns the pid (also the process group id). Raises SpawnError with the OS reason."""
-        mode = "python" if self.is_our_python(argv, env) else "exec"
+        mode = StartMode.PYTHON if self.is_our_python(argv, env) else StartMode.EXEC
         server = self._plain
         if (
-            mode == "python"
+            mode == StartMode.PYTHON
             and self._warm
             and self._warm.ready.is_set()
             and not self._warm.dead.is_set()
             and not self._shadows_preload(env)
         ):
             server = self._warm
-        elif mode == "python" and self._warm is None and list(argv[1:3]) == ["-m", ACTOR_MODULE]:
+        elif mode == StartMode.PYTHON and self._warm is None and list(argv[1:3]) == ["-m", ACTOR_MODULE]:
             server = await self._actor_server() or self._plain
         try:
-            return await server.spawn(
-                {"mode": mode, "argv": list(argv), "env": env, "cwd": cwd}, [stdout_fd, stderr_fd]
-            )
+            return await server.spawn(mode, list(argv), env, cwd, [stdout_fd, stderr_fd])
         except SpawnError:
             if server.name == "actors":  # its idle clock starts at a failed start too
                 self._arm_retire(server)

@@ -119,14 +119,14 @@ def _follow_group(
             c = net.Client(head.host, head.port, creds, timeout=dial, identity=head.identity.encode(), sock=sock)
         except (net.WireError, OSError, MonarchError) as e:  # (MonarchError: a tunnel that did not open)
             if isinstance(e, net.PeerTimeout) and len(group) > 1:
-                t = threading.Thread(
+                retry = threading.Thread(
                     target=follow_group,
                     args=([head], creds, args, fanout, emit, stop, opened, sock_for),
                     name="log-follow",
                     daemon=True,
                 )
-                t.start()
-                retries.append(t)
+                retry.start()
+                retries.append(retry)
             else:
                 emit(asdict(LogEvent(head.index, error=f"not reached: {e}", kind=type(e).__name__)))
             continue  # the next member leads the rest
@@ -341,7 +341,11 @@ class LogFollow:
 
 
 def _run_group(loop: asyncio.AbstractEventLoop, done: asyncio.Future[None], *args: Any) -> None:
+    def finish() -> None:
+        if not done.done():
+            done.set_result(None)
+
     try:
         follow_group(*args)
     finally:
-        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+        loop.call_soon_threadsafe(finish)

@@ -319,8 +319,12 @@ class ProcTable:
                 captures.append(proto)  # (from here on it counts as a writer of its stream: ended below if need be)
                 pipe = os.fdopen(r, "rb", buffering=0)
                 fds.remove(r)
+
+                def capture(p: _Capture = proto) -> _Capture:
+                    return p
+
                 try:
-                    await loop.connect_read_pipe(lambda p=proto: p, pipe)
+                    await loop.connect_read_pipe(capture, pipe)
                 except BaseException:
                     pipe.close()
                     raise

@@ -445,7 +445,7 @@ class Agent:
         for (app_id, _, _), r in self.procs.replicas.items():
             if r.state in TERMINAL:
                 apps[app_id] = max(apps.get(app_id, 0.0), r.ended or 0.0)
-        for app_id in sorted(apps, key=apps.get)[:-MAX_FINISHED_APPS] if len(apps) > MAX_FINISHED_APPS else []:
+        for app_id in sorted(apps, key=apps.__getitem__)[:-MAX_FINISHED_APPS] if len(apps) > MAX_FINISHED_APPS else []:
             for key in [k for k in self.procs.replicas if k[0] == app_id]:
                 self.procs.forget(key)
 

@@ -351,7 +351,7 @@ def _worker_handler_class(base_path: list[str]) -> type:
     class ForkedWorker(SubprocessHandler):
         """A torchrun worker forked from the node process (torch imported), not exec'd."""
 
-        def _popen(self, args: tuple, env: dict[str, str]) -> Any:  # type: ignore[override]
+        def _popen(self, args: tuple, env: dict[str, str]) -> Any:
             inv = parse_python_argv(list(args[1:])) if _is_this_python(args[0]) else None
             if inv is None or any(env.get(k) != os.environ.get(k) for k in INIT_ENV if k not in THREAD_ENV):
                 return super()._popen(args, env)

@@ -13,10 +13,12 @@ from .blocking import Client, FrameReader, ThreadedAcceptor, dial, more_buffered
 from .frames import (
     MAX_BODY,
     UNIX,
+    AsyncFrameSink,
     ConnectFailed,
     FileRegion,
     FileRegionError,
     FrameParser,
+    FrameSink,
     Gathered,
     HandshakeRefused,
     MalformedFrame,
@@ -33,6 +35,8 @@ from .frames import (
 from .handshake import HANDSHAKE_TIMEOUT_S, MAX_HANDSHAKES, HandshakeGate, accept_handshake
 
 __all__ = [
+    "AsyncFrameSink",
+    "FrameSink",
     "HANDSHAKE_TIMEOUT_S",
     "MAX_BODY",
     "MAX_HANDSHAKES",

@@ -15,12 +15,13 @@ import logging
 import socket
 import ssl
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, cast
 
 from ..credentials import PoolCredentials
 from .frames import (
     HANDSHAKE_TIMEOUT_S,
     UNIX,
+    AsyncFrameSink,
     FrameParser,
     PeerClosed,
     RemoteError,
@@ -107,7 +108,7 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
     # ------------------------------------------------------------ handshake
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream server's connections are Transports
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         # a flood of unauthenticated peers is bounded in memory and time
@@ -124,6 +125,7 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
         loop.create_task(self._start_tls(loop, self.transport))
 
     async def _start_tls(self, loop: asyncio.AbstractEventLoop, raw: asyncio.Transport) -> None:
+        assert self.tls is not None  # started only when the server has a TLS context
         try:
             tls = await loop.start_tls(raw, self, self.tls, server_side=True, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
         except (ssl.SSLError, OSError, ConnectionError, asyncio.TimeoutError) as e:
@@ -255,7 +257,7 @@ class ServerConnection(AuthenticatedConnection):
             self.server.run_request(self, Peer(self.peer), rid, msg.get("op"), msg.get("args") or {})
         )
         self.tasks[rid] = task
-        task.add_done_callback(lambda _t, rid=rid: self.tasks.pop(rid, None))
+        task.add_done_callback(lambda _t: self.tasks.pop(rid, None))
 
     def on_lost(self) -> None:
         self.server.connections -= 1
@@ -358,7 +360,7 @@ class Server:
         if self._server:
             self._server.close()
 
-    async def run_request(self, conn: Any, peer: Peer, rid: int, op: Any, args: dict) -> None:
+    async def run_request(self, conn: AsyncFrameSink, peer: Peer, rid: int, op: Any, args: dict) -> None:
         """Runs one request's handler and writes its reply (or its stream, then the reply) to ``conn``."""
         handler = self._handlers.get(op) if isinstance(op, str) else None
         try:

@@ -6,13 +6,14 @@ No asyncio here: this is on the torchx CLI's path (``net.aio`` holds the asyncio
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
 import socket
 import ssl
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 from ..credentials import PoolCredentials
 from .frames import (
@@ -33,6 +34,7 @@ from .frames import (
 from .handshake import HandshakeGate, accept_handshake, client_handshake, shutdown_quietly
 
 log = logging.getLogger("monarch_torchx.wire")
+_ClientT = TypeVar("_ClientT", bound="Client")
 
 
 def _self_connected(sock: socket.socket) -> bool:
@@ -160,7 +162,7 @@ class ThreadedAcceptor:
             sock = ctx.wrap_socket(raw, server_side=True, do_handshake_on_connect=False) if ctx else raw
             with self._lock:
                 self.socks.add(sock)
-            self.gate.admit(sock, lambda s=sock: shutdown_quietly(s))  # the oldest silent one goes when full
+            self.gate.admit(sock, functools.partial(shutdown_quietly, sock))  # the oldest silent one goes when full
             try:
                 threading.Thread(target=self._serve, args=(sock, peer), daemon=True).start()
             except RuntimeError as e:  # no thread to spare (a flood): this one goes, the acceptor stays
@@ -357,7 +359,7 @@ class Client:
             return ""
         return name[0] if isinstance(name, tuple) and self._sock.family in (socket.AF_INET, socket.AF_INET6) else ""
 
-    def __enter__(self) -> Client:
+    def __enter__(self: _ClientT) -> _ClientT:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -83,6 +83,12 @@ class Outcome:
         return dict(vars(self))
 
 
+def tree_min_hosts() -> int:
+    """From how many hosts on a client asks through the agents' relay tree rather than each host
+    itself (``Pool.ask``, ``HostMesh.spawn_procs``): one decision, here."""
+    return int(os.environ.get("MONARCH_TORCHX_TREE_MIN_HOSTS", "32"))
+
+
 def split(targets: Sequence[Target], fanout: int) -> list[list[Target]]:
     """``targets`` in at most ``fanout`` contiguous groups of near-equal size."""
     n = len(targets)

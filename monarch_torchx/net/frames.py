@@ -36,7 +36,7 @@ import pickle
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 log = logging.getLogger("monarch_torchx.wire")
 
@@ -145,6 +145,21 @@ def remote_error(message: str, kind: str) -> RemoteError:
     err = sub.__new__(sub)
     RemoteError.__init__(err, message, kind)
     return err
+
+
+class FrameSink(Protocol):
+    """The writing side of one connection, whatever drives its socket: an asyncio transport
+    (``aio.ServerConnection``, the actor proc's ``ProcConnection``), or a controller's own I/O
+    (``actor.hub.Conn``, ``LocalConn``). ``write`` queues one whole frame (``encode``'s parts), in
+    order; it raises ConnectionError once the connection is gone."""
+
+    def write(self, parts: list[Any]) -> None: ...
+
+
+class AsyncFrameSink(FrameSink, Protocol):
+    """A ``FrameSink`` on an event loop, whose writer waits (``drain``) while the peer is slower."""
+
+    async def drain(self) -> None: ...
 
 
 # ---------------------------------------------------------------- framing (pure)

@@ -26,7 +26,7 @@ from .owner import DROP, IBV_CONNECT, READ, WRITE, owner_for
 BACKENDS = ("ibverbs", "tcp", "cma")
 INLINE_MAX = 4 << 20  # same-host copies up to this size run in the caller's thread
 CMA_SPLIT = 4 << 20  # larger same-host copies run as parallel kernel copies
-_state: dict[str, Any] = {}
+_state: dict[str | tuple[str, str], Any] = {}
 _lock = threading.Lock()
 
 
@@ -363,6 +363,7 @@ def _transfer(op: _Op, deadline: float) -> None:
                 raise
             _state.setdefault("cma_refused", set()).add(h.pid)  # e.g. Yama ptrace_scope: tcp from now on
     if backend == "ibverbs":
+        assert h.rkey is not None  # _choose picks ibverbs only for a buffer registered with it
         v = ibverbs.verbs()
         qp = v.qp_to(h.owner_addr, lambda info: _ibv_exchange(h, info))
         v.transfer(h.owner_addr, qp, h.rkey, h.address, op.local, op.offset, op.write, deadline)

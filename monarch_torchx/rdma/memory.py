@@ -6,7 +6,10 @@ import ctypes
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 HUGE = 2 << 20
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
@@ -46,7 +49,8 @@ def local_memory(obj: Any, what: str = "buffer") -> LocalMemory:
             )
         flat = obj.detach().reshape(-1).view(torch.uint8)
         arr = flat.numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
-        return LocalMemory(memoryview(arr), int(obj.data_ptr()), False, obj)
+        # an ndarray exports the buffer protocol (numpy's stubs declare it on Python >= 3.12 only)
+        return LocalMemory(memoryview(cast("Buffer", arr)), int(obj.data_ptr()), False, obj)
     if isinstance(obj, (bytearray, bytes, memoryview)) or hasattr(obj, "__array_interface__"):
         mv = memoryview(obj)
         if not mv.c_contiguous:

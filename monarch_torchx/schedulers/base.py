@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import json
 import os
 import re
@@ -160,7 +161,7 @@ class _SingleFlight:
         with self._lock:
             fut = self._running.get(key)
             mine = fut is None
-            if mine:
+            if fut is None:
                 fut = self._running[key] = Future()
         if not mine:
             return fut.result()
@@ -423,20 +424,18 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         resp = DescribeAppResponse()
         resp.app_id = app_id
         # (failing: not FAILED while replicas run, which TorchX would take as the end)
-        resp.state = AppState.RUNNING if failing else AppState[apps.app_state([s["state"] for s in states.values()])]
-        resp.num_restarts = sum(max(0, s.get("attempts", 1) - 1) for s in states.values())
-        msgs = [
-            f"{role}/{i}: {s['msg']}" for (role, i), s in states.items() if s.get("msg") and s["state"] != SUCCEEDED
-        ]
+        resp.state = AppState.RUNNING if failing else AppState[apps.app_state([s.state.value for s in states.values()])]
+        resp.num_restarts = sum(max(0, s.attempts - 1) for s in states.values())
+        msgs = [f"{role}/{i}: {s.msg}" for (role, i), s in states.items() if s.msg and s.state != SUCCEEDED]
         resp.msg = "; ".join(msgs)
         for r in arec.roles:
             resp.roles.append(role_from_record(r))
             replicas = [
                 ReplicaStatus(
                     id=i,
-                    state=AppState[states[(r["name"], i)]["state"]],
+                    state=AppState[states[(r["name"], i)].state.value],
                     role=r["name"],
-                    hostname=states[(r["name"], i)]["hostname"],
+                    hostname=states[(r["name"], i)].hostname,
                 )
                 for i in range(r["num_replicas"])
                 if (r["name"], i) in states
@@ -465,7 +464,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             if Path(p.state_dir) in live:  # (a pool of that name made again in the same dir lists them)
                 continue
             for a in Registry.apps_in(Path(p.state_dir)):
-                states = [s["state"] for s in apps.stopped_states(a, Path(p.state_dir), p.name).values()]
+                states = [s.state.value for s in apps.stopped_states(a, Path(p.state_dir), p.name).values()]
                 app_id = f"{p.name}:{a.app_id}"
                 out.append(
                     ListAppResponse(
@@ -594,7 +593,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                 yield (
                     role,
                     k,
-                    _later(lambda r=role, i=k: self.log_iter(app_id, r, i, regex, since, until, False, streams)),
+                    _later(functools.partial(self.log_iter, app_id, role, k, regex, since, until, False, streams)),
                 )
             return
         pool, arec, where = self._placed(app_id, replicas)
@@ -732,8 +731,8 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                 failed_hosts.add(i)
                 yield error
 
-            for i, e in sorted(errors.items()):
-                yield from host_failed(i, LogEvent(i, error=str(e), kind=type(e).__name__))
+            for i, err in sorted(errors.items()):
+                yield from host_failed(i, LogEvent(i, error=str(err), kind=type(err).__name__))
             while left or not events.empty():
                 raw = events.get()
                 if raw is None:

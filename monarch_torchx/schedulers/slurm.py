@@ -347,7 +347,7 @@ class SlurmProvisioner:
         self, rec: PoolRecord, indices: list[int], old: dict[int, str], timeout: float, progress: Callable[[str], None]
     ) -> None:
         job = rec.allocation["job_id"]
-        last = {"t": 0.0, "said": ""}
+        last: dict[str, Any] = {"t": 0.0, "said": ""}
         log = Path(rec.state_dir) / "logs" / f"slurm-{job}.out"
 
         def check(_i: int) -> str | None:

@@ -19,7 +19,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, cast
 
 from ..errors import HostUnreachable, MonarchError
 from ..registry import home
@@ -406,7 +406,7 @@ def sync(
         feed: list[int] = []
         for c in chains:
             first, rest = c[0], c[1:]
-            down = {"failed": {}, "unreached": rest}
+            down: dict[str, Any] = {"failed": {}, "unreached": rest}
             if chained and not results[first].error:
                 try:
                     down = head(first).call("syncfs.flush", session=session)
@@ -446,10 +446,10 @@ def sync(
         for c in conns.values():
             c.close()
     meter.update(indices[0] if indices else 0, force=True)
-    out = [results[i] for i in indices]
-    delivered = sum(r.bytes_sent for r in out)
+    per_host = [results[i] for i in indices]
+    delivered = sum(r.bytes_sent for r in per_host)
     total = sum(e.size for e in entries if e.kind == "f")
-    gens = {r.generation for r in out if r.ok}
+    gens = {cast(int, r.generation) for r in per_host if r.ok}  # an ok host has the generation it committed
     return SyncReport(
         files=sum(1 for e in entries if e.kind in ("f", "h", "l")),
         bytes=total,
@@ -457,7 +457,7 @@ def sync(
         bytes_skipped=max(0, total * len(indices) - delivered),
         seconds=round(time.time() - t0, 3),
         generation=max(gens) if gens else None,
-        hosts=out,
+        hosts=per_host,
         transfer=vias[0] if vias else how["mode"],
     )
 
@@ -550,7 +550,7 @@ def _send(client: Any, batch: list[str], sources: dict[str, ChunkSource], how: d
         if how["mode"] == "socket":  # sent from the files themselves
             index, parts = batch_parts(batch, sources)
             args: dict[str, Any] = {"data": parts}
-            release: Callable[[], None] = lambda: None  # noqa: E731
+            release: Callable[[], object] = lambda: None  # noqa: E731
         else:  # rdma reads from one registered buffer
             index, blob = read_batch(batch, sources, buffers)
             args, release = transfer.outgoing(how["mode"], how["pool"], how["bind"], blob)
@@ -571,4 +571,4 @@ def _send(client: Any, batch: list[str], sources: dict[str, ChunkSource], how: d
             release()
             # the host has its own copy; after a timeout it might still be pulling from this one
             if answered and blob is not None:
-                buffers.give(blob.obj)
+                buffers.give(cast(bytearray, blob.obj))  # read_batch's view of a buffer it took

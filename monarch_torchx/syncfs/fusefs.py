@@ -135,13 +135,13 @@ class SyncFS(pyfuse3.Operations):
         a.st_blocks = (a.st_size + 511) // 512
         return a
 
-    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext = None) -> pyfuse3.EntryAttributes:
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
         if inode == pyfuse3.ROOT_INODE:
             return self.attrs(None)
         return self.attrs(self.node(inode))
 
     async def lookup(
-        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext = None
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
     ) -> pyfuse3.EntryAttributes:
         children = self.current.root if parent_inode == pyfuse3.ROOT_INODE else self.node(parent_inode).children
         ino = children.get(os.fsdecode(name))

@@ -609,7 +609,7 @@ class SyncfsModule:
 
     def stop(self) -> None:  # a stopped pool leaves no mounts, synced trees or chunks on the node
         for fw in self.sessions.values():
-            fw.pump.abort("the pool is stopping")  # its threads drain what is queued and end
+            fw.abort("the pool is stopping")  # its threads drain what is queued and end
         for m in self.mounts.values():
             m.stop()
         for p in self.made:

@@ -63,7 +63,7 @@ def _rdma_devices() -> bool:
         return False
 
 
-def outgoing(mode: str, pool: str, bind: str, data: Any) -> tuple[dict[str, Any], Callable[[], None]]:
+def outgoing(mode: str, pool: str, bind: str, data: Any) -> tuple[dict[str, Any], Callable[[], object]]:
     """The put arguments that carry ``data``, and what to call once the put returned."""
     if mode == "socket":
         return {"data": pickle.PickleBuffer(data)}, lambda: None

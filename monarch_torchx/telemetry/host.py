@@ -18,7 +18,7 @@ import shutil
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -395,7 +395,7 @@ class Metrics:
         import pyarrow as pa
 
         schema = arrow_schema("metrics")
-        cols = list(zip(*self.rows)) if self.rows else [[] for _ in schema]
+        cols: list[Any] = list(zip(*self.rows)) if self.rows else [[] for _ in schema]
         return pa.record_batch(
             [pa.array(list(c), _storage(f.type)).cast(f.type) for c, f in zip(cols, schema)], schema=schema
         )
@@ -748,7 +748,12 @@ class TelemetryModule:
         try:
             return await asyncio.wrap_future(made)
         except asyncio.CancelledError:
-            made.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or f.result().close())
+
+            def close_unclaimed(f: Future[Inputs]) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    f.result().close()
+
+            made.add_done_callback(close_unclaimed)
             raise
 
     def merge_subtree(self, args: dict, values: list[Any]) -> Any:

@@ -310,7 +310,7 @@ class QueryServer:
         try:
             self.proc = subprocess.Popen(
                 _argv(),
-                stdin=theirs,
+                stdin=theirs.fileno(),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL if self.quiet else None,
                 cwd=str(self.cwd),
@@ -331,6 +331,7 @@ class QueryServer:
                 if self.proc is None or self.proc.poll() is not None:
                     self._stop()
                     self._start()
+                assert self.sock is not None  # set by _start with the process it talks to
                 try:
                     self.last_submit = time.monotonic()
                     socket.send_fds(self.sock, [struct.pack("<Q", len(request))], fds)
@@ -669,6 +670,7 @@ def _register(ctx: Any, maps: _Maps, name: str, spec: dict[str, Any], batch_rows
             parts.append(ds.dataset(pa.Table.from_batches(pieces, schema=schema)))
         ctx.register_dataset(name, ds.dataset(parts))
         return
+    assert schema is not None  # a table's spec names its schema, or has streams that carry theirs
     empty = pa.record_batch([pa.array([], f.type) for f in schema], schema=schema)
     ctx.register_record_batches(name, [pieces or [empty]])
 
@@ -835,8 +837,9 @@ def serve_forever() -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     running: set[int] = set()  # supervisors (each its own process group)
+    watched: list[socket.socket | int] = [sock, wake_r]
     while True:
-        ready, _, _ = select.select([sock, wake_r], [], [])
+        ready, _, _ = select.select(watched, [], [])
         if wake_r in ready:
             os.read(wake_r, 4096)
             _reap(running)
