@@ -138,6 +138,15 @@ def module_pool(tmp_path_factory, name: str, hosts: int, preload: str = "torch")
         assert not agent_pids(home), "agents or procs left behind"
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def wait_for(pred, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -206,7 +215,7 @@ def assert_launch_with_dead_hosts_is_all_or_nothing(pool, app: str, dead: list[i
     n = pool.record.num_hosts
     for i in dead:
         os.kill(pool.hosts[i].pid, signal.SIGKILL)
-    time.sleep(0.5)
+    wait_for(lambda: not any(_alive(pool.hosts[i].pid) for i in dead), what="the killed agents to be gone")
     specs = [(i, LaunchSpec(app_id=app, role="r", replica_id=i, argv=["sleep", "30"])) for i in range(n)]
     with pytest.raises(MonarchError, match=f"could not start {app}") as e:
         apps.launch(pool, app, app, [{"name": "r"}], specs)
@@ -265,8 +274,13 @@ def assert_a_relay_killed_mid_wait_is_passed_over(pool, app: str, victim: int) -
         target=lambda: got.setdefault("res", pool.ask("wait", range(n), timeout=20.0, app_id=app, within=4.0))
     )
     pid = pool.hosts[victim].pid
+    relayed = pool.call(victim, "info")["relayed"]
     asking.start()
-    time.sleep(1.5)  # every host is waiting now (its answer comes at 4 s)
+    # the victim holds the wait now: it has passed it on to its subtree (``info`` counts what it
+    # relayed), and no host answers a wait before 4 s
+    wait_for(
+        lambda: pool.call(victim, "info")["relayed"] > relayed, timeout=10, what=f"host {victim} to relay the wait"
+    )
     os.kill(pid, signal.SIGKILL)
     asking.join(30)
     assert not asking.is_alive()

@@ -18,6 +18,8 @@ from monarch_torchx.registry import VIEW_FILE, HostAddr, Registry
 
 from .conftest import torchx, wait_for
 
+pytestmark = pytest.mark.integration
+
 HOSTS = 3
 
 

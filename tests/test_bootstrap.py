@@ -22,6 +22,8 @@ from monarch_torchx.private import PrivatePathError
 from monarch_torchx.registry import Registry
 from tests.fixtures.actors import Counter
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

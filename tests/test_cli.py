@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
+
+import pytest
 
 from monarch_torchx.registry import Registry
 
 from .conftest import BIN, agent_pids, cli_env, torchx, wait_for
+
+pytestmark = pytest.mark.integration
 
 TRAIN = """
 import os, torch, torch.distributed as dist
@@ -257,7 +260,14 @@ def test_idle_timeout_is_pool_wide_a_busy_host_keeps_its_idle_peers(home, pool_n
     monkeypatch.setenv("MONARCH_TORCHX_HEARTBEAT_S", "0.3")
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2,preload=none,idle_timeout=1s")
     h = _handle(torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "sleep", "4"))
-    time.sleep(3)  # host 1 has had nothing to do for 3 s > idle_timeout, but host 0 is busy
+    from monarch_torchx.pool import attach
+
+    pool = attach(pool_name)
+    # host 1 has had nothing to do for twice its idle_timeout, by its own clock (``info`` is passive:
+    # asking does not reset it), so its idle check (every 0.3 s past the limit) has asked the pool at
+    # least once; host 0 is still busy, so it stayed
+    wait_for(lambda: pool.call(1, "info")["idle_s"] >= 2.0, timeout=20, what="host 1 to be idle past idle_timeout")
+    assert pool.call(0, "info")["running"] == 1  # (the precondition: host 0 was busy all along)
     assert len(agent_pids(home)) == 2
     wait_for(lambda: _state(home, h) == "SUCCEEDED", what="sleep to end")
     wait_for(lambda: not agent_pids(home), timeout=20, what="both agents to leave together")

@@ -20,6 +20,8 @@ from monarch_torchx.submission import SECRET_PLACEHOLDER
 from .conftest import squeue_ids, torchx
 from .test_kubernetes import cluster  # noqa: F401  (the emulated cluster, as a fixture)
 
+pytestmark = pytest.mark.integration
+
 
 def _dryrun_json(home, cwd, scheduler: str, cfg: str) -> dict:
     res = torchx(home, "run", "--dryrun", "--json", "-s", scheduler, "-cfg", cfg, "utils.echo", "--msg", "hi", cwd=cwd)

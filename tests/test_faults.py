@@ -22,6 +22,8 @@ from monarch_torchx.registry import Registry
 
 from .conftest import torchx, wait_for
 
+pytestmark = pytest.mark.integration
+
 
 def _sleeper(replicas=2):
     return AppDef("sleeper", roles=[Role(name="s", image=".", entrypoint="sleep", args=["600"], num_replicas=replicas)])
@@ -361,7 +363,16 @@ def test_an_agent_that_sees_a_successor_in_its_host_file_exits(home, pool_name, 
     Registry(home).record_path(pool_name).unlink()  # what the corrupt-record message used to advise
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
     wait_for(lambda: not _proc_alive(old), timeout=15, what="the old agent to leave")
-    time.sleep(1.0)
+    # the new agent stays: it has since checked its host file again (it checks, then writes its
+    # heartbeat) and found itself there, not an address the old one wrote before it left
+    gone = time.time()
+    state_dir = Registry(home).get(pool_name).path
+
+    def heartbeat() -> float:
+        h = Registry.read_host(state_dir, 0)
+        return h.heartbeat if h else 0.0
+
+    wait_for(lambda: heartbeat() > gone, timeout=15, what="the new agent's next heartbeat")
     assert all(x.ok for x in attach(pool_name).health())
     assert Registry(home).get(pool_name).allocation["pids"]["0"] != old
 

@@ -20,6 +20,8 @@ import torchx
 from .conftest import BIN, agent_pids, cli_env
 from .conftest import torchx as run_torchx
 
+pytestmark = pytest.mark.integration
+
 MT = str(BIN / "monarch-torchx")
 TORCHX07 = torchx.__version__.startswith("0.7")
 # TorchX's own log lines ("torchx 2026-12-04 20:27:17 INFO     tracker configurations: {}"): not ours

@@ -20,6 +20,8 @@ from monarch_torchx.registry import Registry
 
 from .conftest import BIN, agent_pids, cli_env, torchx, wait_for
 
+pytestmark = pytest.mark.integration
+
 
 def _handle(res) -> str:
     return res.stdout.strip().splitlines()[-1]

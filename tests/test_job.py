@@ -14,6 +14,8 @@ from monarch_torchx.job import JobState, LocalJob, ProcessJob, SlurmJob, job_loa
 from monarch_torchx.registry import Registry
 from tests.fixtures.actors import Counter
 
+pytestmark = pytest.mark.integration
+
 
 def _agents(name: str):
     return [h.pid for h in Registry.hosts(Registry().require(name))]

@@ -28,6 +28,8 @@ from .fixtures import k8s_schema
 from .fixtures.k8s_cluster import Cluster
 from .test_cli import TRAIN
 
+pytestmark = pytest.mark.integration
+
 S = "monarch_kubernetes"
 
 

@@ -17,7 +17,7 @@ PKG = "monarch_torchx"
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"errors", "private", "procfs", "credentials", "specs", "interpreter", "quick_exit", "torchrun", "seam"}),
     ("net", {"net", "wire", "wire_conn"}),
-    ("records", {"registry", "history", "submission"}),
+    ("records", {"registry", "history", "submission", "agent_client"}),
     ("agent", {"agent"}),
     ("pool", {"pool", "apps"}),
     ("actor", {"actor"}),
@@ -178,6 +178,24 @@ def test_front_ends_use_only_public_names():
         for n in names or [""]
         if (n.startswith("_") and n != "__version__") or any(p.startswith("_") for p in t.split(".")[1:])
     ]
+    assert bad == []
+
+
+def test_benchmarks_and_examples_use_only_public_names():
+    """They are written as users' code: nothing of ours that starts with ``_``."""
+    bad = []
+    for path in sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "examples").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PKG):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if private or any(p.startswith("_") for p in (node.module or "").split(".")):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.module} {private}")
+            elif isinstance(node, ast.Import):
+                bad += [
+                    f"{path.relative_to(ROOT)}:{node.lineno} {a.name}"
+                    for a in node.names
+                    if a.name.startswith(PKG) and any(p.startswith("_") for p in a.name.split("."))
+                ]
     assert bad == []
 
 

@@ -10,12 +10,16 @@ import re
 import time
 from pathlib import Path
 
+import pytest
+
 from monarch_torchx.agent.logstore import LogLimits, LogStore, ReplicaLog
 from monarch_torchx.agent.procs import ProcTable, Replica
 from monarch_torchx.specs import RUNNING, SUCCEEDED, LaunchSpec
 
 from .conftest import agent_pids, torchx, wait_for
 from .test_shared_node import small_disk  # noqa: F401  (a 4 MiB tmpfs, as a fixture)
+
+pytestmark = pytest.mark.integration
 
 KIB = 1024
 

@@ -11,6 +11,8 @@ from monarch_torchx.pool import attach
 
 from .conftest import torchx, wait_for
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -20,6 +20,8 @@ from monarch_torchx.rdma import RDMAAction, RDMABuffer, RDMAError, get_rdma_back
 from tests.conftest import module_pool
 from tests.fixtures.rdma_actors import Weights
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[1]
 N = 1 << 20  # floats per buffer
 

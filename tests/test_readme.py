@@ -22,6 +22,8 @@ from .conftest import cli_env
 from .test_cli import TRAIN
 from .test_kubernetes import cluster  # noqa: F401  (the emulated cluster, as a fixture)
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 _FENCE = re.compile(r"^```(\w+)(?: (\w+))?\n(.*?)^```$", re.M | re.S)
 

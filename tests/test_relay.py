@@ -27,6 +27,8 @@ from .conftest import (
 )
 from .test_cli import _handle
 
+pytestmark = pytest.mark.integration
+
 HOSTS = 10
 
 

@@ -24,6 +24,8 @@ from monarch_torchx.registry import Registry
 
 from .conftest import TORCHX, agent_pids, cli_env, torchx, wait_for
 
+pytestmark = pytest.mark.integration
+
 OTHER_UID = 65534
 
 

@@ -17,7 +17,7 @@ from monarch_torchx.registry import Registry
 from .conftest import BIN, assert_host0_relays_to_host1, cli_env, node_store, squeue_ids, torchx, wait_for
 from .test_cli import TRAIN
 
-pytestmark = pytest.mark.usefixtures("slurm_lab")
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("slurm_lab")]
 
 
 def _handle(res) -> str:

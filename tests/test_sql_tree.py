@@ -22,6 +22,8 @@ from monarch_torchx.telemetry.query import run
 
 from .conftest import module_pool, wait_for
 
+pytestmark = pytest.mark.integration
+
 HOSTS = 10
 CHATTY = (
     "import os, sys\n"

@@ -19,6 +19,8 @@ from monarch_torchx.telemetry.query import plan_pushdown, run
 
 from .conftest import BIN, cli_env, torchx, wait_for
 
+pytestmark = pytest.mark.integration
+
 CHATTY = (
     "import sys\n"
     "for i in range(200): print(f'step {i} loss {\"NaN\" if i % 50 == 7 else i}')\n"

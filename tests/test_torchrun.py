@@ -20,6 +20,8 @@ from monarch_torchx.registry import Registry
 
 from .conftest import BIN, module_pool, torchx, wait_for
 
+pytestmark = pytest.mark.integration
+
 TRAIN = """
 import hashlib, os, sys, time
 import torch, torch.distributed as dist

@@ -14,7 +14,11 @@ import os
 import re
 from pathlib import Path
 
+import pytest
+
 from .conftest import torchx
+
+pytestmark = pytest.mark.integration
 
 TUTORIAL = """
 import os, sys

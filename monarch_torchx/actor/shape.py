@@ -80,7 +80,9 @@ class Point(Mapping[str, int]):
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Point):
             return self.coords == other.coords and self.extent._labels == other.extent._labels
-        return Mapping.__eq__(self, other)
+        if isinstance(other, Mapping):  # as a mapping (Monarch's Point is one): its labels and coordinates
+            return dict(self.items()) == dict(other.items())
+        return NotImplemented
 
     def __hash__(self) -> int:
         return hash((self.coords, self.extent._labels))

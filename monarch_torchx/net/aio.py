@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, cast
 
 from ..credentials import PoolCredentials
+from . import handshake
 from .frames import (
-    HANDSHAKE_TIMEOUT_S,
     UNIX,
     AsyncFrameSink,
     FrameParser,
@@ -117,7 +117,7 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
         loop = asyncio.get_running_loop()
         # one deadline for TLS and the handshake: the gate counts this connection from its accept,
         # so silent peers are evicted whether they stall in TLS or after it
-        self._timer = loop.call_later(HANDSHAKE_TIMEOUT_S, self._handshake_timeout)
+        self._timer = loop.call_later(handshake.HANDSHAKE_TIMEOUT_S, self._handshake_timeout)
         if self.tls is None:
             self._greet()
             return
@@ -127,7 +127,9 @@ class AuthenticatedConnection(asyncio.BufferedProtocol):
     async def _start_tls(self, loop: asyncio.AbstractEventLoop, raw: asyncio.Transport) -> None:
         assert self.tls is not None  # started only when the server has a TLS context
         try:
-            tls = await loop.start_tls(raw, self, self.tls, server_side=True, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
+            tls = await loop.start_tls(
+                raw, self, self.tls, server_side=True, ssl_handshake_timeout=handshake.HANDSHAKE_TIMEOUT_S
+            )
         except (ssl.SSLError, OSError, ConnectionError, asyncio.TimeoutError) as e:
             if not self._dropped:
                 self.drop(f"TLS refused ({getattr(e, 'reason', None) or e or type(e).__name__})")

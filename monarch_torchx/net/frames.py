@@ -42,10 +42,6 @@ log = logging.getLogger("monarch_torchx.wire")
 
 MAGIC = b"MTX1"
 UNIX = "unix:"  # a host of "unix:PATH" is a Unix socket on this machine (its port is 0)
-NONCE = 32
-MAC = 32
-HANDSHAKE_TIMEOUT_S = 5.0
-MAX_HANDSHAKES = 256  # unauthenticated connections an agent entertains at once (then the oldest goes)
 MAX_BODY = 1 << 30  # one pickled message body
 MAX_BUFS = 4096
 MAX_BUF = 1 << 40

@@ -20,11 +20,7 @@ from typing import Any, Callable
 
 from ..credentials import PoolCredentials
 from .frames import (
-    HANDSHAKE_TIMEOUT_S,
-    MAC,
     MAGIC,
-    MAX_HANDSHAKES,
-    NONCE,
     HandshakeRefused,
     PeerClosed,
     PeerTimeout,
@@ -33,6 +29,13 @@ from .frames import (
 )
 
 log = logging.getLogger("monarch_torchx.wire")
+
+NONCE = 32
+MAC = 32
+# a connection's TLS and handshake, together, end within this (a trickling peer is cut off); read at
+# each use, here and by ``aio``, so that it is one setting
+HANDSHAKE_TIMEOUT_S = 5.0
+MAX_HANDSHAKES = 256  # unauthenticated connections an agent entertains at once (then the oldest goes)
 
 DROP_LOG_EVERY_S = 10.0
 
