@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Protocol, Sequence, cast
 
 from . import net
 from .agent_client import AgentClient
@@ -157,6 +157,14 @@ class Pool:
         self._engine_loss: tuple[float, str | None] | None = None  # (when asked, the answer)
         self._patient: dict[tuple[int, str, int], bool] = {}  # (index, incarnation, port) -> answered a patient ping
         self.unreachable: list[int] = []  # hosts ensure_pool's check left be: unreachable, not known to be lost
+
+    # Two methods this handle offered once, now where they belong: the pool layer does not import the
+    # services above it (the README's layers). Kept one release, to say where they went.
+    def sync(self, *_args: Any, **_kwargs: Any) -> NoReturn:
+        raise AttributeError("Pool.sync() moved: use monarch_torchx.syncfs.sync(pool, src, target)")
+
+    def sql(self, *_args: Any, **_kwargs: Any) -> NoReturn:
+        raise AttributeError("Pool.sql() moved: use monarch_torchx.telemetry.sql(pool, query)")
 
     @property
     def name(self) -> str:

@@ -133,3 +133,13 @@ def _frames(parts):
     buf = parser.get_buffer()
     buf[: len(frame)] = frame
     return parser.feed(len(frame))
+
+
+def test_what_moved_off_the_pool_handle_says_where_it_went():
+    from monarch_torchx.pool import Pool
+
+    pool = Pool.__new__(Pool)  # (no pool needed: the handle's own attribute lookup)
+    with pytest.raises(AttributeError, match=r"Pool.sql\(\) moved: use monarch_torchx.telemetry.sql\(pool, query\)"):
+        pool.sql("SELECT 1")
+    with pytest.raises(AttributeError, match=r"monarch_torchx.syncfs.sync\(pool, src, target\)"):
+        pool.sync(".", "work")
