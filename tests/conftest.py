@@ -138,7 +138,7 @@ def module_pool(tmp_path_factory, name: str, hosts: int, preload: str = "torch")
         assert not agent_pids(home), "agents or procs left behind"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether process ``pid`` still runs (a zombie, dead but not yet reaped by its parent, does not)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -215,7 +215,7 @@ def assert_launch_with_dead_hosts_is_all_or_nothing(pool, app: str, dead: list[i
     n = pool.record.num_hosts
     for i in dead:
         os.kill(pool.hosts[i].pid, signal.SIGKILL)
-    wait_for(lambda: not any(_alive(pool.hosts[i].pid) for i in dead), what="the killed agents to be gone")
+    wait_for(lambda: not any(process_alive(pool.hosts[i].pid) for i in dead), what="the killed agents to be gone")
     specs = [(i, LaunchSpec(app_id=app, role="r", replica_id=i, argv=["sleep", "30"])) for i in range(n)]
     with pytest.raises(MonarchError, match=f"could not start {app}") as e:
         apps.launch(pool, app, app, [{"name": "r"}], specs)

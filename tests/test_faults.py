@@ -20,21 +20,13 @@ from monarch_torchx.credentials import PoolCredentials
 from monarch_torchx.pool import attach
 from monarch_torchx.registry import Registry
 
-from .conftest import torchx, wait_for
+from .conftest import process_alive, torchx, wait_for
 
 pytestmark = pytest.mark.integration
 
 
 def _sleeper(replicas=2):
     return AppDef("sleeper", roles=[Role(name="s", image=".", entrypoint="sleep", args=["600"], num_replicas=replicas)])
-
-
-def _proc_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_sigkilled_agent_fails_its_apps_degrades_the_pool_and_the_next_run_repairs(home, pool_name):
@@ -48,7 +40,7 @@ def test_sigkilled_agent_fails_its_apps_degrades_the_pool_and_the_next_run_repai
 
         st = wait_for(lambda: (s := runner.status(h)) and s.state == AppState.FAILED and s, timeout=10, what="FAILED")
         assert "host 1" in st.msg and "lost" in st.msg
-        wait_for(lambda: not _proc_alive(app_pid), timeout=10, what="the dead agent's replica to die with it")
+        wait_for(lambda: not process_alive(app_pid), timeout=10, what="the dead agent's replica to die with it")
         status = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
         assert status["state"] == "degraded"
         assert [h_["state"] for h_ in status["hosts"]] == ["ok", "lost"]
@@ -139,7 +131,7 @@ def test_what_a_replica_leaves_in_its_process_group_is_cleaned_up(home, pool_nam
         assert "".join(runner.log_lines(h, "b", 0, should_tail=True)) == "started\n"
         assert runner.status(h).state == AppState.SUCCEEDED
         bg = int(pidfile.read_text())
-        wait_for(lambda: not _proc_alive(bg), timeout=10, what="the background child to be killed")
+        wait_for(lambda: not process_alive(bg), timeout=10, what="the background child to be killed")
 
 
 def test_missing_script_exits_like_python(home, pool_name, tmp_path):
@@ -203,7 +195,7 @@ def test_an_unreachable_host_with_a_fresh_heartbeat_is_unknown_and_never_repaire
         # a new run on the pool leaves host 1 alone: no repair, no kill
         res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "hi")
         assert "host 1 is unreachable but not known to be lost" in res.stderr and "repairing" not in res.stderr
-        assert _proc_alive(agent)
+        assert process_alive(agent)
         out = torchx(home, "pool", "status", pool_name, check=False).stdout
         assert re.search(r"^1\s+unreachable\s", out, re.M), out
         runner.cancel(h)
@@ -226,7 +218,7 @@ def test_an_unreachable_host_with_a_stale_heartbeat_is_lost_and_repaired(home, p
         )
         res = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "hi")
         assert "repairing" in res.stderr
-        wait_for(lambda: not _proc_alive(agent), what="the hung agent to be replaced")
+        wait_for(lambda: not process_alive(agent), what="the hung agent to be replaced")
         assert all(x.ok for x in attach(pool_name).health())
 
 
@@ -287,7 +279,7 @@ def test_a_reused_pool_is_checked_by_the_launch_and_a_host_it_finds_lost_is_repa
     logs = torchx(home, "log", handle).stdout.splitlines()
     # host 0 had started its replica before host 1 failed the launch: its log holds both tries
     assert logs.count("echo/0 two") == 2 and logs.count("echo/1 two") == 1, logs
-    wait_for(lambda: not _proc_alive(old), what="the agent whose address led nowhere to be replaced")
+    wait_for(lambda: not process_alive(old), what="the agent whose address led nowhere to be replaced")
     assert all(x.ok for x in attach(pool_name).health())
 
     # a stale view (host 1 moved since it was written): nothing to repair, the app starts again
@@ -362,7 +354,7 @@ def test_an_agent_that_sees_a_successor_in_its_host_file_exits(home, pool_name, 
     old = Registry(home).get(pool_name).allocation["pids"]["0"]
     Registry(home).record_path(pool_name).unlink()  # what the corrupt-record message used to advise
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
-    wait_for(lambda: not _proc_alive(old), timeout=15, what="the old agent to leave")
+    wait_for(lambda: not process_alive(old), timeout=15, what="the old agent to leave")
     # the new agent stays: it has since checked its host file again (it checks, then writes its
     # heartbeat) and found itself there, not an address the old one wrote before it left
     gone = time.time()
@@ -386,7 +378,7 @@ def test_what_a_killed_agent_left_in_temp_is_swept_by_the_next(home, pool_name, 
     assert [d.parent.name for d in left] == ["procs", "telemetry"]
     assert all(os.stat(d).st_mode & 0o077 == 0 for d in (root, *left))
     os.kill(pid, signal.SIGKILL)  # no cleanup runs
-    wait_for(lambda: not _proc_alive(pid), what="the agent to die")
+    wait_for(lambda: not process_alive(pid), what="the agent to die")
     assert all(d.exists() for d in left)
     torchx(home, "pool", "create", pool_name + "n", "-cfg", "hosts=1,preload=none")
     assert not any(d.exists() for d in left)  # swept at the next agent's start

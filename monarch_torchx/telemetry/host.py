@@ -551,7 +551,8 @@ INDEX_INTERVAL_S = float(os.environ.get("MONARCH_TORCHX_TELEMETRY_INDEX_S", "1")
 BUSY_BYTES_PER_INTERVAL = 1 << 20  # more new output than this per interval: wait for a pause
 MAX_BACKLOG_BYTES = 256 << 20  # ... unless this much is waiting
 # a host that was never queried leaves its logs in their files until this much output waits: an
-# agent that only runs short jobs never imports pyarrow (tens of MiB and ~0.2 s of CPU per host)
+# agent that only runs short jobs never imports pyarrow (memory and CPU on every host:
+# benchmarks/RESULTS.md, "numbers behind the code")
 LAZY_BYTES = _env_int("MONARCH_TORCHX_TELEMETRY_LAZY_BYTES", 8 << 20)
 _FORKSERVER = os.path.join("monarch_torchx", "agent", "forkserver.py")
 
