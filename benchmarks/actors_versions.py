@@ -5,7 +5,7 @@
 
 Each round runs ``benchmarks/actors.py``'s measurements (``run_ours``: rtt, call to 8 procs, 64 MiB
 tensor, spawn of 8 torch procs, on a fresh warm 1-host pool) once with the baseline's code and
-once with this checkout's, alternating, so machine noise hits both; the table is the median of
+once with this checkout's, alternating (and which goes first, round by round), so machine noise hits both; the table is the median of
 the rounds and the ratio this / baseline. Written to answer "did a change cost speed?" (first:
 sync endpoints moved off the proc's event loop onto each actor's thread, as Monarch runs them).
 """
@@ -63,7 +63,8 @@ def main() -> None:
     this = HERE.parent
     runs: dict[str, list[dict[str, float]]] = {"baseline": [], "this": []}
     for i in range(args.rounds):
-        for name, root in (("baseline", args.baseline), ("this", this)):
+        order = (("baseline", args.baseline), ("this", this))
+        for name, root in order if i % 2 == 0 else order[::-1]:  # who goes first alternates, too
             print(f"round {i + 1}/{args.rounds}: {name} ...", file=sys.stderr, flush=True)
             runs[name].append(run_once(root, args.calls))
 
