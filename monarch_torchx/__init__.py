@@ -16,6 +16,7 @@ _ACTOR_NAMES = frozenset(
     {
         "Accumulator",
         "Actor",
+        "BootstrapCommand",
         "ActorError",
         "ActorInstance",
         "ActorMesh",
@@ -40,8 +41,10 @@ _ACTOR_NAMES = frozenset(
         "current_actor_name",
         "current_rank",
         "current_size",
+        "default_bootstrap_cmd",
         "endpoint",
         "get_or_spawn_controller",
+        "hosts_from_config",
         "run_worker_loop_forever",
         "send",
         "shutdown_context",

@@ -113,7 +113,7 @@ class JobTrait:
         if not self.active and cached_path is not None:
             cached = _load_cached(cached_path)
             if cached is not None and cached.can_run(self):
-                cached_state = cached._connect()
+                cached_state = self._connect()  # (the same pool: its spec is this one's)
                 self.__dict__.update({k: v for k, v in cached.__dict__.items() if k in ("_status", "_apply_id")})
                 return cached_state
             if cached is not None:
@@ -240,12 +240,21 @@ class ProcessJob(JobTrait):
     def __init__(self, meshes: dict[str, int], env: dict[str, str] | None = None):
         super().__init__()
         self.meshes = check_meshes(meshes)
-        self.env = dict(env or {})
-        if self.env:
-            raise MonarchError("ProcessJob(env=...) is not supported: pass env to spawn_procs(env=...) instead")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in (env or {}).items()):
+            raise ValueError("ProcessJob env must map strings to strings")
+        self.env = dict(env or {})  # added to every proc's environment on these hosts, as Monarch's workers'
 
     def _meshes(self) -> dict[str, int]:
         return self.meshes
+
+    def _spec(self) -> dict[str, Any]:
+        # as Monarch's: the environment does not decide whether a running job serves this one (the
+        # procs of the job that serves get this job's env: it is applied where they are spawned)
+        return {k: v for k, v in super()._spec().items() if k != "env"}
+
+    def _connect(self) -> JobState:
+        state = super()._connect()
+        return JobState({name: mesh._with_env(self.env) for name, mesh in state._hosts.items()})
 
     def _pool(self) -> tuple[str, str, dict[str, Any]]:
         return "monarch_local", _pool_name("process-job-" + "-".join(self.meshes), "local"), {}

@@ -1215,3 +1215,29 @@ def test_a_proc_drops_a_connection_whose_header_is_not_a_named_message(procs, he
     finally:
         sock.close()
     assert counter.incr.call().get(timeout=30)  # the owner's connection and the actor are intact
+
+
+def test_a_bootstrap_command_sets_each_procs_environment(pool):
+    """As Monarch's ``spawn_procs(bootstrap_command=...)``: one command for every proc, or one per
+    proc from its point; its env is added to the proc's; a later spawn without it has none of it."""
+    from monarch_torchx.actor import BootstrapCommand, default_bootstrap_cmd
+
+    hosts = attach(pool[0])
+    cmd = default_bootstrap_cmd()
+    assert isinstance(cmd, BootstrapCommand) and cmd.args == ["-m", "monarch_torchx.actor"] and cmd.env == {}
+    every = hosts.spawn_procs(per_host={"gpus": 2}, bootstrap_command=cmd.with_env({"CUDA_VISIBLE_DEVICES": "3"}))
+    assert set(every.spawn("c", Counter).env.call("CUDA_VISIBLE_DEVICES").get().values()) == {"3"}
+    every.stop().get()
+    each = hosts.spawn_procs(
+        per_host={"gpus": 2},
+        bootstrap_command=lambda point: cmd.with_env({"CUDA_VISIBLE_DEVICES": str(point["gpus"])}),
+    )
+    seen = each.spawn("c", Counter).env.call("CUDA_VISIBLE_DEVICES").get()
+    # every proc, in rank order, each with its own gpus coordinate (each host spawned its two apart)
+    assert [(p.rank, p["gpus"], v) for p, v in seen.items()] == [(0, 0, "0"), (1, 1, "1"), (2, 0, "0"), (3, 1, "1")]
+    each.stop().get()
+    plain = hosts.spawn_procs(per_host={"gpus": 1})
+    assert set(plain.spawn("c", Counter).env.call("CUDA_VISIBLE_DEVICES").get().values()) == {None}
+    plain.stop().get()
+    with pytest.raises(ValueError, match="procs here run -m monarch_torchx.actor"):
+        hosts.spawn_procs(bootstrap_command=BootstrapCommand(sys.executable, None, ["-m", "elsewhere"], {}))

@@ -63,6 +63,24 @@ def test_process_job_meshes_reuse_replace_and_kill(home, tmp_path):
     stop_pool("local")
 
 
+def test_a_process_jobs_env_reaches_its_procs_and_does_not_decide_reuse(home, tmp_path):
+    """As Monarch's ``ProcessJob(meshes, env=...)``: every proc spawned on the job's hosts gets the
+    environment (its workers' there); a job that differs only in env reuses the running one."""
+    cache = str(tmp_path / "job_state.pkl")
+    state = ProcessJob({"trainers": 1}, env={"JOB_ENV": "first"}).state(cached_path=cache)
+    procs = state.trainers.spawn_procs(per_host={"gpus": 2})
+    assert list(procs.spawn("c", Counter).env.call("JOB_ENV").get().values()) == ["first", "first"]
+    procs.stop().get()
+    name = ProcessJob({"trainers": 1})._pool()[1]
+    pids = _agents(name)
+    again = ProcessJob({"trainers": 1}, env={"JOB_ENV": "second"})
+    procs = again.state(cached_path=cache).trainers.spawn_procs()
+    assert list(procs.spawn("c", Counter).env.call("JOB_ENV").get().values()) == ["second"]
+    assert _agents(name) == pids  # the same hosts: env is applied where procs are spawned
+    procs.stop().get()
+    again.kill()
+
+
 def test_local_job_is_this_host(home):
     state = LocalJob(hosts=("trainers", "critics")).state(cached_path=None)
     assert state.trainers.pool == state.critics.pool == "local"
@@ -73,12 +91,13 @@ def test_unsupported_arguments_say_so_in_one_line(tmp_path):
         lambda: SlurmJob({"a": 1}, slurm_args=["--foo"]),
         lambda: SlurmJob({"a": 1}, ntasks_per_node=2),
         lambda: SlurmJob({"a": 1}, attach_to="tcp://x:1"),
-        lambda: ProcessJob({"a": 1}, env={"A": "1"}),
     ):
         with pytest.raises(MonarchError):
             make()
     with pytest.raises(ValueError, match="positive number of hosts"):
         ProcessJob({"a": 0})
+    with pytest.raises(ValueError, match="strings to strings"):
+        ProcessJob({"a": 1}, env={"A": 1})
     bad = tmp_path / "job_state.pkl"
     bad.write_bytes(b"not a pickle")
     bad.chmod(0o666)
@@ -115,3 +134,19 @@ def test_slurm_job_reuses_its_allocation(home, tmp_path):
     assert squeue_ids(f"monarch-{rec.name}") == jobs  # the same allocation
     job.kill()
     assert Registry().get(rec.name) is None
+
+
+def test_hosts_from_config_is_a_warm_two_host_pool_made_once(home):
+    """As Monarch's stand-in for its getting-started example: 2 hosts on this machine, here a warm
+    pool that a second call (a second run of the script) reuses."""
+    from monarch_torchx.actor import hosts_from_config
+    from monarch_torchx.pool import stop_pool
+
+    hosts = hosts_from_config("MONARCH_HOSTS")
+    assert hosts.sizes == {"hosts": 2} and hosts.pool == "config-monarch_hosts"
+    pids = _agents(hosts.pool)
+    procs = hosts.spawn_procs(per_host={"gpus": 1})
+    assert list(procs.spawn("c", Counter).incr.call(1).get().values()) == [1, 1]
+    procs.stop().get()
+    assert hosts_from_config("MONARCH_HOSTS").pool == hosts.pool and _agents(hosts.pool) == pids
+    stop_pool(hosts.pool)

@@ -20,7 +20,7 @@ import time
 import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
 
 from .. import net
@@ -34,7 +34,7 @@ from .errors import MeshFailure, ProcStopped, SupervisionError, point_text
 from .future import Future
 from .host import app_id
 from .hub import Hub, ProcAddr, encode, pack
-from .shape import Extent, Shape, ValueMesh
+from .shape import Extent, Point, Shape, ValueMesh
 
 log = logging.getLogger("monarch_torchx.actor")
 
@@ -98,6 +98,44 @@ class _MeshTrait:
 PYTHON_ENV = "MONARCH_TORCHX_PROC_PYTHON"  # a proc's with_python_executable(), for this_host() in it
 
 
+ACTOR_PROC_ARGS = ("-m", "monarch_torchx.actor")  # what starts an actor proc (python -m ...)
+
+
+@dataclass
+class BootstrapCommand:
+    """How a proc is started, as Monarch's ``BootstrapCommand``: a Python ``program``, its ``args``
+    (here always the actor proc's, ``-m monarch_torchx.actor``) and ``env``, added to the proc's
+    environment. This interpreter starts warm procs (forked from the agents' warm fork servers);
+    another ``program`` is exec'd, as ``HostMesh.with_python_executable`` does."""
+
+    program: str
+    arg0: str | None = None
+    args: list[str] = field(default_factory=lambda: list(ACTOR_PROC_ARGS))
+    env: dict[str, str] = field(default_factory=dict)
+
+    def with_env(self, env: dict[str, str]) -> BootstrapCommand:
+        """A copy with ``env`` added over this one's."""
+        return replace(self, env={**self.env, **env}, args=list(self.args))
+
+    def check(self) -> BootstrapCommand:
+        if not isinstance(self.program, str) or not self.program:
+            raise ValueError(f"BootstrapCommand program must be a Python executable's path, not {self.program!r}")
+        if list(self.args) != list(ACTOR_PROC_ARGS) or self.arg0 not in (None, self.program):
+            raise ValueError(
+                f"BootstrapCommand args {self.args!r}: procs here run {' '.join(ACTOR_PROC_ARGS)}; "
+                "change the program (a wrapper script, another venv's python) or env, not the arguments"
+            )
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
+            raise ValueError("BootstrapCommand env must map strings to strings")
+        return self
+
+
+def default_bootstrap_cmd() -> BootstrapCommand:
+    """As Monarch's: the command that starts a proc by default (this interpreter, the actor proc's
+    module, no extra environment); ``.with_env({...})`` adds to a proc's environment."""
+    return BootstrapCommand(sys.executable, None, list(ACTOR_PROC_ARGS), {})
+
+
 class HostMesh(_MeshTrait):
     """The hosts of a warm pool. Spawning procs on it is cheap: the hosts stay up."""
 
@@ -109,11 +147,18 @@ class HostMesh(_MeshTrait):
         self._received = False  # unpickled: a reference, which cannot end the hosts
         self._spawned: list[ProcMesh] = []  # what stop() ends
         self._python: str | None = None  # with_python_executable(): procs exec it, not a warm fork
+        self._env: dict[str, str] = {}  # added to every proc's environment (ProcessJob(env=...))
 
     def _with_shape(self, shape: Shape) -> HostMesh:
         mesh = HostMesh(self.pool, self._hosts, shape)
         mesh._received = self._received  # a slice of a reference is a reference
         mesh._python = self._python
+        mesh._env = dict(self._env)
+        return mesh
+
+    def _with_env(self, env: dict[str, str]) -> HostMesh:
+        mesh = self._with_shape(self._shape)
+        mesh._env = {**self._env, **env}
         return mesh
 
     def with_python_executable(self, python_executable: str) -> HostMesh:
@@ -149,7 +194,7 @@ class HostMesh(_MeshTrait):
         return False
 
     def __reduce__(self) -> Any:  # a HostMesh sent to an actor (or pickled) is a reference: it cannot end the hosts
-        return _received_host_mesh, (self.pool, self._hosts, self._shape, self._python)
+        return _received_host_mesh, (self.pool, self._hosts, self._shape, self._python, self._env)
 
     def _check_live(self) -> None:
         if self._shut_down:
@@ -211,16 +256,22 @@ class HostMesh(_MeshTrait):
         name: str = "procs",
         bootstrap: Callable[[], Any] | None = None,
         proc_bind: list[dict[str, str]] | None = None,
+        bootstrap_command: BootstrapCommand | Callable[[Point], BootstrapCommand] | None = None,
     ) -> ProcMesh:
         """Starts ``per_host`` procs on every host of this mesh (from the agents' warm fork servers).
         ``bootstrap`` (Monarch's): a function every proc runs before it makes any other actor
         (picklable by value, like an actor's arguments); spawn_procs returns at once, and if it
         raises, ``procs.initialized`` does and the procs stop. ``proc_bind`` (Monarch's): one dict
         per proc of a host, of ``cpus``/``physcpubind`` (CPU lists), ``cpunodebind`` and
-        ``membind`` (NUMA nodes), as numactl and taskset take them (see ``placement``)."""
+        ``membind`` (NUMA nodes), as numactl and taskset take them (see ``placement``).
+        ``bootstrap_command`` (Monarch's): a ``BootstrapCommand`` for every proc, or a function of
+        each proc's point giving its own (``default_bootstrap_cmd().with_env({...})``): its env is
+        added to the proc's, and a program other than this interpreter is exec'd."""
         self._check_live()
         if bootstrap is not None:  # as Monarch's: returns at once; a failing bootstrap fails `initialized`
-            spawned = self.spawn_procs(per_host, env=env, name=name, proc_bind=proc_bind)
+            spawned = self.spawn_procs(
+                per_host, env=env, name=name, proc_bind=proc_bind, bootstrap_command=bootstrap_command
+            )
             booted = spawned.spawn("bootstrap", _Bootstrap, bootstrap).initialized
             ready: Future[bool] = Future(session.hub_for(self.pool))
 
@@ -249,9 +300,12 @@ class HostMesh(_MeshTrait):
         hub = session.hub_for(self.pool)
         mesh_id = uuid.uuid4().hex[:12]
         hosts = [self._hosts[r] for r in self._shape.ranks]
+        proc_shape = Shape.dense(self._shape.labels + tuple(per_host), self._shape.sizes + tuple(per_host.values()))
+        commands = _proc_commands(bootstrap_command, proc_shape, self._python)
         proc_env = {
             "MONARCH_TORCHX_PROC_PATH": os.pathsep.join(_controller_paths()),
             "MONARCH_TORCHX_PROC_CWD": _controller_cwd(),
+            **self._env,
             **(env or {}),
         }
         if self._python is not None:  # and this_host() in its actors keeps it
@@ -264,24 +318,32 @@ class HostMesh(_MeshTrait):
         elif os.environ.get(CONTROLLERS):  # and so can the procs those actors start
             proc_env[CONTROLLERS] = os.environ[CONTROLLERS]
 
+        def host_calls(h: int) -> list[dict[str, Any]]:
+            """Host ``h``'s mesh.spawn calls: one per distinct command among its procs (one, mostly)."""
+            groups: dict[tuple[str | None, tuple[tuple[str, str], ...]], list[int]] = {}
+            for r in range(h * local, (h + 1) * local):
+                groups.setdefault(commands[r], []).append(r)
+            return [
+                _spawn_args(
+                    mesh_id,
+                    ranks,
+                    {**proc_env, **dict(extra)},
+                    [binds[r - h * local] for r in ranks] if binds is not None else None,
+                    python,
+                )
+                for (python, extra), ranks in groups.items()
+            ]
+
         def start(h: int) -> list[dict[str, Any]]:
-            return _agent_call(
-                hub,
-                hosts[h],
-                "mesh.spawn",
-                timeout=180.0,
-                **_spawn_args(mesh_id, list(range(h * local, (h + 1) * local)), proc_env, binds, self._python),
-            )
+            out: list[dict[str, Any]] = []
+            for args in host_calls(h):  # one after another: a host's rendezvous is per mesh
+                out += _agent_call(hub, hosts[h], "mesh.spawn", timeout=180.0, **args)
+            return out
 
         results: list[list[dict[str, Any]] | None] = [None] * len(hosts)
         errors: list[str] = []
         if len(hosts) >= tree_min_hosts():  # through the agents' relay tree: a few connections, not N
-            calls = {
-                host.index: [
-                    _spawn_args(mesh_id, list(range(h * local, (h + 1) * local)), proc_env, binds, self._python)
-                ]
-                for h, host in enumerate(hosts)
-            }
+            calls = {host.index: host_calls(h) for h, host in enumerate(hosts)}
             outcomes = ask_tree(
                 [Target(host.index, host.host, host.port, host.identity(self.pool).decode()) for host in hosts],
                 hub.creds,
@@ -292,7 +354,7 @@ class HostMesh(_MeshTrait):
             for h, host in enumerate(hosts):
                 o = outcomes.get(host.index) or {"ok": False, "error": "no answer"}
                 if o["ok"]:
-                    results[h] = o["value"][0]
+                    results[h] = [info for value in o["value"] for info in value]
                 else:
                     errors.append(f"host {host.index}: {o['error']}")
         else:
@@ -313,7 +375,7 @@ class HostMesh(_MeshTrait):
         procs = []
         for h, host in enumerate(hosts):
             agent = ProcAddr(host.host, host.port, host.identity(self.pool).decode())
-            for info in results[h] or []:
+            for info in sorted(results[h] or [], key=lambda info: info["rank"]):
                 procs.append(
                     ProcRef(
                         ProcAddr(info["host"], info["port"], f"{self.pool}/proc/{mesh_id}/{info['rank']}"),
@@ -351,6 +413,24 @@ class HostMesh(_MeshTrait):
         return mesh
 
 
+def _proc_commands(
+    command: BootstrapCommand | Callable[[Point], BootstrapCommand] | None, shape: Shape, python: str | None
+) -> list[tuple[str | None, tuple[tuple[str, str], ...]]]:
+    """Each proc's (python to exec, or None: a warm fork; env it adds), by rank."""
+    out: list[tuple[str | None, tuple[tuple[str, str], ...]]] = []
+    for point in shape.points():
+        if command is None:
+            out.append((python, ()))
+            continue
+        cmd = command(point) if callable(command) and not isinstance(command, BootstrapCommand) else command
+        if not isinstance(cmd, BootstrapCommand):
+            raise TypeError(f"bootstrap_command gave {type(cmd).__name__}, not a BootstrapCommand, for {point!r}")
+        cmd.check()
+        exe = None if cmd.program == sys.executable else cmd.program
+        out.append((exe, tuple(sorted(cmd.env.items()))))
+    return out
+
+
 def _spawn_args(
     mesh_id: str, ranks: list[int], env: dict[str, str], binds: list[dict[str, str]] | None, python: str | None
 ) -> dict[str, Any]:
@@ -364,10 +444,13 @@ def _spawn_args(
     }
 
 
-def _received_host_mesh(pool: str, hosts: Sequence[HostAddr], shape: Shape, python: str | None = None) -> HostMesh:
+def _received_host_mesh(
+    pool: str, hosts: Sequence[HostAddr], shape: Shape, python: str | None = None, env: dict[str, str] | None = None
+) -> HostMesh:
     mesh = HostMesh(pool, hosts, shape)
     mesh._received = True
     mesh._python = python
+    mesh._env = dict(env or {})
     return mesh
 
 
@@ -499,6 +582,24 @@ def _duration(seconds: float) -> str:
     """90 -> "90s", 1800 -> "30m", 7200 -> "2h": as -cfg idle_timeout is written."""
     s = int(seconds)
     return f"{s // 3600}h" if s % 3600 == 0 else f"{s // 60}m" if s % 60 == 0 else f"{s}s"
+
+
+def hosts_from_config(name: str) -> HostMesh:
+    """As Monarch's (a stand-in there too, for its getting-started example): a HostMesh of 2 hosts
+    on this machine, here the warm ``monarch_local`` pool ``config-NAME`` (made on first use, reused
+    after; it idles out after 30 minutes, as ``this_host()``'s pool does)."""
+    from ..pool import PoolRequest, ensure_pool, parse_duration
+    from ..registry import check_pool_name
+
+    pool_name = "config-" + "".join(c if c.isalnum() or c in "-_" else "-" for c in name.lower()).strip("-_")
+    check_pool_name(pool_name)
+    pool = ensure_pool(
+        PoolRequest("monarch_local", pool_name, {"hosts": 2}, options={"idle_timeout": parse_duration("30m")}),
+        defaults={"hosts": 2, "preload": "torch"},
+    )
+    session.hub_for(pool_name, pool.record.credentials)
+    session.set_current_pool(pool_name)
+    return HostMesh(pool_name, [h for h in pool.hosts if h is not None])
 
 
 def this_host() -> HostMesh:
