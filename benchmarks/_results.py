@@ -20,7 +20,8 @@ def record(name: str, command: str, body: str) -> None:
     text = (
         RESULTS.read_text()
         if RESULTS.exists()
-        else "# Benchmark results\n\nLatest output of each benchmark in `benchmarks/`, written by the benchmark itself.\n"
+        else "# Benchmark results\n\nLatest output of each benchmark in `benchmarks/`, written by the "
+        "benchmark itself.\n"
     )
     if begin in text and end in text:
         head, _, rest = text.partition(begin)

@@ -11,7 +11,8 @@ default) and TLS (the default of pools that span machines), to show what TLS cos
   spawn8_s     8 new procs that import torch, one actor each, until all 8 answered
                (ours: on a warm pool: created before timing, as a pool is in real use)
 Targets (issue 4): rtt <= 1/3 of the faster of Monarch and Ray; call8 <= 2x our rtt;
-tensor >= 1.5 GB/s; spawn8 < 0.5 s; (issue 15) rtt with TLS <= 1.3x without. Peers missing (pip install -e .[bench-peers]) are skipped.
+tensor >= 1.5 GB/s; spawn8 < 0.5 s; (issue 15) rtt with TLS <= 1.3x without. Peers missing
+(pip install -e .[bench-peers]) are skipped.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@
 
 Each round runs ``benchmarks/actors.py``'s measurements (``run_ours``: rtt, call to 8 procs, 64 MiB
 tensor, spawn of 8 torch procs, on a fresh warm 1-host pool) once with the baseline's code and
-once with this checkout's, alternating (and which goes first, round by round), so machine noise hits both; the table is the median of
-the rounds and the ratio this / baseline. Written to answer "did a change cost speed?" (first:
-sync endpoints moved off the proc's event loop onto each actor's thread, as Monarch runs them).
+once with this checkout's, alternating (and which goes first, round by round), so machine noise
+hits both; the table is the median of the rounds and the ratio this / baseline. Written to answer
+"did a change cost speed?" (first: sync endpoints moved off the proc's event loop onto each
+actor's thread, as Monarch runs them).
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ the container, so the cold/warm ratio below is a floor.
 | run | median (s) | runs |
 |---|---:|---:|
 | `torchx run utils.echo`, cold pool (objects created, pods started, then launch) | {cm:.3f} | {len(cold)} |
-| `torchx run utils.echo`, warm pool (launch only), through port-forward (the default outside a cluster) | {wm:.3f} | {len(warm)} |
+| `torchx run utils.echo`, warm pool (launch only), port-forward (default outside a cluster) | {wm:.3f} | {len(warm)} |
 | `torchx run utils.echo`, warm pool, `access=pod_ip` | {wim:.3f} | {len(warm_ip)} |
 
 | one request on a new connection | median (ms) | calls |

@@ -140,7 +140,8 @@ def main() -> None:
             "alternating rounds. tree: ours, one stream per group of the relay tree; per replica: TorchX's own "
             "follow (`get_logs`, a thread and a stream per replica) on the same scheduler.",
             "",
-            "| hosts | wall, tree | wall, per replica | tree / per replica | first line, tree | first line, per replica "
+            "| hosts | wall, tree | wall, per replica | tree / per replica | first line, tree | first line, "
+            "per replica "
             "| client CPU, tree | client CPU, per replica | tree / per replica |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             *rows,

@@ -9,8 +9,9 @@ For each size (MiB), in one run, GB/s (decimal) of read_into from an actor's buf
   tcp         RDMABuffer forced to tcp (MONARCH_TORCHX_RDMA=tcp)
 --slurm adds the same tcp pair across the SLURM lab's veth links (owner on a lab node,
 reader in the controller, outside the node's network namespace), on a pool with TLS off and on one with it on.
-Median of 5 (3 at 1 GiB) after one warm-up round; the methods take turns, so they share the noise. Targets (issue 5): tcp >= 80% of raw multi-stream
-socket throughput (loopback and veth); cma >= 70% of memcpy. ibverbs: no device here, not run.
+Median of 5 (3 at 1 GiB) after one warm-up round; the methods take turns, so they share the noise.
+Targets (issue 5): tcp >= 80% of raw multi-stream socket throughput (loopback and veth); cma >= 70%
+of memcpy. ibverbs: no device here, not run.
 """
 
 from __future__ import annotations

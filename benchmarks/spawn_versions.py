@@ -127,7 +127,8 @@ def main() -> None:
     ]
     text = "\n".join(
         [
-            f"`spawn_procs` of 1 proc on each of {args.hosts} hosts, one actor each, one call to each (warm actors fork "
+            f"`spawn_procs` of 1 proc on each of {args.hosts} hosts, one actor each, one call to each (warm "
+            "actors fork "
             f"servers); median of {len(spawns['this'])} spawns per version in {args.runs} alternating controller runs. "
             f"Baseline `{git_line(args.baseline)}`, this `{git_line(HERE.parent)}`.",
             "",

@@ -41,8 +41,12 @@ QUERIES = {
     "count(*)": "SELECT count(*) FROM logs",
     "GROUP BY line (500 groups)": "SELECT line, count(*) AS n FROM logs GROUP BY line ORDER BY n DESC, line LIMIT 10",
     "GROUP BY host, avg": "SELECT host, count(*) AS n, avg(length(line)) AS a FROM logs GROUP BY host ORDER BY host",
-    "filtered GROUP BY": "SELECT line, count(*) AS n FROM logs WHERE line LIKE '%7%' GROUP BY line ORDER BY n DESC, line LIMIT 5",
-    "latest 20 matching lines": "SELECT host, line FROM logs WHERE line LIKE '%77%' ORDER BY ts DESC, host, line LIMIT 20",
+    "filtered GROUP BY": (
+        "SELECT line, count(*) AS n FROM logs WHERE line LIKE '%7%' GROUP BY line ORDER BY n DESC, line LIMIT 5"
+    ),
+    "latest 20 matching lines": (
+        "SELECT host, line FROM logs WHERE line LIKE '%77%' ORDER BY ts DESC, host, line LIMIT 20"
+    ),
     "top 10 by length": "SELECT line, host FROM logs ORDER BY length(line) DESC, host, line LIMIT 10",
 }
 
@@ -122,7 +126,8 @@ def main() -> None:
         text = "\n".join(
             [
                 f"One monarch_local pool of {args.hosts} agents, {args.lines:,} log lines per host "
-                f"({args.hosts * args.lines:,} rows); median of {args.rounds} alternating rounds; the same answer both ways.",
+                f"({args.hosts * args.lines:,} rows); median of {args.rounds} alternating rounds; the same "
+                "answer both ways.",
                 "",
                 "| query | wall, per subtree | wall, rows | ratio | client CPU, per subtree | client CPU, rows | "
                 "bytes to the client, per subtree | bytes, rows | answers read, per subtree | answers, rows |",

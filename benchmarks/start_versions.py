@@ -125,7 +125,8 @@ def main() -> None:
         [
             f"One start on a one-host pool, launch to the agent's answer that it ended; median of {args.rounds} "
             f"alternating rounds of {args.starts} starts per version and mode. Baseline `{git_line(args.baseline)}`, "
-            f"this `{git_line(HERE.parent)}`. exec: `echo hello`; python: `python -c pass` forked from the fork server.",
+            f"this `{git_line(HERE.parent)}`. exec: `echo hello`; python: `python -c pass` forked from the "
+            "fork server.",
             "",
             "| start | per start | baseline | this | this / baseline |",
             "|---|---|---:|---:|---:|",

@@ -439,8 +439,10 @@ def main() -> None:
                 f"- no-op resync to {N_HOSTS} hosts: syncfs **{noop['syncfs']:.2f} s**, rsync {noop['rsync']:.2f} s "
                 f"({files} paths); of 10,000 files: syncfs **{noop['syncfs 10k']:.2f} s**, rsync "
                 f"{noop['rsync 10k']:.2f} s (target < 0.5 s; both include process start)",
-                f"- 4 KiB changed in a 1 GiB file: syncfs sent **{edit['syncfs']['sent'] / (1 << 30) * 100:.2f}%** of the "
-                f"file in {edit['syncfs']['s']:.2f} s (target < 1%); rsync {edit['rsync']['sent'] / (1 << 30) * 100:.2f}% in "
+                "- 4 KiB changed in a 1 GiB file: syncfs sent "
+                f"**{edit['syncfs']['sent'] / (1 << 30) * 100:.2f}%** of the "
+                f"file in {edit['syncfs']['s']:.2f} s (target < 1%); "
+                f"rsync {edit['rsync']['sent'] / (1 << 30) * 100:.2f}% in "
                 f"{edit['rsync']['s']:.2f} s; tar 100% in {edit['tar over socket']['s']:.2f} s",
                 "",
             ]

@@ -222,7 +222,8 @@ def main() -> None:
         "",
         *(
             [
-                f"Each round, baseline / this, CPU s per GB: client {spread['client_cpu']}; host {spread['agents_cpu']}.",
+                f"Each round, baseline / this, CPU s per GB: client {spread['client_cpu']}; host "
+                f"{spread['agents_cpu']}.",
                 "",
             ]
             if args.baseline

@@ -102,7 +102,8 @@ def main() -> None:
             "GROUP BY, no filter": "SELECT host, count(*) AS n FROM logs GROUP BY host",
         }
         rows = [
-            "| query | pushdown (s) | bytes moved | naive: gather all, query at client (s) | bytes moved | bytes ratio |",
+            "| query | pushdown (s) | bytes moved | naive: gather all, query at client (s) | bytes moved | "
+            "bytes ratio |",
             "|---|---:|---:|---:|---:|---:|",
         ]
         naive_bytes = None
@@ -207,9 +208,11 @@ def main() -> None:
             *[f"| {k} | {v:,.0f} |" for k, v in rates.items()],
             "",
             f"Telemetry overhead on a chatty process: {overhead:.1f}% (target < 5%). Indexing waits while a "
-            "process's output is flowing (up to 256 MiB of backlog) and catches up when it pauses or at the next query; "
+            "process's output is flowing (up to 256 MiB of backlog) and catches up when it pauses or at the "
+            "next query; "
             "runs are interleaved (on/off alternating which goes first, then /dev/null) and separated so each starts "
-            "with nothing left to index; the spread between runs on this VM is about +-20%. On this 2-core machine the printer and "
+            "with nothing left to index; the spread between runs on this VM is about +-20%. On this 2-core "
+            "machine the printer and "
             "the agent's pipe reader already use both cores, so any concurrent work shows up here.",
             "Targets: 10M-row filtered aggregate < 1 s; pushdown moves < 1% of the naive bytes (the filtered queries). "
             "An unfiltered GROUP BY still moves the grouping column of every row: aggregates are not yet split into "

@@ -260,7 +260,8 @@ def slurm_suite(args: argparse.Namespace) -> None:
         for sched in ("slurm (stock)", "monarch_slurm warm"):
             f, d = med[(sched, kind)]
             rows.append(
-                f"| {'utils.echo' if kind == 'echo' else 'utils.python (imports torch)'} | {sched} | {f:.3f} | {d:.3f} |"
+                f"| {'utils.echo' if kind == 'echo' else 'utils.python (imports torch)'} | {sched} | {f:.3f} | "
+                f"{d:.3f} |"
             )
     smed = {k: statistics.median(v) for k, v in sub.items()}
     srows = ["| function | executor | submit -> result() (s) |", "|---|---|---:|"]
@@ -283,7 +284,8 @@ def slurm_suite(args: argparse.Namespace) -> None:
     )
     body = "\n".join(
         [
-            f"SLURM lab (3 nodes in network namespaces, slurm 22.05), median of {args.n} runs, interleaved; the warm pool's connections are TLS (a SLURM pool's default).",
+            f"SLURM lab (3 nodes in network namespaces, slurm 22.05), median of {args.n} runs, interleaved; "
+            "the warm pool's connections are TLS (a SLURM pool's default).",
             "",
             *rows,
             "",
@@ -298,7 +300,8 @@ def slurm_suite(args: argparse.Namespace) -> None:
             "submitit submit->result).",
             "",
             f"Where a warm torchx run's time goes: the scheduler's own share (`Runner.run()` in-process on the "
-            f"warm SLURM pool: dryrun, pool health check over the bridge, launch) is a median {share_med * 1000:.1f} ms "
+            "warm SLURM pool: dryrun, pool health check over the bridge, launch) is a median "
+            f"{share_med * 1000:.1f} ms "
             f"(p90 {share_p90 * 1000:.1f} ms, {3 * args.n} runs); the rest is the torchx CLI starting and finding the "
             "component. A 10x ratio against this lab's stock SLURM, tuned to start jobs well within a second, cannot "
             "be had while the torchx CLI alone costs more than a tenth of it; submitit has no CLI in the way.",
@@ -370,7 +373,8 @@ def main() -> None:
         for sched in ("local_cwd", "monarch_local cold", "monarch_local warm"):
             f, d, c = med[(sched, kind)]
             rows.append(
-                f"| {'utils.echo' if kind == 'echo' else 'utils.python (imports torch)'} | {sched} | {f:.3f} | {d:.3f} | {c:.3f} |"
+                f"| {'utils.echo' if kind == 'echo' else 'utils.python (imports torch)'} | {sched} | {f:.3f} | "
+                f"{d:.3f} | {c:.3f} |"
             )
     ratios = []
     for kind in ("echo", "torch"):
@@ -389,7 +393,8 @@ def main() -> None:
             "Ratios (same run):",
             *ratios,
             f"- scheduler's own share of a warm run (`Runner.run()` in-process: dryrun + pool check + launch, "
-            f"no CLI import): median **{share_med * 1000:.1f} ms**, p90 {share_p90 * 1000:.1f} ms over {3 * args.n} runs",
+            f"no CLI import): median **{share_med * 1000:.1f} ms**, "
+            f"p90 {share_p90 * 1000:.1f} ms over {3 * args.n} runs",
             "",
             f"Targets: warm >= 3x local_cwd on the torch script ({'met' if torch_ratio >= 3 else 'NOT met'}: "
             f"{torch_ratio:.1f}x to completion); scheduler share < 100 ms "

@@ -4,7 +4,8 @@
 
 Creates pool "demo" with 2 hosts, runs utils.echo (cold: creates the pool), a torch script
 (warm: no new hosts, torch already imported), a 2-host dist.ddp all-reduce, shows status, logs
-and the pool, trains a small model with actors on the same pool, then stops the pool. Every command is printed so you can type it yourself.
+and the pool, trains a small model with actors on the same pool, then stops the pool. Every
+command is printed so you can type it yourself.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def main() -> None:
             f"pool={POOL}",
             "utils.python",
             "-c",
-            "import sys, torch; print('torch was already imported:', 'torch' in sys.modules or 'no', torch.ones(3).sum())",
+            "import sys, torch; print('torch was already imported:', 'torch' in sys.modules or 'no', "
+            "torch.ones(3).sum())",
             cwd=work,
         ).splitlines()[-1]
         print(f"  -> {wait(h)}")

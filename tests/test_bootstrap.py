@@ -34,7 +34,10 @@ def _free_port() -> int:
 
 
 def _worker(address: str, ca: str = "'trust_all_connections'", **popen) -> subprocess.Popen:
-    code = f"from monarch_torchx.actor import run_worker_loop_forever; run_worker_loop_forever(address={address!r}, ca={ca})"
+    code = (
+        "from monarch_torchx.actor import run_worker_loop_forever; "
+        f"run_worker_loop_forever(address={address!r}, ca={ca})"
+    )
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, **popen)
 
 

@@ -20,7 +20,8 @@ import os, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
-print(f"rank={dist.get_rank()} world={dist.get_world_size()} sum={t.item()} host={os.environ['MONARCH_TORCHX_HOST_INDEX']}")
+host = os.environ["MONARCH_TORCHX_HOST_INDEX"]
+print(f"rank={dist.get_rank()} world={dist.get_world_size()} sum={t.item()} host={host}")
 dist.destroy_process_group()
 """
 

@@ -1,4 +1,5 @@
-"""Fan-out through the pool (the client half; the agent's ``relay`` op is ``agent.relay.Relay``): one request to a few agents, who pass it on along a tree.
+"""Fan-out through the pool, the client's half (the agent's ``relay`` op is ``agent.relay.Relay``):
+one request to a few agents, who pass it on along a tree.
 
 A client that asks every host of a big pool (health, describe, kill, shutdown, launch) would
 otherwise open one connection per host. With ``relay`` it sends ``FANOUT`` requests; each agent

@@ -1,8 +1,8 @@
 """The Kubernetes API as monarch_kubernetes uses it: the official client for one context, every
 failure as one line, and port-forward tunnels to agents.
 
-The client is imported here only (its import is slow: benchmarks/RESULTS.md, "numbers behind the code"), so a run on a pool reached by pod IP never
-pays for it.
+The client is imported here only (its import is slow: benchmarks/RESULTS.md, "numbers behind
+the code"), so a run on a pool reached by pod IP never pays for it.
 """
 
 from __future__ import annotations

@@ -200,7 +200,10 @@ class KubernetesProvisioner:
             "image",
             type_=str,
             default=d.get("image"),
-            help="agent image: python, torch and monarch-torchx (see Dockerfile); default IMAGE_REPO/monarch-torchx:latest",
+            help=(
+                "agent image: python, torch and monarch-torchx (see Dockerfile); "
+                "default IMAGE_REPO/monarch-torchx:latest"
+            ),
         )
         opts.add(
             "image_repo",

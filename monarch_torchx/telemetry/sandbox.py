@@ -279,7 +279,8 @@ def _server_env() -> dict[str, str]:
 
 class QueryServer:
     """The process that query processes are forked from: it has imported pyarrow and DataFusion
-    once (a cold start costs far more CPU: benchmarks/RESULTS.md, "numbers behind the code"), so a query costs two forks, not a new interpreter.
+    once (a cold start costs far more CPU: benchmarks/RESULTS.md, "numbers behind the code"), so a
+    query costs two forks, not a new interpreter.
 
     Started at the first query and kept (an agent kept DataFusion loaded after its first query
     before, so this costs what that did). It reads requests from a socket pair whose other end
