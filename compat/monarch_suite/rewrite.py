@@ -23,8 +23,9 @@ OURS: dict[str, str] = {
     "monarch._src.rdma": "monarch_torchx.rdma",
 }
 # Names Monarch's tests import from its Rust bindings that are its public types (re-exported by
-# ``monarch.actor``, or the type its public calls raise): the same concept as ours of that name
-PUBLIC_FROM_BINDINGS = {"MeshFailure", "SupervisionError", "Extent"}
+# ``monarch.actor``, the type its public calls raise, or the one they return, as
+# ``default_bootstrap_cmd()``'s): the same concept as ours of that name
+PUBLIC_FROM_BINDINGS = {"MeshFailure", "SupervisionError", "Extent", "BootstrapCommand"}
 # Monarch's own test helpers, replaced by ours (stand_ins/): their names, not their code
 HELPERS = {"isolate_in_subprocess", "scoped_state", "proc_mesh_test_utils", "rdma_test_utils"}
 
