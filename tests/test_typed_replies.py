@@ -13,7 +13,14 @@ import threading
 import pytest
 
 from monarch_torchx import history, net
-from monarch_torchx.actor.errors import ActorAborted, ActorError, ActorFailure, FailureKind, SupervisionError
+from monarch_torchx.actor.errors import (
+    ActorAborted,
+    ActorError,
+    ActorFailure,
+    FailureKind,
+    MalformedActorFailure,
+    SupervisionError,
+)
 from monarch_torchx.actor.errors import remote_error as actor_error
 from monarch_torchx.agent.forkserver_messages import Ready, Start, StartMode
 from monarch_torchx.credentials import PoolCredentials
@@ -113,12 +120,14 @@ def test_a_recorded_end_reads_back_as_the_status_it_was_made_from(tmp_path):
 )
 def test_an_actor_failure_becomes_the_exception_monarch_names(kind, raised):
     err = actor_error(ActorFailure(kind, "it broke", "Traceback ...", "KeyError"))
-    assert type(err) is raised and "it broke" in str(err)
+    assert type(err) is raised and err.args[0] == "it broke"
+    if isinstance(err, ActorError):  # the remote traceback and type travel as fields, not in the text
+        assert (err.traceback, err.exception_type) == ("Traceback ...", "KeyError")
 
 
 def test_an_actor_failure_that_is_not_one_is_named_malformed():
     err = actor_error(("actor", "a 4-tuple of an older proc", "", ""))
-    assert isinstance(err, ActorError) and "malformed" in str(err)
+    assert isinstance(err, MalformedActorFailure) and isinstance(err, ActorError)
 
 
 def test_fork_server_messages_travel_as_themselves():

@@ -20,6 +20,11 @@ class ActorError(Exception):
         return f"{msg}\n\nRemote traceback:\n{self.traceback}" if self.traceback else msg
 
 
+class MalformedActorFailure(ActorError):
+    """What came back as an actor's failure is not an ``ActorFailure`` (a proc of another version,
+    or a damaged frame): the call failed, and why cannot be read."""
+
+
 class SupervisionError(RuntimeError):
     """A proc (or the actor that owned a failed mesh) is gone: the call cannot be answered.
     A RuntimeError, as Monarch's (``except RuntimeError`` catches it there too)."""
@@ -114,7 +119,7 @@ def error_payload(kind: str, message: str, tb: str = "", etype: str = "") -> Act
 def remote_error(payload: Any) -> BaseException:
     """Rebuilds the error an actor proc sent back (never unpickles exception objects)."""
     if not isinstance(payload, ActorFailure):
-        return ActorError(f"malformed error from actor: {payload!r:.200}")
+        return MalformedActorFailure(f"malformed error from actor: {payload!r:.200}")
     return payload.to_exception()
 
 

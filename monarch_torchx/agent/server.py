@@ -229,7 +229,8 @@ class Agent:
             try:
                 mod = __import__(modname, fromlist=["_"])
                 setup = getattr(mod, attr or "setup")
-                setup(self)
+                host: AgentHost = self  # (checked by mypy: an Agent offers all of seam.AgentHost)
+                setup(host)
                 self.modules[name] = "loaded"
             except Exception as e:
                 self.modules[name] = f"failed: {type(e).__name__}: {e}"
@@ -665,8 +666,3 @@ def main(argv: list[str] | None = None) -> None:
         os.chdir(args.state_dir)
     asyncio.run(Agent(args).run())
     exit_without_finalizing()  # everything it owns was ended and cleaned up by run()
-
-
-def _is_an_agent_host(agent: Agent) -> AgentHost:
-    """Checked by mypy, never called: ``Agent`` offers modules all of ``seam.AgentHost``."""
-    return agent
