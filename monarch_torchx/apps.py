@@ -8,15 +8,18 @@ replica on its host's agent, so `torchx list`, `pool status` and the telemetry s
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import history
+from .app_queue import QUEUE_HOST, QueueEntry, QueueState, SubmittedApp
 from .errors import AccessError, HostLost, HostUnreachable, MonarchError
 from .net import RemoteError
 from .net.fanout import RelayRefused
 from .pool import Pool, PoolRequest, ensure_pool, reuse_unchecked, tree_min_hosts
 from .registry import AppRecord, Placement, Registry
+from .resources import CapacityRefused, HostLoad
 from .specs import (
     CANCELLED,
     FAILED,
@@ -47,10 +50,23 @@ class LaunchFailed(MonarchError):
     ``refused``: those whose agent answered with an error (the app's or the agent's business,
     not the pool's health: ``start`` does not try again for them)."""
 
-    def __init__(self, message: str, hosts: Sequence[int], refused: Sequence[int] = ()):
+    def __init__(self, message: str, hosts: Sequence[int], refused: Sequence[int] = (), capacity: bool = False):
         super().__init__(message)
         self.hosts = list(hosts)
         self.refused = list(refused)
+        self.capacity = capacity  # every host refused for capacity (another client took it first)
+
+
+class MustWait(MonarchError):
+    """The app does not fit the pool's free capacity now (or others wait before it): it goes to
+    the pool's queue (``enqueue``), or is refused (``-cfg queue=False``)."""
+
+    def __init__(self, message: str, pool: Pool):
+        super().__init__(message)
+        self.pool = pool
+
+
+UNPLACED = -1  # the host index of a replica of an app that waits in the pool's queue
 
 
 Placer = Callable[[Pool], list[tuple[int, LaunchSpec]]]
@@ -100,6 +116,7 @@ def _launch(
             f"could not start {app_id} on pool {pool.name!r}: " + "; ".join(f"host {i}: {e}" for i, e in errors),
             [i for i, _ in errors],
             [i for i, e in errors if _refused(e)],
+            capacity=all(isinstance(e, CapacityRefused) for _, e in errors),
         )
     return arec, [(i, e) for i, _, e in answers if e and i not in by_host]
 
@@ -149,6 +166,8 @@ def start(
     try:
         arec, silent = _launch(pool, app_id, name, roles, place(pool), others=range(pool.record.num_hosts))
     except (LaunchFailed, HostUnreachable, HostLost) as e:
+        if isinstance(e, LaunchFailed) and e.capacity:
+            raise MustWait(str(e), pool) from None
         if isinstance(e, LaunchFailed) and e.refused:
             if set(e.hosts) - set(e.refused):  # others were not reached: the next run checks first
                 Registry.want_check(pool.record.path, f"host(s) {sorted(set(e.hosts) - set(e.refused))} not reached")
@@ -191,6 +210,10 @@ def replica_states(pool: Pool, arec: AppRecord) -> dict[tuple[str, int], Replica
     state_dir = pool.record.path
     ends = history.read_ends(state_dir, arec.app_id, ages=True)
     out: dict[tuple[str, int], ReplicaStatus] = {k: e.status() for k, e in ends.items()}
+    if unplaced(arec) and len(ends) < len(arec.placement):
+        arec, entry = placed(pool, arec)
+        if entry is not None:
+            return queued_states(pool, arec, entry, out)
     asked = [p for p in arec.placement if (p.role, p.replica_id) not in ends]
     if not asked:
         return out
@@ -266,9 +289,109 @@ def _asked_states(pool: Pool, arec: AppRecord, asked: list[Placement]) -> dict[t
     return out
 
 
-def kill(pool: Pool, arec: AppRecord) -> None:
+def kill(pool: Pool, arec: AppRecord, reason: str = "cancelled") -> None:
+    """Ends the app: out of the pool's queue if it waits there, its replicas if it runs."""
+    if unplaced(arec):
+        entry = QueueEntry.from_wire(
+            pool.call(QUEUE_HOST, "queue.cancel", timeout=15.0, app_id=arec.app_id, reason=reason)
+        )
+        if entry.state != QueueState.STARTED:
+            return
+        arec = _save_placement(pool, arec, entry)
     indices = sorted({p.host_index for p in arec.placement})
     pool.ask("kill", indices, timeout=15.0, app_id=arec.app_id)
+
+
+# ---------------------------------------------------------------- capacity and the pool's queue
+
+
+def pool_loads(pool: Pool) -> tuple[list[HostLoad], dict[int, Exception]]:
+    """Each host's capacity and what is held of it (those that answered), and why each other
+    host did not answer."""
+    loads, errors = [], {}
+    for i, value, err in pool.ask("capacity", range(pool.record.num_hosts), timeout=10.0):
+        if err is not None:
+            errors[i] = err
+        else:
+            loads.append(HostLoad.from_wire(value))
+    return loads, errors
+
+
+def unplaced(arec: AppRecord) -> bool:
+    return any(p.host_index == UNPLACED for p in arec.placement)
+
+
+def enqueue(pool: Pool, sub: SubmittedApp) -> tuple[AppRecord, QueueEntry]:
+    """Hands ``sub`` to the pool's queue (host 0): recorded first, with its replicas not yet
+    placed, so `torchx status` knows it from the moment the queue does."""
+    arec = AppRecord(
+        sub.app_id, pool.name, sub.name, sub.roles, [Placement(s.role, s.replica_id, UNPLACED, "") for s in sub.specs]
+    )
+    Registry.save_app(pool.record, arec)
+    targets, _, _ = pool.tree_targets(range(pool.record.num_hosts))
+    try:
+        entry = QueueEntry.from_wire(
+            pool.call(
+                QUEUE_HOST, "queue.submit", timeout=60.0, app=sub.to_wire(), targets=[t.as_dict() for t in targets]
+            )
+        )
+    except BaseException:
+        Registry.delete_app(pool.record, sub.app_id)
+        raise
+    if entry.state == QueueState.STARTED:
+        arec = _save_placement(pool, arec, entry)
+    return arec, entry
+
+
+def placed(pool: Pool, arec: AppRecord) -> tuple[AppRecord, QueueEntry | None]:
+    """An app that was queued, as the pool's queue knows it now: started (its record then
+    holds where: the entry is None), or still waiting, or ended without starting (the entry)."""
+    targets, _, _ = pool.tree_targets(range(pool.record.num_hosts))
+    try:
+        got = pool.call(
+            QUEUE_HOST, "queue.status", timeout=10.0, app_ids=[arec.app_id], targets=[t.as_dict() for t in targets]
+        )
+    except (MonarchError, OSError, RemoteError) as e:
+        return arec, QueueEntry(
+            arec.app_id, QueueState.UNREACHABLE, f"host {QUEUE_HOST}, which holds the pool's queue, did not answer: {e}"
+        )
+    entry = QueueEntry.from_wire(got[0])
+    if entry.state == QueueState.STARTED:
+        return _save_placement(pool, arec, entry), None
+    return arec, entry
+
+
+def _save_placement(pool: Pool, arec: AppRecord, entry: QueueEntry) -> AppRecord:
+    arec = AppRecord(arec.app_id, arec.pool, arec.name, arec.roles, list(entry.placement), arec.created)
+    Registry.save_app(pool.record, arec)
+    return arec
+
+
+def queued_states(
+    pool: Pool, arec: AppRecord, entry: QueueEntry, ends: dict[tuple[str, int], ReplicaStatus]
+) -> dict[tuple[str, int], ReplicaStatus]:
+    """The replicas of an app the queue has not started: PENDING while it waits (with what it
+    waits for); its recorded ends once it left the queue; FAILED, for good, when the queue lost it."""
+    out = dict(ends)
+    for p in arec.placement:
+        key = (p.role, p.replica_id)
+        if key in out:
+            continue
+        if entry.state == QueueState.QUEUED:
+            out[key] = ReplicaStatus(ReplicaState.PENDING, msg=entry.reason)
+        elif entry.state == QueueState.UNREACHABLE:
+            out[key] = ReplicaStatus(ReplicaState.UNKNOWN, msg=entry.reason, final=False)
+        else:
+            st = ReplicaState.CANCELLED if entry.cancelled else ReplicaState.FAILED
+            out[key] = ReplicaStatus(st, msg=entry.reason or "it left the pool's queue without starting")
+            with contextlib.suppress(OSError, ValueError):  # (hosts that do not share this file system)
+                history.record_end(
+                    pool.record.path,
+                    history.ReplicaEnd(
+                        arec.app_id, p.role, p.replica_id, st.value, None, out[key].msg, 0, None, time.time()
+                    ),
+                )
+    return out
 
 
 def list_states(pool: Pool, records: Sequence[AppRecord]) -> dict[tuple[str, str, int], str]:

@@ -170,6 +170,7 @@ def pool_summary(pool: Pool) -> dict[str, Any]:
                 "idle_s": h.info.get("idle_s"),
                 "warm": h.info.get("warm", {}).get("preloaded") if h.ok else None,
                 "warm_state": h.info.get("warm", {}).get("state") if h.ok else None,
+                "capacity": _capacity_summary(h.info.get("load")) if h.ok else None,
                 "last_seen": time.time() if h.ok else (a.heartbeat if a else None),  # (it just answered)
                 "error": (a.exit_reason if a and a.exited else h.error) if not h.ok else "",
                 "warning": "; ".join(
@@ -205,6 +206,52 @@ def pool_summary(pool: Pool) -> dict[str, Any]:
         "state_dir": rec.state_dir,
         "tls": bool(rec.tls_pem),
     }
+
+
+def _capacity_summary(load: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A host's capacity, what is held of it and by whom (``resources.HostLoad``), as `pool
+    status` shows it; None from an agent that does not say."""
+    if not load:
+        return None
+    from .resources import HostLoad
+
+    hl = HostLoad.from_wire(load)
+    cap = hl.capacity
+    return {
+        "total": cap.total.to_wire(),
+        "used": hl.used.to_wire(),
+        "free": hl.free.to_wire(),
+        "sources": cap.sources,
+        "gpus": [
+            {
+                "id": g.visible_id,
+                "uuid": g.uuid,
+                "name": g.name,
+                "healthy": g.healthy,
+                "problem": g.problem,
+                "held_by": next((h.owner for h in hl.holdings if g.visible_id in h.gpu_ids), None),
+            }
+            for g in cap.gpus
+        ],
+        "gpu_note": cap.gpu_note,
+        "holdings": [{"owner": h.owner, **h.resources.to_wire(), "gpu_ids": h.gpu_ids} for h in hl.holdings],
+        "queued": hl.queued,
+    }
+
+
+def _capacity_line(c: dict[str, Any]) -> str:
+    """E.g. "cpus 1/2 used, mem 1024/23000 MB, gpus 2/2 (0,1: app/python/0)"."""
+    t, u = c["total"], c["used"]
+    line = f"cpus {u['cpus']:g}/{t['cpus']:g}, mem {u['mem_mb']}/{t['mem_mb']} MB"
+    if c["gpus"]:
+        held = sum(1 for g in c["gpus"] if g["held_by"])
+        line += f", gpus {held}/{len(c['gpus'])} used"
+        bad = [f"{g['id']}: {g['problem']}" for g in c["gpus"] if not g["healthy"]]
+        if bad:
+            line += f" (out of placement: {'; '.join(bad)})"
+    if c["queued"]:
+        line += f"; {c['queued']} app(s) in the pool's queue"
+    return line
 
 
 def cmd_create(args: argparse.Namespace) -> None:
@@ -263,11 +310,20 @@ def cmd_status(args: argparse.Namespace) -> None:
     for h in s["hosts"]:
         warm = "importing" if h.get("warm_state") == "importing" else ",".join(h["warm"] or []) or "-"
         detail = h["error"] if h["error"] else f"running={h['running']} idle={h['idle_s']}s warm={warm}"
+        if h.get("capacity"):
+            detail += f"; {_capacity_line(h['capacity'])}"
         if h.get("warning"):
             detail += f"; warning: {h['warning']}"
         seen = _ago(h["last_seen"]) + " ago" if h["last_seen"] else "-"
         rows.append([h["index"], h["state"], h["address"] or "-", h["hostname"] or "-", h["pid"] or "-", seen, detail])
     print(_table(rows, ["HOST", "STATE", "ADDRESS", "HOSTNAME", "PID", "LAST SEEN", "DETAIL"]))
+    gpu_rows = [
+        [h["index"], g["id"], g["name"] or "-", g["held_by"] or "-", "ok" if g["healthy"] else g["problem"]]
+        for h in s["hosts"]
+        for g in (h.get("capacity") or {}).get("gpus", [])
+    ]
+    if gpu_rows:
+        print(_table(gpu_rows, ["HOST", "GPU", "NAME", "HELD BY", "HEALTH"]))
     if s["state"] == "degraded":
         print("the next run on this pool restarts lost hosts; `torchx pool stop` releases it", file=sys.stderr)
 

@@ -481,9 +481,14 @@ def _outcome_error(pool: str, index: int, o: dict[str, Any]) -> Exception:
     return net.remote_error(o["error"], o.get("kind", ""))
 
 
+# what a pool declares of each host's capacity (run options of every engine, part of every pool's
+# fingerprint): the agents detect the rest (``agent/capacity.py``)
+CAPACITY_KEYS = ("cpus_per_host", "mem_per_host_mb", "gpus_per_host")
+
+
 def _fingerprint_diff(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> list[str]:
     diffs = []
-    for k in prov.fingerprint:
+    for k in (*prov.fingerprint, *CAPACITY_KEYS):
         want = req.spec.get(k)
         have = rec.spec.get(k)
         if want is not None and want != have:

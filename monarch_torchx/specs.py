@@ -88,6 +88,9 @@ class LaunchSpec:
     signal_delay_s: float = 30.0
     # optional: an exit with this code means "run me again" (a requeue), not a failure
     requeue_code: int | None = None
+    # optional: what it asks of its host (``resources.Resources``' fields): counted against the
+    # host's capacity while it lives, and its GPUs are its own (CUDA_VISIBLE_DEVICES)
+    resources: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for what, name in (("app id", self.app_id), ("role", self.role)):  # (they name directories on the host)

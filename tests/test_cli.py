@@ -242,8 +242,9 @@ def test_run_options_help_and_errors(home, pool_name):
     ).stdout
     assert (
         f"pool '{pool_name}'" in dry
-        and "train/1 on host 1: python -m monarch_torchx.agent.torchrun_node -c torchrun" in dry
+        and "train/1 (asks 2 CPUs, 1024 MB): python -m monarch_torchx.agent.torchrun_node -c torchrun" in dry
     )
+    assert "replicas go to the least-loaded hosts that fit them when it runs" in dry
     assert "role train: warm torchrun" in dry
     assert not agent_pids(home)  # a dry run starts nothing
 

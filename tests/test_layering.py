@@ -17,7 +17,7 @@ PKG = "monarch_torchx"
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"errors", "private", "procfs", "credentials", "specs", "interpreter", "quick_exit", "torchrun", "seam"}),
     ("net", {"net", "wire", "wire_conn"}),
-    ("records", {"registry", "history", "submission", "agent_client"}),
+    ("records", {"registry", "history", "submission", "agent_client", "resources", "scheduling", "app_queue"}),
     ("agent", {"agent"}),
     ("pool", {"pool", "apps"}),
     ("actor", {"actor"}),

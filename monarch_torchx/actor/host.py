@@ -117,8 +117,11 @@ class MeshModule:
         env: dict[str, str] | None = None,
         binds: list[dict[str, str]] | None = None,
         python: str | None = None,
+        gpus: int = 0,
     ) -> list[dict[str, Any]]:
-        """Starts one proc per rank; returns their addresses once every one listens. ``binds``:
+        """Starts one proc per rank; returns their addresses once every one listens. ``gpus``:
+        how many GPUs each proc holds, its own (the host's admission hands them out, disjoint from
+        every replica's; none free: CapacityRefused, and none of the procs starts). ``binds``:
         each proc's CPU and NUMA placement (``spawn_procs(proc_bind=...)``), which it applies
         to itself as it starts. ``python``: the interpreter to exec instead of forking a warm
         proc (``HostMesh.with_python_executable``)."""
@@ -137,7 +140,9 @@ class MeshModule:
         bell = self._bell_path()
         rung = self._waiting[mesh_id] = (asyncio.Event(), set())
         try:
-            return await self._start(mesh_id, ranks, env, binds, exe, advertise, bell, rung)
+            # (a host without GPUs: "gpus" is only the dim's name, as in Monarch on CPU hosts)
+            gpus = int(gpus) if self.agent.procs.gpus_here else 0
+            return await self._start(mesh_id, ranks, env, binds, exe, advertise, bell, rung, gpus)
         finally:
             self._waiting.pop(mesh_id, None)
 
@@ -151,6 +156,7 @@ class MeshModule:
         advertise: str,
         bell: str | None,
         rung: tuple[asyncio.Event, set[int]],
+        gpus: int = 0,
     ) -> list[dict[str, Any]]:
         files = {}
         for i, rank in enumerate(ranks):
@@ -170,15 +176,20 @@ class MeshModule:
                     **({BELL_ENV: bell} if bell else {}),
                 }
             )
-            await self.agent.procs.launch(
-                LaunchSpec(
-                    app_id=app_id(mesh_id),
-                    role="proc",
-                    replica_id=rank,
-                    argv=[exe, "-m", "monarch_torchx.actor"],
-                    env=proc_env,
+            try:
+                await self.agent.procs.launch(
+                    LaunchSpec(
+                        app_id=app_id(mesh_id),
+                        role="proc",
+                        replica_id=rank,
+                        argv=[exe, "-m", "monarch_torchx.actor"],
+                        env=proc_env,
+                        resources={"gpus": gpus} if gpus else None,
+                    )
                 )
-            )
+            except Exception:  # (e.g. no GPU free for this one): the procs started for this mesh go too
+                await self.agent.procs.kill(self.agent.procs.select(app_id(mesh_id)), grace=1.0, record=False)
+                raise
         out = []
         deadline = time.monotonic() + SPAWN_TIMEOUT_S
         delay = 0.001

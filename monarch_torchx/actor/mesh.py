@@ -297,6 +297,9 @@ class HostMesh(_MeshTrait):
         for n in per_host.values():
             local *= n
         binds = placement.check(proc_bind, local)
+        # Monarch's convention: a per-host dim named "gpus" is one proc per GPU; each holds its own
+        # (CUDA_VISIBLE_DEVICES), counted by the host with every app's, never shared by mistake
+        gpus_per_proc = 1 if "gpus" in per_host else 0
         hub = session.hub_for(self.pool)
         mesh_id = uuid.uuid4().hex[:12]
         hosts = [self._hosts[r] for r in self._shape.ranks]
@@ -330,6 +333,7 @@ class HostMesh(_MeshTrait):
                     {**proc_env, **dict(extra)},
                     [binds[r - h * local] for r in ranks] if binds is not None else None,
                     python,
+                    gpus_per_proc,
                 )
                 for (python, extra), ranks in groups.items()
             ]
@@ -432,13 +436,19 @@ def _proc_commands(
 
 
 def _spawn_args(
-    mesh_id: str, ranks: list[int], env: dict[str, str], binds: list[dict[str, str]] | None, python: str | None
+    mesh_id: str,
+    ranks: list[int],
+    env: dict[str, str],
+    binds: list[dict[str, str]] | None,
+    python: str | None,
+    gpus: int = 0,
 ) -> dict[str, Any]:
     """The agent's ``mesh.spawn`` arguments for one host."""
     return {
         "mesh_id": mesh_id,
         "ranks": ranks,
         "env": env,
+        **({"gpus": gpus} if gpus else {}),
         **({"binds": binds} if binds is not None else {}),
         **({"python": python} if python is not None else {}),
     }

@@ -42,4 +42,18 @@ def agent_argv(rec: PoolRecord, index: int | None, bind: str) -> list[str]:
         "--log-host-max-mb",
         str(rec.options.get("log_pool_max_mb", POOL_MAX_MB) / max(1, rec.num_hosts)),
     ]
+    declared = declared_capacity(rec.spec)
+    if declared:
+        argv += ["--declare", declared]
     return argv
+
+
+def declared_capacity(options: dict) -> str:
+    """The agent's ``--declare`` from the pool's spec (``cpus_per_host``, ``mem_per_host_mb``,
+    ``gpus_per_host``); empty when none is declared."""
+    parts = [
+        f"{key}={options[opt]:g}"
+        for key, opt in (("cpus", "cpus_per_host"), ("mem_mb", "mem_per_host_mb"), ("gpus", "gpus_per_host"))
+        if options.get(opt) is not None
+    ]
+    return ",".join(parts)

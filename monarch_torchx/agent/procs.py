@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import json
 import os
@@ -23,7 +24,9 @@ from typing import AsyncIterator, Callable, Iterable, Sequence
 
 from ..history import ReplicaEnd, forget_end, record_end
 from ..private import private_dir
+from ..resources import Resources
 from ..specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, TERMINAL, LaunchSpec
+from .admission import Ledger, gpu_env
 from .launcher import Launcher, SpawnError
 from .logstore import STREAMS, DropCount, LogLimits, LogStore, ReplicaLog, Segment, StreamLog, mib, parse_line
 
@@ -241,11 +244,13 @@ class ProcTable:
         base_env: dict[str, str],
         log_limits: LogLimits | None = None,
         history_dir: Path | None = None,
+        ledger: Ledger | None = None,
     ):
         """``history_dir``: the pool's state dir, where each replica's end is recorded as it ends
         (``history.py``); None: not recorded (a table without a pool)."""
         self._launcher = launcher
         self._history_dir = history_dir
+        self.ledger = ledger  # what replicas hold of the host: taken at launch, given back at their end
         self._history_checked: set = set()  # app dirs of ended/ made and checked (history.record_end)
         self.history_error = ""  # the last failed record of an end, for `pool status`
         self._log_root = log_root
@@ -260,6 +265,10 @@ class ProcTable:
         self.last_change = time.time()
 
     @property
+    def gpus_here(self) -> int:
+        return len(self.ledger.load.capacity.gpus) if self.ledger is not None else 0
+
+    @property
     def running(self) -> int:
         return sum(1 for r in self.replicas.values() if r.state in (PENDING, RUNNING))
 
@@ -268,6 +277,18 @@ class ProcTable:
         old = self.replicas.get(key)
         if old and old.state not in TERMINAL:
             raise ValueError(f"replica {spec.role}/{spec.replica_id} of {spec.app_id} is already running")
+        if spec.resources is not None and self.ledger is not None:  # (CapacityRefused: nothing is started)
+            holding = self.ledger.admit(owner(spec), Resources.from_wire(spec.resources))
+            spec = dataclasses.replace(spec, env={**spec.env, **gpu_env(holding)})
+        try:
+            return await self._launch(spec, old)
+        except BaseException:  # before the replica was in the table (once it is, its end gives them back)
+            if self.ledger is not None and spec.resources is not None and self.replicas.get(key) is old:
+                self.ledger.release(owner(spec))
+            raise
+
+    async def _launch(self, spec: LaunchSpec, old: Replica | None) -> dict:
+        key = (spec.app_id, spec.role, spec.replica_id)
         log_dir = self._log_root / spec.app_id / spec.role / str(spec.replica_id)
         private_dir(log_dir, check=False)  # logs may hold secrets from env or args
         if old is not None:  # the same replica again: its log goes on
@@ -362,6 +383,8 @@ class ProcTable:
         self.last_change = time.time()
         rep.log.finish()
         self._record_end(rep)
+        if self.ledger is not None:
+            self.ledger.release(owner(rep.spec))
         rep.notify()
 
     def _record_end(self, rep: Replica) -> None:
@@ -550,6 +573,11 @@ class ProcTable:
             if not follow or done:
                 return
             await rep.wait_change(1.0)
+
+
+def owner(spec: LaunchSpec) -> str:
+    """Who holds a replica's resources on its host: "APP/ROLE/REPLICA"."""
+    return f"{spec.app_id}/{spec.role}/{spec.replica_id}"
 
 
 def _what(names: Sequence[str]) -> str:

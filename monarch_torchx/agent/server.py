@@ -32,12 +32,16 @@ from ..quick_exit import exit_without_finalizing
 from ..registry import HostAddr, Registry
 from ..seam import AgentHost, AgentModule
 from ..specs import TERMINAL, LaunchSpec
+from .admission import Ledger
+from .capacity import Declared, detect
 from .launcher import Launcher
 from .leftovers import remove_dead_temp_dirs
 from .log_follow import OP as LOG_FOLLOW_OP
 from .log_follow import LogFollow
 from .logstore import POOL_MAX_MB, REPLICA_MAX_MB, LogLimits
+from .nvml import Nvml, NvmlUnavailable, open_nvml
 from .procs import ProcTable
+from .queue import PoolQueue
 from .relay import Relay
 
 log = logging.getLogger("monarch_torchx.agent")
@@ -60,6 +64,8 @@ PASSIVE_OPS = frozenset(
         "kill",
         "shutdown",
         "wait",
+        "capacity",
+        "queue.status",
         "telemetry.query",
         "telemetry.rows",
         "telemetry.partial",
@@ -119,11 +125,14 @@ class Agent:
             "reserve_port": self.op_reserve_port,
             "wait": self.op_wait,
             "ping": self.op_ping,
+            "capacity": self.op_capacity,
         }
         self.combiners: dict[str, Callable[[dict, list[Any]], Any]] = {}
         self.relay = Relay(self)
         self.handlers["relay"] = self.relay.op_relay
         self.log_follow = LogFollow(self)
+        self.queue = PoolQueue(self)
+        self.handlers.update(self.queue.operations())
         self.handlers[LOG_FOLLOW_OP] = self.log_follow.op_app_logs_follow
         self.stopping = asyncio.Event()
         self.stop_reason = ""
@@ -133,12 +142,21 @@ class Agent:
         base_env = dict(os.environ)
         base_env["PATH"] = python_dir + os.pathsep + base_env.get("PATH", os.defpath)
         base_env.update({"MONARCH_TORCHX_POOL": self.pool, "MONARCH_TORCHX_HOST_INDEX": str(self.index)})
+        self.nvml: Nvml | None = None
+        nvml_error = ""
+        try:
+            self.nvml = open_nvml()
+        except NvmlUnavailable as e:
+            nvml_error = str(e)
+        declared = Declared.parse(getattr(args, "declare", ""))
+        self.ledger = Ledger(self.index, detect(os.environ, declared, self.nvml, nvml_error))
         self.procs = ProcTable(
             self.launcher,
             self.state_dir / "logs" / f"host{self.index}",
             base_env,
             LogLimits.from_mb(args.log_max_mb, args.log_host_max_mb),
             history_dir=self.state_dir,
+            ledger=self.ledger,
         )
         self.server = aio.Server(
             self.creds,
@@ -267,6 +285,7 @@ class Agent:
             "accepted": self.server.accepted,
             "relayed": self.relay.relayed,
             "heartbeat_error": self.heartbeat_error,
+            "load": self.ledger.load.to_wire(),
             "log_error": "; ".join(w for w in (self.procs.log_store.warning(), self.procs.history_error) if w),
         }
 
@@ -276,6 +295,13 @@ class Agent:
         status = await self.procs.launch(LaunchSpec(**spec))
         self._trim_history()
         return status
+
+    async def op_capacity(self, peer: aio.Peer, after: int = -1, within: float = 0.0) -> dict:
+        """This host's capacity and what its replicas hold (``resources.HostLoad``), at once, or,
+        with ``after``, once its generation is past it (at most ``within`` seconds later): the
+        pool's queue watches hosts this way, so an ended replica starts the next at once."""
+        load = await self.ledger.changed_after(int(after), min(float(within), 60.0))
+        return load.to_wire()
 
     async def op_reserve_port(self, peer: aio.Peer, hold_for: str = "") -> int:
         """A port that is free on this host's pool address, for a role's store (a warm torchrun's).
@@ -418,7 +444,7 @@ class Agent:
     # ------------------------------------------------------------ lifecycle
 
     def idle_seconds(self) -> float:
-        if self.procs.running:
+        if self.procs.running or self.queue.waiting:  # (apps in the pool's queue are work to come)
             return 0.0
         return time.time() - max(self.last_request, self.procs.last_change)
 
@@ -543,6 +569,7 @@ class Agent:
         self._publish()
         log.info("agent %d of pool %s listening on %s:%d", self.index, self.pool, advertise, port)
         hb = asyncio.create_task(self._heartbeat())
+        self.background(self.queue.run())
         await self.stopping.wait()
         log.info("stopping: %s", self.stop_reason)
         hb.cancel()
@@ -560,6 +587,7 @@ class Agent:
         )
         self.launcher.close()
         self.relay.close()
+        self.queue.stop()
         for fn in self._cleanups:
             try:
                 fn()
@@ -619,6 +647,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=POOL_MAX_MB,
         help="MiB of replica output this host keeps on disk in all (its share of the pool's limit)",
+    )
+    p.add_argument(
+        "--declare",
+        default="",
+        help="capacity the pool declares for this host, e.g. cpus=4,gpus=8,mem_mb=65536 (the rest is detected)",
     )
     args = p.parse_args(argv)
     if args.index is None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
-import json
 import os
 import re
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -25,14 +25,18 @@ from torchx.schedulers.ids import make_unique
 from torchx.specs import AppDef, AppDryRunInfo, AppState, CfgVal, ReplicaStatus, Role, RoleStatus, macros, runopts
 from torchx.workspace.api import WorkspaceMixin
 
-from .. import apps, history
+from .. import apps, history, scheduling
 from ..agent.logstore import POOL_MAX_MB, REPLICA_MAX_MB, STREAMS, read_files
-from ..errors import MonarchError
-from ..pool import Pool, PoolRequest, get_provisioner, parse_duration, plan_pool, preload_list
+from ..app_queue import QUEUE_HOST, QueueState, SubmittedApp, TorchrunRole
+from ..errors import HostLost, HostUnreachable, MonarchError
+from ..net.frames import UnknownOperation
+from ..pool import CAPACITY_KEYS, Pool, PoolRequest, get_provisioner, parse_duration, plan_pool, preload_list
 from ..registry import AppRecord, Placement, Registry, check_pool_name
+from ..resources import NeverFits, Resources
+from ..scheduling import check_fits_somewhere
 from ..specs import FAILED, SUCCEEDED, LaunchSpec
 from ..submission import PoolPlan
-from ..torchrun import PLAN_ENV, TorchrunPlan, plan_role
+from ..torchrun import TorchrunPlan, plan_role
 from . import workspace as ws
 from .role_record import role_from_record, role_to_record
 
@@ -65,6 +69,7 @@ class MonarchRequest:
     torchrun: dict[str, TorchrunPlan] = field(default_factory=dict)  # by role name, torchrun roles only
     pool_plan: PoolPlan | None = None  # what the run does to the pool, and what it would submit
     inherited_env: dict[str, str] = field(default_factory=dict)  # this shell's, under each replica's env
+    queue: bool = True  # one that does not fit now waits in the pool's queue (else it is refused)
 
     def __repr__(self) -> str:
         spec = ", ".join(f"{k}={v}" for k, v in self.pool.spec.items() if v is not None) or "existing spec"
@@ -83,13 +88,22 @@ class MonarchRequest:
                 f"environment: this shell's {len(self.inherited_env)} variables, under each replica's env below"
                 + (f" ({', '.join(cold)}: read as Python starts; see `{COLD_ENV_DOC}`)" if cold else "")
             )
+        lines.append(
+            "replicas go to the least-loaded hosts that fit them when it runs (a role of several replicas: "
+            + (
+                "one host each); what does not fit waits in the pool's queue"
+                if self.queue
+                else "one host each); what does not fit is refused (queue=False)"
+            )
+        )
         for role, plan in self.torchrun.items():
             path = "warm torchrun" if plan.warm else "real torchrun"
             retried = f"; --max_retries {plan.restarts}: all its nodes restart together" if plan.restarts else ""
             lines.append(f"role {role}: {path}: {plan.reason}{retried}")
         for r in self.replicas:
             s = r.spec
-            lines.append(f"  {s.role}/{s.replica_id} on host {r.host_index}: {' '.join(s.argv)}")
+            asks = Resources.from_wire(s.resources).describe()
+            lines.append(f"  {s.role}/{s.replica_id} (asks {asks}): {' '.join(s.argv)}")
             if s.env:
                 lines.append(f"    env: {' '.join(f'{k}={v}' for k, v in sorted(s.env.items()))}")
             lines.append(f"    cwd: {s.cwd}  max_retries: {s.max_retries}")
@@ -238,6 +252,33 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             help="TLS 1.3 on every connection of the pool, with a certificate made for it (default: "
             f"{'on' if prov.tls_default else 'off'} here; on for pools whose hosts are other machines)",
         )
+        opts.add(
+            "cpus_per_host",
+            type_=float,
+            default=None,
+            help="CPUs each host has for replicas (default: detected: the allocation's, the cgroup's, else the "
+            "affinity's); set when the pool is created",
+        )
+        opts.add(
+            "mem_per_host_mb",
+            type_=int,
+            default=None,
+            help="MB of memory each host has for replicas (default: detected); set when the pool is created",
+        )
+        opts.add(
+            "gpus_per_host",
+            type_=int,
+            default=None,
+            help="GPUs each host has for replicas, as ids 0..N-1 (default: detected through NVML, within what "
+            "the allocation grants); set when the pool is created",
+        )
+        opts.add(
+            "queue",
+            type_=bool,
+            default=True,
+            help="an app that does not fit the pool's free capacity now waits in the pool's queue (PENDING); "
+            "False: refuse it instead",
+        )
         prov.add_run_opts(opts)
         return opts
 
@@ -282,6 +323,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             preload = preload_list(str(preload))
         tls = cfg.get("tls")
         spec: dict[str, Any] = {"hosts": hosts, "preload": preload, "tls": None if tls is None else bool(tls)}
+        spec.update(_declared_capacity(cfg))
         options = {"idle_timeout": parse_duration(cfg.get("idle_timeout", "30m")), **_log_limits(cfg)}
         prov.pool_spec(cfg, spec, options)
         return PoolRequest(self.backend, name, spec, options, bool(cfg.get("replace")))
@@ -295,7 +337,9 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         cwd = os.getcwd() if get_provisioner(self.backend).client_cwd_on_hosts else None
         # and there they get this shell's environment, as TorchX's local_cwd and slurm give it
         inherited = inherited_env(os.environ) if cwd is not None else {}
-        req = MonarchRequest(pool_req, app_id, app.name, roles=[], inherited_env=inherited)
+        req = MonarchRequest(
+            pool_req, app_id, app.name, roles=[], inherited_env=inherited, queue=bool(cfg.get("queue", True))
+        )
         for n, role in enumerate(app.roles):
             workspace = ws.attached(role.image, cfg) if n == 0 else None
             req.workspace = req.workspace or workspace
@@ -326,6 +370,9 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                     inherited_env=inherited,
                     cwd=ws.MOUNT_TOKEN if workspace else cwd,
                     max_retries=retries,
+                    resources=Resources.from_torchx(
+                        role.resource.cpu, role.resource.gpu, role.resource.memMB
+                    ).to_wire(),
                 )
                 req.replicas.append(ReplicaLaunch(host_index=i, spec=spec))
         req.pool_plan = plan_pool(pool_req, self.registry, defaults={"hosts": want_hosts, "preload": "torch"})
@@ -334,9 +381,20 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
     def schedule(self, dryrun_info: AppDryRunInfo) -> str:
         req: MonarchRequest = dryrun_info.request
         want = max(r.host_index for r in req.replicas) + 1
+        sub = SubmittedApp(
+            app_id=req.app_id,
+            name=req.app_name,
+            roles=req.roles,
+            specs=[replace(r.spec, env={**r.spec.env}) for r in req.replicas],
+            torchrun={role: TorchrunRole(p.nnodes, p.restarts) for role, p in req.torchrun.items() if p.warm},
+            rank0_env=RANK0_ENV,
+            path_token=ws.MOUNT_TOKEN if req.workspace else "",
+        )
+        first = req.roles[0]["name"]
 
         def place(pool: Pool) -> list[tuple[int, LaunchSpec]]:
-            """The replicas, ready to start on ``pool`` (on copies: a launch made again places afresh)."""
+            """The replicas, ready to start on ``pool`` now (on copies: a launch made again places
+            afresh); ``apps.MustWait`` when the app does not fit the pool's free capacity now."""
             n = pool.record.num_hosts
             if want > n:
                 opt = get_provisioner(self.backend).hosts_option
@@ -344,36 +402,49 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                     f"the app needs {want} hosts (one per replica) but pool {pool.name!r} has {n}; "
                     f"use -cfg {opt}={want},replace=True or a bigger pool"
                 )
+            placement = _placement(pool, sub)
             hosts = pool.hosts
-            rank0 = hosts[0].host if hosts[0] else "localhost"
-            replicas = [ReplicaLaunch(r.host_index, replace(r.spec, env={**r.spec.env})) for r in req.replicas]
-            for r in replicas:
-                r.spec.env.setdefault(RANK0_ENV, rank0)
-            for role, plan in req.torchrun.items():
-                if plan.warm:
-                    _place_torchrun(pool, role, plan, [r for r in replicas if r.spec.role == role])
+            addresses = {i: h.host if h else "localhost" for i, h in enumerate(hosts)}
+            ports = {}
+            for role, h in sub.store_hosts(placement).items():
+                if hosts[h] is None:
+                    raise MonarchError(f"host {h} of pool {pool.name!r} has no agent")
+                ports[role] = pool.call(h, "reserve_port", timeout=10.0, hold_for=req.app_id)
             if req.workspace:
-                first = req.roles[0]["name"]
-                hosts0 = sorted({r.host_index for r in replicas if r.spec.role == first})
+                hosts0 = sorted({h for (role, _), h in placement.items() if role == first})
                 ws.sync_to_hosts(pool, req.workspace, hosts0, _progress)
-                paths = ws.workdirs(pool, req.workspace, hosts0)
-                for r in replicas:
-                    if r.spec.role == first:
-                        ws.place(r.spec, paths[r.host_index])
-            return [(r.host_index, r.spec) for r in replicas]
+                sub.workspace_paths = ws.workdirs(pool, req.workspace, hosts0)
+            return sub.launches(placement, addresses, ports)
 
-        # a workspace is synced before the launch: its hosts are checked before the sync
-        pool, arec = apps.start(
-            req.pool,
-            req.app_id,
-            req.app_name,
-            req.roles,
-            place,
-            self.registry,
-            defaults={"hosts": want, "preload": "torch"},
-            progress=_progress,
-            check_first=req.workspace is not None,
-        )
+        try:
+            # a workspace is synced before the launch: its hosts are checked before the sync
+            pool, arec = apps.start(
+                req.pool,
+                req.app_id,
+                req.app_name,
+                req.roles,
+                place,
+                self.registry,
+                defaults={"hosts": want, "preload": "torch"},
+                progress=_progress,
+                check_first=req.workspace is not None,
+            )
+        except apps.MustWait as wait:
+            pool = wait.pool
+            if not req.queue:
+                raise MonarchError(
+                    f"{req.app_id} does not fit pool {pool.name!r} now ({wait}); refused (queue=False): "
+                    f"without it, it waits in the pool's queue"
+                ) from None
+            if req.workspace:  # (its hosts are known only when it starts: every host gets the workspace)
+                every = list(range(pool.record.num_hosts))
+                ws.sync_to_hosts(pool, req.workspace, every, _progress)
+                sub.workspace_paths = ws.workdirs(pool, req.workspace, every)
+            arec, entry = apps.enqueue(pool, sub)
+            if entry.state == QueueState.QUEUED:
+                _progress(f"{req.app_id} waits in the queue of pool {pool.name!r}: {entry.reason}")
+            elif entry.state == QueueState.ENDED:
+                raise MonarchError(f"{req.app_id} could not start on pool {pool.name!r}: {entry.reason}") from None
         _warn_cold_env_once(pool, req.inherited_env)
         return f"{pool.name}:{arec.app_id}"
 
@@ -389,7 +460,12 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         if rec is None or rec.scheduler != self.backend:
             return None
         arec = Registry.get_app(rec, app)
-        return (Pool(rec, self.registry), arec) if arec else None
+        if arec is None:
+            return None
+        pool = Pool(rec, self.registry)
+        if apps.unplaced(arec):  # queued when last seen: where it runs now, if it started
+            arec = apps.placed(pool, arec)[0]
+        return pool, arec
 
     def _lookup_stopped(self, app_id: str) -> tuple[AppRecord, Path] | None:
         """The app on a stopped pool of its name (``history.py``): its record and that pool's state dir."""
@@ -450,7 +526,10 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             records = Registry.list_apps(rec)
             seen = apps.list_states(pool, records) if records else {}
             for a in records:
-                states = [seen.get((a.app_id, p.role, p.replica_id), FAILED) for p in a.placement]
+                if apps.unplaced(a):  # (queued when last seen)
+                    states = [st.state.value for st in apps.replica_states(pool, a).values()]
+                else:
+                    states = [seen.get((a.app_id, p.role, p.replica_id), FAILED) for p in a.placement]
                 app_id = f"{rec.name}:{a.app_id}"
                 out.append(
                     ListAppResponse(
@@ -551,6 +630,15 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             )
         pool, arec = found
         place = _replica_place(app_id, arec, role_name, k)
+        while place.host_index == apps.UNPLACED:  # it waits in the pool's queue: its log begins when it starts
+            if not should_tail or not _still_queued(pool, arec):
+                return iter(())
+            time.sleep(1.0)
+            found = self._lookup(app_id)  # (where it runs, once it started)
+            if found is None:
+                return iter(())
+            pool, arec = found
+            place = _replica_place(app_id, arec, role_name, k)
         try:
             client = pool.connect(place.host_index)  # (reads that one host's address, not the pool's)
         except MonarchError as e:
@@ -858,6 +946,19 @@ def _log_selection(
     }
 
 
+def _declared_capacity(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The capacity a run declares per host (``cpus_per_host`` ...), checked; MonarchError naming a bad one."""
+    out: dict[str, Any] = {}
+    for name in CAPACITY_KEYS:
+        value = cfg.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise MonarchError(f"{name}={value!r} is invalid: a capacity is a number, 0 or more")
+        out[name] = value
+    return out
+
+
 def _log_limits(cfg: dict[str, Any]) -> dict[str, float]:
     """The pool's log limits (MiB) from a run's cfg; MonarchError naming one that is not positive."""
     out = {}
@@ -881,23 +982,36 @@ def _failed(error: Exception) -> Iterator[str]:
     raise error
 
 
-def _place_torchrun(pool: Pool, role: str, plan: TorchrunPlan, replicas: list[ReplicaLaunch]) -> None:
-    """Tells each node of a warm torchrun its rank and where the role's store is (a port host 0 reserved)."""
-    first = min(replicas, key=lambda r: r.spec.replica_id)
-    host = pool.hosts[first.host_index]
-    if host is None:
-        raise MonarchError(f"host {first.host_index} of pool {pool.name!r} has no agent")
-    port = pool.call(first.host_index, "reserve_port", timeout=10.0, hold_for=first.spec.app_id)
-    for r in replicas:
-        r.spec.env[PLAN_ENV] = json.dumps(
-            {
-                "node_rank": r.spec.replica_id,
-                "nnodes": plan.nnodes,
-                "store_host": host.host,
-                "store_port": port,
-                "restarts": plan.restarts,
-            }
-        )
+def _still_queued(pool: Pool, arec: AppRecord) -> bool:
+    entry = apps.placed(pool, arec)[1]
+    return entry is not None and entry.state in (QueueState.QUEUED, QueueState.UNREACHABLE)
+
+
+def _placement(pool: Pool, sub: SubmittedApp) -> dict[tuple[str, int], int]:
+    """Where ``sub``'s replicas go now, from every host's load (``scheduling.place``); raises
+    ``apps.MustWait`` when it does not fit (or apps wait in the pool's queue before it), a
+    one-line MonarchError when it never could, and the error of a host that did not answer (so
+    ``apps.start`` checks the pool, as for a launch that did not reach it)."""
+    loads, errors = apps.pool_loads(pool)
+    for i, e in sorted(errors.items()):
+        if isinstance(e, (HostUnreachable, HostLost)):
+            raise e
+        if not isinstance(e, UnknownOperation):
+            raise MonarchError(f"host {i} of pool {pool.name!r} did not say its capacity: {e}")
+    if errors:  # agents of an earlier version (no capacity): replica i on host i, as they placed
+        return {(s.role, s.replica_id): s.replica_id for s in sub.specs}
+    ask = sub.ask()
+    try:
+        check_fits_somewhere(ask, loads, pool.name)
+    except NeverFits as e:
+        raise MonarchError(f"{e}; ask for less, or use a pool with bigger hosts") from None
+    queued = next((load.queued for load in loads if load.index == QUEUE_HOST), 0)
+    placement = scheduling.place(ask, loads) if not queued else None
+    if placement is None:
+        free = ", ".join(f"host {load.index}: {load.free.describe()}" for load in loads)
+        why = f"{queued} app(s) wait in its queue before it" if queued else f"it asks {ask.need()}; free: {free}"
+        raise apps.MustWait(why, pool)
+    return placement
 
 
 def _progress(msg: str) -> None:

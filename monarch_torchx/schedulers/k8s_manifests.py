@@ -87,6 +87,7 @@ class KubePoolSpec:
     idle_action: str = "delete"
     log_max_mb: float = REPLICA_MAX_MB  # replica logs kept in a pod: per replica, and in all (its share of the pool's)
     log_host_max_mb: float = POOL_MAX_MB
+    declare: str = ""  # capacity the pool declares per host (the agent's --declare)
     python: str = "python"
     kind: str = "StatefulSet"  # or MESH_KIND: the owner object, decided by what the cluster serves
 
@@ -159,6 +160,7 @@ def agent_args(spec: KubePoolSpec) -> list[str]:
         str(spec.log_max_mb),
         "--log-host-max-mb",
         str(spec.log_host_max_mb),
+        *(["--declare", spec.declare] if spec.declare else []),
     ]
 
 

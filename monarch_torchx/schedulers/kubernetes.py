@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..agent import declared_capacity
 from ..errors import MonarchError
 from ..pool import parse_duration
 from ..registry import HostAddr, PoolRecord, Registry
@@ -161,6 +162,7 @@ def kube_spec(rec: PoolRecord) -> mf.KubePoolSpec:
         log_max_mb=float(o.get("log_max_mb", mf.KubePoolSpec.log_max_mb)),
         log_host_max_mb=float(o.get("log_pool_max_mb", mf.POOL_MAX_MB)) / max(1, rec.num_hosts),
         kind=rec.allocation.get("kind", "StatefulSet"),
+        declare=declared_capacity(s),
     )
 
 

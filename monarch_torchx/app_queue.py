@@ -1,0 +1,140 @@
+"""An app on its way to a pool's hosts: what a client hands the pool's queue, and how a placement
+turns it into one launch per replica.
+
+The same ``SubmittedApp.launches`` serves an app that fits at once (the client places and launches
+it) and one that waits (the pool's queue on host 0, ``agent/queue.py``, launches it when it fits),
+so where a replica lands changes nothing else: its rank-0 host, its torchrun store and its
+workspace path all follow the real placement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from .registry import Placement
+from .resources import Resources
+from .scheduling import AppAsk, ReplicaAsk, ReplicaKey
+from .specs import LaunchSpec
+from .torchrun import PLAN_ENV
+
+QUEUE_HOST = 0  # the host whose agent holds the pool's queue (see agent/queue.py)
+
+
+@dataclass
+class TorchrunRole:
+    """A role run by warm torchrun: each node is told its rank and where the role's store is."""
+
+    nnodes: int
+    restarts: int = 0
+
+
+@dataclass
+class SubmittedApp:
+    """An app ready to place: one spec per replica (``resources`` set), and what the launches
+    take from the placement."""
+
+    app_id: str
+    name: str
+    roles: list[dict[str, Any]]  # as the app's record keeps them (``role_record``)
+    specs: list[LaunchSpec]
+    torchrun: dict[str, TorchrunRole] = field(default_factory=dict)  # by role name
+    rank0_env: str = ""  # set to the first replica's host in every replica's env (TorchX's rank0_env)
+    path_token: str = ""  # stands for the workspace's path on a replica's host, in argv, env and cwd
+    workspace_paths: dict[int, str] = field(default_factory=dict)  # host index -> that path
+    submitted: float = field(default_factory=time.time)
+
+    def ask(self) -> AppAsk:
+        return AppAsk(
+            self.app_id, [ReplicaAsk(s.role, s.replica_id, Resources.from_wire(s.resources)) for s in self.specs]
+        )
+
+    def ask_of(self, role: str, replica_id: int) -> Resources:
+        spec = next(s for s in self.specs if s.role == role and s.replica_id == replica_id)
+        return Resources.from_wire(spec.resources)
+
+    def store_hosts(self, placement: dict[ReplicaKey, int]) -> dict[str, int]:
+        """For each warm torchrun role, the host of its node 0 (where its store listens)."""
+        return {role: placement[(role, 0)] for role in self.torchrun if (role, 0) in placement}
+
+    def launches(
+        self, placement: dict[ReplicaKey, int], addresses: dict[int, str], store_ports: dict[str, int]
+    ) -> list[tuple[int, LaunchSpec]]:
+        """(host, spec) for each replica, on copies: ``addresses``: each placed host's address
+        (for the rank-0 variable and torchrun's store), ``store_ports``: a port reserved on each
+        torchrun role's store host."""
+        out = []
+        first = self.specs[0] if self.specs else None
+        rank0 = addresses.get(placement[(first.role, first.replica_id)], "localhost") if first else "localhost"
+        for s in self.specs:
+            host = placement[(s.role, s.replica_id)]
+            spec = dataclasses.replace(s, env=dict(s.env), argv=list(s.argv))
+            if self.rank0_env:
+                spec.env.setdefault(self.rank0_env, rank0)
+            plan = self.torchrun.get(s.role)
+            if plan is not None:
+                store = placement[(s.role, 0)]
+                spec.env[PLAN_ENV] = json.dumps(
+                    {
+                        "node_rank": s.replica_id,
+                        "nnodes": plan.nnodes,
+                        "store_host": addresses[store],
+                        "store_port": store_ports[s.role],
+                        "restarts": plan.restarts,
+                    }
+                )
+            path = self.workspace_paths.get(host)
+            if self.path_token and path is not None:
+                spec.argv = [a.replace(self.path_token, path) for a in spec.argv]
+                spec.env = {k: v.replace(self.path_token, path) for k, v in spec.env.items()}
+                spec.cwd = None if spec.cwd is None else spec.cwd.replace(self.path_token, path)
+            out.append((host, spec))
+        return out
+
+    def to_wire(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["specs"] = [dict(vars(s)) for s in self.specs]
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> SubmittedApp:
+        d = dict(d)
+        d["specs"] = [LaunchSpec(**s) for s in d["specs"]]
+        d["torchrun"] = {k: TorchrunRole(**v) for k, v in d.get("torchrun", {}).items()}
+        d["workspace_paths"] = {int(k): v for k, v in d.get("workspace_paths", {}).items()}
+        return cls(**d)
+
+
+class QueueState(str, Enum):
+    QUEUED = "QUEUED"  # waits for capacity
+    STARTED = "STARTED"  # launched: ``placement`` says where
+    ENDED = "ENDED"  # left the queue without starting (cancelled, failed to launch): ``reason``
+    UNKNOWN = "UNKNOWN"  # the queue has no such app (its holder lost it: see ``reason``)
+    UNREACHABLE = "UNREACHABLE"  # (a client's own finding) the queue's host did not answer: asked again later
+
+
+@dataclass
+class QueueEntry:
+    """What the pool's queue says of one app (``queue.submit``, ``queue.status``)."""
+
+    app_id: str
+    state: QueueState
+    reason: str = ""  # QUEUED: what it waits for; ENDED: why it left the queue
+    placement: list[Placement] = field(default_factory=list)
+    cancelled: bool = False  # ENDED by a cancel or a stopped pool (else it failed to launch)
+
+    def to_wire(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["state"] = self.state.value
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> QueueEntry:
+        d = dict(d)
+        d["state"] = QueueState(d["state"])
+        d["placement"] = [Placement(**p) for p in d.get("placement", [])]
+        return cls(**d)

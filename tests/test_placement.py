@@ -1,0 +1,152 @@
+"""Issue 40: a pool that shares itself. Capacity per host, placement by what each replica asks,
+GPUs never shared by mistake, and a queue held by the pool that outlives the client.
+
+GPUs are declared (``-cfg gpus_per_host=2``): these hosts have none, and the declared devices go
+through the same admission, placement and ``CUDA_VISIBLE_DEVICES`` as detected ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from monarch_torchx.registry import Registry
+
+from .conftest import torchx, wait_for
+
+pytestmark = pytest.mark.integration
+
+RUN = ("run", "-s", "monarch_local")
+# prints where it ran and which GPUs it holds, then sleeps until the file it names exists
+HOLD = (
+    "import os,sys,time\n"
+    "print('at',os.environ['MONARCH_TORCHX_HOST_INDEX'],'cvd',os.environ.get('CUDA_VISIBLE_DEVICES'),flush=True)\n"
+    "while not os.path.exists(sys.argv[1]): time.sleep(0.1)"
+)
+
+
+def _handle(res) -> str:
+    return res.stdout.strip().splitlines()[-1]
+
+
+def _status(home, handle) -> dict:
+    out = torchx(home, "status", handle).stdout
+    lines = [line.strip() for line in out.splitlines()]
+    state = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("State:"))
+    msg = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Msg:"))
+    return {"state": state, "msg": msg}
+
+
+def _where(home, handle) -> tuple[str, str]:
+    """(host index, CUDA_VISIBLE_DEVICES) the replica printed."""
+
+    def line():
+        out = torchx(home, "log", handle, check=False).stdout
+        return next((ln for ln in out.splitlines() if " at " in f" {ln}" and "cvd" in ln), None)
+
+    words = wait_for(line, timeout=30, what=f"{handle} to print where it runs").split()
+    return words[words.index("at") + 1], words[words.index("cvd") + 1]
+
+
+def _hold(home, cfg: str, release, *extra: str, gpu: int = 0):
+    return torchx(home, *RUN, "-cfg", cfg, "utils.python", "--gpu", str(gpu), *extra, "-c", HOLD, "--", str(release))
+
+
+def test_apps_spread_over_hosts_and_capacity_shows_in_status(home, pool_name, tmp_path):
+    release = tmp_path / "go"
+    cfg = f"pool={pool_name},hosts=2,preload=none,cpus_per_host=2"
+    handles = [_handle(_hold(home, cfg, release)) for _ in range(4)]
+    hosts = sorted(_where(home, h)[0] for h in handles)
+    assert hosts == ["0", "0", "1", "1"]  # four one-CPU apps on two 2-CPU hosts: two each, not four on host 0
+
+    status = json.loads(torchx(home, "pool", "status", pool_name, "--json").stdout)
+    for h in status["hosts"]:
+        cap = h["capacity"]
+        assert cap["total"]["cpus"] == 2 and cap["used"]["cpus"] == 2 and cap["sources"]["cpus"] == "declared"
+        assert len(cap["holdings"]) == 2 and cap["gpu_note"].startswith("no GPUs")
+    text = torchx(home, "pool", "status", pool_name).stdout
+    assert "cpus 2/2" in text
+
+    # a fifth waits in the pool's queue, says for what, and starts when one ends
+    fifth = _hold(home, f"pool={pool_name}", tmp_path / "go5")
+    assert "waits in the queue of pool" in fifth.stderr and "1 CPU" in fifth.stderr
+    h5 = _handle(fifth)
+    st = _status(home, h5)
+    assert st["state"] == "PENDING" and "waits for 1 CPU, 1024 MB; 1st in queue" in st["msg"]
+    listed = torchx(home, "list", "-s", "monarch_local").stdout
+    assert any(h5.split("/")[-1] in line and "PENDING" in line for line in listed.splitlines())
+    release.touch()
+    wait_for(lambda: all(_status(home, h)["state"] == "SUCCEEDED" for h in handles), what="the four to end")
+    wait_for(lambda: _status(home, h5)["state"] == "RUNNING", what="the queued app to start")
+    (tmp_path / "go5").touch()
+    wait_for(lambda: _status(home, h5)["state"] == "SUCCEEDED", what="the queued app to end")
+
+
+def test_gpus_are_exclusive_and_a_run_that_does_not_fit_waits_or_is_refused(home, pool_name, tmp_path):
+    go_a, go_b = tmp_path / "a", tmp_path / "b"
+    cfg = f"pool={pool_name},hosts=1,preload=none,gpus_per_host=2"
+    a = _handle(_hold(home, cfg, go_a, gpu=1))
+    b = _handle(_hold(home, f"pool={pool_name}", go_b, gpu=1))
+    assert {_where(home, a)[1], _where(home, b)[1]} == {"0", "1"}  # disjoint devices
+
+    text = torchx(home, "pool", "status", pool_name).stdout
+    assert "gpus 2/2 used" in text and "HELD BY" in text
+
+    # larger than any host: refused at submit, in one line naming the biggest host
+    big = torchx(home, *RUN, "-cfg", f"pool={pool_name}", "utils.python", "--gpu", "4", "-c", "0", check=False)
+    assert big.returncode != 0 and "the biggest, host 0, has 2 GPU(s)" in big.stderr
+    assert "Traceback" not in big.stderr and len(big.stderr.strip().splitlines()) <= 2
+
+    # queue=False refuses what does not fit now
+    no = torchx(
+        home, *RUN, "-cfg", f"pool={pool_name},queue=False", "utils.python", "--gpu", "2", "-c", "0", check=False
+    )
+    assert no.returncode != 0 and "queue=False" in no.stderr and "Traceback" not in no.stderr
+
+    # two queued: the first is cancelled while it waits, the second runs on the freed devices
+    c = _handle(_hold(home, f"pool={pool_name}", tmp_path / "c", gpu=2))
+    d = _handle(_hold(home, f"pool={pool_name}", tmp_path / "d", gpu=2))
+    assert _status(home, c)["state"] == "PENDING" and "2nd in queue" in _status(home, d)["msg"]
+    torchx(home, "cancel", c)
+    st = _status(home, c)
+    assert st["state"] == "CANCELLED", st
+    go_a.touch()
+    go_b.touch()
+    wait_for(lambda: _status(home, d)["state"] == "RUNNING", what="the second queued app to start")
+    assert _where(home, d)[1] == "0,1"
+    (tmp_path / "d").touch()
+    wait_for(lambda: _status(home, d)["state"] == "SUCCEEDED", what="it to end")
+
+
+def test_the_queue_outlives_its_client_and_host0_and_pool_stop_cancels_it(home, pool_name, tmp_path):
+    go = tmp_path / "go"
+    cfg = f"pool={pool_name},hosts=2,preload=none,gpus_per_host=1"
+    first = [_handle(_hold(home, cfg, go, gpu=1)) for _ in range(2)]
+    assert sorted(_where(home, h)[0] for h in first) == ["0", "1"]
+    queued = _handle(_hold(home, f"pool={pool_name}", tmp_path / "q", gpu=1))  # its client exits at once
+    assert _status(home, queued)["state"] == "PENDING"
+
+    # host 0, which holds the queue, is killed; the next run repairs it and the new agent reads it back
+    rec = Registry(home).get(pool_name)
+    assert rec is not None
+    agent0 = Registry.read_host(rec.path, 0)
+    assert agent0 is not None
+    os.kill(agent0.pid, signal.SIGKILL)
+    wait_for(lambda: _status(home, queued)["state"] in ("UNKNOWN", "PENDING"), what="status without host 0")
+    go.touch()
+    torchx(home, *RUN, "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "repair")
+    wait_for(lambda: _status(home, queued)["state"] == "RUNNING", timeout=60, what="the read-back app to start")
+    (tmp_path / "q").touch()
+    wait_for(lambda: _status(home, queued)["state"] == "SUCCEEDED", what="it to end")
+
+    # occupy both GPUs, queue one more, stop the pool: the queued one ends CANCELLED with the reason
+    go2 = tmp_path / "go2"
+    [_hold(home, f"pool={pool_name}", go2, gpu=1) for _ in range(2)]
+    last = _handle(_hold(home, f"pool={pool_name}", go2, gpu=1))
+    assert _status(home, last)["state"] == "PENDING"
+    torchx(home, "pool", "stop", pool_name)
+    st = _status(home, last)
+    assert st["state"] == "CANCELLED" and "pool was stopped" in st["msg"], st
