@@ -46,16 +46,22 @@ class SubmittedApp:
     rank0_env: str = ""  # set to the first replica's host in every replica's env (TorchX's rank0_env)
     path_token: str = ""  # stands for the workspace's path on a replica's host, in argv, env and cwd
     workspace_paths: dict[int, str] = field(default_factory=dict)  # host index -> that path
+    # replicas k*N .. k*N+N-1 of a role share one host, its node k (submitit's tasks_per_node)
+    tasks_per_node: int = 1
+    hosts_env: str = ""  # set to the addresses of the app's nodes, in node order (submitit's hostnames)
     submitted: float = field(default_factory=time.time)
 
     def ask(self) -> AppAsk:
-        return AppAsk(
-            self.app_id, [ReplicaAsk(s.role, s.replica_id, Resources.from_wire(s.resources)) for s in self.specs]
-        )
+        """What placement sees: one ask per node (its replicas' asks together)."""
+        nodes: dict[ReplicaKey, Resources] = {}
+        for s in self.specs:
+            key = (s.role, s.replica_id // self.tasks_per_node)
+            nodes[key] = nodes.get(key, Resources()) + Resources.from_wire(s.resources)
+        return AppAsk(self.app_id, [ReplicaAsk(role, k, res) for (role, k), res in nodes.items()])
 
-    def ask_of(self, role: str, replica_id: int) -> Resources:
-        spec = next(s for s in self.specs if s.role == role and s.replica_id == replica_id)
-        return Resources.from_wire(spec.resources)
+    def per_replica(self, placement: dict[ReplicaKey, int]) -> dict[ReplicaKey, int]:
+        """Each replica's host, from a placement of the app's nodes."""
+        return {(s.role, s.replica_id): placement[(s.role, s.replica_id // self.tasks_per_node)] for s in self.specs}
 
     def store_hosts(self, placement: dict[ReplicaKey, int]) -> dict[str, int]:
         """For each warm torchrun role, the host of its node 0 (where its store listens)."""
@@ -68,13 +74,17 @@ class SubmittedApp:
         (for the rank-0 variable and torchrun's store), ``store_ports``: a port reserved on each
         torchrun role's store host."""
         out = []
+        hosts = self.per_replica(placement)
         first = self.specs[0] if self.specs else None
-        rank0 = addresses.get(placement[(first.role, first.replica_id)], "localhost") if first else "localhost"
+        rank0 = addresses.get(hosts[(first.role, first.replica_id)], "localhost") if first else "localhost"
+        names = ",".join(addresses.get(h, "localhost") for _, h in sorted(placement.items()))
         for s in self.specs:
-            host = placement[(s.role, s.replica_id)]
+            host = hosts[(s.role, s.replica_id)]
             spec = dataclasses.replace(s, env=dict(s.env), argv=list(s.argv))
             if self.rank0_env:
                 spec.env.setdefault(self.rank0_env, rank0)
+            if self.hosts_env:
+                spec.env[self.hosts_env] = names
             plan = self.torchrun.get(s.role)
             if plan is not None:
                 store = placement[(s.role, 0)]

@@ -322,25 +322,46 @@ def unplaced(arec: AppRecord) -> bool:
 
 
 def enqueue(pool: Pool, sub: SubmittedApp) -> tuple[AppRecord, QueueEntry]:
-    """Hands ``sub`` to the pool's queue (host 0): recorded first, with its replicas not yet
-    placed, so `torchx status` knows it from the moment the queue does."""
-    arec = AppRecord(
-        sub.app_id, pool.name, sub.name, sub.roles, [Placement(s.role, s.replica_id, UNPLACED, "") for s in sub.specs]
-    )
-    Registry.save_app(pool.record, arec)
+    """Hands ``sub`` to the pool's queue (host 0); see ``enqueue_many``."""
+    return enqueue_many(pool, [sub])[0]
+
+
+def enqueue_many(pool: Pool, subs: list[SubmittedApp]) -> list[tuple[AppRecord, QueueEntry]]:
+    """Hands ``subs`` to the pool's queue (host 0) in one request, in order: each recorded first,
+    with its replicas not yet placed, so `torchx status` knows it from the moment the queue does.
+    Those that fit start at once (their records then say where)."""
+    arecs = [
+        AppRecord(
+            sub.app_id,
+            pool.name,
+            sub.name,
+            sub.roles,
+            [Placement(s.role, s.replica_id, UNPLACED, "") for s in sub.specs],
+        )
+        for sub in subs
+    ]
+    for arec in arecs:
+        Registry.save_app(pool.record, arec)
     targets, _, _ = pool.tree_targets(range(pool.record.num_hosts))
     try:
-        entry = QueueEntry.from_wire(
-            pool.call(
-                QUEUE_HOST, "queue.submit", timeout=60.0, app=sub.to_wire(), targets=[t.as_dict() for t in targets]
-            )
+        got = pool.call(
+            QUEUE_HOST,
+            "queue.submit",
+            timeout=60.0 + 0.05 * len(subs),
+            apps=[sub.to_wire() for sub in subs],
+            targets=[t.as_dict() for t in targets],
         )
     except BaseException:
-        Registry.delete_app(pool.record, sub.app_id)
+        for sub in subs:
+            Registry.delete_app(pool.record, sub.app_id)
         raise
-    if entry.state == QueueState.STARTED:
-        arec = _save_placement(pool, arec, entry)
-    return arec, entry
+    out = []
+    for arec, wire in zip(arecs, got):
+        entry = QueueEntry.from_wire(wire)
+        if entry.state == QueueState.STARTED:
+            arec = _save_placement(pool, arec, entry)
+        out.append((arec, entry))
+    return out
 
 
 def placed(pool: Pool, arec: AppRecord) -> tuple[AppRecord, QueueEntry | None]:

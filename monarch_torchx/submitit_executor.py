@@ -25,7 +25,9 @@ from pathlib import Path
 
 from submitit.core import core, job_environment, utils
 
+from .app_queue import QueueState, SubmittedApp
 from .errors import MonarchError
+from .resources import Resources
 from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec, ReplicaStatus
 
 REQUEUE_CODE = 144
@@ -244,11 +246,12 @@ class MonarchExecutor(core.PicklingExecutor):
         nodes = int(self.parameters.get("nodes", 1))
         if nodes > pool.record.num_hosts:
             raise MonarchError(f"nodes={nodes} but pool {name!r} has {pool.record.num_hosts} host(s)")
-        load = {h.index: int(h.info.get("running") or 0) for h in health if h.ok}
-        if len(load) < nodes:
-            raise MonarchError(f"pool {name!r} has only {len(load)} healthy host(s) for nodes={nodes}")
+        healthy = sum(1 for h in health if h.ok)
+        if healthy < nodes:
+            raise MonarchError(f"pool {name!r} has only {healthy} healthy host(s) for nodes={nodes}")
         timeout_min = self.parameters.get("timeout_min", 5)
         jobs: list[core.Job[tp.Any]] = []
+        subs = []
         for i, delayed in enumerate(delayed_submissions):
             job_id = uuid.uuid4().hex[:16]
             paths = utils.JobPaths(self.folder, job_id=job_id)
@@ -264,63 +267,88 @@ class MonarchExecutor(core.PicklingExecutor):
                     f"submitting {len(delayed_submissions)} pickles above max_pickle_size_gb="
                     f"{self.max_pickle_size_gb}; raise executor.max_pickle_size_gb if intended"
                 )
-            hosts = sorted(load, key=lambda h: (load[h], h))[:nodes]
-            for h in hosts:
-                load[h] += int(self.parameters.get("tasks_per_node", 1))
-            jobs.append(self._launch(pool, job_id, hosts, float(timeout_min)))
+            subs.append(self._submission(pool, job_id, float(timeout_min)))
+            jobs.append(MonarchJob(folder=self.folder, job_id=job_id, tasks=list(range(self._num_tasks()))))
+        # one request for all of them (a map_array of 1,000): the pool's queue starts what fits now,
+        # on the least-loaded hosts, and each other one when capacity frees
+        from . import apps
+        from .resources import HostLoad, NeverFits
+        from .scheduling import check_fits_somewhere
+
+        loads = [HostLoad.from_wire(h.info["load"]) for h in health if h.ok and h.info.get("load")]
+        try:  # (every job of one call asks the same)
+            check_fits_somewhere(subs[0].ask(), loads, name)
+        except NeverFits as e:
+            raise MonarchError(f"{e}; ask for less, or use a pool with bigger hosts") from None
+        waiting = [e for _, e in apps.enqueue_many(pool, subs) if e.state == QueueState.QUEUED]
+        if waiting:
+            progress(f"{len(waiting)} of {len(subs)} job(s) wait in the queue of pool {name!r}: {waiting[0].reason}")
         return jobs
 
-    def _launch(self, pool: tp.Any, job_id: str, hosts: list[int], timeout_min: float) -> MonarchJob[tp.Any]:
-        from . import apps
-
+    def _asks(self) -> Resources:
+        """What one task asks of its host: ``cpus_per_task``, and its share of ``gpus_per_node``
+        and ``mem_gb`` (per node, as SLURM reads them). A parameter not set asks nothing."""
         tpn = int(self.parameters.get("tasks_per_node", 1))
-        ntasks = len(hosts) * tpn
+        gpus = int(self.parameters.get("gpus_per_node") or 0)
+        if gpus % tpn:
+            raise MonarchError(
+                f"gpus_per_node={gpus} is not a multiple of tasks_per_node={tpn}: each task holds its own GPUs"
+            )
+        return Resources(
+            cpus=float(self.parameters.get("cpus_per_task") or 0),
+            gpus=gpus // tpn,
+            mem_mb=int(float(self.parameters.get("mem_gb") or 0) * 1024 / tpn),
+        )
+
+    def _submission(self, pool: tp.Any, job_id: str, timeout_min: float) -> SubmittedApp:
+        """One job as the pool's queue takes it: one replica per task, ``tasks_per_node`` of them
+        on each of ``nodes`` distinct hosts."""
+        tpn = int(self.parameters.get("tasks_per_node", 1))
+        nodes = int(self.parameters.get("nodes", 1))
+        ntasks = nodes * tpn
         app_id = f"submitit-{job_id}"
-        names = ",".join(pool.hosts[h].host for h in hosts)
         base_env = {str(k): str(v) for k, v in (self.parameters.get("env") or {}).items()}
-        replicas = []
-        for node, h in enumerate(hosts):
-            for local in range(tpn):
-                rank = node * tpn + local
-                paths = utils.JobPaths(self.folder, job_id=job_id, task_id=rank)
-                env = {
-                    **base_env,
-                    "SUBMITIT_EXECUTOR": "monarch",
-                    f"{ENV_PREFIX}JOB_ID": job_id,
-                    f"{ENV_PREFIX}NTASKS": str(ntasks),
-                    f"{ENV_PREFIX}NUM_NODES": str(len(hosts)),
-                    f"{ENV_PREFIX}NODEID": str(node),
-                    f"{ENV_PREFIX}GLOBALID": str(rank),
-                    f"{ENV_PREFIX}LOCALID": str(local),
-                    f"{ENV_PREFIX}HOSTNAMES": names,
-                }
-                err = paths.stdout if self.parameters.get("stderr_to_stdout") else paths.stderr
-                replicas.append(
-                    (
-                        h,
-                        LaunchSpec(
-                            app_id=app_id,
-                            role="task",
-                            replica_id=rank,
-                            argv=self._task_argv(),
-                            env=env,
-                            cwd=os.getcwd(),
-                            stdout_path=str(paths.stdout),
-                            stderr_path=str(err),
-                            timeout_s=timeout_min * 60,
-                            signal_delay_s=float(self.parameters.get("signal_delay_s", 30)),
-                            requeue_code=REQUEUE_CODE,
-                        ),
-                    )
+        asks = self._asks().to_wire()
+        specs = []
+        for rank in range(ntasks):
+            node, local = divmod(rank, tpn)
+            paths = utils.JobPaths(self.folder, job_id=job_id, task_id=rank)
+            env = {
+                **base_env,
+                "SUBMITIT_EXECUTOR": "monarch",
+                f"{ENV_PREFIX}JOB_ID": job_id,
+                f"{ENV_PREFIX}NTASKS": str(ntasks),
+                f"{ENV_PREFIX}NUM_NODES": str(nodes),
+                f"{ENV_PREFIX}NODEID": str(node),
+                f"{ENV_PREFIX}GLOBALID": str(rank),
+                f"{ENV_PREFIX}LOCALID": str(local),
+            }
+            err = paths.stdout if self.parameters.get("stderr_to_stdout") else paths.stderr
+            specs.append(
+                LaunchSpec(
+                    app_id=app_id,
+                    role="task",
+                    replica_id=rank,
+                    argv=self._task_argv(),
+                    env=env,
+                    cwd=os.getcwd(),
+                    stdout_path=str(paths.stdout),
+                    stderr_path=str(err),
+                    timeout_s=timeout_min * 60,
+                    signal_delay_s=float(self.parameters.get("signal_delay_s", 30)),
+                    requeue_code=REQUEUE_CODE,
+                    resources=asks,
                 )
+            )
         folder = utils.JobPaths(self.folder, job_id=job_id).folder
         _meta_path(folder, job_id).write_text(json.dumps({"pool": pool.name, "app_id": app_id}))
         argv = self._task_argv()
-        apps.launch(
-            pool,
-            app_id,
-            str(self.parameters.get("name", "submitit")),
-            [{"name": "task", "image": str(folder), "entrypoint": argv[0], "args": argv[1:], "num_replicas": ntasks}],
-            replicas,
+        role = {"name": "task", "image": str(folder), "entrypoint": argv[0], "args": argv[1:], "num_replicas": ntasks}
+        return SubmittedApp(
+            app_id=app_id,
+            name=str(self.parameters.get("name", "submitit")),
+            roles=[role],
+            specs=specs,
+            tasks_per_node=tpn,
+            hosts_env=f"{ENV_PREFIX}HOSTNAMES",
         )
-        return MonarchJob(folder=self.folder, job_id=job_id, tasks=list(range(ntasks)))

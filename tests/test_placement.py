@@ -13,6 +13,7 @@ import signal
 
 import pytest
 
+from monarch_torchx.errors import MonarchError
 from monarch_torchx.registry import Registry
 
 from .conftest import torchx, wait_for
@@ -150,3 +151,65 @@ def test_the_queue_outlives_its_client_and_host0_and_pool_stop_cancels_it(home, 
     torchx(home, "pool", "stop", pool_name)
     st = _status(home, last)
     assert st["state"] == "CANCELLED" and "pool was stopped" in st["msg"], st
+
+
+def _hold_task(release: str, seen: str) -> str:
+    """A submitit task: notes that it runs (a file per task), then waits for ``release``."""
+    import os
+    import time
+    import uuid
+    from pathlib import Path
+
+    Path(seen, uuid.uuid4().hex).write_text(os.environ["MONARCH_TORCHX_HOST_INDEX"])
+    while not os.path.exists(release):
+        time.sleep(0.05)
+    return os.environ["MONARCH_TORCHX_HOST_INDEX"]
+
+
+def test_submitit_map_array_runs_what_fits_and_queues_the_rest(home, pool_name, tmp_path):
+    import submitit
+
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2,preload=none,cpus_per_host=1")
+    release, seen = tmp_path / "release", tmp_path / "seen"
+    seen.mkdir()
+    ex = submitit.AutoExecutor(folder=str(tmp_path / "logs" / "%j"), cluster="monarch")
+    ex.update_parameters(monarch_pool=pool_name, cpus_per_task=1, timeout_min=5)
+    jobs = ex.map_array(_hold_task, [str(release)] * 6, [str(seen)] * 6)
+    wait_for(lambda: len(list(seen.iterdir())) == 2, what="two tasks to run")
+    states = [j.state for j in jobs]
+    assert states.count("RUNNING") == 2 and states.count("PENDING") == 4, states  # one per 1-CPU host
+    assert sorted(p.read_text() for p in seen.iterdir()) == ["0", "1"]
+    jobs[-1].cancel()  # a queued task is cancelled where it waits
+    assert jobs[-1].state == "CANCELLED"
+    release.touch()
+    assert sorted(j.result() for j in jobs[:-1]).count("0") >= 1
+    assert len(list(seen.iterdir())) == 5  # the cancelled one never ran
+
+    # more than any host has: refused at submit, naming the biggest host
+    big = submitit.AutoExecutor(folder=str(tmp_path / "logs2"), cluster="monarch")
+    big.update_parameters(monarch_pool=pool_name, cpus_per_task=4)
+    with pytest.raises(MonarchError, match=r"the biggest, host 0, has 1 CPU\(s\)"):
+        big.submit(_hold_task, str(release), str(seen))
+
+
+def test_an_actor_mesh_and_an_app_never_share_a_gpu(home, pool_name, tmp_path):
+    from monarch_torchx import attach
+    from tests.fixtures.actors import GpuHolder
+
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none,gpus_per_host=2")
+    procs = attach(pool_name).spawn_procs(per_host={"gpus": 1})  # Monarch's "gpus" dim: one GPU per proc
+    try:
+        assert list(procs.spawn("holder", GpuHolder).visible.call().get().values()) == ["0"]
+        app = _handle(_hold(home, f"pool={pool_name}", tmp_path / "a", gpu=1))
+        assert _where(home, app)[1] == "1"
+        waits = _handle(_hold(home, f"pool={pool_name}", tmp_path / "b", gpu=1))
+        assert _status(home, waits)["state"] == "PENDING"
+        with pytest.raises(MonarchError, match="asks 1 GPU, and gpus are short"):  # no device free: refused
+            attach(pool_name).spawn_procs(per_host={"gpus": 1}).initialized.get()
+    finally:
+        procs.stop().get()
+    wait_for(lambda: _status(home, waits)["state"] == "RUNNING", what="the waiting app to get the mesh's GPU")
+    assert _where(home, waits)[1] == "0"
+    (tmp_path / "a").touch()
+    (tmp_path / "b").touch()
+    wait_for(lambda: _status(home, waits)["state"] == "SUCCEEDED", what="it to end")

@@ -39,10 +39,11 @@ class Ledger:
             held = ", ".join(
                 f"{h.owner} ({h.resources.describe()})" for h in self.load.holdings if not h.resources.empty
             )
+            short = ", ".join(ask.short_of(free))
             raise CapacityRefused(
-                f"host {self.load.index} has {free.describe() if not free.empty else 'nothing'} free of "
-                f"{self.load.capacity.total.describe()}; {owner} asks {ask.describe()}"
-                + (f" (held by {held})" if held else ""),
+                f"host {self.load.index} cannot start {owner}: it asks {ask.describe()}, and {short} "
+                f"are short (free: {free.describe() if not free.empty else 'nothing'} of "
+                f"{self.load.capacity.total.describe()}" + (f"; held by {held})" if held else ")"),
                 CapacityRefused.__name__,
             )
         taken = {g for h in self.load.holdings for g in h.gpu_ids}

@@ -32,9 +32,10 @@ from ..net.blocking import Client
 from ..net.fanout import Target
 from ..private import PrivatePathError, private_dir
 from ..registry import Placement, write_private
-from ..resources import CapacityRefused, Holding, HostLoad, NeverFits
+from ..resources import CapacityRefused, Holding, HostLoad, NeverFits, Resources
 from ..scheduling import ReplicaKey, check_fits_somewhere, schedule
 from ..specs import CANCELLED, FAILED
+from .procs import owner
 
 if TYPE_CHECKING:
     from .server import Agent
@@ -89,20 +90,22 @@ class PoolQueue:
 
     # ------------------------------------------------------------ operations
 
-    async def op_submit(self, peer: Any, app: dict, targets: list[dict]) -> dict:
-        """Queues ``app`` (a ``SubmittedApp``) and passes over the queue at once: the answer says
-        STARTED (with its placement) or QUEUED (with what it waits for and its place in line)."""
+    async def op_submit(self, peer: Any, apps: list[dict], targets: list[dict]) -> list[dict]:
+        """Queues ``apps`` (``SubmittedApp``s, in order) and passes over the queue at once: each
+        answer says STARTED (with its placement) or QUEUED (what it waits for, its place in line)."""
         self._holder_only()
         if self.agent.stopping.is_set():
             raise ValueError(f"agent {self.agent.index} is shutting down ({self.agent.stop_reason})")
-        sub = SubmittedApp.from_wire(app)
-        if sub.app_id in self.waiting or sub.app_id in self.done:
-            raise ValueError(f"app {sub.app_id} was already submitted to this pool's queue")
+        subs = [SubmittedApp.from_wire(a) for a in apps]  # (all checked before any is queued)
+        for sub in subs:
+            if sub.app_id in self.waiting or sub.app_id in self.done:
+                raise ValueError(f"app {sub.app_id} was already submitted to this pool's queue")
         self._set_targets(targets)
-        self.waiting[sub.app_id] = _Waiting(sub)
-        self._save(sub.app_id)  # before the answer: a queued app is never only in memory
+        for sub in subs:
+            self.waiting[sub.app_id] = _Waiting(sub)
+            self._save(sub.app_id)  # before the answer: a queued app is never only in memory
         await self._pass()
-        return self.entry(sub.app_id).to_wire()
+        return [self.entry(sub.app_id).to_wire() for sub in subs]
 
     async def op_status(self, peer: Any, app_ids: list[str], targets: list[dict] | None = None) -> list[dict]:
         """What the queue says of each app (UNKNOWN: it has no such app); ``targets``: the
@@ -205,16 +208,15 @@ class PoolQueue:
                 return
             self._end(app_id, "; ".join(f"could not start on host {h}: {e}" for h, e in sorted(failed.items())))
             return
-        for h in hosts:  # counted now, before the host's own word on it arrives
-            load = self.loads.get(h)
+        full = sub.per_replica(placement)
+        for spec in sub.specs:  # counted now, before the host's own word on it arrives
+            load = self.loads.get(full[(spec.role, spec.replica_id)])
             if load is not None:
-                load.holdings.extend(
-                    Holding(f"{app_id}/{r}/{k}", sub.ask_of(r, k)) for (r, k), host in placement.items() if host == h
-                )
+                load.holdings.append(Holding(owner(spec), Resources.from_wire(spec.resources)))
         self.done[app_id] = QueueEntry(
             app_id,
             QueueState.STARTED,
-            placement=[Placement(role, k, h, self._incarnation(h)) for (role, k), h in sorted(placement.items())],
+            placement=[Placement(role, k, h, self._incarnation(h)) for (role, k), h in sorted(full.items())],
         )
         del self.waiting[app_id]
         self._save(app_id)
@@ -335,7 +337,8 @@ class PoolQueue:
             after = known.generation if known is not None else -1
             try:
                 if index == self.agent.index:
-                    load = await self.agent.ledger.changed_after(after, WATCH_S)
+                    live = await self.agent.ledger.changed_after(after, WATCH_S)
+                    load = HostLoad.from_wire(live.to_wire())  # (a copy: a pass adds to what it holds)
                 else:
                     got = await self._calls(index, "capacity", [{"after": after, "within": WATCH_S}], WATCH_S + 10)
                     load = HostLoad.from_wire(got[0])
@@ -345,7 +348,7 @@ class PoolQueue:
                 self.loads.pop(index, None)  # (out of placement until it answers again)
                 await asyncio.sleep(min(10.0, 0.5 * w.failures))
                 continue
-            if known is None or load.generation != known.generation or load is not known:
+            if known is None or load.generation != known.generation:
                 self.loads[index] = load
                 self._wake.set()
 

@@ -95,7 +95,9 @@ def test_the_ledger_hands_out_disjoint_gpus_and_refuses_what_is_not_free():
         b = ledger.admit("b/t/0", Resources(gpus=2))
         assert a.gpu_ids == ["0", "1"] and b.gpu_ids == ["2", "3"]
         assert admission.gpu_env(a) == {"CUDA_VISIBLE_DEVICES": "0,1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-        with pytest.raises(CapacityRefused, match=r"host 0 has 8 CPUs, 1000 MB free.*asks 1 GPU.*held by a/t/0"):
+        with pytest.raises(
+            CapacityRefused, match=r"cannot start c/t/0: it asks 1 GPU, and gpus are short.*held by a/t/0"
+        ):
             ledger.admit("c/t/0", Resources(gpus=1))
         gen = ledger.load.generation
         waiter = asyncio.ensure_future(ledger.changed_after(gen, 5.0))
