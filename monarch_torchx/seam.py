@@ -83,6 +83,10 @@ class AgentHost(Protocol):
 
     def install(self, module: AgentModule) -> None: ...
 
+    def gpu_samples(self) -> tuple[list[dict[str, Any]], str]:
+        """This host's GPU samples (the ``gpus`` table's rows), and why there are none if none."""
+        ...
+
     def add_handler(self, op: str, fn: Handler, combine: Combine | None = None) -> None: ...
 
 

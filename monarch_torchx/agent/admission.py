@@ -9,6 +9,7 @@ A refusal is ``CapacityRefused``: the launch then waits in the pool's queue.
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
 from ..resources import CapacityRefused, Holding, HostCapacity, HostLoad, Resources
 
@@ -22,9 +23,14 @@ class Ledger:
     """Capacity and holdings of one host (see the module's docstring). Single-threaded: the
     agent's event loop is its only caller."""
 
-    def __init__(self, index: int, capacity: HostCapacity):
+    def __init__(
+        self, index: int, capacity: HostCapacity, check_gpus: Callable[[list[str]], dict[str, str]] | None = None
+    ):
+        """``check_gpus``: the health check of devices about to be handed out (ids -> problem, for
+        those that fail it); a failing device leaves placement and another is taken."""
         self.load = HostLoad(index, capacity)
         self._changed = asyncio.Event()
+        self._check_gpus = check_gpus
 
     def holding(self, owner: str) -> Holding | None:
         return next((h for h in self.load.holdings if h.owner == owner), None)
@@ -48,6 +54,11 @@ class Ledger:
             )
         taken = {g for h in self.load.holdings for g in h.gpu_ids}
         gpus = [g.visible_id for g in self.load.capacity.usable_gpus if g.visible_id not in taken][: ask.gpus]
+        problems = self._check_gpus(gpus) if gpus and self._check_gpus is not None else {}
+        if problems:  # before work lands on a device: one that fails its check is out, not the host
+            for gpu, problem in problems.items():
+                self.take_out_gpu(gpu, problem)
+            return self.admit(owner, ask)
         holding = Holding(owner, ask, gpus)
         self.load.holdings.append(holding)
         self._bump()

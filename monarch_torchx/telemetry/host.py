@@ -433,6 +433,39 @@ def procs_batch(agent: Any) -> Any:
     )
 
 
+def gpus_batch(agent: Any) -> Any:
+    """This host's GPU samples (NVML, through its agent); none on a host without NVML (its
+    `pool status` says why: ``capacity.gpu_note``)."""
+    import pyarrow as pa
+
+    samples, _why = agent.gpu_samples()
+    rows: dict[str, list] = {name: [] for name, _, _ in TABLES["gpus"]}
+    for s in samples:
+        values = {
+            "ts": _us(s["ts"]),
+            "host": agent.index,
+            "gpu": s["gpu"],
+            "uuid": s["uuid"],
+            "name": s["name"],
+            "util_pct": s["util_pct"],
+            "mem_used_mb": s["mem_used_mb"],
+            "mem_total_mb": s["mem_total_mb"],
+            "temp_c": s["temp_c"],
+            "power_w": s["power_w"],
+            "ecc_uncorrected": s["ecc_uncorrected"],
+            "retired_pending": None if s["retired_pending"] is None else int(s["retired_pending"]),
+            "healthy": int(s["healthy"]),
+            "problem": s["problem"],
+            "held_by": s["held_by"],
+        }
+        for k, v in values.items():
+            rows[k].append(v)
+    return pa.record_batch(
+        [pa.array(rows[f.name], _storage(f.type)).cast(f.type) for f in arrow_schema("gpus")],
+        schema=arrow_schema("gpus"),
+    )
+
+
 def events_batch(agent: Any) -> Any:
     import pyarrow as pa
 
@@ -514,6 +547,8 @@ def query_inputs(agent: Any, logs: LogIndex, stacks: Stacks, metrics: Metrics, t
                 batch = stacks.batch()
             elif name == "metrics":
                 batch = metrics.batch()
+            elif name == "gpus":
+                batch = gpus_batch(agent)
             else:
                 raise ValueError(f"unknown table {name!r}: tables are {', '.join(TABLES)}")
             inputs.add_table(name, pa.Table.from_batches([batch]))
