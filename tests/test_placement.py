@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -44,12 +45,11 @@ def _status(home, handle) -> dict:
 def _where(home, handle) -> tuple[str, str]:
     """(host index, CUDA_VISIBLE_DEVICES) the replica printed."""
 
-    def line():
-        out = torchx(home, "log", handle, check=False).stdout
-        return next((ln for ln in out.splitlines() if " at " in f" {ln}" and "cvd" in ln), None)
+    def found():
+        return re.search(r"\bat (\d+) cvd (\S+)", torchx(home, "log", handle, check=False).stdout)
 
-    words = wait_for(line, timeout=30, what=f"{handle} to print where it runs").split()
-    return words[words.index("at") + 1], words[words.index("cvd") + 1]
+    m = wait_for(found, timeout=30, what=f"{handle} to print where it runs")
+    return m.group(1), m.group(2)
 
 
 def _hold(home, cfg: str, release, *extra: str, gpu: int = 0):
@@ -196,11 +196,30 @@ def test_an_actor_mesh_and_an_app_never_share_a_gpu(home, pool_name, tmp_path):
     from monarch_torchx import attach
     from tests.fixtures.actors import GpuHolder
 
-    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none,gpus_per_host=2")
+    # (8 CPUs: dist.ddp asks 2 by default, and only GPUs are to be short here)
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none,gpus_per_host=2,cpus_per_host=8")
     procs = attach(pool_name).spawn_procs(per_host={"gpus": 1})  # Monarch's "gpus" dim: one GPU per proc
     try:
         assert list(procs.spawn("holder", GpuHolder).visible.call().get().values()) == ["0"]
-        app = _handle(_hold(home, f"pool={pool_name}", tmp_path / "a", gpu=1))
+        (tmp_path / "train.py").write_text(HOLD)  # a warm torchrun node: its worker gets the node's GPU
+        app = _handle(
+            torchx(
+                home,
+                *RUN,
+                "-cfg",
+                f"pool={pool_name}",
+                "dist.ddp",
+                "-j",
+                "1x1",
+                "--gpu",
+                "1",
+                "--script",
+                "train.py",
+                "--",
+                str(tmp_path / "a"),
+                cwd=tmp_path,
+            )
+        )
         assert _where(home, app)[1] == "1"
         waits = _handle(_hold(home, f"pool={pool_name}", tmp_path / "b", gpu=1))
         assert _status(home, waits)["state"] == "PENDING"
