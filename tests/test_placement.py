@@ -232,3 +232,38 @@ def test_an_actor_mesh_and_an_app_never_share_a_gpu(home, pool_name, tmp_path):
     (tmp_path / "a").touch()
     (tmp_path / "b").touch()
     wait_for(lambda: _status(home, waits)["state"] == "SUCCEEDED", what="it to end")
+
+
+def test_a_queued_gang_says_so_when_the_hosts_it_needs_do_not_answer(home, pool_name, tmp_path):
+    go = tmp_path / "go"
+    cfg = f"pool={pool_name},hosts=2,preload=none,gpus_per_host=1,cpus_per_host=8"
+    [_handle(_hold(home, cfg, go, gpu=1)) for _ in range(2)]
+    (tmp_path / "train.py").write_text("print('ran')")
+    gang = _handle(
+        torchx(
+            home,
+            *RUN,
+            "-cfg",
+            f"pool={pool_name}",
+            "dist.ddp",
+            "-j",
+            "2x1",
+            "--gpu",
+            "1",
+            "--script",
+            "train.py",
+            cwd=tmp_path,
+        )
+    )
+    assert "waits for 2 GPUs" in _status(home, gang)["msg"] and "on 2 hosts" in _status(home, gang)["msg"]
+    rec = Registry(home).get(pool_name)
+    assert rec is not None
+    host1 = Registry.read_host(rec.path, 1)
+    assert host1 is not None
+    os.kill(host1.pid, signal.SIGKILL)  # the gang needs two distinct hosts: one does not answer now
+    wait_for(
+        lambda: "cannot start on the 1 of 2 host(s) that answer now" in _status(home, gang)["msg"],
+        what="the queue to say the gang cannot start on what is left",
+    )
+    assert _status(home, gang)["state"] == "PENDING"  # (the host may come back: it still waits)
+    go.touch()
