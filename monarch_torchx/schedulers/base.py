@@ -565,6 +565,9 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         if found is None:
             return
         pool, arec = found
+        if apps.unplaced(arec):  # it waits in the pool's queue (``_lookup`` found it not started)
+            time.sleep(min(timeout, 1.0))
+            return
         indices = sorted({p.host_index for p in arec.placement})
         pool.ask("wait", indices, timeout=timeout + 10.0, app_id=arec.app_id, within=timeout)
 
