@@ -19,7 +19,7 @@ from .net import RemoteError
 from .net.fanout import RelayRefused
 from .pool import Pool, PoolRequest, ensure_pool, reuse_unchecked, tree_min_hosts
 from .registry import AppRecord, Placement, Registry
-from .resources import CapacityRefused, HostLoad
+from .resources import CapacityRefused, HostLoad, Resources
 from .specs import (
     CANCELLED,
     FAILED,
@@ -315,6 +315,32 @@ def pool_loads(pool: Pool) -> tuple[list[HostLoad], dict[int, Exception]]:
         else:
             loads.append(HostLoad.from_wire(value))
     return loads, errors
+
+
+def fit_to_pool(pool: Pool, sub: SubmittedApp, loads: list[HostLoad], progress: Callable[[str], None]) -> None:
+    """Says how ``sub`` meets a pool whose hosts cannot give what it asks, and, on a pool with no
+    GPU at all (none detected, none declared), drops its GPU asks: it runs without, as TorchX's
+    ``local_cwd`` runs a GPU component on a CPU machine (a pool that has GPUs refuses more than a
+    host has). CPUs above a host's own are its whole host's (``Resources.within``)."""
+    if not loads:
+        return
+    asks = [Resources.from_wire(s.resources) for s in sub.specs]
+    gpus = max((a.gpus for a in asks), default=0)
+    if gpus and not any(load.capacity.gpus for load in loads):
+        for s in sub.specs:
+            if s.resources:
+                s.resources = {**s.resources, "gpus": 0}
+        progress(
+            f"note: {sub.app_id} asks {gpus} GPU(s) per replica, but no host of pool {pool.name!r} has one (none "
+            f"detected, none declared: -cfg gpus_per_host=N): it runs without GPUs"
+        )
+    cpus = max((a.cpus for a in asks), default=0)
+    most = max(load.capacity.cpus for load in loads)
+    if cpus > most:
+        progress(
+            f"note: {sub.app_id} asks {cpus:g} CPUs per replica, more than a host of pool {pool.name!r} has "
+            f"({most:g}): each such replica holds all of its host's CPUs"
+        )
 
 
 def unplaced(arec: AppRecord) -> bool:

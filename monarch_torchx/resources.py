@@ -56,6 +56,12 @@ class Resources:
     def __sub__(self, other: Resources) -> Resources:
         return Resources(self.cpus - other.cpus, self.gpus - other.gpus, self.mem_mb - other.mem_mb)
 
+    def within(self, capacity: Resources) -> Resources:
+        """This ask on a host of ``capacity``: CPUs beyond the host's own are the whole host's
+        (a replica asking 2 CPUs on a 1-CPU node holds that node's CPU); GPUs and memory are as
+        asked (a host without enough never fits them)."""
+        return Resources(min(self.cpus, capacity.cpus), self.gpus, self.mem_mb)
+
     def fits_in(self, free: Resources) -> bool:
         # (a small tolerance: fractional CPUs summed in floating point)
         return self.cpus <= free.cpus + 1e-9 and self.gpus <= free.gpus and self.mem_mb <= free.mem_mb

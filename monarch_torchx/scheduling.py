@@ -89,12 +89,16 @@ def _place(app: AppAsk, view: _View) -> dict[ReplicaKey, int] | None:
     for reps in app.roles().values():
         used: set[int] = set()
         for r in reps:
-            fits = [h for h in trial.free if (len(reps) == 1 or h not in used) and r.resources.fits_in(trial.free[h])]
+            fits = [
+                h
+                for h in trial.free
+                if (len(reps) == 1 or h not in used) and r.resources.within(trial.capacity[h]).fits_in(trial.free[h])
+            ]
             if not fits:
                 return None
             host = min(fits, key=trial.load_key)
             used.add(host)
-            trial.take(host, r.resources)
+            trial.take(host, r.resources.within(trial.capacity[host]))
             out[(r.role, r.replica_id)] = host
     view.free, view.count = trial.free, trial.count
     return out
@@ -107,9 +111,9 @@ def check_fits_somewhere(app: AppAsk, loads: list[HostLoad], pool: str) -> None:
         return
     for role, reps in app.roles().items():
         for r in reps:
-            if any(r.resources.fits_in(h.capacity.total) for h in loads):
+            if any(r.resources.within(h.capacity.total).fits_in(h.capacity.total) for h in loads):
                 continue
-            for kind in ("gpus", "cpus", "mem_mb"):
+            for kind in ("gpus", "mem_mb"):  # (CPUs never: more than a host has is the whole host's)
                 biggest = _biggest(loads, kind)
                 have = _amount(biggest.capacity.total, kind)
                 if _amount(r.resources, kind) > have:
@@ -121,7 +125,7 @@ def check_fits_somewhere(app: AppAsk, loads: list[HostLoad], pool: str) -> None:
                 f"{role}/{r.replica_id} asks {r.resources.describe()}: no host of pool {pool!r} has all of it"
             )
         if len(reps) > 1:
-            fit = [load for load in loads if reps[0].resources.fits_in(load.capacity.total)]
+            fit = [load for load in loads if reps[0].resources.within(load.capacity.total).fits_in(load.capacity.total)]
             if len(fit) < len(reps):
                 raise NeverFits(
                     f"role {role} asks {reps[0].resources.describe()} on each of {len(reps)} distinct hosts, "
@@ -169,7 +173,7 @@ def schedule(queue: list[AppAsk], loads: list[HostLoad]) -> Schedule:
             if future is not None:
                 asks = {(r.role, r.replica_id): r.resources for r in app.replicas}
                 for key, host in future.items():
-                    view.take(host, asks[key])
+                    view.take(host, asks[key].within(view.capacity[host]))
     return out
 
 

@@ -276,7 +276,9 @@ class MonarchExecutor(core.PicklingExecutor):
         from .scheduling import check_fits_somewhere
 
         loads = [HostLoad.from_wire(h.info["load"]) for h in health if h.ok and h.info.get("load")]
-        try:  # (every job of one call asks the same)
+        for n, sub in enumerate(subs):  # (every job of one call asks the same: said once)
+            apps.fit_to_pool(pool, sub, loads, progress if n == 0 else lambda _m: None)
+        try:
             check_fits_somewhere(subs[0].ask(), loads, name)
         except NeverFits as e:
             raise MonarchError(f"{e}; ask for less, or use a pool with bigger hosts") from None

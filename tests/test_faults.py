@@ -239,9 +239,10 @@ def test_a_reused_pool_is_checked_by_the_launch_and_a_host_it_finds_lost_is_repa
     home, pool_name, monkeypatch
 ):
     """Through the relay tree (forced on for 2 hosts), a run on a pool that exists is not preceded
-    by a health check: its launch reaches every host, in one connection each. A host that fails
-    the launch with nothing at hand that said it was lost (its agent's process lives; its
-    address leads to a port nothing listens on) is repaired, and the app started again on all."""
+    by a health check: its placement's ask of the hosts' loads and its launch reach every host, in
+    one connection each. A host that fails them with nothing at hand that said it was lost (its
+    agent's process lives; its address leads to a port nothing listens on) is repaired, and the
+    app started on the checked pool."""
     monkeypatch.setenv("MONARCH_TORCHX_HEARTBEAT_S", "600")  # nothing republishes the address during the test
     monkeypatch.setenv("MONARCH_TORCHX_TREE_MIN_HOSTS", "2")
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=2,preload=none")
@@ -253,8 +254,8 @@ def test_a_reused_pool_is_checked_by_the_launch_and_a_host_it_finds_lost_is_repa
             "monarch_local",
             {"pool": pool_name},
         )
-        # the launch's connection, and this ask's own
-        assert pool.call(0, "info")["accepted"] - before == 2
+        # the hosts' loads (placement), the launch's connection, and this ask's own: no health check
+        assert pool.call(0, "info")["accepted"] - before == 3
         st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal() and s, what="the first run")
         assert st.state == AppState.SUCCEEDED
 
@@ -277,8 +278,9 @@ def test_a_reused_pool_is_checked_by_the_launch_and_a_host_it_finds_lost_is_repa
     handle = res.stdout.strip().splitlines()[-1]
     wait_for(lambda: "SUCCEEDED" in torchx(home, "status", handle).stdout, what="the app started again")
     logs = torchx(home, "log", handle).stdout.splitlines()
-    # host 0 had started its replica before host 1 failed the launch: its log holds both tries
-    assert logs.count("echo/0 two") == 2 and logs.count("echo/1 two") == 1, logs
+    # host 1 did not answer the placement's ask of every host's load, and the app needs it: the pool
+    # is checked (and host 1 repaired) before anything starts, so each replica ran once
+    assert logs.count("echo/0 two") == 1 and logs.count("echo/1 two") == 1, logs
     wait_for(lambda: not process_alive(old), what="the agent whose address led nowhere to be replaced")
     assert all(x.ok for x in attach(pool_name).health())
 

@@ -40,6 +40,7 @@ class Ledger:
         the GPUs it gets; ``CapacityRefused`` naming what is short and who holds it."""
         if self.holding(owner) is not None:
             raise ValueError(f"{owner} already holds resources on host {self.load.index}")
+        ask = ask.within(self.load.capacity.total)  # (more CPUs than the host has: all of them)
         free = self.load.free
         if not ask.fits_in(free):
             held = ", ".join(

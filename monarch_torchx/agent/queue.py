@@ -212,7 +212,8 @@ class PoolQueue:
         for spec in sub.specs:  # counted now, before the host's own word on it arrives
             load = self.loads.get(full[(spec.role, spec.replica_id)])
             if load is not None:
-                load.holdings.append(Holding(owner(spec), Resources.from_wire(spec.resources)))
+                ask = Resources.from_wire(spec.resources).within(load.capacity.total)
+                load.holdings.append(Holding(owner(spec), ask))
         self.done[app_id] = QueueEntry(
             app_id,
             QueueState.STARTED,

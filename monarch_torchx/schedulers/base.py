@@ -28,7 +28,7 @@ from torchx.workspace.api import WorkspaceMixin
 from .. import apps, history, scheduling
 from ..agent.logstore import POOL_MAX_MB, REPLICA_MAX_MB, STREAMS, read_files
 from ..app_queue import QUEUE_HOST, QueueState, SubmittedApp, TorchrunRole
-from ..errors import HostLost, HostUnreachable, MonarchError
+from ..errors import MonarchError
 from ..net.frames import UnknownOperation
 from ..pool import CAPACITY_KEYS, Pool, PoolRequest, get_provisioner, parse_duration, plan_pool, preload_list
 from ..registry import AppRecord, Placement, Registry, check_pool_name
@@ -992,25 +992,27 @@ def _still_queued(pool: Pool, arec: AppRecord) -> bool:
 
 def _placement(pool: Pool, sub: SubmittedApp) -> dict[tuple[str, int], int]:
     """Where ``sub``'s replicas go now, from every host's load (``scheduling.place``); raises
-    ``apps.MustWait`` when it does not fit (or apps wait in the pool's queue before it), a
-    one-line MonarchError when it never could, and the error of a host that did not answer (so
-    ``apps.start`` checks the pool, as for a launch that did not reach it)."""
+    ``apps.MustWait`` when it does not fit (or apps wait in the pool's queue before it), and a
+    one-line MonarchError when it never could. A host that did not answer is left out; if the app
+    does not fit without it, its error is raised, so ``apps.start`` checks the pool (and repairs a
+    lost host) as for a launch that did not reach it."""
     loads, errors = apps.pool_loads(pool)
-    for i, e in sorted(errors.items()):
-        if isinstance(e, (HostUnreachable, HostLost)):
-            raise e
-        if not isinstance(e, UnknownOperation):
-            raise MonarchError(f"host {i} of pool {pool.name!r} did not say its capacity: {e}")
-    if errors:  # agents of an earlier version (no capacity): replica i on host i, as they placed
-        return {(s.role, s.replica_id): s.replica_id for s in sub.specs}
+    if any(isinstance(e, UnknownOperation) for e in errors.values()):  # agents of an earlier version
+        return {(s.role, s.replica_id): s.replica_id for s in sub.specs}  # (replica i on host i, as they placed)
+    unanswered = [errors[i] for i in sorted(errors)]
+    apps.fit_to_pool(pool, sub, loads, _progress)
     ask = sub.ask()
     try:
         check_fits_somewhere(ask, loads, pool.name)
     except NeverFits as e:
+        if unanswered:
+            raise unanswered[0] from None
         raise MonarchError(f"{e}; ask for less, or use a pool with bigger hosts") from None
     queued = next((load.queued for load in loads if load.index == QUEUE_HOST), 0)
     placement = scheduling.place(ask, loads) if not queued else None
     if placement is None:
+        if unanswered:
+            raise unanswered[0]
         free = ", ".join(f"host {load.index}: {load.free.describe()}" for load in loads)
         why = f"{queued} app(s) wait in its queue before it" if queued else f"it asks {ask.need()}; free: {free}"
         raise apps.MustWait(why, pool)

@@ -180,3 +180,26 @@ def test_cgroup_limits_are_read_up_the_tree(tmp_path: Path):
     (leaf / "memory.max").write_text(str(512 << 20) + "\n")
     assert capacity._cgroup_cpus(leaf) == 1.5
     assert capacity._cgroup_mem_mb(leaf) == 512
+
+
+def test_more_cpus_than_a_host_has_is_the_whole_host_never_a_refusal():
+    loads = [host(0, cpus=1), host(1, cpus=1)]
+    big = Resources(cpus=2, mem_mb=100)
+    check_fits_somewhere(app("ddp", ("t", 0, big), ("t", 1, big)), loads, "p")  # (no error: CPUs are clamped)
+    placed = place(app("ddp", ("t", 0, big), ("t", 1, big)), loads)
+    assert placed is not None and sorted(placed.values()) == [0, 1]
+    loads[0].holdings.append(Holding("ddp/t/0", big.within(loads[0].capacity.total)))
+    assert loads[0].free.cpus == 0  # the whole host's CPU: the next one waits for it
+    assert place(app("x", ("t", 0, ONE_CPU)), loads[:1]) is None
+    with pytest.raises(NeverFits, match="8000 MB of memory"):  # memory above every host's: refused
+        check_fits_somewhere(app("x", ("t", 0, Resources(cpus=64, mem_mb=9000))), loads, "p")
+
+
+def test_the_ledger_admits_a_too_big_cpu_ask_as_the_whole_host():
+    async def go() -> None:
+        ledger = admission.Ledger(0, HostCapacity(1, 1000))
+        assert ledger.admit("a/t/0", Resources(cpus=2)).resources == Resources(cpus=1)
+        with pytest.raises(CapacityRefused):
+            ledger.admit("b/t/0", Resources(cpus=1))
+
+    asyncio.run(go())
