@@ -187,8 +187,8 @@ def test_submitit_map_array_runs_what_fits_and_queues_the_rest(home, pool_name, 
 
     # more than any host has: refused at submit, naming the biggest host
     big = submitit.AutoExecutor(folder=str(tmp_path / "logs2"), cluster="monarch")
-    big.update_parameters(monarch_pool=pool_name, cpus_per_task=4)
-    with pytest.raises(MonarchError, match=r"the biggest, host 0, has 1 CPU\(s\)"):
+    big.update_parameters(monarch_pool=pool_name, mem_gb=10**6)
+    with pytest.raises(MonarchError, match=r"asks \d+ MB, more than any host .* MB of memory"):
         big.submit(_hold_task, str(release), str(seen))
 
 

@@ -69,10 +69,13 @@ def test_the_readmes_local_blocks_run_as_written(home, tmp_path):
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(sys.executable)
     (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
-    quick, torchrun, sync, submitit_out, actors, sql = _run_blocks("", home, cwd, {"VIRTUAL_ENV": str(venv)})
+    blocks = _run_blocks("", home, cwd, {"VIRTUAL_ENV": str(venv)})
+    quick, torchrun, sync, submitit_out, sharing, actors, sql = blocks
     assert "again" in quick
     assert "sum=10.0" in torchrun  # 2 hosts x 2 procs
     assert "[3, 3]\n[1, 2, 3]" in submitit_out
+    assert "waits for 1 GPU" in sharing and "queue=False" in sharing and "the biggest, host 0, has 2 GPU(s)" in sharing
+    assert "HELD BY" in sharing and "1 app(s) in the pool's queue" in sharing
     assert "host" in sql
 
 
