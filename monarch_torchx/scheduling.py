@@ -159,13 +159,19 @@ def schedule(queue: list[AppAsk], loads: list[HostLoad]) -> Schedule:
     view = _View(loads)
     out = Schedule()
     head = False
+    # what is free only shrinks during a pass: an ask like one that did not fit does not fit either
+    # (a map_array of 1,000 alike tasks is one placement tried, not 1,000)
+    failed: dict[tuple[tuple[str, Resources], ...], str] = {}
     for pos, app in enumerate(queue, 1):
-        placed = _place(app, view)
+        shape = tuple((r.role, r.resources) for r in app.replicas)
+        placed = None if shape in failed else _place(app, view)
         if placed is not None:
             out.start.append((app.app_id, placed))
             continue
-        out.waiting[app.app_id] = f"waits for {app.need()}; {_ordinal(pos - len(out.start))} in queue"
-        if not head:
+        need = failed.get(shape) or app.need()
+        out.waiting[app.app_id] = f"waits for {need}; {_ordinal(pos - len(out.start))} in queue"
+        failed[shape] = need
+        if not head:  # (the first that does not fit: nothing failed before it)
             head = True
             # the head's hosts: where it would go on the pool as it is when empty; what is free
             # there is its own from now on (it may go below zero: nothing else fits there)

@@ -33,7 +33,7 @@ from ..net.fanout import Target
 from ..private import PrivatePathError, private_dir
 from ..registry import Placement, write_private
 from ..resources import CapacityRefused, Holding, HostLoad, NeverFits, Resources
-from ..scheduling import ReplicaKey, check_fits_somewhere, schedule
+from ..scheduling import AppAsk, ReplicaKey, check_fits_somewhere, schedule
 from ..specs import CANCELLED, FAILED
 from .procs import owner
 
@@ -52,6 +52,10 @@ CALL_TIMEOUT_S = 30.0
 class _Waiting:
     app: SubmittedApp
     reason: str = "waits to be placed"
+    ask: AppAsk = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ask = self.app.ask()  # (once: a pass reads every waiting app's)
 
 
 @dataclass
@@ -162,20 +166,23 @@ class PoolQueue:
             await self._fill_loads()
             self._watch_all()
             loads = [self.loads[i] for i in sorted(self.loads) if i in self.targets]
-            asks = [w.app.ask() for w in self.waiting.values()]
-            plan = schedule(asks, loads)
+            plan = schedule([w.ask for w in self.waiting.values()], loads)
             for app_id, placement in plan.start:
                 if app_id in self.waiting:
                     await self._start(app_id, placement)
+            missing = len(loads) < len(self.targets)  # (with every host answering, all of them fit some day)
             for app_id, why in plan.waiting.items():
                 w = self.waiting.get(app_id)
                 if w is None:
                     continue
-                try:
-                    check_fits_somewhere(w.app.ask(), loads, self.agent.pool)
-                    w.reason = why
-                except NeverFits as e:
-                    w.reason = f"cannot start on the {len(loads)} of {len(self.targets)} host(s) that answer now: {e}"
+                w.reason = why
+                if missing:
+                    try:
+                        check_fits_somewhere(w.ask, loads, self.agent.pool)
+                    except NeverFits as e:
+                        w.reason = (
+                            f"cannot start on the {len(loads)} of {len(self.targets)} host(s) that answer now: {e}"
+                        )
             self.agent.ledger.set_queued(len(self.waiting))
 
     async def _start(self, app_id: str, placement: dict[ReplicaKey, int]) -> None:
