@@ -5,7 +5,7 @@ TORCHX_LINE ?= nightly
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo lint test test-fast test-integration test-torchx07 bench bench-slurm bench-actors bench-ddp bench-ddp-slurm bench-history docs clean
+.PHONY: setup demo lint test test-fast test-integration test-torchx07 bench bench-slurm bench-actors bench-ddp bench-ddp-slurm bench-history bench-queue device-check docs clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,15 @@ bench-ddp: setup
 
 bench-history: setup
 	$(BIN)/python benchmarks/app_history.py --n 5
+
+bench-queue: setup
+	$(BIN)/pip install -q -e '.[bench-peers]'
+	$(BIN)/python benchmarks/queue_tasks.py
+
+# once, on a machine with NVIDIA GPUs (no network, about 4 minutes): what this project's build
+# machines cannot check (docs/placement.md); exits 2 at once where there is no GPU
+device-check: setup
+	$(BIN)/python benchmarks/device_check.py
 
 bench-ddp-slurm: setup
 	$(BIN)/python benchmarks/warm_ddp.py --slurm

@@ -18,6 +18,7 @@ from monarch_torchx.errors import MonarchError
 from monarch_torchx.registry import Registry
 
 from .conftest import torchx, wait_for
+from .test_history import _handle, _status
 
 pytestmark = pytest.mark.integration
 
@@ -30,16 +31,13 @@ HOLD = (
 )
 
 
-def _handle(res) -> str:
-    return res.stdout.strip().splitlines()[-1]
-
-
-def _status(home, handle) -> dict:
-    out = torchx(home, "status", handle).stdout
-    lines = [line.strip() for line in out.splitlines()]
-    state = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("State:"))
-    msg = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Msg:"))
-    return {"state": state, "msg": msg}
+def _kill_agent(home, pool_name: str, index: int) -> None:
+    """SIGKILL of one host's agent (its replicas go with it)."""
+    rec = Registry(home).get(pool_name)
+    assert rec is not None
+    agent = Registry.read_host(rec.path, index)
+    assert agent is not None
+    os.kill(agent.pid, signal.SIGKILL)
 
 
 def _where(home, handle) -> tuple[str, str]:
@@ -131,11 +129,7 @@ def test_the_queue_outlives_its_client_and_host0_and_pool_stop_cancels_it(home, 
     assert _status(home, queued)["state"] == "PENDING"
 
     # host 0, which holds the queue, is killed; the next run repairs it and the new agent reads it back
-    rec = Registry(home).get(pool_name)
-    assert rec is not None
-    agent0 = Registry.read_host(rec.path, 0)
-    assert agent0 is not None
-    os.kill(agent0.pid, signal.SIGKILL)
+    _kill_agent(home, pool_name, 0)
     wait_for(lambda: _status(home, queued)["state"] in ("UNKNOWN", "PENDING"), what="status without host 0")
     go.touch()
     torchx(home, *RUN, "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "repair")
@@ -256,11 +250,7 @@ def test_a_queued_gang_says_so_when_the_hosts_it_needs_do_not_answer(home, pool_
         )
     )
     assert "waits for 2 GPUs" in _status(home, gang)["msg"] and "on 2 hosts" in _status(home, gang)["msg"]
-    rec = Registry(home).get(pool_name)
-    assert rec is not None
-    host1 = Registry.read_host(rec.path, 1)
-    assert host1 is not None
-    os.kill(host1.pid, signal.SIGKILL)  # the gang needs two distinct hosts: one does not answer now
+    _kill_agent(home, pool_name, 1)  # the gang needs two distinct hosts: one does not answer now
     wait_for(
         lambda: "cannot start on the 1 of 2 host(s) that answer now" in _status(home, gang)["msg"],
         what="the queue to say the gang cannot start on what is left",

@@ -62,33 +62,40 @@ def _cgroup_dir(root: Path = Path("/sys/fs/cgroup")) -> Path | None:
     return None
 
 
-def _cgroup_cpus(d: Path | None) -> float | None:
-    """The cgroup's CPU quota (cpu.max "QUOTA PERIOD"), in CPUs; None when unlimited."""
+def _cgroup_limit(d: Path | None, name: str) -> str | None:
+    """The first limit file ``name`` set (not "max") from ``d`` up to the cgroup root: a limit
+    on a parent cgroup binds its children too."""
     while d is not None:
         try:
-            quota, period = (d / "cpu.max").read_text().split()[:2]
-            if quota != "max":
-                return int(quota) / int(period)
-        except (OSError, ValueError):
+            value = (d / name).read_text().strip()
+            if not value.startswith("max"):
+                return value
+        except OSError:
             pass
         if d == d.parent or d == Path("/sys/fs/cgroup"):
             return None
         d = d.parent
     return None
+
+
+def _cgroup_cpus(d: Path | None) -> float | None:
+    """The cgroup's CPU quota (cpu.max "QUOTA PERIOD"), in CPUs; None when unlimited."""
+    try:
+        value = _cgroup_limit(d, "cpu.max")
+        if value is None:
+            return None
+        quota, period = value.split()[:2]
+        return int(quota) / int(period)
+    except ValueError:
+        return None
 
 
 def _cgroup_mem_mb(d: Path | None) -> int | None:
-    while d is not None:
-        try:
-            value = (d / "memory.max").read_text().strip()
-            if value != "max":
-                return int(value) >> 20
-        except (OSError, ValueError):
-            pass
-        if d == d.parent or d == Path("/sys/fs/cgroup"):
-            return None
-        d = d.parent
-    return None
+    try:
+        value = _cgroup_limit(d, "memory.max")
+        return None if value is None else int(value) >> 20
+    except ValueError:
+        return None
 
 
 def _mem_total_mb() -> int:
