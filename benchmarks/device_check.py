@@ -75,6 +75,13 @@ def tx(env: dict[str, str], *args: str, cwd: Path | None = None, timeout: float 
     return subprocess.run([TORCHX, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+def run_python(env: dict[str, str], code: str, *args: str, wait: bool = False) -> str:
+    """``torchx run`` of ``utils.python --gpu 1 -c CODE ARGS`` on the check's pool; its handle."""
+    flags = ["--wait"] if wait else []
+    cmd = ["run", *flags, "-s", "monarch_local", "-cfg", f"pool={POOL}", "utils.python", "--gpu", "1", "-c", code]
+    return handle(tx(env, *cmd, *(["--", *args] if args else []), timeout=180))
+
+
 def handle(res: subprocess.CompletedProcess) -> str:
     return res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
 
@@ -113,23 +120,7 @@ def check_forked_cuda_twice(env: dict[str, str]) -> dict:
     runs = []
     for _ in range(2):
         t0 = time.perf_counter()
-        h = handle(
-            tx(
-                env,
-                "run",
-                "--wait",
-                "-s",
-                "monarch_local",
-                "-cfg",
-                f"pool={POOL}",
-                "utils.python",
-                "--gpu",
-                "1",
-                "-c",
-                code,
-                timeout=180,
-            )
-        )
+        h = run_python(env, code, wait=True)
         runs.append(
             {
                 "state": state(env, h),
@@ -142,26 +133,7 @@ def check_forked_cuda_twice(env: dict[str, str]) -> dict:
 
 def check_disjoint(env: dict[str, str], n: int, work: Path) -> tuple[dict, list[Path]]:
     release = work / "release"
-    hs = [
-        handle(
-            tx(
-                env,
-                "run",
-                "-s",
-                "monarch_local",
-                "-cfg",
-                f"pool={POOL}",
-                "utils.python",
-                "--gpu",
-                "1",
-                "-c",
-                HOLD,
-                "--",
-                str(release),
-            )
-        )
-        for _ in range(2)
-    ]
+    hs = [run_python(env, HOLD, str(release)) for _ in range(2)]
     out: dict = {"handles": hs}
     if n >= 2:
         seen = []

@@ -31,6 +31,12 @@ HOLD = (
 )
 
 
+def _ddp(home, pool_name: str, j: str, *args: str, cwd) -> str:
+    """``torchx run`` of ``dist.ddp -j J --gpu 1 --script train.py ARGS`` on the pool; its handle."""
+    cmd = ["-cfg", f"pool={pool_name}", "dist.ddp", "-j", j, "--gpu", "1", "--script", "train.py"]
+    return _handle(torchx(home, *RUN, *cmd, *(["--", *args] if args else []), cwd=cwd))
+
+
 def _kill_agent(home, pool_name: str, index: int) -> None:
     """SIGKILL of one host's agent (its replicas go with it)."""
     rec = Registry(home).get(pool_name)
@@ -196,24 +202,7 @@ def test_an_actor_mesh_and_an_app_never_share_a_gpu(home, pool_name, tmp_path):
     try:
         assert list(procs.spawn("holder", GpuHolder).visible.call().get().values()) == ["0"]
         (tmp_path / "train.py").write_text(HOLD)  # a warm torchrun node: its worker gets the node's GPU
-        app = _handle(
-            torchx(
-                home,
-                *RUN,
-                "-cfg",
-                f"pool={pool_name}",
-                "dist.ddp",
-                "-j",
-                "1x1",
-                "--gpu",
-                "1",
-                "--script",
-                "train.py",
-                "--",
-                str(tmp_path / "a"),
-                cwd=tmp_path,
-            )
-        )
+        app = _ddp(home, pool_name, "1x1", str(tmp_path / "a"), cwd=tmp_path)
         assert _where(home, app)[1] == "1"
         waits = _handle(_hold(home, f"pool={pool_name}", tmp_path / "b", gpu=1))
         assert _status(home, waits)["state"] == "PENDING"
@@ -233,22 +222,7 @@ def test_a_queued_gang_says_so_when_the_hosts_it_needs_do_not_answer(home, pool_
     cfg = f"pool={pool_name},hosts=2,preload=none,gpus_per_host=1,cpus_per_host=8"
     [_handle(_hold(home, cfg, go, gpu=1)) for _ in range(2)]
     (tmp_path / "train.py").write_text("print('ran')")
-    gang = _handle(
-        torchx(
-            home,
-            *RUN,
-            "-cfg",
-            f"pool={pool_name}",
-            "dist.ddp",
-            "-j",
-            "2x1",
-            "--gpu",
-            "1",
-            "--script",
-            "train.py",
-            cwd=tmp_path,
-        )
-    )
+    gang = _ddp(home, pool_name, "2x1", cwd=tmp_path)
     assert "waits for 2 GPUs" in _status(home, gang)["msg"] and "on 2 hosts" in _status(home, gang)["msg"]
     _kill_agent(home, pool_name, 1)  # the gang needs two distinct hosts: one does not answer now
     wait_for(
