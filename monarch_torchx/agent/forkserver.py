@@ -592,6 +592,18 @@ class ForkServer:
                     self.send(StartFailed(req.token, f"could not start: {type(e).__name__}: {e}"))
 
 
+def _warm_submitit() -> None:
+    """Imports submitit's task entry point and reads its plugins' entry points once (a scan of
+    every installed distribution), so each task forked from here skips both."""
+    try:
+        __import__("submitit.core.submission")
+        from submitit.core import plugins
+
+        plugins.get_job_environments()
+    except Exception as e:  # noqa: BLE001 - a task started cold is slower, not wrong
+        print(f"fork server: warming submitit failed ({type(e).__name__}: {e})", file=sys.stderr)
+
+
 def main(argv: list[str]) -> None:
     ctl = socket.socket(fileno=int(argv[0]))
     evt = socket.socket(fileno=int(argv[1]))
@@ -622,6 +634,8 @@ def main(argv: list[str]) -> None:
                     getattr(sys.modules[mod], fn)()
             except Exception as e:  # noqa: BLE001 - a module's warm import costs warmth, not correctness
                 print(f"fork server: warm import {spec} failed ({type(e).__name__}: {e})", file=sys.stderr)
+    if "submitit" in sys.modules:  # a submitit task starts here: what its `_submit` would load first
+        _warm_submitit()
     if "torch" in sys.modules:  # a torchrun role's node process starts here: its part of torch too
         from ..torchrun import TORCH_MODULES
 

@@ -203,3 +203,16 @@ def test_the_ledger_admits_a_too_big_cpu_ask_as_the_whole_host():
             ledger.admit("b/t/0", Resources(cpus=1))
 
     asyncio.run(go())
+
+
+def test_a_fork_server_that_preloads_submitit_has_its_plugins_read_once():
+    """What a submitit task forked from it would otherwise do first: scan every distribution's
+    entry points (the bulk of a task's start, benchmarks/queue_tasks.py)."""
+    from submitit.core import plugins
+
+    from monarch_torchx.agent.forkserver import _warm_submitit
+
+    plugins._get_plugins.cache_clear()
+    _warm_submitit()
+    assert plugins._get_plugins.cache_info().currsize == 1
+    assert "monarch" in plugins.get_executors()  # (ours among them: a task finds its environment)
