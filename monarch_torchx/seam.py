@@ -83,8 +83,8 @@ class AgentHost(Protocol):
 
     def install(self, module: AgentModule) -> None: ...
 
-    def gpu_samples(self) -> tuple[list[dict[str, Any]], str]:
-        """This host's GPU samples (the ``gpus`` table's rows), and why there are none if none."""
+    def gpu_samples(self) -> list[dict[str, Any]]:
+        """This host's GPU samples (the ``gpus`` table's rows; none without NVML)."""
         ...
 
     def add_handler(self, op: str, fn: Handler, combine: Combine | None = None) -> None: ...

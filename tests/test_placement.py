@@ -118,6 +118,7 @@ def test_gpus_are_exclusive_and_a_run_that_does_not_fit_waits_or_is_refused(home
     torchx(home, "cancel", c)
     st = _status(home, c)
     assert st["state"] == "CANCELLED", st
+    assert torchx(home, "log", c).stdout == ""  # it never ran: no lines, and no host to ask for them
     go_a.touch()
     go_b.touch()
     wait_for(lambda: _status(home, d)["state"] == "RUNNING", what="the second queued app to start")

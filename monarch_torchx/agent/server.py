@@ -17,7 +17,6 @@ import socket
 import sys
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -35,6 +34,7 @@ from ..seam import AgentHost, AgentModule
 from ..specs import TERMINAL, LaunchSpec
 from .admission import Ledger
 from .capacity import Declared, detect
+from .gpus import GpuWatch
 from .launcher import Launcher
 from .leftovers import remove_dead_temp_dirs
 from .log_follow import OP as LOG_FOLLOW_OP
@@ -79,8 +79,6 @@ APP_LOGS_MAX_BYTES = int(os.environ.get("MONARCH_TORCHX_APP_LOGS_MAX_BYTES", str
 APP_LOGS_MAX_S = 2.0
 HEARTBEAT_FIELDS = frozenset({"heartbeat", "last_work"})  # a publish of only these: the agent did not move
 MAX_FINISHED_APPS = 500
-GPU_SAMPLE_S = 5.0  # how often the GPUs are sampled while a replica holds one (the ``gpus`` table)
-GPU_SAMPLES_KEPT = 4096  # samples kept per host (about 1.5 h of 8 GPUs)
 
 
 HELD_PORT_MAX_WAIT_S = 300.0  # a port held for an app none of whose replicas came here is let go after this
@@ -151,11 +149,11 @@ class Agent:
             self.nvml = open_nvml()
         except NvmlUnavailable as e:
             nvml_error = str(e)
-        declared = Declared.parse(getattr(args, "declare", ""))
-        found = detect(os.environ, declared, self.nvml, nvml_error)
-        self.ledger = Ledger(self.index, found, check_gpus=self._gpu_problems if self.nvml else None)
-        self.gpu_log: deque[dict[str, Any]] = deque(maxlen=GPU_SAMPLES_KEPT)
-        for gpu, problem in self._gpu_problems([g.visible_id for g in found.gpus]).items():  # as the host joins
+        found = detect(os.environ, Declared.parse(args.declare), self.nvml, nvml_error)
+        self.gpus = GpuWatch(self.nvml)
+        self.ledger = Ledger(self.index, found, check_gpus=self.gpus.problems if self.nvml else None)
+        self.gpus.ledger = self.ledger
+        for gpu, problem in self.gpus.problems([g.visible_id for g in found.gpus]).items():  # as the host joins
             self.ledger.take_out_gpu(gpu, problem)
         self.procs = ProcTable(
             self.launcher,
@@ -238,55 +236,9 @@ class Agent:
             # agent's own signal handler name the cause first
             asyncio.get_running_loop().call_later(0.2, self.stop, "launcher died")
 
-    def _gpu_problems(self, ids: list[str]) -> dict[str, str]:
-        """The NVML health check of devices ``ids`` (declared ones, without NVML: none): a device
-        that does not answer, or has uncorrectable ECC errors or pages waiting to be retired."""
-        if self.nvml is None:
-            return {}
-        out = {}
-        by_id = {g.visible_id: g for g in self.ledger.load.capacity.gpus} if hasattr(self, "ledger") else {}
-        for gpu in ids:
-            try:
-                sample = self.nvml.sample(int(gpu), by_id[gpu].uuid if gpu in by_id else "")
-            except (NvmlUnavailable, ValueError) as e:
-                out[gpu] = f"NVML does not answer for it: {e}"
-                continue
-            if sample.problem:
-                out[gpu] = sample.problem
-        return out
-
-    def gpu_samples(self) -> tuple[list[dict[str, Any]], str]:
-        """The ``gpus`` telemetry table's rows from this host (sampled every GPU_SAMPLE_S while a
-        replica holds a GPU, and once at each ask), and why there are none when there are none."""
-        cap = self.ledger.load.capacity
-        if self.nvml is None or not cap.gpus:
-            return list(self.gpu_log), cap.gpu_note or "this host's GPUs are declared: NVML has no gauges for them"
-        self._sample_gpus()
-        return list(self.gpu_log), ""
-
-    def _sample_gpus(self) -> None:
-        assert self.nvml is not None
-        held = {g: h.owner for h in self.ledger.load.holdings for g in h.gpu_ids}
-        for g in self.ledger.load.capacity.gpus:
-            try:
-                s = self.nvml.sample(int(g.visible_id), g.uuid)
-            except (NvmlUnavailable, ValueError):
-                continue
-            self.gpu_log.append(
-                {
-                    **vars(s),
-                    "gpu": g.visible_id,
-                    "name": g.name,
-                    "healthy": g.healthy,
-                    "held_by": held.get(g.visible_id),
-                }
-            )
-
-    async def _gpu_sampler(self) -> None:
-        while self.nvml is not None:
-            await asyncio.sleep(GPU_SAMPLE_S)
-            if any(h.gpu_ids for h in self.ledger.load.holdings):
-                await asyncio.get_running_loop().run_in_executor(None, self._sample_gpus)
+    def gpu_samples(self) -> list[dict[str, Any]]:
+        """The ``gpus`` telemetry table's rows from this host (none without NVML)."""
+        return self.gpus.rows()
 
     def stop(self, reason: str) -> None:
         self.stop_reason = self.stop_reason or reason
@@ -627,7 +579,7 @@ class Agent:
         log.info("agent %d of pool %s listening on %s:%d", self.index, self.pool, advertise, port)
         hb = asyncio.create_task(self._heartbeat())
         self.background(self.queue.run())
-        self.background(self._gpu_sampler())
+        self.background(self.gpus.run())
         await self.stopping.wait()
         log.info("stopping: %s", self.stop_reason)
         hb.cancel()

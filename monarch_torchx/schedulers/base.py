@@ -450,8 +450,10 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
 
     # ------------------------------------------------------------ queries
 
-    def _lookup(self, app_id: str) -> tuple[Pool, AppRecord] | None:
-        """The app on its live pool (one whose record exists, its agents up or not)."""
+    def _lookup(self, app_id: str, resolve: bool = True) -> tuple[Pool, AppRecord] | None:
+        """The app on its live pool (one whose record exists, its agents up or not). ``resolve``:
+        an app that was queued when last seen is asked of the pool's queue, and its record then
+        says where it runs if it started (``describe`` leaves that to ``apps.replica_states``)."""
         try:
             pool_name, app = split_app_id(app_id)
             rec = self.registry.get(pool_name)
@@ -463,7 +465,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         if arec is None:
             return None
         pool = Pool(rec, self.registry)
-        if apps.unplaced(arec):  # queued when last seen: where it runs now, if it started
+        if resolve and apps.unplaced(arec):  # queued when last seen: where it runs now, if it started
             arec = apps.placed(pool, arec)[0]
         return pool, arec
 
@@ -483,7 +485,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         return self._describes.get(app_id, lambda: self._describe(app_id))
 
     def _describe(self, app_id: str) -> DescribeAppResponse | None:
-        found = self._lookup(app_id)
+        found = self._lookup(app_id, resolve=False)  # (replica_states asks the queue itself: once)
         failing = False
         if found is not None:
             pool, arec = found
@@ -688,6 +690,12 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                 )
             return
         pool, arec, where = self._placed(app_id, replicas)
+        waiting = [r for r in replicas if where[r] == apps.UNPLACED]  # in the pool's queue: no lines yet
+        for role, k in waiting:
+            yield role, k, []
+        replicas = [r for r in replicas if r not in waiting]
+        if not replicas:
+            return
         hosts = sorted({where[r] for r in replicas})
         outcomes = {
             i: (value, err)
@@ -712,10 +720,15 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                 yield role, k, entry["lines"]
 
     def _placed(
-        self, app_id: str, replicas: builtins.list[tuple[str, int]]
+        self, app_id: str, replicas: builtins.list[tuple[str, int]], wait: bool = False
     ) -> tuple[Pool, AppRecord, dict[tuple[str, int], int]]:
-        """The app's pool and record, and each of its replicas' host; MonarchError naming what is not there."""
+        """The app's pool and record, and each of its replicas' host (``apps.UNPLACED`` while it
+        waits in the pool's queue; ``wait``: until it starts or leaves the queue); MonarchError
+        naming what is not there."""
         found = self._lookup(app_id)
+        while found is not None and wait and apps.unplaced(found[1]) and _still_queued(*found):
+            time.sleep(1.0)
+            found = self._lookup(app_id)
         if found is None:
             raise MonarchError(f"no app {app_id!r} on {self.backend}; see `torchx list -s {self.backend}`")
         pool, arec = found
@@ -758,7 +771,11 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                 except MonarchError as e:
                     yield LogEvent(host, role, k, error=str(e), kind=type(e).__name__)
             return
-        pool, arec, where = self._placed(app_id, replicas)
+        pool, arec, where = self._placed(app_id, replicas, wait=True)
+        if any(where[r] == apps.UNPLACED for r in replicas):  # it left the queue without starting
+            for role, k in replicas:
+                yield LogEvent(-1, role, k, replica_ended=True)
+            return
         args = _log_selection(arec, replicas, regex, since, until, streams)
         try:
             check_filters(args["streams"], regex)

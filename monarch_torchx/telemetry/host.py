@@ -438,7 +438,7 @@ def gpus_batch(agent: Any) -> Any:
     `pool status` says why: ``capacity.gpu_note``)."""
     import pyarrow as pa
 
-    samples, _why = agent.gpu_samples()
+    samples = agent.gpu_samples()
     rows: dict[str, list] = {name: [] for name, _, _ in TABLES["gpus"]}
     for s in samples:
         values = {
