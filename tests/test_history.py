@@ -332,7 +332,11 @@ def test_max_retries_of_a_warm_ddp_restart_every_node_together(home, pool_name, 
     h = _handle(res)
     assert res.returncode == 0, torchx(home, "log", h).stdout[-3000:]
     out = torchx(home, "log", h).stdout
-    assert "ok 0 after restart 1" in out and "ok 1 after restart 1" in out and "stopped answering" not in out
+    # rank 0 cannot pass the barrier of the first round (rank 1 left it), so any "ok 0" is from the
+    # second round; its TORCHELASTIC_RESTART_COUNT reads 0 or 1 by a race torchrun has as well: a node
+    # whose worker still waits in the barrier restarts for a waiting node (a membership change, not
+    # counted), one whose worker already failed restarts for its failure (counted)
+    assert "ok 0 after restart" in out and "ok 1 after restart 1" in out and "stopped answering" not in out, out
 
 
 def test_names_that_would_leave_the_pools_dirs_are_refused_by_the_agent_spec():
