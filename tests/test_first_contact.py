@@ -256,7 +256,16 @@ def test_a_local_pool_of_absurdly_many_hosts_is_refused_naming_the_override(home
 def interrupt_at(home: Path, marker: str, argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Runs ``argv`` and sends it SIGINT (Ctrl-C) once ``marker`` shows on its stderr."""
     env = {**cli_env(home), "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        argv,
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # (a suite started in the background of a script inherits SIGINT ignored, and so would the CLI)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     seen = ""
     while marker not in seen:
         line = p.stderr.readline()
