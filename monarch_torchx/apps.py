@@ -299,7 +299,7 @@ def kill(pool: Pool, arec: AppRecord, reason: str = "cancelled") -> None:
             return
         arec = _save_placement(pool, arec, entry)
     indices = sorted({p.host_index for p in arec.placement})
-    pool.ask("kill", indices, timeout=15.0, app_id=arec.app_id)
+    pool.ask("kill", indices, timeout=15.0, app_id=arec.app_id, reason=reason)
 
 
 # ---------------------------------------------------------------- capacity and the pool's queue

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 # import-time cost to argparse; the pool machinery is imported when a command runs.
 
 DEFAULT_SCHEDULER = "monarch_local"
+EXEC_HELP = "run one command on some or all hosts of a pool, its output as it comes (exit code: the worst host's)"
 
 
 class UsageError(MonarchError):
@@ -470,12 +471,14 @@ def cmd_stacks(args: argparse.Namespace) -> None:
             continue
         for e in res["errors"]:
             print(f"host {i}: {e}", file=sys.stderr)
-    where = f"WHERE app_id = '{app}' AND " if app else "WHERE "
-    q = (
-        f"SELECT host, pid, thread, depth, function, file, line FROM stacks {where}"
-        "ts = (SELECT max(ts) FROM stacks) ORDER BY host, pid, thread, depth"
-    )
+    where = f"WHERE app_id = '{app}' " if app else ""
+    q = f"SELECT ts, host, pid, thread, depth, function, file, line FROM stacks {where}"
+    q += "ORDER BY host, pid, thread, depth"
     rows = run(pool, q).table.to_pylist()
+    latest: dict[int, Any] = {}  # each host's own latest dump (hosts' clocks and dump times differ)
+    for r in rows:
+        latest[r["host"]] = max(latest.get(r["host"], r["ts"]), r["ts"])
+    rows = [r for r in rows if r["ts"] == latest[r["host"]]]
     last = None
     for r in rows:
         key = (r["host"], r["pid"], r["thread"])
@@ -493,6 +496,83 @@ def cmd_stacks(args: argparse.Namespace) -> None:
         )
 
 
+def _host_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of host indices, e.g. 0,2,3") from None
+
+
+def cmd_exec(args: argparse.Namespace) -> None:
+    """One command on some or all hosts (``pool_exec.py``): lines prefixed with their host as
+    they come, the worst exit code of the hosts as ours."""
+    from .pool import attach
+    from .pool_exec import choose_hosts, run_exec
+    from .resources import Resources
+
+    argv = list(args.command)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        raise UsageError("no command: give it after --, e.g. `monarch-torchx exec --pool P --all -- hostname`")
+    if args.hosts is None and not args.all:
+        raise UsageError("say where: --all (every host) or --hosts 0,2")
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout:g} is not a time to run: give seconds above 0")
+    pool = attach(args.pool)
+    try:
+        hosts = choose_hosts(pool, args.hosts)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    ask = Resources(cpus=args.cpus, gpus=args.gpus) if args.cpus or args.gpus else None
+    width = len(str(max(hosts)))
+
+    def line(host: int, text: str) -> None:
+        if not args.json:
+            print(f"[{host:>{width}}] {text}", flush=True)
+
+    def error(host: int, why: str) -> None:
+        if not args.json:
+            print(f"[{host:>{width}}] monarch-torchx: {why}", file=sys.stderr, flush=True)
+
+    try:
+        res = run_exec(
+            pool,
+            _scheduler(pool.record.scheduler),
+            argv,
+            hosts,
+            line,
+            error,
+            keep_output=args.json,
+            resources=ask,
+            timeout_s=args.timeout,
+        )
+    except KeyboardInterrupt:
+        fail("interrupted: the command was ended on every host", "interrupted", 130, args.json, prog="monarch-torchx")
+    if args.json:
+        print(json.dumps(res.to_json()))
+    else:
+        bad = [h for h in res.hosts if h.exit_code != 0 and h.state != "NOT_STARTED"]  # (those were said)
+        if bad and (len(hosts) > 1 or any(h.error for h in bad)):
+            said = ", ".join(f"host {h.host}: {h.exit_code}" + (f" ({h.error})" if h.error else "") for h in bad)
+            print(f"monarch-torchx: exit codes {said} (of {len(hosts)} host(s))", file=sys.stderr)
+    sys.stdout.flush()
+    sys.exit(res.exit_code)
+
+
+def add_exec_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pool", required=True)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--all", action="store_true", help="every host of the pool")
+    where.add_argument("--hosts", type=_host_list, metavar="I,J", help="these hosts, by index (e.g. 0,2)")
+    p.add_argument("--json", action="store_true", help="one JSON object at the end: each host's exit code and output")
+    p.add_argument("--timeout", type=float, default=None, help="seconds it may run on a host before it is killed")
+    p.add_argument("--cpus", type=float, default=0.0, help="CPUs it holds on each host while it runs (default none)")
+    p.add_argument("--gpus", type=int, default=0, help="GPUs it holds on each host (its own CUDA_VISIBLE_DEVICES)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- the command and its arguments")
+    p.set_defaults(pool_fn=cmd_exec)
+
+
 def cmd_tables(args: argparse.Namespace) -> None:
     from .telemetry.schema import describe_tables
 
@@ -500,7 +580,7 @@ def cmd_tables(args: argparse.Namespace) -> None:
 
 
 def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="pool_cmd", metavar="{create,list,status,resize,sync,stop}")
+    sub = parser.add_subparsers(dest="pool_cmd", metavar="{create,list,status,resize,sync,exec,stop}")
     sub.required = True
     p = sub.add_parser("create", help="create a warm pool (torchx run also creates on first use)")
     p.add_argument("name", help="pool name")
@@ -519,6 +599,7 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", "--hosts", dest="replicas", type=int, required=True, help="the new number of hosts")
     p.set_defaults(pool_fn=cmd_resize)
     add_sync_arguments(sub.add_parser("sync", help="sync a directory to every host (same as `monarch-torchx sync`)"))
+    add_exec_arguments(sub.add_parser("exec", help=EXEC_HELP))
     p = sub.add_parser("stop", help="stop a pool: kills its apps, releases its hosts")
     p.add_argument("name", help="pool name")
     p.add_argument(
@@ -569,10 +650,11 @@ class _Version(argparse.Action):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="monarch-torchx", description="Warm pools for TorchX, submitit and actors.")
     parser.add_argument("--version", action=_Version)
-    sub = parser.add_subparsers(dest="cmd", metavar="{pool,sync,sql,stacks,tables}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{pool,sync,exec,sql,stacks,tables}")
     sub.required = True
     add_pool_arguments(sub.add_parser("pool", help="create, list, inspect and stop warm pools"))
     add_sync_arguments(sub.add_parser("sync", help="sync a directory (code, a virtualenv) to every host of a pool"))
+    add_exec_arguments(sub.add_parser("exec", help=EXEC_HELP))
     p = sub.add_parser("sql", help="ask every host of a pool one SQL question (logs, procs, events)")
     p.add_argument("query", help="a SELECT over the tables of `monarch-torchx tables`")
     p.add_argument("--pool", required=True)

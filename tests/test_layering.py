@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("net", {"net", "wire", "wire_conn"}),
     ("records", {"registry", "history", "submission", "agent_client", "resources", "scheduling", "app_queue"}),
     ("agent", {"agent"}),
-    ("pool", {"pool", "apps"}),
+    ("pool", {"pool", "apps", "pool_exec"}),
     ("actor", {"actor"}),
     ("rdma", {"rdma"}),
     ("services", {"syncfs", "telemetry"}),
