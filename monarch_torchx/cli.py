@@ -374,7 +374,7 @@ def _copy_note(served_by: str) -> str:
 
 def add_sync_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="directory to sync (a checkout, a virtualenv, ...)")
-    p.add_argument("--pool", required=True, help="pool whose hosts receive it")
+    _pool_names(p.add_argument("--pool", required=True, help="pool whose hosts receive it"))
     p.add_argument(
         "--to",
         required=True,
@@ -561,7 +561,7 @@ def cmd_exec(args: argparse.Namespace) -> None:
 
 
 def add_exec_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pool", required=True)
+    _pool_names(p.add_argument("--pool", required=True))
     where = p.add_mutually_exclusive_group()
     where.add_argument("--all", action="store_true", help="every host of the pool")
     where.add_argument("--hosts", type=_host_list, metavar="I,J", help="these hosts, by index (e.g. 0,2)")
@@ -573,10 +573,29 @@ def add_exec_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(pool_fn=cmd_exec)
 
 
+def cmd_skill(args: argparse.Namespace) -> None:
+    """The guide for AI agents (docs/SKILL.md, shipped in the package)."""
+    from importlib.resources import files
+
+    print(files("monarch_torchx").joinpath("SKILL.md").read_text(), end="")
+
+
 def cmd_tables(args: argparse.Namespace) -> None:
     from .telemetry.schema import describe_tables
 
     print(describe_tables())
+
+
+def _pool_names(action: argparse.Action) -> argparse.Action:
+    """Shell completion of a pool argument: the pools of this registry home (argcomplete)."""
+
+    def pools(**_: Any) -> list[str]:
+        from .registry import Registry
+
+        return [r.name for r in Registry().list()]
+
+    action.completer = pools  # type: ignore[attr-defined]
+    return action
 
 
 def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
@@ -591,17 +610,17 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(pool_fn=cmd_list)
     p = sub.add_parser("status", help="hosts, health and activity of one pool")
-    p.add_argument("name", help="pool name")
+    _pool_names(p.add_argument("name", help="pool name"))
     p.add_argument("--json", action="store_true")
     p.set_defaults(pool_fn=cmd_status)
     p = sub.add_parser("resize", help="grow or shrink a pool in place (monarch_kubernetes); running hosts are kept")
-    p.add_argument("name", help="pool name")
+    _pool_names(p.add_argument("name", help="pool name"))
     p.add_argument("--replicas", "--hosts", dest="replicas", type=int, required=True, help="the new number of hosts")
     p.set_defaults(pool_fn=cmd_resize)
     add_sync_arguments(sub.add_parser("sync", help="sync a directory to every host (same as `monarch-torchx sync`)"))
     add_exec_arguments(sub.add_parser("exec", help=EXEC_HELP))
     p = sub.add_parser("stop", help="stop a pool: kills its apps, releases its hosts")
-    p.add_argument("name", help="pool name")
+    _pool_names(p.add_argument("name", help="pool name"))
     p.add_argument(
         "--force",
         action="store_true",
@@ -650,14 +669,14 @@ class _Version(argparse.Action):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="monarch-torchx", description="Warm pools for TorchX, submitit and actors.")
     parser.add_argument("--version", action=_Version)
-    sub = parser.add_subparsers(dest="cmd", metavar="{pool,sync,exec,sql,stacks,tables}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{pool,sync,exec,sql,stacks,tables,skill}")
     sub.required = True
     add_pool_arguments(sub.add_parser("pool", help="create, list, inspect and stop warm pools"))
     add_sync_arguments(sub.add_parser("sync", help="sync a directory (code, a virtualenv) to every host of a pool"))
     add_exec_arguments(sub.add_parser("exec", help=EXEC_HELP))
     p = sub.add_parser("sql", help="ask every host of a pool one SQL question (logs, procs, events)")
     p.add_argument("query", help="a SELECT over the tables of `monarch-torchx tables`")
-    p.add_argument("--pool", required=True)
+    _pool_names(p.add_argument("--pool", required=True))
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="JSON records, all rows")
     fmt.add_argument("--csv", action="store_true", help="CSV, all rows")
@@ -672,11 +691,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.set_defaults(pool_fn=cmd_sql)
     p = sub.add_parser("stacks", help="py-spy dump of every running Python process of a pool (rows in `stacks`)")
-    p.add_argument("--pool", required=True)
+    _pool_names(p.add_argument("--pool", required=True))
     p.add_argument("--app", default=None, help="only this app (its id or handle)")
     p.set_defaults(pool_fn=cmd_stacks)
     p = sub.add_parser("tables", help="the telemetry tables and their columns")
     p.set_defaults(pool_fn=cmd_tables)
+    p = sub.add_parser("skill", help="a compact guide for AI agents: every command, its --json, recipes")
+    p.set_defaults(pool_fn=cmd_skill)
+    if "_ARGCOMPLETE" in os.environ:  # a shell asks for completions (`register-python-argcomplete monarch-torchx`)
+        import argcomplete
+
+        argcomplete.autocomplete(parser)
     run_pool(parser.parse_args(argv))
 
 

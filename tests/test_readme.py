@@ -76,7 +76,7 @@ def test_the_readmes_local_blocks_run_as_written(home, tmp_path):
     assert "[3, 3]\n[1, 2, 3]" in submitit_out
     assert "waits for 1 GPU" in sharing and "queue=False" in sharing and "the biggest, host 0, has 2 GPU(s)" in sharing
     assert "HELD BY" in sharing and "1 app(s) in the pool's queue" in sharing
-    assert "host" in sql
+    assert "host" in sql and "[0] 2." in sql and '"exit_code": 0' in sql  # (exec's lines, and its --json)
 
 
 @pytest.mark.usefixtures("slurm_lab")
