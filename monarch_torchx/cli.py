@@ -573,6 +573,22 @@ def add_exec_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(pool_fn=cmd_exec)
 
 
+def cmd_shell(args: argparse.Namespace) -> None:
+    """An interactive shell on one host (``pool_shell.py``); our exit code is the shell's."""
+    from .pool import attach
+    from .pool_shell import run_shell
+
+    argv = list(args.command)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    pool = attach(args.pool)
+    if not 0 <= args.host < pool.record.num_hosts:
+        raise UsageError(f"pool {args.pool!r} has hosts 0..{pool.record.num_hosts - 1}; no host {args.host}")
+    code = run_shell(pool, args.host, argv or None)
+    sys.stdout.flush()
+    sys.exit(code)
+
+
 def cmd_skill(args: argparse.Namespace) -> None:
     """The guide for AI agents (docs/SKILL.md, shipped in the package)."""
     from importlib.resources import files
@@ -669,11 +685,16 @@ class _Version(argparse.Action):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="monarch-torchx", description="Warm pools for TorchX, submitit and actors.")
     parser.add_argument("--version", action=_Version)
-    sub = parser.add_subparsers(dest="cmd", metavar="{pool,sync,exec,sql,stacks,tables,skill}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{pool,sync,exec,shell,sql,stacks,tables,skill}")
     sub.required = True
     add_pool_arguments(sub.add_parser("pool", help="create, list, inspect and stop warm pools"))
     add_sync_arguments(sub.add_parser("sync", help="sync a directory (code, a virtualenv) to every host of a pool"))
     add_exec_arguments(sub.add_parser("exec", help=EXEC_HELP))
+    p = sub.add_parser("shell", help="an interactive shell on one host of a pool, on a real terminal there")
+    _pool_names(p.add_argument("--pool", required=True))
+    p.add_argument("--host", type=int, default=0, help="the host's index (default 0)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- a program to run instead of the login shell")
+    p.set_defaults(pool_fn=cmd_shell)
     p = sub.add_parser("sql", help="ask every host of a pool one SQL question (logs, procs, events)")
     p.add_argument("query", help="a SELECT over the tables of `monarch-torchx tables`")
     _pool_names(p.add_argument("--pool", required=True))

@@ -17,9 +17,13 @@ PKG = "monarch_torchx"
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"errors", "private", "procfs", "credentials", "specs", "interpreter", "quick_exit", "torchrun", "seam"}),
     ("net", {"net", "wire", "wire_conn"}),
-    ("records", {"registry", "history", "submission", "agent_client", "resources", "scheduling", "app_queue"}),
+    (
+        "records",
+        {"registry", "history", "submission", "agent_client", "resources", "scheduling", "app_queue"}
+        | {"shell_messages"},
+    ),
     ("agent", {"agent"}),
-    ("pool", {"pool", "apps", "pool_exec"}),
+    ("pool", {"pool", "apps", "pool_exec", "pool_shell"}),
     ("actor", {"actor"}),
     ("rdma", {"rdma"}),
     ("services", {"syncfs", "telemetry"}),

@@ -302,14 +302,15 @@ def _is_program_code(module: object) -> bool:
     )
 
 
-def detach_child(stdout_fd: int, stderr_fd: int, close: Iterable[int]) -> None:
-    """In a fresh fork: its own session, killed with its parent, stdin from /dev/null, the given
-    stdout and stderr, no other inherited descriptor in ``close``, default signal handlers."""
+def detach_child(stdout_fd: int, stderr_fd: int, close: Iterable[int], stdin_fd: int | None = None) -> None:
+    """In a fresh fork: its own session, killed with its parent, stdin from /dev/null (or
+    ``stdin_fd``), the given stdout and stderr, no other inherited descriptor in ``close``,
+    default signal handlers."""
     os.setsid()
     set_pdeathsig(signal.SIGKILL)
     if INTERPRETER_NAME and _own_name() != INTERPRETER_NAME:  # forked from a renamed server
         set_process_name(INTERPRETER_NAME)
-    devnull = os.open(os.devnull, os.O_RDONLY)
+    devnull = os.open(os.devnull, os.O_RDONLY) if stdin_fd is None else stdin_fd
     os.dup2(devnull, 0)
     os.dup2(stdout_fd, 1)
     os.dup2(stderr_fd, 2)
@@ -337,7 +338,7 @@ def exit_as_python(inv: PyInvocation, env: dict[str, str], base_path: list[str])
 
 def _child(req: Start, fds: list[int], errw: int, keep_closed: list[int], base_path: list[str]) -> None:
     try:
-        detach_child(fds[0], fds[1], keep_closed)
+        detach_child(fds[0], fds[1], keep_closed, fds[2] if len(fds) > 2 else None)
         if req.cwd:
             os.chdir(req.cwd)
         if req.mode == StartMode.EXEC:  # (only where this Python cannot posix_spawn: see spawn_exec)
@@ -452,7 +453,7 @@ class ForkServer:
         for fd in fds:  # received without close-on-exec: the child keeps only its 1 and 2
             os.set_inheritable(fd, False)
         actions = [
-            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_DUP2, fds[2], 0) if len(fds) > 2 else (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
             (os.POSIX_SPAWN_DUP2, fds[0], 1),
             (os.POSIX_SPAWN_DUP2, fds[1], 2),
         ]

@@ -23,7 +23,8 @@ class StartMode(str, Enum):
 
 @dataclass
 class Start:
-    """Start one program with the request's fds as its stdout and stderr."""
+    """Start one program with the request's fds as its stdout and stderr (and a third, when
+    sent, as its stdin: a terminal's, ``agent/shell.py``)."""
 
     token: int
     mode: StartMode

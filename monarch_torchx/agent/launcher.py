@@ -342,8 +342,17 @@ class Launcher:
                     return True
         return False
 
-    async def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None, stdout_fd: int, stderr_fd: int) -> int:
-        """Returns the pid (also the process group id). Raises SpawnError with the OS reason."""
+    async def spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str | None,
+        stdout_fd: int,
+        stderr_fd: int,
+        stdin_fd: int | None = None,
+    ) -> int:
+        """Returns the pid (also the process group id). Raises SpawnError with the OS reason.
+        ``stdin_fd``: its stdin (else /dev/null)."""
         mode = StartMode.PYTHON if self.is_our_python(argv, env) else StartMode.EXEC
         server = self._plain
         if (
@@ -357,7 +366,8 @@ class Launcher:
         elif mode == StartMode.PYTHON and self._warm is None and list(argv[1:3]) == ["-m", ACTOR_MODULE]:
             server = await self._actor_server() or self._plain
         try:
-            return await server.spawn(mode, list(argv), env, cwd, [stdout_fd, stderr_fd])
+            fds = [stdout_fd, stderr_fd] + ([] if stdin_fd is None else [stdin_fd])
+            return await server.spawn(mode, list(argv), env, cwd, fds)
         except SpawnError:
             if server.name == "actors":  # its idle clock starts at a failed start too
                 self._arm_retire(server)

@@ -414,6 +414,16 @@ class ProcTable:
         except OSError as e:  # a full disk: the agent still answers while it lives
             self.history_error = f"cannot record replica ends in {self._history_dir}: {e.strerror or e}"
 
+    @property
+    def base_env(self) -> dict[str, str]:
+        """What every process this host starts begins with (a copy)."""
+        return dict(self._base_env)
+
+    def take_early_exit(self, pid: int) -> int | None:
+        """The exit code of ``pid`` if its end came before whoever started it knew its pid (a
+        process not of this table: ``agent/shell.py``), taken off the table."""
+        return self._early_exits.pop(pid, None)
+
     def forget(self, key: tuple[str, str, int]) -> None:
         """Drops an ended replica from the table; its files stay, counted in the host's log limit."""
         rep = self.replicas.pop(key, None)

@@ -44,6 +44,7 @@ from .nvml import Nvml, NvmlUnavailable, open_nvml
 from .procs import ProcTable
 from .queue import PoolQueue
 from .relay import Relay
+from .shell import ShellSessions
 
 log = logging.getLogger("monarch_torchx.agent")
 
@@ -134,6 +135,8 @@ class Agent:
         self.log_follow = LogFollow(self)
         self.queue = PoolQueue(self)
         self.handlers.update(self.queue.operations())
+        self.shells = ShellSessions(self)
+        self.handlers.update(self.shells.operations())
         self.handlers[LOG_FOLLOW_OP] = self.log_follow.op_app_logs_follow
         self.stopping = asyncio.Event()
         self.stop_reason = ""
@@ -219,7 +222,8 @@ class Agent:
             self.last_request = time.time()
 
     def _on_exit(self, pid: int, code: int) -> None:
-        self.procs.on_exit(pid, code)
+        if not self.shells.on_exit(pid, code):
+            self.procs.on_exit(pid, code)
 
     def _on_launcher_death(self, reason: str, pids: list[int], fatal: bool) -> None:
         self.procs.on_launcher_death(reason, pids)
@@ -453,7 +457,7 @@ class Agent:
     # ------------------------------------------------------------ lifecycle
 
     def idle_seconds(self) -> float:
-        if self.procs.running or self.queue.waiting:  # (apps in the pool's queue are work to come)
+        if self.procs.running or self.queue.waiting or self.shells.sessions:  # (queued apps: work to come)
             return 0.0
         return time.time() - max(self.last_request, self.procs.last_change)
 
@@ -598,6 +602,7 @@ class Agent:
         self.launcher.close()
         self.relay.close()
         self.queue.stop()
+        self.shells.stop()
         for fn in self._cleanups:
             try:
                 fn()
