@@ -589,6 +589,77 @@ def cmd_shell(args: argparse.Namespace) -> None:
     sys.exit(code)
 
 
+def _target(text: str) -> tuple[int, int]:
+    host, sep, pid = text.partition(":")
+    if not sep or not host.isdigit() or not pid.isdigit():
+        raise UsageError(f"{text!r} is not HOST:PID (as `monarch-torchx debug --pool P` lists them), e.g. 1:4242")
+    return int(host), int(pid)
+
+
+def cmd_debug(args: argparse.Namespace) -> None:
+    """Paused processes of a pool: list them, attach to one, or cast a pdb command to several."""
+    from .pool import attach
+    from .pool_debug import attach as attach_pdb
+    from .pool_debug import cast, paused
+
+    pool = attach(args.pool)
+    if args.attach:
+        host, pid = _target(args.attach)
+        try:
+            import readline  # noqa: F401  (input() then keeps a history and edits lines)
+        except ImportError:
+            pass
+        print(attach_pdb(pool, host, pid), file=sys.stderr)
+        return
+    found, errors = paused(pool)
+    for i, why in sorted(errors.items()):
+        print(f"host {i}: {why}", file=sys.stderr)
+    command = "c" if args.resume else args.cast
+    if command is None:
+        if args.json:
+            print(json.dumps([{**vars(p), "where": p.where} for p in found]))
+        elif not found:
+            print("no process of this pool is paused at a breakpoint", file=sys.stderr)
+        else:
+            rows = [
+                [f"{p.host}:{p.pid}", p.app_id or "-", f"{p.role}/{p.replica}" if p.role else "-", p.where, p.function]
+                + ["attached" if p.attached else ""]
+                for p in found
+            ]
+            print(_table(rows, ["HOST:PID", "APP", "ROLE/RANK", "WHERE", "FUNCTION", ""]))
+        return
+    wanted = {_target(t) for t in args.to.split(",")} if args.to != "all" else None
+    targets = [p for p in found if wanted is None or (p.host, p.pid) in wanted]
+    if wanted is not None and len(targets) < len(wanted):
+        missing = sorted(wanted - {(p.host, p.pid) for p in targets})
+        raise MonarchError(f"not paused at a breakpoint: {', '.join(f'{h}:{p}' for h, p in missing)}")
+    if not targets:
+        raise MonarchError(f"no process of pool {args.pool!r} is paused at a breakpoint")
+    answers = cast(pool, targets, command)
+    if args.json:
+        print(
+            json.dumps(
+                [{**vars(a.target), "output": a.output, "continued": a.continued, "error": a.error} for a in answers]
+            )
+        )
+    else:
+        for a in answers:
+            head = (
+                f"[{a.target.host}:{a.target.pid} {a.target.role}/{a.target.replica}]"
+                if a.target.role
+                else f"[{a.target.host}:{a.target.pid}]"
+            )
+            if a.error:
+                print(f"{head} {a.error}", file=sys.stderr)
+                continue
+            for line in a.output.splitlines():
+                print(f"{head} {line}".rstrip())
+            if a.continued:
+                print(f"{head} continued")
+    if any(a.error for a in answers):
+        sys.exit(1)
+
+
 def cmd_skill(args: argparse.Namespace) -> None:
     """The guide for AI agents (docs/SKILL.md, shipped in the package)."""
     from importlib.resources import files
@@ -685,7 +756,7 @@ class _Version(argparse.Action):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="monarch-torchx", description="Warm pools for TorchX, submitit and actors.")
     parser.add_argument("--version", action=_Version)
-    sub = parser.add_subparsers(dest="cmd", metavar="{pool,sync,exec,shell,sql,stacks,tables,skill}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{pool,sync,exec,shell,debug,sql,stacks,tables,skill}")
     sub.required = True
     add_pool_arguments(sub.add_parser("pool", help="create, list, inspect and stop warm pools"))
     add_sync_arguments(sub.add_parser("sync", help="sync a directory (code, a virtualenv) to every host of a pool"))
@@ -695,6 +766,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", type=int, default=0, help="the host's index (default 0)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- a program to run instead of the login shell")
     p.set_defaults(pool_fn=cmd_shell)
+    p = sub.add_parser("debug", help="processes paused at a breakpoint(): list, attach with pdb, cast a command")
+    _pool_names(p.add_argument("--pool", required=True))
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--attach", metavar="HOST:PID", help="an interactive pdb session on this paused process")
+    what.add_argument("--cast", metavar="CMD", help="one pdb command (e.g. 'p loss') to the paused processes of --to")
+    what.add_argument("--continue", dest="resume", action="store_true", help="let the paused processes of --to go on")
+    p.add_argument("--to", default="all", metavar="HOST:PID,...", help="which paused processes (default: all)")
+    p.add_argument("--json", action="store_true", help="the list (or each answer) as JSON")
+    p.set_defaults(pool_fn=cmd_debug)
     p = sub.add_parser("sql", help="ask every host of a pool one SQL question (logs, procs, events)")
     p.add_argument("query", help="a SELECT over the tables of `monarch-torchx tables`")
     _pool_names(p.add_argument("--pool", required=True))

@@ -20,10 +20,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     (
         "records",
         {"registry", "history", "submission", "agent_client", "resources", "scheduling", "app_queue"}
-        | {"shell_messages"},
+        | {"shell_messages", "debugger"},
     ),
     ("agent", {"agent"}),
-    ("pool", {"pool", "apps", "pool_exec", "pool_shell"}),
+    ("pool", {"pool", "apps", "pool_exec", "pool_shell", "pool_debug"}),
     ("actor", {"actor"}),
     ("rdma", {"rdma"}),
     ("services", {"syncfs", "telemetry"}),

@@ -12,6 +12,7 @@ import asyncio
 import errno
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -27,13 +28,21 @@ from ..credentials import TLS_FILE, PoolCredentials
 from ..errors import MonarchError
 from ..net import aio
 from ..net.fanout import RelayRefused
-from ..private import PrivatePathError, check_private_dir, check_trusted_parents, node_temp_root, private_dir
+from ..private import (
+    PrivatePathError,
+    agent_temp_dir,
+    check_private_dir,
+    check_trusted_parents,
+    node_temp_root,
+    private_dir,
+)
 from ..quick_exit import exit_without_finalizing
 from ..registry import HostAddr, Registry
 from ..seam import AgentHost, AgentModule
 from ..specs import TERMINAL, LaunchSpec
 from .admission import Ledger
 from .capacity import Declared, detect
+from .debug import DebugSessions
 from .gpus import GpuWatch
 from .launcher import Launcher
 from .leftovers import remove_dead_temp_dirs
@@ -146,6 +155,11 @@ class Agent:
         base_env = dict(os.environ)
         base_env["PATH"] = python_dir + os.pathsep + base_env.get("PATH", os.defpath)
         base_env.update({"MONARCH_TORCHX_POOL": self.pool, "MONARCH_TORCHX_HOST_INDEX": str(self.index)})
+        base_env["MONARCH_TORCHX_STATE_DIR"] = str(self.state_dir)  # (its credentials: debugger.py)
+        self.debug = DebugSessions(self, agent_temp_dir("debug", self.pool, self.index))
+        self.handlers.update(self.debug.operations())
+        for k, v in self.debug.env().items():  # (a PYTHONBREAKPOINT of the user's own stands)
+            base_env.setdefault(k, v)
         self.nvml: Nvml | None = None
         nvml_error = ""
         try:
@@ -603,6 +617,7 @@ class Agent:
         self.relay.close()
         self.queue.stop()
         self.shells.stop()
+        shutil.rmtree(self.debug.dir, ignore_errors=True)  # (paused processes were ended with the rest)
         for fn in self._cleanups:
             try:
                 fn()

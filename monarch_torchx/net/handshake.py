@@ -194,5 +194,6 @@ def accept_handshake(sock: socket.socket, creds: PoolCredentials, identity: byte
     finally:
         timer.cancel()
     sock.settimeout(None)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family != socket.AF_UNIX:  # (a Unix socket has no Nagle to turn off: debugger.py)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock

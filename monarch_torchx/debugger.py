@@ -1,0 +1,221 @@
+"""``breakpoint()`` in any process a pool started (a replica, a submitit task, an actor proc):
+the process pauses in pdb and waits for ``monarch-torchx debug`` to attach, from anywhere.
+
+The agent gives its processes ``PYTHONBREAKPOINT=monarch_torchx.debugger.set_trace`` (unless
+the user set their own) and a private directory of its own on the node's temp disk
+(``MONARCH_TORCHX_DEBUG_DIR``). A paused process writes there what it is and where it stopped
+(``PAUSED.json``, 0600), and listens on a Unix socket beside it; whoever connects must prove it
+holds the pool's secret (the pool's one handshake: ``net``), and only its agent does, on behalf of a
+client that proved the same to it. After the handshake the socket carries pdb's own text both
+ways, nothing is unpickled. One client at a time: a client that goes away leaves the process
+paused for the next; ``continue`` (or ``quit``) ends the wait and removes the record.
+
+Outside a pool (no ``MONARCH_TORCHX_DEBUG_DIR``) it is the standard ``pdb.set_trace``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pdb
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+DIR_ENV = "MONARCH_TORCHX_DEBUG_DIR"
+IDENTITY = b"monarch-torchx-debug"
+PROMPT = "(Pdb) "
+REPLAY_MAX = 64 << 10  # what pdb wrote while nobody was attached, shown to the next one
+
+
+@dataclass
+class PausedProcess:
+    """A process stopped at a breakpoint, as its record says and ``debug.list`` answers."""
+
+    host: int
+    pid: int
+    app_id: str
+    role: str
+    replica: int
+    file: str
+    line: int
+    function: str
+    since: float
+    attached: bool = False
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PausedProcess:
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class DebugEnded:
+    """The last item of an attached stream: the process went on (``continue``) or is gone."""
+
+    continued: bool
+
+
+def socket_path(directory: str | Path, pid: int) -> str:
+    return os.path.join(str(directory), f"{pid}.sock")
+
+
+def record_path(directory: str | Path, pid: int) -> str:
+    return os.path.join(str(directory), f"{pid}.json")
+
+
+class _AttachedTerminal:
+    """pdb's stdin and stdout: the attached client's connection, or a wait for one."""
+
+    def __init__(self, listener: socket.socket, creds: Any):
+        self.listener = listener
+        self.creds = creds
+        self.conn: socket.socket | None = None
+        self.reader: Any = None
+        self.pending = bytearray()  # written while nobody was attached
+        self.where: Any = lambda: ""  # where the process stands, shown again to the next client
+
+    def _attach(self) -> None:
+        from .net import WireError, accept_handshake
+
+        while self.conn is None:
+            sock, _ = self.listener.accept()
+            try:
+                sock.settimeout(10.0)
+                sock = accept_handshake(sock, self.creds, IDENTITY)
+                sock.settimeout(None)
+            except (OSError, WireError):
+                sock.close()
+                continue
+            self.conn, self.reader = sock, sock.makefile("rb")
+            if self.pending:
+                self._send(bytes(self.pending))
+                self.pending.clear()
+
+    def _detach(self) -> None:
+        if self.conn is not None:
+            self.reader.close()
+            self.conn.close()
+        self.conn = self.reader = None
+
+    def _send(self, data: bytes) -> None:
+        assert self.conn is not None
+        try:
+            self.conn.sendall(data)
+        except OSError:
+            self._detach()
+            self.pending += data
+
+    def readline(self) -> str:
+        while True:
+            self._attach()
+            line = self.reader.readline()
+            if line:
+                return line.decode(errors="replace")
+            self._detach()  # the client went: wait for the next, still paused
+            self.pending += (self.where() + PROMPT).encode()
+
+    def write(self, text: str) -> int:
+        data = text.encode()
+        if self.conn is None:
+            self.pending += data
+            del self.pending[:-REPLAY_MAX]
+        else:
+            self._send(data)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._detach()
+        self.listener.close()
+
+
+class PoolPdb(pdb.Pdb):
+    """pdb over an attached client's connection; continuing (or quitting) ends the pause."""
+
+    def __init__(self, terminal: _AttachedTerminal, directory: str):
+        super().__init__(stdin=terminal, stdout=terminal)  # type: ignore[arg-type]
+        self.use_rawinput = False
+        self.terminal = terminal
+        self.directory = directory
+        terminal.where = self._where
+
+    def _where(self) -> str:
+        """The current frame, as pdb shows it when it stops there."""
+        if not getattr(self, "stack", None):
+            return ""
+        return "> " + self.format_stack_entry(self.stack[self.curindex], "\n-> ") + "\n"
+
+    def _end_pause(self) -> None:
+        for path in (record_path(self.directory, os.getpid()), socket_path(self.directory, os.getpid())):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        self.terminal.close()
+
+    def do_continue(self, arg: str) -> bool | None:
+        done = super().do_continue(arg)
+        self._end_pause()
+        return done
+
+    do_c = do_cont = do_continue
+
+    def do_quit(self, arg: str) -> bool | None:
+        self._end_pause()
+        return super().do_quit(arg)
+
+    do_q = do_exit = do_quit
+
+
+def set_trace(*args: Any, **kwargs: Any) -> None:
+    """What ``breakpoint()`` calls in a pool's processes (see the module's docstring)."""
+    directory = os.environ.get(DIR_ENV)
+    if not directory or not os.path.isdir(directory):
+        pdb.Pdb().set_trace(sys._getframe(1))
+        return
+    from .credentials import PoolCredentials
+
+    frame = sys._getframe(1)
+    pid = os.getpid()
+    creds = PoolCredentials.load(Path(os.environ["MONARCH_TORCHX_STATE_DIR"]))
+    path = socket_path(directory, pid)
+    if os.path.exists(path):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old)
+    listener.listen(4)
+    record = PausedProcess(
+        host=int(os.environ.get("MONARCH_TORCHX_HOST_INDEX", "0")),
+        pid=pid,
+        app_id="",  # (its agent says which replica it belongs to: the one whose session it is in)
+        role="",
+        replica=-1,
+        file=frame.f_code.co_filename,
+        line=frame.f_lineno,
+        function=frame.f_code.co_name,
+        since=time.time(),
+    )
+    fd = os.open(record_path(directory, pid), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(record), f)
+    pool = os.environ.get("MONARCH_TORCHX_POOL", "POOL")
+    print(
+        f"monarch-torchx: paused at {record.where} (breakpoint); attach with "
+        f"`monarch-torchx debug --pool {pool} --attach {record.host}:{pid}`",
+        file=sys.stderr,
+        flush=True,
+    )
+    PoolPdb(_AttachedTerminal(listener, creds), directory).set_trace(frame)
