@@ -660,6 +660,32 @@ def cmd_debug(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
+def cmd_dashboard(args: argparse.Namespace) -> None:
+    """Serves the live page (``dashboard.py``) until Ctrl-C; prints its URL (with its token)."""
+    import asyncio
+
+    from .dashboard import DashboardConfig, new_token, serve
+    from .registry import Registry
+
+    if args.pool:
+        Registry().require(args.pool)  # (an unknown pool: one line now, not an empty page)
+    if args.bind not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"warning: serving on {args.bind}: anyone who can reach it and has the URL's token sees the pools",
+            file=sys.stderr,
+        )
+    config = DashboardConfig(new_token(), args.pool, args.bind, args.port)
+
+    def ready(url: str) -> None:
+        print(url, flush=True)
+        print("dashboard: open the URL above (its token is the key; Ctrl-C stops it)", file=sys.stderr, flush=True)
+
+    try:
+        asyncio.run(serve(config, ready))
+    except OSError as e:
+        raise MonarchError(f"cannot serve on {args.bind}:{args.port}: {e.strerror or e}") from None
+
+
 def cmd_skill(args: argparse.Namespace) -> None:
     """The guide for AI agents (docs/SKILL.md, shipped in the package)."""
     from importlib.resources import files
@@ -756,7 +782,7 @@ class _Version(argparse.Action):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="monarch-torchx", description="Warm pools for TorchX, submitit and actors.")
     parser.add_argument("--version", action=_Version)
-    sub = parser.add_subparsers(dest="cmd", metavar="{pool,sync,exec,shell,debug,sql,stacks,tables,skill}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{pool,sync,exec,shell,debug,dashboard,sql,stacks,tables,skill}")
     sub.required = True
     add_pool_arguments(sub.add_parser("pool", help="create, list, inspect and stop warm pools"))
     add_sync_arguments(sub.add_parser("sync", help="sync a directory (code, a virtualenv) to every host of a pool"))
@@ -775,6 +801,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--to", default="all", metavar="HOST:PID,...", help="which paused processes (default: all)")
     p.add_argument("--json", action="store_true", help="the list (or each answer) as JSON")
     p.set_defaults(pool_fn=cmd_debug)
+    p = sub.add_parser("dashboard", help="a live page of the pools (hosts, queue, apps, logs, timeline, load, stacks)")
+    _pool_names(p.add_argument("--pool", help="only this pool (default: every pool)"))
+    p.add_argument("--bind", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+    p.set_defaults(pool_fn=cmd_dashboard)
     p = sub.add_parser("sql", help="ask every host of a pool one SQL question (logs, procs, events)")
     p.add_argument("query", help="a SELECT over the tables of `monarch-torchx tables`")
     _pool_names(p.add_argument("--pool", required=True))

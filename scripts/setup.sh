@@ -32,6 +32,17 @@ if ! pkg-config --exists fuse3 2>/dev/null; then
         echo "warning: libfuse3-dev and pkg-config are missing: pyfuse3 will not build" >&2
     fi
 fi
+# the dashboard's test drives a real headless Chromium (Debian's package) through Selenium
+if ! command -v chromedriver >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "installing chromium, chromium-driver (Debian) for the dashboard's browser test" >&2
+        apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 \
+            || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1; } \
+            || echo "warning: chromium could not be installed: the dashboard's browser test will skip" >&2
+    else
+        echo "warning: no chromedriver: the dashboard's browser test will skip (apt install chromium chromium-driver)" >&2
+    fi
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true

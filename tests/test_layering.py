@@ -30,7 +30,16 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("schedulers", {"schedulers"}),
     (
         "front ends",
-        {"cli", "torchx_cli", "job", "submitit_executor", "monarch_backend", "monarch_worker", "monarch_shared"}
+        {
+            "cli",
+            "torchx_cli",
+            "job",
+            "submitit_executor",
+            "monarch_backend",
+            "monarch_worker",
+            "monarch_shared",
+            "dashboard",
+        }
         | {"docs", "components", ""},
     ),
 ]
