@@ -86,6 +86,9 @@ class _AttachedTerminal:
 
         while self.conn is None:
             sock, _ = self.listener.accept()
+            ctx = self.creds.server_context  # (the pool's one dialer speaks TLS where the pool does)
+            if ctx is not None:
+                sock = ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
             try:
                 sock.settimeout(10.0)
                 sock = accept_handshake(sock, self.creds, IDENTITY)

@@ -377,7 +377,7 @@ def test_what_a_killed_agent_left_in_temp_is_swept_by_the_next(home, pool_name, 
     torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none")
     pid = attach(pool_name).hosts[0].pid
     left = sorted(root.glob(f"*/{pool_name}-0-{socket.gethostname()}-{pid}"))
-    assert [d.parent.name for d in left] == ["procs", "telemetry"]
+    assert [d.parent.name for d in left] == ["debug", "procs", "telemetry"]
     assert all(os.stat(d).st_mode & 0o077 == 0 for d in (root, *left))
     os.kill(pid, signal.SIGKILL)  # no cleanup runs
     wait_for(lambda: not process_alive(pid), what="the agent to die")

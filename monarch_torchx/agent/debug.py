@@ -112,12 +112,9 @@ class DebugSessions:
                 if not data:
                     break
                 yield ShellOutput(data)
-            alive = True
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                alive = False
-            yield DebugEnded(continued=alive)
+            # the paused side removes its record before it closes the connection when it is let
+            # go (continue, quit); a record still there means it died paused (killed)
+            yield DebugEnded(continued=not os.path.exists(record_path(self.dir, pid)))
         finally:
             self.attached.pop(pid, None)
             with contextlib.suppress(OSError):

@@ -35,6 +35,7 @@ from ..private import (
     check_trusted_parents,
     node_temp_root,
     private_dir,
+    remove_empty_dirs,
 )
 from ..quick_exit import exit_without_finalizing
 from ..registry import HostAddr, Registry
@@ -618,6 +619,7 @@ class Agent:
         self.queue.stop()
         self.shells.stop()
         shutil.rmtree(self.debug.dir, ignore_errors=True)  # (paused processes were ended with the rest)
+        remove_empty_dirs(self.debug.dir.parent, node_temp_root())
         for fn in self._cleanups:
             try:
                 fn()
