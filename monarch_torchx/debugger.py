@@ -11,10 +11,15 @@ ways, nothing is unpickled. One client at a time: a client that goes away leaves
 paused for the next; ``continue`` (or ``quit``) ends the wait and removes the record.
 
 Outside a pool (no ``MONARCH_TORCHX_DEBUG_DIR``) it is the standard ``pdb.set_trace``.
+
+A run with ``-cfg post_mortem=True`` (``MONARCH_TORCHX_POST_MORTEM=1`` in its replicas' env) also
+pauses a replica whose Python program ends in an uncaught exception, at the frame it came from,
+before the process exits with its error: ``post_mortem``.
 """
 
 from __future__ import annotations
 
+import bdb
 import json
 import os
 import pdb
@@ -23,9 +28,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import FrameType, TracebackType
 from typing import Any
 
 DIR_ENV = "MONARCH_TORCHX_DEBUG_DIR"
+POST_MORTEM_ENV = "MONARCH_TORCHX_POST_MORTEM"  # set by the run option: pause on an uncaught exception
 IDENTITY = b"monarch-torchx-debug"
 PROMPT = "(Pdb) "
 REPLAY_MAX = 64 << 10  # what pdb wrote while nobody was attached, shown to the next one
@@ -181,13 +188,42 @@ class PoolPdb(pdb.Pdb):
 
 def set_trace(*args: Any, **kwargs: Any) -> None:
     """What ``breakpoint()`` calls in a pool's processes (see the module's docstring)."""
+    frame = sys._getframe(1)
     directory = os.environ.get(DIR_ENV)
     if not directory or not os.path.isdir(directory):
-        pdb.Pdb().set_trace(sys._getframe(1))
+        pdb.Pdb().set_trace(frame)
         return
+    session = _pause(directory, frame, "breakpoint")
+    session.set_trace(frame)
+
+
+def post_mortem_wanted() -> bool:
+    """Whether the run asked to be paused on an uncaught exception (``-cfg post_mortem=True``)."""
+    return os.environ.get(POST_MORTEM_ENV, "") not in ("", "0")
+
+
+def post_mortem(tb: TracebackType) -> None:
+    """Pauses this process in pdb at the frame an uncaught exception came from, as ``breakpoint()``
+    does, for ``monarch-torchx debug``; returns once the client continues (or quits)."""
+    directory = os.environ.get(DIR_ENV)
+    if not directory or not os.path.isdir(directory):
+        return  # (outside a pool: no one could attach, and a pdb on a replica's closed stdin only ends it)
+    last = tb
+    while last.tb_next is not None:
+        last = last.tb_next
+    session = _pause(directory, last.tb_frame, "uncaught exception", last.tb_lineno)
+    session.reset()
+    try:
+        session.interaction(None, tb)
+    except bdb.BdbQuit:
+        pass
+    session._end_pause()
+
+
+def _pause(directory: str, frame: FrameType, why: str, line: int | None = None) -> PoolPdb:
+    """Writes this process's record, listens for a client; the pdb that will talk to it."""
     from .credentials import PoolCredentials
 
-    frame = sys._getframe(1)
     pid = os.getpid()
     creds = PoolCredentials.load(Path(os.environ["MONARCH_TORCHX_STATE_DIR"]))
     path = socket_path(directory, pid)
@@ -207,7 +243,7 @@ def set_trace(*args: Any, **kwargs: Any) -> None:
         role="",
         replica=-1,
         file=frame.f_code.co_filename,
-        line=frame.f_lineno,
+        line=frame.f_lineno if line is None else line,
         function=frame.f_code.co_name,
         since=time.time(),
     )
@@ -216,9 +252,9 @@ def set_trace(*args: Any, **kwargs: Any) -> None:
         json.dump(asdict(record), f)
     pool = os.environ.get("MONARCH_TORCHX_POOL", "POOL")
     print(
-        f"monarch-torchx: paused at {record.where} (breakpoint); attach with "
+        f"monarch-torchx: paused at {record.where} ({why}); attach with "
         f"`monarch-torchx debug --pool {pool} --attach {record.host}:{pid}`",
         file=sys.stderr,
         flush=True,
     )
-    PoolPdb(_AttachedTerminal(listener, creds), directory).set_trace(frame)
+    return PoolPdb(_AttachedTerminal(listener, creds), directory)

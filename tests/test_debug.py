@@ -174,3 +174,37 @@ def test_a_breakpoint_in_an_actor_endpoint_pauses_that_proc_for_debug(home, pool
         if controller.poll() is None:
             controller.kill()
             controller.wait()
+
+
+def test_post_mortem_pauses_a_replica_where_its_uncaught_exception_was_raised(home, pool_name, tmp_path):
+    (tmp_path / "fails.py").write_text(
+        textwrap.dedent(
+            """\
+            def step(batch):
+                scale = 0
+                return batch / scale
+
+            step(7)
+            """
+        )
+    )
+    cfg = f"pool={pool_name},hosts=1,preload=none"
+    res = torchx(home, "run", "-s", "monarch_local", "-cfg", cfg, "utils.python", "--script", "fails.py", cwd=tmp_path)
+    first = res.stdout.strip().splitlines()[-1]
+    wait_for(lambda: "FAILED" in _status(home, first), timeout=60, what="the app failed at once")  # not asked: no pause
+    assert json.loads(mt(home, "debug", "--pool", pool_name, "--json").stdout) == []
+
+    res = torchx(
+        home, "run", "-s", "monarch_local", "-cfg", f"{cfg},post_mortem=True", "utils.python", "--script", "fails.py",
+        cwd=tmp_path,
+    )  # fmt: skip
+    handle = res.stdout.strip().splitlines()[-1]
+    (p,) = paused(home, pool_name, 1)
+    assert (p["role"], p["where"], p["function"]) == ("python", f"{tmp_path / 'fails.py'}:3", "step")
+    res = mt(home, "debug", "--pool", pool_name, "--cast", "p batch, scale")
+    assert res.returncode == 0 and res.stdout.rstrip().endswith("(7, 0)"), res.stdout + res.stderr
+    assert "RUNNING" in _status(home, handle)  # paused, not ended
+    assert mt(home, "debug", "--pool", pool_name, "--continue").returncode == 0
+    wait_for(lambda: "FAILED" in _status(home, handle), timeout=60, what="the app to end with its error")
+    log = torchx(home, "log", handle, check=False).stdout
+    assert "ZeroDivisionError: division by zero" in log and "paused at" in log

@@ -239,6 +239,10 @@ def run_python(inv: PyInvocation, env: dict[str, str], base_path: list[str]) -> 
         e = e.with_traceback(_user_frames(e.__traceback__))
         sys.excepthook(type(e), e, e.__traceback__)
         code = 1
+        from .. import debugger
+
+        if e.__traceback__ is not None and debugger.post_mortem_wanted():
+            debugger.post_mortem(e.__traceback__)
     try:
         threading._shutdown()  # type: ignore[attr-defined]  # join non-daemon threads, as at exit
     except Exception:

@@ -28,6 +28,7 @@ from torchx.workspace.api import WorkspaceMixin
 from .. import apps, history, scheduling
 from ..agent.logstore import POOL_MAX_MB, REPLICA_MAX_MB, STREAMS, read_files
 from ..app_queue import QUEUE_HOST, QueueState, SubmittedApp, TorchrunRole
+from ..debugger import POST_MORTEM_ENV
 from ..errors import MonarchError
 from ..net.frames import UnknownOperation
 from ..pool import CAPACITY_KEYS, Pool, PoolRequest, get_provisioner, parse_duration, plan_pool, preload_list
@@ -279,6 +280,13 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             help="an app that does not fit the pool's free capacity now waits in the pool's queue (PENDING); "
             "False: refuse it instead",
         )
+        opts.add(
+            "post_mortem",
+            type_=bool,
+            default=False,
+            help="a replica whose Python program ends in an uncaught exception pauses in pdb where it was "
+            "raised, for `monarch-torchx debug` (then exits with its error)",
+        )
         prov.add_run_opts(opts)
         return opts
 
@@ -341,6 +349,8 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             pool_req, app_id, app.name, roles=[], inherited_env=inherited, queue=bool(cfg.get("queue", True))
         )
         for n, role in enumerate(app.roles):
+            if cfg.get("post_mortem"):
+                role.env = {**role.env, POST_MORTEM_ENV: "1"}
             workspace = ws.attached(role.image, cfg) if n == 0 else None
             req.workspace = req.workspace or workspace
             req.roles.append(role_to_record(role))
