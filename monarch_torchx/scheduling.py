@@ -17,6 +17,7 @@ the hosts it will run on, and what is free there counts as its own.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from .resources import HostLoad, NeverFits, Resources
@@ -38,6 +39,12 @@ class AppAsk:
 
     app_id: str
     replicas: list[ReplicaAsk]
+
+    @functools.cached_property
+    def shape(self) -> str:
+        """What it asks, as one key (a string: its hash is kept): apps alike in it fit alike, so a
+        pass over a queue of 1,000 alike tasks tries one placement (``schedule``)."""
+        return repr(tuple((r.role, r.resources) for r in self.replicas))
 
     def roles(self) -> dict[str, list[ReplicaAsk]]:
         out: dict[str, list[ReplicaAsk]] = {}
@@ -161,9 +168,9 @@ def schedule(queue: list[AppAsk], loads: list[HostLoad]) -> Schedule:
     head = False
     # what is free only shrinks during a pass: an ask like one that did not fit does not fit either
     # (a map_array of 1,000 alike tasks is one placement tried, not 1,000)
-    failed: dict[tuple[tuple[str, Resources], ...], str] = {}
+    failed: dict[str, str] = {}
     for pos, app in enumerate(queue, 1):
-        shape = tuple((r.role, r.resources) for r in app.replicas)
+        shape = app.shape
         placed = None if shape in failed else _place(app, view)
         if placed is not None:
             out.start.append((app.app_id, placed))

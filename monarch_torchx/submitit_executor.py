@@ -31,6 +31,7 @@ from .resources import Resources
 from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec, ReplicaStatus
 
 REQUEUE_CODE = 144
+STATE_EVERY_S = 0.5  # how often a waiting job asks the pool for its state (see MonarchJob.wait)
 _SUBMITIT_STATE = {
     PENDING: "PENDING",
     RUNNING: "RUNNING",
@@ -105,11 +106,24 @@ class MonarchJob(core.Job[core.R]):
         return self.state not in ("PENDING", "RUNNING", "REQUEUED", "UNKNOWN")
 
     def wait(self) -> None:
-        """As submitit's, but polls from 5 ms up to 0.5 s rather than every second: warm jobs finish fast."""
+        """As submitit's, but warm jobs finish fast: the result file (which a task writes whether its
+        function returned or raised) is looked for from every 5 ms up to every 50 ms, and the pool is
+        asked for the job's state (a killed, timed-out or lost task writes none) only every
+        ``STATE_EVERY_S``: asking is a connection and a handshake with an agent, which the agents
+        would otherwise pay for every job of a map_array while it runs."""
+        if self._sub_jobs:
+            for job in self._sub_jobs:
+                job.wait()
+            return
         delay = 0.005
-        while not self.done():
+        ask_at = time.monotonic() + delay
+        while not self.paths.result_pickle.exists():
+            if time.monotonic() >= ask_at:
+                if self.done():
+                    return
+                ask_at = time.monotonic() + STATE_EVERY_S
             time.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            delay = min(delay * 2, 0.05)
 
     def __del__(self) -> None:
         """``job.cancel_at_deletion()`` then ``del job`` cancels a job still running. (submitit's own
@@ -151,6 +165,59 @@ class MonarchJobEnvironment(job_environment.JobEnvironment):
         """Exit with the code the agent reads as "run me again"; the pool's allocation is untouched."""
         job_environment.logger.get_logger().info(f"Requeued job {self.job_id} ({countdown} remaining timeouts)")
         sys.exit(REQUEUE_CODE)
+
+
+class _Enqueuing:
+    """The jobs of one submit call, handed to the pool's queue as they are made: the first few at
+    once (so the pool starts on them while the rest are still being pickled), then in growing
+    batches. What one call submits is all or nothing: a batch that fails cancels those sent before."""
+
+    FIRST, LARGEST = 8, 256
+
+    def __init__(self, pool: tp.Any, loads: list[tp.Any], progress: tp.Callable[[str], None]):
+        self.pool, self.loads, self.progress = pool, loads, progress
+        self.pending: list[SubmittedApp] = []
+        self.sent: list[tp.Any] = []  # the app records of those the queue took
+        self.size = self.FIRST
+        self.waiting = 0
+        self.reason = ""
+
+    def add(self, sub: SubmittedApp) -> None:
+        self.pending.append(sub)
+        if len(self.pending) >= self.size:
+            self.flush()
+            self.size = min(self.size * 4, self.LARGEST)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        from . import apps
+        from .resources import NeverFits
+        from .scheduling import check_fits_somewhere
+
+        first = not self.sent
+        for n, sub in enumerate(self.pending):  # (every job of one call asks the same: said once)
+            apps.fit_to_pool(self.pool, sub, self.loads, self.progress if first and n == 0 else lambda _m: None)
+        if first:
+            try:
+                check_fits_somewhere(self.pending[0].ask(), self.loads, self.pool.name)
+            except NeverFits as e:
+                raise MonarchError(f"{e}; ask for less, or use a pool with bigger hosts") from None
+        for arec, entry in apps.enqueue_many(self.pool, self.pending):
+            self.sent.append(arec)
+            if entry.state == QueueState.QUEUED:
+                self.waiting += 1
+                self.reason = self.reason or entry.reason
+        self.pending.clear()
+
+    def cancel_sent(self, reason: str) -> None:
+        from . import apps
+
+        for arec in self.sent:
+            try:
+                apps.kill(self.pool, arec, reason=reason)
+            except (MonarchError, OSError):
+                pass  # (best effort: the submit call's own error is the one to show)
 
 
 class MonarchExecutor(core.PicklingExecutor):
@@ -249,42 +316,37 @@ class MonarchExecutor(core.PicklingExecutor):
         healthy = sum(1 for h in health if h.ok)
         if healthy < nodes:
             raise MonarchError(f"pool {name!r} has only {healthy} healthy host(s) for nodes={nodes}")
-        timeout_min = self.parameters.get("timeout_min", 5)
-        jobs: list[core.Job[tp.Any]] = []
-        subs = []
-        for i, delayed in enumerate(delayed_submissions):
-            job_id = uuid.uuid4().hex[:16]
-            paths = utils.JobPaths(self.folder, job_id=job_id)
-            paths.folder.mkdir(parents=True, exist_ok=True)
-            delayed.set_timeout(timeout_min, self.max_num_timeout)
-            delayed.dump(paths.submitted_pickle)
-            if (
-                i == 0
-                and len(delayed_submissions) * paths.submitted_pickle.stat().st_size / 1024**3 > self.max_pickle_size_gb
-            ):
-                paths.submitted_pickle.unlink()
-                raise RuntimeError(
-                    f"submitting {len(delayed_submissions)} pickles above max_pickle_size_gb="
-                    f"{self.max_pickle_size_gb}; raise executor.max_pickle_size_gb if intended"
-                )
-            subs.append(self._submission(pool, job_id, float(timeout_min)))
-            jobs.append(MonarchJob(folder=self.folder, job_id=job_id, tasks=list(range(self._num_tasks()))))
-        # one request for all of them (a map_array of 1,000): the pool's queue starts what fits now,
-        # on the least-loaded hosts, and each other one when capacity frees
-        from . import apps
-        from .resources import HostLoad, NeverFits
-        from .scheduling import check_fits_somewhere
+        from .resources import HostLoad
 
+        timeout_min = self.parameters.get("timeout_min", 5)
         loads = [HostLoad.from_wire(h.info["load"]) for h in health if h.ok and h.info.get("load")]
-        for n, sub in enumerate(subs):  # (every job of one call asks the same: said once)
-            apps.fit_to_pool(pool, sub, loads, progress if n == 0 else lambda _m: None)
+        jobs: list[core.Job[tp.Any]] = []
+        batch = _Enqueuing(pool, loads, progress)
         try:
-            check_fits_somewhere(subs[0].ask(), loads, name)
-        except NeverFits as e:
-            raise MonarchError(f"{e}; ask for less, or use a pool with bigger hosts") from None
-        waiting = [e for _, e in apps.enqueue_many(pool, subs) if e.state == QueueState.QUEUED]
-        if waiting:
-            progress(f"{len(waiting)} of {len(subs)} job(s) wait in the queue of pool {name!r}: {waiting[0].reason}")
+            for i, delayed in enumerate(delayed_submissions):
+                job_id = uuid.uuid4().hex[:16]
+                paths = utils.JobPaths(self.folder, job_id=job_id)
+                paths.folder.mkdir(parents=True, exist_ok=True)
+                delayed.set_timeout(timeout_min, self.max_num_timeout)
+                delayed.dump(paths.submitted_pickle)
+                if (
+                    i == 0
+                    and len(delayed_submissions) * paths.submitted_pickle.stat().st_size / 1024**3
+                    > self.max_pickle_size_gb
+                ):
+                    paths.submitted_pickle.unlink()
+                    raise RuntimeError(
+                        f"submitting {len(delayed_submissions)} pickles above max_pickle_size_gb="
+                        f"{self.max_pickle_size_gb}; raise executor.max_pickle_size_gb if intended"
+                    )
+                batch.add(self._submission(pool, job_id, float(timeout_min)))
+                jobs.append(MonarchJob(folder=self.folder, job_id=job_id, tasks=list(range(self._num_tasks()))))
+            batch.flush()
+        except BaseException:
+            batch.cancel_sent("its submission failed")
+            raise
+        if batch.waiting:
+            progress(f"{batch.waiting} of {len(jobs)} job(s) wait in the queue of pool {name!r}: {batch.reason}")
         return jobs
 
     def _asks(self) -> Resources:

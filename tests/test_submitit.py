@@ -125,6 +125,29 @@ def test_a_submission_checks_the_pool_in_the_pass_that_reads_its_load_and_repair
     assert "repairing" in capfd.readouterr().err
 
 
+def test_a_map_array_starts_while_it_is_submitted_and_is_all_or_nothing(home, local_pool, tmp_path):
+    """The first jobs of a map_array run while the rest are still being pickled; a job that cannot
+    be pickled fails the whole call, and the jobs already handed to the pool are cancelled."""
+    import threading
+
+    from monarch_torchx import history
+
+    ex = _executor(tmp_path, local_pool, timeout_min=5)
+    args = [30] * 12 + [threading.Lock()]  # (the 13th cannot be pickled: after the first batch went)
+    with pytest.raises(TypeError, match="lock"):
+        ex.map_array(sleepy, args)
+    rec = Registry().get(local_pool)
+    sent = [a.app_id for a in Registry.list_apps(rec) if a.app_id.startswith("submitit-")]
+    assert sent  # the first batch was handed over before the 13th was pickled
+
+    def ends() -> list | None:
+        found = [e for app_id in sent for e in history.read_ends(rec.path, app_id).values()]
+        return found if len(found) == len(sent) else None
+
+    found = wait_for(ends, timeout=30, what="every job already sent to end")
+    assert {e.state for e in found} == {"CANCELLED"} and all("its submission failed" in e.msg for e in found), found
+
+
 def test_failure_carries_the_remote_traceback(local_pool, tmp_path):
     job = _executor(tmp_path, local_pool).submit(boom)
     with pytest.raises(FailedJobError, match="the function failed on purpose") as e:

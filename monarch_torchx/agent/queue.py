@@ -71,6 +71,7 @@ class PoolQueue:
     def __init__(self, agent: Agent):
         self.agent = agent
         self.dir = agent.state_dir / "queue"
+        self._dir_made = False  # made and checked once: it is inside the agent's own private state dir
         self.waiting: dict[str, _Waiting] = {}  # in order of submission: first come, first served
         self.done: dict[str, QueueEntry] = {}
         self.targets: dict[int, Target] = {}
@@ -368,7 +369,9 @@ class PoolQueue:
     def _save(self, app_id: str) -> None:
         """The app's file: its submission while it waits, then how it left the queue."""
         try:
-            private_dir(self.dir, from_=self.agent.state_dir)
+            if not self._dir_made:
+                private_dir(self.dir, from_=self.agent.state_dir)
+                self._dir_made = True
             w = self.waiting.get(app_id)
             record: dict[str, Any] = {"entry": self.entry(app_id).to_wire()}
             if w is not None:
