@@ -686,6 +686,17 @@ def cmd_dashboard(args: argparse.Namespace) -> None:
         raise MonarchError(f"cannot serve on {args.bind}:{args.port}: {e.strerror or e}") from None
 
 
+def cmd_top(args: argparse.Namespace) -> None:
+    """The pool's hosts and replicas in the terminal (``top.py``), redrawn until Ctrl-C."""
+    from .registry import Registry
+    from .top import run
+
+    Registry().require(args.pool)
+    if args.interval <= 0:
+        raise MonarchError(f"--interval {args.interval:g}: give a positive number of seconds")
+    run(args.pool, args.interval, args.once)
+
+
 def cmd_skill(args: argparse.Namespace) -> None:
     """The guide for AI agents (docs/SKILL.md, shipped in the package)."""
     from importlib.resources import files
@@ -782,7 +793,9 @@ class _Version(argparse.Action):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="monarch-torchx", description="Warm pools for TorchX, submitit and actors.")
     parser.add_argument("--version", action=_Version)
-    sub = parser.add_subparsers(dest="cmd", metavar="{pool,sync,exec,shell,debug,dashboard,sql,stacks,tables,skill}")
+    sub = parser.add_subparsers(
+        dest="cmd", metavar="{pool,sync,exec,shell,debug,dashboard,top,sql,stacks,tables,skill}"
+    )
     sub.required = True
     add_pool_arguments(sub.add_parser("pool", help="create, list, inspect and stop warm pools"))
     add_sync_arguments(sub.add_parser("sync", help="sync a directory (code, a virtualenv) to every host of a pool"))
@@ -806,6 +819,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bind", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=0, help="port (default: a free one)")
     p.set_defaults(pool_fn=cmd_dashboard)
+    p = sub.add_parser("top", help="a pool's hosts (load, capacity, GPUs) and replicas in the terminal, redrawn live")
+    _pool_names(p.add_argument("--pool", required=True))
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (default 2)")
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit (the default when not a terminal)")
+    p.set_defaults(pool_fn=cmd_top)
     p = sub.add_parser("sql", help="ask every host of a pool one SQL question (logs, procs, events)")
     p.add_argument("query", help="a SELECT over the tables of `monarch-torchx tables`")
     _pool_names(p.add_argument("--pool", required=True))

@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "monarch_worker",
             "monarch_shared",
             "dashboard",
+            "top",
         }
         | {"docs", "components", ""},
     ),
