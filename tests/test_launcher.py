@@ -160,6 +160,25 @@ def test_the_programs_module_globals_are_finalized_at_exit(warm_pool, tmp_path):
     assert out.splitlines()[0] == "atexit" and sorted(out.splitlines()[1:]) == ["del main", "del module"], out
 
 
+def test_the_programs_own_weakref_finalizers_run_at_exit_and_the_preloads_do_not(warm_pool, tmp_path):
+    """A finalizer the program makes runs at its exit, as under a real interpreter; those the fork
+    server's preload made (torch: one per op library) are the fork server's and do not run in every
+    forked program (they were most of a warm `python -c "import torch"`'s CPU)."""
+    runner, pool = warm_pool
+    script = tmp_path / "fin.py"
+    script.write_text(
+        "import weakref, torch\n"
+        "class Box: pass\n"
+        "kept = Box()\n"
+        "weakref.finalize(kept, print, 'finalizer ran', flush=True)\n"
+        "inherited = [i for f, i in weakref.finalize._registry.items() if f is not None and i.atexit]\n"
+        "print('preload finalizers at exit:', len(inherited) - 1, flush=True)\n"
+    )
+    st, out, _ = _run(runner, pool, _app("wf", "python", str(script)))
+    assert st.state == AppState.SUCCEEDED
+    assert out.splitlines() == ["preload finalizers at exit: 0", "finalizer ran"], out
+
+
 def test_script_main_outlives_the_script_for_atexit(warm_pool, tmp_path):
     runner, pool = warm_pool
     script = tmp_path / "s.py"
