@@ -4,13 +4,15 @@ Monarch's tests import public names from internal paths (``monarch._src.actor.ho
 as well as from ``monarch.actor``; a name that ours exports publicly is taken from ours whichever
 path it came by. A name only Monarch's runtime has (Rust bindings, config knobs, internal helpers)
 is bound to an :class:`stand_ins.monarch_internal.Internal` that skips the test using it, so such a
-test is counted as "Monarch-internal, left out" rather than as a failure of ours.
+test is counted as "Monarch-internal, left out" rather than as a failure of ours. A name Monarch
+exports publicly that ours lacks is bound to a ``Missing`` instead: the test fails on using it.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 from typing import Sequence
 
 # where each of Monarch's public surfaces lives in ours
@@ -21,7 +23,34 @@ OURS: dict[str, str] = {
     "monarch._src.job": "monarch_torchx.job",
     "monarch.rdma": "monarch_torchx.rdma",
     "monarch._src.rdma": "monarch_torchx.rdma",
+    "monarch.config": "monarch_torchx.actor.config",
 }
+# Monarch's public names per surface (its ``__all__``), read from the checkout by ``load_public``:
+# a test that imports one that ours lacks fails on using it (``stand_ins.monarch_internal.Missing``),
+# it is not left out as internal
+MONARCH_PUBLIC: dict[str, set] = {}
+_SURFACE = {"monarch_torchx.actor": "actor", "monarch_torchx.job": "job", "monarch_torchx.rdma": "rdma"}
+
+
+def load_public(checkout: Path) -> None:
+    """Reads each public surface's ``__all__`` (``monarch/{actor,job,rdma,config}/__init__.py``)."""
+    for surface in ("actor", "job", "rdma", "config"):
+        init = checkout / "python" / "monarch" / surface / "__init__.py"
+        if not init.exists():
+            continue
+        for node in ast.walk(ast.parse(init.read_text())):
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                MONARCH_PUBLIC[surface] = set(ast.literal_eval(node.value))
+
+
+def _monarch_public(module: str, ours: str, name: str) -> bool:
+    """Whether Monarch exports ``name`` publicly on the surface ``module`` belongs to."""
+    if module == "monarch.config" or module.startswith("monarch.config."):
+        return name in MONARCH_PUBLIC.get("config", set())
+    surface = _SURFACE.get(ours)
+    return surface is not None and name in MONARCH_PUBLIC.get(surface, set())
+
+
 # Names Monarch's tests import from its Rust bindings that are its public types (re-exported by
 # ``monarch.actor``, the type its public calls raise, or the one they return, as
 # ``default_bootstrap_cmd()``'s): the same concept as ours of that name
@@ -134,6 +163,8 @@ def _from_import(node: ast.ImportFrom) -> Sequence[str]:
         local = a.asname or a.name
         if a.name in public:
             out.append(f"from {ours} import {a.name} as {local}")
+        elif ours and _monarch_public(node.module, ours, a.name):  # public in Monarch, missing here: a failure
+            out.append(f"from monarch_internal import Missing as _M; {local} = _M({node.module + '.' + a.name!r})")
         else:
             out.append(f"from monarch_internal import Internal as _I; {local} = _I({node.module + '.' + a.name!r})")
     return out

@@ -118,6 +118,35 @@ class Internal:
         return f"<Monarch-internal {self._name}>"
 
 
+class MissingPublicName(NotImplementedError):
+    """A test used a name Monarch exports publicly and ours lacks: a failure of ours, counted so."""
+
+
+class Missing:
+    """What a rewritten test gets for a name Monarch exports publicly and ours lacks: any use of it
+    (a call, an attribute, an ``isinstance``, a base class) fails the test, here or in an actor."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def _fail(self, *_a, **_k):
+        raise MissingPublicName(f"monarch_torchx lacks Monarch's public {self._name}")
+
+    __call__ = __enter__ = __iter__ = __instancecheck__ = __subclasscheck__ = __getitem__ = _fail
+    __setitem__ = __delitem__ = __or__ = __ror__ = _fail
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        self._fail()
+
+    def __mro_entries__(self, _bases):
+        self._fail()
+
+    def __repr__(self) -> str:
+        return f"<missing public {self._name}>"
+
+
 _OURS = {"actor": "monarch_torchx.actor", "job": "monarch_torchx.job", "rdma": "monarch_torchx.rdma"}
 
 
