@@ -152,7 +152,8 @@ class PoolPdb(pdb.Pdb):
     """pdb over an attached client's connection; continuing (or quitting) ends the pause."""
 
     def __init__(self, terminal: _AttachedTerminal, directory: str):
-        super().__init__(stdin=terminal, stdout=terminal)  # type: ignore[arg-type]
+        # (nosigint: a SIGINT after the pause ended must not bring pdb back on a closed socket)
+        super().__init__(stdin=terminal, stdout=terminal, nosigint=True)  # type: ignore[arg-type]
         self.use_rawinput = False
         self.terminal = terminal
         self.directory = directory
@@ -173,6 +174,9 @@ class PoolPdb(pdb.Pdb):
         self.terminal.close()
 
     def do_continue(self, arg: str) -> bool | None:
+        # the pause ends here and nobody could attach to a later stop: breakpoints set in this
+        # session go with it (a later `breakpoint()` pauses afresh)
+        self.clear_all_breaks()
         done = super().do_continue(arg)
         self._end_pause()
         return done

@@ -14,6 +14,7 @@ Requeue of a multi-task job restarts the task that asked (rank 0), not its sibli
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -211,13 +212,21 @@ class _Enqueuing:
         self.pending.clear()
 
     def cancel_sent(self, reason: str) -> None:
+        """Cancels what the queue took. Best effort, and it stops at the first host that does not
+        answer (the failure was likely that): the submit call's own error is the one to show."""
         from . import apps
+        from .app_queue import QUEUE_HOST
+        from .net import RemoteError, WireError
 
-        for arec in self.sent:
-            try:
+        try:
+            for arec in self.sent:
                 apps.kill(self.pool, arec, reason=reason)
-            except (MonarchError, OSError):
-                pass  # (best effort: the submit call's own error is the one to show)
+            # a batch whose answer was lost (the queue may hold it; its records are gone)
+            for sub in self.pending:
+                with contextlib.suppress(MonarchError, RemoteError):  # (one the queue never had)
+                    self.pool.call(QUEUE_HOST, "queue.cancel", timeout=15.0, app_id=sub.app_id, reason=reason)
+        except (WireError, OSError, MonarchError) as e:
+            self.progress(f"could not cancel every job this call submitted ({e}); see `torchx list`")
 
 
 class MonarchExecutor(core.PicklingExecutor):

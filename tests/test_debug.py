@@ -208,3 +208,16 @@ def test_post_mortem_pauses_a_replica_where_its_uncaught_exception_was_raised(ho
     wait_for(lambda: "FAILED" in _status(home, handle), timeout=60, what="the app to end with its error")
     log = torchx(home, "log", handle, check=False).stdout
     assert "ZeroDivisionError: division by zero" in log and "paused at" in log
+
+
+def test_quitting_a_breakpoint_under_post_mortem_ends_the_process_and_does_not_pause_it_again(
+    home, pool_name, tmp_path
+):
+    (tmp_path / "pauses.py").write_text(PAUSES)
+    cfg = f"pool={pool_name},hosts=1,preload=none,post_mortem=True"
+    res = torchx(home, "run", "-s", "monarch_local", "-cfg", cfg, "utils.python", "--script", "pauses.py", cwd=tmp_path)
+    handle = res.stdout.strip().splitlines()[-1]
+    paused(home, pool_name, 1)
+    assert mt(home, "debug", "--pool", pool_name, "--cast", "q").returncode == 0
+    wait_for(lambda: "FAILED" in _status(home, handle), timeout=60, what="the app to end (BdbQuit)")
+    assert json.loads(mt(home, "debug", "--pool", pool_name, "--json").stdout) == []

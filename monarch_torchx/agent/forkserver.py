@@ -21,6 +21,7 @@ shares this one's pages until it writes to them. Its exit is not reported as a p
 from __future__ import annotations
 
 import atexit
+import bdb
 import ctypes
 import gc
 import os
@@ -243,8 +244,12 @@ def run_python(inv: PyInvocation, env: dict[str, str], base_path: list[str]) -> 
         code = 1
         from .. import debugger
 
-        if e.__traceback__ is not None and debugger.post_mortem_wanted():
-            debugger.post_mortem(e.__traceback__)
+        # (a `q` at a breakpoint ends in BdbQuit: the user let it go, it is not paused again)
+        if e.__traceback__ is not None and not isinstance(e, bdb.BdbQuit) and debugger.post_mortem_wanted():
+            try:
+                debugger.post_mortem(e.__traceback__)
+            except BaseException as pm:  # noqa: BLE001 - the program's own error and exit code stand
+                print(f"monarch-torchx: post-mortem pause failed ({type(pm).__name__}: {pm})", file=sys.stderr)
     try:
         threading._shutdown()  # type: ignore[attr-defined]  # join non-daemon threads, as at exit
     except Exception:

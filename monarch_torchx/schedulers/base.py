@@ -285,7 +285,8 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             type_=bool,
             default=False,
             help="a replica whose Python program ends in an uncaught exception pauses in pdb where it was "
-            "raised, for `monarch-torchx debug` (then exits with its error)",
+            "raised, for `monarch-torchx debug` (then exits with its error); it waits there, holding "
+            "what it asked of its host, until `debug --continue`",
         )
         prov.add_run_opts(opts)
         return opts
