@@ -304,8 +304,16 @@ def cmd_status(args: argparse.Namespace) -> None:
         f"up {_ago(s['created'])}, idle timeout {s['options'].get('idle_timeout', 0):.0f}s, "
         f"{'TLS' if s['tls'] else 'plaintext (loopback)'} connections"
     )
-    alloc = {k: v for k, v in s["allocation"].items() if v not in (None, "", {})}
-    if alloc and ("job_id" in alloc or "kind" in alloc):
+    parts = s["allocation"].get("allocations") or []
+    alloc = {k: v for k, v in s["allocation"].items() if v not in (None, "", {}) and k != "allocations"}
+    if len(parts) > 1:  # a grown SLURM pool: each allocation, the hosts it holds and its walltime left
+        print(f"allocations ({len(parts)}):")
+        rows = [
+            [p["job_id"], p["hosts"], p["nodes"], p["state"] or "?", p["time_left"] or "-", p["reason"] or "-"]
+            for p in parts
+        ]
+        print(_table(rows, ["JOB", "HOSTS", "NODES", "STATE", "TIME LEFT", "REASON"]))
+    elif alloc and ("job_id" in alloc or "kind" in alloc):
         print("allocation: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in alloc.items()))
     rows = []
     for h in s["hosts"]:
@@ -737,7 +745,11 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     _pool_names(p.add_argument("name", help="pool name"))
     p.add_argument("--json", action="store_true")
     p.set_defaults(pool_fn=cmd_status)
-    p = sub.add_parser("resize", help="grow or shrink a pool in place (monarch_kubernetes); running hosts are kept")
+    p = sub.add_parser(
+        "resize",
+        help="grow or shrink a pool in place (monarch_slurm: a further allocation joins, or whole allocations "
+        "are released; monarch_kubernetes: pods); running hosts are kept",
+    )
     _pool_names(p.add_argument("name", help="pool name"))
     p.add_argument("--replicas", "--hosts", dest="replicas", type=int, required=True, help="the new number of hosts")
     p.set_defaults(pool_fn=cmd_resize)

@@ -27,6 +27,7 @@ from .credentials import TLS_FILE, TOKEN_FILE
 from .errors import AccessError, CreateInterrupted, HostLost, HostUnreachable, MonarchError, StartTimeout
 from .net.fanout import tree_min_hosts
 from .registry import HostAddr, PoolRecord, Registry, check_pool_name
+from .specs import PENDING, RUNNING
 
 if TYPE_CHECKING:
     from .submission import PoolPlan, Submission
@@ -98,9 +99,12 @@ class Provisioner(Protocol):
         """What ``create(rec)`` would send (for dry-runs): built by the code ``create`` uses, making nothing."""
 
     # optional: ``resize(rec, hosts) -> (indices to wait for, their old incarnations)``,
-    # ``open_tunnel(rec, addr, timeout)`` for hosts whose address has ``via`` set, and
-    # ``reuse_warnings(rec, options) -> [line]``: what a reused pool gives less of than a run's
-    # options ask, not part of its fingerprint (SLURM: less time left than time=): said, not refused
+    # ``open_tunnel(rec, addr, timeout)`` for hosts whose address has ``via`` set,
+    # ``lost_hosts(rec) -> {index: why}`` where the engine knows per host (several allocations),
+    # ``reuse_refusal(rec, options) -> line | None``: why a reused pool cannot serve a run's
+    # options that are not part of its fingerprint (SLURM: less time left than min_time_left=),
+    # and ``reuse_warnings(rec, options) -> [line]``: what it gives less of, said, not refused
+    # (SLURM: less time left than time=)
 
 
 class TunnelingProvisioner(Protocol):
@@ -154,7 +158,7 @@ class Pool:
         self.registry = registry
         self._hosts: list[HostAddr | None] | None = None
         self._provisioner: Provisioner | None = None
-        self._engine_loss: tuple[float, str | None] | None = None  # (when asked, the answer)
+        self._engine_loss: tuple[float, str | dict[int, str] | None] | None = None  # (when asked, the answer)
         self._patient: dict[tuple[int, str, int], bool] = {}  # (index, incarnation, port) -> answered a patient ping
         self.unreachable: list[int] = []  # hosts ensure_pool's check left be: unreachable, not known to be lost
 
@@ -267,7 +271,7 @@ class Pool:
         system's clock (``Registry.host_file_age``), never by comparing our clock with the agent's.
         """
         addr = self.fresh_host(index)
-        why = self._engine_loss_reason()  # the engine's word first: it says why
+        why = self._engine_loss_reason(index)  # the engine's word first: it says why
         if why:
             return why
         if addr is None:
@@ -307,13 +311,18 @@ class Pool:
                 self._patient[key] = True
         return self._patient[key]
 
-    def _engine_loss_reason(self) -> str | None:
-        """The provisioner's ``loss_reason``, asked once a second at most: on SLURM it runs squeue,
-        and one health check may weigh the evidence for every host of a pool."""
+    def _engine_loss_reason(self, index: int) -> str | None:
+        """Why the engine says host ``index`` is gone: its ``lost_hosts`` (per host, where a pool
+        spans several allocations) or else its ``loss_reason`` (the whole pool), asked once a
+        second at most: on SLURM it runs squeue, and one health check may weigh the evidence for
+        every host of a pool."""
         now = time.monotonic()
         if self._engine_loss is None or now - self._engine_loss[0] > 1.0:
-            self._engine_loss = (now, self.provisioner.loss_reason(self.record))
-        return self._engine_loss[1]
+            per_host = getattr(self.provisioner, "lost_hosts", None)
+            found = per_host(self.record) if per_host is not None else self.provisioner.loss_reason(self.record)
+            self._engine_loss = (now, found)
+        found = self._engine_loss[1]
+        return found.get(index) if isinstance(found, dict) else found
 
     def ask(
         self,
@@ -540,9 +549,16 @@ def plan_pool(req: PoolRequest, registry: Registry | None = None, defaults: dict
     if rec is not None:
         diffs = _fingerprint_diff(rec, req, prov)
         if not diffs:
+            why = reuse_refusal(rec, req, prov)
+            if why:
+                return PoolPlan("refused", why)
             notes = "".join(f"; warning: {w}" for w in reuse_warnings(rec, req, prov))
             return PoolPlan(
                 "reuse", f"pool {req.name!r} exists with {rec.num_hosts} host(s): nothing is submitted{notes}"
+            )
+        if _grows(rec, req, prov):
+            return PoolPlan(
+                "grow", f"pool {req.name!r} grows from {rec.num_hosts} to {req.spec['hosts']} host(s) in place"
             )
         if not req.replace:
             return PoolPlan("refused", f"pool {req.name!r} has {', '.join(diffs)}; use -cfg replace=True")
@@ -552,15 +568,41 @@ def plan_pool(req: PoolRequest, registry: Registry | None = None, defaults: dict
     return PoolPlan(action, reason, prov.submission(draft))
 
 
+def reuse_refusal(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> str | None:
+    """Why the pool ``rec`` cannot serve ``req`` though it matches (see Provisioner), or None."""
+    refuse = getattr(prov, "reuse_refusal", None)
+    return refuse(rec, dict(req.options)) if refuse is not None else None
+
+
 def reuse_warnings(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> list[str]:
     """What the pool ``rec``, reused for ``req``, gives less of than asked (see Provisioner)."""
     warn = getattr(prov, "reuse_warnings", None)
     return list(warn(rec, dict(req.options))) if warn is not None else []
 
 
-def _say_reuse_warnings(rec: PoolRecord, req: PoolRequest, prov: Provisioner, progress: Callable[[str], None]) -> None:
+def _check_reuse(rec: PoolRecord, req: PoolRequest, prov: Provisioner, progress: Callable[[str], None]) -> None:
+    """Refuses a reuse the pool cannot serve (one line), else says what it gives less of."""
+    why = reuse_refusal(rec, req, prov)
+    if why:
+        raise MonarchError(why)
     for w in reuse_warnings(rec, req, prov):
         progress(f"warning: {w}")
+
+
+def _grows(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> bool:
+    """A run with ``grow=True`` asking more hosts than the pool has, where the pool differs in
+    nothing else and its engine can add hosts in place: it grows instead of being replaced."""
+    want = req.spec.get("hosts")
+    if not req.options.get("grow") or want is None or want <= rec.num_hosts or getattr(prov, "resize", None) is None:
+        return False
+    return all(d.startswith(f"{prov.hosts_option}=") for d in _fingerprint_diff(rec, req, prov))
+
+
+def _grow_in_place(
+    rec: PoolRecord, req: PoolRequest, registry: Registry, prov: Provisioner, progress: Callable[[str], None]
+) -> None:
+    progress(f"growing pool {req.name!r} from {rec.num_hosts} to {req.spec['hosts']} host(s) (grow=True)")
+    _resize_locked(rec, int(req.spec["hosts"]), registry, prov, progress)
 
 
 def ensure_pool(
@@ -583,6 +625,8 @@ def ensure_pool(
                 f"pool {req.name!r} runs on {rec.scheduler}, not {req.scheduler}: "
                 f"use -s {rec.scheduler} or another pool name"
             )
+        if rec is not None and _grows(rec, req, prov):
+            _grow_in_place(rec, req, registry, prov, progress)
         if rec is not None:
             diffs = _fingerprint_diff(rec, req, prov)
             if diffs and not req.replace:
@@ -595,7 +639,7 @@ def ensure_pool(
                 _stop(Pool(rec, registry), prov, "replaced")
                 rec = None
             else:
-                _say_reuse_warnings(rec, req, prov, progress)
+                _check_reuse(rec, req, prov, progress)
         if rec is None:
             spec = _new_spec(req, prov, defaults)
             rec = registry.new_record(req.name, req.scheduler, spec, req.options)
@@ -704,7 +748,7 @@ def reuse_unchecked(
         gone = getattr(prov, "host_gone", None)
         if any(h is None or h.exited or (gone is not None and gone(rec, h)) for h in hosts):
             return None
-        _say_reuse_warnings(rec, req, prov, progress)
+        _check_reuse(rec, req, prov, progress)
         return pool
 
 
@@ -867,10 +911,12 @@ def force_stop(name: str, registry: Registry | None = None) -> list[str]:
     alloc = raw.get("allocation")
     if not isinstance(alloc, dict):
         alloc = {}
-    job = alloc.get("job_id")
-    if job and shutil.which("scancel"):
-        subprocess.run(["scancel", str(job)], capture_output=True)
-        done.append(f"cancelled SLURM allocation {job}")
+    listed = alloc.get("parts")
+    parts: list[Any] = listed if isinstance(listed, list) else [alloc]  # (a grown SLURM pool has several)
+    jobs = [str(p["job_id"]) for p in parts if isinstance(p, dict) and p.get("job_id")]
+    if jobs and shutil.which("scancel"):
+        subprocess.run(["scancel", *jobs], capture_output=True)
+        done += [f"cancelled SLURM allocation {job}" for job in jobs]
     for p in (path, *(Path(d) / f for d in state_dirs for f in (TOKEN_FILE, TLS_FILE))):
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
@@ -886,18 +932,78 @@ def resize_pool(
     with registry.lock(name, on_wait=progress):
         rec = registry.require(name)
         prov = get_provisioner(rec.scheduler)
-        resize = getattr(prov, "resize", None)
-        if resize is None:
+        if getattr(prov, "resize", None) is None:
             raise MonarchError(
                 f"pool {name!r} runs on {rec.scheduler}, which cannot resize in place: "
                 f"use -cfg {prov.hosts_option}={hosts},replace=True on the next run"
             )
         if hosts < 1:
             raise MonarchError(f"a pool needs at least 1 host (asked {hosts}); `pool stop {name}` ends it")
-        grow, old = resize(rec, hosts)
-        registry.save(rec)
-        prov.wait_ready(rec, grow, old, _start_timeout(rec), progress)
+        _resize_locked(rec, hosts, registry, prov, progress)
         return Pool(rec, registry)
+
+
+def _resize_locked(
+    rec: PoolRecord, hosts: int, registry: Registry, prov: Provisioner, progress: Callable[[str], None]
+) -> None:
+    """Resizes ``rec`` (its lock held). Growing waits for the new hosts; hosts that do not come
+    up are given back and the pool keeps its size. Shrinking refuses while apps run on a host it
+    would release, naming them, and tells the released agents to stop before their engine ends them."""
+    old_n = rec.num_hosts
+    if hosts == old_n:
+        progress(f"pool {rec.name!r} already has {hosts} host(s)")
+        return
+    pool = Pool(rec, registry)
+    if hosts < old_n:
+        released_by = getattr(prov, "released_by", None)
+        if released_by is not None:
+            released_by(rec, hosts)  # (refuses a size that would split what the engine releases whole)
+        released = list(range(hosts, old_n))
+        busy = _apps_on(pool, released)
+        if busy:
+            raise MonarchError(
+                f"pool {rec.name!r} cannot shrink to {hosts}: app(s) {busy} run on host(s) {hosts}-{old_n - 1}; "
+                f"wait for them or `torchx cancel` them first"
+            )
+        if released_by is not None:  # its agents end their work and mounts before the engine ends them
+            pool.fan_out(lambda i: pool.call(i, "shutdown", timeout=10.0, reason="pool resized"), released)
+        progress(f"pool {rec.name!r}: releasing host(s) {hosts}-{old_n - 1}")
+    grow, old = prov.resize(rec, hosts)  # type: ignore[attr-defined]
+    registry.save(rec)
+    if not grow:
+        _tell_queue(Pool(rec, registry))
+        return
+    progress(f"pool {rec.name!r}: waiting for host(s) {grow[0]}-{grow[-1]} to join")
+    try:
+        prov.wait_ready(rec, grow, old, _start_timeout(rec), progress)
+        wait_warm(Pool(rec, registry), progress, _start_timeout(rec))
+        _tell_queue(Pool(rec, registry))
+    except BaseException as e:
+        with contextlib.suppress(Exception):
+            prov.resize(rec, old_n)  # type: ignore[attr-defined]
+        registry.save(rec)
+        if isinstance(e, MonarchError):
+            raise MonarchError(f"{e}; pool {rec.name!r} keeps its {old_n} host(s)") from None
+        raise
+
+
+def _tell_queue(pool: Pool) -> None:
+    """Hands the pool's queue (host 0's agent) the hosts it has now, so that apps waiting there
+    are placed on hosts that joined, and never on hosts that left."""
+    from .app_queue import QUEUE_HOST
+
+    targets, _, _ = pool.tree_targets(range(pool.record.num_hosts))
+    with contextlib.suppress(MonarchError, OSError, net.RemoteError):  # no queue there: nothing waits
+        pool.call(QUEUE_HOST, "queue.status", timeout=10.0, app_ids=[], targets=[t.as_dict() for t in targets])
+
+
+def _apps_on(pool: Pool, hosts: list[int]) -> str:
+    """The apps with a replica running on any of ``hosts``, named, or ""."""
+    names: set[str] = set()
+    for _, res, err in pool.ask("list", hosts, timeout=10.0):
+        if err is None and isinstance(res, list):
+            names.update(str(r["app_id"]) for r in res if r.get("state") in (PENDING, RUNNING))
+    return ", ".join(sorted(names))
 
 
 def wait_for_hosts(

@@ -49,7 +49,7 @@ class Submission:
 @dataclass
 class PoolPlan:
     """What a run would do to its pool: ``reuse``, ``create`` or ``replace`` it (with ``submission``),
-    or be ``refused`` (``reason`` says why, as the run itself would)."""
+    ``grow`` it in place (``grow=True``), or be ``refused`` (``reason`` says why, as the run itself would)."""
 
     action: str
     reason: str = ""

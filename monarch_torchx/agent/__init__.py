@@ -13,10 +13,11 @@ if TYPE_CHECKING:
     from ..registry import PoolRecord
 
 
-def agent_argv(rec: PoolRecord, index: int | None, bind: str) -> list[str]:
+def agent_argv(rec: PoolRecord, index: int | None, bind: str, index_base: int = 0) -> list[str]:
     """The agent command line every provisioner starts (the token is read from the state dir).
 
-    ``index=None`` lets the agent take its index from the environment (SLURM_NODEID).
+    ``index=None`` lets the agent take its index from the environment (SLURM_NODEID), counted
+    from ``index_base``: a further allocation of a grown pool numbers its hosts after the others.
     """
     argv = module_argv(
         "monarch_torchx.agent",
@@ -33,6 +34,8 @@ def agent_argv(rec: PoolRecord, index: int | None, bind: str) -> list[str]:
     )
     if index is not None:
         argv += ["--index", str(index)]
+    elif index_base:
+        argv += ["--index-base", str(index_base)]
     from .logstore import POOL_MAX_MB, REPLICA_MAX_MB  # (standard library only: still light)
 
     # replica logs: a limit per replica, and each host's share of the pool's limit

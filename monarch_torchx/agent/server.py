@@ -646,6 +646,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="host index (default: SLURM_NODEID, $MONARCH_TORCHX_HOST_INDEX, the hostname's -N suffix, or 0)",
     )
     p.add_argument(
+        "--index-base",
+        type=int,
+        default=0,
+        help="added to an index taken from the environment (a grown pool's further allocation)",
+    )
+    p.add_argument(
         "--incarnation",
         default=None,
         help="this agent's identity in handshakes (default: random; Kubernetes: the pod UID)",
@@ -687,7 +693,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     if args.index is None:
-        args.index = _index_from_environment()
+        args.index = args.index_base + _index_from_environment()
     if args.module is None:
         args.module = [m for m in os.environ.get("MONARCH_TORCHX_MODULES", "").split(",") if m]
     if args.preload is None:

@@ -219,6 +219,13 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             default=False,
             help="replace the pool when it differs from what is asked (else such a run is refused)",
         )
+        if getattr(prov, "resize", None) is not None:
+            opts.add(
+                "grow",
+                type_=bool,
+                default=False,
+                help=f"grow the pool in place to {prov.hosts_option}= when it is smaller (its hosts and apps are kept)",
+            )
         opts.add(
             "idle_timeout",
             type_=str,
@@ -334,6 +341,8 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         spec: dict[str, Any] = {"hosts": hosts, "preload": preload, "tls": None if tls is None else bool(tls)}
         spec.update(_declared_capacity(cfg))
         options = {"idle_timeout": parse_duration(cfg.get("idle_timeout", "30m")), **_log_limits(cfg)}
+        if cfg.get("grow"):
+            options["grow"] = True
         prov.pool_spec(cfg, spec, options)
         return PoolRequest(self.backend, name, spec, options, bool(cfg.get("replace")))
 

@@ -1,9 +1,11 @@
-"""``monarch_slurm``: one ``sbatch`` allocation of N nodes, one agent per node, kept warm.
+"""``monarch_slurm``: ``sbatch`` allocations, one agent per node, kept warm.
 
-The batch script ``srun``s one agent per node; each publishes its address in the pool's state
-dir, which must be on a file system the nodes share (the registry home, or ``job_dir``). Run
-options use TorchX's slurm names and meanings, and a ``[slurm]`` section of ``.torchxconfig``
-supplies their defaults, so existing configs carry over.
+A pool starts as one allocation of N nodes; ``pool resize`` (or a run with ``grow=True``) adds
+further allocations whose agents join it as hosts N, N+1, ..., and shrinking releases whole
+allocations from the last. The batch script ``srun``s one agent per node; each publishes its
+address in the pool's state dir, which must be on a file system the nodes share (the registry
+home, or ``job_dir``). Run options use TorchX's slurm names and meanings, and a ``[slurm]``
+section of ``.torchxconfig`` supplies their defaults, so existing configs carry over.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import shlex
 import shutil
 import subprocess
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,7 +30,7 @@ from .base import MonarchScheduler
 
 # spec keys (must match for reuse) and plain options, by TorchX slurm run-option name
 SPEC_OPTS = ("partition", "account", "qos", "constraint", "gpus_per_node", "cpus_per_task", "mem", "exclusive")
-PLAIN_OPTS = ("time", "comment", "mail-user", "mail-type", "job_dir", "start_timeout")
+PLAIN_OPTS = ("time", "comment", "mail-user", "mail-type", "job_dir", "start_timeout", "min_time_left")
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 # pending reasons that will not resolve by waiting: fail at once instead of an endless PENDING
 _HOPELESS = (
@@ -47,6 +50,54 @@ _HOPELESS = (
     "NodeDown",
 )
 _ALIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One ``sbatch`` job of a pool: it holds the pool's hosts ``first`` .. ``first + nodes - 1``."""
+
+    job_id: str
+    first: int
+    nodes: int
+    submitted: float = 0.0
+
+    @property
+    def indices(self) -> range:
+        return range(self.first, self.first + self.nodes)
+
+    def hosts_text(self) -> str:
+        last = self.first + self.nodes - 1
+        return str(self.first) if last == self.first else f"{self.first}-{last}"
+
+    def label(self) -> str:
+        return f"host {self.first}" if self.nodes == 1 else f"hosts {self.hosts_text()}"
+
+
+def allocations(rec: PoolRecord) -> list[Allocation]:
+    """The pool's allocations in host order (a record from before grown pools has one, ``job_id``)."""
+    a = rec.allocation
+    parts = a.get("parts")
+    if isinstance(parts, list):
+        return [
+            Allocation(str(p["job_id"]), int(p["first"]), int(p["nodes"]), float(p.get("submitted", 0))) for p in parts
+        ]
+    if a.get("job_id"):
+        return [Allocation(str(a["job_id"]), 0, rec.num_hosts, float(a.get("submitted", 0)))]
+    return []
+
+
+def set_allocations(rec: PoolRecord, allocs: list[Allocation]) -> None:
+    """Records the pool's allocations; ``job_id`` stays the first one's (older readers, force-stop)."""
+    allocs = sorted(allocs, key=lambda a: a.first)
+    rec.allocation = (
+        {"job_id": allocs[0].job_id, "submitted": allocs[0].submitted, "parts": [asdict(a) for a in allocs]}
+        if allocs
+        else {}
+    )
+
+
+def allocation_of(rec: PoolRecord, index: int) -> Allocation | None:
+    return next((a for a in allocations(rec) if index in a.indices), None)
 
 
 def parse_slurm_time(value: str) -> int:
@@ -113,6 +164,11 @@ def _run(argv: list[str], timeout: float = 30) -> tuple[int, str, str]:
     return res.returncode, res.stdout.strip(), res.stderr.strip()
 
 
+def _cancel_job(job_id: str) -> None:
+    if job_id and shutil.which("scancel"):
+        _run(["scancel", str(job_id)])
+
+
 def job_state(job_id: str) -> tuple[str, str, str]:
     """(state, reason, time left) of a job; state from sacct once squeue forgot it ("" if unknown)."""
     rc, out, _ = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r|%L"])
@@ -120,6 +176,23 @@ def job_state(job_id: str) -> tuple[str, str, str]:
         state, reason, left = (out.splitlines()[0].split("|") + ["", ""])[:3]
         return state, reason, left
     return _sacct_state(job_id), "", ""
+
+
+def jobs_states(job_ids: list[str]) -> dict[str, tuple[str, str, str]]:
+    """``job_state`` of several jobs with one ``squeue`` (and ``sacct`` for those it forgot)."""
+    if not job_ids:
+        return {}
+    rc, out, _ = _run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%r|%L"])
+    found: dict[str, tuple[str, str, str]] = {}
+    if rc != 0:  # (a job squeue no longer knows makes it refuse the whole list)
+        return {job: job_state(job) for job in job_ids}
+    for line in out.splitlines():
+        job, state, reason, left = (line.split("|") + ["", "", ""])[:4]
+        found[job.strip()] = (state, reason, left)
+    for job in job_ids:
+        if job not in found:
+            found[job] = (_sacct_state(job), "", "")
+    return found
 
 
 def _sacct_state(job_id: str) -> str:
@@ -130,13 +203,14 @@ def _sacct_state(job_id: str) -> str:
     return ""
 
 
-def _partition_hint(rec: PoolRecord, reason: str) -> str:
+def _partition_hint(rec: PoolRecord, reason: str, nodes: int | None = None) -> str:
     if reason != "PartitionNodeLimit":
         return ""
     argv = ["sinfo", "-h", "-o", "%D"] + (["-p", rec.spec["partition"]] if rec.spec.get("partition") else [])
     rc, out, _ = _run(argv)
     total = sum(int(x) for x in out.split() if x.isdigit()) if rc == 0 else 0
-    return f": nodes={rec.num_hosts} but the partition has {total}" if total else ""
+    asked = rec.num_hosts if nodes is None else nodes
+    return f": {asked} node(s) asked but the partition has {total}" if total else ""
 
 
 class SlurmProvisioner:
@@ -172,6 +246,12 @@ class SlurmProvisioner:
         opts.add("mem", type_=str, default=None, help="memory per node, SLURM format (e.g. 16G)")
         opts.add("exclusive", type_=bool, default=False, help="whole nodes for the pool (sbatch --exclusive)")
         opts.add(
+            "min_time_left",
+            type_=str,
+            default=None,
+            help="walltime this run needs left on the pool's allocations (e.g. 90m, 02:00:00); less is refused",
+        )
+        opts.add(
             "start_timeout",
             type_=str,
             default="10m",
@@ -187,11 +267,16 @@ class SlurmProvisioner:
                 options[k] = cfg[k]
         if options.get("time"):
             options["walltime_s"] = parse_slurm_time(options["time"])
+        if options.get("min_time_left"):
+            value = str(options["min_time_left"])
+            options["min_time_left_s"] = (
+                parse_slurm_time(value) if ":" in value or value.isdigit() else parse_duration(value, "min_time_left")
+            )
         options["start_timeout"] = parse_duration(options.get("start_timeout", "10m"), "start_timeout")
 
     # ------------------------------------------------------------ allocation
 
-    def _sbatch_argv(self, rec: PoolRecord, script: Path) -> list[str]:
+    def _sbatch_argv(self, rec: PoolRecord, script: Path, nodes: int | None = None) -> list[str]:
         spec, opt = rec.spec, rec.options
         argv = [
             "sbatch",
@@ -199,7 +284,7 @@ class SlurmProvisioner:
             "-J",
             f"monarch-{rec.name}",
             "-N",
-            str(rec.num_hosts),
+            str(rec.num_hosts if nodes is None else nodes),
             "--ntasks-per-node=1",
             "-o",
             str(Path(rec.state_dir) / "logs" / "slurm-%j.out"),
@@ -231,17 +316,21 @@ class SlurmProvisioner:
         return argv + [str(script)]
 
     @staticmethod
-    def batch_script(rec: PoolRecord) -> str:
-        """The batch script: one ``srun`` step with one agent per node."""
-        agent = " ".join(shlex.quote(a) for a in agent_argv(rec, index=None, bind="0.0.0.0"))
+    def batch_script(rec: PoolRecord, first: int = 0) -> str:
+        """The batch script: one ``srun`` step with one agent per node, numbered from ``first``."""
+        agent = " ".join(shlex.quote(a) for a in agent_argv(rec, index=None, bind="0.0.0.0", index_base=first))
         return (
             "#!/bin/bash\n"
             f"# monarch-torchx pool {rec.name}: one agent per node; agents exit when idle or told to stop\n"
             f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {agent}\n"
         )
 
+    @staticmethod
+    def _script_path(rec: PoolRecord, first: int) -> Path:
+        return Path(rec.state_dir) / ("pool.sbatch" if first == 0 else f"pool-{first}.sbatch")
+
     def submission(self, rec: PoolRecord) -> Submission:
-        script = Path(rec.state_dir) / "pool.sbatch"
+        script = self._script_path(rec, 0)
         return Submission(
             "sbatch",
             commands=[self._sbatch_argv(rec, script)],
@@ -249,46 +338,90 @@ class SlurmProvisioner:
             notes=[f"the batch script is written to {script} (0700) before sbatch runs"],
         )
 
-    def _submit(self, rec: PoolRecord) -> None:
-        for i in range(rec.num_hosts):  # an address left from an earlier allocation is not this one's
+    def _submit(self, rec: PoolRecord, first: int, nodes: int) -> Allocation:
+        """Submits one allocation for hosts ``first`` .. ``first + nodes - 1``."""
+        for i in range(first, first + nodes):  # an address left from an earlier allocation is not this one's
             Registry.clear_host(rec, i)
-        script = Path(rec.state_dir) / "pool.sbatch"
-        write_private(script, self.batch_script(rec))  # a new file renamed into place: a planted symlink is replaced
+        script = self._script_path(rec, first)
+        # a new file renamed into place: a planted symlink is replaced
+        write_private(script, self.batch_script(rec, first))
         script.chmod(0o700)
-        rc, out, err = _run(self._sbatch_argv(rec, script))
+        rc, out, err = _run(self._sbatch_argv(rec, script, nodes))
         if rc != 0:
             reason = err.splitlines()[-1] if err else f"exit code {rc}"
             raise MonarchError(f"SLURM refused pool {rec.name!r}: {reason.removeprefix('sbatch: error: ')}")
-        rec.allocation = {"job_id": out.split(";")[0], "submitted": time.time()}
+        return Allocation(out.split(";")[0], first, nodes, time.time())
 
     def create(self, rec: PoolRecord) -> None:
-        self._submit(rec)
+        set_allocations(rec, [self._submit(rec, 0, rec.num_hosts)])
 
     def repair(self, rec: PoolRecord, indices: list[int]) -> list[int]:
-        """An agent cannot be re-added to a running allocation: replace the allocation."""
-        self._cancel(rec)
-        self._submit(rec)
-        return list(range(rec.num_hosts))
+        """An agent cannot be re-added to a running allocation: each allocation that holds a lost
+        host is replaced (the pool's other allocations, and their warm hosts, are left alone)."""
+        kept: list[Allocation] = []
+        again: list[Allocation] = []
+        for a in allocations(rec):
+            (again if any(i in a.indices for i in indices) else kept).append(a)
+        for a in again:
+            _cancel_job(a.job_id)
+        set_allocations(rec, kept + [self._submit(rec, a.first, a.nodes) for a in again])
+        return [i for a in again for i in a.indices]
 
     def _cancel(self, rec: PoolRecord) -> None:
-        job = rec.allocation.get("job_id")
-        if job and shutil.which("scancel"):
-            _run(["scancel", str(job)])
+        for a in allocations(rec):
+            _cancel_job(a.job_id)
+
+    # ------------------------------------------------------------ growing and shrinking
+
+    def resize(self, rec: PoolRecord, hosts: int) -> tuple[list[int], dict[int, str]]:
+        """Grows by one further allocation for the new hosts, or shrinks by releasing whole
+        allocations from the last (their agents are told to stop by the caller first). Returns the
+        new hosts to wait for, and the incarnations they must not be (none: they are new)."""
+        allocs = allocations(rec)
+        old = rec.num_hosts
+        if hosts > old:
+            allocs.append(self._submit(rec, old, hosts - old))
+            rec.spec["hosts"] = hosts
+            set_allocations(rec, allocs)
+            return list(range(old, hosts)), {}
+        for a in self.released_by(rec, hosts):
+            _cancel_job(a.job_id)
+            for i in a.indices:
+                Registry.clear_host(rec, i)
+            allocs.remove(a)
+        rec.spec["hosts"] = hosts
+        set_allocations(rec, allocs)
+        return [], {}
+
+    def released_by(self, rec: PoolRecord, hosts: int) -> list[Allocation]:
+        """The allocations a shrink to ``hosts`` releases: whole ones, from the last; a size that
+        would split one is refused, naming the sizes that would not."""
+        allocs = allocations(rec)
+        ends = [a.first for a in allocs[1:]] + [rec.num_hosts]
+        if hosts not in ends:
+            layout = ", ".join(f"{a.label()} (job {a.job_id})" for a in allocs)
+            sizes = " or ".join(str(e) for e in ends if e < rec.num_hosts) or "none smaller"
+            raise MonarchError(
+                f"pool {rec.name!r} holds {layout}: a SLURM pool shrinks by whole allocations, so resize it to {sizes}"
+            )
+        return [a for a in allocs if a.first >= hosts]
 
     def end_leftovers(self, rec: PoolRecord, lost: list[int]) -> list[str]:
         """A job step on each lost host's node (the allocation still runs: its other agents do)
         ends what the dead agent left there, in that node's mount namespace."""
         from ..syncfs.host import pool_id
 
-        job = rec.allocation.get("job_id")
-        if not job or job_state(job)[0] != "RUNNING" or shutil.which("srun") is None:
+        if shutil.which("srun") is None:
             return []
+        states = jobs_states([a.job_id for a in allocations(rec)])
         hosts = Registry.hosts(rec)
         steps = []
         for i in lost:
             h = hosts[i] if i < len(hosts) else None
-            if h is None or not h.hostname:
+            alloc = allocation_of(rec, i)
+            if h is None or not h.hostname or alloc is None or states[alloc.job_id][0] != "RUNNING":
                 continue
+            job = alloc.job_id
             argv = [
                 "srun",
                 f"--jobid={job}",
@@ -334,53 +467,70 @@ class SlurmProvisioner:
         return found
 
     def release(self, rec: PoolRecord) -> None:
-        job = rec.allocation.get("job_id")
-        if not job:
+        jobs = [a.job_id for a in allocations(rec)]
+        if not jobs:
             return
-        deadline = time.time() + 5  # agents were told to shut down: give the job a moment to end
-        while time.time() < deadline and job_state(job)[0] in ("RUNNING", "COMPLETING"):
+        deadline = time.time() + 5  # agents were told to shut down: give the jobs a moment to end
+        while time.time() < deadline and any(st[0] in ("RUNNING", "COMPLETING") for st in jobs_states(jobs).values()):
             time.sleep(0.2)
-        if job_state(job)[0] in _ALIVE:
-            self._cancel(rec)
+        for job, (state, _, _) in jobs_states(jobs).items():
+            if state in _ALIVE:
+                _cancel_job(job)
 
     def wait_ready(
         self, rec: PoolRecord, indices: list[int], old: dict[int, str], timeout: float, progress: Callable[[str], None]
     ) -> None:
-        job = rec.allocation["job_id"]
-        last: dict[str, Any] = {"t": 0.0, "said": ""}
-        log = Path(rec.state_dir) / "logs" / f"slurm-{job}.out"
+        waited = [a for a in allocations(rec) if any(i in a.indices for i in indices)]
+        last: dict[str, Any] = {"t": 0.0, "said": {}, "why": {}}
 
-        def check(_i: int) -> str | None:
-            if time.time() - last["t"] < 0.5:
-                return None
-            last["t"] = time.time()
-            state, reason, _ = job_state(job)
-            said = f"allocation {job}: {state or 'unknown'}" + (f" ({reason})" if reason and reason != "None" else "")
-            if said != last["said"]:
-                progress(said)
-                last["said"] = said
-            if state and state not in _ALIVE:
-                tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
-                return f"allocation {job} is {state}" + (f": {' | '.join(tail)}" if tail else "")
-            if state == "PENDING" and reason in _HOPELESS:
-                return f"allocation {job} can never start ({reason}{_partition_hint(rec, reason)})"
-            return None
+        def check(i: int) -> str | None:
+            if time.time() - last["t"] >= 0.5:  # every allocation's state, one squeue, twice a second
+                last["t"] = time.time()
+                states = jobs_states([a.job_id for a in waited])
+                for a in waited:
+                    last["why"][a.job_id] = self._why_not_starting(rec, a, *states[a.job_id], progress, last["said"])
+            alloc = allocation_of(rec, i)
+            return last["why"].get(alloc.job_id) if alloc is not None else None
 
         try:
             wait_for_hosts(rec, indices, old, timeout, check)
         except StartTimeout:
-            state, reason, _ = job_state(job)
+            states = jobs_states([a.job_id for a in waited])
+            still = "; ".join(
+                f"allocation {a.job_id} still {states[a.job_id][0] or 'unknown'}"
+                + (f" ({states[a.job_id][1]})" if states[a.job_id][1] not in ("", "None") else "")
+                for a in waited
+            )
             raise MonarchError(
-                f"pool {rec.name!r}: allocation {job} still {state or 'unknown'}"
-                f"{f' ({reason})' if reason else ''} after {timeout:.0f} s; "
-                f"cancelled it (raise start_timeout to wait longer)"
+                f"pool {rec.name!r}: {still} after {timeout:.0f} s; cancelled it (raise start_timeout to wait longer)"
             ) from None
 
-    def loss_reason(self, rec: PoolRecord) -> str | None:
-        job = rec.allocation.get("job_id")
-        if not job:
-            return None
-        state, reason, _ = job_state(job)
+    @staticmethod
+    def _why_not_starting(
+        rec: PoolRecord,
+        alloc: Allocation,
+        state: str,
+        reason: str,
+        _left: str,
+        progress: Callable[[str], None],
+        said: dict[str, str],
+    ) -> str | None:
+        """Says an allocation's state when it changes; the reason it can never start, or None."""
+        job = alloc.job_id
+        line = f"allocation {job}: {state or 'unknown'}" + (f" ({reason})" if reason and reason != "None" else "")
+        if said.get(job) != line:
+            progress(line)
+            said[job] = line
+        if state and state not in _ALIVE:
+            log = Path(rec.state_dir) / "logs" / f"slurm-{job}.out"
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
+            return f"allocation {job} is {state}" + (f": {' | '.join(tail)}" if tail else "")
+        if state == "PENDING" and reason in _HOPELESS:
+            return f"allocation {job} can never start ({reason}{_partition_hint(rec, reason, alloc.nodes)})"
+        return None
+
+    @staticmethod
+    def _lost_text(job: str, state: str, reason: str) -> str | None:
         if state == "COMPLETING":  # ending: the accounting record says why (CANCELLED, TIMEOUT, ...)
             final = _sacct_state(job)
             state = final if final and final not in ("RUNNING", "PENDING", "COMPLETING") else "ending (COMPLETING)"
@@ -389,34 +539,90 @@ class SlurmProvisioner:
             return None
         return f"allocation {job} is {state or 'gone'}" + (f" ({reason})" if reason and reason != "None" else "")
 
+    def lost_hosts(self, rec: PoolRecord) -> dict[int, str]:
+        """Hosts whose allocation is not running, each with why (one squeue for the pool)."""
+        allocs = allocations(rec)
+        states = jobs_states([a.job_id for a in allocs])
+        lost: dict[int, str] = {}
+        for a in allocs:
+            why = self._lost_text(a.job_id, *states[a.job_id][:2])
+            if why:
+                lost.update({i: why for i in a.indices})
+        return lost
+
+    def loss_reason(self, rec: PoolRecord) -> str | None:
+        """Why the whole pool is gone (every allocation ended), or None."""
+        lost = self.lost_hosts(rec)
+        if not lost or len(lost) < rec.num_hosts:
+            return None
+        return "; ".join(dict.fromkeys(lost.values()))
+
+    # ------------------------------------------------------------ walltime
+
+    def time_left(self, rec: PoolRecord) -> list[tuple[Allocation, int | None]]:
+        """Each allocation's walltime left in seconds (None: unlimited, or not running yet)."""
+        allocs = allocations(rec)
+        states = jobs_states([a.job_id for a in allocs])
+        out: list[tuple[Allocation, int | None]] = []
+        for a in allocs:
+            try:
+                out.append((a, parse_slurm_time(states[a.job_id][2])))
+            except MonarchError:  # UNLIMITED, NOT_SET, INVALID
+                out.append((a, None))
+        return out
+
+    def _short_of(self, rec: PoolRecord, want: int) -> str:
+        """The allocations with less than ``want`` seconds left, said; "" when none is short."""
+        short = [(a, left) for a, left in self.time_left(rec) if left is not None and left < want]
+        return ", ".join(f"allocation {a.job_id} ({a.label()}) has {_human(left)} left" for a, left in short)
+
+    def reuse_refusal(self, rec: PoolRecord, options: dict[str, Any]) -> str | None:
+        """A run that says how long it needs (``min_time_left=``) is refused, in one line saying how
+        much is left, on a pool an allocation of which has less: an allocation cannot be extended,
+        and the run would be cut short at its walltime."""
+        want = options.get("min_time_left_s")
+        short = self._short_of(rec, want) if want else ""
+        if not short:
+            return None
+        return (
+            f"pool {rec.name!r}: {short}, less than min_time_left={options.get('min_time_left')} asks; an "
+            f"allocation cannot be extended: `monarch-torchx pool stop {rec.name}` and run again for a new one"
+        )
+
     def reuse_warnings(self, rec: PoolRecord, options: dict[str, Any]) -> list[str]:
-        """A run asking for more walltime (``time=``) than the reused allocation has left: said,
-        since the allocation cannot be extended and the run may be cut short."""
+        """``time=`` sizes the allocation a run would submit, and every run of a script repeats it:
+        on a reused pool with less left it is said, not refused (``min_time_left=`` refuses)."""
         want = options.get("walltime_s")
-        job = rec.allocation.get("job_id")
-        if not want or not job:
-            return []
-        state, _, left = job_state(str(job))
-        try:
-            left_s = parse_slurm_time(left)
-        except MonarchError:  # UNLIMITED, NOT_SET, or not running (the run's check repairs it)
-            return []
-        if left_s >= want:
+        short = self._short_of(rec, want) if want else ""
+        if not short:
             return []
         return [
-            f"pool {rec.name!r} (allocation {job}) has {_human(left_s)} left, less than time={options.get('time')} "
-            f"asks; it is reused: to get a new allocation, `monarch-torchx pool stop {rec.name}` and run again"
+            f"pool {rec.name!r}: {short}, less than time={options.get('time')}; it is reused (-cfg "
+            f"min_time_left=... refuses instead): for a new allocation, `monarch-torchx pool stop {rec.name}`"
         ]
 
     def describe(self, rec: PoolRecord) -> dict[str, Any]:
-        job = rec.allocation.get("job_id")
-        state, reason, left = job_state(job) if job else ("", "", "")
+        allocs = allocations(rec)
+        states = jobs_states([a.job_id for a in allocs])
+        parts = [
+            {
+                "job_id": a.job_id,
+                "hosts": a.hosts_text(),
+                "nodes": a.nodes,
+                "state": states[a.job_id][0],
+                "reason": states[a.job_id][1] if states[a.job_id][1] != "None" else "",
+                "time_left": states[a.job_id][2],
+            }
+            for a in allocs
+        ]
+        first = parts[0] if parts else {"job_id": None, "state": "", "reason": "", "time_left": ""}
         return {
-            "job_id": job,
-            "state": state,
-            "reason": reason if reason != "None" else "",
-            "time_left": left,
+            "job_id": first["job_id"],
+            "state": first["state"],
+            "reason": first["reason"],
+            "time_left": first["time_left"],
             "walltime": rec.options.get("time"),
+            "allocations": parts,
         }
 
 

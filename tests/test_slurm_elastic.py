@@ -1,0 +1,168 @@
+"""Issue 42 on the SLURM lab: a pool that grows by further allocations (its hosts and apps kept),
+shrinks by releasing whole idle allocations, refuses a run that needs more walltime than its
+allocations have left, and keeps serving when SLURM cannot satisfy a grow."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from monarch_torchx.registry import PoolRecord, Registry
+from monarch_torchx.schedulers.slurm import Allocation, allocations, set_allocations
+
+from .conftest import BIN, cli_env, squeue_ids, torchx, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("slurm_lab")]
+
+MT = str(BIN / "monarch-torchx")
+# each lab node has 1 CPU: declared capacity lets several replicas share a host, as on a real node
+SPEC = "partition=debug,time=00:20:00,preload=none,cpus_per_host=4"
+
+
+def mt(home, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([MT, *args], env=cli_env(home), capture_output=True, text=True, timeout=180)
+
+
+def _state(home, handle) -> str:
+    out = torchx(home, "status", handle).stdout
+    return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.strip().startswith("State:"))
+
+
+def _status(home, pool) -> dict:
+    return json.loads(mt(home, "pool", "status", pool, "--json").stdout)
+
+
+def _jobs(home, pool) -> list[str]:
+    return [a.job_id for a in allocations(Registry(home).require(pool))]
+
+
+def test_grow_keeps_the_running_app_then_shrink_releases_only_idle_allocations(home, pool_name):
+    res = mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", f"nodes=1,{SPEC}")
+    assert res.returncode == 0, res.stderr
+    first = _jobs(home, pool_name)
+    run0 = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.sh", "sleep", "600")
+    h0 = run0.stdout.strip().splitlines()[-1]
+    wait_for(lambda: _state(home, h0) == "RUNNING", what="the app on host 0")
+    pid0 = Registry.hosts(Registry(home).require(pool_name))[0].pid
+
+    # a run asking 3 nodes with grow=True grows the pool in place: a further allocation joins
+    res = torchx(
+        home,
+        "run",
+        "-s",
+        "monarch_slurm",
+        "-cfg",
+        f"pool={pool_name},nodes=3,grow=True",
+        "utils.sh",
+        "--num_replicas",
+        "3",
+        "hostname",
+    )
+    assert "growing pool" in res.stderr and "host(s) 1-2 to join" in res.stderr
+    h3 = res.stdout.strip().splitlines()[-1]
+    wait_for(lambda: _state(home, h3) == "SUCCEEDED", timeout=60, what="the 3-replica app")
+    names = sorted(torchx(home, "log", h3).stdout.split())
+    assert len([n for n in names if n.startswith("node")]) == 3, names
+
+    jobs = _jobs(home, pool_name)
+    assert jobs[0] == first[0] and len(jobs) == 2
+    st = _status(home, pool_name)
+    assert [(a["hosts"], a["nodes"], a["state"]) for a in st["allocation"]["allocations"]] == [
+        ("0", 1, "RUNNING"),
+        ("1-2", 2, "RUNNING"),
+    ]
+    assert [h["state"] for h in st["hosts"]] == ["ok", "ok", "ok"]
+    assert "allocations (2):" in mt(home, "pool", "status", pool_name).stdout
+    # host 0's agent and its app were never touched
+    assert Registry.hosts(Registry(home).require(pool_name))[0].pid == pid0
+    assert _state(home, h0) == "RUNNING"
+
+    # a shrink that would split an allocation is refused, naming the sizes that would not
+    res = mt(home, "pool", "resize", pool_name, "--hosts", "2")
+    assert res.returncode == 1 and "shrinks by whole allocations, so resize it to 1" in res.stderr
+
+    # a busy allocation is kept, saying which app keeps it
+    busy = torchx(
+        home,
+        "run",
+        "-s",
+        "monarch_slurm",
+        "-cfg",
+        f"pool={pool_name}",
+        "utils.sh",
+        "--num_replicas",
+        "3",
+        "sleep",
+        "600",
+    )
+    hb = busy.stdout.strip().splitlines()[-1]
+    wait_for(lambda: _state(home, hb) == "RUNNING", what="the app on every host")
+    res = mt(home, "pool", "resize", pool_name, "--hosts", "1")
+    assert res.returncode == 1 and "cannot shrink to 1" in res.stderr and hb.rsplit(":", 1)[-1] in res.stderr
+    assert len(_jobs(home, pool_name)) == 2
+
+    # once it ends, the idle allocation is released; host 0 and its app stay
+    torchx(home, "cancel", hb)
+    wait_for(lambda: _state(home, hb) == "CANCELLED", what="the cancel")
+    res = mt(home, "pool", "resize", pool_name, "--hosts", "1")
+    assert res.returncode == 0, res.stderr
+    wait_for(lambda: jobs[1] not in squeue_ids(f"monarch-{pool_name}"), timeout=30, what="the allocation released")
+    assert _jobs(home, pool_name) == [jobs[0]]
+    assert _state(home, h0) == "RUNNING"
+    assert len(_status(home, pool_name)["hosts"]) == 1
+    mt(home, "pool", "stop", pool_name)
+    assert not squeue_ids(f"monarch-{pool_name}")
+
+
+def test_a_grow_slurm_cannot_satisfy_says_why_and_the_pool_keeps_serving(home, pool_name):
+    assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", f"nodes=1,{SPEC}").returncode == 0
+    try:
+        job = _jobs(home, pool_name)
+        res = mt(home, "pool", "resize", pool_name, "--hosts", "5")  # 4 more nodes: the lab has 3
+        assert res.returncode == 1
+        err = res.stderr.strip().splitlines()[-1]
+        assert "can never start (PartitionConfig" in err and "keeps its 1 host(s)" in err, err
+        assert _jobs(home, pool_name) == job and squeue_ids(f"monarch-{pool_name}") == job
+        res = mt(home, "exec", "--pool", pool_name, "--all", "--", "hostname")
+        assert res.returncode == 0 and res.stdout.startswith("[0] node"), res.stdout + res.stderr
+        assert mt(home, "pool", "resize", pool_name, "--hosts", "0").returncode == 1  # (never 0 hosts)
+    finally:
+        mt(home, "pool", "stop", pool_name)
+
+
+def test_a_run_needing_more_walltime_left_than_the_pool_has_is_refused_in_one_line(home, pool_name):
+    assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", f"nodes=1,{SPEC}").returncode == 0
+    try:
+        job = _jobs(home, pool_name)[0]
+        res = torchx(
+            home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},min_time_left=2h", "utils.echo", check=False
+        )
+        assert res.returncode != 0
+        line = res.stderr.strip().splitlines()[-1]
+        assert re.search(rf"allocation {job} \(host 0\) has (19|20) min left, less than min_time_left=2h asks", line)
+        assert f"pool stop {pool_name}" in line, line
+        # time= sizes the allocation, repeated by every run of a script: said, not refused
+        res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},time=01:00:00", "utils.echo")
+        assert re.search(
+            rf"warning: .*allocation {job} \(host 0\) has (19|20) min left, less than time=01:00:00", res.stderr
+        )
+        dry = torchx(
+            home, "run", "--dryrun", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},min_time_left=2h", "utils.echo"
+        )
+        assert "pool: refused" in dry.stdout + dry.stderr
+        res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},min_time_left=10m", "utils.echo")
+        h = res.stdout.strip().splitlines()[-1]
+        wait_for(lambda: _state(home, h) == "SUCCEEDED", what="a run that fits the walltime left")
+    finally:
+        mt(home, "pool", "stop", pool_name)
+
+
+def test_a_record_from_before_grown_pools_reads_as_one_allocation(tmp_path):
+    rec = PoolRecord("p", "monarch_slurm", {"hosts": 3}, "00", str(tmp_path), allocation={"job_id": "12"})
+    assert allocations(rec) == [Allocation("12", 0, 3)]
+    set_allocations(rec, [Allocation("14", 3, 2, 1.0), Allocation("12", 0, 3)])
+    assert rec.allocation["job_id"] == "12"  # (the first, as older readers and force-stop read it)
+    assert [(a.job_id, list(a.indices)) for a in allocations(rec)] == [("12", [0, 1, 2]), ("14", [3, 4])]
