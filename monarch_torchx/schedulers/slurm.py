@@ -597,7 +597,7 @@ class SlurmProvisioner:
         if not short:
             return []
         return [
-            f"pool {rec.name!r}: {short}, less than time={options.get('time')}; it is reused (-cfg "
+            f"pool {rec.name!r}: {short}, less than time={options.get('time')} asks; it is reused (-cfg "
             f"min_time_left=... refuses instead): for a new allocation, `monarch-torchx pool stop {rec.name}`"
         ]
 
