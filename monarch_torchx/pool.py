@@ -495,14 +495,17 @@ def _outcome_error(pool: str, index: int, o: dict[str, Any]) -> Exception:
 CAPACITY_KEYS = ("cpus_per_host", "mem_per_host_mb", "gpus_per_host")
 
 
+def _differing_keys(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> list[str]:
+    """The spec keys where what a run asks differs from what the pool has."""
+    keys = (*prov.fingerprint, *CAPACITY_KEYS)
+    return [k for k in keys if req.spec.get(k) is not None and req.spec.get(k) != rec.spec.get(k)]
+
+
 def _fingerprint_diff(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> list[str]:
     diffs = []
-    for k in (*prov.fingerprint, *CAPACITY_KEYS):
-        want = req.spec.get(k)
-        have = rec.spec.get(k)
-        if want is not None and want != have:
-            name = prov.hosts_option if k == "hosts" else k
-            diffs.append(f"{name}={have!r} (you asked {name}={want!r})")
+    for k in _differing_keys(rec, req, prov):
+        name = prov.hosts_option if k == "hosts" else k
+        diffs.append(f"{name}={rec.spec.get(k)!r} (you asked {name}={req.spec.get(k)!r})")
     return diffs
 
 
@@ -595,7 +598,7 @@ def _grows(rec: PoolRecord, req: PoolRequest, prov: Provisioner) -> bool:
     want = req.spec.get("hosts")
     if not req.options.get("grow") or want is None or want <= rec.num_hosts or getattr(prov, "resize", None) is None:
         return False
-    return all(d.startswith(f"{prov.hosts_option}=") for d in _fingerprint_diff(rec, req, prov))
+    return _differing_keys(rec, req, prov) == ["hosts"]
 
 
 def _grow_in_place(
