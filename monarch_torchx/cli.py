@@ -293,8 +293,11 @@ def cmd_list(args: argparse.Namespace) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> None:
-    from .pool import attach
+    from .pool import attach, give_back_idled
 
+    shrunk = give_back_idled(args.name)
+    if shrunk and not args.json:
+        print(shrunk)
     s = pool_summary(attach(args.name))
     if args.json:
         print(json.dumps(s, indent=1))

@@ -628,6 +628,8 @@ def ensure_pool(
                 f"pool {req.name!r} runs on {rec.scheduler}, not {req.scheduler}: "
                 f"use -s {rec.scheduler} or another pool name"
             )
+        if rec is not None:
+            _give_back_idled(rec, registry, prov, progress)
         if rec is not None and _grows(rec, req, prov):
             _grow_in_place(rec, req, registry, prov, progress)
         if rec is not None:
@@ -942,6 +944,7 @@ def resize_pool(
             )
         if hosts < 1:
             raise MonarchError(f"a pool needs at least 1 host (asked {hosts}); `pool stop {name}` ends it")
+        _give_back_idled(rec, registry, prov, progress)
         _resize_locked(rec, hosts, registry, prov, progress)
         return Pool(rec, registry)
 
@@ -988,6 +991,60 @@ def _resize_locked(
         if isinstance(e, MonarchError):
             raise MonarchError(f"{e}; pool {rec.name!r} keeps its {old_n} host(s)") from None
         raise
+
+
+def idled_tail(rec: PoolRecord, prov: Provisioner) -> int | None:
+    """The size a grown pool is left with once further allocations at its end idled out (every
+    agent of theirs left by its own idle timeout while the pool's first host stayed), or None.
+    Only whole allocations: the size ``released_by`` accepts."""
+    released_by = getattr(prov, "released_by", None)
+    if released_by is None or rec.num_hosts < 2:
+        return None
+    hosts = Registry.hosts(rec)
+    if hosts[0] is None or hosts[0].exited:  # the whole pool idled out (or is lost): it comes back whole
+        return None
+    n = rec.num_hosts
+    while n > 1 and (h := hosts[n - 1]) is not None and h.exited and h.exited_idle:
+        n -= 1
+    for size in range(n, rec.num_hosts):
+        try:
+            released_by(rec, size)
+            return size
+        except MonarchError:  # (that size would split an allocation: a smaller tail)
+            continue
+    return None
+
+
+def _give_back_idled(rec: PoolRecord, registry: Registry, prov: Provisioner, progress: Callable[[str], None]) -> None:
+    """Shrinks ``rec`` (its lock held) past the further allocations that idled out (``idled_tail``)."""
+    size = idled_tail(rec, prov)
+    if size is None:
+        return
+    progress(
+        f"pool {rec.name!r}: host(s) {size}-{rec.num_hosts - 1} left idle (idle_timeout); "
+        f"the pool has {size} host(s) now"
+    )
+    prov.resize(rec, size)  # type: ignore[attr-defined]
+    registry.save(rec)
+    _tell_queue(Pool(rec, registry))
+
+
+def give_back_idled(name: str, registry: Registry | None = None) -> str | None:
+    """What ``pool status`` does first: a grown pool whose further allocations idled out is shown
+    at the size it has now (see ``idled_tail``); says so, or None."""
+    registry = registry or Registry()
+    rec = registry.get(name)
+    if rec is None:
+        return None
+    prov = get_provisioner(rec.scheduler)
+    if idled_tail(rec, prov) is None:  # (the lock only when there is something to give back)
+        return None
+    said: list[str] = []
+    with registry.lock(name):
+        rec = registry.get(name)
+        if rec is not None:
+            _give_back_idled(rec, registry, prov, said.append)
+    return said[0] if said else None
 
 
 def _tell_queue(pool: Pool) -> None:

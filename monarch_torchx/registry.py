@@ -30,7 +30,7 @@ import secrets
 import shutil
 import stat
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -165,6 +165,9 @@ class HostAddr:
     heartbeat: float = 0.0
     exited: float = 0.0
     exit_reason: str = ""
+    # it left by its own idle timeout: a grown pool's further allocation that idled out is given
+    # back (the pool shrinks), not read as lost and submitted again
+    exited_idle: bool = False
     last_work: float = 0.0  # when this host last ran or was asked to run something (now, if busy)
     via: str = ""  # how clients reach it when not directly ("k8s-portforward:NS/POD"); "" = host:port
 
@@ -186,6 +189,13 @@ class HostAddr:
     def identity(self, pool: str) -> bytes:
         """What both handshake MACs cover: this agent and no other."""
         return f"{pool}/{self.index}/{self.incarnation}".encode()
+
+    @classmethod
+    def from_file(cls, data: dict[str, Any]) -> HostAddr:
+        """From an agent's host file. Fields this version does not know are left out: an agent of
+        a newer version (a pool kept warm across an upgrade of its client) is still read."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 @dataclass
@@ -428,7 +438,7 @@ class Registry:
         path = Path(state_dir) / "hosts" / f"{index}.json"
         data = _read_json(path)
         try:
-            return HostAddr(**data) if data else None
+            return HostAddr.from_file(data) if data else None
         except TypeError as e:
             raise MonarchError(f"corrupt host file {path} ({e}); the host's agent rewrites it, or remove it") from None
 
@@ -480,8 +490,8 @@ class Registry:
         path = Path(rec.state_dir) / VIEW_FILE
         try:
             data = _read_json(path)
-            hosts = [HostAddr(**h) for h in data["hosts"]] if data else None
-        except (MonarchError, TypeError, KeyError):  # damaged: the host files are the truth
+            hosts = [HostAddr.from_file(h) for h in data["hosts"]] if data else None
+        except (MonarchError, TypeError, KeyError, AttributeError):  # damaged: the host files are the truth
             return None
         if hosts is None or len(hosts) != rec.num_hosts or [h.index for h in hosts] != list(range(rec.num_hosts)):
             return None

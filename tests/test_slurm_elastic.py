@@ -117,6 +117,41 @@ def test_grow_keeps_the_running_app_then_shrink_releases_only_idle_allocations(h
     assert not squeue_ids(f"monarch-{pool_name}")
 
 
+def test_a_further_allocation_that_idles_out_ends_and_the_pool_shrinks_while_host_0_works(home, pool_name):
+    """The idle timeout applies per allocation: the grown part leaves when idle, though host 0 is
+    busy and every run checks it; the pool then has its first allocation only, and is not read as
+    lost (no repair, no allocation submitted again)."""
+    cfg = f"nodes=1,{SPEC},idle_timeout=15s"
+    assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", cfg).returncode == 0
+    try:
+        first = _jobs(home, pool_name)
+        run0 = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.sh", "sleep", "600")
+        h0 = run0.stdout.strip().splitlines()[-1]
+        wait_for(lambda: _state(home, h0) == "RUNNING", what="the app on host 0")
+        res = mt(home, "pool", "resize", pool_name, "--hosts", "3")
+        assert res.returncode == 0, res.stderr
+        extra = _jobs(home, pool_name)[1]
+        # a run on host 0 checks every host: a grace for the idle ones, not work that keeps them
+        res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "hi")
+        wait_for(lambda: _state(home, res.stdout.strip().splitlines()[-1]) == "SUCCEEDED", what="the echo")
+        wait_for(
+            lambda: extra not in squeue_ids(f"monarch-{pool_name}"),
+            timeout=150,
+            what="the idle further allocation to end by itself",
+        )
+        hosts = Registry.hosts(Registry(home).require(pool_name))
+        assert hosts[1] is not None and hosts[1].exited_idle and not hosts[0].exited
+        out = mt(home, "pool", "status", pool_name).stdout
+        assert "host(s) 1-2 left idle (idle_timeout); the pool has 1 host(s) now" in out, out
+        assert _jobs(home, pool_name) == first and len(_status(home, pool_name)["hosts"]) == 1
+        assert _state(home, h0) == "RUNNING"
+        res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "again")
+        assert "repair" not in res.stderr, res.stderr
+        assert _jobs(home, pool_name) == first and squeue_ids(f"monarch-{pool_name}") == first
+    finally:
+        mt(home, "pool", "stop", pool_name)
+
+
 def test_a_grow_slurm_cannot_satisfy_says_why_and_the_pool_keeps_serving(home, pool_name):
     assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", f"nodes=1,{SPEC}").returncode == 0
     try:

@@ -90,7 +90,7 @@ class Relay:
         handler = self.agent.handlers.get(op)
         if handler is None:  # (e.g. its module is not loaded here): the subtree is asked all the same
             return failure(UnknownOperation(op))
-        self.agent.touch(op)
+        self.agent.touch(op, work=calls is None or bool(calls))  # (no calls: a host only asked to answer)
         try:
             if calls is not None:
                 values = []

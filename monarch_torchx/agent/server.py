@@ -61,6 +61,8 @@ log = logging.getLogger("monarch_torchx.agent")
 MODULES_GROUP = "monarch_torchx.modules"
 HEARTBEAT_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_S", "5"))
 # how often the host file is rewritten (1,024 hosts: ~2,000 writes a minute to the pool's dir)
+# a further allocation's agent stays this long after a run checked it, though idle (see Agent.touch)
+TOUCH_GRACE_S = 60.0
 HEARTBEAT_WRITE_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_WRITE_S", str(6 * HEARTBEAT_S)))
 # asking about a pool must not keep it alive: only work (launches, module calls) resets idleness
 PASSIVE_OPS = frozenset(
@@ -120,6 +122,8 @@ class Agent:
         self.key = self.creds.key
         self.started = time.time()
         self.last_request = time.time()
+        self.last_touch = 0.0  # when a run last checked this host (a grace, not work: see touch)
+        self.idled_out = False
         self.modules: dict[str, str] = {}
         self.heartbeat_error = ""  # why the last heartbeat could not be written (a full disk), for `pool status`
         self.held_ports: list[HeldPort] = []  # ports reserved for an app's listener (op_reserve_port)
@@ -231,10 +235,17 @@ class Agent:
         if combine is not None:
             self.combiners[op] = combine
 
-    def touch(self, op: str) -> None:
-        """A request for ``op`` arrived: work on the pool, unless ``op`` only looks."""
-        if op not in PASSIVE_OPS:
+    def touch(self, op: str, work: bool = True) -> None:
+        """A request for ``op`` arrived: work on the pool, unless ``op`` only looks. ``work=False``:
+        a run checked this host without giving it anything (a launch pass's empty call, ``info``
+        with touch): work for the pool's first allocation, whose agents leave only with the whole
+        pool; only a grace for a further allocation's, which leave when their own hosts are idle."""
+        if op in PASSIVE_OPS:
+            return
+        if work or not self.args.index_base:
             self.last_request = time.time()
+        else:
+            self.last_touch = time.time()
 
     def _on_exit(self, pid: int, code: int) -> None:
         if not self.shells.on_exit(pid, code):
@@ -295,7 +306,7 @@ class Agent:
             raise ValueError(f"agent {self.index} is shutting down ({self.stop_reason})")
         idle = self.idle_seconds()
         if touch:  # a run is about to use the pool
-            self.last_request = time.time()
+            self.touch("launch", work=False)
         return {
             "pool": self.pool,
             "index": self.index,
@@ -477,15 +488,18 @@ class Agent:
         return time.time() - max(self.last_request, self.procs.last_change)
 
     def pool_idle_seconds(self) -> float:
-        """Idle time of the whole pool, from every live agent's published ``last_work``.
+        """Idle time of this host's allocation and every one after it, from each live agent's
+        published ``last_work``: for the pool's first allocation (``--index-base`` 0), the whole pool.
 
-        Agents leave together: one idle host of a busy pool stays (on SLURM it could not give its
-        node back anyway, and the next run would otherwise have to replace the allocation).
+        An allocation's agents leave together: one idle host of a busy allocation stays (SLURM
+        gives its nodes back only whole). A grown pool's further allocation (its hosts from
+        ``--index-base``) leaves once it and those after it are idle, so a pool shrinks from its
+        end, and its first allocation (host 0, the queue) leaves only with the whole pool.
         """
         now = time.time()
         latest = now - self.idle_seconds()
         for p in (self.state_dir / "hosts").glob("*.json"):
-            if not p.stem.isdigit():  # (the pool's view of addresses)
+            if not p.stem.isdigit() or int(p.stem) < self.args.index_base:  # (the pool's view of addresses)
                 continue
             try:
                 h = Registry.read_host(self.state_dir, int(p.stem))
@@ -551,10 +565,12 @@ class Agent:
                 except OSError as e:  # a full or flaky shared file system must not stop the idle check
                     log.warning("could not publish heartbeat: %s", e)
                     self.heartbeat_error = f"cannot write its heartbeat in {self.state_dir}: {e.strerror or e}"
-            if limit > 0 and self.idle_seconds() > limit and now >= next_pool_check:
+            checked_lately = now - self.last_touch < TOUCH_GRACE_S  # (a run may be placing work here)
+            if limit > 0 and self.idle_seconds() > limit and now >= next_pool_check and not checked_lately:
                 pool_idle = self.pool_idle_seconds()  # reads every host's file: not every beat
                 if pool_idle > limit:
                     log.info("pool idle for %.0f s: shutting down", pool_idle)
+                    self.idled_out = True
                     self.stop(f"idle for more than {limit:.0f} s")
                 else:
                     next_pool_check = now + (limit - pool_idle)
@@ -629,7 +645,7 @@ class Agent:
             log.info("removed %s", what)
         current = Registry.read_host(self.state_dir, self.index)
         if current is not None and current.incarnation == self.incarnation:  # not a successor's file
-            self._publish(exited=time.time(), exit_reason=self.stop_reason)
+            self._publish(exited=time.time(), exit_reason=self.stop_reason, exited_idle=self.idled_out)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

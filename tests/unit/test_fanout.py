@@ -134,7 +134,7 @@ class FakeAgent:
         self.handlers = {"relay": self.relay.op_relay, "ping": self.ping, "info": self.info, "total": self.info}
         self.handlers.update({"fails": self.fails, "stalls": self.stalls, "add": self.add})
 
-    def touch(self, op: str) -> None:
+    def touch(self, op: str, work: bool = True) -> None:
         self.touched.append(op)
 
     async def ping(self, peer):
