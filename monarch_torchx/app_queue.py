@@ -17,12 +17,31 @@ from enum import Enum
 from typing import Any
 
 from .registry import Placement
-from .resources import Resources
+from .resources import HostLoad, Resources
 from .scheduling import AppAsk, ReplicaAsk, ReplicaKey
 from .specs import LaunchSpec
 from .torchrun import PLAN_ENV
 
 QUEUE_HOST = 0  # the host whose agent holds the pool's queue (see agent/queue.py)
+
+
+@dataclass(frozen=True)
+class WaitingApp:
+    """An app in the pool's queue, as a module of host 0's agent sees it (``QueueBacklog``)."""
+
+    app_id: str
+    ask: AppAsk
+    waited_s: float  # since it entered this agent's queue, on this agent's clock
+
+
+@dataclass(frozen=True)
+class QueueBacklog:
+    """What waits in the pool's queue and the hosts it could go to: read by a module that grows
+    the pool for it (``schedulers/slurm_allocator.py``)."""
+
+    waiting: list[WaitingApp]  # in queue order: the first is the head
+    loads: list[HostLoad]  # each host whose load the queue knows now
+    hosts: int  # how many hosts the queue places on
 
 
 @dataclass

@@ -308,7 +308,9 @@ def cmd_status(args: argparse.Namespace) -> None:
         f"{'TLS' if s['tls'] else 'plaintext (loopback)'} connections"
     )
     parts = s["allocation"].get("allocations") or []
-    alloc = {k: v for k, v in s["allocation"].items() if v not in (None, "", {}) and k != "allocations"}
+    alloc = {
+        k: v for k, v in s["allocation"].items() if v not in (None, "", {}) and k not in ("allocations", "autoscale")
+    }
     if len(parts) > 1:  # a grown SLURM pool: each allocation, the hosts it holds and its walltime left
         print(f"allocations ({len(parts)}):")
         rows = [
@@ -318,6 +320,12 @@ def cmd_status(args: argparse.Namespace) -> None:
         print(_table(rows, ["JOB", "HOSTS", "NODES", "STATE", "TIME LEFT", "REASON"]))
     elif alloc and ("job_id" in alloc or "kind" in alloc):
         print("allocation: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in alloc.items()))
+    auto = s["allocation"].get("autoscale")
+    if auto:  # a SLURM pool made with max_nodes: what its allocator (host 0) is doing
+        print(
+            f"grows by itself: up to {auto['max_nodes']} nodes, for apps that waited {auto['backlog_s']:g}s; "
+            f"{auto['phase']}{': ' + auto['reason'] if auto['reason'] else ''}"
+        )
     rows = []
     for h in s["hosts"]:
         warm = "importing" if h.get("warm_state") == "importing" else ",".join(h["warm"] or []) or "-"

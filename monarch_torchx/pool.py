@@ -949,6 +949,25 @@ def resize_pool(
         return Pool(rec, registry)
 
 
+def grow_pool(
+    name: str,
+    extra: int,
+    registry: Registry | None = None,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> int:
+    """Adds ``extra`` hosts to the pool as it is when its lock is had (``resize_pool``, never a
+    shrink however its size changed meanwhile); returns the pool's size. What a pool's
+    allocator calls (``schedulers/slurm_allocator.py``): it waits for them up to the pool's
+    ``start_timeout``, holding the pool's lock, as `pool resize` does."""
+    registry = registry or Registry()
+    with registry.lock(name, on_wait=progress):
+        rec = registry.require(name)
+        prov = get_provisioner(rec.scheduler)
+        _give_back_idled(rec, registry, prov, progress)
+        _resize_locked(rec, rec.num_hosts + extra, registry, prov, progress)
+        return rec.num_hosts
+
+
 def _resize_locked(
     rec: PoolRecord, hosts: int, registry: Registry, prov: Provisioner, progress: Callable[[str], None]
 ) -> None:

@@ -140,6 +140,25 @@ def check_fits_somewhere(app: AppAsk, loads: list[HostLoad], pool: str) -> None:
                 )
 
 
+def with_empty_hosts(loads: list[HostLoad], total: int) -> list[HostLoad]:
+    """``loads`` and, up to ``total`` hosts, empty ones like the first (a pool that may grow: the
+    hosts a further allocation of the same partition would bring)."""
+    if not loads or total <= len(loads):
+        return list(loads)
+    like = min(loads, key=lambda h: h.index)
+    top = max(h.index for h in loads)
+    return [*loads, *(HostLoad(top + 1 + k, like.capacity) for k in range(total - len(loads)))]
+
+
+def hosts_to_add(app: AppAsk, loads: list[HostLoad], most: int) -> int | None:
+    """The fewest empty hosts (like the first of ``loads``), at most ``most``, that let ``app``
+    start beside what runs now; None when even ``most`` would not."""
+    for extra in range(1, most + 1):
+        if place(app, with_empty_hosts(loads, len(loads) + extra)) is not None:
+            return extra
+    return None
+
+
 def _biggest(loads: list[HostLoad], kind: str) -> HostLoad:
     return max(loads, key=lambda h: _amount(h.capacity.total, kind))
 

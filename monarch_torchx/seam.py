@@ -89,6 +89,11 @@ class AgentHost(Protocol):
 
     def add_handler(self, op: str, fn: Handler, combine: Combine | None = None) -> None: ...
 
+    def queue_backlog(self) -> Any:
+        """What waits in the pool's queue (an ``app_queue.QueueBacklog``: a type of a layer above
+        this file's); only host 0's agent holds the queue."""
+        ...
+
 
 class AgentModule(Protocol):
     """What a module plugs into an agent, in one typed seam.

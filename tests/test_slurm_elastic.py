@@ -152,6 +152,56 @@ def test_a_further_allocation_that_idles_out_ends_and_the_pool_shrinks_while_hos
         mt(home, "pool", "stop", pool_name)
 
 
+def test_a_pool_with_max_nodes_grows_by_itself_for_an_app_that_waits_in_its_queue(home, pool_name):
+    """Automatic allocation: a 3-replica run on a 1-node pool made with max_nodes=3 waits in the
+    pool's queue; after backlog, host 0 submits an allocation of 2 nodes and the app starts there,
+    with no client around (the run returned at once)."""
+    cfg = f"nodes=1,{SPEC},max_nodes=3,backlog=2s"
+    assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", cfg).returncode == 0
+    try:
+        run = ["run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.sh", "--num_replicas", "3"]
+        res = torchx(home, *run, "hostname")
+        assert "waits in the queue" in res.stderr and "the pool grows for it (max_nodes=3)" in res.stderr, res.stderr
+        h = res.stdout.strip().splitlines()[-1]
+        wait_for(lambda: _state(home, h) == "SUCCEEDED", timeout=120, what="the app, once the pool grew")
+        names = sorted(torchx(home, "log", h).stdout.split())
+        assert len([n for n in names if n.startswith("node")]) == 3, names
+        st = _status(home, pool_name)
+        assert [a["nodes"] for a in st["allocation"]["allocations"]] == [1, 2]
+        auto = st["allocation"]["autoscale"]
+        assert auto["phase"] == "watching" and auto["grown"] == 1, auto
+        assert "grew to 3 host(s)" in auto["reason"], auto
+        assert "grows by itself: up to 3 nodes" in mt(home, "pool", "status", pool_name).stdout
+    finally:
+        mt(home, "pool", "stop", pool_name)
+
+
+def test_an_allocator_whose_grows_fail_pauses_with_the_reason_and_the_pool_keeps_serving(home, pool_name):
+    cfg = f"nodes=1,{SPEC},max_nodes=5,backlog=1s"  # 4 more nodes: the lab has 3
+    assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", cfg).returncode == 0
+    try:
+        job = _jobs(home, pool_name)
+        res = torchx(
+            home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.sh", "--num_replicas", "5", "true"
+        )
+        h = res.stdout.strip().splitlines()[-1]
+        wait_for(
+            lambda: _status(home, pool_name)["allocation"]["autoscale"]["phase"] == "paused",
+            timeout=150,
+            what="the allocator to pause",
+        )
+        reason = _status(home, pool_name)["allocation"]["autoscale"]["reason"]
+        assert "paused after 3 failed grows" in reason and "can never start" in reason, reason
+        assert f"pool resize {pool_name} --hosts N" in reason
+        assert _jobs(home, pool_name) == job and squeue_ids(f"monarch-{pool_name}") == job
+        assert _state(home, h) == "PENDING"
+        res = mt(home, "exec", "--pool", pool_name, "--all", "--", "hostname")
+        assert res.returncode == 0 and res.stdout.startswith("[0] node"), res.stdout + res.stderr
+        torchx(home, "cancel", h)
+    finally:
+        mt(home, "pool", "stop", pool_name)
+
+
 def test_a_grow_slurm_cannot_satisfy_says_why_and_the_pool_keeps_serving(home, pool_name):
     assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", f"nodes=1,{SPEC}").returncode == 0
     try:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..app_queue import QUEUE_HOST, QueueEntry, QueueState, SubmittedApp
+from ..app_queue import QUEUE_HOST, QueueBacklog, QueueEntry, QueueState, SubmittedApp, WaitingApp
 from ..history import ReplicaEnd, record_end
 from ..net import RemoteError, WireError
 from ..net.blocking import Client
@@ -53,6 +53,7 @@ class _Waiting:
     app: SubmittedApp
     reason: str = "waits to be placed"
     ask: AppAsk = field(init=False)
+    since: float = field(default_factory=time.monotonic)  # (this agent's clock: a client's may be skewed)
 
     def __post_init__(self) -> None:
         self.ask = self.app.ask()  # (once: a pass reads every waiting app's)
@@ -127,6 +128,15 @@ class PoolQueue:
         if app_id in self.waiting:
             self._end(app_id, reason, cancelled=True)
         return self.entry(app_id).to_wire()
+
+    def backlog(self) -> QueueBacklog:
+        """What waits, and the hosts' loads as the last pass knew them (``QueueBacklog``)."""
+        now = time.monotonic()
+        return QueueBacklog(
+            [WaitingApp(a, w.ask, now - w.since) for a, w in self.waiting.items()],
+            [self.loads[i] for i in sorted(self.loads) if i in self.targets],
+            len(self.targets),
+        )
 
     def entry(self, app_id: str) -> QueueEntry:
         w = self.waiting.get(app_id)

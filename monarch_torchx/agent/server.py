@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import net
+from ..app_queue import QueueBacklog
 from ..credentials import TLS_FILE, PoolCredentials
 from ..errors import MonarchError
 from ..net import aio
@@ -234,6 +235,9 @@ class Agent:
         self.handlers[op] = fn
         if combine is not None:
             self.combiners[op] = combine
+
+    def queue_backlog(self) -> QueueBacklog:
+        return self.queue.backlog()
 
     def touch(self, op: str, work: bool = True) -> None:
         """A request for ``op`` arrived: work on the pool, unless ``op`` only looks. ``work=False``:

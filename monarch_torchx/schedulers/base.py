@@ -332,7 +332,8 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         if hosts is not None:
             if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
                 raise MonarchError(f"{opt}={hosts!r} is invalid: a pool needs at least 1 host")
-            if want_hosts > hosts:
+            most = cfg.get("max_nodes") or 0
+            if want_hosts > max(hosts, most if isinstance(most, int) else 0):
                 raise MonarchError(f"the app needs {want_hosts} hosts (one per replica) but {opt}={hosts}")
         preload = cfg.get("preload")
         if preload is not None:
@@ -416,6 +417,8 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             """The replicas, ready to start on ``pool`` now (on copies: a launch made again places
             afresh); ``apps.MustWait`` when the app does not fit the pool's free capacity now."""
             n = pool.record.num_hosts
+            if want > n and want <= _may_grow_to(pool):
+                raise apps.MustWait(f"it needs {want} hosts, the pool has {n}{_grows_for_it(pool)}", pool)
             if want > n:
                 opt = get_provisioner(self.backend).hosts_option
                 raise MonarchError(
@@ -462,7 +465,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
                 sub.workspace_paths = ws.workdirs(pool, req.workspace, every)
             arec, entry = apps.enqueue(pool, sub)
             if entry.state == QueueState.QUEUED:
-                _progress(f"{req.app_id} waits in the queue of pool {pool.name!r}: {entry.reason}")
+                _progress(f"{req.app_id} waits in the queue of pool {pool.name!r}: {entry.reason}{_grows_for_it(pool)}")
             elif entry.state == QueueState.ENDED:
                 raise MonarchError(f"{req.app_id} could not start on pool {pool.name!r}: {entry.reason}") from None
         _warn_cold_env_once(pool, req.inherited_env)
@@ -1039,8 +1042,8 @@ def _placement(pool: Pool, sub: SubmittedApp) -> dict[tuple[str, int], int]:
     unanswered = [errors[i] for i in sorted(errors)]
     apps.fit_to_pool(pool, sub, loads, _progress)
     ask = sub.ask()
-    try:
-        check_fits_somewhere(ask, loads, pool.name)
+    try:  # (on the hosts the pool may grow to, where it grows by itself)
+        check_fits_somewhere(ask, scheduling.with_empty_hosts(loads, _may_grow_to(pool)), pool.name)
     except NeverFits as e:
         if unanswered:
             raise unanswered[0] from None
@@ -1052,8 +1055,22 @@ def _placement(pool: Pool, sub: SubmittedApp) -> dict[tuple[str, int], int]:
             raise unanswered[0]
         free = ", ".join(f"host {load.index}: {load.free.describe()}" for load in loads)
         why = f"{queued} app(s) wait in its queue before it" if queued else f"it asks {ask.need()}; free: {free}"
-        raise apps.MustWait(why, pool)
+        raise apps.MustWait(why + _grows_for_it(pool), pool)
     return placement
+
+
+def _may_grow_to(pool: Pool) -> int:
+    """The most hosts the pool grows to by itself (``-cfg max_nodes`` on SLURM), else its size."""
+    return max(pool.record.num_hosts, int(pool.record.options.get("max_nodes") or 0))
+
+
+def _grows_for_it(pool: Pool) -> str:
+    """What a waiting app is told of a pool that grows by itself, or ""."""
+    most = pool.record.options.get("max_nodes")
+    if not most or pool.record.num_hosts >= most:
+        return ""
+    after = pool.record.options.get("backlog_s", 30.0)
+    return f"; the pool grows for it (max_nodes={most}) once it has waited {after:g}s"
 
 
 def _progress(msg: str) -> None:

@@ -11,12 +11,14 @@ section of ``.torchxconfig`` supplies their defaults, so existing configs carry 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import time
 from dataclasses import asdict, dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,7 +26,7 @@ from ..agent import agent_argv
 from ..errors import MonarchError, StartTimeout
 from ..interpreter import module_argv
 from ..pool import parse_duration, wait_for_hosts
-from ..registry import PoolRecord, Registry, write_private
+from ..registry import PoolRecord, Registry, home, write_private
 from ..submission import Submission
 from .base import MonarchScheduler
 
@@ -49,7 +51,39 @@ _HOPELESS = (
     "PartitionInactive",
     "NodeDown",
 )
+# host 0's module that grows a pool with ``max_nodes`` (``slurm_allocator.py``), and its state file
+ALLOCATOR_MODULE = "monarch_torchx.schedulers.slurm_allocator:setup"
+ALLOCATOR_FILE = "allocator.json"
 _ALIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+
+
+class AllocatorPhase(Enum):
+    WATCHING = "watching"  # nothing has waited long enough, or what waits would not fit even at max_nodes
+    GROWING = "growing"  # an allocation was submitted and its hosts are awaited
+    PAUSED = "paused"  # grows failed again and again: a resize by hand resumes it
+
+
+@dataclass
+class AllocatorState:
+    """What a pool's allocator (host 0, ``slurm_allocator.py``) is doing, for ``pool status``:
+    written by it into the pool's state dir, read by clients."""
+
+    phase: AllocatorPhase = AllocatorPhase.WATCHING
+    reason: str = ""
+    failures: int = 0  # grows that failed in a row
+    grown: int = 0  # allocations it submitted that joined
+    paused_at: int = 0  # the pool's size when it paused (a resize by hand changes it: resumes)
+
+    def save(self, state_dir: str | Path) -> None:
+        write_private(Path(state_dir) / ALLOCATOR_FILE, json.dumps({**asdict(self), "phase": self.phase.value}))
+
+    @classmethod
+    def read(cls, state_dir: str | Path) -> AllocatorState | None:
+        try:
+            data = json.loads((Path(state_dir) / ALLOCATOR_FILE).read_text())
+            return cls(**{**data, "phase": AllocatorPhase(data["phase"])})
+        except (OSError, ValueError, KeyError, TypeError):  # none yet, or one being replaced
+            return None
 
 
 @dataclass(frozen=True)
@@ -150,13 +184,19 @@ def _slurm_config_defaults() -> dict[str, Any]:
 
 
 def _run(argv: list[str], timeout: float = 30) -> tuple[int, str, str]:
+    """A SLURM client command. Run inside a job (host 0's agent grows its pool from inside its
+    own allocation), without that job's ``SLURM_*`` variables (``SLURM_CONF`` kept): a new
+    allocation must not take its sizes, or its node ids, from another."""
     if shutil.which(argv[0]) is None:
         raise MonarchError(
             f"{argv[0]} not found on PATH: monarch_slurm needs the SLURM client commands "
             "(sbatch, squeue, scancel) on this machine"
         )
     try:
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        env = dict(os.environ)
+        if "SLURM_JOB_ID" in env:
+            env = {k: v for k, v in env.items() if not k.startswith(("SLURM_", "SRUN_")) or k == "SLURM_CONF"}
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         raise MonarchError(
             f"`{' '.join(argv[:2])} ...` did not answer within {timeout:.0f} s: is slurmctld up?"
@@ -252,6 +292,19 @@ class SlurmProvisioner:
             help="walltime this run needs left on the pool's allocations (e.g. 90m, 02:00:00); less is refused",
         )
         opts.add(
+            "max_nodes",
+            type_=int,
+            default=None,
+            help="the pool grows by itself, up to this many nodes in all, for apps that wait in its queue "
+            "(set when the pool is made; see backlog)",
+        )
+        opts.add(
+            "backlog",
+            type_=str,
+            default="30s",
+            help="with max_nodes: how long an app waits in the pool's queue before the pool grows for it (e.g. 10s)",
+        )
+        opts.add(
             "start_timeout",
             type_=str,
             default="10m",
@@ -273,6 +326,14 @@ class SlurmProvisioner:
                 parse_slurm_time(value) if ":" in value or value.isdigit() else parse_duration(value, "min_time_left")
             )
         options["start_timeout"] = parse_duration(options.get("start_timeout", "10m"), "start_timeout")
+        most = cfg.get("max_nodes")
+        if most is not None:
+            if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+                raise MonarchError(f"max_nodes={most!r} is invalid: give the most nodes the pool may grow to")
+            if spec.get("hosts") and most < spec["hosts"]:
+                raise MonarchError(f"max_nodes={most} is less than nodes={spec['hosts']}: give max_nodes >= nodes")
+            options["max_nodes"] = most
+            options["backlog_s"] = parse_duration(cfg.get("backlog") or "30s", "backlog")
 
     # ------------------------------------------------------------ allocation
 
@@ -318,11 +379,16 @@ class SlurmProvisioner:
     @staticmethod
     def batch_script(rec: PoolRecord, first: int = 0) -> str:
         """The batch script: one ``srun`` step with one agent per node, numbered from ``first``."""
-        agent = " ".join(shlex.quote(a) for a in agent_argv(rec, index=None, bind="0.0.0.0", index_base=first))
+        argv = agent_argv(rec, index=None, bind="0.0.0.0", index_base=first)
+        env = ""
+        if first == 0 and rec.options.get("max_nodes"):  # host 0 grows the pool: it edits the pool's record
+            argv += ["--module", ALLOCATOR_MODULE]
+            env = f"export MONARCH_TORCHX_HOME={shlex.quote(str(home()))}\n"
+        agent = " ".join(shlex.quote(a) for a in argv)
         return (
             "#!/bin/bash\n"
             f"# monarch-torchx pool {rec.name}: one agent per node; agents exit when idle or told to stop\n"
-            f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {agent}\n"
+            f"{env}exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {agent}\n"
         )
 
     @staticmethod
@@ -623,7 +689,23 @@ class SlurmProvisioner:
             "time_left": first["time_left"],
             "walltime": rec.options.get("time"),
             "allocations": parts,
+            "autoscale": _autoscale(rec),
         }
+
+
+def _autoscale(rec: PoolRecord) -> dict[str, Any] | None:
+    """The allocator's state for ``pool status`` (a pool made with ``max_nodes``), or None."""
+    most = rec.options.get("max_nodes")
+    if not most:
+        return None
+    st = AllocatorState.read(rec.state_dir) or AllocatorState()
+    return {
+        "max_nodes": most,
+        "backlog_s": rec.options.get("backlog_s"),
+        "phase": st.phase.value,
+        "reason": st.reason,
+        "grown": st.grown,
+    }
 
 
 def create_scheduler(session_name: str, **kwargs: Any) -> MonarchScheduler:

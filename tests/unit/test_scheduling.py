@@ -12,7 +12,15 @@ from monarch_torchx.agent import admission, capacity
 from monarch_torchx.app_queue import QueueEntry, QueueState, SubmittedApp, TorchrunRole
 from monarch_torchx.registry import Placement
 from monarch_torchx.resources import CapacityRefused, GpuDevice, Holding, HostCapacity, HostLoad, NeverFits, Resources
-from monarch_torchx.scheduling import AppAsk, ReplicaAsk, check_fits_somewhere, place, schedule
+from monarch_torchx.scheduling import (
+    AppAsk,
+    ReplicaAsk,
+    check_fits_somewhere,
+    hosts_to_add,
+    place,
+    schedule,
+    with_empty_hosts,
+)
 from monarch_torchx.specs import LaunchSpec
 
 
@@ -216,3 +224,20 @@ def test_a_fork_server_that_preloads_submitit_has_its_plugins_read_once():
     _warm_submitit()
     assert plugins._get_plugins.cache_info().currsize == 1
     assert "monarch" in plugins.get_executors()  # (ours among them: a task finds its environment)
+
+
+def test_a_pool_that_may_grow_is_sized_for_the_head_of_its_queue():
+    """What a SLURM pool's allocator submits (``hosts_to_add``): the fewest empty hosts like the
+    first that let the app start beside what runs now, within the room left."""
+    busy = host(0, cpus=2, held=[Holding("other/r/0", Resources(cpus=2))])
+    gang = app("gang", *(("r", k, ONE_CPU) for k in range(3)))
+    assert hosts_to_add(gang, [host(0)], 4) == 2  # host 0 takes one replica of the gang
+    assert hosts_to_add(gang, [busy], 4) == 3  # host 0 is full: all three elsewhere
+    assert hosts_to_add(gang, [busy], 2) is None  # not within max_nodes
+    big = app("big", ("r", 0, Resources(cpus=1, gpus=1)))
+    assert hosts_to_add(big, [host(0)], 4) is None  # hosts like host 0 have no GPU: growing does not help
+    grown = with_empty_hosts([busy, host(3)], 4)
+    assert [h.index for h in grown] == [0, 3, 4, 5] and grown[2].capacity == busy.capacity and not grown[2].holdings
+    with pytest.raises(NeverFits):
+        check_fits_somewhere(gang, [host(0)], "p")
+    check_fits_somewhere(gang, with_empty_hosts([host(0)], 3), "p")  # (a pool that may grow to 3)
