@@ -76,7 +76,9 @@ class SubmittedApp:
         for s in self.specs:
             key = (s.role, s.replica_id // self.tasks_per_node)
             nodes[key] = nodes.get(key, Resources()) + Resources.from_wire(s.resources)
-        return AppAsk(self.app_id, [ReplicaAsk(role, k, res) for (role, k), res in nodes.items()])
+        # a workspace was synced to the hosts there were when it was queued: it starts on those
+        hosts = frozenset(self.workspace_paths) if self.path_token and self.workspace_paths else None
+        return AppAsk(self.app_id, [ReplicaAsk(role, k, res) for (role, k), res in nodes.items()], hosts)
 
     def per_replica(self, placement: dict[ReplicaKey, int]) -> dict[ReplicaKey, int]:
         """Each replica's host, from a placement of the app's nodes."""

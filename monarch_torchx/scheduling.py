@@ -39,12 +39,14 @@ class AppAsk:
 
     app_id: str
     replicas: list[ReplicaAsk]
+    # the only hosts it may go to (its workspace was synced to these), or None: any
+    hosts: frozenset[int] | None = None
 
     @functools.cached_property
     def shape(self) -> str:
         """What it asks, as one key (a string: its hash is kept): apps alike in it fit alike, so a
         pass over a queue of 1,000 alike tasks tries one placement (``schedule``)."""
-        return repr(tuple((r.role, r.resources) for r in self.replicas))
+        return repr((tuple((r.role, r.resources) for r in self.replicas), sorted(self.hosts or ())))
 
     def roles(self) -> dict[str, list[ReplicaAsk]]:
         out: dict[str, list[ReplicaAsk]] = {}
@@ -99,7 +101,9 @@ def _place(app: AppAsk, view: _View) -> dict[ReplicaKey, int] | None:
             fits = [
                 h
                 for h in trial.free
-                if (len(reps) == 1 or h not in used) and r.resources.within(trial.capacity[h]).fits_in(trial.free[h])
+                if (len(reps) == 1 or h not in used)
+                and (app.hosts is None or h in app.hosts)
+                and r.resources.within(trial.capacity[h]).fits_in(trial.free[h])
             ]
             if not fits:
                 return None
@@ -152,7 +156,10 @@ def with_empty_hosts(loads: list[HostLoad], total: int) -> list[HostLoad]:
 
 def hosts_to_add(app: AppAsk, loads: list[HostLoad], most: int) -> int | None:
     """The fewest empty hosts (like the first of ``loads``), at most ``most``, that let ``app``
-    start beside what runs now; None when even ``most`` would not."""
+    start beside what runs now; None when even ``most`` would not (or it may go only to hosts
+    there are now: a workspace synced to them)."""
+    if app.hosts is not None:
+        return None
     for extra in range(1, most + 1):
         if place(app, with_empty_hosts(loads, len(loads) + extra)) is not None:
             return extra

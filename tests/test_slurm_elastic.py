@@ -152,13 +152,35 @@ def test_a_further_allocation_that_idles_out_ends_and_the_pool_shrinks_while_hos
         mt(home, "pool", "stop", pool_name)
 
 
-def test_a_pool_with_max_nodes_grows_by_itself_for_an_app_that_waits_in_its_queue(home, pool_name):
+def test_a_pool_with_max_nodes_grows_by_itself_for_an_app_waiting_in_its_queue(home, pool_name, tmp_path, monkeypatch):
     """Automatic allocation: a 3-replica run on a 1-node pool made with max_nodes=3 waits in the
     pool's queue; after backlog, host 0 submits an allocation of 2 nodes and the app starts there,
     with no client around (the run returned at once)."""
     cfg = f"nodes=1,{SPEC},max_nodes=3,backlog=2s"
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(tmp_path / "node-stores"))  # the agents inherit it
     assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", cfg).returncode == 0
     try:
+        # a workspace goes to the hosts there are: such a run cannot wait for the pool to grow
+        ws = tmp_path / "proj"
+        ws.mkdir()
+        (ws / "main.py").write_text("print('hi')\n")
+        res = torchx(
+            home,
+            "run",
+            "-s",
+            "monarch_slurm",
+            "-cfg",
+            f"pool={pool_name},workspace_mount=ws",
+            "utils.python",
+            "--num_replicas",
+            "3",
+            "--script",
+            "main.py",
+            cwd=ws,
+            check=False,
+        )
+        assert res.returncode != 0
+        assert "cannot wait for the pool to grow by itself" in res.stderr and "nodes=3,grow=True" in res.stderr
         run = ["run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.sh", "--num_replicas", "3"]
         res = torchx(home, *run, "hostname")
         assert "waits in the queue" in res.stderr and "the pool grows for it (max_nodes=3)" in res.stderr, res.stderr

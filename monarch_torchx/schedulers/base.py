@@ -417,6 +417,12 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             """The replicas, ready to start on ``pool`` now (on copies: a launch made again places
             afresh); ``apps.MustWait`` when the app does not fit the pool's free capacity now."""
             n = pool.record.num_hosts
+            if want > n and want <= _may_grow_to(pool) and req.workspace:
+                raise MonarchError(
+                    f"the app needs {want} hosts (one per replica) but pool {pool.name!r} has {n}, and with a "
+                    f"workspace it cannot wait for the pool to grow by itself (the workspace goes to the hosts "
+                    f"there are); use -cfg nodes={want},grow=True"
+                )
             if want > n and want <= _may_grow_to(pool):
                 raise apps.MustWait(f"it needs {want} hosts, the pool has {n}{_grows_for_it(pool)}", pool)
             if want > n:

@@ -92,7 +92,12 @@ class Allocator:
             self._set(AllocatorPhase.WATCHING, f"{head.app_id} waits; the pool is at max_nodes={self.max_nodes}")
             return None
         extra = hosts_to_add(head.ask, backlog.loads, room)
-        if extra is None:
+        if extra is None and head.ask.hosts is not None:
+            self._set(
+                AllocatorPhase.WATCHING,
+                f"{head.app_id} waits for the hosts its workspace was synced to: the pool does not grow for it",
+            )
+        elif extra is None:
             self._set(
                 AllocatorPhase.WATCHING,
                 f"{head.app_id} waits, and would not start on max_nodes={self.max_nodes} hosts either",

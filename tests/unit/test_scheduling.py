@@ -241,3 +241,12 @@ def test_a_pool_that_may_grow_is_sized_for_the_head_of_its_queue():
     with pytest.raises(NeverFits):
         check_fits_somewhere(gang, [host(0)], "p")
     check_fits_somewhere(gang, with_empty_hosts([host(0)], 3), "p")  # (a pool that may grow to 3)
+
+
+def test_an_app_whose_workspace_went_to_some_hosts_starts_only_on_those():
+    ask = AppAsk("ws", [ReplicaAsk("r", 0, ONE_CPU)], hosts=frozenset({1}))
+    full = host(1, cpus=1, held=[Holding("other/r/0", ONE_CPU)])
+    assert place(ask, [host(0), host(1)]) == {("r", 0): 1}
+    assert place(ask, [host(0), full]) is None  # host 0 is free, but has no copy of its workspace
+    assert hosts_to_add(ask, [host(0), full], 4) is None  # a host that joins would not have it either
+    assert ask.shape != AppAsk("x", ask.replicas).shape  # (not placed as one with an unrestricted app)
