@@ -157,6 +157,7 @@ class QueueEntry:
     reason: str = ""  # QUEUED: what it waits for; ENDED: why it left the queue
     placement: list[Placement] = field(default_factory=list)
     cancelled: bool = False  # ENDED by a cancel or a stopped pool (else it failed to launch)
+    retry_specs: list[dict[str, Any]] = field(default_factory=list)  # STARTED: see AppRecord.retry_specs
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -165,7 +166,8 @@ class QueueEntry:
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> QueueEntry:
-        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}  # (a newer agent's fields left out)
         d["state"] = QueueState(d["state"])
-        d["placement"] = [Placement(**p) for p in d.get("placement", [])]
+        d["placement"] = [Placement.from_wire(p) for p in d.get("placement", [])]
         return cls(**d)

@@ -8,11 +8,12 @@ replica on its host's agent, so `torchx list`, `pool status` and the telemetry s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import history
+from . import history, scheduling
 from .app_queue import QUEUE_HOST, QueueEntry, QueueState, SubmittedApp
 from .errors import AccessError, HostLost, HostUnreachable, MonarchError
 from .net import RemoteError
@@ -20,6 +21,7 @@ from .net.fanout import RelayRefused
 from .pool import Pool, PoolRequest, ensure_pool, reuse_unchecked, tree_min_hosts
 from .registry import AppRecord, Placement, Registry
 from .resources import CapacityRefused, HostLoad, Resources
+from .scheduling import AppAsk, ReplicaAsk
 from .specs import (
     CANCELLED,
     FAILED,
@@ -30,6 +32,7 @@ from .specs import (
     LaunchSpec,
     ReplicaState,
     ReplicaStatus,
+    may_requeue,
 )
 
 _STATE_ORDER = [FAILED, CANCELLED, UNKNOWN, RUNNING, PENDING]
@@ -97,7 +100,8 @@ def _launch(
         if host is None:
             raise MonarchError(f"host {i} of pool {pool.name!r} has no agent")
         placement.append(Placement(spec.role, spec.replica_id, i, host.incarnation))
-    arec = AppRecord(app_id, pool.name, name, roles, placement)
+    retry = [dict(vars(spec)) for _, spec in replicas if may_requeue(vars(spec), 0)]
+    arec = AppRecord(app_id, pool.name, name, roles, placement, retry_specs=retry)
     Registry.save_app(pool.record, arec)
     by_host: dict[int, list[LaunchSpec]] = {}
     for i, spec in replicas:
@@ -218,6 +222,8 @@ def replica_states(pool: Pool, arec: AppRecord) -> dict[tuple[str, int], Replica
     if not asked:
         return out
     out.update(_asked_states(pool, arec, asked))
+    if arec.retry_specs and any(out[(p.role, p.replica_id)].host_lost for p in asked):
+        requeue_lost(pool, arec, out)
     shared = pool.provisioner.client_cwd_on_hosts  # (else an agent's own record is on its host only)
     for p in asked:
         st = out[(p.role, p.replica_id)]
@@ -270,23 +276,79 @@ def _asked_states(pool: Pool, arec: AppRecord, asked: list[Placement]) -> dict[t
                 msg=pool.lost_message(p.host_index, lost, err) if lost else str(err),
                 hostname=hostname,
                 final=bool(lost),
+                host_lost=bool(lost),
             )
         elif host is None or host.incarnation != p.incarnation:
             out[key] = ReplicaStatus(
                 ReplicaState.FAILED,
                 hostname=hostname,
                 msg=f"host {p.host_index} was lost and restarted while the replica ran",
+                host_lost=True,
             )
         else:
             st = next((s for s in res if s["role"] == p.role and s["replica_id"] == p.replica_id), None)
             out[key] = (
-                ReplicaStatus.from_wire(st, hostname=hostname)
+                ReplicaStatus.from_wire(
+                    {**st, "attempts": int(st.get("attempts") or 0) + p.requeues}, hostname=hostname
+                )
                 if st
                 else ReplicaStatus(
                     ReplicaState.FAILED, msg=f"replica not known to host {p.host_index}", hostname=hostname, final=False
                 )
             )  # (its launch may not have reached it yet)
+            if p.requeues and not out[key].msg:
+                out[key] = dataclasses.replace(
+                    out[key], msg=f"requeued {p.requeues} time(s) on another host: its host was lost"
+                )
     return out
+
+
+def requeue_lost(pool: Pool, arec: AppRecord, out: dict[tuple[str, int], ReplicaStatus]) -> None:
+    """Starts again, on another host, each replica of ``out`` whose host was lost and whose
+    launched spec allows it (``specs.may_requeue``: ``max_retries`` left, or a submitit job), as
+    SLURM requeues a job whose node failed; ``out`` then says where it runs. Whoever asks first
+    does it (a describe, `torchx status`, a submitit poll): under the pool's lock, and only while
+    the record still places it on the lost host, so two clients never start it twice. The host:
+    the least loaded one it fits on (``scheduling.place``), never the lost one nor one holding
+    another replica of its role. No such host now: it stays FAILED, saying why."""
+    specs = {(s["role"], s["replica_id"]): s for s in arec.retry_specs}
+    with pool.registry.try_lock(pool.name) as held:
+        fresh = Registry.get_app(pool.record, arec.app_id) if held else None
+        if fresh is None:  # (not held: a run is at work on the pool; the next one to ask requeues it)
+            return
+        placement = list(fresh.placement)
+        loads: list[HostLoad] | None = None
+        for n, p in enumerate(placement):
+            key = (p.role, p.replica_id)
+            st, spec = out.get(key), specs.get(key)
+            was = next((q for q in arec.placement if (q.role, q.replica_id) == key), None)
+            if st is None or not st.host_lost or spec is None or p != was or not may_requeue(spec, p.requeues):
+                continue  # (p != was: another client requeued it since this one read the record)
+            if loads is None:
+                loads = pool_loads(pool)[0]
+            others = {q.host_index for q in placement if q.role == p.role and q != p}
+            room = [h for h in loads if h.index != p.host_index and h.index not in others]
+            ask = AppAsk(arec.app_id, [ReplicaAsk(p.role, p.replica_id, Resources.from_wire(spec.get("resources")))])
+            where = scheduling.place(ask, room)
+            if where is None:
+                out[key] = dataclasses.replace(st, msg=f"{st.msg}; not requeued: no other host has room for it now")
+                continue
+            h = where[key]
+            host = pool.hosts[h]
+            try:
+                got = pool.call(h, "launch", timeout=30.0, spec=spec)
+            except (MonarchError, OSError, RemoteError) as e:
+                out[key] = dataclasses.replace(st, msg=f"{st.msg}; could not be requeued on host {h}: {e}")
+                continue
+            assert host is not None
+            placement[n] = Placement(p.role, p.replica_id, h, host.incarnation, p.requeues + 1)
+            now = ReplicaStatus.from_wire(
+                {**got, "attempts": int(got.get("attempts") or 1) + p.requeues}, hostname=host.hostname
+            )
+            out[key] = dataclasses.replace(now, msg=f"requeued on host {h} ({p.requeues + 1} of its retries): {st.msg}")
+            loads = None  # (asked again for the next one: what this one holds there counts)
+        if placement != fresh.placement:
+            Registry.save_app(pool.record, dataclasses.replace(fresh, placement=placement))
 
 
 def kill(pool: Pool, arec: AppRecord, reason: str = "cancelled") -> None:
@@ -409,7 +471,9 @@ def placed(pool: Pool, arec: AppRecord) -> tuple[AppRecord, QueueEntry | None]:
 
 
 def _save_placement(pool: Pool, arec: AppRecord, entry: QueueEntry) -> AppRecord:
-    arec = AppRecord(arec.app_id, arec.pool, arec.name, arec.roles, list(entry.placement), arec.created)
+    arec = AppRecord(
+        arec.app_id, arec.pool, arec.name, arec.roles, list(entry.placement), arec.created, list(entry.retry_specs)
+    )
     Registry.save_app(pool.record, arec)
     return arec
 

@@ -236,6 +236,12 @@ class Placement:
     replica_id: int
     host_index: int
     incarnation: str
+    requeues: int = 0  # times it was started again on another host after its host was lost
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Placement:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 @dataclass
@@ -248,11 +254,15 @@ class AppRecord:
     roles: list[dict[str, Any]]
     placement: list[Placement]
     created: float = field(default_factory=time.time)
+    # the launched specs (``LaunchSpec`` as dicts) of replicas that may start again on another
+    # host if theirs is lost (``max_retries``, a submitit job's requeue): ``apps.requeue_lost``
+    retry_specs: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, data: dict) -> AppRecord:
-        data = dict(data)
-        data["placement"] = [Placement(**p) for p in data["placement"]]
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}  # (a newer client's fields left out)
+        data["placement"] = [Placement.from_wire(p) for p in data["placement"]]
         return cls(**data)
 
 
@@ -295,6 +305,22 @@ class Registry:
                 on_wait(f"waiting for another process that is creating or repairing pool {name!r}")
                 fcntl.flock(fd, fcntl.LOCK_EX)
             yield
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def try_lock(self, name: str) -> Iterator[bool]:
+        """``lock``, without waiting: yields whether it was had. For what may be done later by
+        someone else (a requeue any describe may do), never worth a wait on a long repair."""
+        self._ensure_dirs()
+        fd = os.open(self.pools_dir / f"{check_pool_name(name)}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
         finally:
             os.close(fd)
 

@@ -45,6 +45,7 @@ class ReplicaStatus:
     age_s: float | None = None  # how long ago it ended, on its host's (or the file system's) clock
     recorded: bool = False  # its end is on record (written by the agent, or read from there)
     final: bool = True  # False: a failure that may yet be answered otherwise (a launch not yet heard)
+    host_lost: bool = False  # it failed because its host was lost (a client's finding): it may be requeued
     app_id: str = ""
     role: str = ""
     replica_id: int = -1
@@ -64,6 +65,20 @@ class ReplicaStatus:
     @property
     def failed_for_good(self) -> bool:
         return self.state == ReplicaState.FAILED and self.final
+
+
+def may_requeue(spec: dict[str, Any], requeues: int) -> bool:
+    """Whether a replica (its launched spec, as a dict) whose host was lost starts again on
+    another host, having been requeued ``requeues`` times: while its role has ``max_retries``
+    left, and a submitit job (it has a ``requeue_code``) up to REQUEUES_ON_LOSS times, as SLURM
+    requeues a job whose node failed."""
+    limit = int(spec.get("max_retries") or 0)
+    if spec.get("requeue_code") is not None:
+        limit = max(limit, REQUEUES_ON_LOSS)
+    return requeues < limit
+
+
+REQUEUES_ON_LOSS = 3
 
 
 @dataclass

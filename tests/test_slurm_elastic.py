@@ -5,7 +5,9 @@ allocations have left, and keeps serving when SLURM cannot satisfy a grow."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 
 import pytest
@@ -273,3 +275,44 @@ def test_a_record_from_before_grown_pools_reads_as_one_allocation(tmp_path):
     set_allocations(rec, [Allocation("14", 3, 2, 1.0), Allocation("12", 0, 3)])
     assert rec.allocation["job_id"] == "12"  # (the first, as older readers and force-stop read it)
     assert [(a.job_id, list(a.indices)) for a in allocations(rec)] == [("12", [0, 1, 2]), ("14", [3, 4])]
+
+
+def test_a_replica_whose_node_is_lost_is_requeued_on_another_node_and_kept_there(home, pool_name):
+    """A role with max_retries: its replica on a node whose agent was killed starts again on a
+    healthy node (num_restarts counts it); the next run replaces only the lost node's allocation,
+    so the requeued replica keeps running."""
+    cfg = f"nodes=1,{SPEC},exclusive=True"  # (whole nodes: else the lab packs 1-node allocations on one node)
+    assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", cfg).returncode == 0
+    try:
+        for n in ("2", "3"):  # one allocation per host
+            assert mt(home, "pool", "resize", pool_name, "--hosts", n).returncode == 0
+        jobs = _jobs(home, pool_name)
+        run = ["run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.sh", "--num_replicas", "2"]
+        h = torchx(home, *run, "--max_retries", "1", "sleep", "600").stdout.strip().splitlines()[-1]
+        wait_for(lambda: _state(home, h) == "RUNNING", what="both replicas")
+        app = h.rsplit(":", 1)[-1]
+
+        def placement() -> dict[int, int]:
+            arec = Registry.get_app(Registry(home).require(pool_name), app)
+            assert arec is not None
+            return {p.replica_id: p.host_index for p in arec.placement}
+
+        assert placement() == {0: 0, 1: 1}
+        os.kill(Registry.hosts(Registry(home).require(pool_name))[1].pid, signal.SIGKILL)
+        # (each `torchx status` asks the app's hosts: the first that finds host 1 lost requeues replica 1)
+        wait_for(lambda: _state(home, h) == "RUNNING" and placement()[1] == 2, timeout=60, what="the requeue")
+        out = torchx(home, "status", h).stdout
+        assert "requeued 1 time(s) on another host" in out, out
+        hosts = Registry.hosts(Registry(home).require(pool_name))
+        assert hosts[2] is not None and hosts[2].hostname != hosts[1].hostname  # (another node)
+        assert re.search(r"[Nn]um[_ ][Rr]estarts:\s*1", out), out
+
+        # the next run replaces the lost node's allocation only: the requeued replica stays
+        res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "hi")
+        assert "repairing" in res.stderr, res.stderr
+        now = _jobs(home, pool_name)
+        assert now[0] == jobs[0] and now[2] == jobs[2] and now[1] != jobs[1]
+        assert _state(home, h) == "RUNNING" and placement() == {0: 0, 1: 2}
+        torchx(home, "cancel", h)
+    finally:
+        mt(home, "pool", "stop", pool_name)

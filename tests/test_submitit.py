@@ -245,3 +245,36 @@ def test_on_a_warm_slurm_pool(home, pool_name, tmp_path):
     assert ex.submit(Resumable(), str(marker)).result() == "resumed after checkpoint"
     # the requeue went back into the pool: same allocation, still running, nothing requeued in SLURM
     assert squeue_ids(f"monarch-{pool_name}") == [job_id]
+
+
+def second_try(marker: str) -> str:
+    """The first attempt leaves a marker and waits; a requeued one finds it and returns."""
+    p = Path(marker)
+    if p.exists():
+        return "second try"
+    p.write_text("first")
+    time.sleep(600)
+    return "never"
+
+
+def test_a_job_whose_host_is_lost_is_requeued_on_another_host(home, pool_name, tmp_path):
+    """As SLURM requeues a job whose node failed: the job's host (its agent killed) is lost, and
+    the next poll of the job starts it again on a host with room, where it completes."""
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=3,preload=none,cpus_per_host=1")
+    busy = torchx(home, "run", "-s", "monarch_local", "-cfg", f"pool={pool_name}", "utils.sh", "sleep", "600")
+    handle = busy.stdout.strip().splitlines()[-1]
+    marker = tmp_path / "marker"
+    job = _executor(tmp_path, pool_name).submit(second_try, str(marker))
+    wait_for(marker.exists, what="the first attempt")
+    assert job.state == "RUNNING"  # (asked: its record now says where the pool's queue started it)
+    rec = Registry(home).require(pool_name)
+
+    def placed():
+        (p,) = Registry.get_app(rec, f"submitit-{job.job_id}").placement
+        return p.host_index, p.requeues
+
+    assert placed() == (1, 0)  # (host 0 runs the sleep: its one CPU is taken)
+    os.kill(Registry.hosts(rec)[1].pid, signal.SIGKILL)
+    assert job.result() == "second try"
+    assert placed() == (2, 1)
+    torchx(home, "cancel", handle)

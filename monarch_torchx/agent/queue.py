@@ -34,7 +34,7 @@ from ..private import PrivatePathError, private_dir
 from ..registry import Placement, write_private
 from ..resources import CapacityRefused, Holding, HostLoad, NeverFits, Resources
 from ..scheduling import AppAsk, ReplicaKey, check_fits_somewhere, schedule
-from ..specs import CANCELLED, FAILED
+from ..specs import CANCELLED, FAILED, may_requeue
 from .procs import owner
 
 if TYPE_CHECKING:
@@ -236,6 +236,7 @@ class PoolQueue:
             app_id,
             QueueState.STARTED,
             placement=[Placement(role, k, h, self._incarnation(h)) for (role, k), h in sorted(full.items())],
+            retry_specs=[c["spec"] for calls in by_host.values() for c in calls if may_requeue(c["spec"], 0)],
         )
         del self.waiting[app_id]
         self._save(app_id)
