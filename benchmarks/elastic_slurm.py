@@ -9,6 +9,8 @@ last replica's "done" line:
   slurm (stock)            `torchx run -s slurm`: one fresh 3-node allocation, cold Python
   monarch_slurm grow 1->3  a warm 1-node pool; `-cfg nodes=3,grow=True` submits a 2-node
                            allocation whose agents join (and preload torch) while host 0 stays
+  monarch_slurm auto 1->3  a warm 1-node pool made with `max_nodes=3,backlog=0s`: the run waits
+                           in the pool's queue and host 0 grows the pool for it (no client)
   monarch_slurm cold 3     no pool yet: the pool of 3 is made by the run (what `replace=True`
                            cost before a pool could grow: every warm host lost)
   monarch_slurm warm 3     the grown pool, run again
@@ -56,23 +58,22 @@ def _cli(home: Path, cwd: Path, *argv: str) -> subprocess.CompletedProcess:
 
 
 def _replica_done_times(home: Path, handle: str, timeout: float = 300) -> list[float]:
-    """When each replica's "done" line reached its agent (the agent stamps every line)."""
+    """When each replica's "done" line reached its agent (the agent stamps every line), from the
+    replicas' log files wherever they ran (an app the pool's queue started is not placed in its
+    record until someone asks)."""
     from monarch_torchx.registry import Registry
 
     pool, app = handle.rsplit("/", 1)[1].split(":", 1)
     deadline = time.time() + timeout
     while time.time() < deadline:
         rec = Registry(home).require(pool)
-        arec = Registry.get_app(rec, app)
-        if arec is not None and arec.placement:
-            done = []
-            for p in arec.placement:
-                path = rec.path / "logs" / f"host{p.host_index}" / app / p.role / str(p.replica_id) / "stdout.log"
-                lines = path.read_text().splitlines() if path.exists() else []
-                stamps = [float(ts) for ts, _, text in (raw.partition(" ") for raw in lines) if text.startswith("done")]
-                done.extend(stamps[:1])
-            if len(done) == len(arec.placement) == 3:
-                return done
+        done = []
+        for path in rec.path.glob(f"logs/host*/{app}/*/*/stdout.log"):
+            lines = path.read_text().splitlines()
+            stamps = [float(ts) for ts, _, text in (raw.partition(" ") for raw in lines) if text.startswith("done")]
+            done.extend(stamps[:1])
+        if len(done) == 3:
+            return done
         time.sleep(0.01)
     raise SystemExit(f"{handle}: not every replica printed 'done' within {timeout:.0f} s")
 
@@ -106,10 +107,10 @@ def run_stock(home: Path, base: Path) -> float:
     raise SystemExit(f"stock slurm: not every replica printed 'done' in {cwd} within 300 s")
 
 
-def warm_pool(home: Path, base: Path, pool: str, nodes: int) -> None:
+def warm_pool(home: Path, base: Path, pool: str, nodes: int, extra: str = "") -> None:
     """A pool of ``nodes`` hosts, torch preloaded on each, before any timing starts."""
     _cli(home, base, str(BIN / "monarch-torchx"), "pool", "create", pool, "-s", "monarch_slurm", "-cfg",
-         f"nodes={nodes},{POOL_CFG}")  # fmt: skip
+         f"nodes={nodes},{POOL_CFG}{extra}")  # fmt: skip
     from monarch_torchx.pool import attach
 
     p = attach(pool)
@@ -155,6 +156,11 @@ def main() -> None:
             )
             times.setdefault("monarch_slurm warm 3", []).append(run_monarch(home, base, f"pool={grow}"))
             stop(home, grow)
+            auto = f"bench-auto-{i}"
+            pools.append(auto)
+            warm_pool(home, base, auto, 1, ",max_nodes=3,backlog=0s")
+            times.setdefault("monarch_slurm auto 1->3", []).append(run_monarch(home, base, f"pool={auto}"))
+            stop(home, auto)
             cold = f"bench-cold-{i}"
             pools.append(cold)
             times.setdefault("monarch_slurm cold 3", []).append(
@@ -183,6 +189,8 @@ def main() -> None:
             f"- Growing a warm 1-node pool to 3 and running the app: **{stock / med['monarch_slurm grow 1->3']:.1f}x** "
             "the stock `torchx run -s slurm` of the same app (the 2 joining hosts preload torch before the app "
             "starts); host 0 and whatever ran there stayed up.",
+            f"- Growing by itself (`max_nodes=3,backlog=0s`: the run waits in the queue, host 0 submits the "
+            f"allocation): **{stock / med['monarch_slurm auto 1->3']:.1f}x** stock.",
             f"- The same against making a cold pool of 3 (what `replace=True` costs): "
             f"{med['monarch_slurm cold 3'] / med['monarch_slurm grow 1->3']:.1f}x.",
             f"- Once grown, the next run: **{stock / med['monarch_slurm warm 3']:.1f}x** stock.",

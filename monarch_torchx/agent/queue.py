@@ -283,6 +283,8 @@ class PoolQueue:
 
     def _set_targets(self, targets: list[dict]) -> None:
         fresh = {t.index: t for t in (Target(**d) for d in targets)}
+        if set(fresh) - set(self.targets):  # hosts that joined (a grow): what waits may start there now
+            self._wake.set()
         for i, t in fresh.items():
             old = self.targets.get(i)
             if old is not None and old != t:  # replaced: its old connections and load are not its own
