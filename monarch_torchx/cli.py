@@ -350,8 +350,10 @@ def cmd_status(args: argparse.Namespace) -> None:
 
 def cmd_resize(args: argparse.Namespace) -> None:
     from .pool import resize_pool
+    from .syncfs.replay import replay_syncs
 
-    pool = resize_pool(args.name, args.replicas, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    pool = resize_pool(args.name, args.replicas, progress=say, on_join=replay_syncs)
     print(f"pool {pool.name!r} has {pool.record.num_hosts} host(s)")
 
 

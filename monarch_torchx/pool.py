@@ -114,15 +114,22 @@ class TunnelingProvisioner(Protocol):
         """A stream to the agent at ``addr`` (its ``sock``, and ``error()`` to explain a failure)."""
 
 
+# (pool, the hosts that joined, progress): readies them before the pool's queue is handed them,
+# e.g. syncfs.replay.replay_syncs (a layer above this one); raises MonarchError to give them back
+JoinHook = Callable[["Pool", list[int], Callable[[str], None]], None]
+
+
 @dataclass
 class PoolRequest:
-    """What a run asks of a pool; ``spec`` keys set to None mean "whatever the pool has"."""
+    """What a run asks of a pool; ``spec`` keys set to None mean "whatever the pool has".
+    ``on_join``: what hosts that join by a grow get before they take work (``JoinHook``)."""
 
     scheduler: str
     name: str
     spec: dict[str, Any]
     options: dict[str, Any] = field(default_factory=dict)
     replace: bool = False
+    on_join: JoinHook | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         preload = self.spec.get("preload")
@@ -605,7 +612,7 @@ def _grow_in_place(
     rec: PoolRecord, req: PoolRequest, registry: Registry, prov: Provisioner, progress: Callable[[str], None]
 ) -> None:
     progress(f"growing pool {req.name!r} from {rec.num_hosts} to {req.spec['hosts']} host(s) (grow=True)")
-    _resize_locked(rec, int(req.spec["hosts"]), registry, prov, progress)
+    _resize_locked(rec, int(req.spec["hosts"]), registry, prov, progress, req.on_join)
 
 
 def ensure_pool(
@@ -930,7 +937,11 @@ def force_stop(name: str, registry: Registry | None = None) -> list[str]:
 
 
 def resize_pool(
-    name: str, hosts: int, registry: Registry | None = None, progress: Callable[[str], None] = lambda _m: None
+    name: str,
+    hosts: int,
+    registry: Registry | None = None,
+    progress: Callable[[str], None] = lambda _m: None,
+    on_join: JoinHook | None = None,
 ) -> Pool:
     """Grows or shrinks a pool in place, where its engine can (``resize`` on the provisioner)."""
     registry = registry or Registry()
@@ -945,7 +956,7 @@ def resize_pool(
         if hosts < 1:
             raise MonarchError(f"a pool needs at least 1 host (asked {hosts}); `pool stop {name}` ends it")
         _give_back_idled(rec, registry, prov, progress)
-        _resize_locked(rec, hosts, registry, prov, progress)
+        _resize_locked(rec, hosts, registry, prov, progress, on_join)
         return Pool(rec, registry)
 
 
@@ -954,6 +965,7 @@ def grow_pool(
     extra: int,
     registry: Registry | None = None,
     progress: Callable[[str], None] = lambda _m: None,
+    on_join: JoinHook | None = None,
 ) -> int:
     """Adds ``extra`` hosts to the pool as it is when its lock is had (``resize_pool``, never a
     shrink however its size changed meanwhile); returns the pool's size. What a pool's
@@ -964,15 +976,21 @@ def grow_pool(
         rec = registry.require(name)
         prov = get_provisioner(rec.scheduler)
         _give_back_idled(rec, registry, prov, progress)
-        _resize_locked(rec, rec.num_hosts + extra, registry, prov, progress)
+        _resize_locked(rec, rec.num_hosts + extra, registry, prov, progress, on_join)
         return rec.num_hosts
 
 
 def _resize_locked(
-    rec: PoolRecord, hosts: int, registry: Registry, prov: Provisioner, progress: Callable[[str], None]
+    rec: PoolRecord,
+    hosts: int,
+    registry: Registry,
+    prov: Provisioner,
+    progress: Callable[[str], None],
+    on_join: JoinHook | None = None,
 ) -> None:
-    """Resizes ``rec`` (its lock held). Growing waits for the new hosts; hosts that do not come
-    up are given back and the pool keeps its size. Shrinking refuses while apps run on a host it
+    """Resizes ``rec`` (its lock held). Growing waits for the new hosts and readies them
+    (``on_join``); hosts that do not come up, or are not readied, are given back and the pool
+    keeps its size. Shrinking refuses while apps run on a host it
     would release, naming them, and tells the released agents to stop before their engine ends them."""
     old_n = rec.num_hosts
     if hosts == old_n:
@@ -1002,6 +1020,8 @@ def _resize_locked(
     try:
         prov.wait_ready(rec, grow, old, _start_timeout(rec), progress)
         wait_warm(Pool(rec, registry), progress, _start_timeout(rec))
+        if on_join is not None:
+            on_join(Pool(rec, registry), grow, progress)
         _tell_queue(Pool(rec, registry))
     except BaseException as e:
         with contextlib.suppress(Exception):

@@ -316,3 +316,28 @@ def test_a_replica_whose_node_is_lost_is_requeued_on_another_node_and_kept_there
         torchx(home, "cancel", h)
     finally:
         mt(home, "pool", "stop", pool_name)
+
+
+def test_what_was_synced_reaches_the_hosts_that_join_before_they_take_work(home, pool_name, tmp_path, monkeypatch):
+    stores = tmp_path / "node-stores"
+    monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(stores))  # the agents inherit it
+    assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", f"nodes=1,{SPEC}").returncode == 0
+    try:
+        src = tmp_path / "code"
+        src.mkdir()
+        (src / "hello.txt").write_text("synced before the grow\n")
+        assert mt(home, "sync", str(src), "--pool", pool_name, "--to", "code").returncode == 0
+        res = mt(home, "pool", "resize", pool_name, "--hosts", "3")
+        assert res.returncode == 0, res.stderr
+        assert f"sync {src} -> code replayed to host(s) 1-2 (1 file(s))" in res.stderr, res.stderr
+        read = f"cat {stores}/*-host$MONARCH_TORCHX_HOST_INDEX/mounts/code/hello.txt"
+        res = mt(home, "exec", "--pool", pool_name, "--all", "--", "sh", "-c", read)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert res.stdout.count("synced before the grow") == 3, res.stdout
+        # a source changed since: the joining hosts get it as it is now, and the grow says so
+        (src / "hello.txt").write_text("changed\n")
+        assert mt(home, "pool", "resize", pool_name, "--hosts", "1").returncode == 0
+        res = mt(home, "pool", "resize", pool_name, "--hosts", "2")
+        assert "the source changed since it was synced: sync it again" in res.stderr, res.stderr
+    finally:
+        mt(home, "pool", "stop", pool_name)

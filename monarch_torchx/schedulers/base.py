@@ -37,6 +37,7 @@ from ..resources import NeverFits, Resources
 from ..scheduling import check_fits_somewhere
 from ..specs import FAILED, SUCCEEDED, LaunchSpec
 from ..submission import PoolPlan
+from ..syncfs.replay import replay_syncs
 from ..torchrun import TorchrunPlan, plan_role
 from . import workspace as ws
 from .role_record import role_from_record, role_to_record
@@ -345,7 +346,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
         if cfg.get("grow"):
             options["grow"] = True
         prov.pool_spec(cfg, spec, options)
-        return PoolRequest(self.backend, name, spec, options, bool(cfg.get("replace")))
+        return PoolRequest(self.backend, name, spec, options, bool(cfg.get("replace")), on_join=replay_syncs)
 
     def _submit_dryrun(self, app: AppDef, cfg: dict[str, Any]) -> AppDryRunInfo:
         want_hosts = max(r.num_replicas for r in app.roles) if app.roles else 1

@@ -30,6 +30,7 @@ from ..pool import grow_pool
 from ..registry import Registry
 from ..scheduling import hosts_to_add
 from ..seam import AgentHost
+from ..syncfs.replay import replay_syncs
 from .slurm import AllocatorPhase, AllocatorState
 
 log = logging.getLogger("monarch_torchx.agent.slurm_allocator")
@@ -107,7 +108,9 @@ class Allocator:
     def grow(self, extra: int, app_id: str) -> None:
         """(On a thread: it waits for the new hosts.)"""
         try:
-            size = grow_pool(self.agent.pool, extra, self.registry, progress=lambda m: log.info("%s", m))
+            size = grow_pool(
+                self.agent.pool, extra, self.registry, progress=lambda m: log.info("%s", m), on_join=replay_syncs
+            )
         except Exception as e:  # noqa: BLE001 (whatever stopped it is the reason shown; the next try may work)
             self.state.failures += 1
             why = str(e) if isinstance(e, MonarchError) else f"{type(e).__name__}: {e}"

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence, cast
 from ..errors import HostUnreachable, MonarchError
 from ..registry import home
 from ..wire import FileRegion, FileRegionError, Gathered
-from . import transfer
+from . import replay, transfer
 from .ignore import IgnoreRules
 from .manifest import CDC, ChunkSource, HashCache, Manifest, scan_groups
 from .store import ChunkCorrupt, manifest_digest
@@ -59,6 +59,7 @@ class SyncReport:
     generation: int | None
     hosts: list[HostResult] = field(default_factory=list)
     transfer: str = ""  # how the bytes went: "socket", or "rdma/<backend>" (as the first host pulled them)
+    digest: str = ""  # the committed manifest's hash: the tree as synced
 
     @property
     def ok(self) -> bool:
@@ -187,6 +188,7 @@ def sync(
     fanout: str = "chain",
     exclude: Sequence[str] = (),
     chain_length: int = CHAIN_LENGTH,
+    remember: bool = True,
 ) -> SyncReport:
     """Syncs directory ``src`` to ``target`` on every host of ``pool`` (or ``hosts``).
 
@@ -197,7 +199,8 @@ def sync(
     host that feeds one (``transfer.downstream_groups``): no machine sends a chunk more than
     twice, and a chain's fill time and a failure's reach stay bounded. ``"star"``: the client
     feeds every host itself. Paths matching ``src/.torchxignore`` (TorchX's workspace rules) or
-    ``exclude`` (the same ``fnmatch`` syntax) are left out.
+    ``exclude`` (the same ``fnmatch`` syntax) are left out. ``remember``: a sync some host
+    committed is remembered in the pool's state dir, for hosts that join later (``replay.py``).
     """
     t0 = time.time()
     if not os.path.exists(src):
@@ -317,6 +320,7 @@ def sync(
                 meter.update(i, state="FAILED")
         return {i: meter.sent[i] for i in senders}
 
+    digest = ""
     try:
         groups = _read_errors_are_one_line(src, _prefetch(scan_groups(src, cache, ignore=ignore)))
         known, whole = _read_while_cached(groups, cache)
@@ -450,6 +454,8 @@ def sync(
     delivered = sum(r.bytes_sent for r in per_host)
     total = sum(e.size for e in entries if e.kind == "f")
     gens = {cast(int, r.generation) for r in per_host if r.ok}  # an ok host has the generation it committed
+    if remember and gens:
+        replay.remember(pool.record.state_dir, replay.SyncRecord(os.path.abspath(src), target, list(exclude), digest))
     return SyncReport(
         files=sum(1 for e in entries if e.kind in ("f", "h", "l")),
         bytes=total,
@@ -459,6 +465,7 @@ def sync(
         generation=max(gens) if gens else None,
         hosts=per_host,
         transfer=vias[0] if vias else how["mode"],
+        digest=digest,
     )
 
 
