@@ -312,7 +312,7 @@ def requeue_lost(pool: Pool, arec: AppRecord, out: dict[tuple[str, int], Replica
     the least loaded one it fits on (``scheduling.place``), never the lost one nor one holding
     another replica of its role. No such host now: it stays FAILED, saying why."""
     specs = {(s["role"], s["replica_id"]): s for s in arec.retry_specs}
-    with pool.registry.try_lock(pool.name) as held:
+    with pool.registry.lock(pool.name, wait=False) as held:
         fresh = Registry.get_app(pool.record, arec.app_id) if held else None
         if fresh is None:  # (not held: a run is at work on the pool; the next one to ask requeues it)
             return

@@ -294,32 +294,21 @@ class Registry:
         return self.pools_dir / check_pool_name(name)
 
     @contextlib.contextmanager
-    def lock(self, name: str, on_wait: Callable[[str], None] = lambda _m: None) -> Iterator[None]:
-        """Exclusive lock on one pool name, across processes (two `torchx run` at once)."""
+    def lock(self, name: str, on_wait: Callable[[str], None] = lambda _m: None, wait: bool = True) -> Iterator[bool]:
+        """Exclusive lock on one pool name, across processes (two `torchx run` at once); yields
+        whether it was had. ``wait=False``: at once, False when another process holds it (for what
+        may as well be done later, or by someone else: never worth a wait on a long repair)."""
         self._ensure_dirs()
         fd = os.open(self.pools_dir / f"{check_pool_name(name)}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                if not wait:
+                    yield False
+                    return
                 on_wait(f"waiting for another process that is creating or repairing pool {name!r}")
                 fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
-
-    @contextlib.contextmanager
-    def try_lock(self, name: str) -> Iterator[bool]:
-        """``lock``, without waiting: yields whether it was had. For what may be done later by
-        someone else (a requeue any describe may do), never worth a wait on a long repair."""
-        self._ensure_dirs()
-        fd = os.open(self.pools_dir / f"{check_pool_name(name)}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                yield False
-                return
             yield True
         finally:
             os.close(fd)
@@ -425,23 +414,9 @@ class Registry:
             if name == stopping.name:
                 history.prune_stopped(self.stopped_dir, live, skip=Path(stopping.state_dir), names=[name])
                 continue
-            with contextlib.suppress(MonarchError), self._try_lock(name) as held:
+            with contextlib.suppress(MonarchError), self.lock(name, wait=False) as held:
                 if held:
                     history.prune_stopped(self.stopped_dir, live, names=[name])
-
-    @contextlib.contextmanager
-    def _try_lock(self, name: str) -> Iterator[bool]:
-        """``lock``, without waiting: yields whether it was had."""
-        fd = os.open(self.pools_dir / f"{check_pool_name(name)}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                yield False
-                return
-            yield True
-        finally:
-            os.close(fd)
 
     def stopped(self, name: str | None = None, scheduler: str | None = None) -> builtins.list[history.StoppedPool]:
         """Stopped pools whose apps are kept (``history.py``): named ``name`` (newest first), or all."""

@@ -28,6 +28,11 @@ def mt(home, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([MT, *args], env=cli_env(home), capture_output=True, text=True, timeout=180)
 
 
+def run(home, cfg: str, *app: str, **kw) -> subprocess.CompletedProcess:
+    """`torchx run -s monarch_slurm -cfg CFG APP...`"""
+    return torchx(home, "run", "-s", "monarch_slurm", "-cfg", cfg, *app, **kw)
+
+
 def _state(home, handle) -> str:
     out = torchx(home, "status", handle).stdout
     return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.strip().startswith("State:"))
@@ -45,18 +50,14 @@ def test_grow_keeps_the_running_app_then_shrink_releases_only_idle_allocations(h
     res = mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", f"nodes=1,{SPEC}")
     assert res.returncode == 0, res.stderr
     first = _jobs(home, pool_name)
-    run0 = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.sh", "sleep", "600")
+    run0 = run(home, f"pool={pool_name}", "utils.sh", "sleep", "600")
     h0 = run0.stdout.strip().splitlines()[-1]
     wait_for(lambda: _state(home, h0) == "RUNNING", what="the app on host 0")
     pid0 = Registry.hosts(Registry(home).require(pool_name))[0].pid
 
     # a run asking 3 nodes with grow=True grows the pool in place: a further allocation joins
-    res = torchx(
+    res = run(
         home,
-        "run",
-        "-s",
-        "monarch_slurm",
-        "-cfg",
         f"pool={pool_name},nodes=3,grow=True",
         "utils.sh",
         "--num_replicas",
@@ -87,12 +88,8 @@ def test_grow_keeps_the_running_app_then_shrink_releases_only_idle_allocations(h
     assert res.returncode == 1 and "shrinks by whole allocations, so resize it to 1" in res.stderr
 
     # a busy allocation is kept, saying which app keeps it
-    busy = torchx(
+    busy = run(
         home,
-        "run",
-        "-s",
-        "monarch_slurm",
-        "-cfg",
         f"pool={pool_name}",
         "utils.sh",
         "--num_replicas",
@@ -127,14 +124,14 @@ def test_a_further_allocation_that_idles_out_ends_and_the_pool_shrinks_while_hos
     assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", cfg).returncode == 0
     try:
         first = _jobs(home, pool_name)
-        run0 = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.sh", "sleep", "600")
+        run0 = run(home, f"pool={pool_name}", "utils.sh", "sleep", "600")
         h0 = run0.stdout.strip().splitlines()[-1]
         wait_for(lambda: _state(home, h0) == "RUNNING", what="the app on host 0")
         res = mt(home, "pool", "resize", pool_name, "--hosts", "3")
         assert res.returncode == 0, res.stderr
         extra = _jobs(home, pool_name)[1]
         # a run on host 0 checks every host: a grace for the idle ones, not work that keeps them
-        res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "hi")
+        res = run(home, f"pool={pool_name}", "utils.echo", "--msg", "hi")
         wait_for(lambda: _state(home, res.stdout.strip().splitlines()[-1]) == "SUCCEEDED", what="the echo")
         wait_for(
             lambda: extra not in squeue_ids(f"monarch-{pool_name}"),
@@ -147,7 +144,7 @@ def test_a_further_allocation_that_idles_out_ends_and_the_pool_shrinks_while_hos
         assert "host(s) 1-2 left idle (idle_timeout); the pool has 1 host(s) now" in out, out
         assert _jobs(home, pool_name) == first and len(_status(home, pool_name)["hosts"]) == 1
         assert _state(home, h0) == "RUNNING"
-        res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "again")
+        res = run(home, f"pool={pool_name}", "utils.echo", "--msg", "again")
         assert "repair" not in res.stderr, res.stderr
         assert _jobs(home, pool_name) == first and squeue_ids(f"monarch-{pool_name}") == first
     finally:
@@ -166,12 +163,8 @@ def test_a_pool_with_max_nodes_grows_by_itself_for_an_app_waiting_in_its_queue(h
         ws = tmp_path / "proj"
         ws.mkdir()
         (ws / "main.py").write_text("print('hi')\n")
-        res = torchx(
+        res = run(
             home,
-            "run",
-            "-s",
-            "monarch_slurm",
-            "-cfg",
             f"pool={pool_name},workspace_mount=ws",
             "utils.python",
             "--num_replicas",
@@ -183,8 +176,7 @@ def test_a_pool_with_max_nodes_grows_by_itself_for_an_app_waiting_in_its_queue(h
         )
         assert res.returncode != 0
         assert "cannot wait for the pool to grow by itself" in res.stderr and "nodes=3,grow=True" in res.stderr
-        run = ["run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.sh", "--num_replicas", "3"]
-        res = torchx(home, *run, "hostname")
+        res = run(home, f"pool={pool_name}", "utils.sh", "--num_replicas", "3", "hostname")
         assert "waits in the queue" in res.stderr and "the pool grows for it (max_nodes=3)" in res.stderr, res.stderr
         h = res.stdout.strip().splitlines()[-1]
         wait_for(lambda: _state(home, h) == "SUCCEEDED", timeout=120, what="the app, once the pool grew")
@@ -205,9 +197,7 @@ def test_an_allocator_whose_grows_fail_pauses_with_the_reason_and_the_pool_keeps
     assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", cfg).returncode == 0
     try:
         job = _jobs(home, pool_name)
-        res = torchx(
-            home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.sh", "--num_replicas", "5", "true"
-        )
+        res = run(home, f"pool={pool_name}", "utils.sh", "--num_replicas", "5", "true")
         h = res.stdout.strip().splitlines()[-1]
         wait_for(
             lambda: _status(home, pool_name)["allocation"]["autoscale"]["phase"] == "paused",
@@ -246,15 +236,13 @@ def test_a_run_needing_more_walltime_left_than_the_pool_has_is_refused_in_one_li
     assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", f"nodes=1,{SPEC}").returncode == 0
     try:
         job = _jobs(home, pool_name)[0]
-        res = torchx(
-            home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},min_time_left=2h", "utils.echo", check=False
-        )
+        res = run(home, f"pool={pool_name},min_time_left=2h", "utils.echo", check=False)
         assert res.returncode != 0
         line = res.stderr.strip().splitlines()[-1]
         assert re.search(rf"allocation {job} \(host 0\) has (19|20) min left, less than min_time_left=2h asks", line)
         assert f"pool stop {pool_name}" in line, line
         # time= sizes the allocation, repeated by every run of a script: said, not refused
-        res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},time=01:00:00", "utils.echo")
+        res = run(home, f"pool={pool_name},time=01:00:00", "utils.echo")
         assert re.search(
             rf"warning: .*allocation {job} \(host 0\) has (19|20) min left, less than time=01:00:00", res.stderr
         )
@@ -262,7 +250,7 @@ def test_a_run_needing_more_walltime_left_than_the_pool_has_is_refused_in_one_li
             home, "run", "--dryrun", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},min_time_left=2h", "utils.echo"
         )
         assert "pool: refused" in dry.stdout + dry.stderr
-        res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name},min_time_left=10m", "utils.echo")
+        res = run(home, f"pool={pool_name},min_time_left=10m", "utils.echo")
         h = res.stdout.strip().splitlines()[-1]
         wait_for(lambda: _state(home, h) == "SUCCEEDED", what="a run that fits the walltime left")
     finally:
@@ -287,8 +275,9 @@ def test_a_replica_whose_node_is_lost_is_requeued_on_another_node_and_kept_there
         for n in ("2", "3"):  # one allocation per host
             assert mt(home, "pool", "resize", pool_name, "--hosts", n).returncode == 0
         jobs = _jobs(home, pool_name)
-        run = ["run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.sh", "--num_replicas", "2"]
-        h = torchx(home, *run, "--max_retries", "1", "sleep", "600").stdout.strip().splitlines()[-1]
+        retried = ["utils.sh", "--num_replicas", "2", "--max_retries", "1"]
+        app_run = run(home, f"pool={pool_name}", *retried, "sleep", "600")
+        h = app_run.stdout.strip().splitlines()[-1]
         wait_for(lambda: _state(home, h) == "RUNNING", what="both replicas")
         app = h.rsplit(":", 1)[-1]
 
@@ -308,7 +297,7 @@ def test_a_replica_whose_node_is_lost_is_requeued_on_another_node_and_kept_there
         assert re.search(r"[Nn]um[_ ][Rr]estarts:\s*1", out), out
 
         # the next run replaces the lost node's allocation only: the requeued replica stays
-        res = torchx(home, "run", "-s", "monarch_slurm", "-cfg", f"pool={pool_name}", "utils.echo", "--msg", "hi")
+        res = run(home, f"pool={pool_name}", "utils.echo", "--msg", "hi")
         assert "repairing" in res.stderr, res.stderr
         now = _jobs(home, pool_name)
         assert now[0] == jobs[0] and now[2] == jobs[2] and now[1] != jobs[1]
