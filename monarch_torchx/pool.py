@@ -1008,6 +1008,12 @@ def _resize_locked(
                 f"pool {rec.name!r} cannot shrink to {hosts}: app(s) {busy} run on host(s) {hosts}-{old_n - 1}; "
                 f"wait for them or `torchx cancel` them first"
             )
+        stranded = _stranded_by(pool, hosts)
+        if stranded:
+            raise MonarchError(
+                f"pool {rec.name!r} cannot shrink to {hosts}: app(s) waiting in its queue could never start on "
+                f"{hosts} host(s): {'; '.join(stranded)}; `torchx cancel` them first"
+            )
         if released_by is not None:  # its agents end their work and mounts before the engine ends them
             pool.fan_out(lambda i: pool.call(i, "shutdown", timeout=10.0, reason="pool resized"), released)
         progress(f"pool {rec.name!r}: releasing host(s) {hosts}-{old_n - 1}")
@@ -1094,6 +1100,16 @@ def _tell_queue(pool: Pool) -> None:
     targets, _, _ = pool.tree_targets(range(pool.record.num_hosts))
     with contextlib.suppress(MonarchError, OSError, net.RemoteError):  # no queue there: nothing waits
         pool.call(QUEUE_HOST, "queue.status", timeout=10.0, app_ids=[], targets=[t.as_dict() for t in targets])
+
+
+def _stranded_by(pool: Pool, hosts: int) -> list[str]:
+    """The queued apps a shrink to ``hosts`` would leave waiting forever, each with why."""
+    from .app_queue import QUEUE_HOST
+
+    try:
+        return list(pool.call(QUEUE_HOST, "queue.stranded", timeout=15.0, hosts=hosts))
+    except net.RemoteError:  # an agent of an earlier version: it cannot say
+        return []
 
 
 def _apps_on(pool: Pool, hosts: list[int]) -> str:

@@ -216,6 +216,26 @@ def test_an_allocator_whose_grows_fail_pauses_with_the_reason_and_the_pool_keeps
         mt(home, "pool", "stop", pool_name)
 
 
+def test_a_shrink_that_would_strand_a_queued_app_is_refused_naming_it(home, pool_name):
+    assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", f"nodes=1,{SPEC}").returncode == 0
+    try:
+        assert mt(home, "pool", "resize", pool_name, "--hosts", "3").returncode == 0
+        full = run(home, f"pool={pool_name}", "utils.sh", "--cpu", "4", "sleep", "600")  # host 0's 4 CPUs
+        h0 = full.stdout.strip().splitlines()[-1]
+        wait_for(lambda: _state(home, h0) == "RUNNING", what="the app that fills host 0")
+        gang = run(home, f"pool={pool_name}", "utils.sh", "--num_replicas", "3", "true")  # one per host: waits
+        assert "waits in the queue" in gang.stderr, gang.stderr
+        waiting = gang.stdout.strip().splitlines()[-1].rsplit(":", 1)[-1]
+        res = mt(home, "pool", "resize", pool_name, "--hosts", "1")  # (hosts 1-2 run nothing)
+        assert res.returncode == 1
+        err = res.stderr.strip().splitlines()[-1]
+        assert "cannot shrink to 1: app(s) waiting in its queue could never start on 1 host(s)" in err, err
+        assert waiting in err and "torchx cancel" in err
+        assert len(_jobs(home, pool_name)) == 2 and len(_status(home, pool_name)["hosts"]) == 3
+    finally:
+        mt(home, "pool", "stop", pool_name)
+
+
 def test_a_grow_slurm_cannot_satisfy_says_why_and_the_pool_keeps_serving(home, pool_name):
     assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", f"nodes=1,{SPEC}").returncode == 0
     try:

@@ -84,7 +84,12 @@ class PoolQueue:
         self._pass_lock = asyncio.Lock()
 
     def operations(self) -> dict[str, Any]:
-        return {"queue.submit": self.op_submit, "queue.status": self.op_status, "queue.cancel": self.op_cancel}
+        return {
+            "queue.submit": self.op_submit,
+            "queue.status": self.op_status,
+            "queue.cancel": self.op_cancel,
+            "queue.stranded": self.op_stranded,
+        }
 
     @property
     def holder(self) -> bool:
@@ -137,6 +142,23 @@ class PoolQueue:
             [self.loads[i] for i in sorted(self.loads) if i in self.targets],
             len(self.targets),
         )
+
+    async def op_stranded(self, peer: Any, hosts: int) -> list[str]:
+        """The waiting apps that could never start on the pool's first ``hosts`` hosts (a shrink
+        to that many would leave them waiting forever), each with why; asked before a shrink."""
+        self._holder_only()
+        await self._fill_loads()
+        out = []
+        for app_id, w in self.waiting.items():
+            kept = [h for i, h in sorted(self.loads.items()) if i < hosts and (w.ask.hosts is None or i in w.ask.hosts)]
+            if not kept:
+                out.append(f"{app_id} (it may start only on host(s) {sorted(w.ask.hosts or ())})")
+                continue
+            try:
+                check_fits_somewhere(w.ask, kept, self.agent.pool)
+            except NeverFits as e:
+                out.append(f"{app_id} ({e})")
+        return out
 
     def entry(self, app_id: str) -> QueueEntry:
         w = self.waiting.get(app_id)
