@@ -68,6 +68,7 @@ class SubmittedApp:
     # replicas k*N .. k*N+N-1 of a role share one host, its node k (submitit's tasks_per_node)
     tasks_per_node: int = 1
     hosts_env: str = ""  # set to the addresses of the app's nodes, in node order (submitit's hostnames)
+    only_hosts: list[int] | None = None  # the hosts it may go to (those with min_time_left left), or None: any
     submitted: float = field(default_factory=time.time)
 
     def ask(self) -> AppAsk:
@@ -78,6 +79,8 @@ class SubmittedApp:
             nodes[key] = nodes.get(key, Resources()) + Resources.from_wire(s.resources)
         # a workspace was synced to the hosts there were when it was queued: it starts on those
         hosts = frozenset(self.workspace_paths) if self.path_token and self.workspace_paths else None
+        if self.only_hosts is not None:
+            hosts = frozenset(self.only_hosts) & hosts if hosts is not None else frozenset(self.only_hosts)
         return AppAsk(self.app_id, [ReplicaAsk(role, k, res) for (role, k), res in nodes.items()], hosts)
 
     def per_replica(self, placement: dict[ReplicaKey, int]) -> dict[ReplicaKey, int]:

@@ -277,6 +277,26 @@ def test_a_run_needing_more_walltime_left_than_the_pool_has_is_refused_in_one_li
         mt(home, "pool", "stop", pool_name)
 
 
+def test_a_run_needing_walltime_goes_only_to_hosts_whose_allocation_has_it_left(home, pool_name):
+    assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", f"nodes=1,{SPEC}").returncode == 0
+    try:
+        assert mt(home, "pool", "resize", pool_name, "--hosts", "2").returncode == 0
+        first = _jobs(home, pool_name)[0]
+        subprocess.run(["scontrol", "update", f"JobId={first}", "TimeLimit=5"], check=True)  # host 0: 5 min
+        res = run(home, f"pool={pool_name},min_time_left=10m", "utils.sh", "hostname")
+        h = res.stdout.strip().splitlines()[-1]
+        wait_for(lambda: _state(home, h) == "SUCCEEDED", what="the run that needs 10 minutes")
+        arec = Registry.get_app(Registry(home).require(pool_name), h.rsplit(":", 1)[-1])
+        assert arec is not None and [p.host_index for p in arec.placement] == [1]  # not host 0
+        res = run(home, f"pool={pool_name},min_time_left=10m", "utils.sh", "--num_replicas", "2", "true", check=False)
+        assert res.returncode != 0
+        line = res.stderr.strip().splitlines()[-1]
+        assert "needs 2 host(s) with min_time_left=10m left, but pool" in line and "has 1 (" in line, line
+        assert re.search(rf"allocation {first} \(host 0\) has [45] min left", line), line
+    finally:
+        mt(home, "pool", "stop", pool_name)
+
+
 def test_a_record_from_before_grown_pools_reads_as_one_allocation(tmp_path):
     rec = PoolRecord("p", "monarch_slurm", {"hosts": 3}, "00", str(tmp_path), allocation={"job_id": "12"})
     assert allocations(rec) == [Allocation("12", 0, 3)]

@@ -418,6 +418,7 @@ class MonarchScheduler(WorkspaceMixin[None], Scheduler):
             """The replicas, ready to start on ``pool`` now (on copies: a launch made again places
             afresh); ``apps.MustWait`` when the app does not fit the pool's free capacity now."""
             n = pool.record.num_hosts
+            sub.only_hosts = _hosts_with_time(pool, req.pool, want)
             if want > n and want <= _may_grow_to(pool) and req.workspace:
                 raise MonarchError(
                     f"the app needs {want} hosts (one per replica) but pool {pool.name!r} has {n}, and with a "
@@ -1064,6 +1065,27 @@ def _placement(pool: Pool, sub: SubmittedApp) -> dict[tuple[str, int], int]:
         why = f"{queued} app(s) wait in its queue before it" if queued else f"it asks {ask.need()}; free: {free}"
         raise apps.MustWait(why + _grows_for_it(pool), pool)
     return placement
+
+
+def _hosts_with_time(pool: Pool, req: PoolRequest, want: int) -> list[int] | None:
+    """The hosts a run with ``min_time_left`` may go to (those whose allocation has that much
+    left: ``hosts_with_time``), or None (no such option, or every host has it); a one-line
+    MonarchError when fewer than the ``want`` hosts it needs have it."""
+    need = req.options.get("min_time_left_s")
+    find = getattr(pool.provisioner, "hosts_with_time", None)
+    if not need or find is None:
+        return None
+    ok = find(pool.record, need)
+    if len(ok) >= pool.record.num_hosts:
+        return None
+    if len(ok) < want:
+        short = pool.provisioner.short_of(pool.record, need)  # type: ignore[attr-defined]  # (beside hosts_with_time)
+        raise MonarchError(
+            f"the app needs {want} host(s) with min_time_left={req.options.get('min_time_left')} left, but pool "
+            f"{pool.name!r} has {len(ok)} ({short}); an allocation cannot be extended: "
+            f"`monarch-torchx pool stop {pool.name}` and run again for a new one"
+        )
+    return ok
 
 
 def _may_grow_to(pool: Pool) -> int:

@@ -289,7 +289,7 @@ class SlurmProvisioner:
             "min_time_left",
             type_=str,
             default=None,
-            help="walltime this run needs left on the pool's allocations (e.g. 90m, 02:00:00); less is refused",
+            help="walltime this run needs left: it goes only to hosts whose allocation has that much (e.g. 90m)",
         )
         opts.add(
             "max_nodes",
@@ -637,17 +637,22 @@ class SlurmProvisioner:
                 out.append((a, None))
         return out
 
-    def _short_of(self, rec: PoolRecord, want: int) -> str:
+    def short_of(self, rec: PoolRecord, want: int) -> str:
         """The allocations with less than ``want`` seconds left, said; "" when none is short."""
         short = [(a, left) for a, left in self.time_left(rec) if left is not None and left < want]
         return ", ".join(f"allocation {a.job_id} ({a.label()}) has {_human(left)} left" for a, left in short)
 
+    def hosts_with_time(self, rec: PoolRecord, want: float) -> list[int]:
+        """The hosts whose allocation has ``want`` seconds left (or no limit)."""
+        return [i for a, left in self.time_left(rec) if left is None or left >= want for i in a.indices]
+
     def reuse_refusal(self, rec: PoolRecord, options: dict[str, Any]) -> str | None:
-        """A run that says how long it needs (``min_time_left=``) is refused, in one line saying how
-        much is left, on a pool an allocation of which has less: an allocation cannot be extended,
-        and the run would be cut short at its walltime."""
+        """A run that says how long it needs (``min_time_left=``) is placed only on hosts whose
+        allocation has that much left (``hosts_with_time``); on a pool where none has, it is
+        refused, in one line saying how much is left: an allocation cannot be extended, and the
+        run would be cut short at its walltime."""
         want = options.get("min_time_left_s")
-        short = self._short_of(rec, want) if want else ""
+        short = self.short_of(rec, want) if want and not self.hosts_with_time(rec, want) else ""
         if not short:
             return None
         return (
@@ -659,7 +664,7 @@ class SlurmProvisioner:
         """``time=`` sizes the allocation a run would submit, and every run of a script repeats it:
         on a reused pool with less left it is said, not refused (``min_time_left=`` refuses)."""
         want = options.get("walltime_s")
-        short = self._short_of(rec, want) if want else ""
+        short = self.short_of(rec, want) if want else ""
         if not short:
             return []
         return [
