@@ -161,9 +161,9 @@ def start(
     ``place`` failing to reach a host it asked (``HostUnreachable``, ``HostLost``: a warm
     torchrun's port) counts as a failed launch.
     """
-    pool = None if check_first else reuse_unchecked(req, registry, progress)
-    if pool is not None and pool.record.num_hosts < tree_min_hosts():
-        pool = None  # (direct requests: a host without a replica would get a handshake, not its idle clock reset)
+    # (fewer hosts than the relay tree's: direct requests, so a host without a replica would get a
+    # handshake, not its idle clock reset; ensure_pool checks the pool first)
+    pool = None if check_first else reuse_unchecked(req, registry, progress, min_hosts=tree_min_hosts())
     if pool is None:
         pool = ensure_pool(req, registry, defaults=defaults, progress=progress)
         return pool, launch(pool, app_id, name, roles, place(pool))

@@ -737,7 +737,10 @@ def _undo_start(rec: PoolRecord, registry: Registry, prov: Provisioner) -> bool:
 
 
 def reuse_unchecked(
-    req: PoolRequest, registry: Registry | None = None, progress: Callable[[str], None] = lambda _m: None
+    req: PoolRequest,
+    registry: Registry | None = None,
+    progress: Callable[[str], None] = lambda _m: None,
+    min_hosts: int = 0,
 ) -> Pool | None:
     """The existing pool that serves ``req``, with none of its hosts asked: for a run whose first
     request to the hosts checks them too (``apps.start``'s launch, a submitit submission's ask
@@ -752,6 +755,8 @@ def reuse_unchecked(
     with registry.lock(req.name, on_wait=progress):  # a pool being created or repaired: wait, as ensure_pool does
         rec = registry.get(req.name)
         if rec is None or rec.scheduler != req.scheduler or _fingerprint_diff(rec, req, prov):
+            return None
+        if rec.num_hosts < min_hosts:  # (the caller checks a pool this small first: ensure_pool says its warnings)
             return None
         if registry.read_view(rec) is None or registry.check_wanted(rec):
             return None

@@ -61,6 +61,7 @@ class AllocatorPhase(Enum):
     WATCHING = "watching"  # nothing has waited long enough, or what waits would not fit even at max_nodes
     GROWING = "growing"  # an allocation was submitted and its hosts are awaited
     PAUSED = "paused"  # grows failed again and again: a resize by hand resumes it
+    OFF = "off"  # host 0 could not take it up (the pool's record out of its reach): the reason says why
 
 
 @dataclass
@@ -662,15 +663,24 @@ class SlurmProvisioner:
 
     def reuse_warnings(self, rec: PoolRecord, options: dict[str, Any]) -> list[str]:
         """``time=`` sizes the allocation a run would submit, and every run of a script repeats it:
-        on a reused pool with less left it is said, not refused (``min_time_left=`` refuses)."""
+        on a reused pool with less left it is said, not refused (``min_time_left=`` refuses).
+        ``max_nodes``/``backlog`` are the pool's, set when it is made: another value is said."""
+        out = []
+        asked = (options.get("max_nodes"), options.get("backlog_s"))
+        has = (rec.options.get("max_nodes"), rec.options.get("backlog_s"))
+        if asked[0] is not None and asked != has:
+            out.append(
+                f"pool {rec.name!r} was made with max_nodes={has[0]}, backlog={has[1]}s: max_nodes and backlog "
+                f"are set when a pool is made (-cfg replace=True makes it anew with these)"
+            )
         want = options.get("walltime_s")
         short = self.short_of(rec, want) if want else ""
-        if not short:
-            return []
-        return [
-            f"pool {rec.name!r}: {short}, less than time={options.get('time')} asks; it is reused (-cfg "
-            f"min_time_left=... refuses instead): for a new allocation, `monarch-torchx pool stop {rec.name}`"
-        ]
+        if short:
+            out.append(
+                f"pool {rec.name!r}: {short}, less than time={options.get('time')} asks; it is reused (-cfg "
+                f"min_time_left=... refuses instead): for a new allocation, `monarch-torchx pool stop {rec.name}`"
+            )
+        return out
 
     def describe(self, rec: PoolRecord) -> dict[str, Any]:
         allocs = allocations(rec)

@@ -19,6 +19,7 @@ as the pool's state dir already is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -162,11 +163,21 @@ def setup(agent: AgentHost) -> None:
     try:
         registry = Registry()
         rec = registry.get(agent.pool)
+        why = (
+            ""
+            if rec is not None and Path(rec.state_dir).resolve() == agent.state_dir.resolve()
+            else f"the registry home {registry.root} does not hold this pool"
+        )
     except MonarchError as e:
-        log.error("the pool's allocator cannot read the pool's record: %s", e)
-        return
-    if rec is None or Path(rec.state_dir).resolve() != agent.state_dir.resolve():
-        log.error("the registry at %s does not hold pool %s: it will not grow by itself", registry.root, agent.pool)
+        rec, why = None, str(e)
+    if why or rec is None:
+        why = (
+            f"host 0 cannot read the pool's record ({why}): the registry home must be on a file system "
+            f"the nodes share; the pool does not grow by itself"
+        )
+        log.error("%s", why)
+        with contextlib.suppress(OSError):  # (so `pool status` says why, not "watching")
+            AllocatorState(AllocatorPhase.OFF, why).save(agent.state_dir)
         return
     if not rec.options.get("max_nodes"):
         return
