@@ -420,7 +420,8 @@ def cmd_stop(args: argparse.Namespace) -> None:
     from .registry import Registry
 
     try:
-        left = stop_pool(args.name)
+        hint = "" if args.force else " (Ctrl-C, then `pool stop --force` ends it at once)"
+        left = stop_pool(args.name, on_wait=lambda m: print(m + hint, file=sys.stderr), wait=not args.force)
     except PoolNotFound:
         if not Registry().stopped(args.name):
             raise
@@ -773,8 +774,8 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--force",
         action="store_true",
-        help="if the pool's record cannot be read: end its local agents and the SLURM allocation "
-        "it names, and remove the record",
+        help="if the pool's record cannot be read, or another process holds the pool (a grow waiting for "
+        "SLURM): end its local agents and the SLURM allocations it names, and remove the record",
     )
     p.set_defaults(pool_fn=cmd_stop)
 

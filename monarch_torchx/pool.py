@@ -877,11 +877,17 @@ def _hear_ends(pool: Pool, hosts: list[int]) -> None:
                     )
 
 
-def stop_pool(name: str, registry: Registry | None = None) -> list[str]:
+def stop_pool(
+    name: str, registry: Registry | None = None, on_wait: Callable[[str], None] = lambda _m: None, wait: bool = True
+) -> list[str]:
     """Stops every agent (their processes with them), releases the allocation, forgets the pool.
-    Returns what agents that had died left on their nodes and was ended, a line each."""
+    Returns what agents that had died left on their nodes and was ended, a line each. ``on_wait``
+    is told when another process holds the pool (a grow waiting for its allocation holds it);
+    ``wait=False``: a MonarchError at once instead of the wait."""
     registry = registry or Registry()
-    with registry.lock(name):
+    with registry.lock(name, on_wait=on_wait, wait=wait) as held:
+        if not held:
+            raise MonarchError(f"another process holds pool {name!r} (a run, a resize, or a grow waiting for SLURM)")
         pool = Pool(registry.require(name), registry)
         return _stop(pool, get_provisioner(pool.record.scheduler), "pool stopped")
 
