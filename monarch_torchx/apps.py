@@ -312,9 +312,28 @@ def requeue_lost(pool: Pool, arec: AppRecord, out: dict[tuple[str, int], Replica
     the least loaded one it fits on (``scheduling.place``), never the lost one nor one holding
     another replica of its role. No such host now: it stays FAILED, saying why."""
     specs = {(s["role"], s["replica_id"]): s for s in arec.retry_specs}
+    due = [
+        (p.role, p.replica_id)
+        for p in arec.placement
+        if (st := out.get((p.role, p.replica_id))) is not None
+        and st.host_lost
+        and (p.role, p.replica_id) in specs
+        and may_requeue(specs[(p.role, p.replica_id)], p.requeues)
+    ]
+    if not due:
+        return
     with pool.registry.lock(pool.name, wait=False) as held:
         fresh = Registry.get_app(pool.record, arec.app_id) if held else None
-        if fresh is None:  # (not held: a run is at work on the pool; the next one to ask requeues it)
+        if fresh is None:  # a run is at work on the pool: the next one to ask requeues them (not an end)
+            for key in due:
+                lost = out[key]
+                out[key] = ReplicaStatus(
+                    ReplicaState.PENDING,
+                    msg=f"to be requeued once another run is done with the pool: {lost.msg}",
+                    hostname=lost.hostname,
+                    attempts=lost.attempts,
+                    final=False,
+                )
             return
         placement = list(fresh.placement)
         loads: list[HostLoad] | None = None

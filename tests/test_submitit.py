@@ -275,6 +275,8 @@ def test_a_job_whose_host_is_lost_is_requeued_on_another_host(home, pool_name, t
 
     assert placed() == (1, 0)  # (host 0 runs the sleep: its one CPU is taken)
     os.kill(Registry.hosts(rec)[1].pid, signal.SIGKILL)
+    with Registry(home).lock(pool_name):  # another run at work on the pool: not now, and not an end either
+        assert job.state == "PENDING" and placed() == (1, 0)
     assert job.result() == "second try"
     assert placed() == (2, 1)
     torchx(home, "cancel", handle)
