@@ -19,7 +19,7 @@ from typing import Any
 from .registry import Placement
 from .resources import HostLoad, Resources
 from .scheduling import AppAsk, ReplicaAsk, ReplicaKey
-from .specs import LaunchSpec
+from .specs import LaunchSpec, known_fields
 from .torchrun import PLAN_ENV
 
 QUEUE_HOST = 0  # the host whose agent holds the pool's queue (see agent/queue.py)
@@ -169,8 +169,7 @@ class QueueEntry:
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> QueueEntry:
-        known = {f.name for f in dataclasses.fields(cls)}
-        d = {k: v for k, v in d.items() if k in known}  # (a newer agent's fields left out)
+        d = known_fields(cls, d)
         d["state"] = QueueState(d["state"])
         d["placement"] = [Placement.from_wire(p) for p in d.get("placement", [])]
         return cls(**d)

@@ -30,7 +30,7 @@ import secrets
 import shutil
 import stat
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -38,6 +38,7 @@ from . import history
 from .credentials import TLS_FILE, TOKEN_FILE, PoolCredentials, check_tls_pem, new_tls_pem
 from .errors import HomeUnusable, MonarchError, PoolNotFound
 from .private import PrivatePathError, private_dir, write_private_bytes
+from .specs import known_fields
 
 VIEW_FILE = "hosts/view.json"  # every host's address in one file (see Registry.read_view)
 CLOCK_FILE = "hosts/clock"  # touched to read the file system's "now" (Registry.host_file_age)
@@ -194,8 +195,7 @@ class HostAddr:
     def from_file(cls, data: dict[str, Any]) -> HostAddr:
         """From an agent's host file. Fields this version does not know are left out: an agent of
         a newer version (a pool kept warm across an upgrade of its client) is still read."""
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**known_fields(cls, data))
 
 
 @dataclass
@@ -240,8 +240,7 @@ class Placement:
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> Placement:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        return cls(**known_fields(cls, d))
 
 
 @dataclass
@@ -260,8 +259,7 @@ class AppRecord:
 
     @classmethod
     def from_json(cls, data: dict) -> AppRecord:
-        known = {f.name for f in fields(cls)}
-        data = {k: v for k, v in data.items() if k in known}  # (a newer client's fields left out)
+        data = known_fields(cls, data)
         data["placement"] = [Placement.from_wire(p) for p in data["placement"]]
         return cls(**data)
 

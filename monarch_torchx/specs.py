@@ -67,6 +67,13 @@ class ReplicaStatus:
         return self.state == ReplicaState.FAILED and self.final
 
 
+def known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without the keys dataclass ``cls`` lacks: a record or message written by a newer
+    version (a client, an agent) is still read by this one."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
 def may_requeue(spec: dict[str, Any], requeues: int) -> bool:
     """Whether a replica (its launched spec, as a dict) whose host was lost starts again on
     another host, having been requeued ``requeues`` times: while its role has ``max_retries``
