@@ -311,21 +311,32 @@ def cmd_status(args: argparse.Namespace) -> None:
     alloc = {
         k: v for k, v in s["allocation"].items() if v not in (None, "", {}) and k not in ("allocations", "autoscale")
     }
-    if len(parts) > 1:  # a grown SLURM pool: each allocation, the hosts it holds and its walltime left
+    if len(parts) > 1 or any(p.get("successor") for p in parts):
+        # a grown or renewing SLURM pool: each allocation, the hosts it holds and its walltime left
         print(f"allocations ({len(parts)}):")
-        rows = [
-            [p["job_id"], p["hosts"], p["nodes"], p["state"] or "?", p["time_left"] or "-", p["reason"] or "-"]
-            for p in parts
-        ]
+        rows = []
+        for p in parts:
+            rows.append(
+                [p["job_id"], p["hosts"], p["nodes"], p["state"] or "?", p["time_left"] or "-", p["reason"] or "-"]
+            )
+            succ = p.get("successor")
+            if succ:  # (renew: it takes those hosts over as they go idle, or at the walltime)
+                why = succ["reason"] or f"{succ['armed']}/{p['nodes']} agent(s) ready to take over"
+                left = succ["time_left"] or "-"
+                rows.append([f"-> {succ['job_id']}", p["hosts"], p["nodes"], succ["state"] or "?", left, why])
         print(_table(rows, ["JOB", "HOSTS", "NODES", "STATE", "TIME LEFT", "REASON"]))
     elif alloc and ("job_id" in alloc or "kind" in alloc):
         print("allocation: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in alloc.items()))
     auto = s["allocation"].get("autoscale")
-    if auto:  # a SLURM pool made with max_nodes: what its allocator (host 0) is doing
-        print(
-            f"grows by itself: up to {auto['max_nodes']} nodes, for apps that waited {auto['backlog_s']:g}s; "
-            f"{auto['phase']}{': ' + auto['reason'] if auto['reason'] else ''}"
-        )
+    if auto:  # a SLURM pool made with max_nodes or renew: what its allocator (host 0) is doing
+        does = []
+        if auto["max_nodes"]:
+            does.append(
+                f"grows by itself: up to {auto['max_nodes']} nodes, for apps that waited {auto['backlog_s']:g}s"
+            )
+        if auto.get("renew"):
+            does.append(f"renews its allocations before their walltime ({auto.get('renewed', 0)} so far)")
+        print(f"{'; '.join(does)}; {auto['phase']}{': ' + auto['reason'] if auto['reason'] else ''}")
     rows = []
     for h in s["hosts"]:
         warm = "importing" if h.get("warm_state") == "importing" else ",".join(h["warm"] or []) or "-"

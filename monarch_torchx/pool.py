@@ -219,6 +219,16 @@ class Pool:
     def refresh(self) -> None:
         self._hosts = None
 
+    def successors(self, indices: Sequence[int]) -> Pool:
+        """A handle whose calls to hosts ``indices`` reach the successors waiting on standby to take
+        them over (a SLURM pool's renewal, ``agent/handover.py``), not the agents serving them now:
+        what is synced to the pool is replayed to them through it."""
+        view = Pool(self.record, self.registry)
+        view._hosts = [
+            self.registry.read_host(self.record.path, i, standby=i in indices) for i in range(self.record.num_hosts)
+        ]
+        return view
+
     @property
     def provisioner(self) -> Provisioner:
         """The engine's provisioner, kept for this handle's life (it may hold an API client)."""
@@ -936,7 +946,9 @@ def force_stop(name: str, registry: Registry | None = None) -> list[str]:
         alloc = {}
     listed = alloc.get("parts")
     parts: list[Any] = listed if isinstance(listed, list) else [alloc]  # (a grown SLURM pool has several)
-    jobs = [str(p["job_id"]) for p in parts if isinstance(p, dict) and p.get("job_id")]
+    jobs = [  # (and a renewing allocation's successor)
+        str(p[k]) for p in parts if isinstance(p, dict) for k in ("job_id", "successor") if p.get(k)
+    ]
     if jobs and shutil.which("scancel"):
         subprocess.run(["scancel", *jobs], capture_output=True)
         done += [f"cancelled SLURM allocation {job}" for job in jobs]
@@ -1072,7 +1084,15 @@ def idled_tail(rec: PoolRecord, prov: Provisioner) -> int | None:
 
 
 def _give_back_idled(rec: PoolRecord, registry: Registry, prov: Provisioner, progress: Callable[[str], None]) -> None:
-    """Shrinks ``rec`` (its lock held) past the further allocations that idled out (``idled_tail``)."""
+    """Brings ``rec`` (its lock held) up to date with what its allocations did by themselves:
+    renewed ones replaced by their successors (``settle_renewals``), and the pool shrunk past
+    the further allocations that idled out (``idled_tail``)."""
+    settle = getattr(prov, "settle_renewals", None)
+    settled = settle(rec) if settle is not None else []
+    for line in settled:
+        progress(f"pool {rec.name!r}: {line}")
+    if settled:
+        registry.save(rec)
     size = idled_tail(rec, prov)
     if size is None:
         return

@@ -171,6 +171,9 @@ class HostAddr:
     exited_idle: bool = False
     last_work: float = 0.0  # when this host last ran or was asked to run something (now, if busy)
     via: str = ""  # how clients reach it when not directly ("k8s-portforward:NS/POD"); "" = host:port
+    # a successor's (``--standby``, in ``hosts/N.next.json``): what was synced to the pool was
+    # replayed to it, so host N's agent may hand its index over to it (``agent/handover.py``)
+    armed: bool = False
 
     @property
     def address(self) -> str:
@@ -433,8 +436,14 @@ class Registry:
     # ------------------------------------------------------------ hosts
 
     @staticmethod
-    def read_host(state_dir: str | Path, index: int) -> HostAddr | None:
-        path = Path(state_dir) / "hosts" / f"{index}.json"
+    def host_path(state_dir: str | Path, index: int, standby: bool = False) -> Path:
+        """Host ``index``'s address file, or (``standby``) that of the successor waiting to take
+        the index over when the allocation holding it ends (a SLURM pool's ``renew``)."""
+        return Path(state_dir) / "hosts" / (f"{index}.next.json" if standby else f"{index}.json")
+
+    @staticmethod
+    def read_host(state_dir: str | Path, index: int, standby: bool = False) -> HostAddr | None:
+        path = Registry.host_path(state_dir, index, standby)
         data = _read_json(path)
         try:
             return HostAddr.from_file(data) if data else None
@@ -468,13 +477,14 @@ class Registry:
         return [Registry.read_host(Path(rec.state_dir), i) for i in range(rec.num_hosts)]
 
     @staticmethod
-    def publish_host(state_dir: Path, addr: HostAddr, moved: bool = True) -> None:
+    def publish_host(state_dir: Path, addr: HostAddr, moved: bool = True, standby: bool = False) -> None:
         """Writes host ``addr.index``'s file. ``moved`` (a new agent, a new address, an exit, not a
         heartbeat): the pool's view of addresses is dropped first, so that whoever sees the new
-        file can no longer read the old view."""
-        if moved:
+        file can no longer read the old view. A successor's file (``standby``) is no address of
+        the pool's: the view stays."""
+        if moved and not standby:
             Registry.drop_view(state_dir)
-        write_private(Path(state_dir) / "hosts" / f"{addr.index}.json", json.dumps(asdict(addr)))
+        write_private(Registry.host_path(state_dir, addr.index, standby), json.dumps(asdict(addr)))
 
     # A pool's view: every host's address in one file, so a client on a shared file system makes
     # one read per operation, not one per host. Written by a client that read every host's file
@@ -532,10 +542,11 @@ class Registry:
         PoolCredentials.install(Path(state_dir), token, tls_pem)
 
     @staticmethod
-    def clear_host(rec: PoolRecord, index: int) -> None:
-        Registry.drop_view(Path(rec.state_dir))
+    def clear_host(rec: PoolRecord, index: int, standby: bool = False) -> None:
+        if not standby:
+            Registry.drop_view(Path(rec.state_dir))
         with contextlib.suppress(FileNotFoundError):
-            (Path(rec.state_dir) / "hosts" / f"{index}.json").unlink()
+            Registry.host_path(rec.state_dir, index, standby).unlink()
 
     # ------------------------------------------------------------ apps
 

@@ -55,6 +55,9 @@ class AgentHost(Protocol):
     def incarnation(self) -> str: ...
 
     @property
+    def successor(self) -> bool: ...  # started to take its host over from an ending allocation
+
+    @property
     def started(self) -> float: ...
 
     @property

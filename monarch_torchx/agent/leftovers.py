@@ -19,15 +19,26 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def end_host(pool: str, pool_id: str, index: int) -> list[str]:
     """Ends and removes what host ``index`` of the pool left here; returns what it found."""
-    from .. import procfs
     from ..private import sync_store_base
 
     found: list[str] = []
-    store = sync_store_base()[0] / f"{pool}-{pool_id}-host{index}"
+    base = sync_store_base()[0] / f"{pool}-{pool_id}-host{index}"
+    # (a successor's store is named after its incarnation too: syncfs.host.store_root)
+    for store in [base, *base.parent.glob(f"{base.name}-*")]:
+        found += _end_store(store)
+    return found + remove_dead_temp_dirs(pool, index)
+
+
+def _end_store(store: Path) -> list[str]:
+    """Ends the FUSE servers serving from one host's sync store, unmounts, and removes it."""
+    from .. import procfs
+
+    found: list[str] = []
     if store.is_dir() and store.stat().st_uid == os.getuid():
         servers = procfs.pids_with(os.fsencode(str(store)))
         for pid in servers:
@@ -49,7 +60,7 @@ def end_host(pool: str, pool_id: str, index: int) -> list[str]:
                 os.chmod(sub, 0o700)
         shutil.rmtree(store, ignore_errors=True)
         found.append(f"sync store {store}")
-    return found + remove_dead_temp_dirs(pool, index)
+    return found
 
 
 def remove_dead_temp_dirs(pool: str, index: int) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -46,6 +47,7 @@ from .admission import Ledger
 from .capacity import Declared, detect
 from .debug import DebugSessions
 from .gpus import GpuWatch
+from .handover import ARM_OP, hand_over, handing_over_to, take_over_due
 from .launcher import Launcher
 from .leftovers import remove_dead_temp_dirs
 from .log_follow import OP as LOG_FOLLOW_OP
@@ -91,6 +93,8 @@ BIND_RETRY_S = 3.0
 # per host and request: a relay holds its subtree's answers; a replica past it is streamed directly
 APP_LOGS_MAX_BYTES = int(os.environ.get("MONARCH_TORCHX_APP_LOGS_MAX_BYTES", str(1 << 20)))
 APP_LOGS_MAX_S = 2.0
+# a successor on standby takes its host over once the serving agent's heartbeat is this old
+TAKE_OVER_AFTER_S = 3 * HEARTBEAT_WRITE_S
 HEARTBEAT_FIELDS = frozenset({"heartbeat", "last_work"})  # a publish of only these: the agent did not move
 MAX_FINISHED_APPS = 500
 
@@ -114,6 +118,10 @@ class Agent:
         self.index = args.index
         self.pool = args.pool
         self.incarnation = args.incarnation or uuid.uuid4().hex[:12]
+        # started to take its index over from an allocation whose walltime ends (``handover.py``):
+        # waits on standby until then; ``successor`` stays (it names this agent's own node stores)
+        self.standby = self.successor = bool(getattr(args, "standby", False))
+        self._deferred: list[Any] = []  # background work held back while on standby
         if args.token_file:  # a mounted secret (Kubernetes): procs of this host read it from the state dir
             tls = Path(args.token_file).with_name(TLS_FILE)
             Registry.install_credentials(
@@ -143,6 +151,7 @@ class Agent:
             "wait": self.op_wait,
             "ping": self.op_ping,
             "capacity": self.op_capacity,
+            ARM_OP: self.op_arm,
         }
         self.combiners: dict[str, Callable[[dict, list[Any]], Any]] = {}
         self.relay = Relay(self)
@@ -211,7 +220,11 @@ class Agent:
         self._cleanups.append(fn)
 
     def background(self, coro: Any) -> None:
-        """For modules: run a coroutine for the agent's life (cancelled when it stops)."""
+        """For modules: run a coroutine for the agent's life (cancelled when it stops); on
+        standby, from when it takes its host over."""
+        if self.standby:
+            self._deferred.append(coro)
+            return
         self._background.append(asyncio.get_running_loop().create_task(coro))
 
     def install(self, module: AgentModule) -> None:
@@ -479,6 +492,13 @@ class Agent:
             )
         return out
 
+    async def op_arm(self, peer: aio.Peer) -> bool:
+        """A successor on standby got what was synced to the pool: host N's agent may hand over."""
+        if not self.standby:
+            raise ValueError(f"agent {self.index} is not on standby: it serves its host already")
+        self._publish(armed=True)
+        return True
+
     async def op_shutdown(self, peer: aio.Peer, reason: str = "pool stopped") -> bool:
         self.stop_requested = True  # (the ends of what it kills are recorded: see run())
         self.stop(reason)
@@ -526,7 +546,7 @@ class Agent:
         assert self.addr is not None
         for k, v in extra.items():
             setattr(self.addr, k, v)
-        Registry.publish_host(self.state_dir, self.addr, moved=not set(extra) <= HEARTBEAT_FIELDS)
+        Registry.publish_host(self.state_dir, self.addr, moved=not set(extra) <= HEARTBEAT_FIELDS, standby=self.standby)
 
     def _superseded(self) -> str | None:
         """Why another agent (or nobody) now owns this host's address file, or None if we do.
@@ -534,7 +554,7 @@ class Agent:
         A pool re-created under the same state dir (after its record was removed) starts new
         agents; an old one that kept heartbeating would overwrite their address forever."""
         try:
-            current = Registry.read_host(self.state_dir, self.index)
+            current = Registry.read_host(self.state_dir, self.index, standby=self.standby)
         except (MonarchError, OSError, TypeError):
             return None  # unreadable for now: not proof of anything
         if current is None:
@@ -554,6 +574,8 @@ class Agent:
         while not self.stopping.is_set():
             await asyncio.sleep(HEARTBEAT_S)
             now = time.time()
+            if self.standby and self._standby_beat():
+                last_write = 0.0  # (its own file now: written at once)
             if self.held_ports:
                 self._release_ports()
             if time.monotonic() - last_write >= write_every:
@@ -569,7 +591,15 @@ class Agent:
                 except OSError as e:  # a full or flaky shared file system must not stop the idle check
                     log.warning("could not publish heartbeat: %s", e)
                     self.heartbeat_error = f"cannot write its heartbeat in {self.state_dir}: {e.strerror or e}"
+            if self.standby:  # (no idle timeout while it waits: its predecessor's decides)
+                continue
             checked_lately = now - self.last_touch < TOUCH_GRACE_S  # (a run may be placing work here)
+            succ = handing_over_to(self.state_dir, self.index, self.incarnation) if self.idle_seconds() > 1 else None
+            if succ is not None and not checked_lately:
+                why = hand_over(self.state_dir, succ, now - self.idle_seconds())
+                log.info("%s", why)
+                self.stop(why)
+                return
             if limit > 0 and self.idle_seconds() > limit and now >= next_pool_check and not checked_lately:
                 pool_idle = self.pool_idle_seconds()  # reads every host's file: not every beat
                 if pool_idle > limit:
@@ -578,6 +608,28 @@ class Agent:
                     self.stop(f"idle for more than {limit:.0f} s")
                 else:
                     next_pool_check = now + (limit - pool_idle)
+
+    def _standby_beat(self) -> bool:
+        """A heartbeat on standby: True once it took its host over (it then goes on as any
+        agent's), False while it waits (or leaves with a predecessor that left idle)."""
+        due = take_over_due(self.state_dir, self.index, self.incarnation, TAKE_OVER_AFTER_S)
+        if due is None or self.stopping.is_set():
+            return False
+        log.info("taking host %d over: %s", self.index, due.why)
+        if due.leave:
+            self.idled_out = True
+            self.stop(due.why)
+            return False
+        self.standby = False
+        # its idle time counts from its host's last work, not from when it started or took over
+        self.last_request = self.procs.last_change = min(due.last_work or time.time(), time.time())
+        self._publish(armed=False, heartbeat=time.time(), last_work=time.time() - self.idle_seconds())
+        with contextlib.suppress(FileNotFoundError):
+            Registry.host_path(self.state_dir, self.index, standby=True).unlink()
+        for coro in self._deferred:
+            self.background(coro)
+        self._deferred.clear()
+        return True
 
     async def _listen(self, sock: socket.socket | None) -> int:
         """Starts the server; returns its port. A given port that is briefly in use (a worker
@@ -647,6 +699,12 @@ class Agent:
                 log.warning("module cleanup failed: %s", e)
         for what in remove_dead_temp_dirs(self.pool, self.index):  # what its killed processes left
             log.info("removed %s", what)
+        if self.standby:  # it never served: its standby file goes; host N's is its predecessor's
+            for coro in self._deferred:
+                coro.close()
+            with contextlib.suppress(FileNotFoundError):
+                Registry.host_path(self.state_dir, self.index, standby=True).unlink()
+            return
         current = Registry.read_host(self.state_dir, self.index)
         if current is not None and current.incarnation == self.incarnation:  # not a successor's file
             self._publish(exited=time.time(), exit_reason=self.stop_reason, exited_idle=self.idled_out)
@@ -675,6 +733,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--incarnation",
         default=None,
         help="this agent's identity in handshakes (default: random; Kubernetes: the pod UID)",
+    )
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="start as a successor: wait to take the host's index over from the agent serving it (renewal)",
     )
     p.add_argument("--token-file", default=None, help="read the pool secret from here (default: STATE_DIR/token)")
     p.add_argument("--bind", default="127.0.0.1")

@@ -10,6 +10,7 @@ section of ``.torchxconfig`` supplies their defaults, so existing configs carry 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import shlex
 import shutil
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +28,7 @@ from ..errors import MonarchError, StartTimeout
 from ..interpreter import module_argv
 from ..pool import parse_duration, wait_for_hosts
 from ..registry import PoolRecord, Registry, home, write_private
+from ..specs import known_fields
 from ..submission import Submission
 from .base import MonarchScheduler
 
@@ -54,12 +56,13 @@ _HOPELESS = (
 # host 0's module that grows a pool with ``max_nodes`` (``slurm_allocator.py``), and its state file
 ALLOCATOR_MODULE = "monarch_torchx.schedulers.slurm_allocator:setup"
 ALLOCATOR_FILE = "allocator.json"
-_ALIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+ALIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
 
 
 class AllocatorPhase(Enum):
     WATCHING = "watching"  # nothing has waited long enough, or what waits would not fit even at max_nodes
     GROWING = "growing"  # an allocation was submitted and its hosts are awaited
+    RENEWING = "renewing"  # a successor allocation was submitted: its agents are awaited and readied
     PAUSED = "paused"  # grows failed again and again: a resize by hand resumes it
     OFF = "off"  # host 0 could not take it up (the pool's record out of its reach): the reason says why
 
@@ -73,6 +76,7 @@ class AllocatorState:
     reason: str = ""
     failures: int = 0  # grows that failed in a row
     grown: int = 0  # allocations it submitted that joined
+    renewed: int = 0  # successor allocations it submitted and readied (``renew``)
     paused_at: int = 0  # the pool's size when it paused (a resize by hand changes it: resumes)
 
     def save(self, state_dir: str | Path) -> None:
@@ -82,19 +86,26 @@ class AllocatorState:
     def read(cls, state_dir: str | Path) -> AllocatorState | None:
         try:
             data = json.loads((Path(state_dir) / ALLOCATOR_FILE).read_text())
-            return cls(**{**data, "phase": AllocatorPhase(data["phase"])})
+            return cls(**{**known_fields(cls, data), "phase": AllocatorPhase(data["phase"])})
         except (OSError, ValueError, KeyError, TypeError):  # none yet, or one being replaced
             return None
 
 
 @dataclass(frozen=True)
 class Allocation:
-    """One ``sbatch`` job of a pool: it holds the pool's hosts ``first`` .. ``first + nodes - 1``."""
+    """One ``sbatch`` job of a pool: it holds the pool's hosts ``first`` .. ``first + nodes - 1``.
+    ``successor``: the job submitted to take those hosts over before this one's walltime ends
+    (``renew``; its agents wait on standby, ``agent/handover.py``), until this one has ended."""
 
     job_id: str
     first: int
     nodes: int
     submitted: float = 0.0
+    successor: str = ""
+
+    @property
+    def jobs(self) -> list[str]:
+        return [self.job_id, self.successor] if self.successor else [self.job_id]
 
     @property
     def indices(self) -> range:
@@ -114,7 +125,14 @@ def allocations(rec: PoolRecord) -> list[Allocation]:
     parts = a.get("parts")
     if isinstance(parts, list):
         return [
-            Allocation(str(p["job_id"]), int(p["first"]), int(p["nodes"]), float(p.get("submitted", 0))) for p in parts
+            Allocation(
+                str(p["job_id"]),
+                int(p["first"]),
+                int(p["nodes"]),
+                float(p.get("submitted", 0)),
+                str(p.get("successor") or ""),
+            )
+            for p in parts
         ]
     if a.get("job_id"):
         return [Allocation(str(a["job_id"]), 0, rec.num_hosts, float(a.get("submitted", 0)))]
@@ -306,6 +324,13 @@ class SlurmProvisioner:
             help="with max_nodes: how long an app waits in the pool's queue before the pool grows for it (e.g. 10s)",
         )
         opts.add(
+            "renew",
+            type_=bool,
+            default=False,
+            help="keep the pool warm across walltimes: before an allocation's time ends, a successor allocation "
+            "takes its hosts over (needs time; set when the pool is made)",
+        )
+        opts.add(
             "start_timeout",
             type_=str,
             default="10m",
@@ -335,6 +360,12 @@ class SlurmProvisioner:
                 raise MonarchError(f"max_nodes={most} is less than nodes={spec['hosts']}: give max_nodes >= nodes")
             options["max_nodes"] = most
             options["backlog_s"] = parse_duration(cfg.get("backlog") or "30s", "backlog")
+        if cfg.get("renew"):
+            if not options.get("walltime_s"):
+                raise MonarchError(
+                    "renew=True needs time= (the walltime each allocation is renewed before): e.g. -cfg time=02:00:00"
+                )
+            options["renew"] = True
 
     # ------------------------------------------------------------ allocation
 
@@ -378,11 +409,15 @@ class SlurmProvisioner:
         return argv + [str(script)]
 
     @staticmethod
-    def batch_script(rec: PoolRecord, first: int = 0) -> str:
-        """The batch script: one ``srun`` step with one agent per node, numbered from ``first``."""
+    def batch_script(rec: PoolRecord, first: int = 0, standby: bool = False) -> str:
+        """The batch script: one ``srun`` step with one agent per node, numbered from ``first``;
+        ``standby``: a successor's, whose agents take those hosts over (``agent/handover.py``)."""
         argv = agent_argv(rec, index=None, bind="0.0.0.0", index_base=first)
+        if standby:
+            argv.append("--standby")
         env = ""
-        if first == 0 and rec.options.get("max_nodes"):  # host 0 grows the pool: it edits the pool's record
+        if first == 0 and (rec.options.get("max_nodes") or rec.options.get("renew")):
+            # host 0 grows or renews the pool: it edits the pool's record
             argv += ["--module", ALLOCATOR_MODULE]
             env = f"export MONARCH_TORCHX_HOME={shlex.quote(str(home()))}\n"
         agent = " ".join(shlex.quote(a) for a in argv)
@@ -393,8 +428,9 @@ class SlurmProvisioner:
         )
 
     @staticmethod
-    def _script_path(rec: PoolRecord, first: int) -> Path:
-        return Path(rec.state_dir) / ("pool.sbatch" if first == 0 else f"pool-{first}.sbatch")
+    def _script_path(rec: PoolRecord, first: int, standby: bool = False) -> Path:
+        name = "pool" if first == 0 else f"pool-{first}"
+        return Path(rec.state_dir) / f"{name}{'-next' if standby else ''}.sbatch"
 
     def submission(self, rec: PoolRecord) -> Submission:
         script = self._script_path(rec, 0)
@@ -405,13 +441,14 @@ class SlurmProvisioner:
             notes=[f"the batch script is written to {script} (0700) before sbatch runs"],
         )
 
-    def _submit(self, rec: PoolRecord, first: int, nodes: int) -> Allocation:
-        """Submits one allocation for hosts ``first`` .. ``first + nodes - 1``."""
+    def _submit(self, rec: PoolRecord, first: int, nodes: int, standby: bool = False) -> Allocation:
+        """Submits one allocation for hosts ``first`` .. ``first + nodes - 1`` (``standby``: to
+        take them over from the one holding them, ``renew``)."""
         for i in range(first, first + nodes):  # an address left from an earlier allocation is not this one's
-            Registry.clear_host(rec, i)
-        script = self._script_path(rec, first)
+            Registry.clear_host(rec, i, standby=standby)
+        script = self._script_path(rec, first, standby)
         # a new file renamed into place: a planted symlink is replaced
-        write_private(script, self.batch_script(rec, first))
+        write_private(script, self.batch_script(rec, first, standby))
         script.chmod(0o700)
         rc, out, err = _run(self._sbatch_argv(rec, script, nodes))
         if rc != 0:
@@ -424,19 +461,69 @@ class SlurmProvisioner:
 
     def repair(self, rec: PoolRecord, indices: list[int]) -> list[int]:
         """An agent cannot be re-added to a running allocation: each allocation that holds a lost
-        host is replaced (the pool's other allocations, and their warm hosts, are left alone)."""
+        host is replaced (the pool's other allocations, and their warm hosts, are left alone),
+        by its successor where a renewal submitted one that is still alive (its agents take the
+        hosts over as they start), else by a new one."""
         kept: list[Allocation] = []
         again: list[Allocation] = []
         for a in allocations(rec):
             (again if any(i in a.indices for i in indices) else kept).append(a)
+        states = jobs_states([a.successor for a in again if a.successor])
         for a in again:
             _cancel_job(a.job_id)
-        set_allocations(rec, kept + [self._submit(rec, a.first, a.nodes) for a in again])
+            if a.successor and states[a.successor][0] not in ALIVE:
+                _cancel_job(a.successor)
+        replaced = []
+        for a in again:
+            if a.successor and states[a.successor][0] in ALIVE:
+                for i in a.indices:  # (its standby agents take over a host that has no agent)
+                    Registry.clear_host(rec, i)
+                replaced.append(Allocation(a.successor, a.first, a.nodes, time.time()))
+            else:
+                replaced.append(self._submit(rec, a.first, a.nodes))
+        set_allocations(rec, kept + replaced)
         return [i for a in again for i in a.indices]
 
     def _cancel(self, rec: PoolRecord) -> None:
         for a in allocations(rec):
-            _cancel_job(a.job_id)
+            for job in a.jobs:
+                _cancel_job(job)
+
+    # ------------------------------------------------------------ renewal
+
+    def renew(self, rec: PoolRecord, alloc: Allocation) -> Allocation:
+        """Submits ``alloc``'s successor: as many nodes, the pool's walltime, its agents on
+        standby for the same hosts (``agent/handover.py``). Recorded in ``rec`` (the caller saves)."""
+        succ = self._submit(rec, alloc.first, alloc.nodes, standby=True)
+        renewed = replace(alloc, successor=succ.job_id)
+        set_allocations(rec, [renewed if a.first == alloc.first else a for a in allocations(rec)])
+        return renewed
+
+    def drop_successor(self, rec: PoolRecord, alloc: Allocation) -> None:
+        """A successor that could not be readied is cancelled and forgotten (the caller saves)."""
+        if alloc.successor:
+            _cancel_job(alloc.successor)
+            for i in alloc.indices:
+                Registry.clear_host(rec, i, standby=True)
+        set_allocations(rec, [replace(a, successor="") if a.first == alloc.first else a for a in allocations(rec)])
+
+    def settle_renewals(self, rec: PoolRecord) -> list[str]:
+        """Each allocation whose successor took its hosts over and that has ended is replaced by
+        that successor in ``rec`` (the caller saves); returns what changed, said."""
+        allocs = allocations(rec)
+        renewing = [a for a in allocs if a.successor]
+        if not renewing:
+            return []
+        states = jobs_states([j for a in renewing for j in a.jobs])
+        said = []
+        for a in renewing:
+            if states[a.job_id][0] in ALIVE or states[a.successor][0] != "RUNNING":
+                continue
+            allocs[allocs.index(a)] = Allocation(a.successor, a.first, a.nodes, time.time())
+            said.append(f"allocation {a.successor} took {a.label()} over from allocation {a.job_id}")
+        if said:
+            set_allocations(rec, allocs)
+        return said
 
     # ------------------------------------------------------------ growing and shrinking
 
@@ -480,15 +567,17 @@ class SlurmProvisioner:
 
         if shutil.which("srun") is None:
             return []
-        states = jobs_states([a.job_id for a in allocations(rec)])
+        states = jobs_states([j for a in allocations(rec) for j in a.jobs])
         hosts = Registry.hosts(rec)
         steps = []
         for i in lost:
             h = hosts[i] if i < len(hosts) else None
             alloc = allocation_of(rec, i)
-            if h is None or not h.hostname or alloc is None or states[alloc.job_id][0] != "RUNNING":
+            if h is None or not h.hostname or alloc is None:
                 continue
-            job = alloc.job_id
+            job = next((j for j in alloc.jobs if states[j][0] == "RUNNING"), "")  # (a successor took it over)
+            if not job:
+                continue
             argv = [
                 "srun",
                 f"--jobid={job}",
@@ -534,14 +623,14 @@ class SlurmProvisioner:
         return found
 
     def release(self, rec: PoolRecord) -> None:
-        jobs = [a.job_id for a in allocations(rec)]
+        jobs = [j for a in allocations(rec) for j in a.jobs]
         if not jobs:
             return
         deadline = time.time() + 5  # agents were told to shut down: give the jobs a moment to end
         while time.time() < deadline and any(st[0] in ("RUNNING", "COMPLETING") for st in jobs_states(jobs).values()):
             time.sleep(0.2)
         for job, (state, _, _) in jobs_states(jobs).items():
-            if state in _ALIVE:
+            if state in ALIVE:
                 _cancel_job(job)
 
     def wait_ready(
@@ -588,7 +677,7 @@ class SlurmProvisioner:
         if said.get(job) != line:
             progress(line)
             said[job] = line
-        if state and state not in _ALIVE:
+        if state and state not in ALIVE:
             log = Path(rec.state_dir) / "logs" / f"slurm-{job}.out"
             tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
             return f"allocation {job} is {state}" + (f": {' | '.join(tail)}" if tail else "")
@@ -607,12 +696,17 @@ class SlurmProvisioner:
         return f"allocation {job} is {state or 'gone'}" + (f" ({reason})" if reason and reason != "None" else "")
 
     def lost_hosts(self, rec: PoolRecord) -> dict[int, str]:
-        """Hosts whose allocation is not running, each with why (one squeue for the pool)."""
+        """Hosts whose allocation is not running, each with why (one squeue for the pool). Those
+        of an allocation that ended while its successor runs are not lost: the successor's agents
+        serve them."""
         allocs = allocations(rec)
-        states = jobs_states([a.job_id for a in allocs])
+        states = jobs_states([j for a in allocs for j in a.jobs])
         lost: dict[int, str] = {}
         for a in allocs:
             why = self._lost_text(a.job_id, *states[a.job_id][:2])
+            if why and a.successor:
+                after = self._lost_text(a.successor, *states[a.successor][:2])
+                why = f"{why}; its successor {after}" if after else None
             if why:
                 lost.update({i: why for i in a.indices})
         return lost
@@ -627,13 +721,17 @@ class SlurmProvisioner:
     # ------------------------------------------------------------ walltime
 
     def time_left(self, rec: PoolRecord) -> list[tuple[Allocation, int | None]]:
-        """Each allocation's walltime left in seconds (None: unlimited, or not running yet)."""
+        """Each allocation's walltime left in seconds (None: unlimited, or not running yet): its
+        successor's once it has ended and the successor runs."""
         allocs = allocations(rec)
-        states = jobs_states([a.job_id for a in allocs])
+        states = jobs_states([j for a in allocs for j in a.jobs])
         out: list[tuple[Allocation, int | None]] = []
         for a in allocs:
+            job = a.job_id
+            if a.successor and states[job][0] not in ("RUNNING", "COMPLETING") and states[a.successor][0] == "RUNNING":
+                job = a.successor
             try:
-                out.append((a, parse_slurm_time(states[a.job_id][2])))
+                out.append((a, parse_slurm_time(states[job][2])))
             except MonarchError:  # UNLIMITED, NOT_SET, INVALID
                 out.append((a, None))
         return out
@@ -673,6 +771,11 @@ class SlurmProvisioner:
                 f"pool {rec.name!r} was made with max_nodes={has[0]}, backlog={has[1]}s: max_nodes and backlog "
                 f"are set when a pool is made (-cfg replace=True makes it anew with these)"
             )
+        if options.get("renew") and not rec.options.get("renew"):
+            out.append(
+                f"pool {rec.name!r} was made without renew: renew is set when a pool is made "
+                f"(-cfg replace=True makes it anew with it)"
+            )
         want = options.get("walltime_s")
         short = self.short_of(rec, want) if want else ""
         if short:
@@ -684,7 +787,7 @@ class SlurmProvisioner:
 
     def describe(self, rec: PoolRecord) -> dict[str, Any]:
         allocs = allocations(rec)
-        states = jobs_states([a.job_id for a in allocs])
+        states = jobs_states([j for a in allocs for j in a.jobs])
         parts = [
             {
                 "job_id": a.job_id,
@@ -693,6 +796,15 @@ class SlurmProvisioner:
                 "state": states[a.job_id][0],
                 "reason": states[a.job_id][1] if states[a.job_id][1] != "None" else "",
                 "time_left": states[a.job_id][2],
+                "successor": {
+                    "job_id": a.successor,
+                    "state": states[a.successor][0],
+                    "reason": states[a.successor][1] if states[a.successor][1] != "None" else "",
+                    "time_left": states[a.successor][2],
+                    "armed": _armed(rec, a),
+                }
+                if a.successor
+                else None,
             }
             for a in allocs
         ]
@@ -708,18 +820,30 @@ class SlurmProvisioner:
         }
 
 
+def _armed(rec: PoolRecord, alloc: Allocation) -> int:
+    """How many of a successor's agents wait on standby, readied (``handover.arm``)."""
+    n = 0
+    for i in alloc.indices:
+        with contextlib.suppress(MonarchError):
+            h = Registry.read_host(rec.state_dir, i, standby=True)
+            n += bool(h is not None and h.armed and not h.exited)
+    return n
+
+
 def _autoscale(rec: PoolRecord) -> dict[str, Any] | None:
-    """The allocator's state for ``pool status`` (a pool made with ``max_nodes``), or None."""
+    """The allocator's state for ``pool status`` (a pool made with ``max_nodes`` or ``renew``), or None."""
     most = rec.options.get("max_nodes")
-    if not most:
+    if not most and not rec.options.get("renew"):
         return None
     st = AllocatorState.read(rec.state_dir) or AllocatorState()
     return {
         "max_nodes": most,
         "backlog_s": rec.options.get("backlog_s"),
+        "renew": bool(rec.options.get("renew")),
         "phase": st.phase.value,
         "reason": st.reason,
         "grown": st.grown,
+        "renewed": st.renewed,
     }
 
 

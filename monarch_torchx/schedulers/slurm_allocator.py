@@ -1,4 +1,5 @@
-"""Agent module of a SLURM pool made with ``-cfg max_nodes=N``: host 0 grows the pool by itself.
+"""Agent module of a SLURM pool made with ``-cfg max_nodes=N`` or ``renew=True``: host 0 grows the
+pool by itself, and renews its allocations before their walltime ends.
 
 When the app at the head of the pool's queue has waited ``backlog`` and would start with more
 hosts, host 0's agent submits one further allocation sized for it (``scheduling.hosts_to_add``:
@@ -10,6 +11,14 @@ it, or it does not start within the pool's ``start_timeout``) is given back; aft
 ``PAUSE_AFTER`` failures in a row the allocator pauses, with the reason in `pool status`, until
 the pool's size is changed by hand (`pool resize`). Shrinking is the idle timeout's: a further
 allocation leaves once its hosts have been idle for it (``Agent.pool_idle_seconds``).
+
+Renewal (``renew=True``): when an allocation has less than ``renew_lead_s`` of its walltime left,
+host 0 submits its successor (as many nodes, the pool's walltime) whose agents start on standby
+for the same hosts; once they are up and warm it replays what was synced to the pool to them
+and arms them. Each host's agent then hands its index over as soon as it is idle, or its
+walltime ends it (``agent/handover.py``): the pool stays warm across walltimes, its hosts keep
+their numbers, and the old allocation ends as its agents leave. A successor that does not start
+within ``start_timeout`` is cancelled and counted as a failure, as a failed grow is.
 
 It needs the pool's record, so the batch script exports the registry home
 (``MONARCH_TORCHX_HOME``) to host 0's agent; that home must be on a file system the nodes share,
@@ -25,28 +34,37 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..agent.handover import ARM_OP
 from ..app_queue import QueueBacklog
 from ..errors import MonarchError
-from ..pool import grow_pool
+from ..pool import Pool, grow_pool, warming_hosts
 from ..registry import Registry
 from ..scheduling import hosts_to_add
 from ..seam import AgentHost
 from ..syncfs.replay import replay_syncs
-from .slurm import AllocatorPhase, AllocatorState
+from .slurm import ALIVE, Allocation, AllocatorPhase, AllocatorState, SlurmProvisioner, jobs_states
 
 log = logging.getLogger("monarch_torchx.agent.slurm_allocator")
 
 CHECK_EVERY_S = 0.25  # (a look at its own queue, in memory: cheap)
 PAUSE_AFTER = 3  # grows that failed in a row
 RETRY_AFTER_S = 10.0  # after a failed grow, times the failures so far
+RENEW_CHECK_S = 10.0  # how often the walltime left is asked (one squeue)
+
+
+def renew_lead_s(walltime_s: float) -> float:
+    """How long before an allocation's walltime ends its successor is submitted: a tenth of the
+    walltime (time to wait in SLURM's queue, start and warm up), at least a minute, at most half."""
+    return min(walltime_s / 2, max(60.0, walltime_s / 10))
 
 
 class Allocator:
     """Host 0's watch of its pool's queue (``AgentModule``: one background task)."""
 
-    def __init__(self, agent: AgentHost, registry: Registry, max_nodes: int, backlog_s: float):
+    def __init__(self, agent: AgentHost, registry: Registry, max_nodes: int, backlog_s: float, renew: bool = False):
         self.agent, self.registry = agent, registry
-        self.max_nodes, self.backlog_s = max_nodes, backlog_s
+        self.max_nodes, self.backlog_s, self.renew = max_nodes, backlog_s, renew
+        self.next_renew_check = 0.0  # monotonic
         self.state = AllocatorState.read(agent.state_dir) or AllocatorState()  # (a restarted host 0 keeps a pause)
         self.not_before = 0.0  # monotonic: no grow before this (after a failure)
 
@@ -64,9 +82,17 @@ class Allocator:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        self.state = AllocatorState.read(self.agent.state_dir) or self.state  # (as its predecessor left it)
+        if self.agent.successor and self.state.phase != AllocatorPhase.PAUSED:  # (its predecessor's word is stale)
+            self._set(AllocatorPhase.WATCHING, "host 0's successor took it over; renewing as its walltime ends")
         while not self.agent.stopping.is_set():
             await asyncio.sleep(CHECK_EVERY_S)
             if time.monotonic() < self.not_before:
+                continue
+            if self.renew and time.monotonic() >= self.next_renew_check:
+                self.next_renew_check = time.monotonic() + RENEW_CHECK_S
+                await loop.run_in_executor(None, self.renew_due)
+            if not self.max_nodes:
                 continue
             backlog = self.agent.queue_backlog()
             assert isinstance(backlog, QueueBacklog)
@@ -113,23 +139,111 @@ class Allocator:
                 self.agent.pool, extra, self.registry, progress=lambda m: log.info("%s", m), on_join=replay_syncs
             )
         except Exception as e:  # noqa: BLE001 (whatever stopped it is the reason shown; the next try may work)
-            self.state.failures += 1
-            why = str(e) if isinstance(e, MonarchError) else f"{type(e).__name__}: {e}"
-            self.not_before = time.monotonic() + RETRY_AFTER_S * self.state.failures
-            if self.state.failures >= PAUSE_AFTER:
-                self.state.paused_at = self._size()
-                self._set(
-                    AllocatorPhase.PAUSED,
-                    f"paused after {self.state.failures} failed grows; the last: {why}. "
-                    f"`monarch-torchx pool resize {self.agent.pool} --hosts N` resumes it",
-                )
-            else:
-                self._set(AllocatorPhase.WATCHING, f"a grow for {app_id} failed ({why}); trying again")
-            log.warning("growing the pool failed: %s", why)
+            self._failed(f"a grow for {app_id}", str(e) if isinstance(e, MonarchError) else f"{type(e).__name__}: {e}")
             return
         self.state.failures = 0
         self.state.grown += 1
         self._set(AllocatorPhase.WATCHING, f"grew to {size} host(s) for {app_id}")
+
+    # ------------------------------------------------------------ renewal
+
+    def renew_due(self) -> None:
+        """(On a thread.) Records the successors that took their hosts over; renews each
+        allocation with less than ``renew_lead_s`` left that has no successor yet."""
+        prov = SlurmProvisioner()
+        with self.registry.lock(self.agent.pool, wait=False) as had:
+            rec = self.registry.get(self.agent.pool)
+            if rec is None:
+                return
+            settled = prov.settle_renewals(rec) if had else []
+            if settled:
+                self.registry.save(rec)
+                log.info("%s", "; ".join(settled))
+                self._set(AllocatorPhase.WATCHING, "; ".join(settled))
+        if self.state.phase == AllocatorPhase.PAUSED and not self._resumed():
+            return
+        lead = renew_lead_s(float(rec.options.get("walltime_s") or 0))
+        for alloc, left in prov.time_left(rec):
+            if not alloc.successor and left is not None and left <= lead:
+                self.renew_one(prov, alloc, left)
+                return  # (one at a time: the next check renews the next)
+
+    def renew_one(self, prov: SlurmProvisioner, alloc: Allocation, left: int) -> None:
+        name = self.agent.pool
+        self._set(
+            AllocatorPhase.RENEWING,
+            f"allocation {alloc.job_id} ({alloc.label()}) has {left}s left: submitting its successor",
+        )
+        with self.registry.lock(name):
+            rec = self.registry.require(name)
+            now = next((a for a in prov.time_left(rec) if a[0].job_id == alloc.job_id), None)
+            if now is None or now[0].successor:  # (released or renewed meanwhile)
+                return
+            try:
+                renewed = prov.renew(rec, now[0])
+            except MonarchError as e:
+                self._failed(f"renewing allocation {alloc.job_id}", str(e))
+                return
+            self.registry.save(rec)
+        try:
+            self._ready_successor(rec, renewed)
+        except Exception as e:  # noqa: BLE001 (whatever stopped it is the reason shown; the next try may work)
+            with self.registry.lock(name):
+                rec = self.registry.require(name)
+                prov.drop_successor(rec, renewed)
+                self.registry.save(rec)
+            self._failed(f"renewing allocation {alloc.job_id}", str(e) if isinstance(e, MonarchError) else repr(e))
+            return
+        self.state.failures = 0
+        self.state.renewed += 1
+        self._set(
+            AllocatorPhase.WATCHING,
+            f"allocation {renewed.successor} waits to take {renewed.label()} over from allocation "
+            f"{renewed.job_id} (each host as it goes idle, or at its walltime)",
+        )
+
+    def _ready_successor(self, rec: Any, alloc: Allocation) -> None:
+        """Waits for the successor's agents on standby, warm; replays the pool's syncs to them and
+        arms them (host 0's last: it hands over, and this module with it, once armed and idle)."""
+        indices = list(alloc.indices)
+        timeout = float(rec.options.get("start_timeout") or 600)
+        deadline = time.time() + timeout
+        while True:
+            up = [Registry.read_host(rec.state_dir, i, standby=True) for i in indices]
+            if all(h is not None and not h.exited for h in up):
+                break
+            state, reason, _ = jobs_states([alloc.successor])[alloc.successor]
+            if state not in ALIVE:
+                raise MonarchError(f"successor allocation {alloc.successor} is {state or 'gone'}")
+            if time.time() > deadline:
+                raise MonarchError(
+                    f"successor allocation {alloc.successor} still {state} ({reason}) after {timeout:.0f} s: "
+                    f"cancelled it"
+                )
+            time.sleep(1.0)
+        view = Pool(rec, self.registry).successors(indices)
+        while time.time() < deadline:  # warm: its first runs start as warm as its predecessor's
+            infos = [view.call(i, "info", timeout=10.0) for i in indices]
+            if not warming_hosts(infos):
+                break
+            time.sleep(0.5)
+        replay_syncs(view, indices, lambda m: log.info("%s", m))
+        for i in reversed(indices):
+            view.call(i, ARM_OP, timeout=10.0)
+
+    def _failed(self, what: str, why: str) -> None:
+        self.state.failures += 1
+        self.not_before = time.monotonic() + RETRY_AFTER_S * self.state.failures
+        if self.state.failures >= PAUSE_AFTER:
+            self.state.paused_at = self._size()
+            self._set(
+                AllocatorPhase.PAUSED,
+                f"paused after {self.state.failures} failures; the last, {what}: {why}. "
+                f"`monarch-torchx pool resize {self.agent.pool} --hosts N` resumes it",
+            )
+        else:
+            self._set(AllocatorPhase.WATCHING, f"{what} failed ({why}); trying again")
+        log.warning("%s failed: %s", what, why)
 
     def _resumed(self) -> bool:
         """A paused allocator resumes once the pool's size was changed by hand."""
@@ -157,7 +271,7 @@ class Allocator:
 
 
 def setup(agent: AgentHost) -> None:
-    """Host 0 of a pool made with ``max_nodes`` (the batch script names this module for it)."""
+    """Host 0 of a pool made with ``max_nodes`` or ``renew`` (the batch script names this module for it)."""
     if agent.index != 0:
         return
     try:
@@ -179,6 +293,14 @@ def setup(agent: AgentHost) -> None:
         with contextlib.suppress(OSError):  # (so `pool status` says why, not "watching")
             AllocatorState(AllocatorPhase.OFF, why).save(agent.state_dir)
         return
-    if not rec.options.get("max_nodes"):
+    if not rec.options.get("max_nodes") and not rec.options.get("renew"):
         return
-    agent.install(Allocator(agent, registry, int(rec.options["max_nodes"]), float(rec.options.get("backlog_s", 30.0))))
+    agent.install(
+        Allocator(
+            agent,
+            registry,
+            int(rec.options.get("max_nodes") or 0),
+            30.0 if rec.options.get("backlog_s") is None else float(rec.options["backlog_s"]),
+            renew=bool(rec.options.get("renew")),
+        )
+    )

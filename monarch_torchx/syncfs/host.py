@@ -150,9 +150,13 @@ def store_base() -> tuple[Path, Path]:
     return sync_store_base()
 
 
-def store_root(agent: Any) -> Path:
-    """This host's store: under a root of this user's alone (made 0700 and checked before use)."""
-    return store_base()[0] / f"{agent.pool}-{pool_id(agent.key)}-host{agent.index}"
+def store_root(agent: AgentHost) -> Path:
+    """This host's store: under a root of this user's alone (made 0700 and checked before use). A
+    successor's (a renewed SLURM allocation's: ``agent/handover.py``) is its own, named after its
+    incarnation too: its predecessor for the same host may be on the same node, and removes its
+    store as it leaves."""
+    own = f"-{agent.incarnation}" if agent.successor else ""
+    return store_base()[0] / f"{agent.pool}-{pool_id(agent.key)}-host{agent.index}{own}"
 
 
 def allowed_roots() -> list[Path]:
@@ -613,7 +617,7 @@ class SyncfsModule:
         for m in self.mounts.values():
             m.stop()
         for p in self.made:
-            if os.path.islink(p) and str(os.readlink(p)).startswith(str(self.store.root)):
+            if os.path.islink(p) and str(os.readlink(p)).startswith(str(self.store.root) + os.sep):
                 os.unlink(p)
         self.drop_views()
         from .store import _rmtree
