@@ -419,3 +419,32 @@ def test_a_pool_made_with_renew_stays_warm_across_walltimes(home, pool_name, tmp
     finally:
         mt(home, "pool", "stop", pool_name)
     assert not squeue_ids(f"monarch-{pool_name}")
+
+
+def test_a_renewing_pools_successors_leave_with_a_shrink_and_a_stop(home, pool_name):
+    """Successors on standby are the pool's too: a shrink that releases their allocation cancels
+    them (they never take the released hosts over), and `pool stop` ends them all."""
+    cfg = "nodes=1,partition=debug,time=1,preload=none,renew=True"  # (renewed 30 s before the end)
+    assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", cfg).returncode == 0
+    try:
+        assert mt(home, "pool", "resize", pool_name, "--hosts", "2").returncode == 0
+        busy = run(home, f"pool={pool_name}", "utils.sh", "sleep", "300").stdout.strip().splitlines()[-1]
+        wait_for(lambda: _state(home, busy) == "RUNNING", what="the app on host 0")
+
+        def successors() -> list[str]:
+            parts = _status(home, pool_name)["allocation"]["allocations"]
+            return [p["successor"]["job_id"] for p in parts if p["successor"] and p["successor"]["armed"]]
+
+        wait_for(lambda: len(successors()) == 2, timeout=90, what="both allocations' successors, readied")
+        first, second = _jobs(home, pool_name)
+        later = successors()
+        res = mt(home, "pool", "resize", pool_name, "--hosts", "1")
+        assert res.returncode == 0, res.stderr
+        wait_for(lambda: later[1] not in squeue_ids(f"monarch-{pool_name}"), timeout=30, what="its successor gone")
+        assert second not in squeue_ids(f"monarch-{pool_name}")
+        state_dir = Registry(home).require(pool_name).path
+        assert not (state_dir / "hosts" / "1.json").exists() and not (state_dir / "hosts" / "1.next.json").exists()
+        assert _jobs(home, pool_name) == [first] and _state(home, busy) == "RUNNING"
+    finally:
+        mt(home, "pool", "stop", pool_name)
+    assert not squeue_ids(f"monarch-{pool_name}")

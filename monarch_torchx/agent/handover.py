@@ -19,6 +19,7 @@ by the idle timeout took the pool (or its allocation) with it: its successor lea
 from __future__ import annotations
 
 import dataclasses
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from ..errors import MonarchError
 from ..registry import HostAddr, Registry
 
 ARM_OP = "handover.arm"
+PROBE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,21 @@ def take_over_due(state_dir: Path, index: int, incarnation: str, stale_after: fl
     if current.exited:
         return TakeOver(f"host {index}'s agent exited ({current.exit_reason})", last_work=current.last_work)
     age = Registry.host_file_age(state_dir, index)
-    if age is not None and age > stale_after:
+    if age is not None and age > stale_after and not _listening(current):
         return TakeOver(
             f"host {index}'s agent has not written its heartbeat for {age:.0f} s", last_work=current.last_work
         )
     return None
+
+
+def _listening(addr: HostAddr) -> bool:
+    """Whether something still accepts connections at ``addr``: an old heartbeat alone (a slow or
+    full shared file system) is no proof that an agent is gone, and taking its host over while
+    it lives would end what runs there."""
+    if addr.via or not addr.port:
+        return False
+    try:
+        with socket.create_connection((addr.host, addr.port), timeout=PROBE_TIMEOUT_S):
+            return True
+    except OSError:
+        return False

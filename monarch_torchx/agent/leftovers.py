@@ -22,15 +22,17 @@ import time
 from pathlib import Path
 
 
-def end_host(pool: str, pool_id: str, index: int) -> list[str]:
-    """Ends and removes what host ``index`` of the pool left here; returns what it found."""
+def end_host(pool: str, pool_id: str, index: int, keep: tuple[str, ...] = ()) -> list[str]:
+    """Ends and removes what host ``index`` of the pool left here; returns what it found. ``keep``:
+    incarnations of live agents for that host (a successor on standby) whose stores stay."""
     from ..private import sync_store_base
 
     found: list[str] = []
     base = sync_store_base()[0] / f"{pool}-{pool_id}-host{index}"
     # (a successor's store is named after its incarnation too: syncfs.host.store_root)
     for store in [base, *base.parent.glob(f"{base.name}-*")]:
-        found += _end_store(store)
+        if store.name.removeprefix(f"{base.name}-") not in keep:
+            found += _end_store(store)
     return found + remove_dead_temp_dirs(pool, index)
 
 
@@ -88,8 +90,9 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--pool", required=True)
     ap.add_argument("--pool-id", required=True)
     ap.add_argument("--index", type=int, action="append", required=True)
+    ap.add_argument("--keep", action="append", default=[], help="a live agent's incarnation: its store stays")
     args = ap.parse_args(argv)
-    print(json.dumps({i: end_host(args.pool, args.pool_id, i) for i in args.index}))
+    print(json.dumps({i: end_host(args.pool, args.pool_id, i, tuple(args.keep)) for i in args.index}))
 
 
 if __name__ == "__main__":

@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..app_queue import QUEUE_HOST, QueueBacklog, QueueEntry, QueueState, SubmittedApp, WaitingApp
+from ..errors import MonarchError
 from ..history import ReplicaEnd, record_end
 from ..net import RemoteError, WireError
 from ..net.blocking import Client
 from ..net.fanout import Target
 from ..private import PrivatePathError, private_dir
-from ..registry import Placement, write_private
+from ..registry import Placement, Registry, write_private
 from ..resources import CapacityRefused, Holding, HostLoad, NeverFits, Resources
 from ..scheduling import AppAsk, ReplicaKey, check_fits_somewhere, schedule
 from ..specs import CANCELLED, FAILED, may_requeue
@@ -315,6 +316,19 @@ class PoolQueue:
                     c.close()
         self.targets = fresh
 
+    def _follow_move(self, index: int) -> None:
+        """A host that stopped answering may have moved (a successor took it over at a renewal, a
+        repair restarted it): its own file says where it is now, and the queue dials it there."""
+        try:
+            h = Registry.read_host(self.agent.state_dir, index)
+        except MonarchError:
+            return
+        if h is None or h.exited or h.via or index not in self.targets:
+            return
+        moved = Target(index, h.host, h.port, h.identity(self.agent.pool).decode())
+        if moved != self.targets[index]:
+            self._set_targets([t.as_dict() for t in {**self.targets, index: moved}.values()])
+
     def _pool(self) -> ThreadPoolExecutor:
         if self._threads is None:
             self._threads = ThreadPoolExecutor(max_workers=300, thread_name_prefix="queue")
@@ -390,6 +404,7 @@ class PoolQueue:
             except (WireError, OSError, RemoteError, KeyError):
                 w.failures += 1
                 self.loads.pop(index, None)  # (out of placement until it answers again)
+                self._follow_move(index)
                 await asyncio.sleep(min(10.0, 0.5 * w.failures))
                 continue
             if known is None or load.generation != known.generation:

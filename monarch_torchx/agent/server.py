@@ -95,6 +95,9 @@ APP_LOGS_MAX_BYTES = int(os.environ.get("MONARCH_TORCHX_APP_LOGS_MAX_BYTES", str
 APP_LOGS_MAX_S = 2.0
 # a successor on standby takes its host over once the serving agent's heartbeat is this old
 TAKE_OVER_AFTER_S = 3 * HEARTBEAT_WRITE_S
+# a host is handed over to its successor only after this long with nothing run or asked of it: a
+# run that checked it (``info``) is placing work there
+HANDOVER_QUIET_S = 10.0
 HEARTBEAT_FIELDS = frozenset({"heartbeat", "last_work"})  # a publish of only these: the agent did not move
 MAX_FINISHED_APPS = 500
 
@@ -259,10 +262,9 @@ class Agent:
         pool; only a grace for a further allocation's, which leave when their own hosts are idle."""
         if op in PASSIVE_OPS:
             return
+        self.last_touch = time.time()  # (a run may be placing work here: no handover meanwhile)
         if work or not self.args.index_base:
             self.last_request = time.time()
-        else:
-            self.last_touch = time.time()
 
     def _on_exit(self, pid: int, code: int) -> None:
         if not self.shells.on_exit(pid, code):
@@ -501,6 +503,10 @@ class Agent:
 
     async def op_shutdown(self, peer: aio.Peer, reason: str = "pool stopped") -> bool:
         self.stop_requested = True  # (the ends of what it kills are recorded: see run())
+        # a successor waiting to take this host over leaves too (its file gone): the host is being
+        # released (pool stop, a shrink), not handed on
+        with contextlib.suppress(FileNotFoundError):
+            Registry.host_path(self.state_dir, self.index, standby=True).unlink()
         self.stop(reason)
         return True
 
@@ -594,8 +600,9 @@ class Agent:
             if self.standby:  # (no idle timeout while it waits: its predecessor's decides)
                 continue
             checked_lately = now - self.last_touch < TOUCH_GRACE_S  # (a run may be placing work here)
-            succ = handing_over_to(self.state_dir, self.index, self.incarnation) if self.idle_seconds() > 1 else None
-            if succ is not None and not checked_lately:
+            quiet = min(now - self.last_touch, self.idle_seconds()) > HANDOVER_QUIET_S
+            succ = handing_over_to(self.state_dir, self.index, self.incarnation) if quiet else None
+            if succ is not None:
                 why = hand_over(self.state_dir, succ, now - self.idle_seconds())
                 log.info("%s", why)
                 self.stop(why)
@@ -612,6 +619,11 @@ class Agent:
     def _standby_beat(self) -> bool:
         """A heartbeat on standby: True once it took its host over (it then goes on as any
         agent's), False while it waits (or leaves with a predecessor that left idle)."""
+        why = self._superseded()  # (its standby file gone: the host was released, not handed on)
+        if why:
+            log.warning("%s: exiting", why)
+            self.stop(f"superseded: {why}")
+            return False
         due = take_over_due(self.state_dir, self.index, self.incarnation, TAKE_OVER_AFTER_S)
         if due is None or self.stopping.is_set():
             return False

@@ -474,15 +474,21 @@ class SlurmProvisioner:
             if a.successor and states[a.successor][0] not in ALIVE:
                 _cancel_job(a.successor)
         replaced = []
+        restarting = []
         for a in again:
             if a.successor and states[a.successor][0] in ALIVE:
-                for i in a.indices:  # (its standby agents take over a host that has no agent)
+                # its agents take the lost hosts over at once (no agent there), the others as the
+                # cancelled job's agents leave; those it serves already are left alone
+                lost_here = [i for i in indices if i in a.indices]
+                for i in lost_here:
                     Registry.clear_host(rec, i)
                 replaced.append(Allocation(a.successor, a.first, a.nodes, time.time()))
+                restarting += lost_here
             else:
                 replaced.append(self._submit(rec, a.first, a.nodes))
+                restarting += list(a.indices)
         set_allocations(rec, kept + replaced)
-        return [i for a in again for i in a.indices]
+        return restarting
 
     def _cancel(self, rec: PoolRecord) -> None:
         for a in allocations(rec):
@@ -539,9 +545,11 @@ class SlurmProvisioner:
             set_allocations(rec, allocs)
             return list(range(old, hosts)), {}
         for a in self.released_by(rec, hosts):
-            _cancel_job(a.job_id)
+            for job in a.jobs:  # (and a successor waiting to take its hosts over)
+                _cancel_job(job)
             for i in a.indices:
                 Registry.clear_host(rec, i)
+                Registry.clear_host(rec, i, standby=True)
             allocs.remove(a)
         rec.spec["hosts"] = hosts
         set_allocations(rec, allocs)
@@ -575,8 +583,8 @@ class SlurmProvisioner:
             alloc = allocation_of(rec, i)
             if h is None or not h.hostname or alloc is None:
                 continue
-            job = next((j for j in alloc.jobs if states[j][0] == "RUNNING"), "")  # (a successor took it over)
-            if not job:
+            job = alloc.job_id
+            if states[job][0] != "RUNNING":
                 continue
             argv = [
                 "srun",
@@ -595,6 +603,7 @@ class SlurmProvisioner:
                     pool_id(rec.key),
                     "--index",
                     str(i),
+                    *[a for inc in _standby_incarnations(rec, [i]) for a in ("--keep", inc)],
                 ),
             ]
             steps.append(
@@ -818,6 +827,17 @@ class SlurmProvisioner:
             "allocations": parts,
             "autoscale": _autoscale(rec),
         }
+
+
+def _standby_incarnations(rec: PoolRecord, indices: list[int]) -> list[str]:
+    """The successors waiting on standby for ``indices`` (their node stores are theirs: kept)."""
+    out = []
+    for i in indices:
+        with contextlib.suppress(MonarchError):
+            h = Registry.read_host(rec.state_dir, i, standby=True)
+            if h is not None and not h.exited:
+                out.append(h.incarnation)
+    return out
 
 
 def _armed(rec: PoolRecord, alloc: Allocation) -> int:

@@ -91,7 +91,10 @@ class Allocator:
                 continue
             if self.renew and time.monotonic() >= self.next_renew_check:
                 self.next_renew_check = time.monotonic() + RENEW_CHECK_S
-                await loop.run_in_executor(None, self.renew_due)
+                try:
+                    await loop.run_in_executor(None, self.renew_due)
+                except Exception as e:  # noqa: BLE001 (a bad check must not end the allocator: said, tried again)
+                    self._failed("a renewal check", f"{type(e).__name__}: {e}")
             if not self.max_nodes:
                 continue
             backlog = self.agent.queue_backlog()
@@ -185,14 +188,19 @@ class Allocator:
                 self._failed(f"renewing allocation {alloc.job_id}", str(e))
                 return
             self.registry.save(rec)
+        seen: dict[int, str] = {}  # the successor's agents' incarnations, as they come up
         try:
-            self._ready_successor(rec, renewed)
+            self._ready_successor(rec, renewed, seen)
         except Exception as e:  # noqa: BLE001 (whatever stopped it is the reason shown; the next try may work)
+            why = str(e) if isinstance(e, MonarchError) else f"{type(e).__name__}: {e}"
+            if self._serving(rec, renewed, seen):  # never cancel what took hosts over: it is the pool now
+                self._set(AllocatorPhase.WATCHING, f"allocation {renewed.successor} took hosts over unreadied ({why})")
+                return
             with self.registry.lock(name):
                 rec = self.registry.require(name)
                 prov.drop_successor(rec, renewed)
                 self.registry.save(rec)
-            self._failed(f"renewing allocation {alloc.job_id}", str(e) if isinstance(e, MonarchError) else repr(e))
+            self._failed(f"renewing allocation {alloc.job_id}", why)
             return
         self.state.failures = 0
         self.state.renewed += 1
@@ -202,17 +210,36 @@ class Allocator:
             f"{renewed.job_id} (each host as it goes idle, or at its walltime)",
         )
 
-    def _ready_successor(self, rec: Any, alloc: Allocation) -> None:
+    @staticmethod
+    def _serving(rec: Any, alloc: Allocation, seen: dict[int, str]) -> bool:
+        """Whether the successor serves any host already, or must: its predecessor has ended."""
+        if jobs_states([alloc.job_id])[alloc.job_id][0] not in ALIVE:
+            return True
+        for i, inc in seen.items():
+            with contextlib.suppress(MonarchError):
+                h = Registry.read_host(rec.state_dir, i)
+                if h is not None and h.incarnation == inc:
+                    return True
+        return False
+
+    def _ready_successor(self, rec: Any, alloc: Allocation, seen: dict[int, str]) -> None:
         """Waits for the successor's agents on standby, warm; replays the pool's syncs to them and
-        arms them (host 0's last: it hands over, and this module with it, once armed and idle)."""
+        arms them (host 0's last: it hands over, and this module with it, once armed and idle).
+        Done early when the predecessor ended first: its agents then take the hosts over as they
+        come up (there is nothing to hand over)."""
         indices = list(alloc.indices)
         timeout = float(rec.options.get("start_timeout") or 600)
         deadline = time.time() + timeout
         while True:
             up = [Registry.read_host(rec.state_dir, i, standby=True) for i in indices]
+            seen.update({i: h.incarnation for i, h in zip(indices, up) if h is not None})
             if all(h is not None and not h.exited for h in up):
                 break
-            state, reason, _ = jobs_states([alloc.successor])[alloc.successor]
+            states = jobs_states(alloc.jobs)
+            if states[alloc.job_id][0] not in ALIVE:
+                log.info("allocation %s ended before its successor was up: it takes the hosts over", alloc.job_id)
+                return
+            state, reason, _ = states[alloc.successor]
             if state not in ALIVE:
                 raise MonarchError(f"successor allocation {alloc.successor} is {state or 'gone'}")
             if time.time() > deadline:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence, cast
 
 from ..errors import HostUnreachable, MonarchError
-from ..registry import home
+from ..registry import Registry, home
 from ..wire import FileRegion, FileRegionError, Gathered
 from . import replay, transfer
 from .ignore import IgnoreRules
@@ -456,6 +456,7 @@ def sync(
     gens = {cast(int, r.generation) for r in per_host if r.ok}  # an ok host has the generation it committed
     if remember and gens:
         replay.remember(pool.record.state_dir, replay.SyncRecord(os.path.abspath(src), target, list(exclude), digest))
+        _to_successors(pool, src, target, indices, exclude, progress)
     return SyncReport(
         files=sum(1 for e in entries if e.kind in ("f", "h", "l")),
         bytes=total,
@@ -467,6 +468,28 @@ def sync(
         transfer=vias[0] if vias else how["mode"],
         digest=digest,
     )
+
+
+def _to_successors(
+    pool: Any, src: str, target: str, indices: list[int], exclude: Sequence[str], progress: Callable[[str], None]
+) -> None:
+    """The same sync to the successors waiting on standby to take some of ``indices`` over (a
+    SLURM pool's renewal, ``agent/handover.py``): they were given what was synced before they
+    started, and take this one with them too."""
+    waiting = []
+    for i in indices:
+        try:
+            h = Registry.read_host(pool.record.state_dir, i, standby=True)
+        except MonarchError:
+            continue
+        if h is not None and not h.exited:
+            waiting.append(i)
+    if not waiting:
+        return
+    report = sync(pool.successors(waiting), src, target, hosts=waiting, exclude=exclude, remember=False)
+    missed = [h.error for h in report.hosts if not h.ok]
+    not_reached = f"; not reached: {'; '.join(missed)} (sync again once they took their hosts over)" if missed else ""
+    progress(f"also synced to the successor(s) waiting to take host(s) {waiting} over{not_reached}")
 
 
 def _read_while_cached(

@@ -5,6 +5,7 @@ temporary state dir, written and read as agents and clients do."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import pytest
@@ -61,13 +62,29 @@ def test_a_successor_takes_over_from_an_agent_its_walltime_ended(tmp_path):
     assert due is not None and not due.leave and "exited (signal SIGTERM)" in due.why
 
 
-def test_a_successor_takes_over_from_an_agent_whose_heartbeats_stopped(tmp_path):
-    d = _dir(tmp_path)
-    Registry.publish_host(d, OLD)
+def _stale(d, port: int) -> None:
+    Registry.publish_host(d, HostAddr(**{**OLD.__dict__, "host": "127.0.0.1", "port": port}))
     old = time.time() - 600
     os.utime(d / "hosts" / "0.json", (old, old))
+
+
+def test_a_successor_takes_over_from_an_agent_whose_heartbeats_stopped_and_that_is_gone(tmp_path):
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = _dir(tmp_path)
+    _stale(d, port)
     due = take_over_due(d, 0, "new", stale_after=90)
     assert due is not None and "has not written its heartbeat" in due.why
+
+
+def test_an_old_heartbeat_alone_is_no_takeover_while_the_agent_still_listens(tmp_path):
+    with socket.socket() as s:  # (a slow or full shared file system: the agent lives)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        d = _dir(tmp_path)
+        _stale(d, s.getsockname()[1])
+        assert take_over_due(d, 0, "new", stale_after=90) is None
 
 
 def test_a_successor_leaves_with_a_predecessor_that_left_idle(tmp_path):
