@@ -135,6 +135,7 @@ class Agent:
         self.started = time.time()
         self.last_request = time.time()
         self.last_touch = 0.0  # when a run last checked this host (a grace, not work: see touch)
+        self.last_asked = 0.0  # when anything but a look was last asked of it (see touch)
         self.idled_out = False
         self.modules: dict[str, str] = {}
         self.heartbeat_error = ""  # why the last heartbeat could not be written (a full disk), for `pool status`
@@ -262,9 +263,11 @@ class Agent:
         pool; only a grace for a further allocation's, which leave when their own hosts are idle."""
         if op in PASSIVE_OPS:
             return
-        self.last_touch = time.time()  # (a run may be placing work here: no handover meanwhile)
+        self.last_asked = time.time()  # (a run may be placing work here: no handover meanwhile)
         if work or not self.args.index_base:
             self.last_request = time.time()
+        else:
+            self.last_touch = time.time()
 
     def _on_exit(self, pid: int, code: int) -> None:
         if not self.shells.on_exit(pid, code):
@@ -600,7 +603,7 @@ class Agent:
             if self.standby:  # (no idle timeout while it waits: its predecessor's decides)
                 continue
             checked_lately = now - self.last_touch < TOUCH_GRACE_S  # (a run may be placing work here)
-            quiet = min(now - self.last_touch, self.idle_seconds()) > HANDOVER_QUIET_S
+            quiet = min(now - self.last_asked, self.idle_seconds()) > HANDOVER_QUIET_S
             succ = handing_over_to(self.state_dir, self.index, self.incarnation) if quiet else None
             if succ is not None:
                 why = hand_over(self.state_dir, succ, now - self.idle_seconds())
