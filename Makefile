@@ -35,9 +35,12 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not integration" -p no:cacheprovider
 
 # The tests that meet TorchX's own API (schedulers, CLI, Runner, components, dry-runs, the README)
-# on the other TorchX line, torchx 0.7.0, in a venv of its own. FULL=1: the whole suite there.
+# on the other TorchX line, torchx 0.7.0, in a venv of its own. FULL=1: the whole suite there. The
+# README's SLURM and Kubernetes blocks meet TorchX as its local block does: they run on the main line.
 TORCHX07_TESTS := tests/test_local_runner.py tests/test_cli.py tests/test_launch_specs.py tests/test_docs.py \
-	tests/test_dryrun.py tests/test_readme.py tests/test_submitit.py tests/test_torchrun.py tests/test_first_contact.py
+	tests/test_dryrun.py tests/test_readme.py tests/test_submitit.py tests/test_torchrun.py tests/test_first_contact.py \
+	--deselect tests/test_readme.py::test_the_readmes_slurm_block_runs_as_written_on_the_lab \
+	--deselect tests/test_readme.py::test_the_readmes_kubernetes_block_runs_as_written_on_the_emulated_cluster
 test-torchx07:
 	$(MAKE) setup VENV=.venv-torchx07 TORCHX_LINE=0.7.0
 	.venv-torchx07/bin/python -m pytest -q $(if $(FULL),,$(TORCHX07_TESTS))

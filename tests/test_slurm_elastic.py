@@ -373,39 +373,51 @@ def test_what_was_synced_reaches_the_hosts_that_join_before_they_take_work(home,
 
 
 def test_a_pool_made_with_renew_stays_warm_across_walltimes(home, pool_name, tmp_path, monkeypatch):
-    """renew=True on a 2-minute allocation: a minute before its walltime, host 0 submits a
-    successor whose agent waits on standby, gets what was synced and is armed. The app running
-    then keeps running to its end on the old agent, which hands host 0 over once idle; the first
-    allocation ends, and a run after that starts on the successor, warm, with the synced code:
-    no repair, no new allocation."""
+    """renew=True on 2-minute allocations, renewed 105 s before their end (``renew_before``, so
+    that the test waits seconds, not a minute): host 0 submits a successor for each allocation,
+    whose agents wait on standby, get what was synced and are armed. A shrink that releases the
+    grown allocation ends it and its successor. The app running on host 0 runs on to its end;
+    host 0 is handed over once idle; the first allocation ends, and a run after that starts on the
+    successor, warm, with the synced code: no repair, no new allocation. `pool stop` ends a
+    successor waiting on standby too."""
     stores = tmp_path / "node-stores"
     monkeypatch.setenv("MONARCH_TORCHX_SYNC_STORE", str(stores))  # the agents inherit it
-    cfg = "nodes=1,partition=debug,time=2,preload=none,renew=True"
+    cfg = "nodes=1,partition=debug,time=2,preload=none,renew=True,renew_before=105s"
     res = mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", cfg)
     assert res.returncode == 0, res.stderr
     try:
-        first = _jobs(home, pool_name)[0]
+        assert mt(home, "pool", "resize", pool_name, "--hosts", "2").returncode == 0
+        first, second = _jobs(home, pool_name)
         src = tmp_path / "code"
         src.mkdir()
         (src / "hello.txt").write_text("synced before the renewal\n")
         assert mt(home, "sync", str(src), "--pool", pool_name, "--to", "code").returncode == 0
-        long = run(home, f"pool={pool_name}", "utils.sh", "sleep", "85").stdout.strip().splitlines()[-1]
+        long = run(home, f"pool={pool_name}", "utils.sh", "sleep", "40").stdout.strip().splitlines()[-1]
         wait_for(lambda: _state(home, long) == "RUNNING", what="the app across the renewal")
         pid0 = Registry.hosts(Registry(home).require(pool_name))[0].pid
 
-        def armed() -> dict | None:
-            succ = _status(home, pool_name)["allocation"]["allocations"][0]["successor"]
-            return succ if succ and succ["armed"] == 1 else None
+        def successor(part: int, armed: bool = True) -> str | None:
+            p = _status(home, pool_name)["allocation"]["allocations"][part]
+            return p["successor"]["job_id"] if p["successor"] and (p["successor"]["armed"] or not armed) else None
 
-        wait_for(armed, timeout=120, what="the successor allocation, readied")
-        succ = armed()
-        assert succ is not None and succ["state"] == "RUNNING"
+        wait_for(lambda: successor(0), timeout=90, what="host 0's successor, readied")
+        succ = successor(0)
         text = mt(home, "pool", "status", pool_name).stdout
-        assert f"-> {succ['job_id']}" in text and "1/1 agent(s) ready to take over" in text, text
-        assert "renews its allocations before their walltime (1 so far)" in text, text
+        assert f"-> {succ}" in text and "1/1 agent(s) ready to take over" in text, text
+        assert "renews its allocations before their walltime" in text, text
         # the busy host is not handed over: its app runs on, on the first allocation's agent
         assert _state(home, long) == "RUNNING"
         assert Registry.hosts(Registry(home).require(pool_name))[0].pid == pid0
+
+        # a shrink releases the grown allocation and its successor (whether or not host 1, idle,
+        # was handed over to it already)
+        wait_for(lambda: successor(1, armed=False) or _jobs(home, pool_name)[1] != second, what="host 1's successor")
+        part = allocations(Registry(home).require(pool_name))[1]
+        assert mt(home, "pool", "resize", pool_name, "--hosts", "1").returncode == 0
+        gone = {second, part.job_id, part.successor} - {""}
+        wait_for(lambda: not gone & set(squeue_ids(f"monarch-{pool_name}")), timeout=30, what="host 1's jobs ended")
+        state_dir = Registry(home).require(pool_name).path
+        assert not (state_dir / "hosts" / "1.json").exists() and not (state_dir / "hosts" / "1.next.json").exists()
 
         wait_for(lambda: first not in squeue_ids(f"monarch-{pool_name}"), timeout=120, what="the first allocation")
         assert _state(home, long) == "SUCCEEDED"
@@ -413,38 +425,14 @@ def test_a_pool_made_with_renew_stays_warm_across_walltimes(home, pool_name, tmp
         res = run(home, f"pool={pool_name}", "--wait", "--log", "utils.sh", "sh", "-c", read)
         assert "synced before the renewal" in res.stdout + res.stderr, res.stdout + res.stderr
         assert "repairing" not in res.stderr and "creating pool" not in res.stderr, res.stderr
-        assert _jobs(home, pool_name) == [succ["job_id"]]
+        assert _jobs(home, pool_name) == [succ]
         assert Registry.hosts(Registry(home).require(pool_name))[0].pid != pid0
         assert not list(stores.glob(f"{pool_name}-*-host0")), "the first agent's store was left behind"
-    finally:
-        mt(home, "pool", "stop", pool_name)
-    assert not squeue_ids(f"monarch-{pool_name}")
 
-
-def test_a_renewing_pools_successors_leave_with_a_shrink_and_a_stop(home, pool_name):
-    """Successors on standby are the pool's too: a shrink that releases their allocation cancels
-    them (they never take the released hosts over), and `pool stop` ends them all."""
-    cfg = "nodes=1,partition=debug,time=1,preload=none,renew=True"  # (renewed 30 s before the end)
-    assert mt(home, "pool", "create", pool_name, "-s", "monarch_slurm", "-cfg", cfg).returncode == 0
-    try:
-        assert mt(home, "pool", "resize", pool_name, "--hosts", "2").returncode == 0
+        # the successor is renewed in turn; `pool stop` ends the next one while it waits
         busy = run(home, f"pool={pool_name}", "utils.sh", "sleep", "300").stdout.strip().splitlines()[-1]
-        wait_for(lambda: _state(home, busy) == "RUNNING", what="the app on host 0")
-
-        def successors() -> list[str]:
-            parts = _status(home, pool_name)["allocation"]["allocations"]
-            return [p["successor"]["job_id"] for p in parts if p["successor"] and p["successor"]["armed"]]
-
-        wait_for(lambda: len(successors()) == 2, timeout=90, what="both allocations' successors, readied")
-        first, second = _jobs(home, pool_name)
-        later = successors()
-        res = mt(home, "pool", "resize", pool_name, "--hosts", "1")
-        assert res.returncode == 0, res.stderr
-        wait_for(lambda: later[1] not in squeue_ids(f"monarch-{pool_name}"), timeout=30, what="its successor gone")
-        assert second not in squeue_ids(f"monarch-{pool_name}")
-        state_dir = Registry(home).require(pool_name).path
-        assert not (state_dir / "hosts" / "1.json").exists() and not (state_dir / "hosts" / "1.next.json").exists()
-        assert _jobs(home, pool_name) == [first] and _state(home, busy) == "RUNNING"
+        wait_for(lambda: _state(home, busy) == "RUNNING", what="an app on host 0")
+        wait_for(lambda: successor(0), timeout=90, what="the successor's successor")
     finally:
         mt(home, "pool", "stop", pool_name)
     assert not squeue_ids(f"monarch-{pool_name}")

@@ -65,7 +65,7 @@ MODULES_GROUP = "monarch_torchx.modules"
 HEARTBEAT_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_S", "5"))
 # how often the host file is rewritten (1,024 hosts: ~2,000 writes a minute to the pool's dir)
 # a further allocation's agent stays this long after a run checked it, though idle (see Agent.touch)
-TOUCH_GRACE_S = 60.0
+TOUCH_GRACE_S = 30.0
 HEARTBEAT_WRITE_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_WRITE_S", str(6 * HEARTBEAT_S)))
 # asking about a pool must not keep it alive: only work (launches, module calls) resets idleness
 PASSIVE_OPS = frozenset(

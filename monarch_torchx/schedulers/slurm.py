@@ -331,6 +331,13 @@ class SlurmProvisioner:
             "takes its hosts over (needs time; set when the pool is made)",
         )
         opts.add(
+            "renew_before",
+            type_=str,
+            default=None,
+            help="with renew: how long before the walltime ends the successor is submitted (default: a tenth of "
+            "the walltime, at least 1m; longer where allocations wait long in SLURM's queue)",
+        )
+        opts.add(
             "start_timeout",
             type_=str,
             default="10m",
@@ -360,12 +367,21 @@ class SlurmProvisioner:
                 raise MonarchError(f"max_nodes={most} is less than nodes={spec['hosts']}: give max_nodes >= nodes")
             options["max_nodes"] = most
             options["backlog_s"] = parse_duration(cfg.get("backlog") or "30s", "backlog")
+        if cfg.get("renew_before") and not cfg.get("renew"):
+            raise MonarchError("renew_before is for a pool made with renew=True: add renew=True, or leave it out")
         if cfg.get("renew"):
             if not options.get("walltime_s"):
                 raise MonarchError(
                     "renew=True needs time= (the walltime each allocation is renewed before): e.g. -cfg time=02:00:00"
                 )
             options["renew"] = True
+            if cfg.get("renew_before"):
+                before = parse_duration(cfg["renew_before"], "renew_before")
+                if not 0 < before < options["walltime_s"]:
+                    raise MonarchError(
+                        f"renew_before={cfg['renew_before']} must be shorter than time={options['time']} (and above 0)"
+                    )
+                options["renew_before_s"] = before
 
     # ------------------------------------------------------------ allocation
 

@@ -12,7 +12,8 @@ it, or it does not start within the pool's ``start_timeout``) is given back; aft
 the pool's size is changed by hand (`pool resize`). Shrinking is the idle timeout's: a further
 allocation leaves once its hosts have been idle for it (``Agent.pool_idle_seconds``).
 
-Renewal (``renew=True``): when an allocation has less than ``renew_lead_s`` of its walltime left,
+Renewal (``renew=True``): when an allocation has less than ``renew_before`` (default
+``renew_lead_s``) of its walltime left,
 host 0 submits its successor (as many nodes, the pool's walltime) whose agents start on standby
 for the same hosts; once they are up and warm it replays what was synced to the pool to them
 and arms them. Each host's agent then hands its index over as soon as it is idle, or its
@@ -48,8 +49,8 @@ log = logging.getLogger("monarch_torchx.agent.slurm_allocator")
 
 CHECK_EVERY_S = 0.25  # (a look at its own queue, in memory: cheap)
 PAUSE_AFTER = 3  # grows that failed in a row
-RETRY_AFTER_S = 10.0  # after a failed grow, times the failures so far
-RENEW_CHECK_S = 10.0  # how often the walltime left is asked (one squeue)
+RETRY_AFTER_S = 5.0  # after a failed grow or renewal, times the failures so far
+RENEW_CHECK_S = 5.0  # how often the walltime left is asked (one squeue)
 
 
 def renew_lead_s(walltime_s: float) -> float:
@@ -165,7 +166,7 @@ class Allocator:
                 self._set(AllocatorPhase.WATCHING, "; ".join(settled))
         if self.state.phase == AllocatorPhase.PAUSED and not self._resumed():
             return
-        lead = renew_lead_s(float(rec.options.get("walltime_s") or 0))
+        lead = rec.options.get("renew_before_s") or renew_lead_s(float(rec.options.get("walltime_s") or 0))
         for alloc, left in prov.time_left(rec):
             if not alloc.successor and left is not None and left <= lead:
                 self.renew_one(prov, alloc, left)
