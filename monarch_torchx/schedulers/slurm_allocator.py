@@ -43,7 +43,7 @@ from ..registry import Registry
 from ..scheduling import hosts_to_add
 from ..seam import AgentHost
 from ..syncfs.replay import replay_syncs
-from .slurm import ALIVE, Allocation, AllocatorPhase, AllocatorState, SlurmProvisioner, jobs_states
+from .slurm import ALIVE, Allocation, AllocatorPhase, AllocatorState, SlurmProvisioner, allocations, jobs_states
 
 log = logging.getLogger("monarch_torchx.agent.slurm_allocator")
 
@@ -194,6 +194,11 @@ class Allocator:
             self._ready_successor(rec, renewed, seen)
         except Exception as e:  # noqa: BLE001 (whatever stopped it is the reason shown; the next try may work)
             why = str(e) if isinstance(e, MonarchError) else f"{type(e).__name__}: {e}"
+            now_rec = self.registry.get(name)  # (a shrink or stop may have released it meanwhile)
+            held = allocations(now_rec) if now_rec is not None else []
+            if not any(a.first == renewed.first and renewed.successor in a.jobs for a in held):
+                self._set(AllocatorPhase.WATCHING, f"allocation {renewed.job_id} was released while it was renewed")
+                return
             if self._serving(rec, renewed, seen):  # never cancel what took hosts over: it is the pool now
                 self._set(AllocatorPhase.WATCHING, f"allocation {renewed.successor} took hosts over unreadied ({why})")
                 return
