@@ -32,7 +32,7 @@ import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from . import history
 from .credentials import TLS_FILE, TOKEN_FILE, PoolCredentials, check_tls_pem, new_tls_pem
@@ -449,6 +449,18 @@ class Registry:
             return HostAddr.from_file(data) if data else None
         except TypeError as e:
             raise MonarchError(f"corrupt host file {path} ({e}); the host's agent rewrites it, or remove it") from None
+
+    @staticmethod
+    def standby_hosts(state_dir: str | Path, indices: Iterable[int]) -> dict[int, HostAddr]:
+        """The successors waiting on standby, live, to take some of ``indices`` over (a renewal),
+        by host; an unreadable file (being rewritten) is left out."""
+        out = {}
+        for i in indices:
+            with contextlib.suppress(MonarchError):
+                h = Registry.read_host(state_dir, i, standby=True)
+                if h is not None and not h.exited:
+                    out[i] = h
+        return out
 
     @staticmethod
     def host_file_age(state_dir: Path, index: int) -> float | None:

@@ -123,7 +123,7 @@ class Agent:
         self.incarnation = args.incarnation or uuid.uuid4().hex[:12]
         # started to take its index over from an allocation whose walltime ends (``handover.py``):
         # waits on standby until then; ``successor`` stays (it names this agent's own node stores)
-        self.standby = self.successor = bool(getattr(args, "standby", False))
+        self.standby = self.successor = bool(args.standby)
         self._deferred: list[Any] = []  # background work held back while on standby
         if args.token_file:  # a mounted secret (Kubernetes): procs of this host read it from the state dir
             tls = Path(args.token_file).with_name(TLS_FILE)
@@ -506,10 +506,7 @@ class Agent:
 
     async def op_shutdown(self, peer: aio.Peer, reason: str = "pool stopped") -> bool:
         self.stop_requested = True  # (the ends of what it kills are recorded: see run())
-        # a successor waiting to take this host over leaves too (its file gone): the host is being
-        # released (pool stop, a shrink), not handed on
-        with contextlib.suppress(FileNotFoundError):
-            Registry.host_path(self.state_dir, self.index, standby=True).unlink()
+        self._remove_standby_file()  # (a successor waiting for this host leaves: it is released, not handed on)
         self.stop(reason)
         return True
 
@@ -619,6 +616,11 @@ class Agent:
                 else:
                     next_pool_check = now + (limit - pool_idle)
 
+    def _remove_standby_file(self) -> None:
+        """Host N's successor file (``hosts/N.next.json``): gone, its agent leaves or serves."""
+        with contextlib.suppress(FileNotFoundError):
+            Registry.host_path(self.state_dir, self.index, standby=True).unlink()
+
     def _standby_beat(self) -> bool:
         """A heartbeat on standby: True once it took its host over (it then goes on as any
         agent's), False while it waits (or leaves with a predecessor that left idle)."""
@@ -639,8 +641,7 @@ class Agent:
         # its idle time counts from its host's last work, not from when it started or took over
         self.last_request = self.procs.last_change = min(due.last_work or time.time(), time.time())
         self._publish(armed=False, heartbeat=time.time(), last_work=time.time() - self.idle_seconds())
-        with contextlib.suppress(FileNotFoundError):
-            Registry.host_path(self.state_dir, self.index, standby=True).unlink()
+        self._remove_standby_file()
         for coro in self._deferred:
             self.background(coro)
         self._deferred.clear()
@@ -717,8 +718,7 @@ class Agent:
         if self.standby:  # it never served: its standby file goes; host N's is its predecessor's
             for coro in self._deferred:
                 coro.close()
-            with contextlib.suppress(FileNotFoundError):
-                Registry.host_path(self.state_dir, self.index, standby=True).unlink()
+            self._remove_standby_file()
             return
         current = Registry.read_host(self.state_dir, self.index)
         if current is not None and current.incarnation == self.incarnation:  # not a successor's file

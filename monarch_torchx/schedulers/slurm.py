@@ -10,7 +10,6 @@ section of ``.torchxconfig`` supplies their defaults, so existing configs carry 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -619,7 +618,12 @@ class SlurmProvisioner:
                     pool_id(rec.key),
                     "--index",
                     str(i),
-                    *[a for inc in _standby_incarnations(rec, [i]) for a in ("--keep", inc)],
+                    # (a successor waiting on standby keeps its node store)
+                    *[
+                        arg
+                        for h in Registry.standby_hosts(rec.state_dir, [i]).values()
+                        for arg in ("--keep", h.incarnation)
+                    ],
                 ),
             ]
             steps.append(
@@ -845,25 +849,9 @@ class SlurmProvisioner:
         }
 
 
-def _standby_incarnations(rec: PoolRecord, indices: list[int]) -> list[str]:
-    """The successors waiting on standby for ``indices`` (their node stores are theirs: kept)."""
-    out = []
-    for i in indices:
-        with contextlib.suppress(MonarchError):
-            h = Registry.read_host(rec.state_dir, i, standby=True)
-            if h is not None and not h.exited:
-                out.append(h.incarnation)
-    return out
-
-
 def _armed(rec: PoolRecord, alloc: Allocation) -> int:
     """How many of a successor's agents wait on standby, readied (``handover.arm``)."""
-    n = 0
-    for i in alloc.indices:
-        with contextlib.suppress(MonarchError):
-            h = Registry.read_host(rec.state_dir, i, standby=True)
-            n += bool(h is not None and h.armed and not h.exited)
-    return n
+    return sum(h.armed for h in Registry.standby_hosts(rec.state_dir, alloc.indices).values())
 
 
 def _autoscale(rec: PoolRecord) -> dict[str, Any] | None:

@@ -237,9 +237,9 @@ class Allocator:
         timeout = float(rec.options.get("start_timeout") or 600)
         deadline = time.time() + timeout
         while True:
-            up = [Registry.read_host(rec.state_dir, i, standby=True) for i in indices]
-            seen.update({i: h.incarnation for i, h in zip(indices, up) if h is not None})
-            if all(h is not None and not h.exited for h in up):
+            up = Registry.standby_hosts(rec.state_dir, indices)
+            seen.update({i: h.incarnation for i, h in up.items()})
+            if len(up) == len(indices):
                 break
             states = jobs_states(alloc.jobs)
             if states[alloc.job_id][0] not in ALIVE:

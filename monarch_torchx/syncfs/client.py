@@ -476,14 +476,7 @@ def _to_successors(
     """The same sync to the successors waiting on standby to take some of ``indices`` over (a
     SLURM pool's renewal, ``agent/handover.py``): they were given what was synced before they
     started, and take this one with them too."""
-    waiting = []
-    for i in indices:
-        try:
-            h = Registry.read_host(pool.record.state_dir, i, standby=True)
-        except MonarchError:
-            continue
-        if h is not None and not h.exited:
-            waiting.append(i)
+    waiting = list(Registry.standby_hosts(pool.record.state_dir, indices))
     if not waiting:
         return
     report = sync(pool.successors(waiting), src, target, hosts=waiting, exclude=exclude, remember=False)
