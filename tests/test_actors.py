@@ -25,6 +25,7 @@ from tests.fixtures.actors import (
     Aborter,
     Bad,
     Blaster,
+    BlocksInInit,
     Caller,
     Cleaner,
     CleanupCounter,
@@ -433,6 +434,23 @@ def test_actor_mesh_stop_stops_the_actors_not_their_procs(procs, tmp_path):
     with pytest.raises(SupervisionError, match="stopped"):
         c.incr.call(1).get(timeout=30)
     assert set(keep.incr.call(2).get(timeout=30).values()) == {2}
+
+
+def test_a_blocking_constructor_holds_only_its_own_actor(procs, tmp_path):
+    """As in Monarch, an actor with async endpoints runs on a loop of its own thread: its
+    constructor blocking (here until a file appears) never holds the other actors of its proc."""
+    one = procs.slice(hosts=0, procs=0)
+    other = one.spawn("other", Counter, 5)
+    release = tmp_path / "release"
+    blocked = one.spawn("blocked", BlocksInInit, str(release))
+    assert other.aget.call_one().get(timeout=30)[0] == 5  # answered while that constructor blocks
+    assert other.incr.call_one(1).get(timeout=30) == 6
+    pending = blocked.where.call_one()  # waits for the constructor, as any call to it
+    assert not pending.done()
+    release.touch()
+    # __init__ used the running loop (a task it made ran there) and set thread-local state its
+    # endpoints see: both run on the actor's thread
+    assert pending.get(timeout=30) == (True, True, "ran")
 
 
 def test_explicit_response_ports_and_port_exceptions(procs):

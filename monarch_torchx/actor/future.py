@@ -127,8 +127,8 @@ class Future(Generic[T]):
 
         if not self.done():
             loop = asyncio.get_running_loop()
-            # someone must read the sockets: a worker thread, unless this loop is the hub's reader
-            if self._hub is not None and not self._hub.reads_on(loop):
+            # someone must read the sockets: a worker thread, unless a proc's loop is the hub's reader
+            if self._hub is not None and not self._hub.read_by_a_loop():
                 stop = threading.Event()
 
                 def wait() -> None:

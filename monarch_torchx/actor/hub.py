@@ -516,9 +516,10 @@ class Hub:
         self._loop_watching = True
         loop.add_reader(self.sel.fileno(), self._read_on_loop)
 
-    def reads_on(self, loop: Any) -> bool:
-        """Whether ``loop`` reads this hub's connections (its awaits need no thread)."""
-        return self._loop is not None and self._loop is loop
+    def read_by_a_loop(self) -> bool:
+        """Whether a proc's loop reads this hub's connections whenever no thread does: then an
+        ``await`` on any loop of the proc (its own, an actor's) is woken by a callback, no thread."""
+        return self._loop is not None
 
     def _read_on_loop(self) -> None:
         with self._cond:

@@ -98,6 +98,86 @@ class ActorThread:
                 log.exception("answering a call of this actor failed")
 
 
+class ActorLoop:
+    """Runs an actor that has ``async`` endpoints on an asyncio loop of its own, on a thread of its
+    own, as Monarch does: its constructor, its endpoints (the sync ones of a class that mixes them,
+    inline) and the tasks they start share that thread. A constructor or endpoint that blocks then
+    holds only this actor, never the proc's loop and the other actors; ``__init__`` may use the
+    running loop; and thread-local state set in ``__init__`` (``torch.cuda.set_device``) is its
+    endpoints'. Same interface as ``ActorThread``; ``run``/``run_then`` jobs run as loop callbacks."""
+
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop):
+        self._proc_loop = loop
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name=f"actor-{name}", daemon=True)
+        self._thread.start()
+
+    def on_thread(self) -> bool:
+        return threading.get_ident() == self._thread.ident
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """``fn(*args)`` here, as an asyncio future of the proc's loop (called on that loop)."""
+        done = self._proc_loop.create_future()
+        self.run_then(fn, args, lambda ok, value: _settle(done, ok, value))
+        return done
+
+    def run_then(
+        self, fn: Callable[..., Any], args: tuple, then: Callable[[bool, Any], None], on_loop: bool = True
+    ) -> None:
+        """As ``ActorThread.run_then``: ``then`` on the proc's loop, or (``on_loop=False``) here."""
+        try:
+            self.loop.call_soon_threadsafe(self._job, fn, args, then, on_loop)
+        except RuntimeError:  # closed: the actor stopped, and nothing is let in after that
+            log.warning("a job for a stopped actor was dropped")
+
+    def start(self, coro: Any) -> None:
+        """Runs a coroutine here, as a task of this loop (from any thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self._task, coro)
+        except RuntimeError:
+            coro.close()
+
+    def _task(self, coro: Any) -> None:
+        self.loop.create_task(coro).add_done_callback(_log_failure)
+
+    def _job(self, fn: Callable[..., Any], args: tuple, then: Callable[[bool, Any], None], on_loop: bool) -> None:
+        try:
+            ok, value = True, fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the proc's loop, which decides
+            ok, value = False, e
+        try:
+            if on_loop:
+                self._proc_loop.call_soon_threadsafe(then, ok, value)
+            else:
+                then(ok, value)
+        except Exception:  # noqa: BLE001 - never the loop's end while the proc goes on
+            if not self._proc_loop.is_closed():
+                log.exception("answering a call of this actor failed")
+
+    def close(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        except RuntimeError:  # closed already
+            pass
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:  # what its endpoints left running ends with it (cancelled, a bounded while)
+            left = asyncio.all_tasks(self.loop)
+            for task in left:
+                task.cancel()
+            if left:
+                self.loop.run_until_complete(asyncio.wait(left, timeout=1.0))
+            self.loop.close()
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("an actor's task failed", exc_info=task.exception())
+
+
 def _settle(done: asyncio.Future[Any], ok: bool, value: Any) -> None:
     if done.cancelled():
         return
@@ -126,7 +206,11 @@ class ActorSlot:
     owner: tuple[Any, str] | None = None  # (connection of the process that spawned it, its actor id or "")
     tasks: set = field(default_factory=set)  # its concurrent endpoints in flight (cancelled when it stops)
     qualname: str = ""  # module.Class, as a supervision report names the actor
-    thread: ActorThread | None = None  # runs its synchronous code (made on first use)
+    thread: ActorThread | ActorLoop | None = None  # runs its code, off the proc's loop (made at spawn)
+
+    def own_loop(self) -> ActorLoop | None:
+        """Its own loop, for an actor with async endpoints (where they, and its calls' queue, run)."""
+        return self.thread if isinstance(self.thread, ActorLoop) else None
 
     def refusal(self) -> ActorFailure:
         """What a call to this failed actor is answered with."""
@@ -464,14 +548,30 @@ class ProcServer:
         self.stopped.set()
 
     async def _cleanup(self, slot: ActorSlot) -> None:
+        own = slot.own_loop()
+        try:
+            if own is not None and not slot.tasks and getattr(slot.instance, "__cleanup__", None) is None:
+                pass  # nothing to run there: an endpoint still running never holds the stop
+            elif own is None:
+                await self._clean_up(slot)
+            else:  # where its endpoints ran: its concurrent ones are tasks of that loop
+                await asyncio.wait_for(
+                    asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._clean_up(slot), own.loop)), 35
+                )
+        except (asyncio.TimeoutError, RuntimeError) as e:  # its loop is held, or closed
+            print(f"{slot.name}.__cleanup__ did not run to its end: {type(e).__name__} {e}", file=sys.stderr)
+        finally:
+            if slot.thread is not None:
+                slot.thread.close()
+
+    async def _clean_up(self, slot: ActorSlot) -> None:
+        """On the loop that ran the actor's async endpoints."""
         for task in list(slot.tasks):  # concurrent endpoints still running end first, as in Monarch
             task.cancel()
         if slot.tasks:
             await asyncio.gather(*slot.tasks, return_exceptions=True)
         cleanup = getattr(slot.instance, "__cleanup__", None)
         if cleanup is None:
-            if slot.thread is not None:
-                slot.thread.close()
             return
         # Monarch's signature is __cleanup__(self, exc): the exception that stopped the actor
         # (None here: a stop or the owner's end is not an actor's failure); ours took none
@@ -483,27 +583,43 @@ class ProcServer:
                     await asyncio.wait_for(cleanup(*args), 30)
                 finally:
                     current_context.reset(token)
-            else:  # on the actor's thread, as its sync endpoints: it may block on calls
-                res = await asyncio.wait_for(self._actor_thread(slot).run(self._in_context, slot, cleanup, args), 30)
+            else:
+                if slot.own_loop() is not None:  # here, as its sync endpoints
+                    res = self._in_context(slot, cleanup, args)
+                else:  # on the actor's thread, as its sync endpoints: it may block on calls
+                    res = await asyncio.wait_for(
+                        self._actor_thread(slot).run(self._in_context, slot, cleanup, args), 30
+                    )
                 if asyncio.iscoroutine(res):
                     await asyncio.wait_for(res, 30)
         except Exception:
             print(f"{slot.name}.__cleanup__ failed:\n{traceback.format_exc()}", file=sys.stderr)
-        finally:
-            if slot.thread is not None:
-                slot.thread.close()
 
     def _begin_actor_stop(self, reply: Reply, actor_id: str) -> None:
-        if actor_id in self.constructing:  # a constructor that has not returned: the actor is
-            self.constructing.discard(actor_id)  # gone now; if it ever returns, it is dropped
-            self._ended(actor_id, f"actor {actor_id} on proc {self.rank} was stopped (during its constructor)")
-            reply(True, None)
+        assert self.loop is not None
+        if actor_id in self.constructing:
+            self.loop.create_task(self._stop_constructing(reply, actor_id))
             return
         if actor_id not in self.actors and actor_id not in self.ended:  # its spawn is not here yet
             self._await_actor(actor_id, lambda: self._begin_actor_stop(reply, actor_id))
             return
         assert self.loop is not None
         self.loop.create_task(self._stop_actor(reply, actor_id))
+
+    async def _stop_constructing(self, reply: Reply, actor_id: str) -> None:
+        """A stop that arrives while the constructor runs waits for it a bounded while, so a
+        constructed actor is stopped as any other (its ``__cleanup__`` runs); one whose constructor
+        has not returned by then is gone now, and dropped if it ever returns."""
+        assert self.loop is not None
+        deadline = self.loop.time() + CONSTRUCTOR_WAIT_AT_STOP_S
+        while actor_id in self.constructing and self.loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        if actor_id in self.constructing:
+            self.constructing.discard(actor_id)
+            self._ended(actor_id, f"actor {actor_id} on proc {self.rank} was stopped (during its constructor)")
+            reply(True, None)
+            return
+        await self._stop_actor(reply, actor_id)
 
     async def _stop_actor(self, reply: Reply, actor_id: str) -> None:
         """ActorMesh.stop(): the calls already queued run, then __cleanup__; the actor is gone
@@ -739,10 +855,11 @@ class ProcServer:
             args = (port, *args)
             reply = port.returned
         if ep.concurrent:
-            assert self.loop is not None
-            task = self.loop.create_task(self._run_concurrent(slot, ep, args, kwargs, reply))
-            slot.tasks.add(task)
-            task.add_done_callback(slot.tasks.discard)
+            own = slot.own_loop()
+            if own is not None:
+                own.loop.call_soon_threadsafe(self._start_concurrent, slot, ep, args, kwargs, reply)
+            else:
+                self._start_concurrent(slot, ep, args, kwargs, reply)
             return
         with slot.lock:
             # the common case, straight to the actor's thread, which runs its calls in order: when
@@ -759,13 +876,40 @@ class ProcServer:
                 self._run_sync, (slot, ep, args, kwargs), functools.partial(self._sync_ran, slot, reply), on_loop=False
             )
         elif start:
-            assert self.loop is not None
+            self._start_drain(slot)
+
+    def _start_concurrent(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply) -> None:
+        """On the loop that runs the actor's async endpoints."""
+        task = asyncio.get_running_loop().create_task(self._run_concurrent(slot, ep, args, kwargs, reply))
+        slot.tasks.add(task)
+        task.add_done_callback(slot.tasks.discard)
+
+    def _start_drain(self, slot: ActorSlot) -> None:
+        """From any thread: the actor's waiting calls run, in order, on its own loop if it has
+        one, else on the proc's (their sync endpoints handed to its thread)."""
+        own = slot.own_loop()
+        assert self.loop is not None
+        if own is not None:
+            own.start(self._drain(slot))
+        elif threading.get_ident() == self.loop_thread:
             self.loop.create_task(self._drain(slot))
+        else:
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain(slot)))  # type: ignore[union-attr]
 
     @staticmethod
     def _answer(slot: ActorSlot, reply: Reply, res: tuple[bool, Any]) -> None:
         """Answers a call that ran; if the actor failed while it ran, Monarch's call fails too."""
         reply(*((False, slot.refusal()) if slot.failed and res[0] else res))
+
+    def _answer_off_loop(self, slot: ActorSlot, reply: Reply, res: tuple[bool, Any]) -> None:
+        """``_answer`` from wherever the actor's code ran: a caller's answer and a broadcast's
+        report are written from this thread (neither wakes the proc's loop); the rest (a port's
+        answer, a multicast subtree's) go through the proc's loop."""
+        assert self.loop is not None
+        if threading.get_ident() == self.loop_thread or isinstance(reply, (CallerReply, BroadcastReport)):
+            self._answer(slot, reply, res)
+        else:
+            self.loop.call_soon_threadsafe(self._answer, slot, reply, res)
 
     def _sync_ran(self, slot: ActorSlot, reply: Reply, ok: bool, res: tuple[bool, Any]) -> None:
         """On the actor's thread, after a sync endpoint it got straight: a caller's answer is
@@ -775,12 +919,9 @@ class ProcServer:
         if not ok:  # _run_sync itself raised (it answers every endpoint's error): say so, never hang
             res = (False, error_payload("actor", f"{type(res).__name__}: {res}"))
         try:
-            if isinstance(reply, (CallerReply, BroadcastReport)):
-                # here, before the next call runs: an answer is written from this thread (see
-                # ProcConnection.write), and a broadcast that raised fails the actor first
-                self._answer(slot, reply, res)
-            else:
-                self.loop.call_soon_threadsafe(self._answer, slot, reply, res)
+            # here, before the next call runs: an answer is written from this thread (see
+            # ProcConnection.write), and a broadcast that raised fails the actor first
+            self._answer_off_loop(slot, reply, res)
         finally:  # whatever the answer did, the actor's next calls are let in
             with slot.lock:
                 slot.on_thread -= 1
@@ -788,28 +929,37 @@ class ProcServer:
                 if slot.on_thread == 0 and not drain:
                     slot.busy = False
         if drain:
-            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain(slot)))  # type: ignore[union-attr]
+            self._start_drain(slot)
 
     async def _drain(self, slot: ActorSlot) -> None:
-        try:
-            while slot.queue:
+        """Runs the actor's waiting calls in order. On its own loop when it has one: then the
+        queue is filled from the proc's loop meanwhile, so taking the next call and letting go
+        of ``busy`` happen under the lock, or a call could be left waiting with nobody to run it."""
+        own = slot.own_loop() is not None
+        while True:
+            with slot.lock:
+                if not slot.queue:
+                    slot.busy = False
+                    return
                 ep, args, kwargs, reply = slot.queue.popleft()
+            try:
                 if slot.failed:  # it failed while this call waited its turn
-                    reply(False, slot.refusal())
-                    continue
-                if ep.is_async:
+                    res: tuple[bool, Any] = (False, slot.refusal())
+                elif ep.is_async:
                     res = await self._run_async(slot, ep, args, kwargs)
+                elif own:
+                    res = self._run_sync(slot, ep, args, kwargs)
                 else:
                     res = await self._actor_thread(slot).run(self._run_sync, slot, ep, args, kwargs)
-                self._answer(slot, reply, res)
-        finally:
-            with slot.lock:
-                slot.busy = False
+                self._answer_off_loop(slot, reply, res)
+            except Exception:  # noqa: BLE001 - one call's answer failing never strands the calls behind it
+                log.exception("answering a call of %s failed", slot.name)
 
-    def _actor_thread(self, slot: ActorSlot) -> ActorThread:
+    def _actor_thread(self, slot: ActorSlot) -> ActorThread | ActorLoop:
         if slot.thread is None:
             assert self.loop is not None
-            slot.thread = ActorThread(slot.name, self.loop)
+            has_async = any(ep.is_async for ep in slot.endpoints.values())
+            slot.thread = (ActorLoop if has_async else ActorThread)(slot.name, self.loop)
         return slot.thread
 
     def _on_loop(self, reply: Reply) -> Reply:
@@ -825,7 +975,12 @@ class ProcServer:
         return answer
 
     async def _run_concurrent(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply) -> None:
-        reply(*await self._run_async(slot, ep, args, kwargs))
+        ok, value = await self._run_async(slot, ep, args, kwargs)
+        if slot.own_loop() is None or isinstance(reply, (CallerReply, BroadcastReport)):
+            reply(ok, value)
+        else:
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(reply, ok, value)
 
     async def _run_async(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         token = current_context.set(slot.ctx)
@@ -960,18 +1115,10 @@ class ProcServer:
             conn.reply(rid, False, err)
             return
         # As in Monarch, the constructor runs where the endpoints do (thread-local state it sets is
-        # theirs): an actor with async endpoints on the proc's loop, now; one with only sync ones on
-        # its own thread, where it may block on calls, and calls that arrive meanwhile wait for it
+        # theirs): on the actor's own thread (its loop's, with async endpoints), where it may block
+        # without holding other actors; calls that arrive meanwhile wait for it
         init = functools.partial(instance.__init__, *args, **kwargs)
         assert self.loop is not None
-        if any(ep.is_async for ep in slot.endpoints.values()):
-            done = self.loop.create_future()
-            try:
-                done.set_result(self._in_context(slot, init, ()))
-            except BaseException as e:  # noqa: BLE001 - a failed constructor, answered below
-                done.set_exception(e)
-            self._constructed(conn, rid, slot, instance, owner, done)
-            return
         self.constructing.add(actor_id)
         if getattr(cls, "_gates_the_proc", False):
             self.booting = []
@@ -1084,7 +1231,12 @@ class ProcServer:
     def child_lost(self, owner_actor_id: str, failure: MeshFailure) -> None:
         """Called from the supervision thread when a proc of a mesh an actor here spawned dies."""
         assert self.loop is not None
-        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._supervise(owner_actor_id, failure)))  # type: ignore[union-attr]
+        slot = self.actors.get(owner_actor_id)
+        own = slot.own_loop() if slot is not None else None
+        if own is not None:  # its __supervise__ runs where its endpoints do
+            own.start(self._supervise(owner_actor_id, failure))
+        else:
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._supervise(owner_actor_id, failure)))  # type: ignore[union-attr]
 
     async def _supervise(self, owner_actor_id: str, failure: MeshFailure) -> None:
         slot = self.actors.get(owner_actor_id)
