@@ -97,14 +97,14 @@ def test_a_worker_refuses_a_client_without_its_secret_and_stays_for_one_with_it(
     secret.chmod(0o600)
     addrs = start(1, ca=f"{str(secret)!r}")
     with pytest.raises(WorkerRefused, match=f"worker {addrs[0]} refused us: .*another secret"):
-        attach_to_workers(ca=b"b" * 32, workers=addrs)
+        attach_to_workers(ca=b"b" * 32, workers=addrs).initialized.get(timeout=60)
     assert procs[0].poll() is None
     hosts = attach_to_workers(ca=secret, workers=addrs, name="mine")
     assert hosts.pool == "mine"
     assert list(hosts.spawn_procs().spawn("c", Counter).incr.call().get(timeout=60).values()) == [1]
     # a second client (another registry: another user's controller) cannot take it over
     with pytest.raises(WorkerRefused, match="serves another client's hosts"):
-        attach_to_workers(ca=secret, workers=addrs, name="theirs")
+        attach_to_workers(ca=secret, workers=addrs, name="theirs").initialized.get(timeout=60)
     hosts.shutdown().get(timeout=60)
     assert procs[0].wait(timeout=30) == 0
 
@@ -141,11 +141,26 @@ def test_workers_on_unix_sockets(home, tmp_path):
 
 
 def test_an_unreachable_worker_is_named_after_the_bounded_wait(home, monkeypatch):
+    """As Monarch's, attach_to_workers returns at once; `initialized`, and the mesh's first use,
+    raise naming the worker, after Monarch's mesh_attach_config_timeout (or our env variable)."""
+    from monarch_torchx.actor.config import configured
+
     monkeypatch.setenv("MONARCH_TORCHX_ATTACH_TIMEOUT_S", "1")
     dead = f"tcp://127.0.0.1:{_free_port()}"
-    with pytest.raises(MonarchError, match=f"worker {dead} is not reachable .*run_worker_loop_forever"):
-        attach_to_workers(ca="trust_all_connections", workers=[dead])
+    hosts = attach_to_workers(ca="trust_all_connections", workers=[dead])
+    assert hosts.sizes == {"hosts": 1}
+    with pytest.raises(
+        MonarchError, match=f"attach failed: .*worker {dead} is not reachable .*run_worker_loop_forever"
+    ):
+        hosts.initialized.get(timeout=30)
+    with pytest.raises(MonarchError, match=f"worker {dead} is not reachable"):
+        hosts.spawn_procs()
     assert Registry().list() == []  # nothing half-made is left
+    monkeypatch.setenv("MONARCH_TORCHX_ATTACH_TIMEOUT_S", "600")
+    with configured(mesh_attach_config_timeout="300ms"):  # Monarch's knob wins where it is set
+        hosts = attach_to_workers(ca="trust_all_connections", workers=[dead])
+    with pytest.raises(MonarchError, match="not reachable"):
+        hosts.initialized.get(timeout=30)
 
 
 @pytest.mark.parametrize(

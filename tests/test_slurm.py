@@ -665,6 +665,7 @@ def test_workers_started_by_the_users_own_sbatch_are_attached_over_tls(home, poo
         )
         addrs = [f.read_text() for f in files]
         hosts = attach_to_workers(ca=secret, workers=addrs, name=pool_name)
+        assert hosts.initialized.get(timeout=120) is True
         assert Registry(home).get(pool_name).tls_pem  # off loopback: TLS, derived from the secret
         counters = hosts.spawn_procs(per_host={"procs": 2}).spawn("c", Counter)
         names = counters.hostname.call().get(timeout=60)

@@ -31,6 +31,7 @@ import os
 import secrets
 import shutil
 import socket
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -54,7 +55,13 @@ _LOOPBACK = ("127.", "localhost", "::1")
 
 
 def attach_timeout() -> float:
-    """How long attach_to_workers waits for each worker (they may still be starting)."""
+    """How long attach_to_workers waits for each worker (they may still be starting): Monarch's
+    ``mesh_attach_config_timeout`` where ``configure`` set it, else ``MONARCH_TORCHX_ATTACH_TIMEOUT_S``."""
+    from .config import duration_s, get_runtime_config
+
+    knob = get_runtime_config().get("mesh_attach_config_timeout")
+    if knob is not None:
+        return duration_s(knob)
     return float(os.environ.get("MONARCH_TORCHX_ATTACH_TIMEOUT_S", "60"))
 
 
@@ -366,11 +373,14 @@ def attach_to_workers(
     """As Monarch's: a HostMesh (dim ``hosts``) of the given workers, each running
     ``run_worker_loop_forever`` with the same secret. Workers may be strings or Futures of them.
 
-    Unlike Monarch's, it returns once every worker serves (or raises ``MonarchError`` naming the
-    one that does not, after ``MONARCH_TORCHX_ATTACH_TIMEOUT_S``): the HostMesh is then a warm
+    As Monarch's, it returns at once: the workers are adopted in the background, and
+    ``await hosts.initialized`` (or the first use of the mesh) waits for them and raises
+    ``MonarchError`` naming a worker that does not serve within ``attach_timeout()``. Bad
+    arguments (an address, the secret) are refused here, at the call. The HostMesh is a warm
     pool like any other (``name``, default ``workers-<hash of the addresses>``), and attaching
     again to the same live workers reuses it."""
-    from .mesh import attach
+    from .future import Future
+    from .mesh import HostMesh
 
     if private_key is not None:
         raise ValueError("private_key: workers authenticate with the shared secret that ca names, not TLS keys")
@@ -387,6 +397,32 @@ def attach_to_workers(
     tls = not addrs[0].loopback
     spec: dict[str, Any] = {"hosts": len(addrs), "workers": [f"{a.host}:{a.port}" for a in addrs], "tls": tls}
     name = check_pool_name(name or "workers-" + hashlib.sha256("\n".join(spec["workers"]).encode()).hexdigest()[:10])
+    deadline = time.monotonic() + attach_timeout()  # read now: a `configured(...)` block may end before it is used
+    adopted: Future[Any] = Future()
+
+    def adopt() -> None:
+        try:
+            adopted.set_result(_attach_now(name, addrs, spec, secret, tls, idle_timeout, preload, deadline))
+        except BaseException as e:  # noqa: BLE001 - the mesh's `initialized` (and first use) raises it
+            adopted.set_exception(e)
+
+    threading.Thread(target=adopt, name=f"attach-{name}", daemon=True).start()
+    return HostMesh.pending(name, len(addrs), adopted)
+
+
+def _attach_now(
+    name: str,
+    addrs: list[WorkerAddress],
+    spec: dict[str, Any],
+    secret: bytes,
+    tls: bool,
+    idle_timeout: float,
+    preload: str,
+    deadline: float,
+) -> Any:
+    """Adopts the workers (or reuses the pool that already serves them); the pool's HostMesh."""
+    from .mesh import attach
+
     registry = Registry()
     with registry.lock(name):
         rec = registry.get(name)
@@ -398,7 +434,7 @@ def attach_to_workers(
             rec.token, rec.tls_pem = pool_key(secret).hex(), worker_tls_pem(secret) if tls else ""
             registry.save(rec)
             try:
-                _adopt_all(rec, addrs, float(idle_timeout), preload)
+                _adopt_all(rec, addrs, float(idle_timeout), preload, deadline)
             except BaseException:
                 registry.delete(rec)
                 raise
@@ -423,11 +459,10 @@ def _forget(rec: Any, registry: Registry) -> None:
     registry.delete(rec)
 
 
-def _adopt_all(rec: Any, addrs: list[WorkerAddress], idle_timeout: float, preload: str) -> None:
+def _adopt_all(rec: Any, addrs: list[WorkerAddress], idle_timeout: float, preload: str, deadline: float) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     creds = rec.credentials  # the workers' key and certificate, installed in the pool's state dir
-    deadline = time.monotonic() + attach_timeout()
 
     def one(i: int) -> None:
         adoption = Adoption(rec.name, i, uuid.uuid4().hex[:12], idle_timeout, preload)
@@ -473,9 +508,11 @@ def _adopt(addr: WorkerAddress, creds: PoolCredentials, adoption: Adoption, dead
             raise WorkerRefused(f"worker {addr.text}: {e}") from None
         except (net.ConnectFailed, net.PeerClosed, net.PeerTimeout) as e:
             if time.monotonic() > deadline:
+                # (Monarch's words lead: the adoption is where the host gets its settings pushed)
                 raise MonarchError(
-                    f"worker {addr.text} is not reachable ({e}); is run_worker_loop_forever running "
-                    f"there? (waited {attach_timeout():.0f} s: MONARCH_TORCHX_ATTACH_TIMEOUT_S)"
+                    f"attach failed: config push failed during attach: worker {addr.text} is not reachable "
+                    f"({e}); is run_worker_loop_forever running there? (the wait is "
+                    f"mesh_attach_config_timeout, else MONARCH_TORCHX_ATTACH_TIMEOUT_S)"
                 ) from None
         time.sleep(delay)
         delay = min(delay * 2, 0.25)

@@ -4,14 +4,17 @@
 
 ``configure(**knobs)`` / ``configured(**knobs)`` accept the knobs of Monarch's ``monarch.config``
 by name, so a program (or one of Monarch's tests) that tunes one runs unchanged; an unknown name
-is a ``TypeError``, as a misspelt keyword should be. None of them changes anything here: they
-tune Monarch's own Rust runtime (its transports, message acknowledgements, frame sizes and its
-timeouts), which this package does not have. ``get_runtime_config()`` says what was set.
+is a ``TypeError``, as a misspelt keyword should be. One means something here and is honoured:
+``mesh_attach_config_timeout``, how long ``attach_to_workers`` waits for a worker. The others
+change nothing: they tune Monarch's own Rust runtime (its transports, message acknowledgements,
+frame sizes and its timeouts), which this package does not have. ``get_runtime_config()`` says
+what was set.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any, Iterator
 
 __all__ = [
@@ -64,6 +67,19 @@ def configured(**knobs: Any) -> Iterator[dict[str, Any]]:
     finally:
         _runtime.clear()
         _runtime.update(before)
+
+
+_UNITS = {"ms": 0.001, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def duration_s(value: Any) -> float:
+    """Seconds, from a number or one of Monarch's duration strings (``"500ms"``, ``"10s"``, ``"2m"``)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|sec|s|min|m|h)?\s*", str(value))
+    if m is None:
+        raise ValueError(f"not a duration: {value!r} (a number of seconds, or e.g. '500ms', '10s', '2m')")
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
 def get_runtime_config() -> dict[str, Any]:

@@ -139,18 +139,35 @@ def default_bootstrap_cmd() -> BootstrapCommand:
 class HostMesh(_MeshTrait):
     """The hosts of a warm pool. Spawning procs on it is cheap: the hosts stay up."""
 
-    def __init__(self, pool: str, hosts: Sequence[HostAddr], shape: Shape | None = None):
+    def __init__(
+        self, pool: str, hosts: Sequence[HostAddr], shape: Shape | None = None, adopting: Future[Any] | None = None
+    ):
         self.pool = pool
-        self._hosts = list(hosts)
-        self._shape = shape or Shape.dense(("hosts",), (len(self._hosts),))
+        self._known = list(hosts)
+        # attach_to_workers: the workers' adoption, still under way (its HostMesh, or why it failed)
+        self._adopting = adopting
+        self._shape = shape or Shape.dense(("hosts",), (len(self._known),))
         self._shut_down = False
         self._received = False  # unpickled: a reference, which cannot end the hosts
         self._spawned: list[ProcMesh] = []  # what stop() ends
         self._python: str | None = None  # with_python_executable(): procs exec it, not a warm fork
         self._env: dict[str, str] = {}  # added to every proc's environment (ProcessJob(env=...))
 
+    @classmethod
+    def pending(cls, pool: str, count: int, adopting: Future[Any]) -> HostMesh:
+        """The mesh of ``count`` hosts that ``adopting`` brings up (attach_to_workers returns it at once)."""
+        return cls(pool, [], Shape.dense(("hosts",), (count,)), adopting)
+
+    @property
+    def _hosts(self) -> list[HostAddr]:
+        """The hosts; a mesh still being attached waits for them here, and raises why they failed."""
+        if self._adopting is not None:
+            self._known = self._adopting.get()._known
+            self._adopting = None
+        return self._known
+
     def _with_shape(self, shape: Shape) -> HostMesh:
-        mesh = HostMesh(self.pool, self._hosts, shape)
+        mesh = HostMesh(self.pool, self._known, shape, self._adopting)
         mesh._received = self._received  # a slice of a reference is a reference
         mesh._python = self._python
         mesh._env = dict(self._env)
@@ -179,8 +196,11 @@ class HostMesh(_MeshTrait):
 
     @property
     def initialized(self) -> Future[bool]:
-        """As Monarch's: completes (True) once the hosts are up; a pool's agents are up already."""
-        return Future.resolved(True)
+        """As Monarch's: completes (True) once the hosts are up, or fails with why; a pool's
+        agents are up already, and attach_to_workers' are once adopted."""
+        if self._adopting is None:
+            return Future.resolved(True)
+        return Future.gather(None, [self._adopting], lambda _: True)
 
     @property
     def stream_logs(self) -> bool:
@@ -236,8 +256,12 @@ class HostMesh(_MeshTrait):
             )
         self._shut_down = True
         done: Future[None] = Future()
+        adopting = self._adopting
 
         def stop() -> None:
+            if adopting is not None and adopting.exception() is not None:  # attach_to_workers failed:
+                done.set_result(None)  # no pool was left to stop
+                return
             try:
                 stop_pool(self.pool)
             except Exception as e:  # a pool already gone, or an engine error: reported to the caller
@@ -300,9 +324,9 @@ class HostMesh(_MeshTrait):
         # Monarch's convention: a per-host dim named "gpus" is one proc per GPU; each holds its own
         # (CUDA_VISIBLE_DEVICES), counted by the host with every app's, never shared by mistake
         gpus_per_proc = 1 if "gpus" in per_host else 0
+        hosts = [self._hosts[r] for r in self._shape.ranks]  # (first: an attach still under way ends here)
         hub = session.hub_for(self.pool)
         mesh_id = uuid.uuid4().hex[:12]
-        hosts = [self._hosts[r] for r in self._shape.ranks]
         proc_shape = Shape.dense(self._shape.labels + tuple(per_host), self._shape.sizes + tuple(per_host.values()))
         commands = _proc_commands(bootstrap_command, proc_shape, self._python)
         proc_env = {
