@@ -43,6 +43,47 @@ def load_public(checkout: Path) -> None:
                 MONARCH_PUBLIC[surface] = set(ast.literal_eval(node.value))
 
 
+def private_names(checkout: Path) -> dict[str, list[str]]:
+    """For each class Monarch exports publicly: the private names (``_x``, not dunders) its
+    definition and its bases' give it (methods, class attributes, ``self._x = ...``), read from
+    the checkout's source. A test that asks one of ours for such a name reaches Monarch's
+    internals (``stand_ins.monarch_internal`` guards our classes with this list)."""
+    defined: dict[str, tuple[set, list[str]]] = {}
+    for path in sorted((checkout / "python" / "monarch").rglob("*.py")):
+        try:
+            tree = ast.parse(path.read_text())
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            names = defined.setdefault(cls.name, (set(), []))
+            names[1].extend(b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in cls.bases)
+            for node in ast.walk(cls):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names[0].add(node.name)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    if isinstance(node.value, ast.Name) and node.value.id == "self":
+                        names[0].add(node.attr)
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                        if isinstance(t, ast.Name):
+                            names[0].add(t.id)
+
+    def all_names(name: str, seen: set) -> set:
+        if name in seen or name not in defined:
+            return set()
+        seen.add(name)
+        own, bases = defined[name]
+        return own.union(*(all_names(b, seen) for b in bases))
+
+    public = set().union(*(MONARCH_PUBLIC.get(k, set()) for k in ("actor", "job", "rdma")))
+    out = {}
+    for name in sorted(public & set(defined)):
+        private = sorted(n for n in all_names(name, set()) if n.startswith("_") and not n.startswith("__"))
+        if private:
+            out[name] = private
+    return out
+
+
 def _monarch_public(module: str, ours: str, name: str) -> bool:
     """Whether Monarch exports ``name`` publicly on the surface ``module`` belongs to."""
     if module == "monarch.config" or module.startswith("monarch.config."):
@@ -73,8 +114,9 @@ def _exports(module: str) -> set:
     return set(getattr(m, "__all__", ()))
 
 
-def rewrite(source: str) -> str:
-    """The test file with only its import statements changed."""
+def rewrite(source: str, guard: bool = True) -> str:
+    """The test file with only its import statements changed (and, with ``guard``, one line added
+    at its end: see below)."""
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
     edits: list[tuple] = []  # (first line, last line, replacement lines, or a string literal's (start, end, text))
@@ -121,6 +163,13 @@ def rewrite(source: str) -> str:
             continue
         indent = lines[first - 1][: len(lines[first - 1]) - len(lines[first - 1].lstrip())]
         lines[first - 1 : last] = [indent + t + "\n" for t in text]
+    if not guard:
+        return "".join(lines)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    # the harness's one added line: our classes answer a private name of Monarch's as internal
+    # (in this process and in the procs that import this file for its actors)
+    lines.append("import monarch_internal as _monarch_internal  # noqa: E402 (added by the harness)\n")
     return "".join(lines)
 
 
@@ -139,7 +188,7 @@ def _rewrite_script(text: str):
         for n in ast.walk(tree)
     ):
         return None
-    return rewrite(text)
+    return rewrite(text, guard=False)
 
 
 _FSTRING_IMPORT = re.compile(r"from (monarch(?:\.\w+)*) import (\w+(?:, *\w+)*)")

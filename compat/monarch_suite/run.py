@@ -27,7 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from rewrite import load_public, rewrite  # noqa: E402
+from rewrite import load_public, private_names, rewrite  # noqa: E402
 
 # Monarch's tests of its public actor API (python/tests), as the issue that asked for this names them
 DEFAULT_FILES = [
@@ -47,11 +47,16 @@ DEFAULT_FILES = [
     "test_rdma_initialization",
     "test_rdma_action",
     "test_cuda",  # its items that need no GPU run here; DEVICE_ONLY names the one that does
+    "test_examples",  # Monarch's examples (EXAMPLES), each run as a program: made here, not in the checkout
 ]
+# Monarch's examples (docs/source/examples/NAME.py) that use its actor API, each run whole as one
+# test of the made-up file test_examples.py (rewritten as the tests are; in a fresh interpreter)
+EXAMPLES = ["ping_pong", "getting_started", "grpo_actor"]
 # items that need a device this host lacks, whatever their markers say: left out before running,
 # counted as "device" (test_cuda.py has no skip markers: Monarch runs it on CPU-only Linux too)
 DEVICE_ONLY = {
     "test_cuda::TestEnvBeforeCuda::test_cleanup_torch_distributed": "CUDA: backend='nccl' needs a GPU",
+    "test_examples::test_example_grpo_actor": "CUDA: the example moves its tensors to 'cuda'",
 }
 # items that pass here only against the stand-ins they walk, checking nothing of ours: left out
 # before running and counted as Monarch-internal (the harness cannot see a walk of a stand-in's
@@ -77,17 +82,48 @@ def prepare(monarch: Path, files: list[str], work: Path) -> None:
         raise SystemExit(f"error: {tests} is not there: --monarch takes a checkout of meta-pytorch/monarch")
     load_public(monarch)
     for f in files:
+        if f == "test_examples":
+            _write_examples(monarch, work)
+            continue
         src = tests / f"{f}.py"
         if not src.exists():
             raise SystemExit(f"error: {src} is not there (is the checkout recent?)")
         (work / src.name).write_text(rewrite(src.read_text()))
     for f in (HERE / "stand_ins").glob("*.py"):
         shutil.copy(f, work / f.name)
+    (work / "monarch_private.json").write_text(json.dumps(private_names(monarch)))
     # Monarch's own pytest settings, and the marker its OSS CI deselects (-m "not oss_skip")
     (work / "pytest.ini").write_text(
         "[pytest]\nasyncio_mode = auto\nasyncio_default_fixture_loop_scope = function\n"
         "markers =\n    oss_skip: marks tests to skip in OSS CI\n"
     )
+
+
+def _write_examples(monarch: Path, work: Path) -> None:
+    """Each example, rewritten, as ``example_NAME.py``, and ``test_examples.py`` that runs each one
+    as a program (``__main__``) in a fresh interpreter: a pass is the example run to its end."""
+    tests = [
+        "import runpy",
+        "from pathlib import Path",
+        "",
+        "import pytest",
+        "from isolate_in_subprocess import isolate_in_subprocess",
+        "",
+    ]
+    for name in EXAMPLES:
+        src = monarch / "docs" / "source" / "examples" / f"{name}.py"
+        if not src.exists():
+            raise SystemExit(f"error: {src} is not there (is the checkout recent?)")
+        (work / f"example_{name}.py").write_text(rewrite(src.read_text()))
+        tests += [
+            "",
+            "@pytest.mark.timeout(300)",
+            "@isolate_in_subprocess",
+            f"def test_example_{name}():",
+            f"    runpy.run_path(str(Path.cwd() / 'example_{name}.py'), run_name='__main__')",
+            "",
+        ]
+    (work / "test_examples.py").write_text("\n".join(tests))
 
 
 def _why(fail: ET.Element) -> str:
