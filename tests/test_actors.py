@@ -1083,11 +1083,12 @@ def test_logging_option_streams_proc_output_with_the_actor_prefix(procs, capsys)
     """ProcMesh.logging_option (Monarch's): the procs' root logger level, and their output on the
     controller's stdout, each line led by its rank; log records from actor code start
     [actor=<module.Class name{point}>], as Monarch's do."""
+    import asyncio
     import logging
 
     with pytest.raises(ValueError, match="aggregate_window_sec needs stream_to_client"):
-        procs.logging_option(aggregate_window_sec=1)
-    procs.logging_option(stream_to_client=True, level=logging.INFO).get(timeout=30)
+        asyncio.run(procs.logging_option(aggregate_window_sec=1))
+    asyncio.run(asyncio.wait_for(procs.logging_option(stream_to_client=True, level=logging.INFO), 30))
     t = procs.spawn("talker", Talker)
     assert set(t.talk.call("hi").get(timeout=30).values()) == {"hi"}
     seen = []

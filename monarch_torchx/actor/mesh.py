@@ -823,10 +823,11 @@ class ProcMesh(_MeshTrait):
             session.this_proc().record_owned(owner, mesh)  # type: ignore[union-attr]
         return mesh
 
-    def logging_option(
+    async def logging_option(
         self, stream_to_client: bool = False, aggregate_window_sec: int | None = None, level: int = logging.INFO
-    ) -> Future[None]:
-        """As Monarch's: sets the procs' root logger ``level``; ``stream_to_client`` prints each
+    ) -> None:
+        """As Monarch's, a coroutine (``await procs.logging_option(...)``, or ``asyncio.run(...)``
+        from sync code): sets the procs' root logger ``level``; ``stream_to_client`` prints each
         proc's output (stdout and stderr) on this process's stdout as it comes, each line led by
         ``[rank]``. ``aggregate_window_sec`` is accepted (it needs ``stream_to_client``) but lines
         are not aggregated here: each is printed."""
@@ -841,7 +842,7 @@ class ProcMesh(_MeshTrait):
                 threading.Thread(
                     target=_stream_output, args=(hub, self._procs[b]), daemon=True, name="monarch-torchx-proc-output"
                 ).start()
-        return Future.gather(session.hub_for(self.pool), [done], lambda _v: None)
+        await done
 
     def stop(self, timeout: float = 30.0) -> Future[None]:
         """Stops every proc of this mesh (``__cleanup__`` runs in each actor first), as Monarch's
