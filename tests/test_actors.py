@@ -107,7 +107,7 @@ def test_shapes(procs):
     renamed = c.rename(procs="gpus")
     assert renamed.sizes == {"hosts": 2, "gpus": 2}
     ranks = [v[1] for v in renamed.slice(gpus=1).aget.call().get().values()]
-    assert ranks == [{"hosts": 0, "procs": 1}, {"hosts": 1, "procs": 1}]  # ranks are where the actors were spawned
+    assert ranks == [{"hosts": 0}, {"hosts": 1}]  # current_rank(), as Monarch's: the message's point in the slice
     with pytest.raises(ValueError, match="no dimension 'nodes'"):
         c.slice(nodes=0)
     with pytest.raises(IndexError):
@@ -451,6 +451,27 @@ def test_a_blocking_constructor_holds_only_its_own_actor(procs, tmp_path):
     # __init__ used the running loop (a task it made ran there) and set thread-local state its
     # endpoints see: both run on the actor's thread
     assert pending.get(timeout=30) == (True, True, "ran")
+
+
+def test_message_rank_is_the_point_in_the_slice_a_message_was_sent_to(procs, monkeypatch):
+    """context().message_rank (and current_rank()), as Monarch's: an actor's point in the slice of
+    its mesh that the running message was sent to; actor_instance.rank stays where it was spawned.
+    By direct calls, then through the multicast tree (a tree for meshes of 2 and more)."""
+    r = procs.spawn("ranks", Placement)
+    whole = r.ranks.call().get(timeout=30)
+    assert [v["message"] for v in whole.values()] == [v["actor"] for v in whole.values()]
+    assert whole.item(hosts=1, procs=0)["message"] == {"hosts": 1, "procs": 0}
+    for tree in (False, True):
+        if tree:
+            monkeypatch.setattr(mesh_mod, "TREE_MIN", 2)
+            monkeypatch.setattr(mesh_mod, "FANOUT", 2)
+            r = procs.spawn("ranks_by_tree", Placement)
+        sliced = r.slice(procs=1).ranks.call().get(timeout=30)
+        assert [v["message"] for v in sliced.values()] == [{"hosts": 0}, {"hosts": 1}]
+        assert [v["actor"] for v in sliced.values()] == [{"hosts": 0, "procs": 1}, {"hosts": 1, "procs": 1}]
+        assert [v["size"] for v in sliced.values()] == [{"hosts": 2}, {"hosts": 2}]
+    one = r.slice(hosts=1, procs=0).ranks.call_one().get(timeout=30)
+    assert one == {"message": {}, "actor": {"hosts": 1, "procs": 0}, "size": {}}
 
 
 def test_explicit_response_ports_and_port_exceptions(procs):

@@ -199,6 +199,14 @@ class ActorInstance:
 @dataclass
 class Context:
     actor_instance: ActorInstance
+    message_point: Point | None = None  # the running message's, when it was sent to a slice
+
+    @property
+    def message_rank(self) -> Point:
+        """As Monarch's: where this actor stands in what the running message was sent to. For a
+        message to a slice of its mesh, its point in that slice (``mesh.slice(gpus=1)``: no
+        ``gpus`` dim); otherwise its own rank."""
+        return self.message_point if self.message_point is not None else self.actor_instance.rank
 
 
 _CLIENT = Context(ActorInstance("client", "client", Point((), Extent((), ())), 0, "", -1))
@@ -214,7 +222,9 @@ def context() -> Context:
 
 
 def current_rank() -> Point:
-    return current_context.get().actor_instance.rank
+    """As Monarch's: the running message's ``message_rank`` (the actor's own rank, unless the
+    message was sent to a slice of its mesh)."""
+    return current_context.get().message_rank
 
 
 def current_actor_name() -> str:
@@ -225,7 +235,7 @@ def current_actor_name() -> str:
 
 
 def current_size() -> dict[str, int]:
-    return dict(current_context.get().actor_instance.rank.extent)
+    return dict(current_context.get().message_rank.extent)
 
 
 def prefix_logs_with_actor() -> None:

@@ -1005,10 +1005,12 @@ class ActorMesh(_MeshTrait, Generic[T]):
         cls_name: str,
         endpoints: tuple[str, ...],
         cls_path: str = "",
+        sliced: bool = False,
     ):
         self.pool = pool
         self._procs = list(procs)
         self._shape = shape
+        self._sliced = sliced  # a view (slice, rename, flatten) of the mesh as spawned: see message_rank
         self._actor_id = actor_id
         self._name = name
         self._cls_name = cls_name
@@ -1019,7 +1021,15 @@ class ActorMesh(_MeshTrait, Generic[T]):
 
     def _with_shape(self, shape: Shape) -> ActorMesh[T]:
         mesh: ActorMesh[T] = ActorMesh(
-            self.pool, self._procs, shape, self._actor_id, self._name, self._cls_name, self._endpoints, self._cls_path
+            self.pool,
+            self._procs,
+            shape,
+            self._actor_id,
+            self._name,
+            self._cls_name,
+            self._endpoints,
+            self._cls_path,
+            sliced=True,
         )
         mesh._initialized = self._initialized
         return mesh
@@ -1040,6 +1050,7 @@ class ActorMesh(_MeshTrait, Generic[T]):
             self._cls_name,
             self._endpoints,
             self._cls_path,
+            self._sliced,
         )
 
     def __repr__(self) -> str:
@@ -1091,6 +1102,18 @@ def _in_monarchs_words(ep: EndpointMesh, position: int, exc: BaseException) -> B
     )
 
 
+def _slice_coords(shape: Shape, positions: Sequence[int]) -> list[tuple[int, ...]]:
+    """The coordinates, in ``shape``, of its members at ``positions`` (row-major)."""
+    out = []
+    for p in positions:
+        c = []
+        for s in reversed(shape.sizes):
+            c.append(p % s)
+            p //= s
+        out.append(tuple(reversed(c)))
+    return out
+
+
 class EndpointMesh:
     """``call`` / ``call_one`` / ``choose`` / ``stream`` / ``broadcast`` of one endpoint of a mesh."""
 
@@ -1113,14 +1136,17 @@ class EndpointMesh:
         hub = session.hub_for(m.pool)
         packed = self._pack(args, kwargs)
         refs = [m._procs[m._shape.ranks[p]] for p in positions]
+        coords = _slice_coords(m._shape, positions) if m._sliced else None
         if len(refs) >= TREE_MIN:
-            return self._cast(hub, refs, packed, reply, positions)
+            return self._cast(hub, refs, packed, reply, positions, coords)
         rid = hub.next_id() if reply else 0
         futs: list[Future[Any]] = []
         frames = []
-        for p, ref in zip(positions, refs):  # build every frame first, so the sends go out back to back
+        dims = (m._shape.labels, m._shape.sizes)
+        for i, (p, ref) in enumerate(zip(positions, refs)):  # every frame first: the sends go out back to back
             fut: Future[Any] | None = Future(hub) if reply else None
-            header = messages.Call(rid, hub.sender, hub.next_seq(ref.addr), m._actor_id, self._name)
+            point = (*dims, coords[i]) if coords is not None else None
+            header = messages.Call(rid, hub.sender, hub.next_seq(ref.addr), m._actor_id, self._name, point)
             frames.append((ref.addr, encode(header, packed=packed), fut))
             if fut is not None:
                 fut.translate = functools.partial(_in_monarchs_words, self, p)
@@ -1130,7 +1156,13 @@ class EndpointMesh:
         return futs
 
     def _cast(
-        self, hub: Hub, refs: list[ProcRef], packed: list[Any], reply: bool, positions: Sequence[int] = ()
+        self,
+        hub: Hub,
+        refs: list[ProcRef],
+        packed: list[Any],
+        reply: bool,
+        positions: Sequence[int] = (),
+        coords: list[tuple[int, ...]] | None = None,
     ) -> list[Future[Any]]:
         seqs = {ref.rank: hub.next_seq(ref.addr) for ref in refs}
         per_rank: dict[int, Future[Any]] = {ref.rank: Future(hub) for ref in refs}
@@ -1140,8 +1172,12 @@ class EndpointMesh:
         for root, sub in _tree(refs):
             ranks = [root.rank] + [r.rank for r in _flatten(sub)]
             fut: Future[Any] = Future(hub)
+            points = None
+            if coords is not None:
+                at = {ref.rank: c for ref, c in zip(refs, coords)}
+                points = (self._mesh._shape.labels, self._mesh._shape.sizes, {r: at[r] for r in ranks})
             header = messages.Cast(
-                rid, hub.sender, {r: seqs[r] for r in ranks}, self._mesh._actor_id, self._name, _wire_tree(sub)
+                rid, hub.sender, {r: seqs[r] for r in ranks}, self._mesh._actor_id, self._name, _wire_tree(sub), points
             )
             _send(hub, root.addr, encode(header, packed=packed), rid, fut if reply else None)
             if reply:

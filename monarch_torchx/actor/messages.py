@@ -13,26 +13,32 @@ any frame is read); ``decode`` still refuses a frame whose header is not one of 
 from __future__ import annotations
 
 import pickle
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple, Optional, Union
 
 from .. import net
+
+# Where a member stands in a slice of its actor mesh that a message was sent to: (labels, sizes,
+# coords), what its ``context().message_rank`` is while that message runs (None: the whole mesh)
+MessagePoint = Optional[tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]]  # noqa: UP007, UP045
 
 
 class Call(NamedTuple):
     """Run ``endpoint`` of actor ``actor_id`` with the payload's arguments; answer ``rid`` (0: nobody
-    waits). ``sender``/``seq`` order one sender's messages to one proc."""
+    waits). ``sender``/``seq`` order one sender's messages to one proc; ``point``: see MessagePoint."""
 
     rid: int
     sender: str | None
     seq: int | None
     actor_id: str
     endpoint: str
+    point: MessagePoint = None
 
 
 class Cast(NamedTuple):
     """A multicast down a tree of procs: run locally, forward to each subtree of ``tree`` (a list of
     ``(rank, addr, subtree)``), answer for the whole subtree when ``rid`` is set. ``seqs`` holds
-    each rank's sequence number from the original sender."""
+    each rank's sequence number from the original sender; ``points``, sent to a slice of the mesh,
+    the slice's labels and sizes and each rank's coordinates in it (see MessagePoint)."""
 
     rid: int
     sender: str | None
@@ -40,6 +46,7 @@ class Cast(NamedTuple):
     actor_id: str
     endpoint: str
     tree: list[tuple[int, tuple, list]]
+    points: tuple[tuple[str, ...], tuple[int, ...], dict[int, tuple[int, ...]]] | None = None
 
 
 class Spawn(NamedTuple):

@@ -195,7 +195,7 @@ class ActorSlot:
     instance: Any
     ctx: Context
     endpoints: dict[str, Endpoint]
-    queue: collections.deque[tuple[Endpoint, tuple, dict, Reply]] = field(default_factory=collections.deque)
+    queue: collections.deque[tuple[Endpoint, tuple, dict, Reply, Context]] = field(default_factory=collections.deque)
     # busy: a call of it runs or waits. busy, on_thread and appends to queue change under lock;
     # _drain pops the queue without it, as it never runs while on_thread > 0
     busy: bool = False
@@ -662,7 +662,9 @@ class ProcServer:
         self.ordered(
             m.sender,
             m.seq,
-            lambda: self.call(self._replier(conn, m.rid, m.actor_id, m.endpoint), m.actor_id, m.endpoint, bufs),
+            lambda: self.call(
+                self._replier(conn, m.rid, m.actor_id, m.endpoint), m.actor_id, m.endpoint, bufs, m.point
+            ),
         )
 
     def _on_spawn(self, conn: ProcConnection, m: messages.Spawn, bufs: list[bytearray]) -> None:
@@ -816,13 +818,15 @@ class ProcServer:
         except Exception as e:  # the owner is gone: nobody to tell
             log.warning("could not report the failure of %s to its owner: %s", failure.get("actor"), e)
 
-    def call(self, reply: Reply, actor_id: str, ep_name: str, bufs: list[bytearray]) -> None:
+    def call(
+        self, reply: Reply, actor_id: str, ep_name: str, bufs: list[bytearray], point: messages.MessagePoint = None
+    ) -> None:
         slot = self.actors.get(actor_id)
         if slot is None:
             if actor_id in self.ended:
                 reply(False, error_payload("supervision", self.ended[actor_id]))
             else:
-                self._await_actor(actor_id, lambda: self.call(reply, actor_id, ep_name, bufs))
+                self._await_actor(actor_id, lambda: self.call(reply, actor_id, ep_name, bufs, point))
             return
         if slot.failed:
             reply(False, slot.refusal())
@@ -845,9 +849,15 @@ class ProcServer:
                 ),
             )
             return
-        self.submit(slot, ep, args, kwargs, reply)
+        ctx = slot.ctx
+        if point is not None:  # sent to a slice of its mesh: its message_rank is its point there
+            ctx = Context(slot.ctx.actor_instance, Point(point[2], Extent(point[0], point[1])))
+        self.submit(slot, ep, args, kwargs, reply, ctx)
 
-    def submit(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply) -> None:
+    def submit(
+        self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply, ctx: Context | None = None
+    ) -> None:
+        ctx = ctx or slot.ctx
         if ep.explicit_response_port:  # a sync endpoint answers from its actor's thread
             port = ResponsePort(
                 self._on_loop(reply), lambda e: self._error(slot, ep.name, e), lambda err: self._escaped_port(slot, err)
@@ -857,9 +867,9 @@ class ProcServer:
         if ep.concurrent:
             own = slot.own_loop()
             if own is not None:
-                own.loop.call_soon_threadsafe(self._start_concurrent, slot, ep, args, kwargs, reply)
+                own.loop.call_soon_threadsafe(self._start_concurrent, slot, ep, args, kwargs, reply, ctx)
             else:
-                self._start_concurrent(slot, ep, args, kwargs, reply)
+                self._start_concurrent(slot, ep, args, kwargs, reply, ctx)
             return
         with slot.lock:
             # the common case, straight to the actor's thread, which runs its calls in order: when
@@ -868,19 +878,24 @@ class ProcServer:
             if direct:
                 slot.on_thread += 1
             else:
-                slot.queue.append((ep, args, kwargs, reply))
+                slot.queue.append((ep, args, kwargs, reply, ctx))
             start = not slot.busy and not direct
             slot.busy = True
         if direct:
             self._actor_thread(slot).run_then(
-                self._run_sync, (slot, ep, args, kwargs), functools.partial(self._sync_ran, slot, reply), on_loop=False
+                self._run_sync,
+                (slot, ep, args, kwargs, ctx),
+                functools.partial(self._sync_ran, slot, reply),
+                on_loop=False,
             )
         elif start:
             self._start_drain(slot)
 
-    def _start_concurrent(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply) -> None:
+    def _start_concurrent(
+        self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply, ctx: Context
+    ) -> None:
         """On the loop that runs the actor's async endpoints."""
-        task = asyncio.get_running_loop().create_task(self._run_concurrent(slot, ep, args, kwargs, reply))
+        task = asyncio.get_running_loop().create_task(self._run_concurrent(slot, ep, args, kwargs, reply, ctx))
         slot.tasks.add(task)
         task.add_done_callback(slot.tasks.discard)
 
@@ -941,16 +956,16 @@ class ProcServer:
                 if not slot.queue:
                     slot.busy = False
                     return
-                ep, args, kwargs, reply = slot.queue.popleft()
+                ep, args, kwargs, reply, ctx = slot.queue.popleft()
             try:
                 if slot.failed:  # it failed while this call waited its turn
                     res: tuple[bool, Any] = (False, slot.refusal())
                 elif ep.is_async:
-                    res = await self._run_async(slot, ep, args, kwargs)
+                    res = await self._run_async(slot, ep, args, kwargs, ctx)
                 elif own:
-                    res = self._run_sync(slot, ep, args, kwargs)
+                    res = self._run_sync(slot, ep, args, kwargs, ctx)
                 else:
-                    res = await self._actor_thread(slot).run(self._run_sync, slot, ep, args, kwargs)
+                    res = await self._actor_thread(slot).run(self._run_sync, slot, ep, args, kwargs, ctx)
                 self._answer_off_loop(slot, reply, res)
             except Exception:  # noqa: BLE001 - one call's answer failing never strands the calls behind it
                 log.exception("answering a call of %s failed", slot.name)
@@ -974,16 +989,20 @@ class ProcServer:
 
         return answer
 
-    async def _run_concurrent(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply) -> None:
-        ok, value = await self._run_async(slot, ep, args, kwargs)
+    async def _run_concurrent(
+        self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply, ctx: Context
+    ) -> None:
+        ok, value = await self._run_async(slot, ep, args, kwargs, ctx)
         if slot.own_loop() is None or isinstance(reply, (CallerReply, BroadcastReport)):
             reply(ok, value)
         else:
             assert self.loop is not None
             self.loop.call_soon_threadsafe(reply, ok, value)
 
-    async def _run_async(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict) -> tuple[bool, Any]:
-        token = current_context.set(slot.ctx)
+    async def _run_async(
+        self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, ctx: Context | None = None
+    ) -> tuple[bool, Any]:
+        token = current_context.set(ctx or slot.ctx)
         try:
             return True, await ep.fn(slot.instance, *args, **kwargs)
         except (Exception, asyncio.CancelledError) as e:
@@ -1001,10 +1020,12 @@ class ProcServer:
         finally:
             current_context.reset(token)
 
-    def _run_sync(self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    def _run_sync(
+        self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, ctx: Context | None = None
+    ) -> tuple[bool, Any]:
         if slot.failed:  # it failed (a broadcast raised, abort()) while this call waited on its thread
             return False, slot.refusal()
-        token = current_context.set(slot.ctx)
+        token = current_context.set(ctx or slot.ctx)
         try:
             return True, ep.fn(slot.instance, *args, **kwargs)
         except Exception as e:
@@ -1180,12 +1201,14 @@ class ProcServer:
         """Forwards to each child subtree at once, runs locally in order, answers for the subtree."""
         hub = session.hub_for(self.pool)
         rid, sender, seqs, actor_id, ep = m.rid, m.sender, m.seqs, m.actor_id, m.endpoint
+        point = (m.points[0], m.points[1], m.points[2][self.rank]) if m.points else None
         child_futs: list[tuple[list[int], Future[Any]]] = []
         for rank, addr, sub in m.tree:
             ranks = _subtree_ranks(rank, sub)
             fut: Future[Any] = Future(hub)
+            points = (m.points[0], m.points[1], {r: m.points[2][r] for r in ranks}) if m.points else None
             header = messages.Cast(
-                hub.next_id() if rid else 0, sender, {r: seqs[r] for r in ranks if r in seqs}, actor_id, ep, sub
+                hub.next_id() if rid else 0, sender, {r: seqs[r] for r in ranks if r in seqs}, actor_id, ep, sub, points
             )
             try:
                 hub.conn(ProcAddr(*addr)).send(encode(header, packed=bufs), header.rid, fut if rid else None)
@@ -1196,12 +1219,16 @@ class ProcServer:
             child_futs.append((ranks, fut))
         if not rid:
             self.ordered(
-                sender, seqs.get(self.rank), lambda: self.call(self._replier(None, 0, actor_id, ep), actor_id, ep, bufs)
+                sender,
+                seqs.get(self.rank),
+                lambda: self.call(self._replier(None, 0, actor_id, ep), actor_id, ep, bufs, point),
             )
             return
         if not child_futs and isinstance(conn, ProcConnection):  # a leaf answers for itself alone
             self.ordered(
-                sender, seqs.get(self.rank), lambda: self.call(CallerReply(conn, rid, self.rank), actor_id, ep, bufs)
+                sender,
+                seqs.get(self.rank),
+                lambda: self.call(CallerReply(conn, rid, self.rank), actor_id, ep, bufs, point),
             )
             return
         assert self.loop is not None
@@ -1212,7 +1239,7 @@ class ProcServer:
             if not local.done():
                 local.set_result((ok, v))
 
-        self.ordered(sender, seqs.get(self.rank), lambda: self.call(settle, actor_id, ep, bufs))
+        self.ordered(sender, seqs.get(self.rank), lambda: self.call(settle, actor_id, ep, bufs, point))
 
         async def finish() -> None:
             children: list[tuple[int, bool, Any]] = []
