@@ -6,6 +6,7 @@ One run, each framework in its own process, the same four measurements (see
 benchmarks/actors_peers.py for the peers' side); ours twice, plaintext (a loopback pool's
 default) and TLS (the default of pools that span machines), to show what TLS costs:
   rtt_ms       call_one round trip to an actor in another process, median of --calls
+  rtt_async_ms the same to an actor's `async def` endpoint (ours only)
   call8_ms     call() to 8 actors in 8 procs, all answers gathered, median of 200
   tensor_gbps  a 64 MiB CPU tensor as the argument of one call (GB/s, median of 5)
   spawn8_s     8 new procs that import torch, one actor each, until all 8 answered
@@ -52,7 +53,7 @@ def run_ours(calls: int, tls: bool = False) -> dict[str, float | None]:
     os.environ["MONARCH_TORCHX_HOME"] = str(home)
     sys.path.insert(0, str(HERE))
     import torch
-    from bench_actor_classes import Echo, TorchEcho  # importable by the procs (benchmarks/ is on their path)
+    from bench_actor_classes import AsyncEcho, Echo, TorchEcho  # importable by the procs (benchmarks/ is on their path)
 
     from monarch_torchx import attach
     from monarch_torchx.pool import PoolRequest, ensure_pool, stop_pool
@@ -66,6 +67,8 @@ def run_ours(calls: int, tls: bool = False) -> dict[str, float | None]:
         echo = procs.spawn("echo", Echo)
         one = echo.slice(procs=0)
         out["rtt_ms"] = _median_ms(lambda: one.ping.call_one().get(), calls, 50)
+        aecho = procs.slice(procs=1).spawn("aecho", AsyncEcho)
+        out["rtt_async_ms"] = _median_ms(lambda: aecho.ping.call_one().get(), calls, 50)
         out["call8_ms"] = _median_ms(lambda: echo.ping.call().get(), 200, 20)
         t = torch.ones(MIB64, dtype=torch.uint8)
         ms = _median_ms(lambda: one.numel.call_one(t).get(), 5, 1)

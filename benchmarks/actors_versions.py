@@ -27,6 +27,7 @@ from _results import record  # noqa: E402
 
 METRICS = [
     ("rtt_ms", "rtt (ms)", 3),
+    ("rtt_async_ms", "rtt, async endpoint (ms)", 3),
     ("call8_ms", "call 8 procs (ms)", 3),
     ("tensor_gbps", "64 MiB tensor (GB/s)", 2),
     ("spawn8_s", "spawn 8 torch procs (s)", 2),
@@ -34,10 +35,11 @@ METRICS = [
 
 
 def run_once(code_root: Path, calls: int) -> dict[str, float]:
-    """One measurement with the code under ``code_root`` (its agents and procs import it too)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(code_root), str(code_root / "benchmarks")]))
+    """One measurement with the code under ``code_root`` (its agents and procs import it too),
+    measured by this checkout's ``actors.py`` (so both sides are measured alike)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(code_root), str(HERE)]))
     prog = (
-        f"import sys, json; sys.path[:0] = [{str(code_root)!r}, {str(code_root / 'benchmarks')!r}]; "
+        f"import sys, json; sys.path[:0] = [{str(code_root)!r}, {str(HERE)!r}]; "
         f"import actors; print(json.dumps(actors.run_ours({calls})))"
     )
     res = subprocess.run(
