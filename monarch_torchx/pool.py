@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("monarch_torchx.pool")
 
 PING_TIMEOUT_S = 3.0
-SLOW_PING_TIMEOUT_S = 15.0
+# how long a host that did not answer the first ping is asked again before it reads as unreachable
+# (a busy agent on a loaded node may take seconds to answer)
+SLOW_PING_TIMEOUT_S = float(os.environ.get("MONARCH_TORCHX_SLOW_PING_S", "15"))
 # a host whose heartbeat (its host file, rewritten every MONARCH_TORCHX_HEARTBEAT_WRITE_S, 30 s) is
 # older than this, and that does not answer a patient probe either, is lost
 HEARTBEAT_GRACE_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_GRACE_S", "90"))

@@ -15,6 +15,7 @@ import pytest
 from torchx.runner import get_runner
 from torchx.specs import AppDef, AppState, Role
 
+import monarch_torchx.pool as pool_mod
 from monarch_torchx import wire
 from monarch_torchx.credentials import PoolCredentials
 from monarch_torchx.pool import attach
@@ -180,8 +181,15 @@ def _point_at(home, pool_name: str, index: int, port: int, heartbeat_age: float 
     return addr.pid
 
 
+def _patient_ping_of(seconds: float, monkeypatch) -> None:
+    """A shorter patient probe of a host that does not answer, here and in the CLIs the test runs."""
+    monkeypatch.setenv("MONARCH_TORCHX_SLOW_PING_S", str(seconds))
+    monkeypatch.setattr(pool_mod, "SLOW_PING_TIMEOUT_S", seconds)
+
+
 def test_an_unreachable_host_with_a_fresh_heartbeat_is_unknown_and_never_repaired(home, pool_name, monkeypatch):
     monkeypatch.setenv("MONARCH_TORCHX_HEARTBEAT_S", "600")  # nothing republishes the address during the test
+    _patient_ping_of(3.0, monkeypatch)
     with get_runner() as runner:
         h = runner.run(_sleeper(), "monarch_local", {"pool": pool_name, "hosts": 2, "preload": ""})
         wait_for(lambda: runner.status(h).state == AppState.RUNNING, what="RUNNING")
@@ -204,6 +212,7 @@ def test_an_unreachable_host_with_a_fresh_heartbeat_is_unknown_and_never_repaire
 
 def test_an_unreachable_host_with_a_stale_heartbeat_is_lost_and_repaired(home, pool_name, monkeypatch):
     monkeypatch.setenv("MONARCH_TORCHX_HEARTBEAT_S", "600")
+    _patient_ping_of(3.0, monkeypatch)
     with get_runner() as runner:
         h = runner.run(_sleeper(), "monarch_local", {"pool": pool_name, "hosts": 2, "preload": ""})
         wait_for(lambda: runner.status(h).state == AppState.RUNNING, what="RUNNING")
