@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from monarch_torchx.actor import attach_to_workers
+from monarch_torchx.actor import Channel, attach_to_workers
 from monarch_torchx.actor.bootstrap import WorkerAddress, WorkerRefused
 from monarch_torchx.errors import MonarchError
 from monarch_torchx.private import PrivatePathError
@@ -61,6 +61,8 @@ def test_attached_workers_are_a_warm_host_mesh_and_end_with_its_shutdown(workers
     addrs = start(2)
     hosts = attach_to_workers(ca="trust_all_connections", workers=addrs)
     assert hosts.extent.labels == ["hosts"] and hosts.extent.sizes == [2]
+    port, _ = Channel.open()  # the pool in use at once, as Monarch's attach makes it (waits for the adoption)
+    assert port.pool == hosts.pool
     counters = hosts.spawn_procs(per_host={"gpus": 1}).spawn("c", Counter)
     assert list(counters.incr.call(3).get(timeout=60).values()) == [3, 3]
     worker_pids = {p.pid for p in procs}

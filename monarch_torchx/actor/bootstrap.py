@@ -379,6 +379,7 @@ def attach_to_workers(
     arguments (an address, the secret) are refused here, at the call. The HostMesh is a warm
     pool like any other (``name``, default ``workers-<hash of the addresses>``), and attaching
     again to the same live workers reuses it."""
+    from . import session
     from .future import Future
     from .mesh import HostMesh
 
@@ -406,6 +407,7 @@ def attach_to_workers(
         except BaseException as e:  # noqa: BLE001 - the mesh's `initialized` (and first use) raises it
             adopted.set_exception(e)
 
+    session.set_current_pool(name, adopted)  # now, as Monarch's attach makes it the one in use
     threading.Thread(target=adopt, name=f"attach-{name}", daemon=True).start()
     return HostMesh.pending(name, len(addrs), adopted)
 

@@ -259,8 +259,8 @@ class HostMesh(_MeshTrait):
         adopting = self._adopting
 
         def stop() -> None:
-            if adopting is not None and adopting.exception() is not None:  # attach_to_workers failed:
-                done.set_result(None)  # no pool was left to stop
+            if adopting is not None and adopting.exception() is not None and Registry().get(self.pool) is None:
+                done.set_result(None)  # attach_to_workers failed and left no pool to stop
                 return
             try:
                 stop_pool(self.pool)

@@ -440,6 +440,7 @@ class ProcServer:
         self.awaiting: dict[str, list[Callable[[], None]]] = {}
         self.ended: dict[str, str] = {}  # actor id -> why it is not here (failed __init__, stopped)
         self.constructing: set = set()  # actor ids whose constructor is running (their calls wait)
+        self.stopping: set = set()  # actor ids a stop arrived for: calls sent after it are refused
         self.booting: list[Callable[[], None]] | None = None  # spawns held while a bootstrap runs
         self.owner: ProcConnection | None = None
         self.gate = net.HandshakeGate()
@@ -562,6 +563,8 @@ class ProcServer:
             print(f"{slot.name}.__cleanup__ did not run to its end: {type(e).__name__} {e}", file=sys.stderr)
         finally:
             if slot.thread is not None:
+                # (a proc stopping keeps its slots while the others clean up: their calls are refused)
+                slot.failed = slot.failed or f"actor {slot.name} on proc {self.rank} was stopped"
                 slot.thread.close()
 
     async def _clean_up(self, slot: ActorSlot) -> None:
@@ -598,15 +601,19 @@ class ProcServer:
     def _begin_actor_stop(self, reply: Reply, actor_id: str) -> None:
         assert self.loop is not None
         if actor_id in self.constructing:
-            self.loop.create_task(self._stop_constructing(reply, actor_id))
+            held = self.awaiting.pop(actor_id, [])  # calls sent before the stop: they run first
+            self.stopping.add(actor_id)
+            self.loop.create_task(self._stop_constructing(reply, actor_id, held))
             return
         if actor_id not in self.actors and actor_id not in self.ended:  # its spawn is not here yet
             self._await_actor(actor_id, lambda: self._begin_actor_stop(reply, actor_id))
             return
         assert self.loop is not None
+        if actor_id in self.actors:
+            self.stopping.add(actor_id)
         self.loop.create_task(self._stop_actor(reply, actor_id))
 
-    async def _stop_constructing(self, reply: Reply, actor_id: str) -> None:
+    async def _stop_constructing(self, reply: Reply, actor_id: str, held: list[Callable[[], None]]) -> None:
         """A stop that arrives while the constructor runs waits for it a bounded while, so a
         constructed actor is stopped as any other (its ``__cleanup__`` runs); one whose constructor
         has not returned by then is gone now, and dropped if it ever returns."""
@@ -616,9 +623,16 @@ class ProcServer:
             await asyncio.sleep(0.005)
         if actor_id in self.constructing:
             self.constructing.discard(actor_id)
+            self.stopping.discard(actor_id)
             self._ended(actor_id, f"actor {actor_id} on proc {self.rank} was stopped (during its constructor)")
+            for retry in held:  # answered as for a stopped actor
+                retry()
             reply(True, None)
             return
+        self.stopping.discard(actor_id)  # (on this loop, at once: the calls from before the stop get in)
+        for retry in held:
+            retry()
+        self.stopping.add(actor_id)
         await self._stop_actor(reply, actor_id)
 
     async def _stop_actor(self, reply: Reply, actor_id: str) -> None:
@@ -630,8 +644,10 @@ class ProcServer:
                 await asyncio.sleep(0.005)
             self.actors.pop(actor_id, None)
             self._ended(actor_id, f"actor {slot.name} ({actor_id}) on proc {self.rank} was stopped")
+            self.stopping.discard(actor_id)
             await self._cleanup(slot)
             await self._stop_owned(actor_id)
+        self.stopping.discard(actor_id)
         reply(True, None)
 
     async def _stop_owned(self, actor_id: str) -> None:
@@ -821,6 +837,9 @@ class ProcServer:
     def call(
         self, reply: Reply, actor_id: str, ep_name: str, bufs: list[bytearray], point: messages.MessagePoint = None
     ) -> None:
+        if actor_id in self.stopping:  # sent after ActorMesh.stop(): refused, as once it is stopped
+            reply(False, error_payload("supervision", f"actor {actor_id} on proc {self.rank} was stopped"))
+            return
         slot = self.actors.get(actor_id)
         if slot is None:
             if actor_id in self.ended:
@@ -867,7 +886,10 @@ class ProcServer:
         if ep.concurrent:
             own = slot.own_loop()
             if own is not None:
-                own.loop.call_soon_threadsafe(self._start_concurrent, slot, ep, args, kwargs, reply, ctx)
+                try:
+                    own.loop.call_soon_threadsafe(self._start_concurrent, slot, ep, args, kwargs, reply, ctx)
+                except RuntimeError:  # its loop closed: the actor was stopped
+                    reply(False, error_payload("supervision", f"actor {slot.name} on proc {self.rank} was stopped"))
             else:
                 self._start_concurrent(slot, ep, args, kwargs, reply, ctx)
             return
@@ -898,6 +920,7 @@ class ProcServer:
         task = asyncio.get_running_loop().create_task(self._run_concurrent(slot, ep, args, kwargs, reply, ctx))
         slot.tasks.add(task)
         task.add_done_callback(slot.tasks.discard)
+        task.add_done_callback(_log_failure)
 
     def _start_drain(self, slot: ActorSlot) -> None:
         """From any thread: the actor's waiting calls run, in order, on its own loop if it has

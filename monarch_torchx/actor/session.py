@@ -42,6 +42,7 @@ _client_lock = threading.Lock()
 _hubs: dict[str, Hub] = {}
 _proc: dict[str, ProcIdentity] = {}
 _current: dict[str, Any] = {}
+_attaching: dict[str, Any] = {}  # pool -> the Future of attach_to_workers still adopting its workers
 
 
 def set_proc(ident: ProcIdentity) -> None:
@@ -88,8 +89,12 @@ def client_proc(pool: str) -> Any:
         return proc
 
 
-def set_current_pool(pool: str) -> None:
+def set_current_pool(pool: str, attaching: Any = None) -> None:
+    """``attaching``: the Future of an adoption still under way (attach_to_workers returns at
+    once): code that then reaches the pool (``Channel.open()``, ``this_proc()``) waits for it."""
     _current["pool"] = pool
+    if attaching is not None:
+        _attaching[pool] = attaching
 
 
 def current_pool() -> str | None:
@@ -98,6 +103,10 @@ def current_pool() -> str | None:
 
 def hub_for(pool: str, creds: PoolCredentials | None = None) -> Hub:
     """This process's hub for ``pool``; ``creds`` (from a fresh registry read) replace stale ones."""
+    adopting = _attaching.get(pool)
+    if adopting is not None and creds is None:  # (the adoption itself passes the pool's creds)
+        adopting.exception()  # waits; its failure is raised by whoever uses the mesh
+        _attaching.pop(pool, None)
     hub = _hubs.get(pool)
     if hub is not None and (creds is None or hub.creds == creds):
         return hub
