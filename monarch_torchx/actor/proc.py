@@ -48,7 +48,25 @@ MAX_ENDED = 10000  # why actors are not here (failed constructors, stopped), rem
 Reply = Callable[[bool, Any], None]
 
 
-class ActorThread:
+class _ActorRunner:
+    """What runs an actor's code off the proc's loop (``ActorThread``, ``ActorLoop``): ``run_then``
+    hands it a job; ``run`` is the same as an asyncio future of the proc's loop."""
+
+    _proc_loop: asyncio.AbstractEventLoop
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """``fn(*args)`` there, as an asyncio future of the proc's loop (called on that loop)."""
+        done = self._proc_loop.create_future()
+        self.run_then(fn, args, lambda ok, value: _settle(done, ok, value))
+        return done
+
+    def run_then(
+        self, fn: Callable[..., Any], args: tuple, then: Callable[[bool, Any], None], on_loop: bool = True
+    ) -> None:
+        raise NotImplementedError
+
+
+class ActorThread(_ActorRunner):
     """Runs one actor's synchronous code (its sync endpoints, a sync ``__cleanup__``), one call at
     a time, off the proc's event loop, as Monarch runs sync endpoints: they may block (``.get()``
     on any future, a call to an actor of this same proc, a long computation) while the loop goes
@@ -56,15 +74,9 @@ class ActorThread:
     endpoint never holds the proc's exit."""
 
     def __init__(self, name: str, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
+        self._proc_loop = loop
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         threading.Thread(target=self._serve, name=f"actor-{name}", daemon=True).start()
-
-    def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-        """``fn(*args)`` here, as an asyncio future of the loop."""
-        done = self._loop.create_future()
-        self.run_then(fn, args, lambda ok, value: _settle(done, ok, value))
-        return done
 
     def run_then(
         self, fn: Callable[..., Any], args: tuple, then: Callable[[bool, Any], None], on_loop: bool = True
@@ -89,16 +101,16 @@ class ActorThread:
                 ok, value = False, e
             try:
                 if on_loop:
-                    self._loop.call_soon_threadsafe(then, ok, value)
+                    self._proc_loop.call_soon_threadsafe(then, ok, value)
                 else:
                     then(ok, value)
             except Exception:  # noqa: BLE001 - never the thread's end while the proc goes on: calls wait on it
-                if self._loop.is_closed():  # the proc is ending
+                if self._proc_loop.is_closed():  # the proc is ending
                     return
                 log.exception("answering a call of this actor failed")
 
 
-class ActorLoop:
+class ActorLoop(_ActorRunner):
     """Runs an actor that has ``async`` endpoints on an asyncio loop of its own, on a thread of its
     own, as Monarch does: its constructor, its endpoints (the sync ones of a class that mixes them,
     inline) and the tasks they start share that thread. A constructor or endpoint that blocks then
@@ -111,15 +123,6 @@ class ActorLoop:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, name=f"actor-{name}", daemon=True)
         self._thread.start()
-
-    def on_thread(self) -> bool:
-        return threading.get_ident() == self._thread.ident
-
-    def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-        """``fn(*args)`` here, as an asyncio future of the proc's loop (called on that loop)."""
-        done = self._proc_loop.create_future()
-        self.run_then(fn, args, lambda ok, value: _settle(done, ok, value))
-        return done
 
     def run_then(
         self, fn: Callable[..., Any], args: tuple, then: Callable[[bool, Any], None], on_loop: bool = True
@@ -943,11 +946,15 @@ class ProcServer:
         """``_answer`` from wherever the actor's code ran: a caller's answer and a broadcast's
         report are written from this thread (neither wakes the proc's loop); the rest (a port's
         answer, a multicast subtree's) go through the proc's loop."""
-        assert self.loop is not None
+        self._reply_here(reply, *((False, slot.refusal()) if slot.failed and res[0] else res))
+
+    def _reply_here(self, reply: Reply, ok: bool, value: Any) -> None:
+        """``reply(ok, value)`` from whatever thread ran the actor's code (see ``_answer_off_loop``)."""
         if threading.get_ident() == self.loop_thread or isinstance(reply, (CallerReply, BroadcastReport)):
-            self._answer(slot, reply, res)
+            reply(ok, value)
         else:
-            self.loop.call_soon_threadsafe(self._answer, slot, reply, res)
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(reply, ok, value)
 
     def _sync_ran(self, slot: ActorSlot, reply: Reply, ok: bool, res: tuple[bool, Any]) -> None:
         """On the actor's thread, after a sync endpoint it got straight: a caller's answer is
@@ -1015,12 +1022,7 @@ class ProcServer:
     async def _run_concurrent(
         self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, reply: Reply, ctx: Context
     ) -> None:
-        ok, value = await self._run_async(slot, ep, args, kwargs, ctx)
-        if slot.own_loop() is None or isinstance(reply, (CallerReply, BroadcastReport)):
-            reply(ok, value)
-        else:
-            assert self.loop is not None
-            self.loop.call_soon_threadsafe(reply, ok, value)
+        self._reply_here(reply, *await self._run_async(slot, ep, args, kwargs, ctx))
 
     async def _run_async(
         self, slot: ActorSlot, ep: Endpoint, args: tuple, kwargs: dict, ctx: Context | None = None
