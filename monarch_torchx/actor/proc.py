@@ -65,6 +65,23 @@ class _ActorRunner:
     ) -> None:
         raise NotImplementedError
 
+    def _job(self, fn: Callable[..., Any], args: tuple, then: Callable[[bool, Any], None], on_loop: bool) -> bool:
+        """Runs one job on the runner's thread; False once the proc's loop has closed (it is ending)."""
+        try:
+            ok, value = True, fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the proc's loop, which decides
+            ok, value = False, e
+        try:
+            if on_loop:
+                self._proc_loop.call_soon_threadsafe(then, ok, value)
+            else:
+                then(ok, value)
+        except Exception:  # noqa: BLE001 - never the runner's end while the proc goes on: calls wait on it
+            if self._proc_loop.is_closed():
+                return False
+            log.exception("answering a call of this actor failed")
+        return True
+
 
 class ActorThread(_ActorRunner):
     """Runs one actor's synchronous code (its sync endpoints, a sync ``__cleanup__``), one call at
@@ -92,22 +109,8 @@ class ActorThread(_ActorRunner):
     def _serve(self) -> None:
         while True:
             job = self._jobs.get()
-            if job is None:
+            if job is None or not self._job(*job):
                 return
-            fn, args, then, on_loop = job
-            try:
-                ok, value = True, fn(*args)
-            except BaseException as e:  # noqa: BLE001 - handed to the loop, which decides
-                ok, value = False, e
-            try:
-                if on_loop:
-                    self._proc_loop.call_soon_threadsafe(then, ok, value)
-                else:
-                    then(ok, value)
-            except Exception:  # noqa: BLE001 - never the thread's end while the proc goes on: calls wait on it
-                if self._proc_loop.is_closed():  # the proc is ending
-                    return
-                log.exception("answering a call of this actor failed")
 
 
 class ActorLoop(_ActorRunner):
@@ -142,20 +145,6 @@ class ActorLoop(_ActorRunner):
 
     def _task(self, coro: Any) -> None:
         self.loop.create_task(coro).add_done_callback(_log_failure)
-
-    def _job(self, fn: Callable[..., Any], args: tuple, then: Callable[[bool, Any], None], on_loop: bool) -> None:
-        try:
-            ok, value = True, fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the proc's loop, which decides
-            ok, value = False, e
-        try:
-            if on_loop:
-                self._proc_loop.call_soon_threadsafe(then, ok, value)
-            else:
-                then(ok, value)
-        except Exception:  # noqa: BLE001 - never the loop's end while the proc goes on
-            if not self._proc_loop.is_closed():
-                log.exception("answering a call of this actor failed")
 
     def close(self) -> None:
         try:
