@@ -64,6 +64,31 @@ def test_sigkilled_agent_fails_its_apps_degrades_the_pool_and_the_next_run_repai
         runner.cancel(h)  # its surviving replica on host 0
 
 
+def test_a_replica_killed_by_the_jobs_signal_just_before_its_agent_reads_as_the_agents_end(home, pool_name):
+    """scancel signals every process of the job at once: the replica's exit may be heard first. It
+    must not be recorded as the replica's own end ("exited with code 143"), so the engine's word
+    for the job (here: the lost host) is what its status says."""
+    with get_runner() as runner:
+        app = AppDef("sh", roles=[Role(name="s", image=".", entrypoint="sh", args=["-c", "sleep 600; true"])])
+        h = runner.run(app, "monarch_local", {"pool": pool_name, "hosts": 1, "preload": "none"})
+        wait_for(lambda: runner.status(h).state == AppState.RUNNING, what="the shell")
+        pool = attach(pool_name)
+        agent = pool.hosts[0].pid
+        shell = next(r["pid"] for r in pool.call(0, "describe", app_id=h.split(":")[-1]))
+        os.kill(shell, signal.SIGTERM)  # (the replica first, then its agent: one order scancel gives)
+        time.sleep(0.1)
+        os.kill(agent, signal.SIGTERM)
+        st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal() and s, timeout=15, what="the end")
+        assert st.state == AppState.FAILED and "host 0" in st.msg and "143" not in st.msg, st.msg
+        # and a shell that ends so on its own, its agent alive, is its own end
+        h = runner.run(app, "monarch_local", {"pool": pool_name})
+        wait_for(lambda: runner.status(h).state == AppState.RUNNING, what="the shell on the repaired pool")
+        shell = next(r["pid"] for r in attach(pool_name).call(0, "describe", app_id=h.split(":")[-1]))
+        os.kill(shell, signal.SIGTERM)
+        st = wait_for(lambda: (s := runner.status(h)) and s.is_terminal() and s, timeout=15, what="the end")
+        assert st.state == AppState.FAILED and "killed by signal SIGTERM" in st.msg, st.msg
+
+
 def _agent_log(pool_name: str, index: int = 0) -> str:
     return (Registry().get(pool_name).path / "logs" / f"agent{index}.log").read_text()
 

@@ -77,6 +77,19 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+# signals that end a whole job from outside (scancel, walltime, a node's shutdown), as an exit code
+# from the process itself (-N) or from a shell that ran it (128 + N)
+_JOB_SIGNALS = frozenset({signal.SIGTERM, signal.SIGKILL, signal.SIGINT, signal.SIGHUP})
+# how long an exit by such a signal waits for the agent's own signal handler to say the job is ending
+SIGNAL_SETTLE_S = 0.5
+
+
+def killed_by_job_signal(code: int) -> bool:
+    """Whether exit ``code`` is a death by a signal that ends whole jobs (see ``_JOB_SIGNALS``)."""
+    n = -code if code < 0 else code - 128
+    return n in {s.value for s in _JOB_SIGNALS}
+
+
 class _Capture(asyncio.Protocol):
     """Timestamps each line of one pipe and appends it to the stream's log."""
 
@@ -263,6 +276,10 @@ class ProcTable:
         self._ignored: set = set()  # spawned, then killed because the rest of the start failed
         self._tasks: set = set()
         self.last_change = time.time()
+        # set by the agent when it ends for a reason it cannot vouch for (a signal: scancel,
+        # walltime): the ends of replicas that die of that signal are then not recorded, so the
+        # client records the engine's word for them ("allocation 12 is CANCELLED")
+        self.ending_unrecorded = False
 
     @property
     def gpus_here(self) -> int:
@@ -454,8 +471,20 @@ class ProcTable:
         # so nothing holds the output pipes open or outlives the replica
         if _signal_group(pid, signal.SIGTERM):
             asyncio.get_running_loop().call_later(3.0, _signal_group, pid, signal.SIGKILL)
+        if killed_by_job_signal(code) and not (rep.cancelled or rep.timed_out or self.ending_unrecorded):
+            # a signal this agent did not send: one to the whole job (scancel) reaches the agent a
+            # moment apart, and its handler, not this exit, should say what ended the replica
+            asyncio.get_running_loop().call_later(SIGNAL_SETTLE_S, self._settle_exit, rep, code)
+        else:
+            self._settle_exit(rep, code)
+
+    def _settle_exit(self, rep: Replica, code: int) -> None:
+        """What ``rep``'s exit with ``code`` means: its end, or its next attempt."""
         if rep.cancelled:
             self._finish(rep, CANCELLED, code, rep.cancel_reason)
+        elif self.ending_unrecorded and killed_by_job_signal(code):
+            rep.record_end = False  # (the job's end, not the replica's: see ``ending_unrecorded``)
+            self._finish(rep, FAILED, code, f"{describe_exit(code)}: its agent is ending too")
         elif rep.timed_out:
             self._finish(rep, FAILED, code, f"timed out after {rep.spec.timeout_s:.0f} s")
         elif code == rep.spec.requeue_code and rep.requeues < MAX_REQUEUES:

@@ -294,6 +294,8 @@ class Agent:
 
     def stop(self, reason: str) -> None:
         self.stop_reason = self.stop_reason or reason
+        if not self.stop_requested:  # a signal, a successor, idling out: see ProcTable.ending_unrecorded
+            self.procs.ending_unrecorded = True
         self.stopping.set()
 
     # ------------------------------------------------------------ modules
