@@ -199,7 +199,9 @@ async def serve(config: DashboardConfig, on_ready: Callable[[str], None]) -> Non
     """Serves until cancelled; ``on_ready(url)`` once it listens (the URL holds the token)."""
     from aiohttp import web
 
-    runner = web.AppRunner(make_app(config), access_log=None)
+    # Ctrl-C ends it within a second: an open page's pending request (a log follow, a poll) would
+    # otherwise hold the shutdown for aiohttp's default 60 s
+    runner = web.AppRunner(make_app(config), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, config.bind, config.port)
     await site.start()
