@@ -32,7 +32,7 @@ from pathlib import Path
 from submitit.core import core, job_environment, utils
 
 from .app_queue import QUEUE_HOST, QueueState, SubmittedApp
-from .errors import MonarchError
+from .errors import HostUnreachable, MonarchError
 from .resources import Resources
 from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec, ReplicaStatus
 from .task_groups import WORKER_ENV, Task, TaskGroup, TaskStatus
@@ -95,13 +95,17 @@ class MonarchJob(core.Job[core.R]):
         from .registry import Registry
 
         try:
-            got = attach(meta["pool"]).call(QUEUE_HOST, "tasks.status", group_id=meta["group"], task_ids=[self.job_id])
-            return TaskStatus.from_wire(got[0])
+            pool = attach(meta["pool"])
         except MonarchError:
             ends = ended_tasks(Registry(), meta["pool"], meta["group"])
             if self.job_id in ends:
                 return ends[self.job_id]
             raise
+        try:
+            got = pool.call(QUEUE_HOST, "tasks.status", group_id=meta["group"], task_ids=[self.job_id])
+        except HostUnreachable as e:  # (the next run repairs it, and its new agent reads the group back)
+            return TaskStatus(self.job_id, UNKNOWN, f"host 0, which holds the pool's task groups, did not answer: {e}")
+        return TaskStatus.from_wire(got[0])
 
     @property
     def state(self) -> str:
@@ -122,6 +126,13 @@ class MonarchJob(core.Job[core.R]):
             st = states.get(("task", self.task_id))
             return _SUBMITIT_STATE[st.state.value] if st else "FAILED"
         return _SUBMITIT_STATE[apps.app_state([s.state.value for s in states.values()])]
+
+    def _get_outcome_and_result(self) -> tuple[str, tp.Any]:
+        """As submitit's, but a cancelled job's result is not waited for: a cancel leaves none to
+        come (submitit waits up to 15 s for one to appear on a slow file system)."""
+        if not self.paths.result_pickle.exists() and self.state == "CANCELLED":
+            self._results_timeout_s = 0
+        return super()._get_outcome_and_result()
 
     def get_info(self, mode: str = "force") -> dict[str, str]:  # pylint: disable=unused-argument
         return {"State": self.state}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -149,3 +150,17 @@ def test_bad_worker_parameters_are_refused_in_one_line(slots_pool, tmp_path):
         _executor(tmp_path, slots_pool, monarch_workers=True, tasks_per_node=2).submit(sleepy, 0)
     with pytest.raises(MonarchError, match="more than any host of pool .* the biggest, host 0, has"):
         _executor(tmp_path, slots_pool, monarch_workers=True, mem_gb=100_000).submit(sleepy, 0)
+
+
+def test_the_tasks_outlive_a_lost_host_0_and_run_when_the_next_submit_repairs_it(slots_pool, tmp_path):
+    from monarch_torchx.pool import attach
+
+    ex = _executor(tmp_path, slots_pool, monarch_workers=1)
+    first, second = ex.submit(sleepy, 600), ex.submit(sleepy, 0)
+    wait_for(lambda: first.state == "RUNNING", what="the first task")
+    os.kill(attach(slots_pool).hosts[0].pid, signal.SIGKILL)  # host 0 holds the group
+    assert second.state == "UNKNOWN"  # (while host 0 is down: its holder does not answer)
+    third = ex.submit(sleepy, 0)  # repairs host 0, whose new agent reads the group back
+    first.cancel()  # (it runs again: at least once)
+    assert [second.result(), third.result()] == ["woke", "woke"]
+    assert first.state == "CANCELLED"
