@@ -113,6 +113,13 @@ def test_a_task_past_its_timeout_or_whose_worker_dies_fails_and_the_rest_go_on(s
     got = attach(slots_pool).call(0, "tasks.status", group_id=meta["group"], task_ids=[hung.job_id, dead.job_id])
     msgs = [TaskStatus.from_wire(s).msg for s in got]
     assert "timed out after 3 s" in msgs[0] and "ended while it ran" in msgs[1], msgs
+    # a worker that cannot start (here: no credentials where it looks) fails its tasks, with why
+    broken = _executor(tmp_path, slots_pool, monarch_workers=True, monarch_env={"MONARCH_TORCHX_STATE_DIR": "/nowhere"})
+    job = broken.submit(sleepy, 0)
+    wait_for(lambda: job.state == "FAILED", timeout=20, what="the task of a broken worker to fail")
+    meta = json.loads(next((tmp_path / "logs").glob(f"*/{job.job_id}_monarch.json")).read_text())
+    got = attach(slots_pool).call(0, "tasks.status", group_id=meta["group"], task_ids=[job.job_id])
+    assert "exited before it took a task" in TaskStatus.from_wire(got[0]).msg
 
 
 CLIENT = """

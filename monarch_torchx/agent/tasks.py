@@ -64,6 +64,9 @@ class _Worker:
     app_id: str
     task: str | None = None  # the task it runs now
     ended: bool = False  # exited, or is about to (told there is no work), or was ended
+    asking: bool = False  # in a call to ``tasks.next`` now (so alive)
+    took: int = 0  # tasks it was given
+    seen: float = field(default_factory=time.time)  # when it was made or last called in
 
 
 @dataclass
@@ -141,21 +144,27 @@ class TaskHolder:
         self._ended(g, worker, [TaskStatus.from_wire(e) for e in ended])
         w.task = None
         deadline = time.monotonic() + max(0.0, min(float(wait_s), WORKER_IDLE_S))
-        while not w.ended:
-            if g.pending:
-                tid = g.pending.popleft()
-                st = g.status[tid]
-                st.state, st.started, st.worker = RUNNING, time.time(), worker
-                w.task = tid
-                return Assignment(g.tasks[tid]).to_wire()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(g.changed.wait(), timeout=left)
-        why = "it was ended" if w.ended else f"no task came for {WORKER_IDLE_S:.0f} s"
-        w.ended = True
-        return Assignment(None, why).to_wire()
+        w.asking = True
+        try:
+            while not w.ended:
+                if g.pending:
+                    tid = g.pending.popleft()
+                    st = g.status[tid]
+                    st.state, st.started, st.worker = RUNNING, time.time(), worker
+                    w.task = tid
+                    w.took += 1
+                    return Assignment(g.tasks[tid]).to_wire()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(g.changed.wait(), timeout=left)
+            why = "it was ended" if w.ended else f"no task came for {WORKER_IDLE_S:.0f} s"
+            w.ended = True
+            return Assignment(None, why).to_wire()
+        finally:
+            w.asking = False
+            w.seen = time.time()
 
     async def op_status(self, peer: Any, group_id: str, task_ids: list[str]) -> list[dict]:
         """Each task's ``TaskStatus`` (FAILED, with why, for one this holder does not know)."""
@@ -282,50 +291,59 @@ class TaskHolder:
         self._append(g.spec.group_id, "ends", [st.to_wire()])
 
     async def _check(self) -> None:
-        """One look at the tasks that have run a while: their workers asked of their hosts."""
+        """One look at the workers: a task that has run CHECK_AFTER_S, or a worker that has not
+        called in that long (started, but not yet asking), has its worker asked of its host."""
         now = time.time()
-        asks: dict[int, list[tuple[_Group, _Worker]]] = {}
-        for g in self.groups.values():
-            for w in g.workers.values():
-                if w.ended and w.task is None:
+        asks: list[tuple[int, _Group, _Worker]] = []
+        for g in list(self.groups.values()):
+            for w in list(g.workers.values()):
+                if w.ended or w.asking:
                     continue
                 entry = self.agent.queue.done.get(w.app_id)
-                if entry is not None and entry.state == QueueState.ENDED and not entry.cancelled:
-                    self._launch_failed(g, w, entry.reason)  # (it never started: its tasks wait for nothing)
+                if entry is None:
+                    continue  # (waits in the queue)
+                if entry.state == QueueState.ENDED:
+                    self._worker_gone(g, w, f"no worker could start: {entry.reason}", entry.cancelled)
                     continue
                 st = g.status.get(w.task) if w.task else None
-                if st is None or st.started is None or now - st.started < CHECK_AFTER_S:
-                    continue
-                if now - st.started > g.spec.timeout_s:
+                if st is not None and st.started is not None and now - st.started > g.spec.timeout_s:
                     why = f"timed out after {g.spec.timeout_s:.0f} s"
                     self._record(g, TaskStatus(st.task_id, FAILED, why, st.started, now, w.app_id))
                     await self._end_worker(g, w, f"its task {st.task_id} {why}")
                     self._fill(g)
                     continue
+                since = st.started if st is not None and st.started is not None else w.seen
                 host = self._host_of(w.app_id)
-                if host is not None:
-                    asks.setdefault(host, []).append((g, w))
-        for host, ws in asks.items():
-            for g, w in ws:
-                got = await self.agent.queue.quiet_call(host, "describe", app_id=w.app_id)
-                if not got or w.task is None:
-                    continue  # (the host did not answer: asked again at the next look)
-                rep = got[0]
-                if rep["state"] in TERMINAL:
-                    st = g.status[w.task]
-                    why = f"its worker {w.app_id} ended while it ran: {rep['msg'] or rep['state']}"
-                    self._record(g, TaskStatus(st.task_id, FAILED, why, st.started, time.time(), w.app_id))
-                    w.ended, w.task = True, None
-                    self._fill(g)
+                if now - since >= CHECK_AFTER_S and host is not None:
+                    asks.append((host, g, w))
+        for host, g, w in asks:
+            got = await self.agent.queue.quiet_call(host, "describe", app_id=w.app_id)
+            if not got or w.ended or w.asking or got[0]["state"] not in TERMINAL:
+                continue  # (the host did not answer, or the worker called in meanwhile: looked at again)
+            said = got[0]["msg"] or got[0]["state"]
+            if w.task is not None:
+                st = g.status[w.task]
+                why = f"its worker {w.app_id} ended while it ran: {said}"
+                self._record(g, TaskStatus(st.task_id, FAILED, why, st.started, time.time(), w.app_id))
+                w.ended, w.task = True, None
+                self._fill(g)
+            else:
+                self._worker_gone(g, w, f"its worker {w.app_id} exited before it took a task: {said}", w.took > 0)
 
-    def _launch_failed(self, g: _Group, w: _Worker, reason: str) -> None:
+    def _worker_gone(self, g: _Group, w: _Worker, reason: str, expected: bool) -> None:
+        """A worker that will take no task: one that ran tasks before, or was cancelled, is
+        replaced if need be; one that never took a task failed to start, and when no worker is
+        left the tasks that wait fail with why, rather than wait forever for a broken worker."""
         w.ended = True
+        if expected:
+            self._fill(g)
+            return
         if g.live_workers:
             return
         now = time.time()
-        while g.pending:  # (no worker is left to run them: they fail with why, rather than wait forever)
+        while g.pending:
             tid = g.pending.popleft()
-            self._record(g, TaskStatus(tid, FAILED, f"no worker could start: {reason}", None, now))
+            self._record(g, TaskStatus(tid, FAILED, reason, None, now))
 
     async def run(self) -> None:
         """Reads back what a previous holder left, then looks over running tasks every CHECK_EVERY_S."""
