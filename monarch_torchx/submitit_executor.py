@@ -14,7 +14,7 @@ Requeue of a multi-task job restarts the task that asked (rank 0), not its sibli
 ``monarch_workers=True`` (or a number: at most that many workers) runs each one-task job as a
 call in a kept worker process instead (``task_groups.py``): many small tasks at the cost of a call
 each, not of a process. What that gives up (a process of its own per task: its own timeout signal,
-requeue, memory) is in ``docs/submitit.md``.
+requeue, memory) is in ``docs/placement.md``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from submitit.core import core, job_environment, utils
 
 from .app_queue import QUEUE_HOST, QueueState, SubmittedApp
 from .errors import HostUnreachable, MonarchError
+from .net import RemoteError
 from .resources import Resources
 from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec, ReplicaStatus
 from .task_groups import WORKER_ENV, Task, TaskGroup, TaskStatus
@@ -103,6 +104,8 @@ class MonarchJob(core.Job[core.R]):
             raise
         try:
             got = pool.call(QUEUE_HOST, "tasks.status", group_id=meta["group"], task_ids=[self.job_id])
+        except RemoteError as e:
+            raise MonarchError(f"the pool's queue (host 0) could not say: {e}") from None
         except HostUnreachable as e:  # (the next run repairs it, and its new agent reads the group back)
             return TaskStatus(self.job_id, UNKNOWN, f"host 0, which holds the pool's task groups, did not answer: {e}")
         return TaskStatus.from_wire(got[0])
@@ -181,9 +184,12 @@ class MonarchJob(core.Job[core.R]):
         try:
             meta = self._meta()
             if "group" in meta:
-                attach(meta["pool"]).call(
-                    QUEUE_HOST, "tasks.cancel", group_id=meta["group"], task_ids=[self.job_id], reason="cancelled"
-                )
+                try:
+                    attach(meta["pool"]).call(
+                        QUEUE_HOST, "tasks.cancel", group_id=meta["group"], task_ids=[self.job_id], reason="cancelled"
+                    )
+                except RemoteError as e:
+                    raise MonarchError(f"could not cancel job {self.job_id}: {e}") from None
                 return
             apps.kill(*self._where())
         except MonarchError:
@@ -292,7 +298,7 @@ class _Enqueuing:
         """Cancels what the queue took. Best effort, and it stops at the first host that does not
         answer (the failure was likely that): the submit call's own error is the one to show."""
         from . import apps
-        from .net import RemoteError, WireError
+        from .net import WireError
 
         try:
             for arec in self.sent:
@@ -521,13 +527,14 @@ class MonarchExecutor(core.PicklingExecutor):
                     send()
             send()
         except BaseException:
-            if sent:
-                with contextlib.suppress(MonarchError, OSError):
+            handed = sent + [t.task_id for t in batch]  # (a batch whose answer was lost may have been taken)
+            if handed:
+                with contextlib.suppress(MonarchError, OSError, RemoteError):
                     pool.call(
                         QUEUE_HOST,
                         "tasks.cancel",
                         group_id=group.group_id,
-                        task_ids=sent,
+                        task_ids=handed,
                         reason="its submission failed",
                     )
             raise

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from .credentials import PoolCredentials
 from .net import WireError
@@ -88,30 +89,54 @@ def run_task(folder: str, task: Task, worker: str) -> TaskStatus:
     return TaskStatus(task.task_id, state, msg, started, time.time(), worker)
 
 
+class _Holder:
+    """The connection to host 0's agent, dialled again when it breaks (a dropped idle connection,
+    a blip): a worker gives up only after RETRIES tries, so a task's end is not lost to one."""
+
+    RETRIES = 4
+
+    def __init__(self, env: os._Environ[str] | dict[str, str]):
+        self.creds = PoolCredentials.load(Path(env["MONARCH_TORCHX_STATE_DIR"]))
+        self.where = (env[HOLDER_ENV], int(env[HOLDER_PORT_ENV]), env[HOLDER_IDENTITY_ENV].encode())
+        self.client: Client | None = None
+
+    def call(self, op: str, **args: Any) -> Any:
+        for attempt in range(self.RETRIES + 1):
+            try:
+                if self.client is None:
+                    host, port, identity = self.where
+                    self.client = Client(host, port, self.creds, CALL_TIMEOUT_S, identity)
+                self.client.settimeout(CALL_TIMEOUT_S + ASK_WAIT_S)
+                return self.client.call(op, **args)
+            except (WireError, OSError):
+                if self.client is not None:
+                    self.client.close()
+                    self.client = None
+                if attempt == self.RETRIES:
+                    raise
+                time.sleep(0.25 * 2**attempt)
+        raise AssertionError("unreachable")
+
+
 def main() -> int:
     env = os.environ
-    creds = PoolCredentials.load(Path(env["MONARCH_TORCHX_STATE_DIR"]))
     group, worker, folder = env[GROUP_ENV], env[WORKER_ENV], env[FOLDER_ENV]
-    try:
-        holder = Client(
-            env[HOLDER_ENV], int(env[HOLDER_PORT_ENV]), creds, CALL_TIMEOUT_S, env[HOLDER_IDENTITY_ENV].encode()
-        )
-        ended: list[TaskStatus] = []
-        while True:
-            holder.settimeout(CALL_TIMEOUT_S + ASK_WAIT_S)
-            got = Assignment.from_wire(
-                holder.call(
-                    "tasks.next", group_id=group, worker=worker, ended=[e.to_wire() for e in ended], wait_s=ASK_WAIT_S
-                )
+    holder = _Holder(env)
+    ended: list[TaskStatus] = []
+    while True:
+        try:
+            answer = holder.call(
+                "tasks.next", group_id=group, worker=worker, ended=[e.to_wire() for e in ended], wait_s=ASK_WAIT_S
             )
-            ended = []
-            if got.task is None:
-                print(f"worker {worker} exits: {got.why}", flush=True)
-                return 0
-            ended.append(run_task(folder, got.task, worker))
-    except WireError as e:
-        print(f"worker {worker}: the pool's queue (host 0) is unreachable ({e}); exiting", file=sys.stderr)
-        return 1
+        except (WireError, OSError) as e:
+            print(f"worker {worker}: the pool's queue (host 0) is unreachable ({e}); exiting", file=sys.stderr)
+            return 1
+        got = Assignment.from_wire(answer)
+        ended = []
+        if got.task is None:
+            print(f"worker {worker} exits: {got.why}", flush=True)
+            return 0
+        ended.append(run_task(folder, got.task, worker))
 
 
 if __name__ == "__main__":

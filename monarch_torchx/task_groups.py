@@ -3,14 +3,15 @@
 
 A *task group* is the jobs of one executor, run by *workers*: long-lived processes that the pool's
 queue (``agent/queue.py``) starts like any queued app, each holding one task's ask of its host, and
-that take one task after another from host 0's agent (``agent/task_groups.py``), running each in
+that take one task after another from host 0's agent (``agent/tasks.py``), running each in
 process as submitit's ``_submit`` would. A task then costs a call, not a process: no fork, no
-per-task app record. What a task loses by it is said in ``docs/submitit.md``.
+per-task app record. What a task gives up by it is said in ``docs/placement.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,12 @@ GROUP_ENV = "MONARCH_TORCHX_TASKS_GROUP"
 WORKER_ENV = "MONARCH_TORCHX_TASKS_WORKER"
 FOLDER_ENV = "MONARCH_TORCHX_TASKS_FOLDER"  # submitit's folder (as the executor was given it: %j stays)
 TERMINAL_TASK_STATES = (SUCCEEDED, FAILED, CANCELLED)
+_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # (a group's id names its files on the host)
+
+
+def _check_id(what: str, value: str) -> None:
+    if not isinstance(value, str) or not _ID.fullmatch(value):
+        raise ValueError(f"{what} {value!r}: 1-64 letters, digits, '_' or '-'")
 
 
 @dataclass
@@ -37,6 +44,9 @@ class Task:
     env: dict[str, str]
     stdout_path: str
     stderr_path: str
+
+    def __post_init__(self) -> None:
+        _check_id("task id", self.task_id)
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -59,6 +69,9 @@ class TaskGroup:
     timeout_s: float
     max_workers: int = 0  # 0: as many as the pool's hosts fit
     submitted: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        _check_id("task group id", self.group_id)
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

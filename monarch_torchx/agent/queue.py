@@ -241,11 +241,15 @@ class PoolQueue:
             for h, spec in sub.launches(placement, addresses, ports):
                 by_host.setdefault(h, []).append({"spec": dict(vars(spec))})
         except Exception as e:  # noqa: BLE001 (a store host that did not answer: tried again at the next pass)
-            self.waiting[app_id].reason = f"its store host could not be reached: {e}"
+            if app_id in self.waiting:
+                self.waiting[app_id].reason = f"its store host could not be reached: {e}"
             return
         results = await asyncio.gather(
             *(self._calls(h, "launch", calls) for h, calls in by_host.items()), return_exceptions=True
         )
+        if app_id not in self.waiting:  # ended (cancelled) while it was being started: what started goes
+            await asyncio.gather(*(self.quiet_call(h, "kill", app_id=app_id) for h in by_host), return_exceptions=True)
+            return
         failed = {h: r for h, r in zip(by_host, results) if isinstance(r, BaseException)}
         if failed:
             await asyncio.gather(*(self.quiet_call(h, "kill", app_id=app_id) for h in by_host), return_exceptions=True)

@@ -34,7 +34,7 @@ from ..app_queue import QueueState, SubmittedApp
 from ..private import PrivatePathError, private_dir
 from ..registry import write_private
 from ..resources import HostLoad, Resources
-from ..specs import CANCELLED, FAILED, PENDING, RUNNING, TERMINAL, LaunchSpec
+from ..specs import CANCELLED, FAILED, PENDING, RUNNING, LaunchSpec, ReplicaStatus
 from ..task_groups import (
     FOLDER_ENV,
     GROUP_ENV,
@@ -67,6 +67,7 @@ class _Worker:
     asking: bool = False  # in a call to ``tasks.next`` now (so alive)
     took: int = 0  # tasks it was given
     seen: float = field(default_factory=time.time)  # when it was made or last called in
+    host: int | None = None  # where the queue started it
 
 
 @dataclass
@@ -77,6 +78,7 @@ class _Group:
     pending: deque[str] = field(default_factory=deque)
     workers: dict[str, _Worker] = field(default_factory=dict)
     made: int = 0  # workers made so far (they are numbered)
+    gone: set[str] = field(default_factory=set)  # workers ended and forgotten (a late call is told so)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def wake(self) -> None:
@@ -137,11 +139,19 @@ class TaskHolder:
     async def op_next(self, peer: Any, group_id: str, worker: str, ended: list[dict], wait_s: float = 0.0) -> dict:
         """A worker's ends (``TaskStatus``es of the tasks it ran) and its next task (``Assignment``);
         with none pending it waits up to ``wait_s`` (at most WORKER_IDLE_S) for one."""
+        self.agent.queue.require_holder()
         g = self.groups.get(group_id)
         if g is None:
             return Assignment(None, f"group {group_id} is not held here (its holder lost it)").to_wire()
+        if worker in g.gone:
+            return Assignment(None, "it was ended").to_wire()
         w = g.workers.setdefault(worker, _Worker(worker))  # (one made by a holder before this one: kept)
-        self._ended(g, worker, [TaskStatus.from_wire(e) for e in ended])
+        ends = [TaskStatus.from_wire(e) for e in ended]
+        self._ended(g, worker, ends)
+        lost = w.task  # given to it, yet not among its ends: the answer that gave it was lost
+        if lost is not None and lost not in {e.task_id for e in ends} and g.status[lost].state == RUNNING:
+            g.status[lost] = TaskStatus(lost)
+            g.pending.appendleft(lost)
         w.task = None
         deadline = time.monotonic() + max(0.0, min(float(wait_s), WORKER_IDLE_S))
         w.asking = True
@@ -153,6 +163,8 @@ class TaskHolder:
                     st.state, st.started, st.worker = RUNNING, time.time(), worker
                     w.task = tid
                     w.took += 1
+                    if not g.pending:  # (the workers still queued for the group are not needed now)
+                        self._fill(g)
                     return Assignment(g.tasks[tid]).to_wire()
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -266,15 +278,17 @@ class TaskHolder:
         if w.app_id in self.agent.queue.waiting:
             self.agent.queue.end_waiting(w.app_id, reason, cancelled=True)
             return
-        host = self._host_of(w.app_id)
+        host = self._host_of(w)
         if host is not None:
             await self.agent.queue.quiet_call(host, "kill", app_id=w.app_id, grace=1.0, reason=reason)
 
-    def _host_of(self, app_id: str) -> int | None:
-        entry = self.agent.queue.done.get(app_id)
-        if entry is None or entry.state != QueueState.STARTED or not entry.placement:
-            return None
-        return entry.placement[0].host_index
+    def _host_of(self, w: _Worker) -> int | None:
+        """Where the queue started ``w`` (kept: the queue forgets the oldest apps it started)."""
+        if w.host is None:
+            entry = self.agent.queue.done.get(w.app_id)
+            if entry is not None and entry.state == QueueState.STARTED and entry.placement:
+                w.host = entry.placement[0].host_index
+        return w.host
 
     # ------------------------------------------------------------ ends
 
@@ -297,12 +311,16 @@ class TaskHolder:
         asks: list[tuple[int, _Group, _Worker]] = []
         for g in list(self.groups.values()):
             for w in list(g.workers.values()):
+                if w.ended and w.task is None:
+                    del g.workers[w.app_id]
+                    g.gone.add(w.app_id)
+                    continue
                 if w.ended or w.asking:
                     continue
                 entry = self.agent.queue.done.get(w.app_id)
-                if entry is None:
+                if entry is None and w.host is None:
                     continue  # (waits in the queue)
-                if entry.state == QueueState.ENDED:
+                if entry is not None and entry.state == QueueState.ENDED:
                     self._worker_gone(g, w, f"no worker could start: {entry.reason}", entry.cancelled)
                     continue
                 st = g.status.get(w.task) if w.task else None
@@ -313,14 +331,20 @@ class TaskHolder:
                     self._fill(g)
                     continue
                 since = st.started if st is not None and st.started is not None else w.seen
-                host = self._host_of(w.app_id)
+                host = self._host_of(w)
                 if now - since >= CHECK_AFTER_S and host is not None:
                     asks.append((host, g, w))
         for host, g, w in asks:
             got = await self.agent.queue.quiet_call(host, "describe", app_id=w.app_id)
-            if not got or w.ended or w.asking or got[0]["state"] not in TERMINAL:
+            if got is None or w.ended or w.asking:
                 continue  # (the host did not answer, or the worker called in meanwhile: looked at again)
-            said = got[0]["msg"] or got[0]["state"]
+            if got:
+                rep = ReplicaStatus.from_wire(got[0])
+                if not rep.state.terminal:
+                    continue
+                said = rep.msg or rep.state.value
+            else:
+                said = f"host {host} has no such process (it was replaced)"
             if w.task is not None:
                 st = g.status[w.task]
                 why = f"its worker {w.app_id} ended while it ran: {said}"
@@ -349,7 +373,12 @@ class TaskHolder:
         """Reads back what a previous holder left, then looks over running tasks every CHECK_EVERY_S."""
         if not self.agent.queue.holder:
             return
-        self._read_back()
+        self._read_back()  # (the queue read its own files back first: it was started first)
+        if any(g.pending for g in self.groups.values()):
+            await self.agent.queue.fill_loads()
+            for g in self.groups.values():
+                if g.pending:
+                    self._fill(g)
         while not self.agent.stopping.is_set():
             await asyncio.sleep(CHECK_EVERY_S)
             try:
@@ -423,10 +452,12 @@ class TaskHolder:
             for tid in g.pending:
                 g.status[tid] = TaskStatus(tid)
             self.groups[group_id] = g
+            for app_id in [a for a in self.agent.queue.waiting if a.startswith(f"{group_id}-")]:
+                # a previous holder's workers, queued: they would dial it, not this one
+                self.agent.queue.end_waiting(app_id, "its task group's holder was replaced", cancelled=True)
             if g.pending:
                 if not self.agent.queue.targets:
                     self.agent.queue.set_targets(head.get("targets", []))
-                self._fill(g)
                 log.info("read back task group %s: %d task(s) to run", group_id, len(g.pending))
 
 
