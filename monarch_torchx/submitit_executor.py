@@ -10,6 +10,11 @@ pool like any TorchX app (``torchx list`` shows it). ``timeout_min`` is enforced
 (SIGUSR2 ``signal_delay_s`` before, so ``helpers.Checkpointable`` checkpoints, then a kill); a
 requeue restarts the task in the pool, never ``scontrol requeue`` of the pool's allocation.
 Requeue of a multi-task job restarts the task that asked (rank 0), not its siblings.
+
+``monarch_workers=True`` (or a number: at most that many workers) runs each one-task job as a
+call in a kept worker process instead (``task_groups.py``): many small tasks at the cost of a call
+each, not of a process. What that gives up (a process of its own per task: its own timeout signal,
+requeue, memory) is in ``docs/placement.md``.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from pathlib import Path
 
 from submitit.core import core, job_environment, utils
 
-from .app_queue import QueueState, SubmittedApp
-from .errors import MonarchError
+from .app_queue import QUEUE_HOST, QueueState, SubmittedApp
+from .errors import HostUnreachable, MonarchError
+from .net import RemoteError
 from .resources import Resources
 from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec, ReplicaStatus
+from .task_groups import WORKER_ENV, Task, TaskGroup, TaskStatus
 
 REQUEUE_CODE = 144
 STATE_EVERY_S = 0.5  # how often a waiting job asks the pool for its state (see MonarchJob.wait)
@@ -79,11 +86,38 @@ class MonarchJob(core.Job[core.R]):
                 return apps.stopped_states(arec, Path(p.state_dir), p.name)
         return None
 
+    def _meta(self) -> dict[str, str]:
+        return json.loads(_meta_path(self._paths.folder, self.job_id).read_text())
+
+    def _task_status(self, meta: dict[str, str]) -> TaskStatus:
+        """A worker-mode job's state: asked of the pool's queue (host 0), or read from the files
+        of its pool if that was stopped."""
+        from .pool import attach
+        from .registry import Registry
+
+        try:
+            pool = attach(meta["pool"])
+        except MonarchError:
+            ends = ended_tasks(Registry(), meta["pool"], meta["group"])
+            if self.job_id in ends:
+                return ends[self.job_id]
+            raise
+        try:
+            got = pool.call(QUEUE_HOST, "tasks.status", group_id=meta["group"], task_ids=[self.job_id])
+        except RemoteError as e:
+            raise MonarchError(f"the pool's queue (host 0) could not say: {e}") from None
+        except HostUnreachable as e:  # (the next run repairs it, and its new agent reads the group back)
+            return TaskStatus(self.job_id, UNKNOWN, f"host 0, which holds the pool's task groups, did not answer: {e}")
+        return TaskStatus.from_wire(got[0])
+
     @property
     def state(self) -> str:
         from . import apps
 
         try:
+            meta = self._meta()
+            if "group" in meta:
+                return _SUBMITIT_STATE[self._task_status(meta).state]
             states = self._ended_on_stopped_pool()
             if states is None:
                 pool, arec = self._where()
@@ -95,6 +129,13 @@ class MonarchJob(core.Job[core.R]):
             st = states.get(("task", self.task_id))
             return _SUBMITIT_STATE[st.state.value] if st else "FAILED"
         return _SUBMITIT_STATE[apps.app_state([s.state.value for s in states.values()])]
+
+    def _get_outcome_and_result(self) -> tuple[str, tp.Any]:
+        """As submitit's, but a cancelled job's result is not waited for: a cancel leaves none to
+        come (submitit waits up to 15 s for one to appear on a slow file system)."""
+        if not self.paths.result_pickle.exists() and self.state == "CANCELLED":
+            self._results_timeout_s = 0
+        return super()._get_outcome_and_result()
 
     def get_info(self, mode: str = "force") -> dict[str, str]:  # pylint: disable=unused-argument
         return {"State": self.state}
@@ -138,12 +179,48 @@ class MonarchJob(core.Job[core.R]):
 
     def cancel(self, check: bool = True) -> None:  # pylint: disable=unused-argument
         from . import apps
+        from .pool import attach
 
         try:
+            meta = self._meta()
+            if "group" in meta:
+                try:
+                    attach(meta["pool"]).call(
+                        QUEUE_HOST, "tasks.cancel", group_id=meta["group"], task_ids=[self.job_id], reason="cancelled"
+                    )
+                except RemoteError as e:
+                    raise MonarchError(f"could not cancel job {self.job_id}: {e}") from None
+                return
             apps.kill(*self._where())
         except MonarchError:
             if check:
                 raise
+
+
+def _task_env(job_id: str) -> dict[str, str]:
+    """What a one-task job's function sees of its job (``MonarchJobEnvironment``)."""
+    return {
+        "SUBMITIT_EXECUTOR": "monarch",
+        f"{ENV_PREFIX}JOB_ID": job_id,
+        f"{ENV_PREFIX}NTASKS": "1",
+        f"{ENV_PREFIX}NUM_NODES": "1",
+        f"{ENV_PREFIX}NODEID": "0",
+        f"{ENV_PREFIX}GLOBALID": "0",
+        f"{ENV_PREFIX}LOCALID": "0",
+    }
+
+
+def ended_tasks(reg: tp.Any, pool_name: str, group_id: str) -> dict[str, TaskStatus]:
+    """The recorded ends of a task group of a stopped pool (its holder's ``tasks/GROUP.ends``)."""
+    out: dict[str, TaskStatus] = {}
+    for p in reg.stopped(pool_name):
+        path = Path(p.state_dir) / "tasks" / f"{group_id}.ends"
+        with contextlib.suppress(OSError):
+            for line in path.read_text().splitlines():
+                with contextlib.suppress(ValueError, TypeError):
+                    st = TaskStatus.from_wire(json.loads(line))
+                    out[st.task_id] = st
+    return out
 
 
 class MonarchJobEnvironment(job_environment.JobEnvironment):
@@ -161,6 +238,12 @@ class MonarchJobEnvironment(job_environment.JobEnvironment):
     @property
     def hostnames(self) -> list[str]:
         return os.environ.get(f"{ENV_PREFIX}HOSTNAMES", self.hostname).split(",")
+
+    def _handle_signals(self, paths: utils.JobPaths, submission: utils.DelayedSubmission) -> None:
+        """submitit's own (SIGUSR2: checkpoint, SIGTERM: ignored), except in a kept worker: a task
+        there that times out or is cancelled has its worker ended, which SIGTERM must do."""
+        if WORKER_ENV not in os.environ:
+            super()._handle_signals(paths, submission)
 
     def _requeue(self, countdown: int) -> None:
         """Exit with the code the agent reads as "run me again"; the pool's allocation is untouched."""
@@ -215,8 +298,7 @@ class _Enqueuing:
         """Cancels what the queue took. Best effort, and it stops at the first host that does not
         answer (the failure was likely that): the submit call's own error is the one to show."""
         from . import apps
-        from .app_queue import QUEUE_HOST
-        from .net import RemoteError, WireError
+        from .net import WireError
 
         try:
             for arec in self.sent:
@@ -246,6 +328,7 @@ class MonarchExecutor(core.PicklingExecutor):
         self.parameters["pool"] = pool
         self.python = python  # resolved on the hosts: the pool's interpreter, so tasks start warm
         self._throttling = 0.0  # no scheduler to protect: the agents take submissions at once
+        self._groups: dict[str, str] = {}  # worker mode: a task group's id by what it was made for
 
     @classmethod
     def affinity(cls) -> int:
@@ -253,7 +336,7 @@ class MonarchExecutor(core.PicklingExecutor):
 
     @classmethod
     def _valid_parameters(cls) -> set[str]:
-        return {"pool", "signal_delay_s", "env"}
+        return {"pool", "signal_delay_s", "env", "workers"}
 
     _GENERIC = {
         "name",
@@ -276,6 +359,9 @@ class MonarchExecutor(core.PicklingExecutor):
         for k in ("nodes", "tasks_per_node"):
             if k in kwargs and (not isinstance(kwargs[k], int) or kwargs[k] < 1):
                 raise ValueError(f"{k}={kwargs[k]!r}: must be a positive integer")
+        w = kwargs.get("workers", False)
+        if not isinstance(w, (bool, int)) or (not isinstance(w, bool) and w < 1):
+            raise ValueError(f"workers={w!r}: True (as many as fit), False, or a positive number of workers")
         super()._internal_update_parameters(**kwargs)
 
     def _task_argv(self) -> list[str]:
@@ -329,6 +415,8 @@ class MonarchExecutor(core.PicklingExecutor):
 
         timeout_min = self.parameters.get("timeout_min", 5)
         loads = [HostLoad.from_wire(h.info["load"]) for h in health if h.ok and h.info.get("load")]
+        if self.parameters.get("workers"):
+            return self._to_workers(pool, loads, delayed_submissions, float(timeout_min), progress)
         jobs: list[core.Job[tp.Any]] = []
         batch = _Enqueuing(pool, loads, progress)
         try:
@@ -356,6 +444,100 @@ class MonarchExecutor(core.PicklingExecutor):
             raise
         if batch.waiting:
             progress(f"{batch.waiting} of {len(jobs)} job(s) wait in the queue of pool {name!r}: {batch.reason}")
+        return jobs
+
+    def _group(self, pool: tp.Any, timeout_min: float) -> TaskGroup:
+        """This executor's task group on ``pool`` for its parameters now: one per executor and
+        set of parameters, so every submit call of it shares the workers it already has."""
+        env = {str(k): str(v) for k, v in (self.parameters.get("env") or {}).items()}
+        worker = LaunchSpec(
+            app_id="worker",  # (each worker's own is set by the pool: agent/tasks.py)
+            role="worker",
+            replica_id=0,
+            argv=[self.python, "-u", "-m", "monarch_torchx.submitit_worker"],
+            env={**env, "SUBMITIT_EXECUTOR": "monarch"},
+            cwd=os.getcwd(),
+            resources=self._asks().to_wire(),
+        )
+        workers = self.parameters["workers"]
+        key = json.dumps([pool.name, vars(worker), timeout_min, workers], sort_keys=True)
+        group_id = self._groups.setdefault(key, f"tasks-{uuid.uuid4().hex[:12]}")
+        name = str(self.parameters.get("name", "submitit"))
+        max_workers = 0 if workers is True else int(workers)
+        return TaskGroup(group_id, name, str(self.folder), worker, timeout_min * 60, max_workers)
+
+    def _to_workers(
+        self,
+        pool: tp.Any,
+        loads: list[tp.Any],
+        delayed_submissions: list[utils.DelayedSubmission],
+        timeout_min: float,
+        progress: tp.Callable[[str], None],
+    ) -> list[core.Job[tp.Any]]:
+        """Worker mode: each job a task of this executor's group, handed to the pool's queue in
+        growing batches (the first at once, so workers start while the rest are pickled)."""
+        from .resources import NeverFits
+        from .scheduling import AppAsk, ReplicaAsk, check_fits_somewhere
+
+        if self._num_tasks() != 1:
+            raise MonarchError(
+                "monarch_workers runs one-task jobs (nodes=1, tasks_per_node=1); "
+                "a multi-task job needs a process per task: leave monarch_workers unset"
+            )
+        group = self._group(pool, timeout_min)
+        try:
+            ask = AppAsk(group.group_id, [ReplicaAsk("task", 0, self._asks())])
+            check_fits_somewhere(ask, loads, pool.name)
+        except NeverFits as e:
+            raise MonarchError(f"{e}; ask for less, or use a pool with bigger hosts") from None
+        targets = [t.as_dict() for t in pool.tree_targets(range(pool.record.num_hosts))[0]]
+        jobs: list[core.Job[tp.Any]] = []
+        batch: list[Task] = []
+        size = _Enqueuing.FIRST
+        sent: list[str] = []
+
+        def send() -> None:
+            nonlocal size
+            if batch:
+                pool.call(
+                    QUEUE_HOST,
+                    "tasks.submit",
+                    timeout=60.0 + 0.01 * len(batch),
+                    group=group.to_wire(),
+                    tasks=[t.to_wire() for t in batch],
+                    targets=targets,
+                )
+                sent.extend(t.task_id for t in batch)
+                batch.clear()
+            size = min(size * 4, _Enqueuing.LARGEST)
+
+        meta = json.dumps({"pool": pool.name, "group": group.group_id})
+        try:
+            for delayed in delayed_submissions:
+                job_id = uuid.uuid4().hex[:16]
+                paths = utils.JobPaths(self.folder, job_id=job_id)
+                paths.folder.mkdir(parents=True, exist_ok=True)
+                delayed.set_timeout(self.parameters.get("timeout_min", 5), self.max_num_timeout)
+                delayed.dump(paths.submitted_pickle)
+                _meta_path(paths.folder, job_id).write_text(meta)
+                err = paths.stdout if self.parameters.get("stderr_to_stdout") else paths.stderr
+                batch.append(Task(job_id, _task_env(job_id), str(paths.stdout), str(err)))
+                jobs.append(MonarchJob(folder=self.folder, job_id=job_id, tasks=[0]))
+                if len(batch) >= size:
+                    send()
+            send()
+        except BaseException:
+            handed = sent + [t.task_id for t in batch]  # (a batch whose answer was lost may have been taken)
+            if handed:
+                with contextlib.suppress(MonarchError, OSError, RemoteError):
+                    pool.call(
+                        QUEUE_HOST,
+                        "tasks.cancel",
+                        group_id=group.group_id,
+                        task_ids=handed,
+                        reason="its submission failed",
+                    )
+            raise
         return jobs
 
     def _asks(self) -> Resources:

@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("net", {"net", "wire", "wire_conn"}),
     (
         "records",
-        {"registry", "history", "submission", "agent_client", "resources", "scheduling", "app_queue"}
+        {"registry", "history", "submission", "agent_client", "resources", "scheduling", "app_queue", "task_groups"}
         | {"shell_messages", "debugger"},
     ),
     ("agent", {"agent"}),
@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "torchx_cli",
             "job",
             "submitit_executor",
+            "submitit_worker",
             "monarch_backend",
             "monarch_worker",
             "monarch_shared",

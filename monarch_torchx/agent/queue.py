@@ -96,7 +96,7 @@ class PoolQueue:
     def holder(self) -> bool:
         return self.agent.index == QUEUE_HOST
 
-    def _holder_only(self) -> None:
+    def require_holder(self) -> None:
         if not self.holder:
             raise ValueError(f"the pool's queue is on host {QUEUE_HOST}, not host {self.agent.index}")
 
@@ -105,34 +105,42 @@ class PoolQueue:
     async def op_submit(self, peer: Any, apps: list[dict], targets: list[dict]) -> list[dict]:
         """Queues ``apps`` (``SubmittedApp``s, in order) and passes over the queue at once: each
         answer says STARTED (with its placement) or QUEUED (what it waits for, its place in line)."""
-        self._holder_only()
+        self.require_holder()
         if self.agent.stopping.is_set():
             raise ValueError(f"agent {self.agent.index} is shutting down ({self.agent.stop_reason})")
         subs = [SubmittedApp.from_wire(a) for a in apps]  # (all checked before any is queued)
         for sub in subs:
             if sub.app_id in self.waiting or sub.app_id in self.done:
                 raise ValueError(f"app {sub.app_id} was already submitted to this pool's queue")
-        self._set_targets(targets)
+        self.set_targets(targets)
         for sub in subs:
             self.waiting[sub.app_id] = _Waiting(sub)
             self._save(sub.app_id)  # before the answer: a queued app is never only in memory
         await self._pass()
         return [self.entry(sub.app_id).to_wire() for sub in subs]
 
+    def take(self, sub: SubmittedApp) -> None:
+        """Queues an app this agent made itself (a task group's worker: ``agent/tasks.py``); it
+        starts at the next pass that finds room for it, as a submitted one would."""
+        self.require_holder()
+        self.waiting[sub.app_id] = _Waiting(sub)
+        self._save(sub.app_id)
+        self._wake.set()
+
     async def op_status(self, peer: Any, app_ids: list[str], targets: list[dict] | None = None) -> list[dict]:
         """What the queue says of each app (UNKNOWN: it has no such app); ``targets``: the
         pool's hosts as the asking client knows them (a replaced host's new address)."""
-        self._holder_only()
+        self.require_holder()
         if targets:
-            self._set_targets(targets)
+            self.set_targets(targets)
         return [self.entry(a).to_wire() for a in app_ids]
 
     async def op_cancel(self, peer: Any, app_id: str, reason: str = "cancelled") -> dict:
         """Takes a waiting app out of the queue (ENDED, cancelled); an app already started is
         answered as STARTED, for the caller to end its replicas."""
-        self._holder_only()
+        self.require_holder()
         if app_id in self.waiting:
-            self._end(app_id, reason, cancelled=True)
+            self.end_waiting(app_id, reason, cancelled=True)
         return self.entry(app_id).to_wire()
 
     def backlog(self) -> QueueBacklog:
@@ -147,8 +155,8 @@ class PoolQueue:
     async def op_stranded(self, peer: Any, hosts: int) -> list[str]:
         """The waiting apps that could never start on the pool's first ``hosts`` hosts (a shrink
         to that many would leave them waiting forever), each with why; asked before a shrink."""
-        self._holder_only()
-        await self._fill_loads()
+        self.require_holder()
+        await self.fill_loads()
         out = []
         for app_id, w in self.waiting.items():
             kept = [h for i, h in sorted(self.loads.items()) if i < hosts and (w.ask.hosts is None or i in w.ask.hosts)]
@@ -197,7 +205,7 @@ class PoolQueue:
         async with self._pass_lock:
             if not self.waiting:
                 return
-            await self._fill_loads()
+            await self.fill_loads()
             self._watch_all()
             loads = [self.loads[i] for i in sorted(self.loads) if i in self.targets]
             plan = schedule([w.ask for w in self.waiting.values()], loads)
@@ -233,21 +241,25 @@ class PoolQueue:
             for h, spec in sub.launches(placement, addresses, ports):
                 by_host.setdefault(h, []).append({"spec": dict(vars(spec))})
         except Exception as e:  # noqa: BLE001 (a store host that did not answer: tried again at the next pass)
-            self.waiting[app_id].reason = f"its store host could not be reached: {e}"
+            if app_id in self.waiting:
+                self.waiting[app_id].reason = f"its store host could not be reached: {e}"
             return
         results = await asyncio.gather(
             *(self._calls(h, "launch", calls) for h, calls in by_host.items()), return_exceptions=True
         )
+        if app_id not in self.waiting:  # ended (cancelled) while it was being started: what started goes
+            await asyncio.gather(*(self.quiet_call(h, "kill", app_id=app_id) for h in by_host), return_exceptions=True)
+            return
         failed = {h: r for h, r in zip(by_host, results) if isinstance(r, BaseException)}
         if failed:
-            await asyncio.gather(*(self._quiet_call(h, "kill", app_id=app_id) for h in by_host), return_exceptions=True)
+            await asyncio.gather(*(self.quiet_call(h, "kill", app_id=app_id) for h in by_host), return_exceptions=True)
             # a host whose load was old, or that did not answer (replaced, or gone): the app waits on
             if all(isinstance(e, (CapacityRefused, WireError, OSError)) for e in failed.values()):
                 for h in failed:  # (asked afresh before the next pass)
                     self.loads.pop(h, None)
                 self._wake.set()
                 return
-            self._end(app_id, "; ".join(f"could not start on host {h}: {e}" for h, e in sorted(failed.items())))
+            self.end_waiting(app_id, "; ".join(f"could not start on host {h}: {e}" for h, e in sorted(failed.items())))
             return
         full = sub.per_replica(placement)
         for spec in sub.specs:  # counted now, before the host's own word on it arrives
@@ -266,7 +278,7 @@ class PoolQueue:
         self._trim_done()
         log.info("queued app %s started on host(s) %s", app_id, hosts)
 
-    def _end(self, app_id: str, reason: str, cancelled: bool = False) -> None:
+    def end_waiting(self, app_id: str, reason: str, cancelled: bool = False) -> None:
         """Takes an app out of the queue without starting it; each replica's end is recorded
         (CANCELLED or FAILED, with ``reason``), as a started replica's would be."""
         w = self.waiting.pop(app_id)
@@ -289,7 +301,9 @@ class PoolQueue:
         reason. Otherwise (a signal, a successor): the queue stays on file for the next holder."""
         if self.agent.stop_requested:
             for app_id in list(self.waiting):
-                self._end(app_id, f"its pool was stopped ({self.agent.stop_reason}) while it waited", cancelled=True)
+                self.end_waiting(
+                    app_id, f"its pool was stopped ({self.agent.stop_reason}) while it waited", cancelled=True
+                )
         for conns in self._clients.values():
             for c in conns:
                 c.close()
@@ -304,7 +318,7 @@ class PoolQueue:
             return self.agent.incarnation
         return self.targets[index].identity.rsplit("/", 1)[-1]
 
-    def _set_targets(self, targets: list[dict]) -> None:
+    def set_targets(self, targets: list[dict]) -> None:
         fresh = {t.index: t for t in (Target(**d) for d in targets)}
         if set(fresh) - set(self.targets):  # hosts that joined (a grow): what waits may start there now
             self._wake.set()
@@ -327,7 +341,7 @@ class PoolQueue:
             return
         moved = Target(index, h.host, h.port, h.identity(self.agent.pool).decode())
         if moved != self.targets[index]:
-            self._set_targets([t.as_dict() for t in {**self.targets, index: moved}.values()])
+            self.set_targets([t.as_dict() for t in {**self.targets, index: moved}.values()])
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._threads is None:
@@ -366,11 +380,11 @@ class PoolQueue:
 
         return await asyncio.get_running_loop().run_in_executor(self._pool(), blocking)
 
-    async def _quiet_call(self, index: int, op: str, **args: Any) -> Any:
+    async def quiet_call(self, index: int, op: str, **args: Any) -> Any:
         with contextlib.suppress(Exception):
             return await self._call(index, op, **args)
 
-    async def _fill_loads(self) -> None:
+    async def fill_loads(self) -> None:
         """Asks each host whose load is not known yet."""
         missing = [i for i in self.targets if i not in self.loads]
         if not missing:
@@ -449,7 +463,7 @@ class PoolQueue:
         for sub, targets in sorted(found, key=lambda f: f[0].submitted):
             self.waiting[sub.app_id] = _Waiting(sub, "waits (read back from the previous holder's files)")
             if targets and not self.targets:
-                self._set_targets(targets)
+                self.set_targets(targets)
         if found:
             log.info("read back %d queued app(s) from %s", len(found), self.dir)
             self._wake.set()

@@ -58,6 +58,7 @@ from .procs import ProcTable
 from .queue import PoolQueue
 from .relay import Relay
 from .shell import ShellSessions
+from .tasks import TaskHolder
 
 log = logging.getLogger("monarch_torchx.agent")
 
@@ -163,6 +164,8 @@ class Agent:
         self.log_follow = LogFollow(self)
         self.queue = PoolQueue(self)
         self.handlers.update(self.queue.operations())
+        self.tasks = TaskHolder(self)
+        self.handlers.update(self.tasks.operations())
         self.shells = ShellSessions(self)
         self.handlers.update(self.shells.operations())
         self.handlers[LOG_FOLLOW_OP] = self.log_follow.op_app_logs_follow
@@ -688,6 +691,7 @@ class Agent:
         log.info("agent %d of pool %s listening on %s:%d", self.index, self.pool, advertise, port)
         hb = asyncio.create_task(self._heartbeat())
         self.background(self.queue.run())
+        self.background(self.tasks.run())
         self.background(self.gpus.run())
         await self.stopping.wait()
         log.info("stopping: %s", self.stop_reason)
@@ -695,6 +699,7 @@ class Agent:
         for task in self._background:
             task.cancel()
         await self.server.close()
+        self.tasks.stop()  # (before its workers are ended: their tasks' ends are the stop's, not theirs)
         # asked to stop (`pool stop`): what it ends is recorded so. A signal (scancel, walltime) or
         # a successor: not recorded here, so the client records the engine's word for it instead
         # ("allocation 12 is CANCELLED"), as it does for an agent that was killed outright
