@@ -36,7 +36,7 @@ from .errors import HostUnreachable, MonarchError
 from .net import RemoteError
 from .resources import Resources
 from .specs import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, UNKNOWN, LaunchSpec, ReplicaStatus
-from .task_groups import WORKER_ENV, Task, TaskGroup, TaskStatus
+from .task_groups import Task, TaskGroup, TaskStatus
 
 REQUEUE_CODE = 144
 STATE_EVERY_S = 0.5  # how often a waiting job asks the pool for its state (see MonarchJob.wait)
@@ -86,7 +86,17 @@ class MonarchJob(core.Job[core.R]):
                 return apps.stopped_states(arec, Path(p.state_dir), p.name)
         return None
 
+    def __init__(self, folder: str | Path, job_id: str, tasks: tp.Sequence[int] = (0,)) -> None:
+        self._folder_template = folder  # (worker mode: where its group's record is)
+        super().__init__(folder, job_id, tasks)
+
     def _meta(self) -> dict[str, str]:
+        """Where the job is: its own record (process mode), or its group's (worker mode, where a
+        job's id is ``GROUP_N``, as submitit names the jobs of an array)."""
+        if "_" in self.job_id:
+            array = self.job_id.split("_", 1)[0]
+            folder = utils.JobPaths(self._folder_template, job_id=array).folder
+            return json.loads(_meta_path(folder, array).read_text())
         return json.loads(_meta_path(self._paths.folder, self.job_id).read_text())
 
     def _task_status(self, meta: dict[str, str]) -> TaskStatus:
@@ -239,12 +249,6 @@ class MonarchJobEnvironment(job_environment.JobEnvironment):
     def hostnames(self) -> list[str]:
         return os.environ.get(f"{ENV_PREFIX}HOSTNAMES", self.hostname).split(",")
 
-    def _handle_signals(self, paths: utils.JobPaths, submission: utils.DelayedSubmission) -> None:
-        """submitit's own (SIGUSR2: checkpoint, SIGTERM: ignored), except in a kept worker: a task
-        there that times out or is cancelled has its worker ended, which SIGTERM must do."""
-        if WORKER_ENV not in os.environ:
-            super()._handle_signals(paths, submission)
-
     def _requeue(self, countdown: int) -> None:
         """Exit with the code the agent reads as "run me again"; the pool's allocation is untouched."""
         job_environment.logger.get_logger().info(f"Requeued job {self.job_id} ({countdown} remaining timeouts)")
@@ -329,6 +333,7 @@ class MonarchExecutor(core.PicklingExecutor):
         self.python = python  # resolved on the hosts: the pool's interpreter, so tasks start warm
         self._throttling = 0.0  # no scheduler to protect: the agents take submissions at once
         self._groups: dict[str, str] = {}  # worker mode: a task group's id by what it was made for
+        self._numbered: dict[str, int] = {}  # worker mode: the jobs numbered so far in each group
 
     @classmethod
     def affinity(cls) -> int:
@@ -511,15 +516,21 @@ class MonarchExecutor(core.PicklingExecutor):
                 batch.clear()
             size = min(size * 4, _Enqueuing.LARGEST)
 
-        meta = json.dumps({"pool": pool.name, "group": group.group_id})
+        array = group.group_id.split("-", 1)[1]  # (its jobs are ARRAY_N; its record is ARRAY's)
+        where = utils.JobPaths(self.folder, job_id=array).folder
+        where.mkdir(parents=True, exist_ok=True)
+        _meta_path(where, array).write_text(json.dumps({"pool": pool.name, "group": group.group_id}))
+        made = set()
         try:
             for delayed in delayed_submissions:
-                job_id = uuid.uuid4().hex[:16]
+                job_id = f"{array}_{self._numbered.get(array, 0)}"
+                self._numbered[array] = self._numbered.get(array, 0) + 1
                 paths = utils.JobPaths(self.folder, job_id=job_id)
-                paths.folder.mkdir(parents=True, exist_ok=True)
+                if paths.folder not in made:  # (one folder for all, unless it names the job: %j)
+                    paths.folder.mkdir(parents=True, exist_ok=True)
+                    made.add(paths.folder)
                 delayed.set_timeout(self.parameters.get("timeout_min", 5), self.max_num_timeout)
                 delayed.dump(paths.submitted_pickle)
-                _meta_path(paths.folder, job_id).write_text(meta)
                 err = paths.stdout if self.parameters.get("stderr_to_stdout") else paths.stderr
                 batch.append(Task(job_id, _task_env(job_id), str(paths.stdout), str(err)))
                 jobs.append(MonarchJob(folder=self.folder, job_id=job_id, tasks=[0]))

@@ -105,11 +105,12 @@ def test_a_task_past_its_timeout_or_whose_worker_dies_fails_and_the_rest_go_on(s
     hung, dead = ex.submit(sleepy, 600), ex.submit(die)
     after = [ex.submit(sleepy, 0) for _ in range(3)]
     assert [j.result() for j in after] == ["woke"] * 3
+    assert not after[0].paths.stdout.exists()  # (a task that prints nothing makes no log file)
     wait_for(lambda: hung.state == "FAILED" and dead.state == "FAILED", timeout=20, what="both to fail")
     from monarch_torchx.pool import attach
     from monarch_torchx.task_groups import TaskStatus
 
-    meta = json.loads(next((tmp_path / "logs").glob(f"*/{hung.job_id}_monarch.json")).read_text())
+    meta = json.loads(next((tmp_path / "logs").glob(f"*/{hung.job_id.split('_')[0]}_monarch.json")).read_text())
     got = attach(slots_pool).call(0, "tasks.status", group_id=meta["group"], task_ids=[hung.job_id, dead.job_id])
     msgs = [TaskStatus.from_wire(s).msg for s in got]
     assert "timed out after 3 s" in msgs[0] and "ended while it ran" in msgs[1], msgs
@@ -117,7 +118,7 @@ def test_a_task_past_its_timeout_or_whose_worker_dies_fails_and_the_rest_go_on(s
     broken = _executor(tmp_path, slots_pool, monarch_workers=True, monarch_env={"MONARCH_TORCHX_STATE_DIR": "/nowhere"})
     job = broken.submit(sleepy, 0)
     wait_for(lambda: job.state == "FAILED", timeout=20, what="the task of a broken worker to fail")
-    meta = json.loads(next((tmp_path / "logs").glob(f"*/{job.job_id}_monarch.json")).read_text())
+    meta = json.loads(next((tmp_path / "logs").glob(f"*/{job.job_id.split('_')[0]}_monarch.json")).read_text())
     got = attach(slots_pool).call(0, "tasks.status", group_id=meta["group"], task_ids=[job.job_id])
     assert "exited before it took a task" in TaskStatus.from_wire(got[0]).msg
 
