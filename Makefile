@@ -26,8 +26,12 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Two at a time (xdist), as the tests wait on pools and agents more than they compute (a module with a
+# module-wide pool stays on one worker: xdist_group); then, alone, the `serial` ones (tests/conftest.py).
+# Both parts run; either failing fails the target.
 test-integration: setup
-	$(BIN)/python -m pytest -q -m integration
+	$(BIN)/python -m pytest -q -m "integration and not serial" -n 2 --dist loadgroup; a=$$?; \
+	$(BIN)/python -m pytest -q -m "integration and serial" -p no:xdist; b=$$?; exit $$((a || b))
 
 # The fast lane: what needs no pool, agent, proc, CLI subprocess, SLURM lab or FUSE (tests/unit/ and the
 # pure modules), in well under a minute. `make test` still runs everything.

@@ -13,9 +13,11 @@ and a replica's py-spy stacks on click. Every request needs the one-time token p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import hmac
 import secrets
+import threading
 from dataclasses import dataclass
 from importlib.resources import files
 from typing import Any, Callable
@@ -134,7 +136,7 @@ def make_app(config: DashboardConfig) -> Any:
         from .errors import MonarchError
 
         try:
-            value = await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+            value = await _in_daemon_thread(fn, *args)
         except MonarchError as e:
             return web.json_response({"error": str(e)}, status=200)
         except Exception as e:  # noqa: BLE001 (a query a host refused: the page shows it in its panel)
@@ -187,6 +189,33 @@ def make_app(config: DashboardConfig) -> Any:
         ]
     )
     return app
+
+
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    """``fn(*args)`` on a daemon thread of its own, as a future of this loop. Not the loop's
+    executor: a query still waiting on a host (seconds, up to its timeout) would hold Ctrl-C's
+    exit until it ends, as ``asyncio.run`` joins the executor's threads."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+
+    def run() -> None:
+        try:
+            value, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 (handed to the awaiting request)
+            value, error = None, e
+        with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile: no one waits any more)
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=run, name="monarch-torchx-dashboard-query", daemon=True).start()
+    return fut
 
 
 def _dumps(value: Any) -> str:

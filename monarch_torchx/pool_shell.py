@@ -91,6 +91,8 @@ def run_shell(pool: Pool, index: int, argv: list[str] | None = None, stdin: Any 
         if is_tty:
             tty.setraw(fd)
             old_winch = signal.signal(signal.SIGWINCH, lambda *_: resized.set())
+            if shutil.get_terminal_size() != size:  # (resized before the handler was there: no signal came)
+                resized.set()
         threading.Thread(target=send_keys, daemon=True, name="monarch-torchx-shell-keys").start()
         for item in items:
             if isinstance(item, ShellOutput):

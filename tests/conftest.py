@@ -83,6 +83,22 @@ class FaultRecorder:
         self.current.append(failure)
 
 
+def pytest_configure(config):
+    # (pytest-xdist registers it too; this keeps it known where the tests run without xdist)
+    config.addinivalue_line("markers", "xdist_group(name): tests that run on one xdist worker, in one group")
+    config.addinivalue_line("markers", "serial: runs alone, after the tests that run two at a time (Makefile)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test-integration` runs the integration tests on two xdist workers, then the ``serial``
+    ones alone: those that time a signal or a race against the machine, load it (64-host pools, a
+    browser), or use the SLURM lab (one cluster for the machine, and walltimes of a minute that a
+    loaded machine makes miss)."""
+    for item in items:
+        if "slurm_lab" in item.fixturenames:
+            item.add_marker(pytest.mark.serial)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _fault_recorder():
     import monarch_torchx.actor as actor_pkg

@@ -49,7 +49,7 @@ from tests.fixtures.actors import (
     WrapperMarker,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("test_actors")]  # (its module-wide pool: one worker)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ import pytest
 
 from .conftest import BIN, cli_env, torchx, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]  # (a real browser: it loads the machine)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")

@@ -278,6 +278,7 @@ def interrupt_at(home: Path, marker: str, argv: list[str], cwd: Path | None = No
     return subprocess.CompletedProcess(argv, p.returncode, out, seen + err)
 
 
+@pytest.mark.serial  # (Ctrl-C is sent at a moment of a start: a loaded machine moves the moment)
 @pytest.mark.parametrize("marker", ["creating pool", "warming"])
 def test_ctrl_c_during_pool_create_stops_what_it_started(home, pool_name, marker):
     res = interrupt_at(home, marker, [MT, "pool", "create", pool_name, "-cfg", "hosts=2"])
@@ -288,6 +289,7 @@ def test_ctrl_c_during_pool_create_stops_what_it_started(home, pool_name, marker
     assert mt(home, "pool", "status", pool_name).returncode == 1  # no pool left warm
 
 
+@pytest.mark.serial  # (Ctrl-C is sent at a moment of a start: a loaded machine moves the moment)
 def test_ctrl_c_during_a_first_run_stops_the_pool_it_was_creating(home, pool_name, tmp_path):
     res = interrupt_at(
         home,
@@ -300,6 +302,7 @@ def test_ctrl_c_during_a_first_run_stops_the_pool_it_was_creating(home, pool_nam
     assert not agent_pids(home)
 
 
+@pytest.mark.serial  # (Ctrl-C is sent at a moment of a start: a loaded machine moves the moment)
 def test_ctrl_c_during_run_wait_names_the_command_that_cancels_the_app(home, pool_name, tmp_path):
     res = interrupt_at(
         home,

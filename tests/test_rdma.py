@@ -20,7 +20,7 @@ from monarch_torchx.rdma import RDMAAction, RDMABuffer, RDMAError, get_rdma_back
 from tests.conftest import module_pool
 from tests.fixtures.rdma_actors import Weights
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("test_rdma")]  # (its module-wide pool: one worker)
 
 REPO = Path(__file__).resolve().parents[1]
 N = 1 << 20  # floats per buffer

@@ -19,7 +19,10 @@ from .conftest import (
     wait_for,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.serial,
+]  # (its module-wide pool: one worker)
 
 HOSTS = 64
 

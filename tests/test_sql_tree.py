@@ -22,7 +22,7 @@ from monarch_torchx.telemetry.query import run
 
 from .conftest import module_pool, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("test_sql_tree")]  # (its module-wide pool: one worker)
 
 HOSTS = 10
 CHATTY = (

@@ -20,7 +20,7 @@ from monarch_torchx.registry import Registry
 
 from .conftest import BIN, module_pool, torchx, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("test_torchrun")]  # (its module-wide pool: one worker)
 
 TRAIN = """
 import hashlib, os, sys, time
