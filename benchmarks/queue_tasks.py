@@ -55,14 +55,9 @@ def started_at(_x: int) -> float:
     return time.time()
 
 
-def run_monarch(n: int, home: Path) -> dict[str, float]:
-    import submitit
-
-    from monarch_torchx import history
-    from monarch_torchx.registry import Registry
-
+def _slots_pool(home: Path, pool: str) -> tuple[dict[str, str], str]:
+    """A 2-host pool with 2 CPUs declared per host, in ``home`` (this process's home from now on)."""
     env = {**os.environ, "MONARCH_TORCHX_HOME": str(home)}
-    pool = f"bq{os.getpid()}"
     subprocess.run(
         [str(BIN / "torchx"), "pool", "create", pool, "-cfg", "hosts=2,preload=submitit,cpus_per_host=2"],
         env=env,
@@ -70,6 +65,16 @@ def run_monarch(n: int, home: Path) -> dict[str, float]:
         capture_output=True,
     )
     os.environ["MONARCH_TORCHX_HOME"] = str(home)
+    return env, pool
+
+
+def run_monarch(n: int, home: Path) -> dict[str, float]:
+    import submitit
+
+    from monarch_torchx import history
+    from monarch_torchx.registry import Registry
+
+    env, pool = _slots_pool(home, f"bq{os.getpid()}")
     try:
         with tempfile.TemporaryDirectory() as folder:
             ex = submitit.AutoExecutor(folder=folder, cluster="monarch")
@@ -102,15 +107,7 @@ def run_monarch_workers(n: int, home: Path, folder_in: str | None = None) -> dic
     from monarch_torchx.registry import Registry
     from monarch_torchx.task_groups import TaskStatus
 
-    env = {**os.environ, "MONARCH_TORCHX_HOME": str(home)}
-    pool = f"bw{os.getpid()}"
-    subprocess.run(
-        [str(BIN / "torchx"), "pool", "create", pool, "-cfg", "hosts=2,preload=submitit,cpus_per_host=2"],
-        env=env,
-        check=True,
-        capture_output=True,
-    )
-    os.environ["MONARCH_TORCHX_HOME"] = str(home)
+    env, pool = _slots_pool(home, f"bw{os.getpid()}")
     try:
         with tempfile.TemporaryDirectory(dir=folder_in) as folder:
             ex = submitit.AutoExecutor(folder=folder, cluster="monarch")

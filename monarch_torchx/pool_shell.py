@@ -11,6 +11,7 @@ Without a terminal here (a pipe), what is read is written as is, and its end end
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -34,6 +35,17 @@ class ShellLost(MonarchError):
     """The host's agent went away while the shell ran."""
 
 
+def _terminal_size(fd: int, is_tty: bool) -> os.terminal_size:
+    """The terminal's own size where there is one (not $COLUMNS/$LINES, which a shell or a test
+    runner may have left stale in the environment), else shutil's answer."""
+    if is_tty:
+        with contextlib.suppress(OSError):
+            size = os.get_terminal_size(fd)
+            if size.columns and size.lines:
+                return size
+    return shutil.get_terminal_size()
+
+
 def run_shell(pool: Pool, index: int, argv: list[str] | None = None, stdin: Any = None, stdout: Any = None) -> int:
     """Runs a shell (``argv``, default the login shell) on host ``index`` attached to this
     process's terminal (or ``stdin``/``stdout``); returns its exit code. Raises ShellLost when the
@@ -42,7 +54,7 @@ def run_shell(pool: Pool, index: int, argv: list[str] | None = None, stdin: Any 
     out: BinaryIO = stdout or sys.stdout.buffer
     fd = stdin.fileno()
     is_tty = os.isatty(fd)
-    size = shutil.get_terminal_size()
+    size = _terminal_size(fd, is_tty)
     streaming = pool.connect(index)
     streaming.settimeout(None)
     items = streaming.stream(
@@ -70,7 +82,7 @@ def run_shell(pool: Pool, index: int, argv: list[str] | None = None, stdin: Any 
             while not done.is_set():
                 if resized.is_set():
                     resized.clear()
-                    s = shutil.get_terminal_size()
+                    s = _terminal_size(fd, is_tty)
                     with lock:
                         keys.call("shell.resize", session=opened.session, cols=s.columns, rows=s.lines)
                 ready, _, _ = select.select([fd], [], [], 0.2)
@@ -91,7 +103,7 @@ def run_shell(pool: Pool, index: int, argv: list[str] | None = None, stdin: Any 
         if is_tty:
             tty.setraw(fd)
             old_winch = signal.signal(signal.SIGWINCH, lambda *_: resized.set())
-            if shutil.get_terminal_size() != size:  # (resized before the handler was there: no signal came)
+            if _terminal_size(fd, is_tty) != size:  # (resized before the handler was there: no signal came)
                 resized.set()
         threading.Thread(target=send_keys, daemon=True, name="monarch-torchx-shell-keys").start()
         for item in items:

@@ -18,6 +18,7 @@ from monarch_torchx.errors import MonarchError
 from monarch_torchx.submitit_executor import MonarchJob
 
 from .conftest import torchx, wait_for
+from .test_submitit import _executor
 
 pytestmark = pytest.mark.integration
 
@@ -41,12 +42,6 @@ def sleepy(seconds):
 
 def die():
     os._exit(3)
-
-
-def _executor(tmp_path, pool, **params):
-    ex = submitit.AutoExecutor(folder=str(tmp_path / "logs" / "%j"), cluster="monarch")
-    ex.update_parameters(monarch_pool=pool, **params)
-    return ex
 
 
 @pytest.fixture
