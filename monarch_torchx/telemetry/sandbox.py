@@ -412,7 +412,8 @@ def _died(status: int | None, timed_out: bool, limits: Limits) -> QueryStopped:
     """Why a query process ended without its last record (``status``: its exit code, negative
     for a signal, None where its supervisor did not say)."""
     if timed_out:
-        return QueryTimedOut(f"it ran past its time limit of {limits.timeout_s:.3g} s and was stopped")
+        # (.2g: a limit the client shortened by its own deadline, 1.99 s of 2, reads as the limit set)
+        return QueryTimedOut(f"it ran past its time limit of {limits.timeout_s:.2g} s and was stopped")
     if status in (-signal.SIGABRT, -signal.SIGKILL, -signal.SIGSEGV, -signal.SIGBUS):
         # an allocation refused under the cap aborts (Rust, C++) or, for a thread's stack, faults
         return _out_of_memory(limits)
