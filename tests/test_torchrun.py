@@ -581,6 +581,8 @@ def test_thread_counts_reach_forked_workers_and_spmd_runs_warm(warm, tmp_path):
     (tmp_path / "threads.py").write_text(
         "import os, torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
         "print('threads', os.environ['RANK'], os.environ['OMP_NUM_THREADS'], torch.get_num_threads(), flush=True)\n"
+        # (no rank leaves before the others are connected: gloo's mesh may still be forming on a loaded machine)
+        "dist.barrier()\ndist.destroy_process_group()\n"
     )
     # (spmd's default -h gpu.small asks 32 GB, more than these hosts have: a CPU size, as on a laptop)
     for component, env, want in (
