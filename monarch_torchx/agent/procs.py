@@ -77,6 +77,8 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+KILL_REAP_S = 1.0  # how long ``kill`` waits for SIGKILLed replicas' ends to be heard
+
 # signals that end a whole job from outside (scancel, walltime, a node's shutdown), as an exit code
 # from the process itself (-N) or from a shell that ran it (128 + N)
 _JOB_SIGNALS = frozenset({signal.SIGTERM, signal.SIGKILL, signal.SIGINT, signal.SIGHUP})
@@ -566,6 +568,11 @@ class ProcTable:
         for r in live:
             if r.state == RUNNING:
                 _signal_group(r.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        # and their ends heard (briefly): what a stopping agent removes of theirs next (their temp
+        # dirs, ``remove_dead_temp_dirs``) must find them dead, not dying
+        deadline = time.time() + KILL_REAP_S
+        while time.time() < deadline and any(r.state == RUNNING for r in live):
+            await asyncio.sleep(0.02)
         return len(live)
 
     async def logs(

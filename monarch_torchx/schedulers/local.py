@@ -154,7 +154,9 @@ class LocalProvisioner:
         killed = []
         for index, pid in rec.allocation.get("pids", {}).items():
             if _is_our_agent(pid, rec.state_dir):
-                for _ in range(40):
+                # (up to 5 s: an agent gives its replicas 3 s after SIGTERM, then cleans up what
+                # they left, e.g. their temp dirs, which it can do only once they are dead)
+                for _ in range(100):
                     if not _is_our_agent(pid, rec.state_dir):
                         break
                     time.sleep(0.05)
