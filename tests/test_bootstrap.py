@@ -76,6 +76,8 @@ def test_attached_workers_are_a_warm_host_mesh_and_end_with_its_shutdown(workers
     rec = Registry().get(hosts.pool)
     again = attach_to_workers(ca="trust_all_connections", workers=addrs)
     assert again.pool == hosts.pool
+    # its adoption runs in the background: wait for it, or it may land after the shutdown below
+    assert again.initialized.get(timeout=60) is True
     assert [h.incarnation for h in Registry.hosts(Registry().get(again.pool))] == [
         h.incarnation for h in Registry.hosts(rec)
     ]
