@@ -118,7 +118,11 @@ class MonarchJob(core.Job[core.R]):
             raise MonarchError(f"the pool's queue (host 0) could not say: {e}") from None
         except HostUnreachable as e:  # (the next run repairs it, and its new agent reads the group back)
             return TaskStatus(self.job_id, UNKNOWN, f"host 0, which holds the pool's task groups, did not answer: {e}")
-        return TaskStatus.from_wire(got[0])
+        st = TaskStatus.from_wire(got[0])
+        if st.forgotten and self.paths.result_pickle.exists():  # (its group ended long ago: its result says)
+            outcome = utils.pickle_load(self.paths.result_pickle)[0]
+            st.state, st.msg = (SUCCEEDED, "") if outcome == "success" else (FAILED, "its function raised")
+        return st
 
     @property
     def state(self) -> str:

@@ -95,6 +95,7 @@ class TaskStatus:
     started: float | None = None
     ended: float | None = None
     worker: str = ""  # the worker (its app id) that ran or runs it
+    forgotten: bool = False  # its group ended and was forgotten by the holder: the state is not known
 
     @property
     def terminal(self) -> bool:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import submitit
@@ -167,3 +168,30 @@ def test_the_tasks_outlive_a_lost_host_0_and_run_when_the_next_submit_repairs_it
     first.cancel()  # (it runs again: at least once)
     assert [second.result(), third.result()] == ["woke", "woke"]
     assert first.state == "CANCELLED"
+
+
+def test_a_long_lived_pool_forgets_its_oldest_finished_groups_and_their_jobs_still_read(
+    home, pool_name, tmp_path, monkeypatch
+):
+    from monarch_torchx.registry import Registry
+
+    monkeypatch.setenv("MONARCH_TORCHX_KEEP_ENDED_TASKS", "3")  # (the pool's agents read it)
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=submitit,cpus_per_host=2")
+    old = _executor(tmp_path, pool_name, monarch_workers=True).map_array(who, [1, 7])
+    assert old[0].result()["x"] == 1
+    with pytest.raises(FailedJobError):
+        old[1].result()
+    new = _executor(tmp_path, pool_name, monarch_workers=True).map_array(who, [4, 5])
+    assert [j.result()["x"] for j in new] == [4, 5]
+    tasks_dir = Path(Registry().get(pool_name).state_dir) / "tasks"
+    # 4 ended tasks are more than 3: the older group goes (memory and files), the newer stays
+    wait_for(lambda: len(list(tasks_dir.glob("*.json"))) == 1, timeout=20, what="the older group forgotten")
+    assert not list(tasks_dir.glob(f"{_group_of(tmp_path, old[0])}.*"))
+    # its jobs read as they ended, from the results they left in submitit's folder
+    assert [j.state for j in old] == ["COMPLETED", "FAILED"]
+    assert [j.state for j in new] == ["COMPLETED", "COMPLETED"]
+
+
+def _group_of(tmp_path, job) -> str:
+    meta = next((tmp_path / "logs").glob(f"*/{job.job_id.split('_')[0]}_monarch.json"))
+    return json.loads(meta.read_text())["group"]

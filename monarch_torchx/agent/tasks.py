@@ -15,6 +15,11 @@ Files, 0600 in the pool's private state dir: ``tasks/GROUP.json`` (the group), `
 tasks, a JSON line each, as submitted), ``GROUP.ends`` (each end, a JSON line). A host 0 started
 again (the next run repairs it) reads them back, and the tasks without an end run again: a task
 may so run twice (at least once), never silently lost. `pool stop` ends what is left CANCELLED.
+
+A pool lives for days and runs map_arrays of any size: the groups whose tasks all ended are
+forgotten, oldest first (memory and files), once they hold more than KEEP_ENDED_TASKS tasks in
+all. A forgotten task's result, where it left one, is still in submitit's folder, which is what
+its job reads first.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ log = logging.getLogger("monarch_torchx.agent")
 WORKER_IDLE_S = 2.0  # a worker with nothing to do this long exits (its slot frees)
 CHECK_EVERY_S = 1.0
 CHECK_AFTER_S = 2.0  # a task that ran this long has its worker's host asked whether it still lives
+KEEP_ENDED_TASKS = int(os.environ.get("MONARCH_TORCHX_KEEP_ENDED_TASKS", "100000"))
 
 
 @dataclass
@@ -80,6 +86,12 @@ class _Group:
     made: int = 0  # workers made so far (they are numbered)
     gone: set[str] = field(default_factory=set)  # workers ended and forgotten (a late call is told so)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: int = 0  # tasks with a final state
+
+    @property
+    def finished(self) -> bool:
+        """Every task ended and no worker is left: nothing of the group runs or will."""
+        return self.ended == len(self.tasks) and not self.pending and not self.live_workers
 
     def wake(self) -> None:
         """Wakes the workers that wait for a task (each waits on the event it found)."""
@@ -99,6 +111,7 @@ class TaskHolder:
         self.dir = agent.state_dir / "tasks"
         self._dir_made = False
         self.groups: dict[str, _Group] = {}
+        self.forgotten: set[str] = set()  # (ids only: what a late status of one is told)
 
     def operations(self) -> dict[str, Any]:
         return {
@@ -120,6 +133,7 @@ class TaskHolder:
         new = [Task.from_wire(t) for t in tasks]  # (all checked before any is taken)
         g = self.groups.get(spec.group_id)
         if g is None:
+            self.forgotten.discard(spec.group_id)
             g = self.groups[spec.group_id] = _Group(spec)
             self._write(self._path(spec.group_id, "json"), json.dumps({"group": group, "targets": targets}))
         for t in new:
@@ -210,7 +224,13 @@ class TaskHolder:
         st = g.status.get(tid) if g is not None else None
         if st is None:
             why = "group" if g is None else "task"
-            return TaskStatus(tid, FAILED, f"the pool's queue (host 0) has no record of this {why} ({group_id})")
+            return TaskStatus(
+                tid,
+                FAILED,
+                f"the pool's queue (host 0) has no record of this {why} ({group_id}): it keeps the states of "
+                f"the last {KEEP_ENDED_TASKS} ended tasks, and a result a task left is in submitit's folder",
+                forgotten=group_id in self.forgotten,
+            )
         return st
 
     # ------------------------------------------------------------ workers
@@ -301,12 +321,32 @@ class TaskHolder:
                 self._record(g, e)
 
     def _record(self, g: _Group, st: TaskStatus) -> None:
+        was = g.status.get(st.task_id)
+        if st.terminal and (was is None or not was.terminal):
+            g.ended += 1
         g.status[st.task_id] = st
         self._append(g.spec.group_id, "ends", [st.to_wire()])
+
+    def _forget_finished(self) -> None:
+        """Forgets the oldest finished groups (memory and files) while the finished ones hold more
+        than KEEP_ENDED_TASKS tasks in all (see the module's docstring)."""
+        finished = [g for g in self.groups.values() if g.finished]
+        held = sum(len(g.tasks) for g in finished)
+        for g in finished:  # (oldest first: groups are kept in the order they came)
+            if held <= KEEP_ENDED_TASKS:
+                break
+            held -= len(g.tasks)
+            del self.groups[g.spec.group_id]
+            self.forgotten.add(g.spec.group_id)
+            for kind in ("json", "tasks", "ends"):
+                with contextlib.suppress(OSError):
+                    self._path(g.spec.group_id, kind).unlink()
+            log.info("forgot task group %s: its %d task(s) ended", g.spec.group_id, len(g.tasks))
 
     async def _check(self) -> None:
         """One look at the workers: a task that has run CHECK_AFTER_S, or a worker that has not
         called in that long (started, but not yet asking), has its worker asked of its host."""
+        self._forget_finished()
         now = time.time()
         asks: list[tuple[int, _Group, _Worker]] = []
         for g in list(self.groups.values()):
@@ -451,6 +491,7 @@ class TaskHolder:
             g.pending.extend(tid for tid, st in g.status.items() if st.state in (PENDING, RUNNING))
             for tid in g.pending:
                 g.status[tid] = TaskStatus(tid)
+            g.ended = sum(1 for st in g.status.values() if st.terminal)
             self.groups[group_id] = g
             for app_id in [a for a in self.agent.queue.waiting if a.startswith(f"{group_id}-")]:
                 # a previous holder's workers, queued: they would dial it, not this one
