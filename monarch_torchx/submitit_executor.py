@@ -40,6 +40,8 @@ from .task_groups import Task, TaskGroup, TaskStatus
 
 REQUEUE_CODE = 144
 STATE_EVERY_S = 0.5  # how often a waiting job asks the pool for its state (see MonarchJob.wait)
+REPAIR_AFTER_S = 5.0  # a waiting job whose state is UNKNOWN this long has its pool's lost hosts repaired
+REPAIR_EVERY_S = 30.0  # (and again this often while it stays UNKNOWN)
 _SUBMITIT_STATE = {
     PENDING: "PENDING",
     RUNNING: "RUNNING",
@@ -166,20 +168,52 @@ class MonarchJob(core.Job[core.R]):
         function returned or raised) is looked for from every 5 ms up to every 50 ms, and the pool is
         asked for the job's state (a killed, timed-out or lost task writes none) only every
         ``STATE_EVERY_S``: asking is a connection and a handshake with an agent, which the agents
-        would otherwise pay for every job of a map_array while it runs."""
+        would otherwise pay for every job of a map_array while it runs.
+
+        A job whose state stays UNKNOWN (the host that holds it, or the pool's queue on host 0,
+        lost) has its pool repaired after REPAIR_AFTER_S, as the next submission would: a waiter
+        with nothing more to submit is not left waiting forever for a host nobody restarts."""
         if self._sub_jobs:
             for job in self._sub_jobs:
                 job.wait()
             return
         delay = 0.005
         ask_at = time.monotonic() + delay
+        unknown_since: float | None = None
         while not self.paths.result_pickle.exists():
-            if time.monotonic() >= ask_at:
-                if self.done():
+            now = time.monotonic()
+            if now >= ask_at:
+                state = self.state
+                if state not in ("PENDING", "RUNNING", "REQUEUED", "UNKNOWN"):
                     return
+                if state != "UNKNOWN":
+                    unknown_since = None
+                elif unknown_since is None:
+                    unknown_since = now
+                elif now - unknown_since >= REPAIR_AFTER_S:
+                    self._repair_pool()
+                    unknown_since = now - REPAIR_AFTER_S + REPAIR_EVERY_S  # (next try: REPAIR_EVERY_S on)
                 ask_at = time.monotonic() + STATE_EVERY_S
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+
+    def _repair_pool(self) -> None:
+        """Repairs the job's pool where its engine says hosts are lost (``ensure_pool``, as a
+        submission does; serialized with any other run of the pool). A failed repair is said in one
+        line and tried again later: the job may still end."""
+        from .pool import PoolRequest, ensure_pool
+        from .registry import Registry
+
+        def progress(msg: str) -> None:
+            print(f"monarch-torchx: {msg}", file=sys.stderr, flush=True)
+
+        try:
+            name = self._meta()["pool"]
+            rec = Registry().get(name)
+            if rec is not None:
+                ensure_pool(PoolRequest(rec.scheduler, name, spec={}), progress=progress)
+        except (MonarchError, OSError, ValueError) as e:
+            progress(f"job {self.job_id} waits on a host that did not answer; repairing its pool failed: {e}")
 
     def __del__(self) -> None:
         """``job.cancel_at_deletion()`` then ``del job`` cancels a job still running. (submitit's own

@@ -170,6 +170,20 @@ def test_the_tasks_outlive_a_lost_host_0_and_run_when_the_next_submit_repairs_it
     assert first.state == "CANCELLED"
 
 
+def test_a_job_waited_on_while_host_0_is_lost_repairs_the_pool_itself(slots_pool, tmp_path, capfd):
+    from monarch_torchx.pool import attach
+
+    ex = _executor(tmp_path, slots_pool, monarch_workers=1)
+    first, second = ex.submit(sleepy, 2), ex.submit(sleepy, 0)
+    wait_for(lambda: first.state == "RUNNING", what="the first task")
+    os.kill(attach(slots_pool).hosts[0].pid, signal.SIGKILL)  # host 0 holds the group
+    assert second.state == "UNKNOWN"
+    # nothing else is submitted: the waiter itself has host 0 repaired, and the group is read back
+    assert second.result() == "woke"
+    assert "repairing pool" in capfd.readouterr().err
+    assert first.result() == "woke"  # (it ran again: at least once)
+
+
 def test_a_long_lived_pool_forgets_its_oldest_finished_groups_and_their_jobs_still_read(
     home, pool_name, tmp_path, monkeypatch
 ):
