@@ -45,9 +45,11 @@ TORCHX07_TESTS := tests/test_local_runner.py tests/test_cli.py tests/test_launch
 	tests/test_dryrun.py tests/test_readme.py tests/test_submitit.py tests/test_torchrun.py tests/test_first_contact.py \
 	--deselect tests/test_readme.py::test_the_readmes_slurm_block_runs_as_written_on_the_lab \
 	--deselect tests/test_readme.py::test_the_readmes_kubernetes_block_runs_as_written_on_the_emulated_cluster
+# Two at a time, then the `serial` ones alone, as test-integration runs them.
 test-torchx07:
 	$(MAKE) setup VENV=.venv-torchx07 TORCHX_LINE=0.7.0
-	.venv-torchx07/bin/python -m pytest -q $(if $(FULL),,$(TORCHX07_TESTS))
+	.venv-torchx07/bin/python -m pytest -q -m "not serial" -n 2 --dist loadgroup $(if $(FULL),,$(TORCHX07_TESTS)); a=$$?; \
+	.venv-torchx07/bin/python -m pytest -q -m serial -p no:xdist $(if $(FULL),,$(TORCHX07_TESTS)); b=$$?; exit $$((a || b))
 
 bench: setup
 	$(BIN)/python benchmarks/warm_relaunch.py
