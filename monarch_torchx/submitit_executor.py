@@ -42,6 +42,7 @@ REQUEUE_CODE = 144
 STATE_EVERY_S = 0.5  # how often a waiting job asks the pool for its state (see MonarchJob.wait)
 REPAIR_AFTER_S = 5.0  # a waiting job whose state is UNKNOWN this long has its pool's lost hosts repaired
 REPAIR_EVERY_S = 30.0  # (and again this often while it stays UNKNOWN)
+_NOT_DONE = ("PENDING", "RUNNING", "REQUEUED", "UNKNOWN")  # submitit's states of a job that may still end
 _SUBMITIT_STATE = {
     PENDING: "PENDING",
     RUNNING: "RUNNING",
@@ -161,7 +162,7 @@ class MonarchJob(core.Job[core.R]):
             return all(j.done() for j in self._sub_jobs)
         if self.paths.result_pickle.exists():
             return True
-        return self.state not in ("PENDING", "RUNNING", "REQUEUED", "UNKNOWN")
+        return self.state not in _NOT_DONE
 
     def wait(self) -> None:
         """As submitit's, but warm jobs finish fast: the result file (which a task writes whether its
@@ -179,20 +180,20 @@ class MonarchJob(core.Job[core.R]):
             return
         delay = 0.005
         ask_at = time.monotonic() + delay
-        unknown_since: float | None = None
+        repair_at: float | None = None  # while the state is UNKNOWN: when the pool is repaired
         while not self.paths.result_pickle.exists():
             now = time.monotonic()
             if now >= ask_at:
                 state = self.state
-                if state not in ("PENDING", "RUNNING", "REQUEUED", "UNKNOWN"):
+                if state not in _NOT_DONE:
                     return
                 if state != "UNKNOWN":
-                    unknown_since = None
-                elif unknown_since is None:
-                    unknown_since = now
-                elif now - unknown_since >= REPAIR_AFTER_S:
+                    repair_at = None
+                elif repair_at is None:
+                    repair_at = now + REPAIR_AFTER_S
+                elif now >= repair_at:
                     self._repair_pool()
-                    unknown_since = now - REPAIR_AFTER_S + REPAIR_EVERY_S  # (next try: REPAIR_EVERY_S on)
+                    repair_at = time.monotonic() + REPAIR_EVERY_S
                 ask_at = time.monotonic() + STATE_EVERY_S
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
@@ -204,16 +205,13 @@ class MonarchJob(core.Job[core.R]):
         from .pool import PoolRequest, ensure_pool
         from .registry import Registry
 
-        def progress(msg: str) -> None:
-            print(f"monarch-torchx: {msg}", file=sys.stderr, flush=True)
-
         try:
             name = self._meta()["pool"]
             rec = Registry().get(name)
             if rec is not None:
-                ensure_pool(PoolRequest(rec.scheduler, name, spec={}), progress=progress)
+                ensure_pool(PoolRequest(rec.scheduler, name, spec={}), progress=_progress)
         except (MonarchError, OSError, ValueError) as e:
-            progress(f"job {self.job_id} waits on a host that did not answer; repairing its pool failed: {e}")
+            _progress(f"job {self.job_id} waits on a host that did not answer; repairing its pool failed: {e}")
 
     def __del__(self) -> None:
         """``job.cancel_at_deletion()`` then ``del job`` cancels a job still running. (submitit's own
@@ -243,6 +241,11 @@ class MonarchJob(core.Job[core.R]):
         except MonarchError:
             if check:
                 raise
+
+
+def _progress(msg: str) -> None:
+    """A pool's progress (creating, repairing, warming), on stderr, as the CLI says it."""
+    print(f"monarch-torchx: {msg}", file=sys.stderr, flush=True)
 
 
 def _task_env(job_id: str) -> dict[str, str]:
@@ -438,15 +441,12 @@ class MonarchExecutor(core.PicklingExecutor):
         rec = Registry().require(name)
         req = PoolRequest(rec.scheduler, name, spec={})
 
-        def progress(msg: str) -> None:
-            print(f"monarch-torchx: {msg}", file=sys.stderr, flush=True)
-
         # the hosts' load, asked of every host, is the health check too: ensure_pool's own only when a
         # host is not well (repaired, reported) or still warming (waited for), then the load again
-        pool = reuse_unchecked(req, progress=progress)
+        pool = reuse_unchecked(req, progress=_progress)
         health = pool.health(touch=True) if pool is not None else []
         if pool is None or not all(h.ok for h in health) or warming_hosts([h.info for h in health]):
-            pool = ensure_pool(req, progress=progress)
+            pool = ensure_pool(req, progress=_progress)
             health = pool.health()
         nodes = int(self.parameters.get("nodes", 1))
         if nodes > pool.record.num_hosts:
@@ -459,9 +459,9 @@ class MonarchExecutor(core.PicklingExecutor):
         timeout_min = self.parameters.get("timeout_min", 5)
         loads = [HostLoad.from_wire(h.info["load"]) for h in health if h.ok and h.info.get("load")]
         if self.parameters.get("workers"):
-            return self._to_workers(pool, loads, delayed_submissions, float(timeout_min), progress)
+            return self._to_workers(pool, loads, delayed_submissions, float(timeout_min), _progress)
         jobs: list[core.Job[tp.Any]] = []
-        batch = _Enqueuing(pool, loads, progress)
+        batch = _Enqueuing(pool, loads, _progress)
         try:
             for i, delayed in enumerate(delayed_submissions):
                 job_id = uuid.uuid4().hex[:16]
@@ -486,7 +486,7 @@ class MonarchExecutor(core.PicklingExecutor):
             batch.cancel_sent("its submission failed")
             raise
         if batch.waiting:
-            progress(f"{batch.waiting} of {len(jobs)} job(s) wait in the queue of pool {name!r}: {batch.reason}")
+            _progress(f"{batch.waiting} of {len(jobs)} job(s) wait in the queue of pool {name!r}: {batch.reason}")
         return jobs
 
     def _group(self, pool: tp.Any, timeout_min: float) -> TaskGroup:
