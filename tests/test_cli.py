@@ -275,6 +275,39 @@ def test_idle_timeout_is_pool_wide_a_busy_host_keeps_its_idle_peers(home, pool_n
     wait_for(lambda: not agent_pids(home), timeout=20, what="both agents to leave together")
 
 
+def test_a_host_no_client_reached_yet_waits_for_the_run_before_its_idle_clock_starts(home, pool_name, monkeypatch):
+    """A host ready before its peers (a slow pod) waits while the run that made it waits on them:
+    with a short idle_timeout it had idled out by then, and the run found it gone (a CI failure
+    on Kubernetes). Its idle clock starts with the first request a client makes of it."""
+    import time
+
+    from monarch_torchx.agent import agent_argv
+    from monarch_torchx.pool import attach
+
+    monkeypatch.setenv("MONARCH_TORCHX_HEARTBEAT_S", "0.3")  # (an idle check every 0.3 s)
+    torchx(home, "pool", "create", pool_name, "-cfg", "hosts=1,preload=none,idle_timeout=1s")
+    wait_for(lambda: not agent_pids(home), timeout=30, what="the pool to idle out")
+    rec = Registry(home).require(pool_name)
+    Registry.clear_host(rec, 0)
+    late = subprocess.Popen(
+        agent_argv(rec, 0, "127.0.0.1"),
+        cwd=rec.state_dir,
+        env=cli_env(home),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: Registry.read_host(rec.state_dir, 0) is not None, what="the late host to publish")
+        time.sleep(3)  # three times its idle_timeout, ten idle checks, and no client yet
+        assert late.poll() is None, "a host nobody had reached yet idled out"
+        assert attach(pool_name).call(0, "info")["idle_s"] < 1  # (a look, but the first request)
+        late.wait(timeout=30)  # then its idle clock runs: it leaves
+    finally:
+        late.kill()
+        late.wait()
+
+
 def test_log_of_many_replicas_is_one_request_per_host_not_a_stream_per_replica(home, pool_name):
     """torchx log of an app (no --tail) asks each host once for all of its replicas' lines
     (``app_logs``; through the relay tree on big pools) and prints them as TorchX does, replica by

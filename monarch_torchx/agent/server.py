@@ -67,6 +67,9 @@ HEARTBEAT_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_S", "5"))
 # how often the host file is rewritten (1,024 hosts: ~2,000 writes a minute to the pool's dir)
 # a further allocation's agent stays this long after a run checked it, though idle (see Agent.touch)
 TOUCH_GRACE_S = 30.0
+# an agent no client has reached yet does not idle out before this: its pool may still be coming up
+# (a slow pod or node holds the run back), and the run's first request is what starts its idle clock
+CONTACT_GRACE_S = 600.0
 HEARTBEAT_WRITE_S = float(os.environ.get("MONARCH_TORCHX_HEARTBEAT_WRITE_S", str(6 * HEARTBEAT_S)))
 # asking about a pool must not keep it alive: only work (launches, module calls) resets idleness
 PASSIVE_OPS = frozenset(
@@ -135,6 +138,7 @@ class Agent:
         self.key = self.creds.key
         self.started = time.time()
         self.last_request = time.time()
+        self.contacted = False  # no client request yet: idle time counts from the first (see touch)
         self.last_touch = 0.0  # when a run last checked this host (a grace, not work: see touch)
         self.last_asked = 0.0  # when anything but a look was last asked of it (see touch)
         self.idled_out = False
@@ -263,7 +267,12 @@ class Agent:
         """A request for ``op`` arrived: work on the pool, unless ``op`` only looks. ``work=False``:
         a run checked this host without giving it anything (a launch pass's empty call, ``info``
         with touch): work for the pool's first allocation, whose agents leave only with the whole
-        pool; only a grace for a further allocation's, which leave when their own hosts are idle."""
+        pool; only a grace for a further allocation's, which leave when their own hosts are idle.
+        The first request of all, even a look, starts the idle clock: until then the pool was
+        still coming up, and a host ready before its peers must not idle out before the run."""
+        if not self.contacted:
+            self.contacted = True
+            self.last_request = time.time()
         if op in PASSIVE_OPS:
             return
         self.last_asked = time.time()  # (a run may be placing work here: no handover meanwhile)
@@ -612,7 +621,8 @@ class Agent:
                 log.info("%s", why)
                 self.stop(why)
                 return
-            if limit > 0 and self.idle_seconds() > limit and now >= next_pool_check and not checked_lately:
+            waits = checked_lately or (not self.contacted and now - self.started < max(limit, CONTACT_GRACE_S))
+            if limit > 0 and self.idle_seconds() > limit and now >= next_pool_check and not waits:
                 pool_idle = self.pool_idle_seconds()  # reads every host's file: not every beat
                 if pool_idle > limit:
                     log.info("pool idle for %.0f s: shutting down", pool_idle)
@@ -643,6 +653,7 @@ class Agent:
             self.stop(due.why)
             return False
         self.standby = False
+        self.contacted = True  # (it goes on with its predecessor's history)
         # its idle time counts from its host's last work, not from when it started or took over
         self.last_request = self.procs.last_change = min(due.last_work or time.time(), time.time())
         self._publish(armed=False, heartbeat=time.time(), last_work=time.time() - self.idle_seconds())
