@@ -55,6 +55,9 @@ _HOPELESS = (
 # host 0's module that grows a pool with ``max_nodes`` (``slurm_allocator.py``), and its state file
 ALLOCATOR_MODULE = "monarch_torchx.schedulers.slurm_allocator:setup"
 ALLOCATOR_FILE = "allocator.json"
+# how long a shrink waits for the jobs it released to end after their scancel (SLURM's KillWait
+# is 30 s by default: an agent that ignored SIGTERM is not waited for until its SIGKILL)
+RELEASE_SETTLE_S = 30.0
 ALIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
 
 
@@ -225,6 +228,25 @@ def _run(argv: list[str], timeout: float = 30) -> tuple[int, str, str]:
 def _cancel_job(job_id: str) -> None:
     if job_id and shutil.which("scancel"):
         _run(["scancel", str(job_id)])
+
+
+def end_jobs(job_ids: list[str], grace_s: float, settle_s: float = 0.0) -> None:
+    """Ends jobs whose agents were told to shut down: ``grace_s`` for them to end on their own
+    (their agents end their work and mounts), then scancel for the rest; with ``settle_s``, waits
+    that long at most for every process of them to have ended (SLURM's SIGTERM lets an agent
+    write its last words first: whoever clears a host's files after this finds none to come)."""
+    if not job_ids:
+        return
+    deadline = time.time() + grace_s
+    while time.time() < deadline and any(st[0] in ("RUNNING", "COMPLETING") for st in jobs_states(job_ids).values()):
+        time.sleep(0.2)
+    alive = [job for job, (state, _, _) in jobs_states(job_ids).items() if state in ALIVE]
+    for job in alive:
+        _cancel_job(job)
+    deadline = time.time() + settle_s
+    while alive and time.time() < deadline:
+        time.sleep(0.2)
+        alive = [job for job, (state, _, _) in jobs_states(alive).items() if state in ALIVE]
 
 
 def job_state(job_id: str) -> tuple[str, str, str]:
@@ -559,9 +581,11 @@ class SlurmProvisioner:
             rec.spec["hosts"] = hosts
             set_allocations(rec, allocs)
             return list(range(old, hosts)), {}
-        for a in self.released_by(rec, hosts):
-            for job in a.jobs:  # (and a successor waiting to take its hosts over)
-                _cancel_job(job)
+        released = self.released_by(rec, hosts)
+        # (and a successor waiting to take its hosts over, or that took them: ended before their
+        # files are cleared, so no last heartbeat, exit record or takeover writes one back after)
+        end_jobs([job for a in released for job in a.jobs], grace_s=5, settle_s=RELEASE_SETTLE_S)
+        for a in released:
             for i in a.indices:
                 Registry.clear_host(rec, i)
                 Registry.clear_host(rec, i, standby=True)
@@ -652,15 +676,7 @@ class SlurmProvisioner:
         return found
 
     def release(self, rec: PoolRecord) -> None:
-        jobs = [j for a in allocations(rec) for j in a.jobs]
-        if not jobs:
-            return
-        deadline = time.time() + 5  # agents were told to shut down: give the jobs a moment to end
-        while time.time() < deadline and any(st[0] in ("RUNNING", "COMPLETING") for st in jobs_states(jobs).values()):
-            time.sleep(0.2)
-        for job, (state, _, _) in jobs_states(jobs).items():
-            if state in ALIVE:
-                _cancel_job(job)
+        end_jobs([j for a in allocations(rec) for j in a.jobs], grace_s=5)
 
     def wait_ready(
         self, rec: PoolRecord, indices: list[int], old: dict[int, str], timeout: float, progress: Callable[[str], None]
