@@ -28,10 +28,10 @@ lint: setup
 
 # Two at a time (xdist), as the tests wait on pools and agents more than they compute (a module with a
 # module-wide pool stays on one worker: xdist_group); then, alone, the `serial` ones (tests/conftest.py).
-# Both parts run; either failing fails the target.
+# Both parts run; either failing fails the target. Each names its 15 slowest tests (where CI time goes).
 test-integration: setup
-	$(BIN)/python -m pytest -q -m "integration and not serial" -n 2 --dist loadgroup; a=$$?; \
-	$(BIN)/python -m pytest -q -m "integration and serial" -p no:xdist; b=$$?; exit $$((a || b))
+	$(BIN)/python -m pytest -q -m "integration and not serial" -n 2 --dist loadgroup --durations=15; a=$$?; \
+	$(BIN)/python -m pytest -q -m "integration and serial" -p no:xdist --durations=15; b=$$?; exit $$((a || b))
 
 # The fast lane: what needs no pool, agent, proc, CLI subprocess, SLURM lab or FUSE (tests/unit/ and the
 # pure modules), in well under a minute. `make test` still runs everything.
