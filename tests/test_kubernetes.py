@@ -568,6 +568,34 @@ def test_idle_pool_ends_itself_and_the_next_run_brings_it_back(cluster, home, po
     assert asks and asks[0] == 2, asks
 
 
+def test_a_pod_ready_before_its_peers_does_not_end_the_pool_while_the_run_waits_for_them(cluster, home, pool_name):
+    """Agent 0 up, pod 1 Pending for three times the idle timeout (a node short of room): agent 0
+    had idled the pool out meanwhile, so the run that was waiting for pod 1 found host 0 gone (a CI
+    failure, on a repair). An agent's idle clock starts with the first request a client makes of it."""
+    held = f"monarch-{pool_name}-1"
+    cluster.held_pods.add(held)
+    let_go = threading.Timer(6.0, cluster.held_pods.discard, args=(held,))
+    let_go.start()
+    try:
+        res = torchx(
+            home,
+            "pool",
+            "create",
+            pool_name,
+            "-s",
+            S,
+            "-cfg",
+            f"replicas=2,port={_free_port()},preload=none,idle_timeout=2s",
+            check=False,
+        )
+    finally:
+        let_go.cancel()
+        cluster.held_pods.discard(held)
+    assert res.returncode == 0, res.stderr
+    assert f"{held}: Pending" in res.stderr, res.stderr  # (the precondition: pod 1 waited)
+    wait_for(lambda: not cluster.objects("StatefulSet"), timeout=30, what="the idle pool deleted, once reached")
+
+
 def test_api_failures_are_one_line(cluster, home, pool_name, monkeypatch, tmp_path):
     port = _free_port()
     cluster.server.deny.add(("create", "statefulsets"))

@@ -527,7 +527,12 @@ class Agent:
     # ------------------------------------------------------------ lifecycle
 
     def idle_seconds(self) -> float:
+        """How long this host has had nothing to do. 0 while no client has reached it yet (within
+        ``CONTACT_GRACE_S``): its pool is still coming up, for the idle check here, for its peers
+        (its published ``last_work``) and for a Kubernetes pool's agent 0 (``k8s_idle``)."""
         if self.procs.running or self.queue.waiting or self.shells.sessions:  # (queued apps: work to come)
+            return 0.0
+        if not self.contacted and time.time() - self.started < max(self.args.idle_timeout, CONTACT_GRACE_S):
             return 0.0
         return time.time() - max(self.last_request, self.procs.last_change)
 
@@ -621,8 +626,7 @@ class Agent:
                 log.info("%s", why)
                 self.stop(why)
                 return
-            waits = checked_lately or (not self.contacted and now - self.started < max(limit, CONTACT_GRACE_S))
-            if limit > 0 and self.idle_seconds() > limit and now >= next_pool_check and not waits:
+            if limit > 0 and self.idle_seconds() > limit and now >= next_pool_check and not checked_lately:
                 pool_idle = self.pool_idle_seconds()  # reads every host's file: not every beat
                 if pool_idle > limit:
                     log.info("pool idle for %.0f s: shutting down", pool_idle)
