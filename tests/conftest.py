@@ -164,12 +164,16 @@ def process_alive(pid: int) -> bool:
 
 
 def wait_for(pred, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
+    """Polls ``pred`` until it is true. A predicate that runs a CLI (a process start: about 0.6 s of
+    CPU) waits as long again as it took before the next try: half a core spent polling, not a whole
+    one taken from the pools under test (the tests run two at a time on two cores)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
+        started = time.monotonic()
         v = pred()
         if v:
             return v
-        time.sleep(interval)
+        time.sleep(max(interval, time.monotonic() - started))
     raise AssertionError(f"timed out waiting for {what}")
 
 
