@@ -40,9 +40,10 @@ test-fast: setup
 
 # The tests that meet TorchX's own API (schedulers, CLI, Runner, components, dry-runs, the README)
 # on the other TorchX line, torchx 0.7.0, in a venv of its own. FULL=1: the whole suite there. The
-# README's SLURM and Kubernetes blocks meet TorchX as its local block does: they run on the main line.
+# README's SLURM and Kubernetes blocks meet TorchX as its local block does: they run on the main line,
+# and so do submitit's tests (submitit's API, not TorchX's).
 TORCHX07_TESTS := tests/test_local_runner.py tests/test_cli.py tests/test_launch_specs.py tests/test_docs.py \
-	tests/test_dryrun.py tests/test_readme.py tests/test_submitit.py tests/test_torchrun.py tests/test_first_contact.py \
+	tests/test_dryrun.py tests/test_readme.py tests/test_torchrun.py tests/test_first_contact.py \
 	--deselect tests/test_readme.py::test_the_readmes_slurm_block_runs_as_written_on_the_lab \
 	--deselect tests/test_readme.py::test_the_readmes_kubernetes_block_runs_as_written_on_the_emulated_cluster
 # Two at a time, then the `serial` ones alone, as test-integration runs them.
