@@ -16,27 +16,39 @@ $(STAMP): pyproject.toml compat/torchx07/pyproject.toml scripts/setup.sh
 demo: setup
 	$(BIN)/python examples/demo.py
 
-# The whole suite: the lint, then the fast lane (seconds: a broken codec or layer shows first),
-# then every test that starts pools. Each test runs once.
-test: lint test-fast test-integration
+# The whole suite, as CI runs it: the lint, then the fast lane (seconds: a broken codec or layer shows
+# first), then every test that starts pools on torchx-nightly, and the TorchX-facing tests on torchx
+# 0.7.0 (a second venv, made meanwhile). The 0.7 lane's parallel part runs one at a time beside the
+# `serial` tests, which wait on SLURM's clocks more than they compute; its own serial tests run last.
+# Each test runs once per line; every part runs, and any failing fails the target.
+test: lint test-fast
+	@$(MAKE) --no-print-directory setup VENV=.venv-torchx07 TORCHX_LINE=0.7.0 > $(T07_LOG).setup 2>&1 & s=$$!; \
+	$(COMPILE); $(PARALLEL); a=$$?; \
+	wait $$s || { cat $(T07_LOG).setup; exit 1; }; \
+	echo "(the torchx 0.7.0 lane runs beside the serial tests: its output follows theirs)"; \
+	nice -n 5 $(T07) -m "not serial" -p no:xdist > $(T07_LOG) 2>&1 & t=$$!; \
+	$(SERIAL); b=$$?; wait $$t; c=$$?; cat $(T07_LOG); \
+	$(T07) -m serial -p no:xdist; d=$$?; exit $$((a || b || c || d))
 
-# ruff (lint and format, one line length) and mypy, as configured in pyproject.toml
-lint: setup
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
-	$(BIN)/mypy
-
+# this machine sets PYTHONDONTWRITEBYTECODE: without bytecode on disk, every agent, CLI and proc of the
+# tests compiles this package's modules again (about 0.1 s of CPU each, thousands of times)
+COMPILE = $(BIN)/python -m compileall -q -j 0 monarch_torchx tests compat > /dev/null
 # Two at a time (xdist), as the tests wait on pools and agents more than they compute (a module with a
 # module-wide pool stays on one worker: xdist_group); then, alone, the `serial` ones (tests/conftest.py).
-# Both parts run; either failing fails the target. Each names its 15 slowest tests (where CI time goes).
+# Each names its 15 slowest tests (where CI time goes).
+PARALLEL = $(BIN)/python -m pytest -q -m "integration and not serial" -n 2 --dist loadgroup --durations=15
+SERIAL = $(BIN)/python -m pytest -q -m "integration and serial" -p no:xdist --durations=15
+T07 = .venv-torchx07/bin/python -m pytest -q $(if $(FULL),,$(TORCHX07_TESTS))
+T07_LOG = .venv-torchx07.log
+
+# every integration test on torchx-nightly (no lint, no fast lane, no 0.7 lane); both parts run
 test-integration: setup
-	$(BIN)/python -m pytest -q -m "integration and not serial" -n 2 --dist loadgroup --durations=15; a=$$?; \
-	$(BIN)/python -m pytest -q -m "integration and serial" -p no:xdist --durations=15; b=$$?; exit $$((a || b))
+	$(COMPILE); $(PARALLEL); a=$$?; $(SERIAL); b=$$?; exit $$((a || b))
 
 # The fast lane: what needs no pool, agent, proc, CLI subprocess, SLURM lab or FUSE (tests/unit/ and the
 # pure modules), in well under a minute. `make test` still runs everything.
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not integration" -p no:cacheprovider
+	$(COMPILE); $(BIN)/python -m pytest -q -m "not integration" -p no:cacheprovider
 
 # The tests that meet TorchX's own API (schedulers, CLI, Runner, components, dry-runs, the README)
 # on the other TorchX line, torchx 0.7.0, in a venv of its own. FULL=1: the whole suite there. The
@@ -49,8 +61,7 @@ TORCHX07_TESTS := tests/test_local_runner.py tests/test_cli.py tests/test_launch
 # Two at a time, then the `serial` ones alone, as test-integration runs them.
 test-torchx07:
 	$(MAKE) setup VENV=.venv-torchx07 TORCHX_LINE=0.7.0
-	.venv-torchx07/bin/python -m pytest -q -m "not serial" -n 2 --dist loadgroup $(if $(FULL),,$(TORCHX07_TESTS)); a=$$?; \
-	.venv-torchx07/bin/python -m pytest -q -m serial -p no:xdist $(if $(FULL),,$(TORCHX07_TESTS)); b=$$?; exit $$((a || b))
+	$(COMPILE); $(T07) -m "not serial" -n 2 --dist loadgroup; a=$$?; $(T07) -m serial -p no:xdist; b=$$?; exit $$((a || b))
 
 bench: setup
 	$(BIN)/python benchmarks/warm_relaunch.py
