@@ -577,17 +577,8 @@ def test_a_pod_ready_before_its_peers_does_not_end_the_pool_while_the_run_waits_
     let_go = threading.Timer(6.0, cluster.held_pods.discard, args=(held,))
     let_go.start()
     try:
-        res = torchx(
-            home,
-            "pool",
-            "create",
-            pool_name,
-            "-s",
-            S,
-            "-cfg",
-            f"replicas=2,port={_free_port()},preload=none,idle_timeout=2s",
-            check=False,
-        )
+        cfg = f"replicas=2,port={_free_port()},preload=none,idle_timeout=2s"
+        res = torchx(home, "pool", "create", pool_name, "-s", S, "-cfg", cfg, check=False)
     finally:
         let_go.cancel()
         cluster.held_pods.discard(held)
