@@ -20,9 +20,10 @@ demo: setup
 # first), then every test that starts pools on torchx-nightly, and the TorchX-facing tests on torchx
 # 0.7.0 (a second venv, made meanwhile). The 0.7 lane's parallel part runs one at a time beside the
 # `serial` tests, which wait on SLURM's clocks more than they compute; its own serial tests run last.
-# Each test runs once per line; every part runs, and any failing fails the target.
+# Each test runs once per line; every part runs, and any failing fails the target. (`make`, not
+# `$(MAKE)`, for the venv: make runs a line naming $(MAKE) even under -n, and this line is the suite.)
 test: lint test-fast
-	@$(MAKE) --no-print-directory setup VENV=.venv-torchx07 TORCHX_LINE=0.7.0 > $(T07_LOG).setup 2>&1 & s=$$!; \
+	@make --no-print-directory setup VENV=.venv-torchx07 TORCHX_LINE=0.7.0 > $(T07_LOG).setup 2>&1 & s=$$!; \
 	$(COMPILE); $(PARALLEL); a=$$?; \
 	wait $$s || { cat $(T07_LOG).setup; exit 1; }; \
 	echo "(the torchx 0.7.0 lane runs beside the serial tests: its output follows theirs)"; \
