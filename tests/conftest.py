@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -163,17 +164,23 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+def _children_cpu() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
 def wait_for(pred, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
-    """Polls ``pred`` until it is true. A predicate that runs a CLI (a process start: about 0.6 s of
-    CPU) waits as long again as it took before the next try: half a core spent polling, not a whole
-    one taken from the pools under test (the tests run two at a time on two cores)."""
+    """Polls ``pred`` until it is true. A predicate that runs a CLI (a process start: about 0.5 s of
+    CPU) waits as long as that process computed before the next try: half a core spent polling, not
+    a whole one taken from the pools under test (the tests run two at a time on two cores). One that
+    only waits (a pipe's next line) tries again at once: it costs nothing, and what it reads counts."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        started = time.monotonic()
+        spent = _children_cpu()
         v = pred()
         if v:
             return v
-        time.sleep(max(interval, time.monotonic() - started))
+        time.sleep(max(interval, _children_cpu() - spent))
     raise AssertionError(f"timed out waiting for {what}")
 
 
