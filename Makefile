@@ -18,18 +18,20 @@ demo: setup
 
 # The whole suite, as CI runs it: the lint, then the fast lane (seconds: a broken codec or layer shows
 # first), then every test that starts pools on torchx-nightly, and the TorchX-facing tests on torchx
-# 0.7.0 (a second venv, made meanwhile). The 0.7 lane's parallel part runs one at a time beside the
-# `serial` tests, which wait on SLURM's clocks more than they compute; its own serial tests run last.
+# 0.7.0 (a second venv, made meanwhile). The `serial` tests that time a signal or load the machine run
+# alone; then the 0.7 lane's parallel part runs one at a time beside the SLURM lab's tests, which wait
+# on SLURM's clocks more than they compute; the 0.7 lane's own serial tests run last.
 # Each test runs once per line; every part runs, and any failing fails the target. (`make`, not
 # `$(MAKE)`, for the venv: make runs a line naming $(MAKE) even under -n, and this line is the suite.)
 test: lint test-fast
 	@make --no-print-directory setup VENV=.venv-torchx07 TORCHX_LINE=0.7.0 > $(T07_LOG).setup 2>&1 & s=$$!; \
 	$(COMPILE); $(PARALLEL); a=$$?; \
+	$(SERIAL_ALONE); e=$$?; \
 	wait $$s || { cat $(T07_LOG).setup; exit 1; }; \
-	echo "(the torchx 0.7.0 lane runs beside the serial tests: its output follows theirs)"; \
+	echo "(the torchx 0.7.0 lane runs beside the SLURM lab's tests: its output follows theirs)"; \
 	nice -n 5 $(T07) -m "not serial" -p no:xdist > $(T07_LOG) 2>&1 & t=$$!; \
-	$(SERIAL); b=$$?; wait $$t; c=$$?; cat $(T07_LOG); \
-	$(T07) -m serial -p no:xdist; d=$$?; exit $$((a || b || c || d))
+	$(SERIAL_LAB); b=$$?; wait $$t; c=$$?; cat $(T07_LOG); \
+	$(T07) -m serial -p no:xdist; d=$$?; exit $$((a || b || c || d || e))
 
 # this machine sets PYTHONDONTWRITEBYTECODE: without bytecode on disk, every agent, CLI and proc of the
 # tests compiles this package's modules again (about 0.1 s of CPU each, thousands of times)
@@ -39,6 +41,8 @@ COMPILE = $(BIN)/python -m compileall -q -j 0 monarch_torchx tests compat > /dev
 # Each names its 15 slowest tests (where CI time goes).
 PARALLEL = $(BIN)/python -m pytest -q -m "integration and not serial" -n 2 --dist loadgroup --durations=15
 SERIAL = $(BIN)/python -m pytest -q -m "integration and serial" -p no:xdist --durations=15
+SERIAL_ALONE = $(BIN)/python -m pytest -q -m "integration and serial and not slurm_lab" -p no:xdist --durations=15
+SERIAL_LAB = $(BIN)/python -m pytest -q -m "integration and slurm_lab" -p no:xdist --durations=15
 T07 = .venv-torchx07/bin/python -m pytest -q $(if $(FULL),,$(TORCHX07_TESTS))
 T07_LOG = .venv-torchx07.log
 

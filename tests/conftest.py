@@ -88,6 +88,7 @@ def pytest_configure(config):
     # (pytest-xdist registers it too; this keeps it known where the tests run without xdist)
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one xdist worker, in one group")
     config.addinivalue_line("markers", "serial: runs alone, after the tests that run two at a time (Makefile)")
+    config.addinivalue_line("markers", "slurm_lab: uses the SLURM lab (serial too; set from the fixture)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -98,6 +99,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slurm_lab" in item.fixturenames:
             item.add_marker(pytest.mark.serial)
+            item.add_marker(pytest.mark.slurm_lab)  # (`make test` runs these beside the torchx 0.7 lane)
 
 
 @pytest.fixture(scope="session", autouse=True)
