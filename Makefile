@@ -25,7 +25,7 @@ demo: setup
 # `$(MAKE)`, for the venv: make runs a line naming $(MAKE) even under -n, and this line is the suite.)
 test: lint test-fast
 	@make --no-print-directory setup VENV=.venv-torchx07 TORCHX_LINE=0.7.0 > $(T07_LOG).setup 2>&1 & s=$$!; \
-	$(COMPILE); $(PARALLEL); a=$$?; \
+	$(PARALLEL); a=$$?; \
 	$(SERIAL_ALONE); e=$$?; \
 	wait $$s || { cat $(T07_LOG).setup; exit 1; }; \
 	echo "(the torchx 0.7.0 lane runs beside the SLURM lab's tests: its output follows theirs)"; \
@@ -34,7 +34,8 @@ test: lint test-fast
 	$(T07) -m serial -p no:xdist; d=$$?; exit $$((a || b || c || d || e))
 
 # this machine sets PYTHONDONTWRITEBYTECODE: without bytecode on disk, every agent, CLI and proc of the
-# tests compiles this package's modules again (about 0.1 s of CPU each, thousands of times)
+# tests compiles this package's modules again (about 0.1 s of CPU each, thousands of times); each test
+# target compiles first (`test` through its `test-fast`)
 COMPILE = $(BIN)/python -m compileall -q -j 0 monarch_torchx tests compat > /dev/null
 # Two at a time (xdist), as the tests wait on pools and agents more than they compute (a module with a
 # module-wide pool stays on one worker: xdist_group); then, alone, the `serial` ones (tests/conftest.py).
